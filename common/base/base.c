@@ -1,0 +1,72 @@
+#include "base.h"
+
+#include <stdatomic.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+const char *td_status_str(td_status st) {
+    switch (st) {
+    case TD_OK: return "ok";
+    case TD_ERR_INVALID: return "invalid argument";
+    case TD_ERR_NOMEM: return "out of memory";
+    case TD_ERR_IO: return "I/O error";
+    case TD_ERR_FORMAT: return "malformed input";
+    case TD_ERR_UNSUPPORTED: return "unsupported";
+    case TD_ERR_NOT_FOUND: return "not found";
+    case TD_ERR_RANGE: return "out of range";
+    case TD_ERR_INTERNAL: return "internal error";
+    case TD_AGAIN: return "try again";
+    case TD_NO_KV_BLOCK: return "no free KV block";
+    default: return "unknown status";
+    }
+}
+
+static _Atomic int g_log_level = -1;
+
+static td_log_level level_from_env(void) {
+    const char *s = getenv("TD_LOG_LEVEL");
+    if (!s) return TD_LOG_INFO;
+    static const char *names[] = {"debug", "info", "warn", "error", "none"};
+    for (int i = 0; i < (int)TD_ARRAY_SIZE(names); i++)
+        if (strcasecmp(s, names[i]) == 0) return (td_log_level)i;
+    return TD_LOG_INFO;
+}
+
+void td_log_set_level(td_log_level level) { atomic_store(&g_log_level, (int)level); }
+
+td_log_level td_log_get_level(void) {
+    int l = atomic_load(&g_log_level);
+    if (l < 0) {
+        l = (int)level_from_env();
+        atomic_store(&g_log_level, l);
+    }
+    return (td_log_level)l;
+}
+
+void td_log(td_log_level level, const char *func, const char *fmt, ...) {
+    if (level < td_log_get_level()) return;
+    static const char tags[] = "DIWE";
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    size_t n = strlen(msg);
+    while (n > 0 && msg[n - 1] == '\n') msg[--n] = '\0';
+    fprintf(stderr, "%c %s: %s\n", tags[level < 4 ? level : 3], func, msg);
+}
+
+void td_abort(const char *file, int line, const char *msg) {
+    fprintf(stderr, "%s:%d: TD_ASSERT(%s) failed\n", file, line, msg);
+    fflush(stderr);
+    abort();
+}
+
+uint64_t td_time_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+double td_time_s(void) { return (double)td_time_ns() * 1e-9; }

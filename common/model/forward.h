@@ -1,0 +1,57 @@
+/* The forward pass: one call runs a batch of sequences of different lengths
+ * that mixes prefill chunks and single decode tokens, over the paged KV cache.
+ *
+ * For each sequence the chunk's K/V are written into its blocks first, then
+ * attention reads K/V for positions [0, pos0 + n_tokens) back from the cache
+ * (never from the chunk's in-flight values), so a sequence's logits are
+ * bit-identical whatever the batch composition, the chunk boundaries, a
+ * prefix-cache hit, a recompute, or the thread count.
+ *
+ * Not thread-safe: one caller (the instance's scheduler thread) at a time. */
+#ifndef TD_FORWARD_H
+#define TD_FORWARD_H
+
+#include <stdbool.h>
+
+#include "../base/threadpool.h"
+#include "../kv/kv.h"
+#include "../parallel/comm.h"
+#include "model.h"
+
+typedef struct {
+    const int32_t *tokens;      /* (n_tokens) ids of this chunk */
+    int32_t n_tokens;           /* >= 1 */
+    int32_t pos0;               /* position of tokens[0]; KV of [0, pos0) is already cached */
+    const int32_t *block_table; /* block ids covering positions [0, pos0 + n_tokens) */
+    int32_t n_blocks;
+    bool logits_all; /* logits for every token of the chunk, else the last only */
+    bool no_logits;  /* no logits at all (a non-final prefill chunk) */
+} td_seq_chunk;
+
+typedef struct td_engine td_engine;
+
+typedef struct {
+    int32_t max_batch_tokens; /* most tokens one forward call may carry (default 2048) */
+    int32_t max_seqs;         /* most sequences per call (default 256) */
+    int32_t max_ctx;          /* longest sequence (default: min(n_ctx_train, 8192)) */
+} td_engine_params;
+
+td_engine_params td_engine_default_params(void);
+
+/* The engine borrows m, kv, tp and comm (they must outlive it) and allocates
+ * its scratch once. Free with td_engine_destroy(). */
+td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp, td_comm *comm,
+                           const td_engine_params *p, td_engine **e_p);
+void td_engine_destroy(td_engine *e); /* accepts NULL */
+
+/* Rows of logits the call will produce for this batch. */
+int32_t td_engine_n_logit_rows(const td_seq_chunk *seqs, int32_t n_seqs);
+
+/* Runs the batch. logits: (td_engine_n_logit_rows, n_vocab), rows in the
+ * order of seqs (every token of a logits_all chunk, else its last token,
+ * none for no_logits chunks). TD_ERR_INVALID for a batch that breaks the
+ * limits (too many tokens, a block table too short, a position past max_ctx,
+ * a token id out of the vocabulary). */
+td_status td_engine_forward(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs, float *logits);
+
+#endif

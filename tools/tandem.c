@@ -1,0 +1,35 @@
+/* The tandem CLI: one binary, one subcommand per job. */
+#include <stdio.h>
+#include <string.h>
+
+#include "tools.h"
+
+static const struct {
+    const char *name;
+    int (*fn)(int argc, char **argv);
+    const char *help;
+} k_cmds[] = {
+    {"generate", td_cmd_generate, "generate text from a prompt or a chat message"},
+    {"bench-engine", td_cmd_bench_engine,
+     "measure prompt and generation speed (llama-bench style)"},
+    {"eval", td_cmd_eval, "dump logits for token sequences (used by the numerics tests)"},
+};
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: tandem COMMAND [options]\n\ncommands:\n");
+    for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++)
+        fprintf(f, "  %-14s %s\n", k_cmds[i].name, k_cmds[i].help);
+    fprintf(f, "\n'tandem COMMAND --help' describes each command's options.\n");
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
+        usage(argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++)
+        if (strcmp(argv[1], k_cmds[i].name) == 0) return k_cmds[i].fn(argc - 1, argv + 1);
+    fprintf(stderr, "tandem: unknown command '%s'\n", argv[1]);
+    usage(stderr);
+    return 2;
+}

@@ -1,0 +1,16 @@
+/* Subcommands of the tandem CLI. Each takes argv starting at its own name
+ * and returns the process exit status (0 ok, 1 runtime error, 2 usage). */
+#ifndef TD_TOOLS_H
+#define TD_TOOLS_H
+
+int td_cmd_generate(int argc, char **argv);
+int td_cmd_bench_engine(int argc, char **argv);
+int td_cmd_eval(int argc, char **argv);
+
+/* Path of the default model (SmolLM2-135M-Instruct Q4_1 in the cache
+ * directory the setup script fills): $TANDEM_MODEL, else
+ * $XDG_CACHE_HOME/tandem/models/..., else ~/.cache/tandem/models/....
+ * Returns a static buffer. */
+const char *td_default_model_path(void);
+
+#endif
