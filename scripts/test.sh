@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The whole test suite, installs included: what CI runs (.ci/run).
+#   1. setup (Debian packages, Python test packages, default model)
+#   2. format check
+#   3. release build (warnings are errors), every test
+#   4. sanitizer build (address,undefined), unit + integration tests
+#   5. libFuzzer build, each fuzzer for a bounded time
+# TD_TEST_QUICK=1 skips steps 4 and 5 (for a quick local run, never in CI).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+jobs=$(nproc)
+
+step() { printf '\n=== %s ===\n' "$*"; }
+
+step setup
+scripts/setup.sh
+
+step format
+scripts/check-format.sh
+
+ctest_args=(--output-on-failure --timeout 1200 -j "$jobs")
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  ctest_args+=(-LE gpu)
+fi
+
+step "release build + all tests"
+scripts/build.sh build
+(cd build && ctest "${ctest_args[@]}" -LE fuzz)
+
+if [ "${TD_TEST_QUICK:-0}" != 1 ]; then
+  step "sanitizer build (address,undefined) + unit and integration tests"
+  scripts/build.sh build-asan -DCMAKE_BUILD_TYPE=Debug -DTD_SANITIZE=address,undefined
+  (cd build-asan && UCX_MEM_MALLOC_HOOKS=no ASAN_OPTIONS=detect_leaks=1 \
+    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ctest "${ctest_args[@]}" -L 'unit|integration' -LE model)
+
+  step "fuzzers (libFuzzer + address,undefined, ${TD_FUZZ_SECONDS:-60}s each)"
+  CC=clang CXX=clang++ scripts/build.sh build-fuzz -DTD_FUZZ=ON -DTD_SANITIZE=address,undefined \
+    -DTD_FUZZ_SECONDS="${TD_FUZZ_SECONDS:-60}" -DTD_CUDA=OFF
+  (cd build-fuzz && ctest --output-on-failure -L fuzz)
+fi
+echo "tests: all steps passed"
