@@ -1,0 +1,50 @@
+/* Shared set-up for the CLI commands that run the engine in-process
+ * (generate, bench-engine, eval): selects the kernel ISA, creates the
+ * thread pool, loads the model (whole model, single rank), sizes the KV
+ * pool, and creates the comm and the engine.
+ *
+ * Not thread-safe; one runtime per process is the expected use. */
+#ifndef TD_TOOLS_RUNTIME_H
+#define TD_TOOLS_RUNTIME_H
+
+#include "../common/base/threadpool.h"
+#include "../common/kv/kv.h"
+#include "../common/model/forward.h"
+#include "../common/model/model.h"
+#include "../common/parallel/comm.h"
+
+typedef struct {
+    const char *model_path;   /* NULL: td_default_model_path() */
+    int n_threads;            /* <= 0: every online core */
+    const char *isa_name;     /* NULL: best this CPU runs; else "scalar" | "avx2" | "avx512" */
+    int32_t ctx_len;          /* tokens of KV per sequence; <= 0: min(n_ctx_train, 4096) */
+    int32_t n_seqs;           /* sequences that may hold ctx_len tokens at once (default 1) */
+    int32_t max_batch_tokens; /* most tokens per forward call; <= 0: 512 */
+    bool quiet;               /* do not print the ISA / model summary on stderr */
+} td_runtime_params;
+
+typedef struct {
+    td_threadpool *tp;
+    td_model *model;
+    td_kv_pool *kv;
+    td_comm *comm;
+    td_engine *engine;
+    const td_model_config *cfg; /* borrowed from model */
+    const td_tokenizer *tok;    /* borrowed from model */
+    td_isa isa;                 /* the selected kernel set */
+    int32_t ctx_len;            /* effective tokens per sequence */
+    int32_t block_size;         /* KV block size (tokens) */
+} td_runtime;
+
+td_runtime_params td_runtime_default_params(void);
+
+/* Brings everything up; on failure logs one line (where the error is first
+ * understood) and returns its status, leaving nothing allocated.
+ * Prints "isa: NAME" on stderr unless p->quiet. Free with td_runtime_close(). */
+td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p);
+void td_runtime_close(td_runtime *rt); /* accepts NULL */
+
+/* Blocks needed for n tokens. */
+int32_t td_runtime_blocks_for(const td_runtime *rt, int32_t n_tokens);
+
+#endif
