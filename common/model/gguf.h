@@ -56,12 +56,20 @@ void td_gguf_close(td_gguf *g); /* accepts NULL */
 
 const char *td_gguf_path(const td_gguf *g);
 uint32_t td_gguf_version(const td_gguf *g);
+/* general.alignment (a power of two, default 32): tensor data offsets are
+ * multiples of it, relative to the data section, which starts at a multiple
+ * of it. */
+size_t td_gguf_alignment(const td_gguf *g);
+
+/* Block geometry of a GGUF tensor type id (ggml's block structs): elements
+ * per block and bytes per block. False for unknown or removed ids. Pure. */
+bool td_gguf_type_info(int type, int *block_elems_p, size_t *block_bytes_p);
 
 /* ---- metadata ---- */
 int64_t td_gguf_n_kv(const td_gguf *g);
 int64_t td_gguf_find_key(const td_gguf *g, const char *key); /* -1 if absent */
-const char *td_gguf_key_name(const td_gguf *g, int64_t i);
-td_gguf_type td_gguf_kv_type(const td_gguf *g, int64_t i);
+const char *td_gguf_key_name(const td_gguf *g, int64_t i);   /* NULL if i out of range */
+td_gguf_type td_gguf_kv_type(const td_gguf *g, int64_t i);   /* (td_gguf_type)-1 if out of range */
 
 /* Typed getters by key. Return TD_OK, TD_ERR_NOT_FOUND if the key is
  * absent, TD_ERR_FORMAT if the value has an incompatible type or does not
@@ -72,20 +80,25 @@ td_status td_gguf_get_i64(const td_gguf *g, const char *key, int64_t *v_p);
 td_status td_gguf_get_f32(const td_gguf *g, const char *key, float *v_p);
 td_status td_gguf_get_bool(const td_gguf *g, const char *key, bool *v_p);
 td_status td_gguf_get_str(const td_gguf *g, const char *key, const char **s_p);
+/* As get_str, also giving the length in bytes (the value may contain NULs). */
+td_status td_gguf_get_str_len(const td_gguf *g, const char *key, const char **s_p, size_t *len_p);
 
 /* Arrays: element type and count. For numeric arrays *data_p points at the
- * raw little-endian elements inside the mapping (validated); for string
- * arrays use td_gguf_get_arr_str. */
+ * raw little-endian elements inside the mapping (validated, not necessarily
+ * aligned for the element type: copy with memcpy); for string arrays *data_p
+ * is NULL, use td_gguf_get_arr_str. Arrays of arrays are validated at open
+ * time but not exposed: TD_ERR_UNSUPPORTED. Any output pointer may be NULL. */
 td_status td_gguf_get_arr(const td_gguf *g, const char *key, td_gguf_type *elem_type_p,
                           uint64_t *n_p, const void **data_p);
 /* String element i of a string array; *s_p NUL-terminated, *len_p its
- * length in bytes (strings may contain NUL bytes). */
+ * length in bytes (strings may contain NUL bytes). TD_ERR_RANGE if i >= n,
+ * TD_ERR_FORMAT if the key is not an array of strings. len_p may be NULL. */
 td_status td_gguf_get_arr_str(const td_gguf *g, const char *key, uint64_t i, const char **s_p,
                               size_t *len_p);
 
 /* ---- tensors ---- */
 int64_t td_gguf_n_tensors(const td_gguf *g);
-const td_gguf_tensor *td_gguf_tensor_at(const td_gguf *g, int64_t i);
+const td_gguf_tensor *td_gguf_tensor_at(const td_gguf *g, int64_t i); /* NULL if out of range */
 const td_gguf_tensor *td_gguf_find_tensor(const td_gguf *g, const char *name); /* NULL if absent */
 
 #endif
