@@ -1,0 +1,522 @@
+#!/usr/bin/env python3
+"""Generate tiny random Llama-family test models (GGUF and HF safetensors).
+
+    make_models.py --out DIR [--force]
+
+Writes, deterministically (fixed seeds) and in a few seconds:
+  DIR/gguf/<arch>-<wtype>.gguf     every architecture x F32 F16 BF16 Q8_0 Q4_0 Q4_1 MIXED
+  DIR/hf/<arch>-<dtype>/           every architecture x F32 F16 BF16 (config.json,
+                                   model.safetensors, tokenizer.json, tokenizer_config.json)
+  DIR/hf/<arch>-<dtype>-sharded/   one sharded directory (index.json + 2 shards)
+  DIR/models.json                  the manifest (see MANIFEST below)
+  DIR/.stamp                       VERSION; when it matches, nothing is regenerated
+
+All files of one architecture hold the same underlying weights (seeded by the
+architecture name), converted the way the real tools convert them:
+  * HF safetensors: HF tensor names, Q/K rows in HF order (RoPE rotates the
+    two halves of each head: NeoX style "rotate_half").
+  * GGUF "llama": Q/K rows permuted exactly as convert_hf_to_gguf.py's
+    LlamaModel.permute does, so that llama.cpp's NORM RoPE (adjacent pairs)
+    computes the same function.  GGUF "qwen2": not permuted (NeoX RoPE).
+  * Llama-3 RoPE scaling: config.json carries rope_scaling {rope_type llama3,
+    factor, low_freq_factor, high_freq_factor, original_max_position_embeddings};
+    GGUF carries the per-frequency factors as the F32 tensor rope_freqs.weight
+    (n_rot/2 values; the angle of pair i is pos * theta^(-2i/n_rot) / rope_freqs[i]),
+    as convert_hf_to_gguf.py writes for Llama 3.1+ (no scaling metadata keys).
+  * 1-D tensors (norms, biases, rope_freqs) stay F32 in every GGUF file, as
+    llama.cpp's converter and quantizer keep them.
+  * MIXED mirrors the default model's file: Q4_1 layer matrices, Q8_0
+    token_embd (and output when untied), F32 norms.
+  * Tokenizer: one small byte-level BPE (vocab 512: 3 special tokens, 256
+    byte tokens, 253 merges) trained with the `tokenizers` package; written as
+    tokenizer.json in HF dirs and as tokenizer.ggml.* (model gpt2, pre
+    "default") in GGUF files.
+
+The output head is scaled (output_scale) so that logits are peaked: at random
+positions the top-1/top-2 logit margin is typically > 1.
+
+MANIFEST (models.json): {"version": VERSION, "models": [entry...]}, entry =
+  name, path (relative to DIR), format ("gguf"|"hf"), arch ("llama"|"qwen2"),
+  variant (llama2, llama3, mistral, qwen2, smollm2, tinyllama), wtype (F32 F16
+  BF16 Q8_0 Q4_0 Q4_1 MIXED), tensor_types ({tensor role: type}), tol_class
+  ("f32"|"f16"|"bf16"|"q8"|"q4"), sharded, tied, config {n_vocab n_embd
+  n_layer n_head n_head_kv head_dim n_ff n_ctx_train rope_theta rms_eps
+  rope_mode ("norm"|"neox": the convention of THIS file) rope_scaling (null or
+  {type factor low_freq_factor high_freq_factor original_ctx}) qkv_bias bos
+  eos}.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+VERSION = "tandem-test-models-v3"
+
+N_VOCAB = 512
+N_CTX = 256
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+BOS_ID = 1  # as SmolLM2: <|im_start|>
+EOS_ID = 2  # <|im_end|>
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Architecture variants. head_dim * n_head == n_embd for all (as in the real
+# models); every row length is a multiple of 32 (quant block size).
+VARIANTS = {
+    # Llama-2 style: multi-head attention (n_head_kv == n_head), separate head.
+    "llama2": dict(arch="llama", hf_arch="LlamaForCausalLM", n_embd=64, n_head=4,
+                   n_head_kv=4, n_ff=192, n_layer=2, rope_theta=10000.0, rms_eps=1e-5,
+                   tied=False, rope_scaling=None),
+    # Llama-3.2 style: GQA 2:1, tied head, llama3 RoPE scaling.  original_ctx
+    # is small so that the three frequency bands (kept, smoothed, divided by
+    # factor) all occur at head_dim 32.
+    "llama3": dict(arch="llama", hf_arch="LlamaForCausalLM", n_embd=128, n_head=4,
+                   n_head_kv=2, n_ff=256, n_layer=2, rope_theta=500000.0, rms_eps=1e-5,
+                   tied=True,
+                   rope_scaling=dict(type="llama3", factor=8.0, low_freq_factor=1.0,
+                                     high_freq_factor=4.0, original_ctx=64)),
+    # Mistral: llama arch, multi-query (n_head_kv 1), separate head.
+    "mistral": dict(arch="llama", hf_arch="MistralForCausalLM", n_embd=64, n_head=4,
+                    n_head_kv=1, n_ff=192, n_layer=2, rope_theta=1000000.0, rms_eps=1e-5,
+                    tied=False, rope_scaling=None),
+    # Qwen2: QKV bias, NeoX RoPE, tied head.
+    "qwen2": dict(arch="qwen2", hf_arch="Qwen2ForCausalLM", n_embd=64, n_head=4,
+                  n_head_kv=2, n_ff=192, n_layer=2, rope_theta=1000000.0, rms_eps=1e-6,
+                  tied=True, rope_scaling=None),
+    # SmolLM2: llama arch, GQA 3:1 (9:3 in the real one), tied head, 3 layers.
+    "smollm2": dict(arch="llama", hf_arch="LlamaForCausalLM", n_embd=96, n_head=6,
+                    n_head_kv=2, n_ff=256, n_layer=3, rope_theta=100000.0, rms_eps=1e-5,
+                    tied=True, rope_scaling=None),
+    # TinyLlama: GQA 4:1 (32:4 in the real one), separate head.
+    "tinyllama": dict(arch="llama", hf_arch="LlamaForCausalLM", n_embd=128, n_head=8,
+                      n_head_kv=2, n_ff=256, n_layer=2, rope_theta=10000.0, rms_eps=1e-5,
+                      tied=False, rope_scaling=None),
+}
+
+GGUF_WTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "MIXED"]
+HF_DTYPES = ["F32", "F16", "BF16"]
+SHARDED = ("tinyllama", "BF16")  # the one sharded HF directory
+
+TOL_CLASS = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8", "Q4_0": "q4",
+             "Q4_1": "q4", "MIXED": "q4"}
+
+# Logit scale: the final RMSNorm output has unit RMS, the head rows have unit
+# RMS after scaling by 1/sqrt(n_embd), so logits would be ~N(0, 1); this factor
+# makes the top-1/top-2 margin typically > 1 (see tests/reference self-check).
+OUTPUT_SCALE = 6.0
+
+
+# ----------------------------------------------------------------------------
+# Tokenizer
+
+
+def _corpus():
+    """Deterministic training text: fixed sentences plus seeded pseudo-words."""
+    base = (
+        "The quick brown fox jumps over the lazy dog. What is the capital of France? "
+        "Paris is the capital of France. Hello, world! It's 2024 and we've got 12345 "
+        "tokens; don't they'll re-use them? Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. "
+        "    indented   code() { return x + y * 2; }\n\ttabs\nnew lines\n"
+        "caf\u00e9 na\u00efve \u00fcber \u65e5\u672c\u8a9e \U0001F600 emoji.\n"
+    )
+    rng = np.random.default_rng(12345)
+    syll = ["ka", "to", "ri", "an", "en", "th", "er", "in", "on", "st", "re", "ou", "ing",
+            "ed", "es", "al", "le", "de", "co", "pro", "ma", "ne", "si", "lu", "ve", "ol"]
+    words = []
+    for _ in range(4000):
+        n = int(rng.integers(1, 4))
+        w = "".join(syll[int(i)] for i in rng.integers(0, len(syll), n))
+        if rng.random() < 0.1:
+            w = w.capitalize()
+        if rng.random() < 0.05:
+            w += str(int(rng.integers(0, 1000)))
+        words.append(w)
+        if rng.random() < 0.08:
+            words.append(rng.choice([",", ".", "!", "?", ";"]))
+    return [base] * 20 + [" ".join(words[i:i + 40]) for i in range(0, len(words), 40)]
+
+
+def build_tokenizer():
+    """Returns (tokenizer.json text, tokens list, token types, merges list)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=N_VOCAB, min_frequency=1,
+                                  special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    if tok.get_vocab_size() != N_VOCAB:
+        raise SystemExit(f"make_models: tokenizer has {tok.get_vocab_size()} tokens, want {N_VOCAB}")
+    text = tok.to_str(pretty=False)
+    j = json.loads(text)
+    vocab = j["model"]["vocab"]
+    tokens = [None] * N_VOCAB
+    for s, i in vocab.items():
+        tokens[i] = s
+    for at in j.get("added_tokens", []):
+        tokens[at["id"]] = at["content"]
+    if any(t is None for t in tokens):
+        raise SystemExit("make_models: tokenizer vocabulary has holes")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in j["model"]["merges"]]
+    # llama.cpp token types: 1 normal, 3 control.
+    types = [3 if t in SPECIAL_TOKENS else 1 for t in tokens]
+    return text, tokens, types, merges
+
+
+# ----------------------------------------------------------------------------
+# Weights (HF layout, float32 master copy)
+
+
+def make_weights(variant, v):
+    """HF-named float32 weights for a variant, deterministic in its name."""
+    seed = sum(ord(c) * (i + 1) for i, c in enumerate(variant)) + 1000
+    rng = np.random.default_rng(seed)
+    E, H, KV, F, L = v["n_embd"], v["n_head"], v["n_head_kv"], v["n_ff"], v["n_layer"]
+    D = E // H
+
+    def mat(rows, cols, scale=1.0):
+        return (rng.standard_normal((rows, cols)) * (scale / np.sqrt(cols))).astype(np.float32)
+
+    def gain(n):
+        return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
+
+    w = {}
+    # Embedding rows ~ unit RMS; tied models read logits from it, so it must
+    # also serve as the (scaled) head: the scale goes on the final norm then.
+    w["model.embed_tokens.weight"] = rng.standard_normal((N_VOCAB, E)).astype(np.float32)
+    for l in range(L):
+        p = f"model.layers.{l}."
+        w[p + "input_layernorm.weight"] = gain(E)
+        # Q scaled up a little so attention is visibly non-uniform.
+        w[p + "self_attn.q_proj.weight"] = mat(H * D, E, 1.5)
+        w[p + "self_attn.k_proj.weight"] = mat(KV * D, E, 1.5)
+        w[p + "self_attn.v_proj.weight"] = mat(KV * D, E)
+        if v["arch"] == "qwen2":
+            w[p + "self_attn.q_proj.bias"] = (0.5 * rng.standard_normal(H * D)).astype(np.float32)
+            w[p + "self_attn.k_proj.bias"] = (0.5 * rng.standard_normal(KV * D)).astype(np.float32)
+            w[p + "self_attn.v_proj.bias"] = (0.5 * rng.standard_normal(KV * D)).astype(np.float32)
+        w[p + "self_attn.o_proj.weight"] = mat(E, H * D)
+        w[p + "post_attention_layernorm.weight"] = gain(E)
+        w[p + "mlp.gate_proj.weight"] = mat(F, E, 2.0)
+        w[p + "mlp.up_proj.weight"] = mat(F, E)
+        w[p + "mlp.down_proj.weight"] = mat(E, F)
+    if v["tied"]:
+        w["model.norm.weight"] = (gain(E) * OUTPUT_SCALE / np.sqrt(E)).astype(np.float32)
+    else:
+        w["model.norm.weight"] = gain(E)
+        w["lm_head.weight"] = mat(N_VOCAB, E, OUTPUT_SCALE)
+    return w
+
+
+def permute_qk(w, n_head):
+    """convert_hf_to_gguf.py's LlamaModel.permute: HF half-split rows of each
+    head -> interleaved pairs (row 2i = HF row i, row 2i+1 = HF row i + D/2)."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def llama3_rope_factors(v):
+    """Per-frequency divisors of Llama-3 scaling, as convert_hf_to_gguf.py
+    writes them to rope_freqs.weight."""
+    rs = v["rope_scaling"]
+    D = v["n_embd"] // v["n_head"]
+    freqs = 1.0 / (v["rope_theta"] ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    low_wl = rs["original_ctx"] / rs["low_freq_factor"]
+    high_wl = rs["original_ctx"] / rs["high_freq_factor"]
+    out = []
+    for f in freqs:
+        wl = 2 * np.pi / f
+        if wl < high_wl:
+            out.append(1.0)
+        elif wl > low_wl:
+            out.append(rs["factor"])
+        else:
+            s = (rs["original_ctx"] / wl - rs["low_freq_factor"]) / (
+                rs["high_freq_factor"] - rs["low_freq_factor"])
+            out.append(1.0 / ((1 - s) / rs["factor"] + s))
+    return np.array(out, dtype=np.float32)
+
+
+# ----------------------------------------------------------------------------
+# GGUF
+
+
+def _gguf_tensor(writer, name, arr, ttype):
+    import gguf
+    qt = gguf.GGMLQuantizationType[ttype]
+    if ttype == "F32":
+        writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    elif ttype == "F16":
+        writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float16))
+    else:
+        q = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qt)
+        writer.add_tensor(name, q, raw_dtype=qt)
+
+
+def write_gguf(path, variant, v, w, wtype, tok):
+    import gguf
+    _, tokens, types, merges = tok
+    arch = v["arch"]
+    E, H, KV, L = v["n_embd"], v["n_head"], v["n_head_kv"], v["n_layer"]
+    D = E // H
+    ftype = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+             "BF16": gguf.LlamaFileType.MOSTLY_BF16, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+             "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+             "MIXED": gguf.LlamaFileType.MOSTLY_Q4_1}[wtype]
+    mat_t = "Q4_1" if wtype == "MIXED" else wtype
+    embd_t = "Q8_0" if wtype == "MIXED" else wtype
+
+    wr = gguf.GGUFWriter(str(path), arch)
+    wr.add_name(f"tandem-test-{variant}-{wtype}")
+    wr.add_file_type(int(ftype))
+    wr.add_vocab_size(N_VOCAB)
+    wr.add_context_length(N_CTX)
+    wr.add_embedding_length(E)
+    wr.add_block_count(L)
+    wr.add_feed_forward_length(v["n_ff"])
+    wr.add_head_count(H)
+    wr.add_head_count_kv(KV)
+    wr.add_rope_dimension_count(D)
+    wr.add_rope_freq_base(v["rope_theta"])
+    wr.add_layer_norm_rms_eps(v["rms_eps"])
+    wr.add_tokenizer_model("gpt2")
+    wr.add_tokenizer_pre("default")
+    wr.add_token_list(tokens)
+    wr.add_token_types(types)
+    wr.add_token_merges(merges)
+    wr.add_bos_token_id(BOS_ID)
+    wr.add_eos_token_id(EOS_ID)
+    wr.add_add_bos_token(False)
+    wr.add_chat_template(CHAT_TEMPLATE)
+    wr.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    types_used = {}
+
+    def put(name, arr, t):
+        _gguf_tensor(wr, name, arr, t)
+        role = name.split(".", 2)[2] if name.startswith("blk.") else name
+        types_used.setdefault(role.removesuffix(".weight"), t)
+
+    put("token_embd.weight", w["model.embed_tokens.weight"], embd_t)
+    if v["rope_scaling"] is not None:
+        put("rope_freqs.weight", llama3_rope_factors(v), "F32")
+    for l in range(L):
+        p, b = f"model.layers.{l}.", f"blk.{l}."
+        q = w[p + "self_attn.q_proj.weight"]
+        k = w[p + "self_attn.k_proj.weight"]
+        if arch == "llama":
+            q, k = permute_qk(q, H), permute_qk(k, KV)
+        put(b + "attn_norm.weight", w[p + "input_layernorm.weight"], "F32")
+        put(b + "attn_q.weight", q, mat_t)
+        put(b + "attn_k.weight", k, mat_t)
+        put(b + "attn_v.weight", w[p + "self_attn.v_proj.weight"], mat_t)
+        if arch == "qwen2":
+            put(b + "attn_q.bias", w[p + "self_attn.q_proj.bias"], "F32")
+            put(b + "attn_k.bias", w[p + "self_attn.k_proj.bias"], "F32")
+            put(b + "attn_v.bias", w[p + "self_attn.v_proj.bias"], "F32")
+        put(b + "attn_output.weight", w[p + "self_attn.o_proj.weight"], mat_t)
+        put(b + "ffn_norm.weight", w[p + "post_attention_layernorm.weight"], "F32")
+        put(b + "ffn_gate.weight", w[p + "mlp.gate_proj.weight"], mat_t)
+        put(b + "ffn_up.weight", w[p + "mlp.up_proj.weight"], mat_t)
+        put(b + "ffn_down.weight", w[p + "mlp.down_proj.weight"], mat_t)
+    put("output_norm.weight", w["model.norm.weight"], "F32")
+    if not v["tied"]:
+        put("output.weight", w["lm_head.weight"], embd_t)
+
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return types_used
+
+
+# ----------------------------------------------------------------------------
+# Hugging Face directories
+
+
+def _to_dtype(arr, dtype):
+    """(safetensors dtype string, raw little-endian bytes)."""
+    if dtype == "F32":
+        return "F32", np.ascontiguousarray(arr, dtype="<f4").tobytes()
+    if dtype == "F16":
+        return "F16", np.ascontiguousarray(arr, dtype="<f2").tobytes()
+    import gguf
+    # gguf's BF16 conversion rounds to nearest even (and keeps NaN quiet).
+    q = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32),
+                             gguf.GGMLQuantizationType.BF16)
+    return "BF16", q.tobytes()
+
+
+def write_safetensors(path, tensors, dtype):
+    """safetensors file: u64 LE header size, JSON header, data.  Written here
+    rather than with safetensors.numpy.save_file because numpy has no bfloat16
+    (the reader side is checked against the package for F32/F16)."""
+    header = {"__metadata__": {"format": "pt"}}
+    blobs, off = [], 0
+    for name in sorted(tensors):
+        arr = tensors[name]
+        st, raw = _to_dtype(arr, dtype)
+        header[name] = {"dtype": st, "shape": list(arr.shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    hj = json.dumps(header, separators=(",", ":")).encode()
+    hj += b" " * ((8 - len(hj) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(len(hj).to_bytes(8, "little"))
+        f.write(hj)
+        for b in blobs:
+            f.write(b)
+    return off
+
+
+def write_hf(dirpath, variant, v, w, dtype, tok, sharded):
+    os.makedirs(dirpath)
+    E, H = v["n_embd"], v["n_head"]
+    cfg = {
+        "architectures": [v["hf_arch"]],
+        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                       "Qwen2ForCausalLM": "qwen2"}[v["hf_arch"]],
+        "hidden_size": E,
+        "intermediate_size": v["n_ff"],
+        "num_attention_heads": H,
+        "num_key_value_heads": v["n_head_kv"],
+        "num_hidden_layers": v["n_layer"],
+        "head_dim": E // H,
+        "hidden_act": "silu",
+        "rms_norm_eps": v["rms_eps"],
+        "rope_theta": v["rope_theta"],
+        "rope_scaling": None,
+        "tie_word_embeddings": v["tied"],
+        "vocab_size": N_VOCAB,
+        "max_position_embeddings": N_CTX,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "attention_bias": v["arch"] == "qwen2",
+        "torch_dtype": {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[dtype],
+    }
+    rs = v["rope_scaling"]
+    if rs is not None:
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": rs["factor"],
+                               "low_freq_factor": rs["low_freq_factor"],
+                               "high_freq_factor": rs["high_freq_factor"],
+                               "original_max_position_embeddings": rs["original_ctx"]}
+    if v["hf_arch"] == "MistralForCausalLM":
+        cfg["sliding_window"] = None
+    with open(os.path.join(dirpath, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    if not sharded:
+        write_safetensors(os.path.join(dirpath, "model.safetensors"), w, dtype)
+    else:
+        names = sorted(w)
+        half = len(names) // 2
+        parts = [names[:half], names[half:]]
+        wmap, total = {}, 0
+        for i, part in enumerate(parts):
+            fn = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+            total += write_safetensors(os.path.join(dirpath, fn), {n: w[n] for n in part}, dtype)
+            for n in part:
+                wmap[n] = fn
+        with open(os.path.join(dirpath, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": wmap}, f, indent=2)
+    with open(os.path.join(dirpath, "tokenizer.json"), "w") as f:
+        f.write(tok[0])
+    tc = {"add_bos_token": False, "add_eos_token": False, "bos_token": SPECIAL_TOKENS[BOS_ID],
+          "eos_token": SPECIAL_TOKENS[EOS_ID], "unk_token": None,
+          "pad_token": SPECIAL_TOKENS[0], "chat_template": CHAT_TEMPLATE,
+          "model_max_length": N_CTX, "tokenizer_class": "PreTrainedTokenizerFast"}
+    with open(os.path.join(dirpath, "tokenizer_config.json"), "w") as f:
+        json.dump(tc, f, indent=2)
+
+
+# ----------------------------------------------------------------------------
+
+
+def config_entry(v, rope_mode):
+    E, H = v["n_embd"], v["n_head"]
+    return {
+        "n_vocab": N_VOCAB, "n_embd": E, "n_layer": v["n_layer"], "n_head": H,
+        "n_head_kv": v["n_head_kv"], "head_dim": E // H, "n_ff": v["n_ff"],
+        "n_ctx_train": N_CTX, "rope_theta": v["rope_theta"], "rms_eps": v["rms_eps"],
+        "rope_mode": rope_mode, "rope_scaling": v["rope_scaling"],
+        "qkv_bias": v["arch"] == "qwen2", "bos": BOS_ID, "eos": EOS_ID,
+    }
+
+
+def generate(out):
+    tmp = os.path.join(out, f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, "gguf"))
+    os.makedirs(os.path.join(tmp, "hf"))
+    tok = build_tokenizer()
+    models = []
+    for variant, v in VARIANTS.items():
+        w = make_weights(variant, v)
+        gguf_mode = "norm" if v["arch"] == "llama" else "neox"
+        for wt in GGUF_WTYPES:
+            rel = f"gguf/{variant}-{wt.lower()}.gguf"
+            tt = write_gguf(os.path.join(tmp, rel), variant, v, w, wt, tok)
+            models.append({"name": f"{variant}-{wt.lower()}-gguf", "path": rel, "format": "gguf",
+                           "arch": v["arch"], "variant": variant, "wtype": wt,
+                           "tensor_types": tt, "tol_class": TOL_CLASS[wt], "sharded": False,
+                           "tied": v["tied"], "config": config_entry(v, gguf_mode)})
+        for dt in HF_DTYPES:
+            for sharded in (False, True):
+                if sharded and (variant, dt) != SHARDED:
+                    continue
+                rel = f"hf/{variant}-{dt.lower()}" + ("-sharded" if sharded else "")
+                write_hf(os.path.join(tmp, rel), variant, v, w, dt, tok, sharded)
+                models.append({"name": f"{variant}-{dt.lower()}-hf" + ("-sharded" if sharded else ""),
+                               "path": rel, "format": "hf", "arch": v["arch"],
+                               "variant": variant, "wtype": dt, "tensor_types": {"all": dt},
+                               "tol_class": TOL_CLASS[dt], "sharded": sharded,
+                               "tied": v["tied"], "config": config_entry(v, "neox")})
+    with open(os.path.join(tmp, "models.json"), "w") as f:
+        json.dump({"version": VERSION, "models": models}, f, indent=1)
+    # Move into place, then stamp last: an interrupted run leaves no stamp.
+    for sub in ("gguf", "hf", "models.json"):
+        dst = os.path.join(out, sub)
+        if os.path.isdir(dst):
+            shutil.rmtree(dst)
+        elif os.path.exists(dst):
+            os.remove(dst)
+        os.rename(os.path.join(tmp, sub), dst)
+    shutil.rmtree(tmp, ignore_errors=True)
+    with open(os.path.join(out, ".stamp"), "w") as f:
+        f.write(VERSION + "\n")
+    return len(models)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--force", action="store_true", help="regenerate even if the stamp matches")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    stamp = os.path.join(a.out, ".stamp")
+    if not a.force and os.path.exists(stamp):
+        with open(stamp) as f:
+            if f.read().strip() == VERSION:
+                print(f"make_models: {a.out} is up to date ({VERSION})")
+                return 0
+    if os.path.exists(stamp):
+        os.remove(stamp)
+    t0 = time.time()
+    n = generate(a.out)
+    print(f"make_models: wrote {n} models to {a.out} in {time.time() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
