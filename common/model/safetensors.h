@@ -6,7 +6,14 @@
  * the file (overflow-checked, in bounds, shape x dtype size == byte length,
  * no overlaps outside the data section). Errors are one logged line naming
  * the file, the tensor and the problem. F32, F16 and BF16 are supported;
- * other dtypes parse, keep type -1 and are named by the loader that needs them. */
+ * other dtypes (F64, I64, U64, I32, U32, I16, U16, I8, U8, BOOL, F8_E5M2,
+ * F8_E4M3, F8_E8M0) parse, keep type -1 and are named by the loader that
+ * needs them. Return codes: TD_ERR_NOT_FOUND (no such file, or a directory
+ * without model.safetensors[.index.json]), TD_ERR_IO, TD_ERR_FORMAT (lying or
+ * malformed file, a tensor listed in the index but missing from its shard),
+ * TD_ERR_UNSUPPORTED (unknown dtype string, rank > 4). Tensor data points
+ * into the mapping and is not necessarily aligned to the element size.
+ * Concurrent reads of an open td_st are fine. */
 #ifndef TD_SAFETENSORS_H
 #define TD_SAFETENSORS_H
 
