@@ -1,0 +1,571 @@
+/* The forward pass over a batch of sequence chunks.
+ *
+ * All tokens of all chunks are rows of one activation matrix, so every
+ * weight matrix is streamed once per call. Each step is per token row (norm,
+ * activation quantisation, bias, RoPE, KV write, SwiGLU), per (row, output
+ * row) dot product (matmul split by output rows), or per (token, head)
+ * (attention, reading K/V back from the paged cache). None of them splits a
+ * reduction across threads or depends on which other rows are present, so
+ * a row's values are the same whatever the batch, chunking or thread count:
+ * that is the invariance contract of forward.h. Rows are handed to threads
+ * only to share work; small row counts run on the calling thread, which
+ * computes exactly the same values. */
+#include "forward.h"
+
+#include <math.h>
+#include <string.h>
+
+#define N_XQ         3  /* activation buffers: one per weight type of a matmul group */
+#define ROW_TILE     16 /* matmul output rows are split between threads in tiles */
+#define MIN_PAR_ROWS 4  /* fewer token rows than this: elementwise steps run inline */
+
+struct td_engine {
+    const td_model *m;
+    td_kv_pool *kv;
+    td_threadpool *tp;
+    td_comm *comm;
+    td_engine_params p;
+    int nth;
+    int n_embd, head_dim, n_rot, nh, nkv, q_dim, kv_dim, n_ff;
+    int32_t n_vocab;
+    float eps, attn_scale;
+    td_rope_mode rope_mode;
+    const float *inv_freq;
+
+    /* scratch, T = max_batch_tokens */
+    float *x;            /* (T, n_embd) residual stream */
+    float *xn;           /* (T, n_embd) normed rows */
+    float *q;            /* (T, q_dim) */
+    float *k, *v;        /* (T, kv_dim) */
+    float *att;          /* (T, q_dim) attention output */
+    float *o;            /* (T, n_embd) wo / w_down output */
+    float *g, *u;        /* (T, n_ff) local MLP width */
+    uint8_t *xq[N_XQ];   /* (T, xq_cap) quantised activation rows */
+    size_t xq_cap;       /* bytes of one row of xq, the most any weight needs */
+    float *attn_scratch; /* (nth, max_ctx) */
+    int32_t *tok_seq;    /* (T) sequence of each row */
+    int32_t *tok_pos;    /* (T) position of each row */
+    int32_t *logit_tok;  /* (T) row feeding each logit row */
+    int64_t *attn_cost;  /* (T + 1) prefix sums of attention cost per row */
+    const td_seq_chunk *seqs;
+    int32_t n_tok;
+};
+
+td_engine_params td_engine_default_params(void) {
+    td_engine_params p = {.max_batch_tokens = 2048, .max_seqs = 256, .max_ctx = 0};
+    return p;
+}
+
+static void *scratch_alloc(size_t n, size_t elem, bool *fail) {
+    size_t bytes;
+    if (td_mul_overflow(n, elem, &bytes)) {
+        *fail = true;
+        return NULL;
+    }
+    bytes = (bytes + 63) & ~(size_t)63;
+    void *p = aligned_alloc(64, bytes ? bytes : 64);
+    if (!p) *fail = true;
+    return p;
+}
+
+static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+static void engine_free_scratch(td_engine *e) {
+    free(e->x);
+    free(e->xn);
+    free(e->q);
+    free(e->k);
+    free(e->v);
+    free(e->att);
+    free(e->o);
+    free(e->g);
+    free(e->u);
+    for (int i = 0; i < N_XQ; i++) free(e->xq[i]);
+    free(e->attn_scratch);
+    free(e->tok_seq);
+    free(e->tok_pos);
+    free(e->logit_tok);
+    free(e->attn_cost);
+}
+
+static size_t act_bytes(const td_weight *w) {
+    return round64(td_cpu_act_row_bytes(w->type, w->cols));
+}
+
+td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp, td_comm *comm,
+                           const td_engine_params *p, td_engine **e_p) {
+    if (!m || !kv || !comm || !e_p) return TD_ERR_INVALID;
+    const td_model_config *c = td_model_get_config(m);
+    td_engine_params ep = p ? *p : td_engine_default_params();
+    if (ep.max_ctx <= 0) ep.max_ctx = TD_MIN(c->n_ctx_train, 8192);
+    if (ep.max_batch_tokens <= 0 || ep.max_seqs <= 0 || ep.max_ctx <= 0) {
+        TD_LOG_ERROR("bad engine limits (batch tokens %d, sequences %d, context %d)",
+                     ep.max_batch_tokens, ep.max_seqs, ep.max_ctx);
+        return TD_ERR_INVALID;
+    }
+    if (!td_model_tok_embd(m) || !td_model_output(m)) {
+        TD_LOG_ERROR("the engine runs a whole model; this shard is pipeline stage [%d, %d) of %d "
+                     "layers",
+                     td_model_layer_begin(m), td_model_layer_end(m), c->n_layer);
+        return TD_ERR_UNSUPPORTED;
+    }
+    const td_kv_params *kp = td_kv_pool_params(kv);
+    int n_local_layers = td_model_layer_end(m) - td_model_layer_begin(m);
+    if (kp->n_layers != n_local_layers || kp->n_kv_heads != td_model_n_head_kv_local(m) ||
+        kp->head_dim != c->head_dim) {
+        TD_LOG_ERROR("KV pool (%d layers, %d heads of %d) does not match the model shard (%d, %d "
+                     "of %d)",
+                     kp->n_layers, kp->n_kv_heads, kp->head_dim, n_local_layers,
+                     td_model_n_head_kv_local(m), c->head_dim);
+        return TD_ERR_INVALID;
+    }
+    td_engine *e = calloc(1, sizeof *e);
+    if (!e) {
+        TD_LOG_ERROR("out of memory");
+        return TD_ERR_NOMEM;
+    }
+    e->m = m;
+    e->kv = kv;
+    e->tp = tp;
+    e->comm = comm;
+    e->p = ep;
+    e->nth = tp ? td_threadpool_size(tp) : 1;
+    e->n_embd = c->n_embd;
+    e->head_dim = c->head_dim;
+    e->n_rot = c->n_rot;
+    e->nh = td_model_n_head_local(m);
+    e->nkv = td_model_n_head_kv_local(m);
+    e->q_dim = e->nh * c->head_dim;
+    e->kv_dim = e->nkv * c->head_dim;
+    e->n_ff = c->n_ff / td_model_tp_size(m);
+    e->n_vocab = c->n_vocab;
+    e->eps = c->rms_eps;
+    e->attn_scale = (float)(1.0 / sqrt((double)c->head_dim));
+    e->rope_mode = c->rope_mode;
+    e->inv_freq = td_model_rope_inv_freq(m);
+
+    size_t cap = act_bytes(td_model_output(m));
+    for (int l = td_model_layer_begin(m); l < td_model_layer_end(m); l++) {
+        const td_layer_weights *lw = td_model_layer(m, l);
+        const td_weight *ws[] = {&lw->wq,     &lw->wk,   &lw->wv,    &lw->wo,
+                                 &lw->w_gate, &lw->w_up, &lw->w_down};
+        for (size_t i = 0; i < TD_ARRAY_SIZE(ws); i++) cap = TD_MAX(cap, act_bytes(ws[i]));
+    }
+    e->xq_cap = cap;
+
+    size_t T = (size_t)ep.max_batch_tokens;
+    bool fail = false;
+    e->x = scratch_alloc(T * (size_t)e->n_embd, sizeof(float), &fail);
+    e->xn = scratch_alloc(T * (size_t)e->n_embd, sizeof(float), &fail);
+    e->o = scratch_alloc(T * (size_t)e->n_embd, sizeof(float), &fail);
+    e->q = scratch_alloc(T * (size_t)e->q_dim, sizeof(float), &fail);
+    e->att = scratch_alloc(T * (size_t)e->q_dim, sizeof(float), &fail);
+    e->k = scratch_alloc(T * (size_t)e->kv_dim, sizeof(float), &fail);
+    e->v = scratch_alloc(T * (size_t)e->kv_dim, sizeof(float), &fail);
+    e->g = scratch_alloc(T * (size_t)e->n_ff, sizeof(float), &fail);
+    e->u = scratch_alloc(T * (size_t)e->n_ff, sizeof(float), &fail);
+    for (int i = 0; i < N_XQ; i++) e->xq[i] = scratch_alloc(T, cap, &fail);
+    e->attn_scratch = scratch_alloc((size_t)e->nth * (size_t)ep.max_ctx, sizeof(float), &fail);
+    e->tok_seq = scratch_alloc(T, sizeof(int32_t), &fail);
+    e->tok_pos = scratch_alloc(T, sizeof(int32_t), &fail);
+    e->logit_tok = scratch_alloc(T, sizeof(int32_t), &fail);
+    e->attn_cost = scratch_alloc(T + 1, sizeof(int64_t), &fail);
+    if (fail) {
+        TD_LOG_ERROR("out of memory for engine scratch (%d tokens)", ep.max_batch_tokens);
+        engine_free_scratch(e);
+        free(e);
+        return TD_ERR_NOMEM;
+    }
+    *e_p = e;
+    return TD_OK;
+}
+
+void td_engine_destroy(td_engine *e) {
+    if (!e) return;
+    engine_free_scratch(e);
+    free(e);
+}
+
+int32_t td_engine_n_logit_rows(const td_seq_chunk *seqs, int32_t n_seqs) {
+    int32_t n = 0;
+    for (int32_t i = 0; i < n_seqs; i++)
+        if (!seqs[i].no_logits) n += seqs[i].logits_all ? seqs[i].n_tokens : 1;
+    return n;
+}
+
+/* ------------------------------------------------------------------ tasks */
+
+static void run(td_engine *e, td_task_fn fn, void *ctx, int n_rows) {
+    if (e->tp && e->nth > 1 && n_rows >= MIN_PAR_ROWS)
+        td_threadpool_run(e->tp, fn, ctx);
+    else
+        fn(ctx, 0, 1);
+}
+
+/* Quantise rows for a group of weights: one xq buffer per distinct type. */
+typedef struct {
+    int n;
+    const td_weight *w[N_XQ];
+    int slot[N_XQ]; /* xq buffer each weight reads */
+    size_t stride[N_XQ];
+} quant_plan;
+
+static void plan_quant(quant_plan *qp, const td_weight *const *ws, int n) {
+    qp->n = n;
+    for (int i = 0; i < n; i++) {
+        qp->w[i] = ws[i];
+        qp->slot[i] = i;
+        for (int j = 0; j < i; j++)
+            if (ws[j]->type == ws[i]->type) {
+                qp->slot[i] = qp->slot[j];
+                break;
+            }
+        qp->stride[i] = act_bytes(ws[i]);
+    }
+}
+
+static void quant_row(td_engine *e, const quant_plan *qp, const float *src, int32_t t) {
+    for (int i = 0; i < qp->n; i++) {
+        if (qp->slot[i] != i) continue;
+        td_cpu_act_quant(qp->w[i]->type, src, e->xq[i] + (size_t)t * qp->stride[i], qp->w[i]->cols);
+    }
+}
+
+/* Row step: [x += o] ; xn = rmsnorm(x[src], w) ; quantise xn. */
+typedef struct {
+    td_engine *e;
+    int32_t n_rows;
+    bool add;
+    const int32_t *src_row; /* NULL: identity */
+    const float *norm_w;
+    const quant_plan *qp;
+} norm_task;
+
+static void task_norm(void *ctx, int ith, int nth) {
+    const norm_task *t = ctx;
+    td_engine *e = t->e;
+    int64_t r0, r1;
+    td_split_range(t->n_rows, ith, nth, &r0, &r1);
+    size_t E = (size_t)e->n_embd;
+    for (int64_t r = r0; r < r1; r++) {
+        float *x = e->x + (size_t)(t->src_row ? t->src_row[r] : r) * E;
+        if (t->add) td_cpu_add(x, e->o + (size_t)r * E, x, (int64_t)E);
+        float *xn = e->xn + (size_t)r * E;
+        td_cpu_rmsnorm(x, t->norm_w, xn, (int64_t)E, e->eps);
+        quant_row(e, t->qp, xn, (int32_t)r);
+    }
+}
+
+/* y_i = W_i xq for up to N_XQ weights; each thread takes tiles of output rows. */
+typedef struct {
+    td_engine *e;
+    int32_t n_rows;
+    const quant_plan *qp;
+    float *y[N_XQ];
+    size_t ldy[N_XQ];
+} matmul_task;
+
+static void task_matmul(void *ctx, int ith, int nth) {
+    const matmul_task *t = ctx;
+    for (int i = 0; i < t->qp->n; i++) {
+        const td_weight *w = t->qp->w[i];
+        int64_t tiles = (w->rows + ROW_TILE - 1) / ROW_TILE, b0, b1;
+        td_split_range(tiles, ith, nth, &b0, &b1);
+        int64_t r0 = b0 * ROW_TILE, r1 = TD_MIN(b1 * ROW_TILE, w->rows);
+        if (r0 >= r1) continue;
+        td_cpu_matmul(w->type, w->data, w->stride, t->e->xq[t->qp->slot[i]], t->qp->stride[i],
+                      t->n_rows, w->cols, t->y[i], t->ldy[i], (int)r0, (int)r1);
+    }
+}
+
+static void matmul(td_engine *e, const quant_plan *qp, float *const *y, const size_t *ldy,
+                   int32_t n_rows) {
+    matmul_task t = {.e = e, .n_rows = n_rows, .qp = qp};
+    for (int i = 0; i < qp->n; i++) {
+        t.y[i] = y[i];
+        t.ldy[i] = ldy[i];
+    }
+    if (e->tp && e->nth > 1)
+        td_threadpool_run(e->tp, task_matmul, &t);
+    else
+        task_matmul(&t, 0, 1);
+}
+
+/* Bias, RoPE and the KV write of each row. */
+typedef struct {
+    td_engine *e;
+    const td_layer_weights *lw;
+    float *kc, *vc; /* this layer's cache regions */
+} qkv_task;
+
+static void task_qkv(void *ctx, int ith, int nth) {
+    const qkv_task *t = ctx;
+    td_engine *e = t->e;
+    const td_layer_weights *lw = t->lw;
+    int bs = td_kv_pool_params(e->kv)->block_size;
+    int64_t r0, r1;
+    td_split_range(e->n_tok, ith, nth, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        float *q = e->q + (size_t)r * (size_t)e->q_dim;
+        float *k = e->k + (size_t)r * (size_t)e->kv_dim;
+        float *v = e->v + (size_t)r * (size_t)e->kv_dim;
+        if (lw->bq) td_cpu_add(q, lw->bq, q, e->q_dim);
+        if (lw->bk) td_cpu_add(k, lw->bk, k, e->kv_dim);
+        if (lw->bv) td_cpu_add(v, lw->bv, v, e->kv_dim);
+        int32_t pos = e->tok_pos[r];
+        td_cpu_rope(q, e->nh, e->head_dim, e->n_rot, pos, e->inv_freq, e->rope_mode);
+        td_cpu_rope(k, e->nkv, e->head_dim, e->n_rot, pos, e->inv_freq, e->rope_mode);
+        const td_seq_chunk *s = &e->seqs[e->tok_seq[r]];
+        size_t cell = (size_t)s->block_table[pos / bs] * (size_t)bs + (size_t)(pos % bs);
+        memcpy(t->kc + cell * (size_t)e->kv_dim, k, (size_t)e->kv_dim * sizeof(float));
+        memcpy(t->vc + cell * (size_t)e->kv_dim, v, (size_t)e->kv_dim * sizeof(float));
+    }
+}
+
+/* Attention per (row, head) item; threads take equal shares of the total
+ * cost (an item costs its context length). */
+typedef struct {
+    td_engine *e;
+    td_cpu_kv_layer kvl;
+} attn_task;
+
+/* First item whose cost prefix reaches target. */
+static int64_t item_at(const td_engine *e, int64_t target) {
+    int64_t nh = e->nh;
+    int32_t lo = 0, hi = e->n_tok; /* first row whose cost prefix passes target */
+    while (lo < hi) {
+        int32_t mid = lo + (hi - lo) / 2;
+        if (e->attn_cost[mid + 1] * nh <= target)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo >= e->n_tok) return (int64_t)e->n_tok * nh;
+    int64_t ctx = e->attn_cost[lo + 1] - e->attn_cost[lo];
+    int64_t h = (target - e->attn_cost[lo] * nh + ctx - 1) / ctx;
+    return (int64_t)lo * nh + h;
+}
+
+static void task_attn(void *ctx, int ith, int nth) {
+    const attn_task *t = ctx;
+    td_engine *e = t->e;
+    int64_t total = e->attn_cost[e->n_tok] * e->nh;
+    int64_t i0 = item_at(e, total * ith / nth);
+    int64_t i1 = ith == nth - 1 ? (int64_t)e->n_tok * e->nh : item_at(e, total * (ith + 1) / nth);
+    float *scratch = e->attn_scratch + (size_t)ith * (size_t)e->p.max_ctx;
+    int group = e->nh / e->nkv;
+    for (int64_t i = i0; i < i1; i++) {
+        int32_t r = (int32_t)(i / e->nh);
+        int h = (int)(i % e->nh);
+        const td_seq_chunk *s = &e->seqs[e->tok_seq[r]];
+        int n_ctx = e->tok_pos[r] + 1; /* causal: positions [0, pos] */
+        size_t off = (size_t)r * (size_t)e->q_dim + (size_t)h * (size_t)e->head_dim;
+        td_cpu_attn_paged(e->q + off, &t->kvl, h / group, s->block_table, n_ctx, e->attn_scale,
+                          e->att + off, scratch);
+    }
+}
+
+typedef struct {
+    td_engine *e;
+    const quant_plan *qp;
+} swiglu_task;
+
+static void task_swiglu(void *ctx, int ith, int nth) {
+    const swiglu_task *t = ctx;
+    td_engine *e = t->e;
+    int64_t r0, r1;
+    td_split_range(e->n_tok, ith, nth, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        float *g = e->g + (size_t)r * (size_t)e->n_ff;
+        td_cpu_swiglu(g, e->u + (size_t)r * (size_t)e->n_ff, g, e->n_ff);
+        quant_row(e, t->qp, g, (int32_t)r);
+    }
+}
+
+typedef struct {
+    td_engine *e;
+    const quant_plan *qp;
+} attq_task;
+
+static void task_att_quant(void *ctx, int ith, int nth) {
+    const attq_task *t = ctx;
+    int64_t r0, r1;
+    td_split_range(t->e->n_tok, ith, nth, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++)
+        quant_row(t->e, t->qp, t->e->att + (size_t)r * (size_t)t->e->q_dim, (int32_t)r);
+}
+
+/* Embedding rows: dequantised straight from the (possibly quantised) table. */
+typedef struct {
+    td_engine *e;
+} embd_task;
+
+static void task_embd(void *ctx, int ith, int nth) {
+    td_engine *e = ((const embd_task *)ctx)->e;
+    const td_weight *w = td_model_tok_embd(e->m);
+    int64_t r0, r1;
+    td_split_range(e->n_tok, ith, nth, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        const td_seq_chunk *s = &e->seqs[e->tok_seq[r]];
+        int32_t id = s->tokens[e->tok_pos[r] - s->pos0];
+        td_cpu_dequant_row(w->type, (const uint8_t *)w->data + (size_t)id * w->stride,
+                           e->x + (size_t)r * (size_t)e->n_embd, w->cols);
+    }
+}
+
+/* ---------------------------------------------------------------- forward */
+
+static td_status validate(const td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs) {
+    if (n_seqs < 1 || n_seqs > e->p.max_seqs || !seqs) {
+        TD_LOG_ERROR("batch of %d sequences (limit %d)", n_seqs, e->p.max_seqs);
+        return TD_ERR_INVALID;
+    }
+    const td_kv_params *kp = td_kv_pool_params(e->kv);
+    int64_t total = 0;
+    for (int32_t i = 0; i < n_seqs; i++) {
+        const td_seq_chunk *s = &seqs[i];
+        if (s->n_tokens < 1 || !s->tokens || s->pos0 < 0 || !s->block_table || s->n_blocks < 0) {
+            TD_LOG_ERROR("sequence %d: bad chunk (%d tokens at position %d)", i, s->n_tokens,
+                         s->pos0);
+            return TD_ERR_INVALID;
+        }
+        int64_t end = (int64_t)s->pos0 + s->n_tokens;
+        if (end > e->p.max_ctx) {
+            TD_LOG_ERROR("sequence %d: position %lld past the context limit %d", i,
+                         (long long)end - 1, e->p.max_ctx);
+            return TD_ERR_INVALID;
+        }
+        if ((int64_t)s->n_blocks * kp->block_size < end) {
+            TD_LOG_ERROR("sequence %d: %d blocks do not cover %lld positions", i, s->n_blocks,
+                         (long long)end);
+            return TD_ERR_INVALID;
+        }
+        int64_t nb = (end + kp->block_size - 1) / kp->block_size;
+        for (int64_t b = 0; b < nb; b++) {
+            if (s->block_table[b] < 0 || s->block_table[b] >= kp->n_blocks) {
+                TD_LOG_ERROR("sequence %d: block id %d out of range", i, s->block_table[b]);
+                return TD_ERR_INVALID;
+            }
+        }
+        for (int32_t j = 0; j < s->n_tokens; j++) {
+            if (s->tokens[j] < 0 || s->tokens[j] >= e->n_vocab) {
+                TD_LOG_ERROR("sequence %d: token id %d out of the vocabulary (%d)", i, s->tokens[j],
+                             e->n_vocab);
+                return TD_ERR_INVALID;
+            }
+        }
+        total += s->n_tokens;
+    }
+    if (total > e->p.max_batch_tokens) {
+        TD_LOG_ERROR("batch of %lld tokens (limit %d)", (long long)total, e->p.max_batch_tokens);
+        return TD_ERR_INVALID;
+    }
+    return TD_OK;
+}
+
+td_status td_engine_forward(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs, float *logits) {
+    td_status st = validate(e, seqs, n_seqs);
+    if (st) return st;
+    int32_t n_out = td_engine_n_logit_rows(seqs, n_seqs);
+    if (n_out > 0 && !logits) return TD_ERR_INVALID;
+    e->seqs = seqs;
+    int32_t T = 0, n_logit = 0;
+    e->attn_cost[0] = 0;
+    for (int32_t i = 0; i < n_seqs; i++) {
+        const td_seq_chunk *s = &seqs[i];
+        for (int32_t j = 0; j < s->n_tokens; j++, T++) {
+            e->tok_seq[T] = i;
+            e->tok_pos[T] = s->pos0 + j;
+            e->attn_cost[T + 1] = e->attn_cost[T] + s->pos0 + j + 1;
+            if (!s->no_logits && (s->logits_all || j == s->n_tokens - 1))
+                e->logit_tok[n_logit++] = T;
+        }
+    }
+    e->n_tok = T;
+    const size_t E = (size_t)e->n_embd;
+
+    embd_task et = {.e = e};
+    run(e, task_embd, &et, T);
+
+    const td_model *m = e->m;
+    int lb = td_model_layer_begin(m), le = td_model_layer_end(m);
+    const td_kv_params *kp = td_kv_pool_params(e->kv);
+    for (int l = lb; l < le; l++) {
+        const td_layer_weights *lw = td_model_layer(m, l);
+
+        /* attention block */
+        quant_plan qkv;
+        const td_weight *wqkv[] = {&lw->wq, &lw->wk, &lw->wv};
+        plan_quant(&qkv, wqkv, 3);
+        norm_task nt = {.e = e, .n_rows = T, .add = l > lb, .norm_w = lw->attn_norm, .qp = &qkv};
+        run(e, task_norm, &nt, T);
+        float *y3[] = {e->q, e->k, e->v};
+        size_t ld3[] = {(size_t)e->q_dim, (size_t)e->kv_dim, (size_t)e->kv_dim};
+        matmul(e, &qkv, y3, ld3, T);
+
+        qkv_task qt = {.e = e,
+                       .lw = lw,
+                       .kc = td_kv_layer_k(e->kv, l - lb),
+                       .vc = td_kv_layer_v(e->kv, l - lb)};
+        run(e, task_qkv, &qt, T);
+
+        attn_task at = {.e = e,
+                        .kvl = {.k = qt.kc,
+                                .v = qt.vc,
+                                .block_size = kp->block_size,
+                                .n_kv_heads = e->nkv,
+                                .head_dim = e->head_dim}};
+        /* attention cost grows with context: worth threads even for one row */
+        if (e->tp && e->nth > 1 && e->attn_cost[T] * e->nh >= 1024)
+            td_threadpool_run(e->tp, task_attn, &at);
+        else
+            task_attn(&at, 0, 1);
+
+        quant_plan qo;
+        const td_weight *wo[] = {&lw->wo};
+        plan_quant(&qo, wo, 1);
+        attq_task aq = {.e = e, .qp = &qo};
+        run(e, task_att_quant, &aq, T);
+        float *yo[] = {e->o};
+        size_t ldo[] = {E};
+        matmul(e, &qo, yo, ldo, T);
+        if ((st = td_comm_all_reduce_sum(e->comm, e->o, (size_t)T * E))) return st;
+
+        /* MLP block */
+        quant_plan qgu;
+        const td_weight *wgu[] = {&lw->w_gate, &lw->w_up};
+        plan_quant(&qgu, wgu, 2);
+        norm_task nt2 = {.e = e, .n_rows = T, .add = true, .norm_w = lw->ffn_norm, .qp = &qgu};
+        run(e, task_norm, &nt2, T);
+        float *ygu[] = {e->g, e->u};
+        size_t ldgu[] = {(size_t)e->n_ff, (size_t)e->n_ff};
+        matmul(e, &qgu, ygu, ldgu, T);
+
+        quant_plan qd;
+        const td_weight *wd[] = {&lw->w_down};
+        plan_quant(&qd, wd, 1);
+        swiglu_task sw = {.e = e, .qp = &qd};
+        run(e, task_swiglu, &sw, T);
+        matmul(e, &qd, yo, ldo, T);
+        if ((st = td_comm_all_reduce_sum(e->comm, e->o, (size_t)T * E))) return st;
+    }
+
+    /* last residual for every row, then norm + head only for the logit rows */
+    for (int32_t r = 0; r < T; r++)
+        td_cpu_add(e->x + r * E, e->o + r * E, e->x + r * E, (int64_t)E);
+    if (n_logit == 0) return TD_OK;
+    quant_plan qh;
+    const td_weight *wh[] = {td_model_output(m)};
+    plan_quant(&qh, wh, 1);
+    norm_task nh = {.e = e,
+                    .n_rows = n_logit,
+                    .add = false,
+                    .src_row = e->logit_tok,
+                    .norm_w = td_model_output_norm(m),
+                    .qp = &qh};
+    run(e, task_norm, &nh, n_logit);
+    float *yh[] = {logits};
+    size_t ldh[] = {(size_t)e->n_vocab};
+    matmul(e, &qh, yh, ldh, n_logit);
+    return TD_OK;
+}

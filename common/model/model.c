@@ -1,0 +1,868 @@
+/* Model loading: config from GGUF metadata or config.json, weights as the
+ * shard for (tp_rank, tp_size) and a layer range, validated against the
+ * config before anything reads them.
+ *
+ * Sharding without copies: a column-parallel slice (rows of Q/K/V/gate/up)
+ * is a contiguous range of rows; a row-parallel slice (columns of wo and
+ * w_down) keeps the full row stride and starts at the column's block
+ * offset, so both point into the mapping. Only small vectors (norms,
+ * biases) become owned F32 copies, and matrices whose data is not aligned
+ * to their element size (possible in safetensors) are copied once. */
+#include "model.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <limits.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "gguf.h"
+#include "safetensors.h"
+
+#define TD_MAX_DIM    (1 << 20) /* sanity bound on embedding / ff widths */
+#define TD_MAX_LAYERS 4096
+#define TD_MAX_HEADS  4096
+#define TD_MAX_VOCAB  (1 << 24)
+
+struct td_model {
+    td_model_config cfg;
+    char *path;
+    td_gguf *gguf;
+    td_st *st;
+    td_tokenizer *tok;
+    int tp_rank, tp_size;
+    int layer_begin, layer_end;
+    int n_head_local, n_head_kv_local;
+    td_layer_weights *layers; /* (layer_end - layer_begin) */
+    bool has_embd, has_output;
+    td_weight tok_embd; /* (n_vocab, n_embd) */
+    td_weight output;   /* (n_vocab, n_embd) */
+    float *output_norm; /* (n_embd) */
+    float *inv_freq;    /* (n_rot / 2) */
+    size_t weight_bytes;
+    void **owned; /* buffers freed with the model */
+    size_t n_owned, cap_owned;
+};
+
+/* A tensor as the file describes it, in GGUF's dimension order
+ * (ne[0] innermost), whatever the format. */
+typedef struct {
+    const char *name;
+    int type;              /* td_dtype, or an unsupported id / -1 */
+    const char *type_name; /* for messages */
+    int n_dims;
+    int64_t ne[4];
+    const void *data;
+    size_t nbytes;
+} src_tensor;
+
+typedef struct {
+    td_model *m;
+    const char *path;
+    bool hf;
+} loader;
+
+td_model_params td_model_default_params(void) {
+    td_model_params p = {
+        .path = NULL, .tp_rank = 0, .tp_size = 1, .layer_begin = 0, .layer_end = -1};
+    return p;
+}
+
+static void *owned_alloc(td_model *m, size_t bytes) {
+    if (m->n_owned == m->cap_owned) {
+        size_t cap = m->cap_owned ? m->cap_owned * 2 : 64;
+        void **o = realloc(m->owned, cap * sizeof *o);
+        if (!o) return NULL;
+        m->owned = o;
+        m->cap_owned = cap;
+    }
+    size_t rounded = (bytes + 63) & ~(size_t)63;
+    void *p = aligned_alloc(64, rounded ? rounded : 64);
+    if (!p) return NULL;
+    m->owned[m->n_owned++] = p;
+    return p;
+}
+
+static bool find_tensor(const loader *ld, const char *name, src_tensor *t) {
+    memset(t, 0, sizeof *t);
+    if (!ld->hf) {
+        const td_gguf_tensor *g = td_gguf_find_tensor(ld->m->gguf, name);
+        if (!g) return false;
+        t->name = g->name;
+        t->type = g->type;
+        t->type_name = td_dtype_name(g->type);
+        t->n_dims = g->n_dims;
+        for (int i = 0; i < 4; i++) t->ne[i] = g->ne[i];
+        t->data = g->data;
+        t->nbytes = g->nbytes;
+        return true;
+    }
+    const td_st_tensor *s = td_st_find(ld->m->st, name);
+    if (!s) return false;
+    t->name = s->name;
+    t->type = s->type;
+    t->type_name = s->dtype ? s->dtype : "unknown";
+    t->n_dims = s->n_dims;
+    for (int i = 0; i < 4; i++) t->ne[i] = 1;
+    for (int i = 0; i < s->n_dims && i < 4; i++) t->ne[i] = s->shape[s->n_dims - 1 - i];
+    t->data = s->data;
+    t->nbytes = s->nbytes;
+    return true;
+}
+
+static td_status tensor_lookup(const loader *ld, const char *name, src_tensor *t) {
+    if (!find_tensor(ld, name, t)) {
+        TD_LOG_ERROR("%s: tensor '%s' is missing", ld->path, name);
+        return TD_ERR_NOT_FOUND;
+    }
+    if (t->type < 0 || !td_dtype_supported(t->type)) {
+        TD_LOG_ERROR("%s: tensor '%s': type %s is not supported", ld->path, name, t->type_name);
+        return TD_ERR_UNSUPPORTED;
+    }
+    return TD_OK;
+}
+
+static void shape_str(const src_tensor *t, char *buf, size_t cap) {
+    int n = snprintf(buf, cap, "[");
+    for (int i = 0; i < t->n_dims && i < 4 && n > 0 && (size_t)n < cap; i++)
+        n += snprintf(buf + n, cap - (size_t)n, "%s%lld", i ? ", " : "", (long long)t->ne[i]);
+    if (n > 0 && (size_t)n < cap) snprintf(buf + n, cap - (size_t)n, "]");
+}
+
+/* Checks that t is (rows, cols) (ne = [cols, rows], trailing dims 1). */
+static td_status check_shape2(const loader *ld, const src_tensor *t, int64_t rows, int64_t cols) {
+    bool ok = t->n_dims >= 1 && t->ne[0] == cols && (t->n_dims >= 2 ? t->ne[1] : 1) == rows;
+    for (int i = 2; i < t->n_dims && i < 4; i++) ok = ok && t->ne[i] == 1;
+    if (!ok) {
+        char got[96];
+        shape_str(t, got, sizeof got);
+        TD_LOG_ERROR("%s: tensor '%s': shape %s, expected [%lld, %lld]", ld->path, t->name, got,
+                     (long long)cols, (long long)rows);
+        return TD_ERR_FORMAT;
+    }
+    size_t row_bytes = td_dtype_row_bytes((td_dtype)t->type, cols), total;
+    if (row_bytes == 0) {
+        TD_LOG_ERROR("%s: tensor '%s': row of %lld elements is not a whole number of %s blocks",
+                     ld->path, t->name, (long long)cols, t->type_name);
+        return TD_ERR_FORMAT;
+    }
+    if (td_mul_overflow(row_bytes, (size_t)rows, &total) || total != t->nbytes) {
+        TD_LOG_ERROR("%s: tensor '%s': %zu bytes of data, expected %lld rows of %zu", ld->path,
+                     t->name, t->nbytes, (long long)rows, row_bytes);
+        return TD_ERR_FORMAT;
+    }
+    return TD_OK;
+}
+
+static size_t elem_align(td_dtype t) {
+    switch (t) {
+    case TD_TYPE_F32: return 4;
+    default: return 2; /* F16/BF16 elements, and the fp16 scales of quant blocks */
+    }
+}
+
+/* Weight (rows, cols) from the file; the shard is rows [r0, r0 + nr) and
+ * columns [c0, c0 + nc). Columns must split at block boundaries. */
+static td_status load_matrix(loader *ld, const char *name, int64_t rows, int64_t cols, int64_t r0,
+                             int64_t nr, int64_t c0, int64_t nc, td_weight *w) {
+    src_tensor t;
+    td_status st = tensor_lookup(ld, name, &t);
+    if (st) return st;
+    if ((st = check_shape2(ld, &t, rows, cols))) return st;
+    td_dtype type = (td_dtype)t.type;
+    int be = td_dtype_block_elems(type);
+    if (c0 % be != 0 || nc % be != 0) {
+        TD_LOG_ERROR("%s: tensor '%s': the shard's columns [%lld, %lld) do not split at %s block "
+                     "boundaries (%d elements)",
+                     ld->path, name, (long long)c0, (long long)(c0 + nc), t.type_name, be);
+        return TD_ERR_UNSUPPORTED;
+    }
+    size_t row_bytes = td_dtype_row_bytes(type, cols);
+    const uint8_t *base = (const uint8_t *)t.data + (size_t)r0 * row_bytes +
+                          (size_t)(c0 / be) * td_dtype_block_bytes(type);
+    w->type = type;
+    w->rows = nr;
+    w->cols = nc;
+    w->stride = row_bytes;
+    w->data = base;
+    if ((uintptr_t)base % elem_align(type) != 0) {
+        /* Misaligned in the file (safetensors allows it): one aligned copy. */
+        size_t slice_row = td_dtype_row_bytes(type, nc), bytes;
+        if (td_mul_overflow(slice_row, (size_t)nr, &bytes)) return TD_ERR_NOMEM;
+        uint8_t *copy = owned_alloc(ld->m, bytes);
+        if (!copy) {
+            TD_LOG_ERROR("out of memory copying tensor '%s'", name);
+            return TD_ERR_NOMEM;
+        }
+        for (int64_t r = 0; r < nr; r++)
+            memcpy(copy + (size_t)r * slice_row, base + (size_t)r * row_bytes, slice_row);
+        w->data = copy;
+        w->stride = slice_row;
+    }
+    ld->m->weight_bytes += td_dtype_row_bytes(type, nc) * (size_t)nr;
+    return TD_OK;
+}
+
+/* Owned F32 copy of elements [off, off + count) of a vector of n elements. */
+static td_status load_vector(loader *ld, const char *name, int64_t n, int64_t off, int64_t count,
+                             float **out) {
+    src_tensor t;
+    td_status st = tensor_lookup(ld, name, &t);
+    if (st) return st;
+    bool ok = t.n_dims >= 1 && t.ne[0] == n;
+    for (int i = 1; i < t.n_dims && i < 4; i++) ok = ok && t.ne[i] == 1;
+    if (!ok) {
+        char got[96];
+        shape_str(&t, got, sizeof got);
+        TD_LOG_ERROR("%s: tensor '%s': shape %s, expected [%lld]", ld->path, name, got,
+                     (long long)n);
+        return TD_ERR_FORMAT;
+    }
+    td_dtype type = (td_dtype)t.type;
+    if (type != TD_TYPE_F32 && type != TD_TYPE_F16 && type != TD_TYPE_BF16) {
+        TD_LOG_ERROR("%s: tensor '%s': type %s is not supported for a vector", ld->path, name,
+                     t.type_name);
+        return TD_ERR_UNSUPPORTED;
+    }
+    size_t esz = td_dtype_block_bytes(type);
+    if (t.nbytes != (size_t)n * esz) {
+        TD_LOG_ERROR("%s: tensor '%s': %zu bytes of data, expected %lld", ld->path, name, t.nbytes,
+                     (long long)((size_t)n * esz));
+        return TD_ERR_FORMAT;
+    }
+    float *v = owned_alloc(ld->m, (size_t)count * sizeof(float));
+    if (!v) {
+        TD_LOG_ERROR("out of memory loading tensor '%s'", name);
+        return TD_ERR_NOMEM;
+    }
+    const uint8_t *src = (const uint8_t *)t.data + (size_t)off * esz;
+    for (int64_t i = 0; i < count; i++) {
+        if (type == TD_TYPE_F32) {
+            memcpy(&v[i], src + (size_t)i * 4, 4);
+        } else {
+            uint16_t h;
+            memcpy(&h, src + (size_t)i * 2, 2);
+            v[i] = type == TD_TYPE_F16 ? td_fp16_to_f32(h) : td_bf16_to_f32(h);
+        }
+        if (!isfinite(v[i])) {
+            TD_LOG_ERROR("%s: tensor '%s': element %lld is not finite", ld->path, name,
+                         (long long)(off + i));
+            return TD_ERR_FORMAT;
+        }
+    }
+    *out = v;
+    return TD_OK;
+}
+
+/* ---------------------------------------------------------------- config */
+
+static td_status gguf_req_i64(const loader *ld, const char *key, int64_t lo, int64_t hi,
+                              int64_t *v) {
+    td_status st = td_gguf_get_i64(ld->m->gguf, key, v);
+    if (st == TD_ERR_NOT_FOUND) {
+        TD_LOG_ERROR("%s: metadata key '%s' is missing", ld->path, key);
+        return TD_ERR_FORMAT;
+    }
+    if (st || *v < lo || *v > hi) {
+        TD_LOG_ERROR("%s: metadata key '%s' is not an integer in [%lld, %lld]", ld->path, key,
+                     (long long)lo, (long long)hi);
+        return TD_ERR_FORMAT;
+    }
+    return TD_OK;
+}
+
+/* Optional integer: absent leaves *v unchanged. */
+static td_status gguf_opt_i64(const loader *ld, const char *key, int64_t lo, int64_t hi,
+                              int64_t *v) {
+    int64_t x;
+    td_status st = td_gguf_get_i64(ld->m->gguf, key, &x);
+    if (st == TD_ERR_NOT_FOUND) return TD_OK;
+    if (st || x < lo || x > hi) {
+        TD_LOG_ERROR("%s: metadata key '%s' is not an integer in [%lld, %lld]", ld->path, key,
+                     (long long)lo, (long long)hi);
+        return TD_ERR_FORMAT;
+    }
+    *v = x;
+    return TD_OK;
+}
+
+static td_status gguf_opt_f32(const loader *ld, const char *key, float *v) {
+    float x;
+    td_status st = td_gguf_get_f32(ld->m->gguf, key, &x);
+    if (st == TD_ERR_NOT_FOUND) return TD_OK;
+    if (st || !isfinite(x) || x <= 0.0f) {
+        TD_LOG_ERROR("%s: metadata key '%s' is not a positive finite number", ld->path, key);
+        return TD_ERR_FORMAT;
+    }
+    *v = x;
+    return TD_OK;
+}
+
+static td_status config_from_gguf(loader *ld) {
+    td_model *m = ld->m;
+    td_model_config *c = &m->cfg;
+    const char *arch;
+    td_status st;
+    if (td_gguf_get_str(m->gguf, "general.architecture", &arch)) {
+        TD_LOG_ERROR("%s: metadata key 'general.architecture' is missing", ld->path);
+        return TD_ERR_FORMAT;
+    }
+    if (strcmp(arch, "llama") == 0) {
+        c->arch = TD_ARCH_LLAMA;
+        c->rope_mode = TD_ROPE_NORM; /* the converter permutes Q/K for interleaved pairs */
+        c->qkv_bias = false;
+    } else if (strcmp(arch, "qwen2") == 0) {
+        c->arch = TD_ARCH_QWEN2;
+        c->rope_mode = TD_ROPE_NEOX;
+        c->qkv_bias = true;
+    } else {
+        TD_LOG_ERROR("%s: architecture '%.64s' is not supported (llama, qwen2)", ld->path, arch);
+        return TD_ERR_UNSUPPORTED;
+    }
+    char key[160];
+#define KEY(suffix) (snprintf(key, sizeof key, "%s." suffix, arch), key)
+    int64_t n_embd, n_layer, n_ff, n_head, n_head_kv, n_ctx, head_dim, n_rot, v_dim;
+    if ((st = gguf_req_i64(ld, KEY("embedding_length"), 1, TD_MAX_DIM, &n_embd)) ||
+        (st = gguf_req_i64(ld, KEY("block_count"), 1, TD_MAX_LAYERS, &n_layer)) ||
+        (st = gguf_req_i64(ld, KEY("feed_forward_length"), 1, TD_MAX_DIM, &n_ff)) ||
+        (st = gguf_req_i64(ld, KEY("attention.head_count"), 1, TD_MAX_HEADS, &n_head)) ||
+        (st = gguf_req_i64(ld, KEY("context_length"), 1, INT32_MAX, &n_ctx)))
+        return st;
+    n_head_kv = n_head;
+    if ((st = gguf_opt_i64(ld, KEY("attention.head_count_kv"), 1, TD_MAX_HEADS, &n_head_kv)))
+        return st;
+    head_dim = n_embd / n_head;
+    bool explicit_hd = td_gguf_find_key(m->gguf, KEY("attention.key_length")) >= 0;
+    if ((st = gguf_opt_i64(ld, KEY("attention.key_length"), 1, 4096, &head_dim))) return st;
+    v_dim = head_dim;
+    if ((st = gguf_opt_i64(ld, KEY("attention.value_length"), 1, 4096, &v_dim))) return st;
+    if (v_dim != head_dim) {
+        TD_LOG_ERROR("%s: attention.value_length %lld differs from key_length %lld", ld->path,
+                     (long long)v_dim, (long long)head_dim);
+        return TD_ERR_UNSUPPORTED;
+    }
+    if (!explicit_hd && n_embd % n_head != 0) {
+        TD_LOG_ERROR("%s: embedding_length %lld is not divisible by head_count %lld", ld->path,
+                     (long long)n_embd, (long long)n_head);
+        return TD_ERR_FORMAT;
+    }
+    n_rot = head_dim;
+    if ((st = gguf_opt_i64(ld, KEY("rope.dimension_count"), 1, 4096, &n_rot))) return st;
+    float eps = 0.0f, theta = 10000.0f;
+    if ((st = gguf_opt_f32(ld, KEY("attention.layer_norm_rms_epsilon"), &eps))) return st;
+    if (eps == 0.0f) {
+        TD_LOG_ERROR("%s: metadata key '%s' is missing", ld->path,
+                     KEY("attention.layer_norm_rms_epsilon"));
+        return TD_ERR_FORMAT;
+    }
+    if ((st = gguf_opt_f32(ld, KEY("rope.freq_base"), &theta))) return st;
+    /* RoPE scaling: linear here; Llama 3 scaling arrives as rope_freqs.weight. */
+    const char *stype = NULL;
+    float factor = 0.0f;
+    if (td_gguf_get_str(m->gguf, KEY("rope.scaling.type"), &stype) == TD_OK &&
+        strcmp(stype, "none") != 0) {
+        if (strcmp(stype, "linear") != 0) {
+            TD_LOG_ERROR("%s: rope scaling type '%.32s' is not supported (linear)", ld->path,
+                         stype);
+            return TD_ERR_UNSUPPORTED;
+        }
+        if ((st = gguf_opt_f32(ld, KEY("rope.scaling.factor"), &factor))) return st;
+    }
+    if (factor == 0.0f && (st = gguf_opt_f32(ld, KEY("rope.scale_linear"), &factor))) return st;
+    if (factor != 0.0f && factor != 1.0f) {
+        c->rope_scaling = TD_ROPE_SCALING_LINEAR;
+        c->rope_factor = factor;
+    }
+    int64_t n_vocab = -1;
+    if ((st = gguf_opt_i64(ld, KEY("vocab_size"), 1, TD_MAX_VOCAB, &n_vocab))) return st;
+#undef KEY
+    if (n_vocab < 0) {
+        td_gguf_type et;
+        uint64_t n;
+        const void *d;
+        if (td_gguf_get_arr(m->gguf, "tokenizer.ggml.tokens", &et, &n, &d) ||
+            et != TD_GGUF_STRING || n == 0 || n > TD_MAX_VOCAB) {
+            TD_LOG_ERROR("%s: neither vocab_size nor a tokenizer.ggml.tokens list", ld->path);
+            return TD_ERR_FORMAT;
+        }
+        n_vocab = (int64_t)n;
+    }
+    c->n_vocab = (int32_t)n_vocab;
+    c->n_embd = (int32_t)n_embd;
+    c->n_layer = (int32_t)n_layer;
+    c->n_ff = (int32_t)n_ff;
+    c->n_head = (int32_t)n_head;
+    c->n_head_kv = (int32_t)n_head_kv;
+    c->head_dim = (int32_t)head_dim;
+    c->n_rot = (int32_t)n_rot;
+    c->n_ctx_train = (int32_t)n_ctx;
+    c->rms_eps = eps;
+    c->rope_theta = theta;
+    const char *name = NULL;
+    if (td_gguf_get_str(m->gguf, "general.name", &name) == TD_OK && name[0])
+        snprintf(c->name, sizeof c->name, "%s", name);
+    return TD_OK;
+}
+
+static td_status json_int(const loader *ld, json_t *root, const char *key, bool required,
+                          int64_t lo, int64_t hi, int64_t *v) {
+    json_t *j = json_object_get(root, key);
+    if (!j || json_is_null(j)) {
+        if (!required) return TD_OK;
+        TD_LOG_ERROR("%s/config.json: '%s' is missing", ld->path, key);
+        return TD_ERR_FORMAT;
+    }
+    if (!json_is_integer(j) || json_integer_value(j) < lo || json_integer_value(j) > hi) {
+        TD_LOG_ERROR("%s/config.json: '%s' is not an integer in [%lld, %lld]", ld->path, key,
+                     (long long)lo, (long long)hi);
+        return TD_ERR_FORMAT;
+    }
+    *v = json_integer_value(j);
+    return TD_OK;
+}
+
+static td_status json_num(const loader *ld, json_t *root, const char *key, float *v) {
+    json_t *j = json_object_get(root, key);
+    if (!j || json_is_null(j)) return TD_OK;
+    double x = json_number_value(j);
+    if (!json_is_number(j) || !isfinite(x) || x <= 0.0 || x > 3.0e38) {
+        TD_LOG_ERROR("%s/config.json: '%s' is not a positive number", ld->path, key);
+        return TD_ERR_FORMAT;
+    }
+    *v = (float)x;
+    return TD_OK;
+}
+
+static td_status config_from_hf(loader *ld) {
+    td_model_config *c = &ld->m->cfg;
+    char cpath[4096];
+    if ((size_t)snprintf(cpath, sizeof cpath, "%s/config.json", ld->path) >= sizeof cpath) {
+        TD_LOG_ERROR("%s: path too long", ld->path);
+        return TD_ERR_INVALID;
+    }
+    json_error_t jerr;
+    json_t *root = json_load_file(cpath, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root) {
+        TD_LOG_ERROR("%s: %s (line %d)", cpath, jerr.text, jerr.line);
+        return TD_ERR_FORMAT;
+    }
+    td_status st = TD_ERR_FORMAT;
+    if (!json_is_object(root)) {
+        TD_LOG_ERROR("%s: not a JSON object", cpath);
+        goto done;
+    }
+    json_t *archs = json_object_get(root, "architectures");
+    const char *a = json_is_array(archs) ? json_string_value(json_array_get(archs, 0)) : NULL;
+    if (!a) {
+        TD_LOG_ERROR("%s: 'architectures' is missing", cpath);
+        goto done;
+    }
+    if (strcmp(a, "LlamaForCausalLM") == 0 || strcmp(a, "MistralForCausalLM") == 0) {
+        c->arch = TD_ARCH_LLAMA;
+        c->qkv_bias = false;
+        json_t *ab = json_object_get(root, "attention_bias");
+        if (json_is_true(ab)) {
+            TD_LOG_ERROR("%s: attention_bias is not supported for %s", cpath, a);
+            st = TD_ERR_UNSUPPORTED;
+            goto done;
+        }
+    } else if (strcmp(a, "Qwen2ForCausalLM") == 0) {
+        c->arch = TD_ARCH_QWEN2;
+        c->qkv_bias = true;
+        if (json_is_true(json_object_get(root, "use_sliding_window"))) {
+            TD_LOG_ERROR("%s: use_sliding_window is not supported", cpath);
+            st = TD_ERR_UNSUPPORTED;
+            goto done;
+        }
+    } else {
+        TD_LOG_ERROR("%s: architecture '%.64s' is not supported (LlamaForCausalLM, "
+                     "MistralForCausalLM, Qwen2ForCausalLM)",
+                     cpath, a);
+        st = TD_ERR_UNSUPPORTED;
+        goto done;
+    }
+    c->rope_mode = TD_ROPE_NEOX; /* HF checkpoints rotate halves */
+    int64_t n_embd, n_layer, n_ff, n_head, n_head_kv = -1, n_vocab, n_ctx = 2048, head_dim = -1;
+    if ((st = json_int(ld, root, "hidden_size", true, 1, TD_MAX_DIM, &n_embd)) ||
+        (st = json_int(ld, root, "num_hidden_layers", true, 1, TD_MAX_LAYERS, &n_layer)) ||
+        (st = json_int(ld, root, "intermediate_size", true, 1, TD_MAX_DIM, &n_ff)) ||
+        (st = json_int(ld, root, "num_attention_heads", true, 1, TD_MAX_HEADS, &n_head)) ||
+        (st = json_int(ld, root, "num_key_value_heads", false, 1, TD_MAX_HEADS, &n_head_kv)) ||
+        (st = json_int(ld, root, "vocab_size", true, 1, TD_MAX_VOCAB, &n_vocab)) ||
+        (st = json_int(ld, root, "max_position_embeddings", false, 1, INT32_MAX, &n_ctx)) ||
+        (st = json_int(ld, root, "head_dim", false, 1, 4096, &head_dim)))
+        goto done;
+    if (n_head_kv < 0) n_head_kv = n_head;
+    if (head_dim < 0) {
+        if (n_embd % n_head != 0) {
+            TD_LOG_ERROR("%s: hidden_size %lld is not divisible by num_attention_heads %lld", cpath,
+                         (long long)n_embd, (long long)n_head);
+            st = TD_ERR_FORMAT;
+            goto done;
+        }
+        head_dim = n_embd / n_head;
+    }
+    float eps = 1e-6f, theta = 10000.0f;
+    if ((st = json_num(ld, root, "rms_norm_eps", &eps)) ||
+        (st = json_num(ld, root, "rope_theta", &theta)))
+        goto done;
+    json_t *tie = json_object_get(root, "tie_word_embeddings");
+    c->tied_output = json_is_true(tie);
+    json_t *rs = json_object_get(root, "rope_scaling");
+    if (rs && !json_is_null(rs)) {
+        const char *rt = json_string_value(json_object_get(rs, "rope_type"));
+        if (!rt) rt = json_string_value(json_object_get(rs, "type"));
+        if (!json_is_object(rs) || !rt) {
+            TD_LOG_ERROR("%s: rope_scaling has no rope_type", cpath);
+            st = TD_ERR_FORMAT;
+            goto done;
+        }
+        float factor = 1.0f, lo = 1.0f, hi = 4.0f;
+        int64_t orig = 8192;
+        if ((st = json_num(ld, rs, "factor", &factor))) goto done;
+        if (strcmp(rt, "default") == 0) {
+        } else if (strcmp(rt, "linear") == 0) {
+            c->rope_scaling = TD_ROPE_SCALING_LINEAR;
+            c->rope_factor = factor;
+        } else if (strcmp(rt, "llama3") == 0) {
+            if ((st = json_num(ld, rs, "low_freq_factor", &lo)) ||
+                (st = json_num(ld, rs, "high_freq_factor", &hi)) ||
+                (st = json_int(ld, rs, "original_max_position_embeddings", true, 1, INT32_MAX,
+                               &orig)))
+                goto done;
+            if (!(hi > lo)) {
+                TD_LOG_ERROR("%s: rope_scaling high_freq_factor must exceed low_freq_factor",
+                             cpath);
+                st = TD_ERR_FORMAT;
+                goto done;
+            }
+            c->rope_scaling = TD_ROPE_SCALING_LLAMA3;
+            c->rope_factor = factor;
+            c->rope_low_freq_factor = lo;
+            c->rope_high_freq_factor = hi;
+            c->rope_orig_ctx = (int32_t)orig;
+        } else {
+            TD_LOG_ERROR("%s: rope_scaling type '%.32s' is not supported (linear, llama3)", cpath,
+                         rt);
+            st = TD_ERR_UNSUPPORTED;
+            goto done;
+        }
+    }
+    c->n_vocab = (int32_t)n_vocab;
+    c->n_embd = (int32_t)n_embd;
+    c->n_layer = (int32_t)n_layer;
+    c->n_ff = (int32_t)n_ff;
+    c->n_head = (int32_t)n_head;
+    c->n_head_kv = (int32_t)n_head_kv;
+    c->head_dim = (int32_t)head_dim;
+    c->n_rot = (int32_t)head_dim;
+    c->n_ctx_train = (int32_t)n_ctx;
+    c->rms_eps = eps;
+    c->rope_theta = theta;
+    st = TD_OK;
+done:
+    json_decref(root);
+    return st;
+}
+
+static td_status config_check(const loader *ld, const td_model_params *p) {
+    const td_model_config *c = &ld->m->cfg;
+    if (c->n_head % c->n_head_kv != 0) {
+        TD_LOG_ERROR("%s: head_count %d is not divisible by head_count_kv %d", ld->path, c->n_head,
+                     c->n_head_kv);
+        return TD_ERR_FORMAT;
+    }
+    if (c->head_dim % 2 != 0 || c->n_rot % 2 != 0 || c->n_rot > c->head_dim) {
+        TD_LOG_ERROR("%s: head_dim %d / rope dimension %d must be even with rope <= head_dim",
+                     ld->path, c->head_dim, c->n_rot);
+        return TD_ERR_FORMAT;
+    }
+    if ((int64_t)c->n_head * c->head_dim > TD_MAX_DIM) {
+        TD_LOG_ERROR("%s: %d heads of %d dims is too wide", ld->path, c->n_head, c->head_dim);
+        return TD_ERR_FORMAT;
+    }
+    if (c->rope_scaling != TD_ROPE_SCALING_NONE && !(c->rope_factor > 0.0f)) {
+        TD_LOG_ERROR("%s: rope scaling factor must be positive", ld->path);
+        return TD_ERR_FORMAT;
+    }
+    if (p->tp_size < 1 || p->tp_rank < 0 || p->tp_rank >= p->tp_size) {
+        TD_LOG_ERROR("%s: bad tensor-parallel rank %d of %d", ld->path, p->tp_rank, p->tp_size);
+        return TD_ERR_INVALID;
+    }
+    if (c->n_head % p->tp_size != 0) {
+        TD_LOG_ERROR("%s: head_count %d is not divisible by tp size %d", ld->path, c->n_head,
+                     p->tp_size);
+        return TD_ERR_INVALID;
+    }
+    if (p->tp_size > c->n_head_kv) {
+        TD_LOG_ERROR("%s: tp size %d exceeds the %d KV heads (replicated KV heads are not "
+                     "supported yet)",
+                     ld->path, p->tp_size, c->n_head_kv);
+        return TD_ERR_UNSUPPORTED;
+    }
+    if (c->n_head_kv % p->tp_size != 0) {
+        TD_LOG_ERROR("%s: head_count_kv %d is not divisible by tp size %d", ld->path, c->n_head_kv,
+                     p->tp_size);
+        return TD_ERR_INVALID;
+    }
+    if (c->n_ff % p->tp_size != 0) {
+        TD_LOG_ERROR("%s: feed_forward_length %d is not divisible by tp size %d", ld->path, c->n_ff,
+                     p->tp_size);
+        return TD_ERR_INVALID;
+    }
+    int end = p->layer_end < 0 ? c->n_layer : p->layer_end;
+    if (p->layer_begin < 0 || p->layer_begin >= end || end > c->n_layer) {
+        TD_LOG_ERROR("%s: layer range [%d, %d) is not inside the model's %d layers", ld->path,
+                     p->layer_begin, end, c->n_layer);
+        return TD_ERR_INVALID;
+    }
+    return TD_OK;
+}
+
+/* Angular frequency of every rotated pair, with the model's scaling. */
+static td_status rope_init(loader *ld) {
+    td_model *m = ld->m;
+    const td_model_config *c = &m->cfg;
+    int n = c->n_rot / 2;
+    m->inv_freq = owned_alloc(m, (size_t)n * sizeof(float));
+    if (!m->inv_freq) {
+        TD_LOG_ERROR("out of memory");
+        return TD_ERR_NOMEM;
+    }
+    float *ff = NULL;
+    if (!ld->hf) {
+        src_tensor t;
+        if (find_tensor(ld, "rope_freqs.weight", &t)) {
+            td_status st = load_vector(ld, "rope_freqs.weight", n, 0, n, &ff);
+            if (st) return st;
+            for (int i = 0; i < n; i++) {
+                if (!(ff[i] > 0.0f)) {
+                    TD_LOG_ERROR("%s: tensor 'rope_freqs.weight': element %d is not positive",
+                                 ld->path, i);
+                    return TD_ERR_FORMAT;
+                }
+            }
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        double f = pow((double)c->rope_theta, -2.0 * i / (double)c->n_rot);
+        if (c->rope_scaling == TD_ROPE_SCALING_LINEAR) {
+            f /= c->rope_factor;
+        } else if (c->rope_scaling == TD_ROPE_SCALING_LLAMA3) {
+            double lo_wl = c->rope_orig_ctx / (double)c->rope_low_freq_factor;
+            double hi_wl = c->rope_orig_ctx / (double)c->rope_high_freq_factor;
+            double wl = 2.0 * M_PI / f;
+            if (wl > lo_wl) {
+                f /= c->rope_factor;
+            } else if (wl >= hi_wl) {
+                double smooth = (c->rope_orig_ctx / wl - c->rope_low_freq_factor) /
+                                (c->rope_high_freq_factor - c->rope_low_freq_factor);
+                f = (1.0 - smooth) * f / c->rope_factor + smooth * f;
+            }
+        }
+        if (ff) f /= ff[i];
+        m->inv_freq[i] = (float)f;
+    }
+    return TD_OK;
+}
+
+/* ---------------------------------------------------------------- weights */
+
+static const char *tname(char *buf, size_t cap, const loader *ld, int l, const char *gguf_part,
+                         const char *hf_part) {
+    if (ld->hf)
+        snprintf(buf, cap, "model.layers.%d.%s", l, hf_part);
+    else
+        snprintf(buf, cap, "blk.%d.%s", l, gguf_part);
+    return buf;
+}
+
+static td_status load_layer(loader *ld, int l, td_layer_weights *lw) {
+    td_model *m = ld->m;
+    const td_model_config *c = &m->cfg;
+    int64_t E = c->n_embd, hd = c->head_dim, ff = c->n_ff;
+    int64_t q_rows = (int64_t)c->n_head * hd, kv_rows = (int64_t)c->n_head_kv * hd;
+    int64_t q_loc = (int64_t)m->n_head_local * hd, kv_loc = (int64_t)m->n_head_kv_local * hd;
+    int64_t ff_loc = ff / m->tp_size, r = m->tp_rank;
+    char b[160];
+    td_status st;
+    if ((st = load_vector(ld,
+                          tname(b, sizeof b, ld, l, "attn_norm.weight", "input_layernorm.weight"),
+                          E, 0, E, (float **)&lw->attn_norm)) ||
+        (st = load_matrix(ld, tname(b, sizeof b, ld, l, "attn_q.weight", "self_attn.q_proj.weight"),
+                          q_rows, E, r * q_loc, q_loc, 0, E, &lw->wq)) ||
+        (st = load_matrix(ld, tname(b, sizeof b, ld, l, "attn_k.weight", "self_attn.k_proj.weight"),
+                          kv_rows, E, r * kv_loc, kv_loc, 0, E, &lw->wk)) ||
+        (st = load_matrix(ld, tname(b, sizeof b, ld, l, "attn_v.weight", "self_attn.v_proj.weight"),
+                          kv_rows, E, r * kv_loc, kv_loc, 0, E, &lw->wv)) ||
+        (st = load_matrix(
+             ld, tname(b, sizeof b, ld, l, "attn_output.weight", "self_attn.o_proj.weight"), E,
+             q_rows, 0, E, r * q_loc, q_loc, &lw->wo)) ||
+        (st = load_vector(
+             ld, tname(b, sizeof b, ld, l, "ffn_norm.weight", "post_attention_layernorm.weight"), E,
+             0, E, (float **)&lw->ffn_norm)) ||
+        (st = load_matrix(ld, tname(b, sizeof b, ld, l, "ffn_gate.weight", "mlp.gate_proj.weight"),
+                          ff, E, r * ff_loc, ff_loc, 0, E, &lw->w_gate)) ||
+        (st = load_matrix(ld, tname(b, sizeof b, ld, l, "ffn_up.weight", "mlp.up_proj.weight"), ff,
+                          E, r * ff_loc, ff_loc, 0, E, &lw->w_up)) ||
+        (st = load_matrix(ld, tname(b, sizeof b, ld, l, "ffn_down.weight", "mlp.down_proj.weight"),
+                          E, ff, 0, E, r * ff_loc, ff_loc, &lw->w_down)))
+        return st;
+    if (c->qkv_bias) {
+        if ((st = load_vector(ld, tname(b, sizeof b, ld, l, "attn_q.bias", "self_attn.q_proj.bias"),
+                              q_rows, r * q_loc, q_loc, (float **)&lw->bq)) ||
+            (st = load_vector(ld, tname(b, sizeof b, ld, l, "attn_k.bias", "self_attn.k_proj.bias"),
+                              kv_rows, r * kv_loc, kv_loc, (float **)&lw->bk)) ||
+            (st = load_vector(ld, tname(b, sizeof b, ld, l, "attn_v.bias", "self_attn.v_proj.bias"),
+                              kv_rows, r * kv_loc, kv_loc, (float **)&lw->bv)))
+            return st;
+    }
+    return TD_OK;
+}
+
+static td_status load_weights(loader *ld) {
+    td_model *m = ld->m;
+    const td_model_config *c = &m->cfg;
+    td_status st;
+    const char *embd_name = ld->hf ? "model.embed_tokens.weight" : "token_embd.weight";
+    const char *out_name = ld->hf ? "lm_head.weight" : "output.weight";
+    const char *norm_name = ld->hf ? "model.norm.weight" : "output_norm.weight";
+    src_tensor t;
+    if (!ld->hf) m->cfg.tied_output = !find_tensor(ld, out_name, &t);
+    bool first = m->layer_begin == 0, last = m->layer_end == c->n_layer;
+    if (first || (last && m->cfg.tied_output)) {
+        td_weight w;
+        size_t before = m->weight_bytes;
+        if ((st = load_matrix(ld, embd_name, c->n_vocab, c->n_embd, 0, c->n_vocab, 0, c->n_embd,
+                              &w)))
+            return st;
+        m->weight_bytes = before; /* one row per token: not a per-token stream of weights */
+        if (first) {
+            m->tok_embd = w;
+            m->has_embd = true;
+        }
+        if (last && m->cfg.tied_output) {
+            m->output = w;
+            m->has_output = true;
+            m->weight_bytes += td_dtype_row_bytes(w.type, w.cols) * (size_t)w.rows;
+        }
+    }
+    if (last) {
+        if (!m->cfg.tied_output) {
+            if ((st = load_matrix(ld, out_name, c->n_vocab, c->n_embd, 0, c->n_vocab, 0, c->n_embd,
+                                  &m->output)))
+                return st;
+            m->has_output = true;
+        }
+        if ((st = load_vector(ld, norm_name, c->n_embd, 0, c->n_embd, &m->output_norm))) return st;
+    }
+    int n_local = m->layer_end - m->layer_begin;
+    m->layers = calloc((size_t)n_local, sizeof *m->layers);
+    if (!m->layers) {
+        TD_LOG_ERROR("out of memory");
+        return TD_ERR_NOMEM;
+    }
+    for (int l = m->layer_begin; l < m->layer_end; l++)
+        if ((st = load_layer(ld, l, &m->layers[l - m->layer_begin]))) return st;
+    m->cfg.wtype = m->layers[0].wq.type;
+    return TD_OK;
+}
+
+static td_status check_vocab(const loader *ld) {
+    const td_model *m = ld->m;
+    int32_t tv = td_tokenizer_n_vocab(m->tok);
+    /* HF configs may pad vocab_size past the tokenizer; GGUF files must agree exactly. */
+    bool ok = ld->hf ? (tv > 0 && tv <= m->cfg.n_vocab) : tv == m->cfg.n_vocab;
+    if (!ok) {
+        TD_LOG_ERROR("%s: the tokenizer has %d tokens but the model's vocabulary is %d", ld->path,
+                     tv, m->cfg.n_vocab);
+        return TD_ERR_FORMAT;
+    }
+    return TD_OK;
+}
+
+td_status td_model_load(const td_model_params *p, td_model **m_p) {
+    if (!p || !p->path || !m_p) return TD_ERR_INVALID;
+    struct stat sb;
+    if (stat(p->path, &sb) != 0) {
+        TD_LOG_ERROR("%s: %s", p->path, strerror(errno));
+        return TD_ERR_IO;
+    }
+    td_model *m = calloc(1, sizeof *m);
+    if (!m || !(m->path = strdup(p->path))) {
+        free(m);
+        TD_LOG_ERROR("out of memory");
+        return TD_ERR_NOMEM;
+    }
+    loader ld = {.m = m, .path = m->path, .hf = S_ISDIR(sb.st_mode)};
+    td_status st;
+    if (ld.hf) {
+        if ((st = config_from_hf(&ld))) goto fail;
+        if ((st = td_st_open(m->path, &m->st))) goto fail;
+    } else {
+        if ((st = td_gguf_open(m->path, &m->gguf))) goto fail;
+        if ((st = config_from_gguf(&ld))) goto fail;
+    }
+    if (!m->cfg.name[0]) {
+        size_t len = strlen(m->path);
+        while (len > 1 && m->path[len - 1] == '/') len--;
+        const char *base = m->path;
+        for (size_t i = 0; i + 1 < len; i++)
+            if (m->path[i] == '/') base = m->path + i + 1;
+        snprintf(m->cfg.name, sizeof m->cfg.name, "%.*s", (int)(len - (size_t)(base - m->path)),
+                 base);
+    }
+    if ((st = config_check(&ld, p))) goto fail;
+    m->tp_rank = p->tp_rank;
+    m->tp_size = p->tp_size;
+    m->layer_begin = p->layer_begin;
+    m->layer_end = p->layer_end < 0 ? m->cfg.n_layer : p->layer_end;
+    m->n_head_local = m->cfg.n_head / p->tp_size;
+    m->n_head_kv_local = m->cfg.n_head_kv / p->tp_size;
+    if ((st = load_weights(&ld))) goto fail;
+    if ((st = rope_init(&ld))) goto fail;
+    st = ld.hf ? td_tokenizer_from_hf_dir(m->path, &m->tok)
+               : td_tokenizer_from_gguf(m->gguf, &m->tok);
+    if (st) goto fail;
+    if ((st = check_vocab(&ld))) goto fail;
+    *m_p = m;
+    return TD_OK;
+fail:
+    td_model_free(m);
+    return st;
+}
+
+void td_model_free(td_model *m) {
+    if (!m) return;
+    td_tokenizer_free(m->tok);
+    for (size_t i = 0; i < m->n_owned; i++) free(m->owned[i]);
+    free(m->owned);
+    free(m->layers);
+    td_st_close(m->st);
+    td_gguf_close(m->gguf);
+    free(m->path);
+    free(m);
+}
+
+const td_model_config *td_model_get_config(const td_model *m) { return &m->cfg; }
+const td_tokenizer *td_model_tokenizer(const td_model *m) { return m->tok; }
+int td_model_tp_rank(const td_model *m) { return m->tp_rank; }
+int td_model_tp_size(const td_model *m) { return m->tp_size; }
+int td_model_layer_begin(const td_model *m) { return m->layer_begin; }
+int td_model_layer_end(const td_model *m) { return m->layer_end; }
+int td_model_n_head_local(const td_model *m) { return m->n_head_local; }
+int td_model_n_head_kv_local(const td_model *m) { return m->n_head_kv_local; }
+
+const td_layer_weights *td_model_layer(const td_model *m, int l) {
+    TD_ASSERT(l >= m->layer_begin && l < m->layer_end);
+    return &m->layers[l - m->layer_begin];
+}
+
+const td_weight *td_model_tok_embd(const td_model *m) { return m->has_embd ? &m->tok_embd : NULL; }
+const float *td_model_output_norm(const td_model *m) { return m->output_norm; }
+const td_weight *td_model_output(const td_model *m) { return m->has_output ? &m->output : NULL; }
+const float *td_model_rope_inv_freq(const td_model *m) { return m->inv_freq; }
+size_t td_model_weight_bytes(const td_model *m) { return m->weight_bytes; }
