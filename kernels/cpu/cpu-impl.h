@@ -1,0 +1,111 @@
+/* Internals shared by the CPU kernel files: the per-ISA function table and
+ * the activation row format used by the quantized matmuls. */
+#ifndef TD_KERNELS_CPU_IMPL_H
+#define TD_KERNELS_CPU_IMPL_H
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu.h"
+
+/* Activation row for quantized weights ("q8x"), nb = k / 32 blocks:
+ *   float   d[nb]     block scale, d = amax / 127
+ *   float   s[nb]     d * sum(qs of the block)   (the Q4_1 min term)
+ *   int32_t sum[nb]   sum(qs of the block)        (the Q4_0 offset term)
+ *   pad to 64 bytes
+ *   int8_t  qs[nb*32] q = round_half_even(x / d), natural element order
+ * The whole row is padded to a multiple of 64 bytes. Splitting scales from
+ * quants keeps two blocks of quants in one 64-byte load. */
+static inline size_t td_q8x_head_bytes(int64_t nb) { return ((size_t)nb * 12 + 63) & ~(size_t)63; }
+static inline size_t td_q8x_row_bytes(int64_t nb) {
+    return td_q8x_head_bytes(nb) + (((size_t)nb * 32 + 63) & ~(size_t)63);
+}
+static inline const float *td_q8x_d(const void *row) { return (const float *)row; }
+static inline const float *td_q8x_s(const void *row, int64_t nb) { return (const float *)row + nb; }
+static inline const int32_t *td_q8x_sum(const void *row, int64_t nb) {
+    return (const int32_t *)row + 2 * nb;
+}
+static inline const int8_t *td_q8x_qs(const void *row, int64_t nb) {
+    return (const int8_t *)row + td_q8x_head_bytes(nb);
+}
+
+/* A weight type the kernels do not handle is a caller bug (types are checked
+ * when a model is loaded), so it is an invariant failure, not a status. */
+#define TD_KERNEL_UNREACHABLE_TYPE(t) ((void)(t), abort())
+
+static inline int td_dtype_is_quant(td_dtype t) {
+    return t == TD_TYPE_Q4_0 || t == TD_TYPE_Q4_1 || t == TD_TYPE_Q8_0;
+}
+
+/* Exact half -> float (bit manipulation, independent of any ISA). */
+static inline float td_cpu_h2f(td_fp16 h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f;
+    uint32_t man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {
+        /* subnormal: normalise */
+        int e = -1;
+        do {
+            man <<= 1;
+            e++;
+        } while (!(man & 0x400));
+        man &= 0x3ff;
+        bits = sign | ((uint32_t)(112 - e) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float td_cpu_bf2f(td_bf16 h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+typedef void (*td_matmul_fn)(td_dtype wtype, const void *w, size_t w_stride, const void *xq,
+                             size_t xq_stride, int n, int64_t k, float *y, size_t ldy, int r0,
+                             int r1);
+
+typedef struct {
+    td_matmul_fn matmul;
+    void (*act_quant)(td_dtype wtype, const float *x, void *xq, int64_t k);
+    void (*rmsnorm)(const float *x, const float *w, float *out, int64_t n, float eps);
+    void (*swiglu)(const float *gate, const float *up, float *out, int64_t n);
+    void (*add)(const float *a, const float *b, float *out, int64_t n);
+    void (*scale)(float *x, float s, int64_t n);
+    void (*softmax)(float *x, int64_t n);
+    void (*attn_paged)(const float *q, const td_cpu_kv_layer *kv, int kv_head,
+                       const int32_t *block_table, int n_ctx, float scale, float *out,
+                       float *scratch);
+} td_cpu_ops;
+
+extern const td_cpu_ops td_cpu_ops_scalar;
+extern const td_cpu_ops td_cpu_ops_avx2;
+extern const td_cpu_ops td_cpu_ops_avx512;
+
+/* Scalar act quantizer, shared so that every ISA produces the same q8x rows
+ * (SIMD files may use their own as long as the bytes are identical). */
+void td_cpu_act_quant_scalar(td_dtype wtype, const float *x, void *xq, int64_t k);
+
+/* AVX2 kernels, reused by the AVX-512 table where 512-bit code does not help. */
+void td_cpu_matmul_avx2(td_dtype wt, const void *w, size_t w_stride, const void *xq,
+                        size_t xq_stride, int n, int64_t k, float *y, size_t ldy, int r0, int r1);
+void td_cpu_rmsnorm_avx2(const float *x, const float *w, float *out, int64_t n, float eps);
+void td_cpu_swiglu_avx2(const float *gate, const float *up, float *out, int64_t n);
+void td_cpu_add_avx2(const float *a, const float *b, float *out, int64_t n);
+void td_cpu_scale_avx2(float *x, float s, int64_t n);
+void td_cpu_softmax_avx2(float *x, int64_t n);
+void td_cpu_attn_paged_avx2(const float *q, const td_cpu_kv_layer *kv, int kv_head,
+                            const int32_t *block_table, int n_ctx, float scale, float *out,
+                            float *scratch);
+
+#endif

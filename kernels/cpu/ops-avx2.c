@@ -1,0 +1,402 @@
+/* AVX2 + FMA + F16C kernels.
+ *
+ * Matmul tiles: a tile computes R weight rows x T tokens. Every (row, token)
+ * pair owns one vector accumulator that is updated once per block (quantized)
+ * or per 8 elements (float) in k order, then reduced by the same horizontal
+ * sum; tile shape only changes which pairs run side by side, never the
+ * instruction sequence of a pair, so results do not depend on n, r0, r1. */
+#include <immintrin.h>
+#include <math.h>
+
+#include "cpu-impl.h"
+
+#define AI static inline __attribute__((always_inline))
+
+AI float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp(x) for x in float range: range reduction by ln2, degree-6 polynomial
+ * (max rel. error about 2e-7), exponent assembled with integer shifts. */
+AI __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)),
+                      _mm256_set1_ps(-87.3365447504f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    __m256 r2 = _mm256_mul_ps(r, r);
+    p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* 2^n in two steps so that n = 128 (x near 88.7) does not overflow the exponent */
+    __m256i ni = _mm256_cvtps_epi32(n);
+    __m256i h = _mm256_srai_epi32(ni, 1);
+    __m256 s1 =
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
+    __m256 s2 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+/* ---------------- quantized matmul ---------------- */
+
+#define QR 2 /* rows per tile */
+#define QT 4 /* tokens per tile */
+
+AI __m256i unpack_q4(const uint8_t *qs) {
+    __m128i x = _mm_loadu_si128((const __m128i *)qs);
+    __m256i w = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
+    return _mm256_and_si256(w, _mm256_set1_epi8(0x0f));
+}
+
+AI void tile_quant(const td_dtype WT, const int R, const int T, const char *w, size_t w_stride,
+                   const char *xq, size_t xq_stride, int64_t nb, float *y, size_t ldy) {
+    __m256 acc[QR][QT];
+    const float *xd[QT], *xs[QT];
+    const int32_t *xsum[QT];
+    const int8_t *xqs[QT];
+    const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++) {
+        const char *row = xq + (size_t)t * xq_stride;
+        xd[t] = td_q8x_d(row);
+        xs[t] = td_q8x_s(row, nb);
+        xsum[t] = td_q8x_sum(row, nb);
+        xqs[t] = td_q8x_qs(row, nb);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) acc[r][t] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i wv[QR], aw[QR];
+        __m256 dw[QR], mw[QR];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const char *wrow = w + (size_t)r * w_stride;
+            if (WT == TD_TYPE_Q8_0) {
+                const td_block_q8_0 *blk = (const td_block_q8_0 *)wrow + b;
+                wv[r] = _mm256_loadu_si256((const __m256i *)blk->qs);
+                aw[r] = _mm256_sign_epi8(wv[r], wv[r]);
+                dw[r] = _mm256_set1_ps(_cvtsh_ss(blk->d));
+            } else if (WT == TD_TYPE_Q4_0) {
+                const td_block_q4_0 *blk = (const td_block_q4_0 *)wrow + b;
+                wv[r] = unpack_q4(blk->qs);
+                dw[r] = _mm256_set1_ps(_cvtsh_ss(blk->d));
+            } else {
+                const td_block_q4_1 *blk = (const td_block_q4_1 *)wrow + b;
+                wv[r] = unpack_q4(blk->qs);
+                dw[r] = _mm256_set1_ps(_cvtsh_ss(blk->d));
+                mw[r] = _mm256_zextps128_ps256(_mm_set_ss(_cvtsh_ss(blk->m)));
+            }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xqs[t] + b * 32));
+            __m256 dx = _mm256_set1_ps(xd[t][b]);
+            __m256i init = _mm256_setzero_si256();
+            __m256 sx = _mm256_setzero_ps();
+            if (WT == TD_TYPE_Q4_0)
+                init = _mm256_zextsi128_si256(_mm_cvtsi32_si128(-8 * xsum[t][b]));
+            if (WT == TD_TYPE_Q4_1) sx = _mm256_set1_ps(xs[t][b]);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                __m256i p16;
+                if (WT == TD_TYPE_Q8_0)
+                    p16 = _mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xv, wv[r]));
+                else
+                    p16 = _mm256_maddubs_epi16(wv[r], xv);
+                __m256i p32 = _mm256_madd_epi16(p16, ones);
+                if (WT == TD_TYPE_Q4_0) p32 = _mm256_add_epi32(p32, init);
+                __m256 f = _mm256_cvtepi32_ps(p32);
+                acc[r][t] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw[r], dx), acc[r][t]);
+                if (WT == TD_TYPE_Q4_1) acc[r][t] = _mm256_fmadd_ps(mw[r], sx, acc[r][t]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) y[(size_t)t * ldy + r] = hsum256(acc[r][t]);
+}
+
+typedef void (*tile_fn)(const char *w, size_t w_stride, const char *xq, size_t xq_stride,
+                        int64_t nb, float *y, size_t ldy);
+
+#define DEF_TILE(NAME, WT, R, T)                                                                   \
+    static void NAME##_##R##_##T(const char *w, size_t ws, const char *xq, size_t xs, int64_t nb,  \
+                                 float *y, size_t ldy) {                                           \
+        tile_quant(WT, R, T, w, ws, xq, xs, nb, y, ldy);                                           \
+    }
+#define DEF_TILES(NAME, WT)                                                                        \
+    DEF_TILE(NAME, WT, 1, 1)                                                                       \
+    DEF_TILE(NAME, WT, 1, 2)                                                                       \
+    DEF_TILE(NAME, WT, 1, 3)                                                                       \
+    DEF_TILE(NAME, WT, 1, 4)                                                                       \
+    DEF_TILE(NAME, WT, 2, 1)                                                                       \
+    DEF_TILE(NAME, WT, 2, 2)                                                                       \
+    DEF_TILE(NAME, WT, 2, 3)                                                                       \
+    DEF_TILE(NAME, WT, 2, 4)                                                                       \
+    static const tile_fn NAME##_tiles[QR][QT] = {                                                  \
+        {NAME##_1_1, NAME##_1_2, NAME##_1_3, NAME##_1_4},                                          \
+        {NAME##_2_1, NAME##_2_2, NAME##_2_3, NAME##_2_4}};
+
+DEF_TILES(q80, TD_TYPE_Q8_0)
+DEF_TILES(q40, TD_TYPE_Q4_0)
+DEF_TILES(q41, TD_TYPE_Q4_1)
+
+/* ---------------- float-weight matmul ---------------- */
+
+#define FR 4
+#define FT 2
+
+AI __m256 load_w8(const td_dtype WT, const void *p) {
+    if (WT == TD_TYPE_F32) return _mm256_loadu_ps((const float *)p);
+    if (WT == TD_TYPE_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+AI void tile_float(const td_dtype WT, const int R, const int T, const char *w, size_t w_stride,
+                   const char *xq, size_t xq_stride, int64_t k, float *y, size_t ldy) {
+    const size_t es = WT == TD_TYPE_F32 ? 4 : 2;
+    __m256 acc[FR][FT];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        __m256 wv[FR];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) wv[r] = load_w8(WT, w + (size_t)r * w_stride + (size_t)i * es);
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            __m256 xv = _mm256_loadu_ps((const float *)(xq + (size_t)t * xq_stride) + i);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+        }
+    }
+    if (i < k) { /* tail: zero-padded copies, same update as a full step */
+        int m = (int)(k - i);
+        __m256 wv[FR];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            uint16_t tmp[16] = {0};
+            memcpy(tmp, w + (size_t)r * w_stride + (size_t)i * es, (size_t)m * es);
+            wv[r] = load_w8(WT, tmp);
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            float tmp[8] = {0};
+            memcpy(tmp, (const float *)(xq + (size_t)t * xq_stride) + i, (size_t)m * 4);
+            __m256 xv = _mm256_loadu_ps(tmp);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) y[(size_t)t * ldy + r] = hsum256(acc[r][t]);
+}
+
+#define DEF_FTILE(NAME, WT, R, T)                                                                  \
+    static void NAME##_##R##_##T(const char *w, size_t ws, const char *xq, size_t xs, int64_t k,   \
+                                 float *y, size_t ldy) {                                           \
+        tile_float(WT, R, T, w, ws, xq, xs, k, y, ldy);                                            \
+    }
+#define DEF_FTILES(NAME, WT)                                                                       \
+    DEF_FTILE(NAME, WT, 1, 1)                                                                      \
+    DEF_FTILE(NAME, WT, 1, 2)                                                                      \
+    DEF_FTILE(NAME, WT, 2, 1)                                                                      \
+    DEF_FTILE(NAME, WT, 2, 2)                                                                      \
+    DEF_FTILE(NAME, WT, 3, 1)                                                                      \
+    DEF_FTILE(NAME, WT, 3, 2)                                                                      \
+    DEF_FTILE(NAME, WT, 4, 1)                                                                      \
+    DEF_FTILE(NAME, WT, 4, 2)                                                                      \
+    static const tile_fn NAME##_tiles[FR][FT] = {{NAME##_1_1, NAME##_1_2},                         \
+                                                 {NAME##_2_1, NAME##_2_2},                         \
+                                                 {NAME##_3_1, NAME##_3_2},                         \
+                                                 {NAME##_4_1, NAME##_4_2}};
+
+DEF_FTILES(f32, TD_TYPE_F32)
+DEF_FTILES(f16, TD_TYPE_F16)
+DEF_FTILES(bf16, TD_TYPE_BF16)
+
+/* Tokens are taken in chunks whose activations stay in L2 while every row
+ * tile of the range sweeps them. */
+void td_cpu_matmul_avx2(td_dtype wt, const void *w, size_t w_stride, const void *xq,
+                        size_t xq_stride, int n, int64_t k, float *y, size_t ldy, int r0, int r1) {
+    const tile_fn *tiles;
+    int R, T;
+    int64_t kk = k;
+    switch (wt) {
+    case TD_TYPE_Q8_0: tiles = &q80_tiles[0][0], R = QR, T = QT, kk = k / 32; break;
+    case TD_TYPE_Q4_0: tiles = &q40_tiles[0][0], R = QR, T = QT, kk = k / 32; break;
+    case TD_TYPE_Q4_1: tiles = &q41_tiles[0][0], R = QR, T = QT, kk = k / 32; break;
+    case TD_TYPE_F32: tiles = &f32_tiles[0][0], R = FR, T = FT; break;
+    case TD_TYPE_F16: tiles = &f16_tiles[0][0], R = FR, T = FT; break;
+    case TD_TYPE_BF16: tiles = &bf16_tiles[0][0], R = FR, T = FT; break;
+    default: TD_KERNEL_UNREACHABLE_TYPE(wt);
+    }
+    size_t act_bytes = xq_stride ? xq_stride : 1;
+    int tchunk = (int)((256 * 1024) / act_bytes);
+    if (tchunk < T) tchunk = T;
+    tchunk -= tchunk % T;
+    for (int tc = 0; tc < n; tc += tchunk) {
+        int te = tc + tchunk < n ? tc + tchunk : n;
+        for (int r = r0; r < r1; r += R) {
+            int rr = r1 - r < R ? r1 - r : R;
+            const char *wr = (const char *)w + (size_t)r * w_stride;
+            for (int t = tc; t < te; t += T) {
+                int tt = te - t < T ? te - t : T;
+                tiles[(rr - 1) * T + (tt - 1)](wr, w_stride,
+                                               (const char *)xq + (size_t)t * xq_stride, xq_stride,
+                                               kk, y + (size_t)t * ldy + r, ldy);
+            }
+        }
+    }
+}
+
+/* ---------------- elementwise ---------------- */
+
+void td_cpu_rmsnorm_avx2(const float *x, const float *w, float *out, int64_t n, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float ss = hsum256(acc);
+    for (; i < n; i++) ss += x[i] * x[i];
+    float r = (float)(1.0 / sqrt((double)ss / (double)n + (double)eps));
+    __m256 rv = _mm256_set1_ps(r);
+    for (i = 0; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), rv);
+        if (w) v = _mm256_mul_ps(v, _mm256_loadu_ps(w + i));
+        _mm256_storeu_ps(out + i, v);
+    }
+    for (; i < n; i++) out[i] = w ? x[i] * r * w[i] : x[i] * r;
+}
+
+void td_cpu_swiglu_avx2(const float *gate, const float *up, float *out, int64_t n) {
+    int64_t i = 0;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+void td_cpu_add_avx2(const float *a, const float *b, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    for (; i < n; i++) out[i] = a[i] + b[i];
+}
+
+void td_cpu_scale_avx2(float *x, float s, int64_t n) {
+    int64_t i = 0;
+    __m256 sv = _mm256_set1_ps(s);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), sv));
+    for (; i < n; i++) x[i] *= s;
+}
+
+void td_cpu_softmax_avx2(float *x, int64_t n) {
+    if (n <= 0) return;
+    float mx = x[0];
+    for (int64_t i = 1; i < n; i++) mx = fmaxf(mx, x[i]);
+    __m256 mv = _mm256_set1_ps(mx), sv = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+        _mm256_storeu_ps(x + i, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum256(sv);
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - mx);
+        sum += x[i];
+    }
+    td_cpu_scale_avx2(x, 1.0f / sum, n);
+}
+
+/* head_dim is a multiple of 8 for every supported model; other sizes take a
+ * scalar tail. */
+void td_cpu_attn_paged_avx2(const float *q, const td_cpu_kv_layer *kv, int kv_head,
+                            const int32_t *block_table, int n_ctx, float scale, float *out,
+                            float *scratch) {
+    int hd = kv->head_dim, bs = kv->block_size;
+    int hv = hd & ~7;
+    size_t tok_stride = (size_t)kv->n_kv_heads * hd;
+    for (int p = 0; p < n_ctx; p++) {
+        const float *k =
+            kv->k + ((size_t)block_table[p / bs] * bs + p % bs) * tok_stride + (size_t)kv_head * hd;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 16 <= hv; i += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), a1);
+        }
+        for (; i < hv; i += 8)
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a0);
+        float s = hsum256(_mm256_add_ps(a0, a1));
+        for (; i < hd; i++) s += q[i] * k[i];
+        scratch[p] = s * scale;
+    }
+    td_cpu_softmax_avx2(scratch, n_ctx);
+    int i = 0;
+    for (; i + 32 <= hv; i += 32) { /* 4 accumulators: positions in order for each lane */
+        __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+        for (int p = 0; p < n_ctx; p++) {
+            const float *v = kv->v + ((size_t)block_table[p / bs] * bs + p % bs) * tok_stride +
+                             (size_t)kv_head * hd + i;
+            __m256 a = _mm256_set1_ps(scratch[p]);
+            o0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(v), o0);
+            o1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(v + 8), o1);
+            o2 = _mm256_fmadd_ps(a, _mm256_loadu_ps(v + 16), o2);
+            o3 = _mm256_fmadd_ps(a, _mm256_loadu_ps(v + 24), o3);
+        }
+        _mm256_storeu_ps(out + i, o0);
+        _mm256_storeu_ps(out + i + 8, o1);
+        _mm256_storeu_ps(out + i + 16, o2);
+        _mm256_storeu_ps(out + i + 24, o3);
+    }
+    for (; i + 8 <= hv; i += 8) {
+        __m256 o0 = _mm256_setzero_ps();
+        for (int p = 0; p < n_ctx; p++) {
+            const float *v = kv->v + ((size_t)block_table[p / bs] * bs + p % bs) * tok_stride +
+                             (size_t)kv_head * hd + i;
+            o0 = _mm256_fmadd_ps(_mm256_set1_ps(scratch[p]), _mm256_loadu_ps(v), o0);
+        }
+        _mm256_storeu_ps(out + i, o0);
+    }
+    for (; i < hd; i++) {
+        float o = 0.0f;
+        for (int p = 0; p < n_ctx; p++)
+            o += scratch[p] * kv->v[((size_t)block_table[p / bs] * bs + p % bs) * tok_stride +
+                                    (size_t)kv_head * hd + i];
+        out[i] = o;
+    }
+}
+
+const td_cpu_ops td_cpu_ops_avx2 = {
+    .matmul = td_cpu_matmul_avx2,
+    .act_quant = td_cpu_act_quant_scalar,
+    .rmsnorm = td_cpu_rmsnorm_avx2,
+    .swiglu = td_cpu_swiglu_avx2,
+    .add = td_cpu_add_avx2,
+    .scale = td_cpu_scale_avx2,
+    .softmax = td_cpu_softmax_avx2,
+    .attn_paged = td_cpu_attn_paged_avx2,
+};
