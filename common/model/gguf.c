@@ -287,11 +287,11 @@ static td_status skip_value(cursor *c, uint32_t type, int depth, const char *key
         return rd_str(c, &s, &len, key);
     }
     if (type != TD_GGUF_ARRAY) {
-        PERR(c, "%s: key '%s': unknown value type %u", c->name, key, type);
+        PERR(c, "%s: %s: unknown value type %u", c->name, key, type);
         return TD_ERR_FORMAT;
     }
     if (depth >= GGUF_MAX_DEPTH) {
-        PERR(c, "%s: key '%s': arrays nested deeper than %d", c->name, key, GGUF_MAX_DEPTH);
+        PERR(c, "%s: %s: arrays nested deeper than %d", c->name, key, GGUF_MAX_DEPTH);
         return TD_ERR_FORMAT;
     }
     uint32_t et;
@@ -303,7 +303,7 @@ static td_status skip_value(cursor *c, uint32_t type, int depth, const char *key
     if (esz) {
         size_t bytes;
         if (n > SIZE_MAX || td_mul_overflow((size_t)n, esz, &bytes) || bytes > cur_left(c)) {
-            PERR(c, "%s: key '%s': nested array of %llu %s exceeds the file", c->name, key,
+            PERR(c, "%s: %s: nested array of %llu %s exceeds the file", c->name, key,
                  (unsigned long long)n, kv_type_name(et));
             return TD_ERR_FORMAT;
         }
@@ -312,11 +312,11 @@ static td_status skip_value(cursor *c, uint32_t type, int depth, const char *key
     }
     /* every string or array element takes at least 8 bytes */
     if (et != TD_GGUF_STRING && et != TD_GGUF_ARRAY) {
-        PERR(c, "%s: key '%s': unknown array element type %u", c->name, key, et);
+        PERR(c, "%s: %s: unknown array element type %u", c->name, key, et);
         return TD_ERR_FORMAT;
     }
     if (n > cur_left(c) / 8) {
-        PERR(c, "%s: key '%s': nested array count %llu exceeds the file", c->name, key,
+        PERR(c, "%s: %s: nested array count %llu exceeds the file", c->name, key,
              (unsigned long long)n);
         return TD_ERR_FORMAT;
     }
@@ -339,7 +339,7 @@ static td_status parse_array(cursor *c, gguf_kv *kv, const char *key) {
         size_t bytes;
         if (n > SIZE_MAX || td_mul_overflow((size_t)n, esz, &bytes) || bytes > cur_left(c)) {
             PERR(c,
-                 "%s: key '%s': array of %llu %s at offset %zu exceeds the %zu bytes left in the "
+                 "%s: %s: array of %llu %s at offset %zu exceeds the %zu bytes left in the "
                  "file",
                  c->name, key, (unsigned long long)n, kv_type_name(et), c->off, cur_left(c));
             return TD_ERR_FORMAT;
@@ -351,7 +351,7 @@ static td_status parse_array(cursor *c, gguf_kv *kv, const char *key) {
     }
     if (et == TD_GGUF_ARRAY) {
         if (n > cur_left(c) / 12) {
-            PERR(c, "%s: key '%s': array of %llu arrays exceeds the file", c->name, key,
+            PERR(c, "%s: %s: array of %llu arrays exceeds the file", c->name, key,
                  (unsigned long long)n);
             return TD_ERR_FORMAT;
         }
@@ -363,7 +363,7 @@ static td_status parse_array(cursor *c, gguf_kv *kv, const char *key) {
         return TD_OK;
     }
     if (et != TD_GGUF_STRING) {
-        PERR(c, "%s: key '%s': unknown array element type %u", c->name, key, et);
+        PERR(c, "%s: %s: unknown array element type %u", c->name, key, et);
         return TD_ERR_FORMAT;
     }
     /* Strings: each needs at least its 8-byte length, which bounds n before
@@ -371,7 +371,7 @@ static td_status parse_array(cursor *c, gguf_kv *kv, const char *key) {
      * copies. The copies are never larger than the bytes they came from. */
     if (n > cur_left(c) / 8) {
         PERR(c,
-             "%s: key '%s': array of %llu strings at offset %zu exceeds the %zu bytes left in the "
+             "%s: %s: array of %llu strings at offset %zu exceeds the %zu bytes left in the "
              "file",
              c->name, key, (unsigned long long)n, c->off, cur_left(c));
         return TD_ERR_FORMAT;
@@ -387,8 +387,7 @@ static td_status parse_array(cursor *c, gguf_kv *kv, const char *key) {
     kv->arr_offs = malloc(((size_t)n + 1) * sizeof *kv->arr_offs);
     kv->arr_strs = malloc(total ? total : 1);
     if (!kv->arr_offs || !kv->arr_strs) {
-        PERR(c, "%s: key '%s': out of memory for %llu strings", c->name, key,
-             (unsigned long long)n);
+        PERR(c, "%s: %s: out of memory for %llu strings", c->name, key, (unsigned long long)n);
         return TD_ERR_NOMEM;
     }
     cursor c2 = *c;
@@ -426,7 +425,9 @@ static td_status parse_kv(cursor *c, td_gguf *g, int64_t i) {
     char *key = dup_mem(k, klen);
     if (!key) return TD_ERR_NOMEM;
     kv->key = key;
-    const char *pk = printable(k, klen, pbuf, sizeof pbuf);
+    char kbuf[112];
+    snprintf(kbuf, sizeof kbuf, "key '%s'", printable(k, klen, pbuf, sizeof pbuf));
+    const char *pk = kbuf;
 
     uint32_t type;
     st = rd_u32(c, &type, pk);
@@ -445,7 +446,7 @@ static td_status parse_kv(cursor *c, td_gguf *g, int64_t i) {
         return TD_OK;
     }
     if (type == TD_GGUF_ARRAY) return parse_array(c, kv, pk);
-    PERR(c, "%s: key '%s': unknown value type %u", c->name, pk, type);
+    PERR(c, "%s: %s: unknown value type %u", c->name, pk, type);
     return TD_ERR_FORMAT;
 }
 
@@ -469,9 +470,11 @@ static td_status parse_tensor_info(cursor *c, td_gguf *g, int64_t i, uint64_t *o
     if (!name) return TD_ERR_NOMEM;
     t->name = name;
     const char *pn = printable(s, len, pbuf, sizeof pbuf);
+    char tw[112];
+    snprintf(tw, sizeof tw, "tensor '%s'", pn);
 
     uint32_t n_dims, type;
-    st = rd_u32(c, &n_dims, pn);
+    st = rd_u32(c, &n_dims, tw);
     if (st != TD_OK) return st;
     if (n_dims < 1 || n_dims > 4) {
         PERR(c, "%s: tensor '%s': n_dims %u outside 1..4", c->name, pn, n_dims);
@@ -482,7 +485,7 @@ static td_status parse_tensor_info(cursor *c, td_gguf *g, int64_t i, uint64_t *o
     for (int d = 0; d < 4; d++) t->ne[d] = 1;
     for (uint32_t d = 0; d < n_dims; d++) {
         uint64_t ne;
-        st = rd_u64(c, &ne, pn);
+        st = rd_u64(c, &ne, tw);
         if (st != TD_OK) return st;
         if (ne == 0 || ne > (uint64_t)INT64_MAX) {
             PERR(c, "%s: tensor '%s': ne[%u] = %llu is not a positive int64", c->name, pn, d,
@@ -495,8 +498,8 @@ static td_status parse_tensor_info(cursor *c, td_gguf *g, int64_t i, uint64_t *o
         }
         t->ne[d] = (int64_t)ne;
     }
-    st = rd_u32(c, &type, pn);
-    if (st == TD_OK) st = rd_u64(c, offset_p, pn);
+    st = rd_u32(c, &type, tw);
+    if (st == TD_OK) st = rd_u64(c, offset_p, tw);
     if (st != TD_OK) return st;
     int be;
     size_t bb;
