@@ -1,0 +1,331 @@
+/* tandem bench-engine: prompt processing and generation speed measured the
+ * way llama-bench measures them, so the two tools' numbers compare directly:
+ *   ppN: one forward call over N random token ids into an empty KV cache
+ *        (logits of the last token only);
+ *   tgN: N single-token forward calls starting from an empty KV cache, each
+ *        feeding a random token id (llama-bench's test_gen: no sampling).
+ * One warm-up run of each test, then r timed repetitions with a fresh KV
+ * cache each; reported as mean +- sample standard deviation of tokens/s. */
+#include <dirent.h>
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include <jansson.h>
+
+#include "../common/model/forward.h"
+#include "runtime.h"
+#include "tools.h"
+
+#define BENCH_MAX_REPS 1000
+
+static void bench_usage(FILE *f) {
+    fprintf(f,
+            "usage: tandem bench-engine [--model PATH] [-p N] [-n N] [-r N] [--threads N]\n"
+            "                           [--isa NAME] [--json]\n"
+            "\n"
+            "Measures prompt processing (ppN: N tokens in one batch) and generation (tgN:\n"
+            "N tokens one at a time from an empty context) like llama-bench: one warm-up,\n"
+            "then mean +- sd of tokens/s over the repetitions, a fresh KV cache each time.\n"
+            "\n"
+            "  --model PATH    GGUF file or Hugging Face directory (default: %s)\n"
+            "  -p, --n-prompt N  prompt tokens (default 512; 0 skips pp)\n"
+            "  -n, --n-gen N     generated tokens (default 128; 0 skips tg)\n"
+            "  -r, --repetitions N  timed repetitions (default 5)\n"
+            "  -t, --threads N   worker threads (default: every core)\n"
+            "  --isa NAME      kernel set: scalar, avx2, avx512 (default: best available)\n"
+            "  --json          one JSON object on stdout instead of the table\n",
+            td_default_model_path());
+}
+
+static bool parse_long(const char *s, long lo, long hi, long *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return false;
+    *out = v;
+    return true;
+}
+
+/* splitmix64: random token ids that do not depend on libc's rand(). */
+static uint64_t bench_rand(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+typedef struct {
+    td_runtime *rt;
+    int32_t *blocks; /* (blocks for the longest test) */
+    int32_t *tokens; /* (n_prompt) */
+    float *logits;   /* (n_vocab) */
+    uint64_t rng;
+} bench_ctx;
+
+/* Seconds for one ppN run, or < 0 on error. */
+static double run_pp(bench_ctx *b, int32_t n) {
+    int32_t nb = td_runtime_blocks_for(b->rt, n);
+    if (td_kv_block_alloc(b->rt->kv, nb, b->blocks) != TD_OK) {
+        fprintf(stderr, "tandem bench-engine: KV pool too small for %d tokens\n", n);
+        return -1;
+    }
+    int32_t nv = b->rt->cfg->n_vocab;
+    for (int32_t i = 0; i < n; i++) b->tokens[i] = (int32_t)(bench_rand(&b->rng) % (uint64_t)nv);
+    td_seq_chunk c = {
+        .tokens = b->tokens, .n_tokens = n, .pos0 = 0, .block_table = b->blocks, .n_blocks = nb};
+    double t0 = td_time_s();
+    td_status st = td_engine_forward(b->rt->engine, &c, 1, b->logits);
+    double t = td_time_s() - t0;
+    td_kv_block_free(b->rt->kv, b->blocks, nb);
+    if (st != TD_OK) {
+        fprintf(stderr, "tandem bench-engine: forward failed: %s\n", td_status_str(st));
+        return -1;
+    }
+    return t;
+}
+
+/* Seconds for one tgN run, or < 0 on error. */
+static double run_tg(bench_ctx *b, int32_t n) {
+    int32_t nb = td_runtime_blocks_for(b->rt, n);
+    if (td_kv_block_alloc(b->rt->kv, nb, b->blocks) != TD_OK) {
+        fprintf(stderr, "tandem bench-engine: KV pool too small for %d tokens\n", n);
+        return -1;
+    }
+    int32_t nv = b->rt->cfg->n_vocab;
+    int32_t bos = td_tokenizer_bos(b->rt->tok);
+    int32_t tok = td_tokenizer_adds_bos(b->rt->tok) && bos >= 0
+                      ? bos
+                      : (int32_t)(bench_rand(&b->rng) % (uint64_t)nv);
+    td_status st = TD_OK;
+    double t0 = td_time_s();
+    for (int32_t i = 0; i < n && st == TD_OK; i++) {
+        td_seq_chunk c = {.tokens = &tok,
+                          .n_tokens = 1,
+                          .pos0 = i,
+                          .block_table = b->blocks,
+                          .n_blocks = td_runtime_blocks_for(b->rt, i + 1)};
+        st = td_engine_forward(b->rt->engine, &c, 1, b->logits);
+        tok = (int32_t)(bench_rand(&b->rng) % (uint64_t)nv);
+    }
+    double t = td_time_s() - t0;
+    td_kv_block_free(b->rt->kv, b->blocks, nb);
+    if (st != TD_OK) {
+        fprintf(stderr, "tandem bench-engine: forward failed: %s\n", td_status_str(st));
+        return -1;
+    }
+    return t;
+}
+
+typedef struct {
+    char name[32];
+    int32_t n_prompt, n_gen;
+    double ts[BENCH_MAX_REPS]; /* tokens/s per repetition */
+    double ns[BENCH_MAX_REPS]; /* nanoseconds per repetition */
+    int n;
+    double avg, sd;
+} bench_result;
+
+static void summarise(bench_result *r) {
+    double s = 0;
+    for (int i = 0; i < r->n; i++) s += r->ts[i];
+    r->avg = s / r->n;
+    double v = 0;
+    for (int i = 0; i < r->n; i++) v += (r->ts[i] - r->avg) * (r->ts[i] - r->avg);
+    r->sd = r->n > 1 ? sqrt(v / (r->n - 1)) : 0.0;
+}
+
+/* Parameters counted from the configuration (whole model, as llama-bench). */
+static double count_params(const td_model_config *c) {
+    double hd = c->head_dim, e = c->n_embd;
+    double attn = e * c->n_head * hd * 2 + e * c->n_head_kv * hd * 2;
+    if (c->qkv_bias) attn += (c->n_head + 2.0 * c->n_head_kv) * hd;
+    double layer = attn + 3.0 * e * c->n_ff + 2.0 * e;
+    double total = (double)c->n_vocab * e + c->n_layer * layer + e;
+    if (!c->tied_output) total += (double)c->n_vocab * e;
+    return total;
+}
+
+/* Bytes on disk: the file, or the sum of a directory's .safetensors files. */
+static uint64_t model_size_bytes(const char *path) {
+    struct stat sb;
+    if (stat(path, &sb) != 0) return 0;
+    if (!S_ISDIR(sb.st_mode)) return (uint64_t)sb.st_size;
+    uint64_t total = 0;
+    DIR *d = opendir(path);
+    if (!d) return 0;
+    struct dirent *de;
+    char sub[4096];
+    while ((de = readdir(d)) != NULL) {
+        size_t n = strlen(de->d_name);
+        if (n < 12 || strcmp(de->d_name + n - 12, ".safetensors") != 0) continue;
+        int w = snprintf(sub, sizeof sub, "%s/%s", path, de->d_name);
+        if (w > 0 && (size_t)w < sizeof sub && stat(sub, &sb) == 0) total += (uint64_t)sb.st_size;
+    }
+    closedir(d);
+    return total;
+}
+
+int td_cmd_bench_engine(int argc, char **argv) {
+    const char *model = NULL, *isa = NULL;
+    long n_prompt = 512, n_gen = 128, reps = 5, threads = 0;
+    bool json = false;
+    for (int i = 1; i < argc; i++) {
+        const char *opt = argv[i];
+        if (!strcmp(opt, "--help") || !strcmp(opt, "-h")) {
+            bench_usage(stdout);
+            return 0;
+        }
+        if (!strcmp(opt, "--json")) {
+            json = true;
+            continue;
+        }
+        bool known = !strcmp(opt, "--model") || !strcmp(opt, "-m") || !strcmp(opt, "--isa") ||
+                     !strcmp(opt, "-p") || !strcmp(opt, "--n-prompt") || !strcmp(opt, "-n") ||
+                     !strcmp(opt, "--n-gen") || !strcmp(opt, "-r") ||
+                     !strcmp(opt, "--repetitions") || !strcmp(opt, "-t") ||
+                     !strcmp(opt, "--threads");
+        if (!known) {
+            fprintf(stderr, "tandem bench-engine: unknown option '%s' (see --help)\n", opt);
+            return 2;
+        }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "tandem bench-engine: %s needs a value\n", opt);
+            return 2;
+        }
+        const char *val = argv[++i];
+        bool ok = true;
+        if (!strcmp(opt, "--model") || !strcmp(opt, "-m"))
+            model = val;
+        else if (!strcmp(opt, "--isa"))
+            isa = val;
+        else if (!strcmp(opt, "-p") || !strcmp(opt, "--n-prompt"))
+            ok = parse_long(val, 0, 1 << 20, &n_prompt);
+        else if (!strcmp(opt, "-n") || !strcmp(opt, "--n-gen"))
+            ok = parse_long(val, 0, 1 << 20, &n_gen);
+        else if (!strcmp(opt, "-r") || !strcmp(opt, "--repetitions"))
+            ok = parse_long(val, 1, BENCH_MAX_REPS, &reps);
+        else
+            ok = parse_long(val, 1, 4096, &threads);
+        if (!ok) {
+            fprintf(stderr, "tandem bench-engine: bad value '%s' for %s\n", val, opt);
+            return 2;
+        }
+    }
+    if (n_prompt == 0 && n_gen == 0) {
+        fprintf(stderr, "tandem bench-engine: nothing to measure (-p 0 and -n 0)\n");
+        return 2;
+    }
+
+    int exit_code = 1;
+    bench_ctx b = {.rng = 0x7a6e64656d2d6265ull};
+    bench_result *res = calloc(2, sizeof *res);
+    int n_res = 0;
+    int32_t longest = (int32_t)TD_MAX(n_prompt, n_gen);
+    td_runtime_params rp = td_runtime_default_params();
+    rp.model_path = model;
+    rp.isa_name = isa;
+    rp.n_threads = (int)threads;
+    rp.ctx_len = longest;
+    rp.n_seqs = 1;
+    rp.max_batch_tokens = (int32_t)TD_MAX(n_prompt, 1);
+    rp.quiet = json;
+    if (!res) goto out;
+    if (td_runtime_open(&rp, &b.rt) != TD_OK) goto out;
+    b.blocks = malloc((size_t)td_runtime_blocks_for(b.rt, longest) * sizeof *b.blocks);
+    b.tokens = malloc((size_t)TD_MAX(n_prompt, 1) * sizeof *b.tokens);
+    b.logits = malloc((size_t)b.rt->cfg->n_vocab * sizeof *b.logits);
+    if (!b.blocks || !b.tokens || !b.logits) {
+        fprintf(stderr, "tandem bench-engine: out of memory\n");
+        goto out;
+    }
+
+    for (int test = 0; test < 2; test++) {
+        int32_t n = (int32_t)(test == 0 ? n_prompt : n_gen);
+        if (n == 0) continue;
+        bench_result *r = &res[n_res++];
+        snprintf(r->name, sizeof r->name, "%s%d", test == 0 ? "pp" : "tg", n);
+        r->n_prompt = test == 0 ? n : 0;
+        r->n_gen = test == 0 ? 0 : n;
+        /* Warm-up: pages the weights in and settles the thread pool. */
+        if ((test == 0 ? run_pp(&b, n) : run_tg(&b, n)) < 0) goto out;
+        for (long k = 0; k < reps; k++) {
+            double t = test == 0 ? run_pp(&b, n) : run_tg(&b, n);
+            if (t < 0) goto out;
+            r->ns[r->n] = t * 1e9;
+            r->ts[r->n] = t > 0 ? n / t : 0;
+            r->n++;
+        }
+        summarise(r);
+    }
+
+    const char *path = model ? model : td_default_model_path();
+    uint64_t size = model_size_bytes(path);
+    double params = count_params(b.rt->cfg);
+    size_t wbytes = td_model_weight_bytes(b.rt->model);
+    int nth = td_threadpool_size(b.rt->tp);
+    const char *isa_name = td_cpu_isa_name(b.rt->isa);
+    if (json) {
+        json_t *o = json_object(), *tests = json_array();
+        json_object_set_new(o, "model", json_string(path));
+        json_object_set_new(o, "model_name", json_string(b.rt->cfg->name));
+        json_object_set_new(o, "model_size", json_integer((json_int_t)size));
+        json_object_set_new(o, "n_params", json_integer((json_int_t)params));
+        json_object_set_new(o, "weight_type", json_string(td_dtype_name(b.rt->cfg->wtype)));
+        json_object_set_new(o, "weight_bytes_per_token", json_integer((json_int_t)wbytes));
+        json_object_set_new(o, "threads", json_integer(nth));
+        json_object_set_new(o, "isa", json_string(isa_name));
+        json_object_set_new(o, "repetitions", json_integer(reps));
+        for (int i = 0; i < n_res; i++) {
+            json_t *t = json_object(), *ts = json_array(), *ns = json_array();
+            json_object_set_new(t, "test", json_string(res[i].name));
+            json_object_set_new(t, "n_prompt", json_integer(res[i].n_prompt));
+            json_object_set_new(t, "n_gen", json_integer(res[i].n_gen));
+            json_object_set_new(t, "avg_ts", json_real(res[i].avg));
+            json_object_set_new(t, "stddev_ts", json_real(res[i].sd));
+            for (int k = 0; k < res[i].n; k++) {
+                json_array_append_new(ts, json_real(res[i].ts[k]));
+                json_array_append_new(ns, json_integer((json_int_t)res[i].ns[k]));
+            }
+            json_object_set_new(t, "samples_ts", ts);
+            json_object_set_new(t, "samples_ns", ns);
+            json_array_append_new(tests, t);
+        }
+        json_object_set_new(o, "tests", tests);
+        char *txt = json_dumps(o, JSON_INDENT(2));
+        json_decref(o);
+        if (!txt) goto out;
+        printf("%s\n", txt);
+        free(txt);
+    } else {
+        char sz[32], pr[32];
+        snprintf(sz, sizeof sz, "%.2f MiB", (double)size / (1024.0 * 1024.0));
+        snprintf(pr, sizeof pr, "%.2f M", params / 1e6);
+        printf("| %-24s | %12s | %10s | %7s | %6s | %8s | %20s |\n", "model", "size", "params",
+               "threads", "isa", "test", "t/s");
+        printf("| %.24s | %.12s | %.10s | %.7s | %.6s | %.8s | %.20s |\n",
+               "------------------------------", "--------------------", "--------------------",
+               "----------", "--------", "------------", "------------------------------");
+        for (int i = 0; i < n_res; i++) {
+            char tsb[48];
+            snprintf(tsb, sizeof tsb, "%.2f ± %.2f", res[i].avg, res[i].sd);
+            printf("| %-24.24s | %12s | %10s | %7d | %6s | %8s | %21s |\n", b.rt->cfg->name, sz, pr,
+                   nth, isa_name, res[i].name, tsb);
+        }
+        printf("\nweight bytes read per generated token: %zu (%.2f MiB)\n", wbytes,
+               (double)wbytes / (1024.0 * 1024.0));
+    }
+    exit_code = 0;
+
+out:
+    free(b.blocks);
+    free(b.tokens);
+    free(b.logits);
+    free(res);
+    td_runtime_close(b.rt);
+    return exit_code;
+}
