@@ -1,0 +1,403 @@
+"""Independent NumPy reference of the Llama-family forward pass (float64).
+
+Written from the model definitions (Llama / Mistral / Qwen2 as Hugging Face
+transformers and llama.cpp define them), not from Tandem's C code. It reads
+weights itself: GGUF through the gguf package (GGUFReader, and
+gguf.quants.dequantize for F16/BF16/Q8_0/Q4_0/Q4_1/...), Hugging Face
+directories through its own safetensors parser (numpy has no bfloat16, so the
+safetensors package cannot read BF16 into numpy; for F32/F16 the parser is
+checked against the package in tests).
+
+    m = load(path)                  # GGUF file or HF directory
+    logits = forward(m, tokens)     # (len(tokens), n_vocab) float64
+    m.config                        # dict of hyper-parameters
+
+Model definition implemented here, per layer l, for token rows x (T, E):
+    h  = RMSNorm(x) * attn_norm                   RMSNorm(x) = x / sqrt(mean(x^2) + eps)
+    q  = h Wq^T (+ bq), k = h Wk^T (+ bk), v = h Wv^T (+ bv)       (Qwen2: biases)
+    q, k = RoPE(q, pos), RoPE(k, pos)
+    a_h = softmax(q_h k_g^T / sqrt(D) + causal mask) v_g,   g = h // (H / KV)   (GQA)
+    x  = x + concat(a) Wo^T
+    h  = RMSNorm(x) * ffn_norm
+    x  = x + (silu(h Wgate^T) * (h Wup^T)) Wdown^T
+logits = (RMSNorm(x) * output_norm) Wout^T, Wout = token_embd when tied.
+
+RoPE: angle(pos, i) = pos * inv_freq[i], inv_freq[i] = theta^(-2i/n_rot), i < n_rot/2.
+  NORM (llama.cpp's LLAMA_ROPE_TYPE_NORM, used for GGUF arch "llama" whose Q/K
+        rows convert_hf_to_gguf.py permuted): rotates pairs (2i, 2i+1).
+  NEOX (HF "rotate_half", GGUF "qwen2"): rotates pairs (i, i + n_rot/2).
+  Llama-3 scaling: HF config rope_scaling {rope_type: llama3, factor,
+  low_freq_factor, high_freq_factor, original_max_position_embeddings} changes
+  inv_freq per band; GGUF stores the per-frequency divisor as rope_freqs.weight.
+  Linear scaling: inv_freq / factor.
+
+act_round (optional): rounds the *input* of each matmul the way an engine
+might before a low-precision dot product ("q8_0": per 32-block absmax int8,
+"f16", "bf16"); used only to estimate how large such an engine's legitimate
+deviation is, never to produce the expected values the engine is compared to.
+"""
+
+import json
+import os
+import struct
+
+import numpy as np
+
+# ---------------------------------------------------------------------------
+# Loading
+
+
+class Model:
+    def __init__(self, path, config, tensors):
+        self.path = path
+        self.config = config  # dict, see _finish_config
+        self.t = tensors  # canonical name -> float64 array (rows = output features)
+        self.wtypes = {}  # canonical name -> source type name (e.g. "Q4_1", "F32")
+
+
+def _gguf_field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def load_gguf(path):
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    arch = _gguf_field(r, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"{path}: unsupported architecture {arch!r}")
+
+    def kv(k, default=None):
+        return _gguf_field(r, f"{arch}.{k}", default)
+
+    n_embd = int(kv("embedding_length"))
+    n_head = int(kv("attention.head_count"))
+    cfg = {
+        "arch": arch,
+        "n_embd": n_embd,
+        "n_layer": int(kv("block_count")),
+        "n_head": n_head,
+        "n_head_kv": int(kv("attention.head_count_kv", n_head)),
+        "n_ff": int(kv("feed_forward_length")),
+        "head_dim": int(kv("attention.key_length", n_embd // n_head)),
+        "n_rot": int(kv("rope.dimension_count", n_embd // n_head)),
+        "rope_theta": float(kv("rope.freq_base", 10000.0)),
+        "rms_eps": float(kv("attention.layer_norm_rms_epsilon")),
+        "n_ctx_train": int(kv("context_length", 0)),
+        # llama.cpp: arch llama -> NORM rope (Q/K permuted by the converter),
+        # qwen2 -> NEOX.
+        "rope_mode": "norm" if arch == "llama" else "neox",
+        "linear_factor": 1.0,
+        "freq_divisors": None,
+    }
+    if kv("rope.scaling.type") == "linear":
+        cfg["linear_factor"] = float(kv("rope.scaling.factor", 1.0))
+
+    names = {
+        "token_embd.weight": "tok_embd",
+        "output_norm.weight": "output_norm",
+        "output.weight": "output",
+        "rope_freqs.weight": "rope_freqs",
+    }
+    per_layer = {
+        "attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk",
+        "attn_v.weight": "wv", "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
+        "attn_output.weight": "wo", "ffn_norm.weight": "ffn_norm", "ffn_gate.weight": "w_gate",
+        "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+    }
+    t, types = {}, {}
+    for ti in r.tensors:
+        if ti.name in names:
+            key = names[ti.name]
+        elif ti.name.startswith("blk."):
+            _, l, rest = ti.name.split(".", 2)
+            if rest not in per_layer:
+                continue
+            key = f"{int(l)}.{per_layer[rest]}"
+        else:
+            continue
+        shape = tuple(int(x) for x in reversed(ti.shape))  # GGUF ne is innermost-first
+        arr = gguf.quants.dequantize(ti.data, ti.tensor_type).astype(np.float64)
+        t[key] = arr.reshape(shape) if len(shape) > 1 else arr.reshape(-1)
+        types[key] = ti.tensor_type.name
+    if "rope_freqs" in t:
+        cfg["freq_divisors"] = t.pop("rope_freqs")
+    cfg["tied"] = "output" not in t
+    cfg["n_vocab"] = int(t["tok_embd"].shape[0])
+    m = Model(path, _finish_config(cfg), t)
+    m.wtypes = types
+    return m
+
+
+_ST_DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": (None, 2), "F64": ("<f8", 8)}
+
+
+def read_safetensors(path):
+    """name -> float64 array. Bounds-checked; raises ValueError on a bad file."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < 8:
+        raise ValueError(f"{path}: truncated")
+    (hlen,) = struct.unpack("<Q", data[:8])
+    if 8 + hlen > len(data):
+        raise ValueError(f"{path}: header length {hlen} past end")
+    header = json.loads(data[8:8 + hlen])
+    base = 8 + hlen
+    out, types = {}, {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dt = info["dtype"]
+        if dt not in _ST_DTYPES:
+            raise ValueError(f"{path}: {name}: dtype {dt} unsupported")
+        b, e = info["data_offsets"]
+        shape = tuple(info["shape"])
+        n = int(np.prod(shape)) if shape else 1
+        if not (0 <= b <= e and base + e <= len(data)) or e - b != n * _ST_DTYPES[dt][1]:
+            raise ValueError(f"{path}: {name}: bad data_offsets {b}..{e}")
+        raw = data[base + b:base + e]
+        if dt == "BF16":
+            u = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+            arr = u.view(np.float32)
+        else:
+            arr = np.frombuffer(raw, dtype=_ST_DTYPES[dt][0])
+        out[name] = arr.astype(np.float64).reshape(shape)
+        types[name] = dt
+    return out, types
+
+
+def load_hf(path):
+    with open(os.path.join(path, "config.json")) as f:
+        hc = json.load(f)
+    archs = hc.get("architectures") or []
+    if archs and archs[0] in ("LlamaForCausalLM", "MistralForCausalLM"):
+        arch = "llama"
+    elif archs and archs[0] == "Qwen2ForCausalLM":
+        arch = "qwen2"
+    else:
+        raise ValueError(f"{path}: unsupported architectures {archs}")
+    n_embd = hc["hidden_size"]
+    n_head = hc["num_attention_heads"]
+    head_dim = hc.get("head_dim") or n_embd // n_head
+    cfg = {
+        "arch": arch,
+        "n_embd": n_embd,
+        "n_layer": hc["num_hidden_layers"],
+        "n_head": n_head,
+        "n_head_kv": hc.get("num_key_value_heads") or n_head,
+        "n_ff": hc["intermediate_size"],
+        "head_dim": head_dim,
+        "n_rot": head_dim,
+        "rope_theta": float(hc.get("rope_theta", 10000.0)),
+        "rms_eps": float(hc["rms_norm_eps"]),
+        "n_ctx_train": int(hc.get("max_position_embeddings", 0)),
+        "rope_mode": "neox",  # HF rotate_half, Q/K in checkpoint order
+        "linear_factor": 1.0,
+        "freq_divisors": None,
+    }
+    rs = hc.get("rope_scaling")
+    if rs:
+        rtype = rs.get("rope_type", rs.get("type"))
+        if rtype == "llama3":
+            cfg["freq_divisors"] = _hf_llama3_divisors(cfg, rs)
+        elif rtype == "linear":
+            cfg["linear_factor"] = float(rs["factor"])
+        elif rtype not in (None, "default"):
+            raise ValueError(f"{path}: rope_scaling type {rtype} unsupported")
+
+    idx = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(idx):
+        with open(idx) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    raw, rtypes = {}, {}
+    for fn in files:
+        a, ty = read_safetensors(os.path.join(path, fn))
+        raw.update(a)
+        rtypes.update(ty)
+
+    t, types = {}, {}
+
+    def take(hf, key, required=True):
+        if hf in raw:
+            t[key] = raw[hf]
+            types[key] = rtypes[hf]
+        elif required:
+            raise ValueError(f"{path}: missing tensor {hf}")
+
+    take("model.embed_tokens.weight", "tok_embd")
+    take("model.norm.weight", "output_norm")
+    take("lm_head.weight", "output", required=not hc.get("tie_word_embeddings", False))
+    for l in range(cfg["n_layer"]):
+        p = f"model.layers.{l}."
+        take(p + "input_layernorm.weight", f"{l}.attn_norm")
+        for hn, k in (("q", "q"), ("k", "k"), ("v", "v")):
+            take(p + f"self_attn.{hn}_proj.weight", f"{l}.w{k}")
+            take(p + f"self_attn.{hn}_proj.bias", f"{l}.b{k}", required=False)
+        take(p + "self_attn.o_proj.weight", f"{l}.wo")
+        take(p + "post_attention_layernorm.weight", f"{l}.ffn_norm")
+        take(p + "mlp.gate_proj.weight", f"{l}.w_gate")
+        take(p + "mlp.up_proj.weight", f"{l}.w_up")
+        take(p + "mlp.down_proj.weight", f"{l}.w_down")
+    cfg["tied"] = "output" not in t
+    cfg["n_vocab"] = int(t["tok_embd"].shape[0])
+    m = Model(path, _finish_config(cfg), t)
+    m.wtypes = types
+    return m
+
+
+def _hf_llama3_divisors(cfg, rs):
+    """transformers' _compute_llama3_parameters, expressed as divisors of the
+    unscaled inverse frequencies."""
+    d = cfg["n_rot"]
+    inv = cfg["rope_theta"] ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    factor = float(rs["factor"])
+    lo = float(rs["low_freq_factor"])
+    hi = float(rs["high_freq_factor"])
+    old = float(rs["original_max_position_embeddings"])
+    wavelen = 2 * np.pi / inv
+    new = np.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * new / factor + smooth * new
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    new = np.where(medium, smoothed, new)
+    return inv / new
+
+
+def _finish_config(cfg):
+    d = cfg["n_rot"]
+    inv = cfg["rope_theta"] ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    if cfg["freq_divisors"] is not None:
+        inv = inv / np.asarray(cfg["freq_divisors"], dtype=np.float64)
+    cfg["inv_freq"] = inv / cfg["linear_factor"]
+    return cfg
+
+
+def load(path):
+    """A GGUF file or a Hugging Face directory."""
+    if os.path.isdir(path):
+        return load_hf(path)
+    return load_gguf(path)
+
+
+# ---------------------------------------------------------------------------
+# Forward
+
+
+def _round_act(x, mode):
+    if mode is None:
+        return x
+    if mode == "f16":
+        return x.astype(np.float16).astype(np.float64)
+    if mode == "bf16":
+        u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+        u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+        return u.astype(np.uint32).view(np.float32).astype(np.float64)
+    if mode == "q8_0":
+        shp = x.shape
+        b = x.reshape(*shp[:-1], shp[-1] // 32, 32)
+        amax = np.abs(b).max(axis=-1, keepdims=True)
+        d = (amax / 127.0).astype(np.float16).astype(np.float64)
+        safe = np.where(d == 0, 1.0, d)
+        q = np.where(d == 0, 0.0, np.round(b / safe))
+        return (q * d).reshape(shp)
+    raise ValueError(mode)
+
+
+def _act_mode(m, key, act_round):
+    """act_round: None, a mode string for every matmul, or a dict weight-type -> mode."""
+    if act_round is None or isinstance(act_round, str):
+        return act_round
+    return act_round.get(m.wtypes.get(key, "F32"))
+
+
+def _matmul(m, x, key, act_round):
+    return _round_act(x, _act_mode(m, key, act_round)) @ m.t[key].T
+
+
+def _rmsnorm(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope(x, pos, inv_freq, mode):
+    """x (T, heads, D); rotates the first n_rot = 2 * len(inv_freq) dims."""
+    n_rot = 2 * len(inv_freq)
+    ang = pos[:, None].astype(np.float64) * inv_freq[None, :]  # (T, n_rot/2)
+    cos = np.cos(ang)[:, None, :]
+    sin = np.sin(ang)[:, None, :]
+    out = x.copy()
+    if mode == "norm":
+        a, b = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+        out[..., 0:n_rot:2] = a * cos - b * sin
+        out[..., 1:n_rot:2] = a * sin + b * cos
+    elif mode == "neox":
+        h = n_rot // 2
+        a, b = x[..., :h], x[..., h:n_rot]
+        out[..., :h] = a * cos - b * sin
+        out[..., h:n_rot] = a * sin + b * cos
+    else:
+        raise ValueError(mode)
+    return out
+
+
+def forward(m, tokens, act_round=None, rope_mode=None):
+    """Logits (T, n_vocab) for every position of one sequence starting at
+    position 0. rope_mode overrides the file's convention (for self-checks)."""
+    c = m.config
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if tokens.ndim != 1 or len(tokens) == 0:
+        raise ValueError("tokens must be a non-empty 1-D sequence")
+    if tokens.min() < 0 or tokens.max() >= c["n_vocab"]:
+        raise ValueError("token id out of range")
+    T = len(tokens)
+    H, KV, D = c["n_head"], c["n_head_kv"], c["head_dim"]
+    mode = rope_mode or c["rope_mode"]
+    pos = np.arange(T)
+    x = m.t["tok_embd"][tokens].copy()  # (T, E)
+    causal = np.triu(np.full((T, T), -np.inf), k=1)
+    for l in range(c["n_layer"]):
+        p = f"{l}."
+        h = _rmsnorm(x, m.t[p + "attn_norm"], c["rms_eps"])
+        q = _matmul(m, h, p + "wq", act_round)
+        k = _matmul(m, h, p + "wk", act_round)
+        v = _matmul(m, h, p + "wv", act_round)
+        if p + "bq" in m.t:
+            q = q + m.t[p + "bq"]
+            k = k + m.t[p + "bk"]
+            v = v + m.t[p + "bv"]
+        q = rope(q.reshape(T, H, D), pos, c["inv_freq"], mode)
+        k = rope(k.reshape(T, KV, D), pos, c["inv_freq"], mode)
+        v = v.reshape(T, KV, D)
+        g = np.arange(H) // (H // KV)
+        s = np.einsum("thd,shd->hts", q, k[:, g, :]) / np.sqrt(D) + causal
+        s = s - s.max(axis=-1, keepdims=True)
+        pr = np.exp(s)
+        pr /= pr.sum(axis=-1, keepdims=True)
+        a = np.einsum("hts,shd->thd", pr, v[:, g, :]).reshape(T, H * D)
+        x = x + _matmul(m, a, p + "wo", act_round)
+        h = _rmsnorm(x, m.t[p + "ffn_norm"], c["rms_eps"])
+        gt = _matmul(m, h, p + "w_gate", act_round)
+        up = _matmul(m, h, p + "w_up", act_round)
+        x = x + _matmul(m, gt / (1.0 + np.exp(-gt)) * up, p + "w_down", act_round)
+    h = _rmsnorm(x, m.t["output_norm"], c["rms_eps"])
+    return _matmul(m, h, "tok_embd" if c["tied"] else "output", act_round)
+
+
+def greedy(m, prompt, n):
+    """Reference greedy continuation: prompt + n argmax tokens."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(np.argmax(forward(m, seq)[-1])))
+    return seq
+
+
+def unpermute_qk(w, n_head):
+    """Inverse of convert_hf_to_gguf.py's permute: GGUF interleaved-pair rows
+    of each head back to HF half-split order."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
