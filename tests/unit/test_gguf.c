@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -690,6 +691,124 @@ static void test_default_model(void **state) {
     td_gguf_close(g);
 }
 
+/* A file written by the PyPI gguf package's GGUFWriter (an independent
+ * writer); the Q8_0 bytes it quantized are written to a side file. */
+static void test_python_writer(void **state) {
+    (void)state;
+    char dir[] = "/tmp/td_test_gguf_py_XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char script[128], out[128], qbin[128], cmd[512];
+    snprintf(script, sizeof script, "%s/w.py", dir);
+    snprintf(out, sizeof out, "%s/py.gguf", dir);
+    snprintf(qbin, sizeof qbin, "%s/q.bin", dir);
+    FILE *fp = fopen(script, "w");
+    assert_non_null(fp);
+    fputs("import sys\n"
+          "try:\n"
+          "    import numpy as np\n"
+          "    import gguf\n"
+          "except ImportError:\n"
+          "    sys.exit(77)\n"
+          "w = gguf.GGUFWriter(sys.argv[1], 'llama')\n"
+          "w.add_block_count(3)\n"
+          "w.add_uint32('t.u32', 7)\n"
+          "w.add_int32('t.i32', -3)\n"
+          "w.add_float32('t.f32', 0.25)\n"
+          "w.add_bool('t.bool', True)\n"
+          "w.add_string('t.str', 'h\\u00e9llo')\n"
+          "w.add_array('t.arr_i', [1, 2, 3])\n"
+          "w.add_array('t.arr_s', ['a', 'bb', ''])\n"
+          "w.add_custom_alignment(64)\n"
+          "w.add_tensor('tok_embd.weight', np.arange(12, dtype=np.float32).reshape(3, 4))\n"
+          "w.add_tensor('norm.weight', np.arange(8, dtype=np.float16))\n"
+          "q = gguf.quants.quantize(np.linspace(-1, 1, 128, dtype=np.float32).reshape(2, 64),\n"
+          "                         gguf.GGMLQuantizationType.Q8_0)\n"
+          "w.add_tensor('q.weight', q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)\n"
+          "open(sys.argv[2], 'wb').write(q.tobytes())\n"
+          "w.write_header_to_file()\n"
+          "w.write_kv_data_to_file()\n"
+          "w.write_tensors_to_file()\n"
+          "w.close()\n",
+          fp);
+    fclose(fp);
+    snprintf(cmd, sizeof cmd, "python3 '%s' '%s' '%s' 2>/dev/null", script, out, qbin);
+    int rc = system(cmd);
+    bool skipped = rc == -1 || !WIFEXITED(rc) || WEXITSTATUS(rc) == 77 || WEXITSTATUS(rc) == 127;
+    if (!skipped) {
+        assert_int_equal(WEXITSTATUS(rc), 0);
+        td_gguf *g = NULL;
+        assert_int_equal(td_gguf_open(out, &g), TD_OK);
+        assert_int_equal(td_gguf_alignment(g), 64);
+        const char *s;
+        uint32_t u;
+        int64_t i;
+        float f;
+        bool b;
+        assert_int_equal(td_gguf_get_str(g, "general.architecture", &s), TD_OK);
+        assert_string_equal(s, "llama");
+        assert_int_equal(td_gguf_get_u32(g, "llama.block_count", &u), TD_OK);
+        assert_int_equal(u, 3);
+        assert_int_equal(td_gguf_get_u32(g, "t.u32", &u), TD_OK);
+        assert_int_equal(u, 7);
+        assert_int_equal(td_gguf_get_i64(g, "t.i32", &i), TD_OK);
+        assert_int_equal(i, -3);
+        assert_int_equal(td_gguf_get_f32(g, "t.f32", &f), TD_OK);
+        assert_true(f == 0.25f);
+        assert_int_equal(td_gguf_get_bool(g, "t.bool", &b), TD_OK);
+        assert_true(b);
+        assert_int_equal(td_gguf_get_str(g, "t.str", &s), TD_OK);
+        assert_string_equal(s, "h\xc3\xa9llo");
+        td_gguf_type et;
+        uint64_t n;
+        const void *d;
+        assert_int_equal(td_gguf_get_arr(g, "t.arr_i", &et, &n, &d), TD_OK);
+        assert_int_equal(et, TD_GGUF_INT32);
+        assert_int_equal(n, 3);
+        int32_t iv[3];
+        memcpy(iv, d, sizeof iv);
+        assert_true(iv[0] == 1 && iv[1] == 2 && iv[2] == 3);
+        size_t len;
+        assert_int_equal(td_gguf_get_arr_str(g, "t.arr_s", 1, &s, &len), TD_OK);
+        assert_string_equal(s, "bb");
+        assert_int_equal(td_gguf_get_arr_str(g, "t.arr_s", 2, &s, &len), TD_OK);
+        assert_int_equal(len, 0);
+
+        const td_gguf_tensor *t = td_gguf_find_tensor(g, "tok_embd.weight");
+        assert_non_null(t);
+        assert_int_equal(t->type, TD_TYPE_F32);
+        assert_int_equal(t->n_dims, 2);
+        assert_int_equal(t->ne[0], 4); /* numpy (3, 4): innermost dimension first */
+        assert_int_equal(t->ne[1], 3);
+        for (int k = 0; k < 12; k++) {
+            float v;
+            memcpy(&v, (const uint8_t *)t->data + 4 * k, 4);
+            assert_true(v == (float)k);
+        }
+        t = td_gguf_find_tensor(g, "norm.weight");
+        assert_non_null(t);
+        assert_int_equal(t->type, TD_TYPE_F16);
+        uint16_t h;
+        memcpy(&h, (const uint8_t *)t->data + 2 * 5, 2);
+        assert_int_equal(h, 0x4500); /* 5.0 in IEEE half */
+        t = td_gguf_find_tensor(g, "q.weight");
+        assert_non_null(t);
+        assert_int_equal(t->type, TD_TYPE_Q8_0);
+        assert_int_equal(t->ne[0], 64);
+        assert_int_equal(t->ne[1], 2);
+        assert_int_equal(t->nbytes, 2 * 2 * 34);
+        uint8_t qb[136];
+        fp = fopen(qbin, "rb");
+        assert_non_null(fp);
+        assert_int_equal(fread(qb, 1, sizeof qb, fp), sizeof qb);
+        fclose(fp);
+        assert_memory_equal(t->data, qb, sizeof qb);
+        td_gguf_close(g);
+    }
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    assert_int_equal(system(cmd), 0);
+    if (skipped) skip();
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_valid_v3_aligned),
@@ -702,6 +821,7 @@ int main(void) {
         cmocka_unit_test(test_error_message),
         cmocka_unit_test(test_dtype_names),
         cmocka_unit_test(test_default_model),
+        cmocka_unit_test(test_python_writer),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
