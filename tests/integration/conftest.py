@@ -1,0 +1,303 @@
+"""Shared pytest fixtures and helpers for Tandem's integration tests.
+
+Environment (CTest sets all of them, see tests/CMakeLists.txt):
+  TANDEM_BIN          path of the `tandem` binary                  (required by tandem fixtures)
+  TANDEM_SOURCE_DIR   repository root         (default: two levels above this file)
+  TANDEM_BUILD_DIR    build tree              (optional)
+  TANDEM_TEST_MODELS  tiny random models made by tests/models/make_models.py
+                      (default: $TMPDIR/tandem-test-models-$UID; generated in
+                      place when the directory lacks its up-to-date stamp)
+  TANDEM_MODEL        default model file      (default: ~/.cache/tandem/models/
+                      SmolLM2-135M-Instruct.Q4_1.gguf, as tools/tools.h says)
+  TANDEM_TEST_TIMEOUT_SCALE  multiplies every timeout (e.g. 5 under sanitizers)
+
+Fixtures:
+  source_dir, build_dir       pathlib.Path (build_dir may be None)
+  tandem_bin                  pathlib.Path of the binary; a missing binary fails
+                              the test (never a skip: a silent skip hides coverage)
+  test_models                 pathlib.Path of the models directory
+  manifest                    list of model entries of DIR/models.json (see
+                              tests/models/make_models.py for the fields)
+  default_model               pathlib.Path of the default model (fails if absent)
+  tandem                      callable: tandem("generate", "--model", p, ...,
+                              timeout=60, input=None, env=None, check=True)
+                              -> TandemResult(returncode, stdout, stderr, argv)
+  tandem_eval                 callable: tandem_eval(model, sequences, threads=None,
+                              chunk=None, batch=False, isa=None, timeout=120)
+                              -> list of float32 arrays (len(seq), n_vocab)
+  spawn                       callable: spawn(argv, env=None) -> subprocess.Popen
+                              for long-running servers; stdout/stderr go to files
+                              (proc.log_path()); every spawned process group is
+                              terminated (then killed) at teardown, even on failure
+Helpers (import from conftest): run_tandem, tandem_eval_raw, free_port, wait_until,
+  scaled(seconds), ensure_test_models(), load_manifest(dir) (the last two work
+  at collection time, e.g. in pytest_generate_tests).
+
+Every run has a timeout; on timeout the whole process group is killed and the
+test fails with the command line and the captured output.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def scaled(seconds):
+    """A timeout scaled by TANDEM_TEST_TIMEOUT_SCALE (default 1)."""
+    return seconds * float(os.environ.get("TANDEM_TEST_TIMEOUT_SCALE", "1"))
+
+
+class TandemResult:
+    def __init__(self, argv, returncode, stdout, stderr):
+        self.argv = argv
+        self.returncode = returncode
+        self.stdout = stdout
+        self.stderr = stderr
+
+    def describe(self):
+        return (f"$ {' '.join(map(str, self.argv))}\nexit {self.returncode}\n"
+                f"--- stdout (tail) ---\n{self.stdout[-3000:]}\n"
+                f"--- stderr (tail) ---\n{self.stderr[-3000:]}")
+
+
+def _find_bin():
+    b = os.environ.get("TANDEM_BIN")
+    if b:
+        return pathlib.Path(b)
+    bd = os.environ.get("TANDEM_BUILD_DIR")
+    if bd and (pathlib.Path(bd) / "tandem").exists():
+        return pathlib.Path(bd) / "tandem"
+    return None
+
+
+def run_tandem(*args, timeout=60, input=None, env=None, check=True, binary=None):
+    """Runs `tandem ARGS...` and returns a TandemResult (text output).
+
+    timeout: seconds (scaled); on expiry the process group is killed and the
+    test fails. check: fail the test on a nonzero exit. env: extra variables
+    on top of os.environ. input: str fed to stdin."""
+    exe = binary or _find_bin()
+    if exe is None or not pathlib.Path(exe).exists():
+        pytest.fail(f"tandem binary not found (TANDEM_BIN={os.environ.get('TANDEM_BIN')!r})")
+    argv = [str(exe)] + [str(a) for a in args]
+    full_env = dict(os.environ)
+    if env:
+        full_env.update({k: str(v) for k, v in env.items()})
+    p = subprocess.Popen(argv, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env,
+                         start_new_session=True, text=True, errors="replace")
+    try:
+        out, err = p.communicate(input=input, timeout=scaled(timeout))
+    except subprocess.TimeoutExpired:
+        _kill_group(p)
+        out, err = p.communicate()
+        r = TandemResult(argv, None, out, err)
+        pytest.fail(f"timed out after {scaled(timeout):.0f} s\n{r.describe()}")
+    r = TandemResult(argv, p.returncode, out, err)
+    if check and r.returncode != 0:
+        pytest.fail(f"tandem failed\n{r.describe()}")
+    if r.returncode is not None and r.returncode < 0:
+        # Killed by a signal (crash, sanitizer abort): never acceptable.
+        pytest.fail(f"tandem died with signal {-r.returncode}\n{r.describe()}")
+    return r
+
+
+def tandem_eval_raw(model, sequences, threads=None, chunk=None, batch=False, isa=None,
+                    timeout=120, check=True, binary=None, workdir=None):
+    """Runs `tandem eval` (contract in tools/cmd-eval.c) and returns
+    (TandemResult, list of float32 arrays (len(seq), n_vocab) or None on failure)."""
+    with tempfile.TemporaryDirectory(dir=workdir) as td:
+        tin = os.path.join(td, "in.json")
+        tout = os.path.join(td, "out.bin")
+        with open(tin, "w") as f:
+            json.dump({"sequences": [[int(t) for t in s] for s in sequences]}, f)
+        args = ["eval", "--model", model, "--tokens", tin, "--out", tout]
+        if threads is not None:
+            args += ["--threads", threads]
+        if chunk is not None:
+            args += ["--chunk", chunk]
+        if batch:
+            args += ["--batch"]
+        if isa is not None:
+            args += ["--isa", isa]
+        r = run_tandem(*args, timeout=timeout, check=check, binary=binary)
+        if r.returncode != 0:
+            return r, None
+        raw = np.fromfile(tout, dtype="<f4")
+        total = sum(len(s) for s in sequences)
+        if total == 0 or raw.size % total != 0:
+            pytest.fail(f"tandem eval wrote {raw.size} floats for {total} positions\n{r.describe()}")
+        V = raw.size // total
+        out, off = [], 0
+        for s in sequences:
+            out.append(raw[off:off + len(s) * V].reshape(len(s), V))
+            off += len(s) * V
+        return r, out
+
+
+def _kill_group(p):
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        if p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(cond, timeout=30, interval=0.05, what="condition", proc=None):
+    """Polls cond() until it returns a truthy value (returned). Fails the test
+    on timeout, or at once if proc (a Popen) has exited."""
+    deadline = time.monotonic() + scaled(timeout)
+    while True:
+        v = cond()
+        if v:
+            return v
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"{what}: process exited with {proc.returncode} while waiting"
+                        + (f"\n{proc.log_tail()}" if hasattr(proc, "log_tail") else ""))
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {scaled(timeout):.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+# ---------------------------------------------------------------------------
+# Fixtures
+
+
+@pytest.fixture(scope="session")
+def source_dir():
+    return pathlib.Path(os.environ.get("TANDEM_SOURCE_DIR") or HERE.parent.parent).resolve()
+
+
+@pytest.fixture(scope="session")
+def build_dir():
+    bd = os.environ.get("TANDEM_BUILD_DIR")
+    return pathlib.Path(bd) if bd else None
+
+
+@pytest.fixture(scope="session")
+def tandem_bin():
+    b = _find_bin()
+    if b is None or not b.exists():
+        pytest.fail(f"tandem binary not found: set TANDEM_BIN (now {os.environ.get('TANDEM_BIN')!r})")
+    return b
+
+
+def ensure_test_models(source_dir=None):
+    """Directory of the tiny random models, generated if needed (idempotent:
+    make_models.py returns at once when the directory's stamp matches).
+    $TANDEM_TEST_MODELS, else a per-user directory under the temp dir.
+    Usable at collection time (e.g. to parametrize over models.json)."""
+    src = pathlib.Path(source_dir or os.environ.get("TANDEM_SOURCE_DIR") or HERE.parent.parent)
+    d = os.environ.get("TANDEM_TEST_MODELS")
+    d = pathlib.Path(d) if d else pathlib.Path(tempfile.gettempdir()) / f"tandem-test-models-{os.getuid()}"
+    r = subprocess.run([sys.executable, str(src / "tests/models/make_models.py"), "--out", str(d)],
+                       capture_output=True, text=True, timeout=scaled(300))
+    if r.returncode != 0:
+        raise RuntimeError(f"make_models.py failed:\n{r.stdout}\n{r.stderr}")
+    return d
+
+
+def load_manifest(models_dir):
+    """The model entries of models_dir/models.json."""
+    with open(pathlib.Path(models_dir) / "models.json") as f:
+        return json.load(f)["models"]
+
+
+@pytest.fixture(scope="session")
+def test_models(source_dir):
+    try:
+        return ensure_test_models(source_dir)
+    except RuntimeError as e:
+        pytest.fail(str(e))
+
+
+@pytest.fixture(scope="session")
+def manifest(test_models):
+    return load_manifest(test_models)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    p = os.environ.get("TANDEM_MODEL")
+    if p:
+        p = pathlib.Path(p)
+    else:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        p = pathlib.Path(cache) / "tandem" / "models" / DEFAULT_MODEL_NAME
+    if not p.exists():
+        pytest.fail(f"default model not found at {p} (run the setup script)")
+    return p
+
+
+@pytest.fixture
+def tandem(tandem_bin):
+    def call(*args, **kw):
+        return run_tandem(*args, binary=tandem_bin, **kw)
+    return call
+
+
+@pytest.fixture
+def tandem_eval(tandem_bin, tmp_path):
+    def call(model, sequences, **kw):
+        r, out = tandem_eval_raw(model, sequences, binary=tandem_bin, workdir=tmp_path, **kw)
+        return out
+    return call
+
+
+class _Proc(subprocess.Popen):
+    def log_path(self):
+        return self._log_path
+
+    def log_tail(self, n=4000):
+        try:
+            with open(self._log_path, errors="replace") as f:
+                return f.read()[-n:]
+        except OSError:
+            return ""
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    procs = []
+
+    def start(argv, env=None):
+        full_env = dict(os.environ)
+        if env:
+            full_env.update({k: str(v) for k, v in env.items()})
+        log = tmp_path / f"proc-{len(procs)}.log"
+        f = open(log, "wb")
+        p = _Proc([str(a) for a in argv], stdin=subprocess.DEVNULL, stdout=f,
+                  stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        f.close()
+        p._log_path = log
+        procs.append(p)
+        return p
+
+    yield start
+    for p in reversed(procs):
+        _kill_group(p)

@@ -1,0 +1,292 @@
+"""Engine logits vs the independent NumPy reference (tests/reference).
+
+For every tiny random model of tests/models/make_models.py (every architecture
+variant x weight type, GGUF and HF safetensors) the engine's logits from
+`tandem eval` (contract in tools/cmd-eval.c) are compared with
+tests/reference/reference.py run in float64 on the weights as stored in the
+file (dequantized for F16/BF16/quantized types).
+
+Error norm, per position t:  rel_t = max_v |engine[t,v] - ref[t,v]| / max_v |ref[t,v]|.
+
+Tolerances (largest rel_t allowed) and why:
+  f32   1e-4  The engine computes in F32, the reference in float64; F32
+              rounding through 2-3 layers of these sizes is ~1e-6.
+  f16,  1e-4  F16/BF16 weights convert exactly to F32 and the kernels pair
+  bf16        float weights with F32 activations (kernels/cpu/cpu.h: "F32 for
+              float weights"), so the only difference is F32 rounding, as for F32.
+  q8,   0.10  (and mean over positions <= 0.04) Quantized matmuls quantize
+  q4          their activations to 8 bits per 32-block (Q8_0/Q8_1 per
+              cpu.h), which the reference does not do. Running the reference
+              with that rounding (reference.forward(act_round="q8_0")) on
+              these models moves the logits by rel_t <= 0.05 (mean <= 0.023)
+              across all variants; the bounds are about twice that.
+              In addition the engine must stay within 0.10 of the reference
+              run *with* simulated 8-bit activations (a second, different
+              computation of the same contract: this catches an engine that
+              is off by a constant few percent).
+
+Teacher forcing: prompt of 8 random tokens + 32 tokens of the reference's
+greedy continuation, run through the engine one token per forward call
+(--chunk 1, i.e. decode steps reading K/V back from the paged cache). At each
+of the 32 steps whose next token is fed back, the engine's argmax must equal
+the reference's wherever the reference's top-1/top-2 margin exceeds
+delta = DELTA[class] * max_v |ref[t,v]|:
+  f32/f16/bf16  DELTA 2e-3  (20x the logits tolerance: any real disagreement is a bug)
+  q8/q4         DELTA 0.12  (the simulated 8-bit activation rounding closed a
+                             top-1 gap by at most 0.064 * max|ref| on these models)
+and at least MIN_CHECKED[class] of the 32 steps must clear delta, so the check
+is never vacuous.
+"""
+
+import json
+import os
+import pathlib
+import sys
+import zlib
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "reference"))
+sys.path.insert(0, str(HERE))
+
+import reference as R  # noqa: E402
+from conftest import ensure_test_models, load_manifest, tandem_eval_raw  # noqa: E402
+
+TOL = {"f32": 1e-4, "f16": 1e-4, "bf16": 1e-4, "q8": 0.10, "q4": 0.10}
+MEAN_TOL = {"f32": 1e-4, "f16": 1e-4, "bf16": 1e-4, "q8": 0.04, "q4": 0.04}
+SIM_TOL = {"q8": 0.10, "q4": 0.10}
+DELTA = {"f32": 2e-3, "f16": 2e-3, "bf16": 2e-3, "q8": 0.12, "q4": 0.12}
+MIN_CHECKED = {"f32": 24, "f16": 24, "bf16": 24, "q8": 4, "q4": 4}
+
+SEQ_LENS = (40, 37, 23)
+PROMPT_LEN = 8
+TF_STEPS = 32
+
+MODELS_DIR = ensure_test_models()
+MANIFEST = load_manifest(MODELS_DIR)
+BY_NAME = {m["name"]: m for m in MANIFEST}
+
+
+@lru_cache(maxsize=4)
+def ref_model(path):
+    return R.load(path)
+
+
+def model_path(entry):
+    return str(MODELS_DIR / entry["path"])
+
+
+def seed_of(name):
+    return zlib.crc32(name.encode())
+
+
+def rel_errors(a, b):
+    """Per-position rel_t (see module docstring)."""
+    return np.abs(a.astype(np.float64) - b).max(axis=1) / np.abs(b).max(axis=1)
+
+
+def sequences_for(entry):
+    # Same sequences for every weight type of a variant (seeded by variant).
+    rng = np.random.default_rng(seed_of(entry["variant"]))
+    V = entry["config"]["n_vocab"]
+    return [rng.integers(0, V, n).tolist() for n in SEQ_LENS]
+
+
+def run_engine(entry, seqs, **kw):
+    r, out = tandem_eval_raw(model_path(entry), seqs, check=False, **kw)
+    assert r.returncode == 0, f"tandem eval failed on {entry['name']}\n{r.describe()}"
+    V = entry["config"]["n_vocab"]
+    for s, o in zip(seqs, out):
+        assert o.shape == (len(s), V), f"{entry['name']}: logits shape {o.shape}, want {(len(s), V)}"
+        assert np.isfinite(o).all(), f"{entry['name']}: non-finite logits"
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Self-checks of the reference and the generated models (no engine involved)
+
+
+VARIANTS = sorted({m["variant"] for m in MANIFEST})
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reference_gguf_equals_hf(variant):
+    """The GGUF file (Q/K permuted, NORM RoPE for llama; rope_freqs tensor for
+    Llama-3 scaling) and the HF directory (unpermuted, NeoX RoPE; config.json
+    rope_scaling) of the same F32 weights give the same logits."""
+    g = ref_model(model_path(BY_NAME[f"{variant}-f32-gguf"]))
+    h = ref_model(model_path(BY_NAME[f"{variant}-f32-hf"]))
+    toks = sequences_for(BY_NAME[f"{variant}-f32-gguf"])[0]
+    a, b = R.forward(g, toks), R.forward(h, toks)
+    # rope_freqs.weight is stored as F32, the HF path computes it in float64.
+    tol = 1e-5 if g.config["freq_divisors"] is not None else 1e-10
+    assert rel_errors(a, b).max() < tol
+    # Tied / untied as declared.
+    assert g.config["tied"] == h.config["tied"] == BY_NAME[f"{variant}-f32-gguf"]["tied"]
+
+
+def test_reference_norm_rope_equals_unpermuted_neox():
+    """GGUF's Q/K permutation + NORM RoPE == un-permuted Q/K + NeoX RoPE, and
+    the wrong pairing really changes the result (so the check has teeth)."""
+    for variant in VARIANTS:
+        e = BY_NAME[f"{variant}-f32-gguf"]
+        if e["arch"] != "llama":
+            continue
+        m = ref_model(model_path(e))
+        toks = sequences_for(e)[0]
+        a = R.forward(m, toks)
+        u = R.Model(m.path, m.config, dict(m.t))
+        c = m.config
+        for l in range(c["n_layer"]):
+            u.t[f"{l}.wq"] = R.unpermute_qk(m.t[f"{l}.wq"], c["n_head"])
+            u.t[f"{l}.wk"] = R.unpermute_qk(m.t[f"{l}.wk"], c["n_head_kv"])
+        b = R.forward(u, toks, rope_mode="neox")
+        assert rel_errors(a, b).max() < 1e-10, variant
+        wrong = R.forward(m, toks, rope_mode="neox")
+        assert rel_errors(wrong, a).max() > 1e-2, variant
+
+
+def test_reference_sharded_and_readers():
+    """Sharded HF dir == single-file dir; the reference's own safetensors
+    reader matches the safetensors package (F32/F16) and the gguf package's
+    BF16 (same round-to-nearest-even values in both formats)."""
+    from safetensors.numpy import load_file
+
+    sh = [m for m in MANIFEST if m["sharded"]]
+    assert sh, "no sharded model in the manifest"
+    for e in sh:
+        single = e["path"].removesuffix("-sharded")
+        a = ref_model(model_path(e))
+        b = ref_model(str(MODELS_DIR / single))
+        assert set(a.t) == set(b.t)
+        for k in a.t:
+            assert np.array_equal(a.t[k], b.t[k]), k
+        idx = json.load(open(MODELS_DIR / e["path"] / "model.safetensors.index.json"))
+        assert len(set(idx["weight_map"].values())) == 2
+    for dt in ("f32", "f16"):
+        d = MODELS_DIR / BY_NAME[f"llama2-{dt}-hf"]["path"] / "model.safetensors"
+        ours, _ = R.read_safetensors(str(d))
+        theirs = load_file(str(d))
+        assert set(ours) == set(theirs)
+        for k in ours:
+            assert np.array_equal(ours[k], theirs[k].astype(np.float64)), k
+    hf = ref_model(model_path(BY_NAME["llama2-bf16-hf"]))
+    gg = ref_model(model_path(BY_NAME["llama2-bf16-gguf"]))
+    assert np.array_equal(hf.t["tok_embd"], gg.t["tok_embd"])
+    assert np.array_equal(hf.t["1.w_down"], gg.t["1.w_down"])
+
+
+def test_reference_is_causal_and_uses_positions():
+    """Logits at t depend only on tokens <= t; RoPE makes them depend on position."""
+    e = BY_NAME["qwen2-f32-gguf"]
+    m = ref_model(model_path(e))
+    toks = sequences_for(e)[0]
+    full = R.forward(m, toks)
+    part = R.forward(m, toks[:17])
+    assert np.abs(full[:17] - part).max() < 1e-10
+    # Same two tokens at positions (0,1) vs (5,6) after a repeated token: the
+    # second logits row differs because relative/absolute positions differ.
+    x = R.forward(m, [7, 9])[1]
+    y = R.forward(m, [7, 7, 7, 7, 7, 7, 9])[6]
+    assert np.abs(x - y).max() > 1e-3
+
+
+def test_manifest_covers_every_variant_and_type():
+    got = {(m["variant"], m["format"], m["wtype"]) for m in MANIFEST}
+    for v in VARIANTS:
+        for wt in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "MIXED"):
+            assert (v, "gguf", wt) in got
+        for wt in ("F32", "F16", "BF16"):
+            assert (v, "hf", wt) in got
+    kv = {(m["config"]["n_head"], m["config"]["n_head_kv"]) for m in MANIFEST}
+    assert any(h == k for h, k in kv) and any(k == 1 for _, k in kv)
+    assert any(m["tied"] for m in MANIFEST) and any(not m["tied"] for m in MANIFEST)
+
+
+def test_models_are_peaked():
+    """The head scaling makes the top-1/top-2 margin typically > 1."""
+    for v in VARIANTS:
+        e = BY_NAME[f"{v}-f32-gguf"]
+        b = R.forward(ref_model(model_path(e)), sequences_for(e)[0])
+        s = np.sort(b, axis=1)
+        assert np.median(s[:, -1] - s[:, -2]) > 1.0, v
+
+
+# ---------------------------------------------------------------------------
+# Engine vs reference
+
+
+@pytest.mark.parametrize("name", [m["name"] for m in MANIFEST])
+def test_logits_match_reference(name):
+    e = BY_NAME[name]
+    cls = e["tol_class"]
+    seqs = sequences_for(e)
+    out = run_engine(e, seqs)
+    m = ref_model(model_path(e))
+    rels, sims = [], []
+    for s, a in zip(seqs, out):
+        b = R.forward(m, s)
+        rels.append(rel_errors(a, b))
+        if cls in SIM_TOL:
+            sims.append(rel_errors(a, R.forward(m, s, act_round="q8_0")))
+    rel = np.concatenate(rels)
+    worst = int(rel.argmax())
+    msg = (f"{name} ({cls}): max rel {rel.max():.3g} at position {worst}, mean {rel.mean():.3g}; "
+           f"tolerance {TOL[cls]:g}, mean tolerance {MEAN_TOL[cls]:g}")
+    print(msg)
+    assert rel.max() <= TOL[cls], msg
+    assert rel.mean() <= MEAN_TOL[cls], msg
+    if sims:
+        sim = np.concatenate(sims)
+        smsg = f"{name}: vs reference with 8-bit activations: max rel {sim.max():.3g}, mean {sim.mean():.3g}"
+        print(smsg)
+        assert sim.max() <= SIM_TOL[cls], smsg
+
+
+@pytest.mark.parametrize("name", [m["name"] for m in MANIFEST])
+def test_teacher_forcing_argmax(name):
+    e = BY_NAME[name]
+    cls = e["tol_class"]
+    m = ref_model(model_path(e))
+    rng = np.random.default_rng(seed_of(e["variant"]) + 1)
+    prompt = rng.integers(0, e["config"]["n_vocab"], PROMPT_LEN).tolist()
+    seq = R.greedy(m, prompt, TF_STEPS)
+    b = R.forward(m, seq)
+    (a,) = run_engine(e, [seq], chunk=1)
+    steps = range(PROMPT_LEN - 1, PROMPT_LEN - 1 + TF_STEPS)  # logits that chose seq[t+1]
+    checked, bad = 0, []
+    for t in steps:
+        srt = np.sort(b[t])
+        margin = srt[-1] - srt[-2]
+        if margin <= DELTA[cls] * np.abs(b[t]).max():
+            continue
+        checked += 1
+        if int(np.argmax(a[t])) != int(np.argmax(b[t])):
+            bad.append((t, int(np.argmax(a[t])), int(np.argmax(b[t])), float(margin)))
+    msg = f"{name}: {checked}/{TF_STEPS} steps clear delta; disagreements (t, engine, ref, margin): {bad}"
+    print(msg)
+    assert not bad, msg
+    assert checked >= MIN_CHECKED[cls], msg
+    # The decode-step logits also meet the logits tolerance.
+    rel = rel_errors(a, b)
+    assert rel.max() <= TOL[cls], f"{name}: chunk-1 max rel {rel.max():.3g} > {TOL[cls]:g}"
+
+
+# ---------------------------------------------------------------------------
+# Bad input to `tandem eval`
+
+
+@pytest.mark.parametrize("bad", [512, 513, 1 << 31, -1])
+@pytest.mark.parametrize("name", ["llama2-f32-gguf", "qwen2-f32-hf"])
+def test_eval_rejects_out_of_range_token(name, bad):
+    e = BY_NAME[name]
+    assert e["config"]["n_vocab"] == 512
+    r, out = tandem_eval_raw(model_path(e), [[1, 2, 3], [4, bad, 6]], check=False)
+    assert out is None
+    assert r.returncode is not None and r.returncode > 0, r.describe()
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines, "no error message on stderr\n" + r.describe()
+    assert any("token" in ln.lower() or str(bad) in ln for ln in lines), r.describe()
