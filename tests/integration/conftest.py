@@ -37,18 +37,24 @@ Every run has a timeout; on timeout the whole process group is killed and the
 test fails with the command line and the captured output.
 """
 
-import json
 import os
-import pathlib
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 
-import numpy as np
-import pytest
+# The tests' NumPy work is many small matmuls: multi-threaded BLAS only adds
+# contention (70x slower on a loaded 2-core CI machine). Must precede numpy.
+for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")
+
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -41,7 +41,12 @@ import json
 import os
 import struct
 
-import numpy as np
+# Small matmuls: single-threaded BLAS is faster and does not fight other
+# processes for cores (effective only when numpy is not imported yet).
+for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")
+
+import numpy as np  # noqa: E402
 
 # ---------------------------------------------------------------------------
 # Loading
