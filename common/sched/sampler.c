@@ -7,6 +7,7 @@
 
 typedef struct {
     float logit;
+    float p; /* exp(logit - max), once the maximum is known */
     int32_t id;
 } td_cand;
 
@@ -123,20 +124,60 @@ static void cand_select(td_cand *c, int32_t n, int32_t k) {
     if (k > 0 && k < n) cand_insertion_sort(c, n);
 }
 
-static void cand_sort(td_cand *c, int32_t n) {
-    /* Quicksort, recursing into the smaller side so the depth stays O(log n). */
-    while (n > 16) {
-        int32_t p = cand_partition(c, n);
-        if (p < n - p - 1) {
-            cand_sort(c, p);
-            c += p + 1;
-            n -= p + 1;
+/* Top-k for small k: a heap of the k best so far whose root is the worst
+ * of them, so most tokens cost one comparison with the root. */
+#define TD_TOPK_HEAP_MAX 1024
+
+static void heap_push(td_cand *h, int32_t n, td_cand x) {
+    int32_t i = n;
+    while (i > 0) {
+        int32_t parent = (i - 1) / 2;
+        if (!cand_before(&h[parent], &x)) break; /* the worse one goes above */
+        h[i] = h[parent];
+        i = parent;
+    }
+    h[i] = x;
+}
+
+static void heap_replace_root(td_cand *h, int32_t n, td_cand x) {
+    int32_t i = 0;
+    for (;;) {
+        int32_t l = 2 * i + 1, r = l + 1, worst = l;
+        if (l >= n) break;
+        if (r < n && cand_before(&h[l], &h[r])) worst = r;
+        if (cand_before(&h[worst], &x)) break; /* x is worse than both children */
+        h[i] = h[worst];
+        i = worst;
+    }
+    h[i] = x;
+}
+
+/* Top-p without a full sort: the length of the shortest prefix, in the
+ * candidate order, whose mass reaches target, moved to c[0..len) (in no
+ * particular order). A quickselect that partitions by the order and
+ * descends by the mass on each side: O(n) expected. */
+static int32_t top_p_prefix(td_cand *c, int32_t n, double target) {
+    int32_t lo = 0, hi = n; /* c[0..lo) kept for sure, with mass acc; the cut is in [lo, hi) */
+    double acc = 0;
+    while (hi - lo > 16) {
+        int32_t p = lo + cand_partition(c + lo, hi - lo);
+        double before = 0;
+        for (int32_t i = lo; i < p; i++) before += c[i].p;
+        if (acc + before >= target) {
+            hi = p;
+        } else if (acc + before + c[p].p >= target) {
+            return p + 1;
         } else {
-            cand_sort(c + p + 1, n - p - 1);
-            n = p;
+            acc += before + c[p].p;
+            lo = p + 1;
         }
     }
-    cand_insertion_sort(c, n);
+    cand_insertion_sort(c + lo, hi - lo);
+    for (int32_t i = lo; i < hi; i++) {
+        acc += c[i].p;
+        if (acc >= target) return i + 1;
+    }
+    return hi; /* rounding kept the sum just below target */
 }
 
 /* ---- parameters ---- */
@@ -154,6 +195,7 @@ td_sampler_params td_sampler_default_params(void) {
         .penalty_last_n = 0,
         .logit_bias = NULL,
         .n_logit_bias = 0,
+        .logprobs = false,
         .n_logprobs = 0,
     };
 }
@@ -320,25 +362,31 @@ static int32_t argmax_lowest(const float *w, int32_t n) {
     return best;
 }
 
-/* Steps 5-8: leaves the survivors in s->cand[0..*n_p) and their maximum
- * scaled logit in *max_p. Returns false if no token survives. */
-static bool truncate_candidates(td_sampler *s, int32_t *n_p, float *max_p) {
+/* Steps 5-8: leaves the survivors in s->cand[0..*n_p), with .p their
+ * unnormalised probabilities and *z_p the sum of those. Returns false if no
+ * token survives. */
+static bool truncate_candidates(td_sampler *s, int32_t *n_p, double *z_p) {
     float t = s->p.temperature;
     td_cand *c = s->cand;
-    int32_t n = 0;
+    int32_t n = 0, top_k = s->p.top_k;
+    bool use_heap = top_k > 0 && top_k <= TD_TOPK_HEAP_MAX;
     for (int32_t v = 0; v < s->n_vocab; v++) {
         if (s->work[v] == -INFINITY) continue;
         float l = s->work[v] / t;
         if (isnan(l) || l == -INFINITY) continue;
-        c[n].logit = l;
-        c[n].id = v;
-        n++;
+        td_cand x = {l, 0.0f, v};
+        if (!use_heap)
+            c[n++] = x;
+        else if (n < top_k)
+            heap_push(c, n++, x);
+        else if (cand_before(&x, &c[0]))
+            heap_replace_root(c, n, x);
     }
     if (n == 0) return false;
 
-    if (s->p.top_k > 0 && s->p.top_k < n) {
-        cand_select(c, n, s->p.top_k);
-        n = s->p.top_k;
+    if (!use_heap && top_k > 0 && top_k < n) {
+        cand_select(c, n, top_k);
+        n = top_k;
     }
     float m = -INFINITY;
     for (int32_t i = 0; i < n; i++) m = c[i].logit > m ? c[i].logit : m;
@@ -346,47 +394,31 @@ static bool truncate_candidates(td_sampler *s, int32_t *n_p, float *max_p) {
         /* Overflowing logits: the +inf ones share all the mass. */
         int32_t k = 0;
         for (int32_t i = 0; i < n; i++)
-            if (c[i].logit == INFINITY) c[k++] = (td_cand){0.0f, c[i].id};
+            if (c[i].logit == INFINITY) c[k++] = (td_cand){0.0f, 0.0f, c[i].id};
         n = k;
         m = 0.0f;
     }
-
-    if (s->p.top_p < 1.0f && n > 1) {
-        double z = 0;
-        for (int32_t i = 0; i < n; i++) z += exp((double)(c[i].logit - m));
-        double target = (double)s->p.top_p * z;
-        /* Sort only as much of the head as the mass needs: most of it sits
-         * in a few dozen tokens. */
-        int32_t head = n < 64 ? n : 64;
-        for (;;) {
-            cand_select(c, n, head);
-            cand_sort(c, head);
-            double cum = 0;
-            int32_t keep = -1;
-            for (int32_t i = 0; i < head; i++) {
-                cum += exp((double)(c[i].logit - m));
-                if (cum >= target) {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            if (keep > 0) {
-                n = keep;
-                break;
-            }
-            if (head == n) break; /* rounding kept the sum below p: keep all */
-            head = (int32_t)TD_MIN((int64_t)n, (int64_t)head * 8);
-        }
+    /* Unnormalised probabilities, computed once (float exp: the sum is
+     * accumulated in double, and 1e-7 relative is far below any threshold
+     * a user can set). */
+    double z = 0;
+    for (int32_t i = 0; i < n; i++) {
+        c[i].p = expf(c[i].logit - m);
+        z += c[i].p;
     }
+
+    if (s->p.top_p < 1.0f && n > 1) n = top_p_prefix(c, n, (double)s->p.top_p * z);
 
     if (s->p.min_p > 0.0f && n > 1) {
         int32_t k = 0;
         for (int32_t i = 0; i < n; i++)
-            if (expf(c[i].logit - m) >= s->p.min_p) c[k++] = c[i];
-        n = k; /* the maximum itself always survives (exp(0) = 1 >= min_p) */
+            if (c[i].p >= s->p.min_p) c[k++] = c[i];
+        n = k; /* the maximum itself always survives (p = 1 >= min_p) */
     }
+    double zk = 0;
+    for (int32_t i = 0; i < n; i++) zk += c[i].p;
     *n_p = n;
-    *max_p = m;
+    *z_p = zk;
     return true;
 }
 
@@ -414,7 +446,7 @@ static void raw_logprobs(const td_sampler *s, const float *logits, int32_t chose
     int32_t want = TD_MIN(s->p.n_logprobs, nv), have = 0;
     td_cand top[TD_SAMPLER_MAX_LOGPROBS];
     for (int32_t v = 0; v < nv && want > 0; v++) {
-        td_cand x = {isnan(logits[v]) ? -INFINITY : logits[v], v};
+        td_cand x = {isnan(logits[v]) ? -INFINITY : logits[v], 0.0f, v};
         if (have == want && !cand_before(&x, &top[have - 1])) continue;
         int32_t j = have < want ? have++ : want - 1;
         while (j > 0 && cand_before(&x, &top[j - 1])) {
@@ -439,14 +471,12 @@ td_status td_sampler_sample(td_sampler *s, const float *logits, td_sample_result
         if (tok < 0) return no_candidate();
     } else {
         int32_t n;
-        float m;
-        if (!truncate_candidates(s, &n, &m)) return no_candidate();
-        double z = 0;
-        for (int32_t i = 0; i < n; i++) z += exp((double)(s->cand[i].logit - m));
+        double z;
+        if (!truncate_candidates(s, &n, &z)) return no_candidate();
         double u = rng_uniform(s->rng) * z, cum = 0;
         tok = s->cand[n - 1].id; /* if rounding leaves u above the total */
         for (int32_t i = 0; i < n; i++) {
-            cum += exp((double)(s->cand[i].logit - m));
+            cum += s->cand[i].p;
             if (u < cum) {
                 tok = s->cand[i].id;
                 break;
@@ -455,7 +485,9 @@ td_status td_sampler_sample(td_sampler *s, const float *logits, td_sample_result
     }
     td_sample_result r;
     r.token = tok;
-    raw_logprobs(s, logits, tok, &r);
+    r.logprob = 0.0f;
+    r.n_top = 0;
+    if (s->p.logprobs || s->p.n_logprobs > 0) raw_logprobs(s, logits, tok, &r);
     *result_p = r;
     return TD_OK;
 }
@@ -470,12 +502,9 @@ td_status td_sampler_probs(td_sampler *s, const float *logits, float *probs) {
         return TD_OK;
     }
     int32_t n;
-    float m;
-    if (!truncate_candidates(s, &n, &m)) return no_candidate();
+    double z;
+    if (!truncate_candidates(s, &n, &z)) return no_candidate();
     memset(probs, 0, (size_t)s->n_vocab * sizeof *probs);
-    double z = 0;
-    for (int32_t i = 0; i < n; i++) z += exp((double)(s->cand[i].logit - m));
-    for (int32_t i = 0; i < n; i++)
-        probs[s->cand[i].id] = (float)(exp((double)(s->cand[i].logit - m)) / z);
+    for (int32_t i = 0; i < n; i++) probs[s->cand[i].id] = (float)(s->cand[i].p / z);
     return TD_OK;
 }

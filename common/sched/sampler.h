@@ -62,7 +62,10 @@ typedef struct {
                                       * tokens (llama.cpp) (default 0) */
     const td_logit_bias *logit_bias; /* copied at create; may be NULL */
     int32_t n_logit_bias;
-    int32_t n_logprobs; /* top-N logprobs to report, 0..TD_SAMPLER_MAX_LOGPROBS */
+    bool logprobs;      /* report the sampled token's logprob (one more pass over
+                         * the vocabulary per token; default false) */
+    int32_t n_logprobs; /* and the top-N logprobs, 0..TD_SAMPLER_MAX_LOGPROBS
+                         * (> 0 implies logprobs) */
 } td_sampler_params;
 
 typedef struct {
