@@ -58,7 +58,7 @@ static const st_dtype g_dtypes[] = {
     {"I32", -1, 4},          {"U32", -1, 4},          {"I16", -1, 2},
     {"U16", -1, 2},          {"I8", -1, 1},           {"U8", -1, 1},
     {"BOOL", -1, 1},         {"F8_E5M2", -1, 1},      {"F8_E4M3", -1, 1},
-    {"F8_E8M0", -1, 1},
+    {"F8_E8M0", -1, 1},      {"C64", -1, 8},
 };
 
 #define PERR(fn, ...) td_log(TD_LOG_ERROR, (fn), __VA_ARGS__)
@@ -200,7 +200,7 @@ static td_status parse_tensor(td_st *st, const char *fn, const char *file, const
         if (strcmp(json_string_value(jd), g_dtypes[i].s) == 0) dt = &g_dtypes[i];
     if (!dt) {
         char dbuf[48];
-        PERR(fn, "%s: tensor '%s': unknown dtype '%s'", file, pn,
+        PERR(fn, "%s: tensor '%s': unknown or unsupported dtype '%s'", file, pn,
              printable(json_string_value(jd), dbuf, sizeof dbuf));
         return TD_ERR_UNSUPPORTED;
     }

@@ -7,7 +7,7 @@
  * no overlaps outside the data section). Errors are one logged line naming
  * the file, the tensor and the problem. F32, F16 and BF16 are supported;
  * other dtypes (F64, I64, U64, I32, U32, I16, U16, I8, U8, BOOL, F8_E5M2,
- * F8_E4M3, F8_E8M0) parse, keep type -1 and are named by the loader that
+ * F8_E4M3, F8_E8M0, C64) parse, keep type -1 and are named by the loader that
  * needs them. Return codes: TD_ERR_NOT_FOUND (no such file, or a directory
  * without model.safetensors[.index.json]), TD_ERR_IO, TD_ERR_FORMAT (lying or
  * malformed file, a tensor listed in the index but missing from its shard),

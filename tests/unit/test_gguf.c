@@ -15,6 +15,8 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+#include <jansson.h>
+#include <strings.h>
 
 #include "common/model/gguf.h"
 #include "kernels/dtype.h"
@@ -809,6 +811,60 @@ static void test_python_writer(void **state) {
     if (skipped) skip();
 }
 
+/* Every tiny GGUF model of tests/models (written with the gguf package):
+ * tensor types and shapes as its manifest says. */
+static void test_test_models(void **state) {
+    (void)state;
+    const char *dir = getenv("TANDEM_TEST_MODELS");
+    char path[1024];
+    snprintf(path, sizeof path, "%s/models.json", dir ? dir : "");
+    json_error_t jerr;
+    json_t *man = dir ? json_load_file(path, 0, &jerr) : NULL;
+    if (!man) skip();
+    size_t i;
+    json_t *m;
+    int n_checked = 0;
+    json_array_foreach(json_object_get(man, "models"), i, m) {
+        if (strcmp(json_string_value(json_object_get(m, "format")), "gguf") != 0) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, json_string_value(json_object_get(m, "path")));
+        json_t *cfg = json_object_get(m, "config");
+        td_gguf *g = NULL;
+        if (td_gguf_open(path, &g) != TD_OK) fail_msg("%s does not open", path);
+        char key[128];
+        snprintf(key, sizeof key, "%s.block_count", json_string_value(json_object_get(m, "arch")));
+        uint32_t n_layer;
+        assert_int_equal(td_gguf_get_u32(g, key, &n_layer), TD_OK);
+        assert_int_equal(n_layer, json_integer_value(json_object_get(cfg, "n_layer")));
+        const td_gguf_tensor *t = td_gguf_find_tensor(g, "token_embd.weight");
+        assert_non_null(t);
+        assert_int_equal(t->ne[0], json_integer_value(json_object_get(cfg, "n_embd")));
+        assert_int_equal(t->ne[1], json_integer_value(json_object_get(cfg, "n_vocab")));
+        const char *tk;
+        json_t *tv;
+        json_object_foreach(json_object_get(m, "tensor_types"), tk, tv) {
+            /* a role names a per-layer tensor (blk.0.ROLE.weight, or blk.0.ROLE for
+             * biases) or a global one (token_embd, output_norm, output, rope_freqs) */
+            static const char *const forms[] = {"blk.0.%s.weight", "blk.0.%s", "%s.weight"};
+            char name[128];
+            t = NULL;
+            for (size_t f = 0; f < 3 && !t; f++) {
+                snprintf(name, sizeof name, forms[f], tk);
+                t = td_gguf_find_tensor(g, name);
+            }
+            if (!t && strcmp(tk, "output") == 0) continue; /* tied head */
+            if (!t) fail_msg("%s: tensor %s missing", path, name);
+            const char *want = json_string_value(tv);
+            const char *got = td_dtype_name(t->type);
+            if (strcasecmp(want, got) != 0)
+                fail_msg("%s: %s is %s, want %s", path, name, got, want);
+        }
+        td_gguf_close(g);
+        n_checked++;
+    }
+    json_decref(man);
+    assert_true(n_checked > 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_valid_v3_aligned),
@@ -822,6 +878,7 @@ int main(void) {
         cmocka_unit_test(test_dtype_names),
         cmocka_unit_test(test_default_model),
         cmocka_unit_test(test_python_writer),
+        cmocka_unit_test(test_test_models),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+#include <jansson.h>
 
 #include "common/model/safetensors.h"
 #include "kernels/dtype.h"
@@ -493,12 +494,59 @@ static void test_python_writer(void **state) {
     td_st_close(st);
 }
 
+/* Every Hugging Face directory of tests/models (single and sharded): all
+ * tensors of the manifest's dtype, embedding shaped [n_vocab, n_embd]. */
+static void test_test_models(void **state) {
+    (void)state;
+    const char *dir = getenv("TANDEM_TEST_MODELS");
+    char path[1024];
+    snprintf(path, sizeof path, "%s/models.json", dir ? dir : "");
+    json_error_t jerr;
+    json_t *man = dir ? json_load_file(path, 0, &jerr) : NULL;
+    if (!man) skip();
+    size_t i;
+    json_t *m;
+    int n_checked = 0, n_sharded = 0;
+    json_array_foreach(json_object_get(man, "models"), i, m) {
+        if (strcmp(json_string_value(json_object_get(m, "format")), "hf") != 0) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, json_string_value(json_object_get(m, "path")));
+        json_t *cfg = json_object_get(m, "config");
+        const char *want =
+            json_string_value(json_object_get(json_object_get(m, "tensor_types"), "all"));
+        td_st *st = NULL;
+        if (td_st_open(path, &st) != TD_OK) fail_msg("%s does not open", path);
+        json_int_t n_layer = json_integer_value(json_object_get(cfg, "n_layer"));
+        assert_true(td_st_n_tensors(st) >= 2 + 9 * n_layer);
+        for (int64_t k = 0; k < td_st_n_tensors(st); k++) {
+            const td_st_tensor *t = td_st_tensor_at(st, k);
+            if (want && strcmp(t->dtype, want) != 0)
+                fail_msg("%s: %s is %s, want %s", path, t->name, t->dtype, want);
+        }
+        const td_st_tensor *t = td_st_find(st, "model.embed_tokens.weight");
+        assert_non_null(t);
+        assert_int_equal(t->n_dims, 2);
+        assert_int_equal(t->shape[0], json_integer_value(json_object_get(cfg, "n_vocab")));
+        assert_int_equal(t->shape[1], json_integer_value(json_object_get(cfg, "n_embd")));
+        char name[128];
+        snprintf(name, sizeof name, "model.layers.%lld.mlp.down_proj.weight",
+                 (long long)(n_layer - 1));
+        assert_non_null(td_st_find(st, name));
+        n_sharded += json_is_true(json_object_get(m, "sharded"));
+        td_st_close(st);
+        n_checked++;
+    }
+    json_decref(man);
+    assert_true(n_checked > 0);
+    assert_true(n_sharded > 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_valid_buffer),        cmocka_unit_test(test_every_truncation),
         cmocka_unit_test(test_header_length),       cmocka_unit_test(test_corrupt_headers),
         cmocka_unit_test(test_file_and_single_dir), cmocka_unit_test(test_sharded_dir),
         cmocka_unit_test(test_error_message),       cmocka_unit_test(test_python_writer),
+        cmocka_unit_test(test_test_models),
     };
     return cmocka_run_group_tests(tests, setup_dir, teardown_dir);
 }
