@@ -103,12 +103,6 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
                      ep.max_batch_tokens, ep.max_seqs, ep.max_ctx);
         return TD_ERR_INVALID;
     }
-    if (!td_model_tok_embd(m) || !td_model_output(m)) {
-        TD_LOG_ERROR("the engine runs a whole model; this shard is pipeline stage [%d, %d) of %d "
-                     "layers",
-                     td_model_layer_begin(m), td_model_layer_end(m), c->n_layer);
-        return TD_ERR_UNSUPPORTED;
-    }
     const td_kv_params *kp = td_kv_pool_params(kv);
     int n_local_layers = td_model_layer_end(m) - td_model_layer_begin(m);
     if (kp->n_layers != n_local_layers || kp->n_kv_heads != td_model_n_head_kv_local(m) ||
@@ -144,7 +138,7 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
     e->rope_mode = c->rope_mode;
     e->inv_freq = td_model_rope_inv_freq(m);
 
-    size_t cap = act_bytes(td_model_output(m));
+    size_t cap = td_model_output(m) ? act_bytes(td_model_output(m)) : 64;
     for (int l = td_model_layer_begin(m); l < td_model_layer_end(m); l++) {
         const td_layer_weights *lw = td_model_layer(m, l);
         const td_weight *ws[] = {&lw->wq,     &lw->wk,   &lw->wv,    &lw->wo,
@@ -464,9 +458,22 @@ static td_status validate(const td_engine *e, const td_seq_chunk *seqs, int32_t 
 }
 
 td_status td_engine_forward(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs, float *logits) {
+    return td_engine_forward_stage(e, seqs, n_seqs, NULL, NULL, logits);
+}
+
+td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs,
+                                  const float *x_in, float *x_out, float *logits) {
+    const td_model *m = e->m;
+    bool first = td_model_tok_embd(m) != NULL, last = td_model_output(m) != NULL;
+    if (first == (x_in != NULL) || last == (x_out != NULL)) {
+        TD_LOG_ERROR("stage [%d, %d): hidden-state input %s and output %s do not match the stage",
+                     td_model_layer_begin(m), td_model_layer_end(m), x_in ? "given" : "missing",
+                     x_out ? "given" : "missing");
+        return TD_ERR_INVALID;
+    }
     td_status st = validate(e, seqs, n_seqs);
     if (st) return st;
-    int32_t n_out = td_engine_n_logit_rows(seqs, n_seqs);
+    int32_t n_out = last ? td_engine_n_logit_rows(seqs, n_seqs) : 0;
     if (n_out > 0 && !logits) return TD_ERR_INVALID;
     e->seqs = seqs;
     int32_t T = 0, n_logit = 0;
@@ -484,10 +491,13 @@ td_status td_engine_forward(td_engine *e, const td_seq_chunk *seqs, int32_t n_se
     e->n_tok = T;
     const size_t E = (size_t)e->n_embd;
 
-    embd_task et = {.e = e};
-    run(e, task_embd, &et, T);
+    if (first) {
+        embd_task et = {.e = e};
+        run(e, task_embd, &et, T);
+    } else {
+        memcpy(e->x, x_in, (size_t)T * E * sizeof(float));
+    }
 
-    const td_model *m = e->m;
     int lb = td_model_layer_begin(m), le = td_model_layer_end(m);
     const td_kv_params *kp = td_kv_pool_params(e->kv);
     for (int l = lb; l < le; l++) {
@@ -553,6 +563,10 @@ td_status td_engine_forward(td_engine *e, const td_seq_chunk *seqs, int32_t n_se
     /* last residual for every row, then norm + head only for the logit rows */
     for (int32_t r = 0; r < T; r++)
         td_cpu_add(e->x + r * E, e->o + r * E, e->x + r * E, (int64_t)E);
+    if (!last) {
+        memcpy(x_out, e->x, (size_t)T * E * sizeof(float));
+        return TD_OK;
+    }
     if (n_logit == 0) return TD_OK;
     quant_plan qh;
     const td_weight *wh[] = {td_model_output(m)};

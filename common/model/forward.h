@@ -54,4 +54,16 @@ int32_t td_engine_n_logit_rows(const td_seq_chunk *seqs, int32_t n_seqs);
  * a token id out of the vocabulary). */
 td_status td_engine_forward(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs, float *logits);
 
+/* The same for a pipeline stage (a model loaded with a layer range).
+ * x_in: (n_tokens of the batch, n_embd) hidden states from the previous
+ * stage, in the order of seqs; NULL on the first stage (which embeds the
+ * tokens). x_out: where this stage's hidden states go, same shape; NULL on
+ * the last stage (which produces logits as td_engine_forward does; logits
+ * is ignored on other stages). Token ids are validated on every stage.
+ * td_engine_forward(e, ...) is td_engine_forward_stage(e, ..., NULL, NULL,
+ * logits) and needs a whole model. TD_ERR_INVALID when x_in / x_out do not
+ * match the stage. */
+td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs,
+                                  const float *x_in, float *x_out, float *logits);
+
 #endif

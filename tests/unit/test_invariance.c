@@ -464,6 +464,80 @@ static void test_threads_default(void **state) {
     for_default_model(threads_case);
 }
 
+/* -------------------------------------------------------------- pipeline */
+
+/* Two pipeline stages (layers [0, split) and [split, n_layer), each its own
+ * model shard, KV pool and engine) passing hidden states give the logits of
+ * the whole model bit for bit: a stage boundary changes no summation. */
+static void pipeline_case(const char *path, int n_threads, int len_scale) {
+    harness whole;
+    h_open(&whole, path, n_threads);
+    const td_model_config *c = td_model_get_config(whole.m);
+    int n = 6 * len_scale + 3;
+    int32_t *tok = make_tokens(n, 41, whole.V);
+    float *ref = alloc_logits(&whole, n), *got = alloc_logits(&whole, n);
+    run_chunked(&whole, tok, n, n, ref);
+    check_sane(&whole, ref, n);
+    float *x = malloc((size_t)n * (size_t)c->n_embd * sizeof(float));
+    assert_non_null(x);
+    for (int split = 1; split < c->n_layer; split++) {
+        td_model *m[2] = {NULL, NULL};
+        td_kv_pool *kv[2] = {NULL, NULL};
+        td_engine *e[2] = {NULL, NULL};
+        for (int st = 0; st < 2; st++) {
+            td_model_params mp = td_model_default_params();
+            mp.path = path;
+            mp.layer_begin = st == 0 ? 0 : split;
+            mp.layer_end = st == 0 ? split : -1;
+            assert_int_equal(td_model_load(&mp, &m[st]), TD_OK);
+            td_kv_params kp = td_kv_default_params();
+            kp.n_layers = td_model_layer_end(m[st]) - td_model_layer_begin(m[st]);
+            kp.n_kv_heads = c->n_head_kv;
+            kp.head_dim = c->head_dim;
+            kp.n_blocks = 16;
+            assert_int_equal(td_kv_pool_create(&kp, &kv[st]), TD_OK);
+            td_engine_params ep = td_engine_default_params();
+            ep.max_ctx = MAX_CTX;
+            assert_int_equal(td_engine_create(m[st], kv[st], whole.tp, whole.comm, &ep, &e[st]),
+                             TD_OK);
+        }
+        int32_t blocks[MAX_CTX], nb = n_blocks_for(&whole, n);
+        for (int i = 0; i < nb; i++) blocks[i] = i; /* each stage's own pool */
+        for (int p = 0; p < n; p += 5) {            /* chunks of 5: stages agree on the batch */
+            td_seq_chunk ch = {.tokens = tok + p,
+                               .n_tokens = TD_MIN(5, n - p),
+                               .pos0 = p,
+                               .block_table = blocks,
+                               .n_blocks = nb,
+                               .logits_all = true};
+            assert_int_equal(td_engine_forward_stage(e[0], &ch, 1, NULL, x, NULL), TD_OK);
+            assert_int_equal(
+                td_engine_forward_stage(e[1], &ch, 1, x, NULL, got + (size_t)p * (size_t)whole.V),
+                TD_OK);
+        }
+        assert_memory_equal(ref, got, (size_t)n * (size_t)whole.V * sizeof(float));
+        /* A stage without its input / the whole-model entry on a stage is refused. */
+        td_seq_chunk ch = {.tokens = tok, .n_tokens = 1, .block_table = blocks, .n_blocks = nb};
+        assert_int_equal(td_engine_forward(e[1], &ch, 1, got), TD_ERR_INVALID);
+        assert_int_equal(td_engine_forward(e[0], &ch, 1, got), TD_ERR_INVALID);
+        for (int st = 0; st < 2; st++) {
+            td_engine_destroy(e[st]);
+            td_kv_pool_destroy(kv[st]);
+            td_model_free(m[st]);
+        }
+    }
+    free(x);
+    free(tok);
+    free(ref);
+    free(got);
+    h_close(&whole);
+}
+
+static void test_pipeline_tiny(void **state) {
+    (void)state;
+    for_tiny_models(pipeline_case);
+}
+
 int main(void) {
     /* TD_TEST_ISA=scalar|avx2|avx512 runs the contract on one kernel set. */
     const char *isa = getenv("TD_TEST_ISA");
@@ -473,11 +547,12 @@ int main(void) {
         return 1;
     }
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_chunks_tiny),       cmocka_unit_test(test_batch_tiny),
-        cmocka_unit_test(test_prefix_tiny),       cmocka_unit_test(test_recompute_tiny),
-        cmocka_unit_test(test_threads_tiny),      cmocka_unit_test(test_chunks_default),
-        cmocka_unit_test(test_batch_default),     cmocka_unit_test(test_prefix_default),
-        cmocka_unit_test(test_recompute_default), cmocka_unit_test(test_threads_default),
+        cmocka_unit_test(test_chunks_tiny),     cmocka_unit_test(test_batch_tiny),
+        cmocka_unit_test(test_prefix_tiny),     cmocka_unit_test(test_recompute_tiny),
+        cmocka_unit_test(test_threads_tiny),    cmocka_unit_test(test_pipeline_tiny),
+        cmocka_unit_test(test_chunks_default),  cmocka_unit_test(test_batch_default),
+        cmocka_unit_test(test_prefix_default),  cmocka_unit_test(test_recompute_default),
+        cmocka_unit_test(test_threads_default),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
