@@ -41,29 +41,46 @@ def generate(*args, timeout=600):
 
 
 def test_capital_of_france_greedy():
+    # Issue 2's "real output" check. Note on this exact input (SmolLM2's
+    # template with its default system prompt, 37 tokens, this Q4_1 file):
+    # the first answer token is a knife edge. A float64 forward pass on the
+    # dequantized weights (tests/reference) picks "The" (-> "The capital of
+    # France is Paris.") by 0.08 logits over "L"; rounding the matmul inputs
+    # to 8 bits, as llama.cpp and Tandem do, moves that margin by a few
+    # tenths, and llama.cpp itself (same file, same tokens, greedy) answers
+    # "L'Étoile, la Marseillaise, ...". This test states the requirement as
+    # the issue gives it.
     r = generate("--chat", "What is the capital of France?", "--max-tokens", "48")
     err = r.stderr.decode(errors="replace")
     out = r.stdout.decode(errors="replace")
     assert r.returncode == 0, err
-    assert "Paris" in out, f"answer was: {out!r}"
     mp = SPEED_PROMPT.search(err)
     mg = SPEED_GEN.search(err)
     assert mp and mg, err
-    # The ChatML prompt with SmolLM2's default system prompt is dozens of tokens.
-    assert int(mp.group(1)) > 10
+    # The ChatML prompt with SmolLM2's default system prompt is 37 tokens.
+    assert int(mp.group(1)) == 37
     assert 1 <= int(mg.group(1)) <= 48
     assert float(mp.group(2)) > 0 and float(mg.group(2)) > 0
+    assert "Paris" in out, f"answer was: {out!r}"
 
 
-def test_greedy_is_deterministic_and_stops_at_eog():
-    a = generate("--chat", "What is the capital of France?", "--max-tokens", "48")
-    b = generate("--chat", "What is the capital of France?", "--max-tokens", "48")
+def test_greedy_is_deterministic():
+    a = generate("--chat", "What is the capital of France?", "--max-tokens", "24")
+    b = generate("--chat", "What is the capital of France?", "--max-tokens", "24")
     assert a.returncode == 0 and b.returncode == 0
     assert a.stdout == b.stdout
-    # A short factual answer ends with <|im_end|> well before 48 tokens; the
-    # EOG token's text must not leak into the output.
-    assert b"<|im_end|>" not in a.stdout
-    assert "finish: stop" in a.stderr.decode(), a.stderr.decode()
+
+
+def test_stops_at_end_of_generation_token():
+    # A short arithmetic answer ends with <|im_end|> well before 48 tokens;
+    # generation must stop there and the token's text must not leak out.
+    r = generate("--chat", "What is 2+2?", "--max-tokens", "48")
+    err = r.stderr.decode(errors="replace")
+    assert r.returncode == 0, err
+    assert "finish: stop" in err, err
+    assert b"<|im_end|>" not in r.stdout and b"<|im_start|>" not in r.stdout
+    assert b"4" in r.stdout, r.stdout
+    assert int(SPEED_GEN.search(err).group(1)) < 48
 
 
 def test_raw_prompt():
