@@ -744,7 +744,7 @@ td_status td_gguf_open(const char *path, td_gguf **g_p) {
         free(g);
         return TD_ERR_NOMEM;
     }
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
         TD_LOG_ERROR("%s: cannot open: %s", path, strerror(errno));
         st = errno == ENOENT ? TD_ERR_NOT_FOUND : TD_ERR_IO;

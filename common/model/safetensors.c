@@ -369,7 +369,7 @@ td_status td_st_open_buffer(const void *data, size_t size, const char *name, td_
 /* Maps `path` read-only into a new st->files entry. */
 static td_status map_file(td_st *st, const char *path, int *idx_p) {
     td_status s = TD_OK;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
         PERR("td_st_open", "%s: cannot open: %s", path, strerror(errno));
         return errno == ENOENT ? TD_ERR_NOT_FOUND : TD_ERR_IO;

@@ -392,6 +392,10 @@ static void test_open_file(void **state) {
     unlink(path);
     assert_int_equal(td_gguf_open(path, &g), TD_ERR_NOT_FOUND);
     assert_int_equal(td_gguf_open("/tmp", &g), TD_ERR_IO);
+    /* a FIFO is refused without blocking on open() */
+    assert_int_equal(mkfifo(path, 0600), 0);
+    assert_int_equal(td_gguf_open(path, &g), TD_ERR_IO);
+    unlink(path);
     td_log_set_level(TD_LOG_INFO);
     assert_null(g);
     free(b.p);

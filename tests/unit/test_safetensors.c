@@ -325,6 +325,10 @@ static void test_file_and_single_dir(void **state) {
     write_text(sub, "tiny.safetensors", "abc");
     snprintf(path, sizeof path, "%s/tiny.safetensors", sub);
     assert_int_equal(open_path_quiet(path, &st), TD_ERR_FORMAT);
+    /* a FIFO is refused without blocking on open() */
+    snprintf(path, sizeof path, "%s/fifo.safetensors", sub);
+    assert_int_equal(mkfifo(path, 0600), 0);
+    assert_int_equal(open_path_quiet(path, &st), TD_ERR_IO);
     assert_null(st);
     free(f.p);
 }
