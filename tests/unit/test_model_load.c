@@ -120,6 +120,8 @@ typedef struct {
     uint32_t set_u32;
     const char *set_str_key; /* string key added or replaced */
     const char *set_str;
+    const char *set_f32_key; /* float key added or replaced */
+    float set_f32;
 } mutation;
 
 typedef struct {
@@ -230,6 +232,7 @@ static void rewrite(const char *src, const char *dst, const mutation *mu) {
     int64_t out_kv = nkv;
     if (mu->set_u32_key && td_gguf_find_key(g, mu->set_u32_key) < 0) out_kv++;
     if (mu->set_str_key && td_gguf_find_key(g, mu->set_str_key) < 0) out_kv++;
+    if (mu->set_f32_key && td_gguf_find_key(g, mu->set_f32_key) < 0) out_kv++;
     put_u64(&b, (uint64_t)out_t);
     put_u64(&b, (uint64_t)out_kv);
     for (int64_t i = 0; i < nkv; i++) {
@@ -238,6 +241,9 @@ static void rewrite(const char *src, const char *dst, const mutation *mu) {
         if (mu->set_u32_key && strcmp(key, mu->set_u32_key) == 0) {
             put_u32(&b, TD_GGUF_UINT32);
             put_u32(&b, mu->set_u32);
+        } else if (mu->set_f32_key && strcmp(key, mu->set_f32_key) == 0) {
+            put_u32(&b, TD_GGUF_FLOAT32);
+            put(&b, &mu->set_f32, 4);
         } else if (mu->set_str_key && strcmp(key, mu->set_str_key) == 0) {
             put_u32(&b, TD_GGUF_STRING);
             put_str(&b, mu->set_str, strlen(mu->set_str));
@@ -256,6 +262,11 @@ static void rewrite(const char *src, const char *dst, const mutation *mu) {
         put_str(&b, mu->set_str_key, strlen(mu->set_str_key));
         put_u32(&b, TD_GGUF_STRING);
         put_str(&b, mu->set_str, strlen(mu->set_str));
+    }
+    if (mu->set_f32_key && td_gguf_find_key(g, mu->set_f32_key) < 0) {
+        put_str(&b, mu->set_f32_key, strlen(mu->set_f32_key));
+        put_u32(&b, TD_GGUF_FLOAT32);
+        put(&b, &mu->set_f32, 4);
     }
     size_t *sizes = calloc((size_t)nt, sizeof *sizes);
     assert_non_null(sizes);
@@ -551,6 +562,35 @@ static void test_rewrite_control(void **state) {
     unlink(dst);
 }
 
+/* Linear RoPE scaling from GGUF metadata divides every frequency by the
+ * factor; an unsupported scaling type is refused by name. */
+static void test_rope_linear_gguf(void **state) {
+    (void)state;
+    need_models();
+    char src[4096], dst[512];
+    model_path("gguf/llama2-f32.gguf", src, sizeof src);
+    snprintf(dst, sizeof dst, "%s/linear.gguf", g_tmp);
+    mutation mu = {.set_str_key = "llama.rope.scaling.type",
+                   .set_str = "linear",
+                   .set_f32_key = "llama.rope.scaling.factor",
+                   .set_f32 = 4.0f};
+    rewrite(src, dst, &mu);
+    td_model_params p = td_model_default_params();
+    p.path = dst;
+    td_model *m = NULL;
+    assert_int_equal(td_model_load(&p, &m), TD_OK);
+    const td_model_config *c = td_model_get_config(m);
+    assert_int_equal(c->rope_scaling, TD_ROPE_SCALING_LINEAR);
+    for (int i = 0; i < c->n_rot / 2; i++) {
+        double want = pow(c->rope_theta, -2.0 * i / c->n_rot) / 4.0;
+        assert_float_equal(td_model_rope_inv_freq(m)[i], want, 1e-6 * want);
+    }
+    td_model_free(m);
+    unlink(dst);
+    mutation mu2 = {.set_str_key = "llama.rope.scaling.type", .set_str = "yarn"};
+    corrupt_case("gguf/llama2-f32.gguf", &mu2, (const char *[]){"yarn", NULL});
+}
+
 static void test_missing_tensor(void **state) {
     (void)state;
     need_models();
@@ -710,7 +750,8 @@ int main(void) {
         cmocka_unit_test(test_missing_tensor),   cmocka_unit_test(test_wrong_shape),
         cmocka_unit_test(test_unsupported_type), cmocka_unit_test(test_bad_heads),
         cmocka_unit_test(test_vocab_mismatch),   cmocka_unit_test(test_unknown_arch),
-        cmocka_unit_test(test_hf_corrupt),       cmocka_unit_test(test_missing_file),
+        cmocka_unit_test(test_hf_corrupt),       cmocka_unit_test(test_rope_linear_gguf),
+        cmocka_unit_test(test_missing_file),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
