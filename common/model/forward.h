@@ -33,7 +33,7 @@ typedef struct td_engine td_engine;
 typedef struct {
     int32_t max_batch_tokens; /* most tokens one forward call may carry (default 2048) */
     int32_t max_seqs;         /* most sequences per call (default 256) */
-    int32_t max_ctx;          /* longest sequence (default: min(n_ctx_train, 8192)) */
+    int32_t max_ctx;          /* longest sequence; 0 (default): min(n_ctx_train, 8192) */
 } td_engine_params;
 
 td_engine_params td_engine_default_params(void);
