@@ -406,3 +406,33 @@ def unpermute_qk(w, n_head):
     rows = w.shape[0]
     return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
+
+
+def main(argv=None):
+    """Command line: print the reference's top tokens per position, or its
+    greedy continuation, or save the logits (debugging aid)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="NumPy reference forward pass (float64)")
+    ap.add_argument("model", help="GGUF file or Hugging Face directory")
+    ap.add_argument("--tokens", required=True, help="comma-separated token ids")
+    ap.add_argument("--top", type=int, default=3, help="top-k ids printed per position")
+    ap.add_argument("--greedy", type=int, default=0, help="print N greedy tokens instead")
+    ap.add_argument("--out", help="save logits (T, n_vocab) float32, raw little-endian")
+    a = ap.parse_args(argv)
+    m = load(a.model)
+    toks = [int(t) for t in a.tokens.split(",") if t.strip()]
+    if a.greedy:
+        print(",".join(str(t) for t in greedy(m, toks, a.greedy)[len(toks):]))
+        return 0
+    lg = forward(m, toks)
+    if a.out:
+        lg.astype("<f4").tofile(a.out)
+    for t, row in enumerate(lg):
+        top = np.argsort(-row)[:a.top]
+        print(t, " ".join(f"{int(i)}:{row[i]:.4f}" for i in top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
