@@ -36,6 +36,12 @@ delta = DELTA[class] * max_v |ref[t,v]|:
                              top-1 gap by at most 0.064 * max|ref| on these models)
 and at least MIN_CHECKED[class] of the 32 steps must clear delta, so the check
 is never vacuous.
+
+Also: one model per weight type through every kernel ISA (--isa scalar, avx2,
+avx512; an ISA the CPU lacks is skipped, except scalar and, on a CPU with
+AVX2/FMA/F16C, avx2), same tolerances; out-of-range token ids are rejected
+with a nonzero exit and an error line; and self-checks of the reference and
+the generated models that need no engine.
 """
 
 import json
@@ -281,3 +287,42 @@ def test_eval_rejects_out_of_range_token(name, bad):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines, "no error message on stderr\n" + r.describe()
     assert any("token" in ln.lower() or str(bad) in ln for ln in lines), r.describe()
+
+
+# ---------------------------------------------------------------------------
+# Every kernel ISA against the reference (the default run above uses the best
+# one the CPU has; the invariance tests compare ISAs only with each other).
+
+ISA_MODELS = ["llama2-f32-gguf", "llama3-f16-gguf", "mistral-bf16-gguf", "qwen2-q8_0-gguf",
+              "smollm2-q4_0-gguf", "tinyllama-q4_1-gguf", "smollm2-mixed-gguf", "qwen2-bf16-hf"]
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("name", ISA_MODELS)
+def test_logits_match_reference_every_isa(name, isa):
+    e = BY_NAME[name]
+    cls = e["tol_class"]
+    seqs = sequences_for(e)[:2]
+    r, out = tandem_eval_raw(model_path(e), seqs, isa=isa, check=False)
+    if r.returncode != 0:
+        must = isa == "scalar" or (isa == "avx2" and {"avx2", "fma", "f16c"} <= _cpu_flags())
+        if not must and "cannot run" in r.stderr:
+            pytest.skip(f"this CPU has no {isa}: {r.stderr.strip().splitlines()[-1]}")
+        pytest.fail(f"tandem eval --isa {isa} failed\n{r.describe()}")
+    m = ref_model(model_path(e))
+    rel = np.concatenate([rel_errors(a, R.forward(m, s)) for s, a in zip(seqs, out)])
+    msg = f"{name} --isa {isa}: max rel {rel.max():.3g}, mean {rel.mean():.3g}"
+    print(msg)
+    assert rel.max() <= TOL[cls], msg
+    assert rel.mean() <= MEAN_TOL[cls], msg
