@@ -189,9 +189,7 @@ static td_status parse_normalizer(td_tokenizer *tok, json_t *p, const char *path
         return TD_ERR_UNSUPPORTED;
     }
     if (strcmp(type, "NFC") == 0) {
-        /* Composition tables are not carried; already-composed input (the
-         * common case) is unaffected. */
-        TD_LOG_WARN("%s: NFC normalizer is applied as identity (input assumed NFC)", path);
+        tok->nfc = true;
         return TD_OK;
     }
     TD_LOG_ERROR("%s: unsupported normalizer type '%s'", path, type);

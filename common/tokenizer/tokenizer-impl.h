@@ -103,6 +103,7 @@ struct td_tokenizer {
     bool prefix_unless_space; /* not when the fragment already starts with ' ' */
     bool strip_leading_space_on_decode;
 
+    bool nfc;           /* NFC-normalise text fragments first (HF NFC normalizer) */
     bool ignore_merges; /* a pre-token that is a whole vocabulary entry is kept as is */
     bool fuse_unk;
 

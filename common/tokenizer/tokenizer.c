@@ -8,6 +8,7 @@
 #include <xxhash.h>
 
 #include "tokenizer-impl.h"
+#include "unicode-nfc.h"
 
 /* ---------------------------------------------------------------- UTF-8 */
 
@@ -749,11 +750,19 @@ static td_status normalize_fragment(const td_tokenizer *tok, const char *s, size
 
 static td_status encode_fragment(const td_tokenizer *tok, const char *s, size_t n, bool add_prefix,
                                  td_ivec *out) {
-    char *buf = NULL;
+    char *buf = NULL, *nfc = NULL;
     size_t blen = 0;
     range_vec a = {0}, b = {0};
     pcre2_match_data *md = NULL;
-    td_status st = normalize_fragment(tok, s, n, add_prefix, &buf, &blen);
+    td_status st;
+    if (tok->nfc) {
+        size_t nl;
+        if ((st = td_nfc(s, n, &nfc, &nl))) return st;
+        s = nfc;
+        n = nl;
+    }
+    st = normalize_fragment(tok, s, n, add_prefix, &buf, &blen);
+    free(nfc);
     if (st) return st;
     if ((st = range_push(&a, 0, blen))) goto out;
     for (size_t k = 0; k < tok->n_pretok; k++) {

