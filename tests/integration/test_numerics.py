@@ -326,3 +326,23 @@ def test_logits_match_reference_every_isa(name, isa):
     print(msg)
     assert rel.max() <= TOL[cls], msg
     assert rel.mean() <= MEAN_TOL[cls], msg
+
+
+@pytest.mark.parametrize("text", [
+    '{"sequences": [[1, 2.5, 3]]}',
+    '{"sequences": [[1, "2", 3]]}',
+    '{"sequences": [1, 2, 3]}',
+    '{"tokens": [[1, 2, 3]]}',
+    '{"sequences": [[1, 2, 3]]',
+    'not json at all',
+])
+def test_eval_rejects_malformed_tokens_file(text, tmp_path):
+    from conftest import run_tandem
+
+    tin = tmp_path / "in.json"
+    tin.write_text(text)
+    r = run_tandem("eval", "--model", model_path(BY_NAME["llama2-f32-gguf"]), "--tokens", tin,
+                   "--out", tmp_path / "out.bin", check=False)
+    assert r.returncode is not None and r.returncode > 0, r.describe()
+    assert any(str(tin) in ln or "sequence" in ln.lower() or "json" in ln.lower()
+               for ln in r.stderr.splitlines()), r.describe()
