@@ -8,7 +8,10 @@
  * past the mapping and never aborts. Tensor types outside td_dtype are
  * accepted at parse time (their sizes are known from the GGUF type table)
  * so that a loader can name the unsupported tensor; td_gguf_tensor.type
- * keeps the raw id.
+ * keeps the raw id. Duplicate keys or tensor names, overlapping tensor data,
+ * n_dims outside 1..4, ne <= 0 and unknown type ids are TD_ERR_FORMAT; GGUF
+ * v1 and big-endian files are TD_ERR_UNSUPPORTED. Arrays of arrays are
+ * walked (nesting depth <= 4) but not exposed.
  *
  * Strings returned by the getters are NUL-terminated copies owned by the
  * td_gguf and live until td_gguf_close(). Not thread-safe for writes;
