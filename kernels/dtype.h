@@ -79,7 +79,7 @@ static inline int td_dtype_supported(int t) {
 }
 
 /* Name of a GGUF type id (also for ids we do not support, e.g. "q4_K"),
- * "unknown" otherwise. Defined in kernels/cpu/convert.c. */
+ * "unknown" otherwise. Defined in kernels/cpu/dtype-names.c. */
 const char *td_dtype_name(int t);
 
 /* Bytes of a row of n elements; 0 if n is not a multiple of the block size
