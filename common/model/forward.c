@@ -13,11 +13,13 @@
 #include "forward.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #define N_XQ         3  /* activation buffers: one per weight type of a matmul group */
 #define ROW_TILE     16 /* matmul output rows are split between threads in tiles */
 #define MIN_PAR_ROWS 4  /* fewer token rows than this: elementwise steps run inline */
+#define ROW_CHUNK    4  /* token rows claimed at a time by elementwise steps */
 
 struct td_engine {
     const td_model *m;
@@ -49,6 +51,7 @@ struct td_engine {
     int64_t *attn_cost;  /* (T + 1) prefix sums of attention cost per row */
     const td_seq_chunk *seqs;
     int32_t n_tok;
+    _Atomic int64_t work_next; /* next unclaimed work item of the running step */
 };
 
 td_engine_params td_engine_default_params(void) {
@@ -189,11 +192,27 @@ int32_t td_engine_n_logit_rows(const td_seq_chunk *seqs, int32_t n_seqs) {
 
 /* ------------------------------------------------------------------ tasks */
 
-static void run(td_engine *e, td_task_fn fn, void *ctx, int n_rows) {
-    if (e->tp && e->nth > 1 && n_rows >= MIN_PAR_ROWS)
-        td_threadpool_run(e->tp, fn, ctx);
+/* Threads claim work items (rows, row tiles, heads) from a shared counter
+ * instead of fixed shares, so a thread the OS deschedules delays nobody:
+ * which thread computes an item never changes its value. */
+static bool claim(td_engine *e, int64_t n, int64_t chunk, int64_t *b, int64_t *end) {
+    int64_t s = atomic_fetch_add_explicit(&e->work_next, chunk, memory_order_relaxed);
+    if (s >= n) return false;
+    *b = s;
+    *end = TD_MIN(s + chunk, n);
+    return true;
+}
+
+static void dispatch(td_engine *e, td_task_fn fn, void *ctx, bool parallel) {
+    atomic_store_explicit(&e->work_next, 0, memory_order_relaxed);
+    if (parallel)
+        td_threadpool_run(e->tp, fn, ctx); /* publishes the reset to the workers */
     else
         fn(ctx, 0, 1);
+}
+
+static void run(td_engine *e, td_task_fn fn, void *ctx, int n_rows) {
+    dispatch(e, fn, ctx, e->tp && e->nth > 1 && n_rows >= MIN_PAR_ROWS);
 }
 
 /* Quantise rows for a group of weights: one xq buffer per distinct type. */
@@ -238,16 +257,18 @@ typedef struct {
 static void task_norm(void *ctx, int ith, int nth) {
     const norm_task *t = ctx;
     td_engine *e = t->e;
+    (void)ith;
+    (void)nth;
     int64_t r0, r1;
-    td_split_range(t->n_rows, ith, nth, &r0, &r1);
     size_t E = (size_t)e->n_embd;
-    for (int64_t r = r0; r < r1; r++) {
-        float *x = e->x + (size_t)(t->src_row ? t->src_row[r] : r) * E;
-        if (t->add) td_cpu_add(x, e->o + (size_t)r * E, x, (int64_t)E);
-        float *xn = e->xn + (size_t)r * E;
-        td_cpu_rmsnorm(x, t->norm_w, xn, (int64_t)E, e->eps);
-        quant_row(e, t->qp, xn, (int32_t)r);
-    }
+    while (claim(e, t->n_rows, ROW_CHUNK, &r0, &r1))
+        for (int64_t r = r0; r < r1; r++) {
+            float *x = e->x + (size_t)(t->src_row ? t->src_row[r] : r) * E;
+            if (t->add) td_cpu_add(x, e->o + (size_t)r * E, x, (int64_t)E);
+            float *xn = e->xn + (size_t)r * E;
+            td_cpu_rmsnorm(x, t->norm_w, xn, (int64_t)E, e->eps);
+            quant_row(e, t->qp, xn, (int32_t)r);
+        }
 }
 
 /* y_i = W_i xq for up to N_XQ weights; each thread takes tiles of output rows. */
@@ -260,13 +281,19 @@ typedef struct {
 } matmul_task;
 
 static void task_matmul(void *ctx, int ith, int nth) {
+    (void)ith;
+    (void)nth;
     const matmul_task *t = ctx;
+    int64_t tiles[N_XQ], total = 0, b, end;
     for (int i = 0; i < t->qp->n; i++) {
+        tiles[i] = (t->qp->w[i]->rows + ROW_TILE - 1) / ROW_TILE;
+        total += tiles[i];
+    }
+    while (claim(t->e, total, 1, &b, &end)) {
+        int i = 0;
+        while (b >= tiles[i]) b -= tiles[i++];
         const td_weight *w = t->qp->w[i];
-        int64_t tiles = (w->rows + ROW_TILE - 1) / ROW_TILE, b0, b1;
-        td_split_range(tiles, ith, nth, &b0, &b1);
-        int64_t r0 = b0 * ROW_TILE, r1 = TD_MIN(b1 * ROW_TILE, w->rows);
-        if (r0 >= r1) continue;
+        int64_t r0 = b * ROW_TILE, r1 = TD_MIN(r0 + ROW_TILE, w->rows);
         td_cpu_matmul(w->type, w->data, w->stride, t->e->xq[t->qp->slot[i]], t->qp->stride[i],
                       t->n_rows, w->cols, t->y[i], t->ldy[i], (int)r0, (int)r1);
     }
@@ -279,10 +306,7 @@ static void matmul(td_engine *e, const quant_plan *qp, float *const *y, const si
         t.y[i] = y[i];
         t.ldy[i] = ldy[i];
     }
-    if (e->tp && e->nth > 1)
-        td_threadpool_run(e->tp, task_matmul, &t);
-    else
-        task_matmul(&t, 0, 1);
+    dispatch(e, task_matmul, &t, e->tp && e->nth > 1);
 }
 
 /* Bias, RoPE and the KV write of each row. */
@@ -297,60 +321,44 @@ static void task_qkv(void *ctx, int ith, int nth) {
     td_engine *e = t->e;
     const td_layer_weights *lw = t->lw;
     int bs = td_kv_pool_params(e->kv)->block_size;
+    (void)ith;
+    (void)nth;
     int64_t r0, r1;
-    td_split_range(e->n_tok, ith, nth, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++) {
-        float *q = e->q + (size_t)r * (size_t)e->q_dim;
-        float *k = e->k + (size_t)r * (size_t)e->kv_dim;
-        float *v = e->v + (size_t)r * (size_t)e->kv_dim;
-        if (lw->bq) td_cpu_add(q, lw->bq, q, e->q_dim);
-        if (lw->bk) td_cpu_add(k, lw->bk, k, e->kv_dim);
-        if (lw->bv) td_cpu_add(v, lw->bv, v, e->kv_dim);
-        int32_t pos = e->tok_pos[r];
-        td_cpu_rope(q, e->nh, e->head_dim, e->n_rot, pos, e->inv_freq, e->rope_mode);
-        td_cpu_rope(k, e->nkv, e->head_dim, e->n_rot, pos, e->inv_freq, e->rope_mode);
-        const td_seq_chunk *s = &e->seqs[e->tok_seq[r]];
-        size_t cell = (size_t)s->block_table[pos / bs] * (size_t)bs + (size_t)(pos % bs);
-        memcpy(t->kc + cell * (size_t)e->kv_dim, k, (size_t)e->kv_dim * sizeof(float));
-        memcpy(t->vc + cell * (size_t)e->kv_dim, v, (size_t)e->kv_dim * sizeof(float));
-    }
+    while (claim(e, e->n_tok, ROW_CHUNK, &r0, &r1))
+        for (int64_t r = r0; r < r1; r++) {
+            float *q = e->q + (size_t)r * (size_t)e->q_dim;
+            float *k = e->k + (size_t)r * (size_t)e->kv_dim;
+            float *v = e->v + (size_t)r * (size_t)e->kv_dim;
+            if (lw->bq) td_cpu_add(q, lw->bq, q, e->q_dim);
+            if (lw->bk) td_cpu_add(k, lw->bk, k, e->kv_dim);
+            if (lw->bv) td_cpu_add(v, lw->bv, v, e->kv_dim);
+            int32_t pos = e->tok_pos[r];
+            td_cpu_rope(q, e->nh, e->head_dim, e->n_rot, pos, e->inv_freq, e->rope_mode);
+            td_cpu_rope(k, e->nkv, e->head_dim, e->n_rot, pos, e->inv_freq, e->rope_mode);
+            const td_seq_chunk *s = &e->seqs[e->tok_seq[r]];
+            size_t cell = (size_t)s->block_table[pos / bs] * (size_t)bs + (size_t)(pos % bs);
+            memcpy(t->kc + cell * (size_t)e->kv_dim, k, (size_t)e->kv_dim * sizeof(float));
+            memcpy(t->vc + cell * (size_t)e->kv_dim, v, (size_t)e->kv_dim * sizeof(float));
+        }
 }
 
-/* Attention per (row, head) item; threads take equal shares of the total
- * cost (an item costs its context length). */
+/* Attention per (row, head) item, claimed one at a time (items differ in
+ * cost with the context length). */
 typedef struct {
     td_engine *e;
     td_cpu_kv_layer kvl;
 } attn_task;
 
-/* First item whose cost prefix reaches target. */
-static int64_t item_at(const td_engine *e, int64_t target) {
-    int64_t nh = e->nh;
-    int32_t lo = 0, hi = e->n_tok; /* first row whose cost prefix passes target */
-    while (lo < hi) {
-        int32_t mid = lo + (hi - lo) / 2;
-        if (e->attn_cost[mid + 1] * nh <= target)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    if (lo >= e->n_tok) return (int64_t)e->n_tok * nh;
-    int64_t ctx = e->attn_cost[lo + 1] - e->attn_cost[lo];
-    int64_t h = (target - e->attn_cost[lo] * nh + ctx - 1) / ctx;
-    return (int64_t)lo * nh + h;
-}
-
 static void task_attn(void *ctx, int ith, int nth) {
+    (void)nth;
     const attn_task *t = ctx;
     td_engine *e = t->e;
-    int64_t total = e->attn_cost[e->n_tok] * e->nh;
-    int64_t i0 = item_at(e, total * ith / nth);
-    int64_t i1 = ith == nth - 1 ? (int64_t)e->n_tok * e->nh : item_at(e, total * (ith + 1) / nth);
     float *scratch = e->attn_scratch + (size_t)ith * (size_t)e->p.max_ctx;
     int group = e->nh / e->nkv;
-    for (int64_t i = i0; i < i1; i++) {
-        int32_t r = (int32_t)(i / e->nh);
-        int h = (int)(i % e->nh);
+    int64_t i0, i1;
+    while (claim(e, (int64_t)e->n_tok * e->nh, 1, &i0, &i1)) {
+        int32_t r = (int32_t)(i0 / e->nh);
+        int h = (int)(i0 % e->nh);
         const td_seq_chunk *s = &e->seqs[e->tok_seq[r]];
         int n_ctx = e->tok_pos[r] + 1; /* causal: positions [0, pos] */
         size_t off = (size_t)r * (size_t)e->q_dim + (size_t)h * (size_t)e->head_dim;
@@ -367,13 +375,15 @@ typedef struct {
 static void task_swiglu(void *ctx, int ith, int nth) {
     const swiglu_task *t = ctx;
     td_engine *e = t->e;
+    (void)ith;
+    (void)nth;
     int64_t r0, r1;
-    td_split_range(e->n_tok, ith, nth, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++) {
-        float *g = e->g + (size_t)r * (size_t)e->n_ff;
-        td_cpu_swiglu(g, e->u + (size_t)r * (size_t)e->n_ff, g, e->n_ff);
-        quant_row(e, t->qp, g, (int32_t)r);
-    }
+    while (claim(e, e->n_tok, ROW_CHUNK, &r0, &r1))
+        for (int64_t r = r0; r < r1; r++) {
+            float *g = e->g + (size_t)r * (size_t)e->n_ff;
+            td_cpu_swiglu(g, e->u + (size_t)r * (size_t)e->n_ff, g, e->n_ff);
+            quant_row(e, t->qp, g, (int32_t)r);
+        }
 }
 
 typedef struct {
@@ -383,10 +393,12 @@ typedef struct {
 
 static void task_att_quant(void *ctx, int ith, int nth) {
     const attq_task *t = ctx;
+    (void)ith;
+    (void)nth;
     int64_t r0, r1;
-    td_split_range(t->e->n_tok, ith, nth, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++)
-        quant_row(t->e, t->qp, t->e->att + (size_t)r * (size_t)t->e->q_dim, (int32_t)r);
+    while (claim(t->e, t->e->n_tok, ROW_CHUNK, &r0, &r1))
+        for (int64_t r = r0; r < r1; r++)
+            quant_row(t->e, t->qp, t->e->att + (size_t)r * (size_t)t->e->q_dim, (int32_t)r);
 }
 
 /* Embedding rows: dequantised straight from the (possibly quantised) table. */
@@ -397,14 +409,16 @@ typedef struct {
 static void task_embd(void *ctx, int ith, int nth) {
     td_engine *e = ((const embd_task *)ctx)->e;
     const td_weight *w = td_model_tok_embd(e->m);
+    (void)ith;
+    (void)nth;
     int64_t r0, r1;
-    td_split_range(e->n_tok, ith, nth, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++) {
-        const td_seq_chunk *s = &e->seqs[e->tok_seq[r]];
-        int32_t id = s->tokens[e->tok_pos[r] - s->pos0];
-        td_cpu_dequant_row(w->type, (const uint8_t *)w->data + (size_t)id * w->stride,
-                           e->x + (size_t)r * (size_t)e->n_embd, w->cols);
-    }
+    while (claim(e, e->n_tok, ROW_CHUNK, &r0, &r1))
+        for (int64_t r = r0; r < r1; r++) {
+            const td_seq_chunk *s = &e->seqs[e->tok_seq[r]];
+            int32_t id = s->tokens[e->tok_pos[r] - s->pos0];
+            td_cpu_dequant_row(w->type, (const uint8_t *)w->data + (size_t)id * w->stride,
+                               e->x + (size_t)r * (size_t)e->n_embd, w->cols);
+        }
 }
 
 /* ---------------------------------------------------------------- forward */
@@ -526,10 +540,7 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
                                 .n_kv_heads = e->nkv,
                                 .head_dim = e->head_dim}};
         /* attention cost grows with context: worth threads even for one row */
-        if (e->tp && e->nth > 1 && e->attn_cost[T] * e->nh >= 1024)
-            td_threadpool_run(e->tp, task_attn, &at);
-        else
-            task_attn(&at, 0, 1);
+        dispatch(e, task_attn, &at, e->tp && e->nth > 1 && e->attn_cost[T] * e->nh >= 1024);
 
         quant_plan qo;
         const td_weight *wo[] = {&lw->wo};
