@@ -1,15 +1,454 @@
-/* AVX-512 (F/BW/VL/DQ + VNNI) kernels. */
+/* AVX-512 (F/BW/VL/DQ + VNNI) kernels.
+ *
+ * Quantized matmul: a step covers two 32-element blocks, i.e. one 64-byte
+ * activation load. Weight nibbles are expanded to 64 unsigned bytes in
+ * element order and multiplied with vpdpbusd; 16 int32 lanes come out, lanes
+ * 0-7 for the first block and 8-15 for the second, and are scaled per lane.
+ * Q4_0 (q - 8) and Q8_0 (w + 128, to make it unsigned) fold their offset in
+ * the integer domain through the vpdpbusd accumulator seed, -8*sum(x) or
+ * -128*sum(x), put in lane 0 / 8 of the block.
+ *
+ * As in the AVX2 file, each (row, token) pair owns one accumulator that is
+ * updated once per step in k order and reduced by one fixed horizontal sum,
+ * so tiling never changes a pair's arithmetic. */
 #include <immintrin.h>
+#include <math.h>
 
 #include "cpu-impl.h"
 
+#define AI static inline __attribute__((always_inline))
+
+AI float hsum512(__m512 v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AI __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
+                      _mm512_set1_ps(-87.3365447504f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    __m512 r2 = _mm512_mul_ps(r, r);
+    p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    /* p * 2^n, exact scaling with gradual underflow */
+    return _mm512_scalef_ps(p, n);
+}
+
+/* ---------------- quantized matmul ---------------- */
+
+#define TR_MAX 4 /* max rows per tile */
+#define TT_MAX 8 /* max tokens per tile */
+#define QR     TR_MAX
+#define QT     TT_MAX
+
+/* Two Q4 blocks' 16-byte nibble arrays -> 64 bytes 0..15 in element order. */
+AI __m512i unpack_q4x2(const uint8_t *qs0, const uint8_t *qs1, __mmask16 m1) {
+    __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)qs0));
+    z = _mm512_mask_broadcast_i32x4(z, m1, _mm_loadu_si128((const __m128i *)qs1));
+    z = _mm512_srlv_epi64(z, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0));
+    return _mm512_and_si512(z, _mm512_set1_epi8(0x0f));
+}
+
+/* One step (blocks b, b+1; `two` false for a lone last block) of one row:
+ * w: unsigned weight bytes, dw: d per lane, mw: Q4_1 min in lanes 0 / 8. */
+AI void load_w_step(const td_dtype WT, const char *wrow, int64_t b, int two, __m512i *wv,
+                    __m512 *dw, __m512 *mw) {
+    const __m512i idx_d = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    if (WT == TD_TYPE_Q8_0) {
+        const td_block_q8_0 *b0 = (const td_block_q8_0 *)wrow + b;
+        __m256i lo = _mm256_loadu_si256((const __m256i *)b0->qs);
+        __m256i hi = two ? _mm256_loadu_si256((const __m256i *)b0[1].qs) : _mm256_set1_epi8(-128);
+        *wv = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
+                               _mm512_set1_epi8(-128));
+        uint32_t dd = (uint32_t)b0->d | (two ? (uint32_t)b0[1].d << 16 : 0);
+        __m512 dv = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)));
+        *dw = _mm512_permutexvar_ps(
+            _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), dv);
+    } else if (WT == TD_TYPE_Q4_0) {
+        const td_block_q4_0 *b0 = (const td_block_q4_0 *)wrow + b;
+        *wv = two ? unpack_q4x2(b0->qs, b0[1].qs, 0xff00)
+                  : _mm512_maskz_mov_epi32(0x00ff, unpack_q4x2(b0->qs, b0->qs, 0));
+        uint32_t dd = (uint32_t)b0->d | (two ? (uint32_t)b0[1].d << 16 : 0);
+        __m512 dv = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)));
+        *dw = _mm512_permutexvar_ps(
+            _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), dv);
+    } else {
+        const td_block_q4_1 *b0 = (const td_block_q4_1 *)wrow + b;
+        *wv = two ? unpack_q4x2(b0->qs, b0[1].qs, 0xff00)
+                  : _mm512_maskz_mov_epi32(0x00ff, unpack_q4x2(b0->qs, b0->qs, 0));
+        uint32_t dm0, dm1 = 0;
+        memcpy(&dm0, &b0->d, 4); /* d, m adjacent */
+        if (two) memcpy(&dm1, &b0[1].d, 4);
+        __m128i h = _mm_insert_epi32(_mm_cvtsi32_si128((int)dm0), (int)dm1, 1);
+        __m512 dv = _mm512_castps128_ps512(_mm_cvtph_ps(h)); /* D0 M0 D1 M1 */
+        *dw = _mm512_permutexvar_ps(idx_d, dv);
+        *mw = _mm512_maskz_permutexvar_ps(
+            0x0101, _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1), dv);
+    }
+}
+
+AI void tile_quant(const td_dtype WT, const int R, const int T, const char *w, size_t w_stride,
+                   const char *xq, size_t xq_stride, int64_t nb, float *y, size_t ldy) {
+    __m512 acc[QR][QT];
+    const float *xd[QT], *xs[QT];
+    const int32_t *xsum[QT];
+    const int8_t *xqs[QT];
+    const __m512i idx2 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const int32_t seed = WT == TD_TYPE_Q4_0 ? -8 : -128;
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++) {
+        const char *row = xq + (size_t)t * xq_stride;
+        xd[t] = td_q8x_d(row);
+        xs[t] = td_q8x_s(row, nb);
+        xsum[t] = td_q8x_sum(row, nb);
+        xqs[t] = td_q8x_qs(row, nb);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) acc[r][t] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int two = b + 1 < nb;
+        __m512i wv[QR];
+        __m512 dw[QR], mw[QR];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            load_w_step(WT, w + (size_t)r * w_stride, b, two, &wv[r], &dw[r], &mw[r]);
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            __m512i xv;
+            __m128 d2, s2 = _mm_setzero_ps();
+            __m128i i2 = _mm_setzero_si128();
+            if (two) {
+                xv = _mm512_loadu_si512(xqs[t] + b * 32);
+                d2 = _mm_castpd_ps(_mm_load_sd((const double *)(xd[t] + b)));
+                if (WT == TD_TYPE_Q4_1)
+                    s2 = _mm_castpd_ps(_mm_load_sd((const double *)(xs[t] + b)));
+                else
+                    i2 = _mm_loadl_epi64((const __m128i *)(xsum[t] + b));
+            } else {
+                xv = _mm512_maskz_loadu_epi8(0xffffffffull, xqs[t] + b * 32);
+                d2 = _mm_load_ss(xd[t] + b);
+                if (WT == TD_TYPE_Q4_1)
+                    s2 = _mm_load_ss(xs[t] + b);
+                else
+                    i2 = _mm_cvtsi32_si128(xsum[t][b]);
+            }
+            __m512 dx = _mm512_permutexvar_ps(idx2, _mm512_castps128_ps512(d2));
+            __m512 sx = _mm512_setzero_ps();
+            __m512i init = _mm512_setzero_si512();
+            if (WT == TD_TYPE_Q4_1)
+                sx = _mm512_maskz_expand_ps(0x0101, _mm512_castps128_ps512(s2));
+            else
+                init = _mm512_maskz_expand_epi32(
+                    0x0101, _mm512_castsi128_si512(_mm_mullo_epi32(i2, _mm_set1_epi32(seed))));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                __m512i p = _mm512_dpbusd_epi32(init, wv[r], xv);
+                __m512 f = _mm512_cvtepi32_ps(p);
+                acc[r][t] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw[r], dx), acc[r][t]);
+                if (WT == TD_TYPE_Q4_1) acc[r][t] = _mm512_fmadd_ps(mw[r], sx, acc[r][t]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) y[(size_t)t * ldy + r] = hsum512(acc[r][t]);
+}
+
+typedef void (*tile_fn)(const char *w, size_t w_stride, const char *xq, size_t xq_stride,
+                        int64_t nb, float *y, size_t ldy);
+
+#define DEF_TILE(NAME, KERN, WT, R, T)                                                             \
+    static void NAME##_##R##_##T(const char *w, size_t ws, const char *xq, size_t xs, int64_t nb,  \
+                                 float *y, size_t ldy) {                                           \
+        KERN(WT, R, T, w, ws, xq, xs, nb, y, ldy);                                                 \
+    }
+#define DEF_TILES_R(NAME, KERN, WT, R)                                                             \
+    DEF_TILE(NAME, KERN, WT, R, 1)                                                                 \
+    DEF_TILE(NAME, KERN, WT, R, 2)                                                                 \
+    DEF_TILE(NAME, KERN, WT, R, 3)                                                                 \
+    DEF_TILE(NAME, KERN, WT, R, 4)                                                                 \
+    DEF_TILE(NAME, KERN, WT, R, 5)                                                                 \
+    DEF_TILE(NAME, KERN, WT, R, 6)                                                                 \
+    DEF_TILE(NAME, KERN, WT, R, 7)                                                                 \
+    DEF_TILE(NAME, KERN, WT, R, 8)
+#define ROW_TILES(NAME, R)                                                                         \
+    {                                                                                              \
+        NAME##_##R##_1, NAME##_##R##_2, NAME##_##R##_3, NAME##_##R##_4, NAME##_##R##_5,            \
+            NAME##_##R##_6, NAME##_##R##_7, NAME##_##R##_8                                         \
+    }
+#define DEF_TILES(NAME, KERN, WT)                                                                  \
+    DEF_TILES_R(NAME, KERN, WT, 1)                                                                 \
+    DEF_TILES_R(NAME, KERN, WT, 2)                                                                 \
+    DEF_TILES_R(NAME, KERN, WT, 3)                                                                 \
+    DEF_TILES_R(NAME, KERN, WT, 4)                                                                 \
+    static const tile_fn NAME##_tiles[TR_MAX][TT_MAX] = {ROW_TILES(NAME, 1), ROW_TILES(NAME, 2),   \
+                                                         ROW_TILES(NAME, 3), ROW_TILES(NAME, 4)};
+
+DEF_TILES(q80, tile_quant, TD_TYPE_Q8_0)
+DEF_TILES(q40, tile_quant, TD_TYPE_Q4_0)
+DEF_TILES(q41, tile_quant, TD_TYPE_Q4_1)
+
+/* ---------------- float-weight matmul ---------------- */
+
+#define FR TR_MAX
+#define FT TT_MAX
+
+AI __m512 load_w16(const td_dtype WT, const void *p, __mmask16 m) {
+    if (WT == TD_TYPE_F32) return _mm512_maskz_loadu_ps(m, p);
+    __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    if (WT == TD_TYPE_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+AI void tile_float(const td_dtype WT, const int R, const int T, const char *w, size_t w_stride,
+                   const char *xq, size_t xq_stride, int64_t k, float *y, size_t ldy) {
+    const size_t es = WT == TD_TYPE_F32 ? 4 : 2;
+    __m512 acc[FR][FT];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) {
+        __mmask16 m = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
+        __m512 wv[FR];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            wv[r] = load_w16(WT, w + (size_t)r * w_stride + (size_t)i * es, m);
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            __m512 xv = _mm512_maskz_loadu_ps(m, (const float *)(xq + (size_t)t * xq_stride) + i);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) y[(size_t)t * ldy + r] = hsum512(acc[r][t]);
+}
+
+DEF_TILES(f32, tile_float, TD_TYPE_F32)
+DEF_TILES(f16, tile_float, TD_TYPE_F16)
+DEF_TILES(bf16, tile_float, TD_TYPE_BF16)
+
+int g_tile_r = 4, g_tile_t = 4;
+static void matmul_avx512(td_dtype wt, const void *w, size_t w_stride, const void *xq,
+                          size_t xq_stride, int n, int64_t k, float *y, size_t ldy, int r0,
+                          int r1) {
+    const tile_fn *tiles;
+    int R = g_tile_r, T = g_tile_t;
+    int64_t kk = k;
+    switch (wt) {
+    case TD_TYPE_Q8_0: tiles = &q80_tiles[0][0], kk = k / 32; break;
+    case TD_TYPE_Q4_0: tiles = &q40_tiles[0][0], kk = k / 32; break;
+    case TD_TYPE_Q4_1: tiles = &q41_tiles[0][0], kk = k / 32; break;
+    case TD_TYPE_F32: tiles = &f32_tiles[0][0]; break;
+    case TD_TYPE_F16: tiles = &f16_tiles[0][0]; break;
+    case TD_TYPE_BF16: tiles = &bf16_tiles[0][0]; break;
+    default: TD_KERNEL_UNREACHABLE_TYPE(wt);
+    }
+    /* Tokens in chunks whose activations stay in L2 while the row tiles
+     * sweep them. */
+    size_t act_bytes = xq_stride ? xq_stride : 1;
+    int tchunk = (int)((256 * 1024) / act_bytes);
+    if (tchunk < T) tchunk = T;
+    tchunk -= tchunk % T;
+    for (int tc = 0; tc < n; tc += tchunk) {
+        int te = tc + tchunk < n ? tc + tchunk : n;
+        for (int r = r0; r < r1; r += R) {
+            int rr = r1 - r < R ? r1 - r : R;
+            const char *wr = (const char *)w + (size_t)r * w_stride;
+            for (int t = tc; t < te; t += T) {
+                int tt = te - t < T ? te - t : T;
+                tiles[(rr - 1) * TT_MAX + (tt - 1)](wr, w_stride,
+                                                    (const char *)xq + (size_t)t * xq_stride,
+                                                    xq_stride, kk, y + (size_t)t * ldy + r, ldy);
+            }
+        }
+    }
+}
+
+/* Bytes identical to td_cpu_act_quant_scalar: same amax, same d and 1/d,
+ * x * id rounded half-to-even by vcvtps2dq. */
+static void act_quant_avx512(td_dtype wt, const float *x, void *xq, int64_t k) {
+    if (!td_dtype_is_quant(wt)) {
+        memcpy(xq, x, (size_t)k * sizeof(float));
+        return;
+    }
+    int64_t nb = k / 32;
+    float *d = (float *)xq;
+    float *s = d + nb;
+    int32_t *sum = (int32_t *)xq + 2 * nb;
+    int8_t *qs = (int8_t *)xq + td_q8x_head_bytes(nb);
+    memset((char *)xq + nb * 12, 0, td_q8x_head_bytes(nb) - (size_t)nb * 12);
+    memset(qs + nb * 32, 0, td_q8x_row_bytes(nb) - td_q8x_head_bytes(nb) - (size_t)nb * 32);
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 v0 = _mm512_loadu_ps(x + b * 32), v1 = _mm512_loadu_ps(x + b * 32 + 16);
+        __m512 a = _mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask));
+        float amax = _mm512_reduce_max_ps(a);
+        float db = amax / 127.0f;
+        float id = db != 0.0f ? 1.0f / db : 0.0f;
+        __m512 iv = _mm512_set1_ps(id);
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, iv));
+        __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, iv));
+        _mm_storeu_si128((__m128i *)(qs + b * 32), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(qs + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
+        int32_t acc = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        d[b] = db;
+        sum[b] = acc;
+        s[b] = db * (float)acc;
+    }
+}
+
+/* ---------------- elementwise ---------------- */
+
+static void rmsnorm_avx512(const float *x, const float *w, float *out, int64_t n, float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float ss = hsum512(acc);
+    float r = (float)(1.0 / sqrt((double)ss / (double)n + (double)eps));
+    __m512 rv = _mm512_set1_ps(r);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), rv);
+        if (w) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i));
+        _mm512_mask_storeu_ps(out + i, m, v);
+    }
+}
+
+static void swiglu_avx512(const float *gate, const float *up, float *out, int64_t n) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        __m512 sg = _mm512_div_ps(g, _mm512_add_ps(one, e));
+        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(sg, _mm512_maskz_loadu_ps(m, up + i)));
+    }
+}
+
+static void add_avx512(const float *a, const float *b, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(
+            out + i, m,
+            _mm512_add_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i)));
+    }
+}
+
+static void scale_avx512(float *x, float s, int64_t n) {
+    __m512 sv = _mm512_set1_ps(s);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(x + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), sv));
+    }
+}
+
+static void softmax_avx512(float *x, int64_t n) {
+    if (n <= 0) return;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        mv = _mm512_mask_max_ps(mv, m, mv, _mm512_maskz_loadu_ps(m, x + i));
+    }
+    mv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sv = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), mv));
+        _mm512_mask_storeu_ps(x + i, m, e);
+        sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(m, e));
+    }
+    scale_avx512(x, 1.0f / hsum512(sv), n);
+}
+
+/* Scores four positions at a time (independent accumulators), then the
+ * weighted V sum in position order. Any head_dim works; lanes past it are
+ * masked off. */
+static void attn_paged_avx512(const float *q, const td_cpu_kv_layer *kv, int kv_head,
+                              const int32_t *block_table, int n_ctx, float scale, float *out,
+                              float *scratch) {
+    int hd = kv->head_dim, bs = kv->block_size;
+    size_t tok_stride = (size_t)kv->n_kv_heads * hd;
+    const float *kbase = kv->k + (size_t)kv_head * hd;
+    const float *vbase = kv->v + (size_t)kv_head * hd;
+#define TOK(p) (((size_t)block_table[(p) / bs] * bs + (p) % bs) * tok_stride)
+    int nv = (hd + 15) / 16;
+    int p = 0;
+    for (; p + 4 <= n_ctx; p += 4) {
+        const float *k0 = kbase + TOK(p), *k1 = kbase + TOK(p + 1), *k2 = kbase + TOK(p + 2),
+                    *k3 = kbase + TOK(p + 3);
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < hd; i += 16) {
+            __mmask16 m = hd - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hd - i)) - 1);
+            __m512 qv = _mm512_maskz_loadu_ps(m, q + i);
+            a0 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + i), a0);
+            a1 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k1 + i), a1);
+            a2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k2 + i), a2);
+            a3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k3 + i), a3);
+        }
+        scratch[p] = hsum512(a0) * scale;
+        scratch[p + 1] = hsum512(a1) * scale;
+        scratch[p + 2] = hsum512(a2) * scale;
+        scratch[p + 3] = hsum512(a3) * scale;
+    }
+    for (; p < n_ctx; p++) {
+        const float *k0 = kbase + TOK(p);
+        __m512 a0 = _mm512_setzero_ps();
+        for (int i = 0; i < hd; i += 16) {
+            __mmask16 m = hd - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hd - i)) - 1);
+            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), _mm512_maskz_loadu_ps(m, k0 + i),
+                                 a0);
+        }
+        scratch[p] = hsum512(a0) * scale;
+    }
+    softmax_avx512(scratch, n_ctx);
+    for (int i0 = 0; i0 < nv; i0 += 4) { /* up to 4 vectors of the head per pass */
+        __m512 o[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+        int cnt = nv - i0 < 4 ? nv - i0 : 4;
+        for (int pp = 0; pp < n_ctx; pp++) {
+            const float *v = vbase + TOK(pp);
+            __m512 a = _mm512_set1_ps(scratch[pp]);
+            for (int j = 0; j < cnt; j++) {
+                int i = (i0 + j) * 16;
+                __mmask16 m = hd - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hd - i)) - 1);
+                o[j] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m, v + i), o[j]);
+            }
+        }
+        for (int j = 0; j < cnt; j++) {
+            int i = (i0 + j) * 16;
+            __mmask16 m = hd - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hd - i)) - 1);
+            _mm512_mask_storeu_ps(out + i, m, o[j]);
+        }
+    }
+#undef TOK
+}
+
 const td_cpu_ops td_cpu_ops_avx512 = {
-    .matmul = td_cpu_matmul_avx2,
-    .act_quant = td_cpu_act_quant_scalar,
-    .rmsnorm = td_cpu_rmsnorm_avx2,
-    .swiglu = td_cpu_swiglu_avx2,
-    .add = td_cpu_add_avx2,
-    .scale = td_cpu_scale_avx2,
-    .softmax = td_cpu_softmax_avx2,
-    .attn_paged = td_cpu_attn_paged_avx2,
+    .matmul = matmul_avx512,
+    .act_quant = act_quant_avx512,
+    .rmsnorm = rmsnorm_avx512,
+    .swiglu = swiglu_avx512,
+    .add = add_avx512,
+    .scale = scale_avx512,
+    .softmax = softmax_avx512,
+    .attn_paged = attn_paged_avx512,
 };

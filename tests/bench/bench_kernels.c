@@ -1,0 +1,134 @@
+/* Kernel micro-benchmark: matmul GFLOP/s and weight GB/s for the
+ * SmolLM2-135M shapes, per ISA, at n = 1 (generation) and n = 512 (prompt).
+ * Not built by CMake. Build and run from the repository root:
+ *
+ *   S=kernels/cpu; O=/tmp/tdbench; mkdir -p $O
+ *   gcc -std=gnu17 -O2 -I. -c $S/cpu.c -o $O/cpu.o
+ *   gcc -std=gnu17 -O2 -I. -c $S/ops-scalar.c -o $O/ops-scalar.o
+ *   gcc -std=gnu17 -O2 -I. -mavx2 -mfma -mf16c -c $S/ops-avx2.c -o $O/ops-avx2.o
+ *   gcc -std=gnu17 -O2 -I. -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni \
+ *       -mavx2 -mfma -mf16c -c $S/ops-avx512.c -o $O/ops-avx512.o
+ *   gcc -std=gnu17 -O2 -I. tests/bench/bench_kernels.c common/base/threadpool.c \
+ *       common/base/base.c $O/*.o -lm -lpthread -o $O/bench_kernels
+ *   $O/bench_kernels [-t THREADS] [-i avx512|avx2|scalar] [-n TOKENS]
+ *
+ * Without -i every ISA the CPU supports is measured (scalar only at n = 1);
+ * without -n both n = 1 and n = 512. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/base/threadpool.h"
+#include "kernels/cpu/cpu.h"
+
+typedef struct {
+    td_dtype t;
+    const void *w;
+    size_t ws;
+    const void *xq;
+    size_t xs;
+    int n, k, rows;
+    float *y;
+} mm_job;
+
+static void mm_task(void *ctx, int ith, int nth) {
+    mm_job *j = ctx;
+    int64_t b, e;
+    /* rows split in multiples of 4 so every thread keeps full tiles */
+    td_split_range((j->rows + 3) / 4, ith, nth, &b, &e);
+    int r0 = (int)(b * 4), r1 = (int)(e * 4 < j->rows ? e * 4 : j->rows);
+    if (r0 < r1) td_cpu_matmul(j->t, j->w, j->ws, j->xq, j->xs, j->n, j->k, j->y, j->rows, r0, r1);
+}
+
+static int g_cpu_clock; /* -t 1: time with the thread's CPU clock (ignores preemption) */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(g_cpu_clock ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void bench_one(td_threadpool *tp, td_dtype t, int rows, int k, int n) {
+    size_t ws = td_dtype_row_bytes(t, k), xs = td_cpu_act_row_bytes(t, k);
+    char *w = malloc(ws * rows), *xq = malloc(xs * n);
+    float *x = malloc(sizeof(float) * k), *y = malloc(sizeof(float) * (size_t)n * rows);
+    float *wr = malloc(sizeof(float) * k);
+    srand(7);
+    for (int r = 0; r < rows; r++) {
+        for (int i = 0; i < k; i++) wr[i] = (float)rand() / RAND_MAX - 0.5f;
+        td_cpu_quant_row(t, wr, w + (size_t)r * ws, k);
+    }
+    for (int tt = 0; tt < n; tt++) {
+        for (int i = 0; i < k; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;
+        td_cpu_act_quant(t, x, xq + (size_t)tt * xs, k);
+    }
+    mm_job j = {t, w, ws, xq, xs, n, k, rows, y};
+    td_threadpool_run(tp, mm_task, &j); /* warm up */
+    double best = 1e30;
+    double budget = td_time_s() + 0.3;
+    int reps = 0;
+    do {
+        double t0 = now_s();
+        td_threadpool_run(tp, mm_task, &j);
+        double dt = now_s() - t0;
+        if (dt < best) best = dt;
+        reps++;
+    } while (td_time_s() < budget || reps < 3);
+    double flop = 2.0 * rows * (double)k * n;
+    printf("%-7s %-5s %6d x %-5d n=%-4d %9.1f us %8.1f GFLOP/s %7.1f GB/s\n",
+           td_cpu_isa_name(td_cpu_selected()), td_dtype_name(t), rows, k, n, best * 1e6,
+           flop / best * 1e-9, (double)ws * rows / best * 1e-9);
+    free(w), free(xq), free(x), free(y), free(wr);
+}
+
+const char *td_dtype_name(int t) {
+    switch (t) {
+    case TD_TYPE_F32: return "f32";
+    case TD_TYPE_F16: return "f16";
+    case TD_TYPE_BF16: return "bf16";
+    case TD_TYPE_Q8_0: return "q8_0";
+    case TD_TYPE_Q4_0: return "q4_0";
+    case TD_TYPE_Q4_1: return "q4_1";
+    default: return "?";
+    }
+}
+
+extern int g_tile_r, g_tile_t;
+int main(int argc, char **argv) {
+    int threads = 2, only_n = 0, only_isa = -1;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        if (!strcmp(argv[i], "-t"))
+            threads = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "-n"))
+            only_n = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "-i"))
+            only_isa = td_cpu_isa_parse(argv[i + 1]);
+        else if (!strcmp(argv[i], "-R"))
+            g_tile_r = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "-T"))
+            g_tile_t = atoi(argv[i + 1]);
+    }
+    g_cpu_clock = threads == 1;
+    td_threadpool *tp;
+    if (td_threadpool_create(threads, &tp) != TD_OK) return 1;
+    static const int shapes[][2] = {{576, 576}, {192, 576}, {1536, 576}, {576, 1536}};
+    static const td_dtype types[] = {TD_TYPE_Q4_1, TD_TYPE_Q8_0, TD_TYPE_F16};
+    static const int ns[] = {1, 512};
+    printf("threads=%d\n", threads);
+    for (int isa = TD_ISA_AVX512; isa >= TD_ISA_SCALAR; isa--) {
+        if (only_isa >= 0 && isa != only_isa) continue;
+        if (!td_cpu_select((td_isa)isa)) continue;
+        for (int ni = 0; ni < 2; ni++) {
+            int n = ns[ni];
+            if (only_n && n != only_n) continue;
+            if (isa == TD_ISA_SCALAR && n > 1 && only_isa < 0) continue;
+            for (size_t ti = 0; ti < 3; ti++)
+                for (size_t si = 0; si < 4; si++)
+                    bench_one(tp, types[ti], shapes[si][0], shapes[si][1], n);
+            bench_one(tp, TD_TYPE_Q8_0, 49152, 576, n);
+        }
+    }
+    td_threadpool_destroy(tp);
+    return 0;
+}

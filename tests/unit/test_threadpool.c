@@ -1,0 +1,159 @@
+/* Thread pool: every ith runs exactly once per run, the caller is thread 0,
+ * many back-to-back runs (spinning and sleeping workers), and data written
+ * by workers is visible to the caller when run() returns. */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "common/base/threadpool.h"
+
+enum { MAXT = 8 };
+
+typedef struct {
+    _Atomic int calls[MAXT];
+    _Atomic int bad_nth;
+    int nth_expected;
+    pthread_t caller;
+    _Atomic int caller_not_thread0;
+} count_ctx;
+
+static void count_task(void *p, int ith, int nth) {
+    count_ctx *c = p;
+    if (nth != c->nth_expected || ith < 0 || ith >= nth) {
+        atomic_fetch_add(&c->bad_nth, 1);
+        return;
+    }
+    atomic_fetch_add(&c->calls[ith], 1);
+    if ((ith == 0) != (pthread_equal(pthread_self(), c->caller) != 0))
+        atomic_fetch_add(&c->caller_not_thread0, 1);
+}
+
+static void test_each_ith_once(void **state) {
+    (void)state;
+    for (int n = 1; n <= 4; n++) {
+        td_threadpool *tp = NULL;
+        assert_int_equal(td_threadpool_create(n, &tp), TD_OK);
+        assert_int_equal(td_threadpool_size(tp), n);
+        count_ctx c;
+        memset(&c, 0, sizeof(c));
+        c.nth_expected = n;
+        c.caller = pthread_self();
+        for (int run = 0; run < 500; run++) {
+            td_threadpool_run(tp, count_task, &c);
+            /* after each run, each ith has been called run + 1 times */
+            for (int i = 0; i < n; i++) assert_int_equal(atomic_load(&c.calls[i]), run + 1);
+        }
+        assert_int_equal(atomic_load(&c.bad_nth), 0);
+        assert_int_equal(atomic_load(&c.caller_not_thread0), 0);
+        td_threadpool_destroy(tp);
+    }
+}
+
+/* Runs separated by pauses long enough for the workers to go to sleep on
+ * the futex: they must wake up for every run. */
+static void test_wake_after_sleep(void **state) {
+    (void)state;
+    td_threadpool *tp = NULL;
+    assert_int_equal(td_threadpool_create(3, &tp), TD_OK);
+    count_ctx c;
+    memset(&c, 0, sizeof(c));
+    c.nth_expected = 3;
+    c.caller = pthread_self();
+    for (int run = 0; run < 20; run++) {
+        struct timespec ts = {0, 3 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        td_threadpool_run(tp, count_task, &c);
+        for (int i = 0; i < 3; i++) assert_int_equal(atomic_load(&c.calls[i]), run + 1);
+    }
+    td_threadpool_destroy(tp);
+}
+
+/* Data-parallel work: each thread fills its share of an array from the
+ * previous run's output (plain, non-atomic memory), so a missing barrier
+ * or a lost run shows up as wrong values. */
+typedef struct {
+    int64_t *a, *b;
+    int64_t n;
+} vec_ctx;
+
+static void vec_task(void *p, int ith, int nth) {
+    vec_ctx *v = p;
+    int64_t lo, hi;
+    td_split_range(v->n, ith, nth, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) {
+        /* reads elements written by other threads in the previous run */
+        int64_t j = (i * 7 + 3) % v->n;
+        v->b[i] = v->a[j] + i;
+    }
+}
+
+static void test_data_visibility(void **state) {
+    (void)state;
+    enum { N = 10007, RUNS = 300 };
+    td_threadpool *tp = NULL;
+    assert_int_equal(td_threadpool_create(4, &tp), TD_OK);
+    static int64_t a[N], b[N], ra[N], rb[N];
+    for (int i = 0; i < N; i++) a[i] = ra[i] = i * 31;
+    vec_ctx v = {a, b, N};
+    for (int run = 0; run < RUNS; run++) {
+        td_threadpool_run(tp, vec_task, &v);
+        for (int64_t i = 0; i < N; i++) rb[i] = ra[(i * 7 + 3) % N] + i; /* serial reference */
+        assert_memory_equal(v.b, rb, sizeof(rb));
+        memcpy(ra, rb, sizeof(ra));
+        int64_t *t = v.a;
+        v.a = v.b;
+        v.b = t;
+    }
+    td_threadpool_destroy(tp);
+}
+
+static void test_split_range(void **state) {
+    (void)state;
+    for (int64_t n = 0; n < 50; n++) {
+        for (int nth = 1; nth <= 7; nth++) {
+            int64_t next = 0;
+            for (int i = 0; i < nth; i++) {
+                int64_t b, e;
+                td_split_range(n, i, nth, &b, &e);
+                assert_int_equal(b, next);
+                assert_true(e >= b && e - b <= n / nth + 1 && e - b >= n / nth);
+                next = e;
+            }
+            assert_int_equal(next, n);
+        }
+    }
+}
+
+static void test_default_size(void **state) {
+    (void)state;
+    td_threadpool *tp = NULL;
+    assert_int_equal(td_threadpool_create(0, &tp), TD_OK);
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    assert_int_equal(td_threadpool_size(tp), cores > 0 ? cores : 1);
+    count_ctx c;
+    memset(&c, 0, sizeof(c));
+    c.nth_expected = td_threadpool_size(tp);
+    c.caller = pthread_self();
+    td_threadpool_run(tp, count_task, &c);
+    for (int i = 0; i < c.nth_expected && i < MAXT; i++)
+        assert_int_equal(atomic_load(&c.calls[i]), 1);
+    td_threadpool_destroy(tp);
+    td_threadpool_destroy(NULL);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_each_ith_once),   cmocka_unit_test(test_wake_after_sleep),
+        cmocka_unit_test(test_data_visibility), cmocka_unit_test(test_split_range),
+        cmocka_unit_test(test_default_size),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
