@@ -484,6 +484,17 @@ static td_status config_from_hf(loader *ld) {
         st = TD_ERR_UNSUPPORTED;
         goto done;
     }
+    if (json_is_true(json_object_get(root, "mlp_bias"))) {
+        TD_LOG_ERROR("%s: mlp_bias is not supported", cpath);
+        st = TD_ERR_UNSUPPORTED;
+        goto done;
+    }
+    const char *act = json_string_value(json_object_get(root, "hidden_act"));
+    if (act && strcmp(act, "silu") != 0) {
+        TD_LOG_ERROR("%s: hidden_act '%.32s' is not supported (silu)", cpath, act);
+        st = TD_ERR_UNSUPPORTED;
+        goto done;
+    }
     c->rope_mode = TD_ROPE_NEOX; /* HF checkpoints rotate halves */
     int64_t n_embd, n_layer, n_ff, n_head, n_head_kv = -1, n_vocab, n_ctx = 2048, head_dim = -1;
     if ((st = json_int(ld, root, "hidden_size", true, 1, TD_MAX_DIM, &n_embd)) ||
@@ -731,7 +742,22 @@ static td_status load_weights(loader *ld) {
     const char *out_name = ld->hf ? "lm_head.weight" : "output.weight";
     const char *norm_name = ld->hf ? "model.norm.weight" : "output_norm.weight";
     src_tensor t;
-    if (!ld->hf) m->cfg.tied_output = !find_tensor(ld, out_name, &t);
+    if (!ld->hf) {
+        m->cfg.tied_output = !find_tensor(ld, out_name, &t);
+        /* Some llama-arch files carry Q/K/V biases: load them like qwen2's. */
+        if (find_tensor(ld, "blk.0.attn_q.bias", &t)) m->cfg.qkv_bias = true;
+        /* Biases this forward pass has no place for must not be dropped silently. */
+        static const char *const unsupported[] = {"attn_output.bias", "ffn_gate.bias",
+                                                  "ffn_up.bias", "ffn_down.bias"};
+        char name[64];
+        for (size_t i = 0; i < TD_ARRAY_SIZE(unsupported); i++) {
+            snprintf(name, sizeof name, "blk.%d.%s", m->layer_begin, unsupported[i]);
+            if (find_tensor(ld, name, &t)) {
+                TD_LOG_ERROR("%s: tensor '%s': this bias is not supported", ld->path, name);
+                return TD_ERR_UNSUPPORTED;
+            }
+        }
+    }
     bool first = m->layer_begin == 0, last = m->layer_end == c->n_layer;
     if (first || (last && m->cfg.tied_output)) {
         td_weight w;

@@ -122,6 +122,7 @@ typedef struct {
     const char *set_str;
     const char *set_f32_key; /* float key added or replaced */
     float set_f32;
+    const char *rename_from, *rename_to; /* a tensor written under another name */
 } mutation;
 
 typedef struct {
@@ -283,7 +284,9 @@ static void rewrite(const char *src, const char *dst, const mutation *mu) {
             nd = 2;
         }
         if (in_list(mu->rows_tensor, 2, t->name)) ne[1] = mu->new_rows;
-        put_str(&b, t->name, strlen(t->name));
+        const char *name = t->name;
+        if (mu->rename_from && strcmp(name, mu->rename_from) == 0) name = mu->rename_to;
+        put_str(&b, name, strlen(name));
         put_u32(&b, (uint32_t)nd);
         for (int d = 0; d < nd; d++) put_u64(&b, (uint64_t)ne[d]);
         put_u32(&b, (uint32_t)type);
@@ -667,6 +670,15 @@ static void test_vocab_mismatch(void **state) {
     corrupt_case("gguf/llama2-f32.gguf", &mu2, (const char *[]){"512", "544", NULL});
 }
 
+/* A bias the forward pass has no place for is refused, not ignored. */
+static void test_unsupported_bias(void **state) {
+    (void)state;
+    need_models();
+    mutation mu = {.rename_from = "blk.0.ffn_norm.weight", .rename_to = "blk.0.attn_output.bias"};
+    corrupt_case("gguf/llama2-f32.gguf", &mu,
+                 (const char *[]){"blk.0.attn_output.bias", "not supported", NULL});
+}
+
 static void test_unknown_arch(void **state) {
     (void)state;
     need_models();
@@ -718,6 +730,7 @@ static void test_hf_corrupt(void **state) {
             (const char *[]){"lm_head.weight", "missing", NULL});
     hf_case("hf/smollm2-f32", "rope_scaling", "{\"rope_type\": \"yarn\", \"factor\": 4.0}",
             (const char *[]){"yarn", NULL});
+    hf_case("hf/smollm2-f32", "hidden_act", "\"gelu\"", (const char *[]){"gelu", NULL});
     hf_case("hf/smollm2-f32", "num_hidden_layers", "\"three\"",
             (const char *[]){"num_hidden_layers", NULL});
 }
@@ -750,8 +763,8 @@ int main(void) {
         cmocka_unit_test(test_missing_tensor),   cmocka_unit_test(test_wrong_shape),
         cmocka_unit_test(test_unsupported_type), cmocka_unit_test(test_bad_heads),
         cmocka_unit_test(test_vocab_mismatch),   cmocka_unit_test(test_unknown_arch),
-        cmocka_unit_test(test_hf_corrupt),       cmocka_unit_test(test_rope_linear_gguf),
-        cmocka_unit_test(test_missing_file),
+        cmocka_unit_test(test_unsupported_bias), cmocka_unit_test(test_hf_corrupt),
+        cmocka_unit_test(test_rope_linear_gguf), cmocka_unit_test(test_missing_file),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
