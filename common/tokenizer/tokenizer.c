@@ -716,7 +716,11 @@ out:
 /* Normalises one raw fragment into buf (space prefix, ' ' -> U+2581). */
 static td_status normalize_fragment(const td_tokenizer *tok, const char *s, size_t n,
                                     bool add_prefix, char **buf_p, size_t *len_p) {
-    bool prefix = add_prefix && !(tok->prefix_unless_space && n > 0 && s[0] == ' ');
+    /* Metaspace checks for the replacement after replacing spaces, so a
+     * literal U+2581 at the start also counts */
+    bool starts_space = (n > 0 && s[0] == ' ') ||
+                        (tok->escape_whitespace && n >= 3 && memcmp(s, "\xE2\x96\x81", 3) == 0);
+    bool prefix = add_prefix && !(tok->prefix_unless_space && starts_space);
     size_t spaces = 0;
     if (tok->escape_whitespace)
         for (size_t i = 0; i < n; i++) spaces += s[i] == ' ';

@@ -98,6 +98,14 @@ HARD_STRINGS = [
     "\u0120 literal G-dot",
     "\x00\x01\x7f control chars",
     "email@example.com $100 50% #tag @user",
+    "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>",
+    "<s> [INST] question [/INST] answer</s>",
+    "Tandem serves large language models with prefill and decode disaggregated: a prefill "
+    "pool and a decode pool run as separate binaries.\n\n  - It's 2025; the KV cache "
+    "(16 tokens/block) migrates over UCX!\n\t\u00bfQu\u00e9 tal? \u00c7a va. \u041f\u0440\u0438\u0432\u0435\u0442 "
+    "\u4e16\u754c \U0001f680\U0001f680   end.",
+    "    indented\n        more\n\n\n    ",
+    "x" * 300 + " " + "1" * 40,
 ]
 
 SPM_TRAIN_EXTRA = [
@@ -203,6 +211,21 @@ def train_spm_tiny():
     with open(os.path.join(d, "tokenizer_config.json"), "w", encoding="utf-8") as fp:
         json.dump(cfg, fp, indent=1)
     write_spm_gguf(tj, os.path.join(VOCABS, "spm-tiny.gguf"))
+    # The same vocabulary in the newer layout (Mistral / Llama-2 non-legacy):
+    # no normalizer, a Metaspace pre-tokenizer prepending only to the first
+    # fragment, a Metaspace decoder.
+    d2 = os.path.join(VOCABS, "spm-tiny-metaspace")
+    os.makedirs(d2, exist_ok=True)
+    tj["normalizer"] = None
+    tj["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581",
+                           "prepend_scheme": "first", "split": False}
+    tj["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False},
+        {"type": "ByteFallback"}, {"type": "Fuse"}]}
+    with open(os.path.join(d2, "tokenizer.json"), "w", encoding="utf-8") as fp:
+        json.dump(tj, fp, ensure_ascii=False, indent=1)
+    with open(os.path.join(d2, "tokenizer_config.json"), "w", encoding="utf-8") as fp:
+        json.dump(cfg, fp, indent=1)
 
 
 RE_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
@@ -602,6 +625,7 @@ def main():
     if a.goldens:
         goldens_hf(os.path.join(VOCABS, "smollm2"), "smollm2-hf")
         goldens_hf(os.path.join(VOCABS, "spm-tiny"), "spm-tiny-hf")
+        goldens_hf(os.path.join(VOCABS, "spm-tiny-metaspace"), "spm-tiny-metaspace-hf")
         for name in BYTELEVEL_VOCABS:
             goldens_hf(os.path.join(VOCABS, name), name + "-hf")
         try:
