@@ -605,6 +605,10 @@ static td_status split_piece(const td_pretok_step *step, const char *buf, size_t
     const unsigned char *p = (const unsigned char *)buf + off;
     while (pos <= len) {
         int rc = pcre2_match(step->re, p, len, pos, 0, md, NULL);
+        /* the JIT's fixed stack can run out on very long runs; the
+         * interpreter keeps its backtracking state on the heap */
+        if (rc == PCRE2_ERROR_JIT_STACKLIMIT)
+            rc = pcre2_match(step->re, p, len, pos, PCRE2_NO_JIT, md, NULL);
         if (rc == PCRE2_ERROR_NOMATCH) break;
         if (rc < 0) {
             PCRE2_UCHAR msg[160];

@@ -22,7 +22,12 @@ typedef struct td_tokenizer td_tokenizer;
  * Copies what it needs: g may be closed afterwards. Free with td_tokenizer_free(). */
 td_status td_tokenizer_from_gguf(const td_gguf *g, td_tokenizer **tok_p);
 /* From a Hugging Face directory: tokenizer.json, plus tokenizer_config.json
- * (chat template, bos/eos, add_bos) when present. */
+ * (chat template, bos/eos, add_bos) when present. Supported: model BPE
+ * (merges as "a b" or [a, b], byte_fallback, ignore_merges, fuse_unk),
+ * normalizers Sequence/Prepend/Replace(' ' -> U+2581)/NFC, pre-tokenizers
+ * Sequence/Split/ByteLevel/Digits/Metaspace/Whitespace/WhitespaceSplit,
+ * TemplateProcessing for BOS/EOS; anything else is TD_ERR_UNSUPPORTED with
+ * a logged line naming it. */
 td_status td_tokenizer_from_hf_dir(const char *dir, td_tokenizer **tok_p);
 void td_tokenizer_free(td_tokenizer *tok); /* accepts NULL */
 
@@ -30,7 +35,10 @@ int32_t td_tokenizer_n_vocab(const td_tokenizer *tok);
 int32_t td_tokenizer_bos(const td_tokenizer *tok); /* -1 if none */
 int32_t td_tokenizer_eos(const td_tokenizer *tok); /* -1 if none */
 bool td_tokenizer_adds_bos(const td_tokenizer *tok);
-/* True for every end-of-generation token (EOS, EOT, <|im_end|>, <|eot_id|>, ...). */
+/* True for every end-of-generation token: EOS, EOT and EOM from the
+ * metadata, and the control or user-defined tokens whose text is one of
+ * <|eot_id|>, <|im_end|>, <|end|>, <end_of_turn>, <|endoftext|>, </s>,
+ * <|eom_id|>, <|end_of_text|>. */
 bool td_tokenizer_is_eog(const td_tokenizer *tok, int32_t id);
 /* All end-of-generation ids; *n_p their count. Owned by tok. */
 const int32_t *td_tokenizer_eog_ids(const td_tokenizer *tok, size_t *n_p);
@@ -43,9 +51,14 @@ const char *td_tokenizer_chat_template(const td_tokenizer *tok);
 const char *td_tokenizer_kind(const td_tokenizer *tok);
 
 /* Encode len bytes of text (need not be valid UTF-8: invalid bytes are
- * encoded through byte tokens / byte fallback, never a crash).
+ * encoded through byte tokens / byte fallback, never a crash; a byte whose
+ * byte-level character the vocabulary lacks, e.g. 0xC0 in SmolLM2's, is
+ * dropped, as llama.cpp does).
  * add_special: add BOS/EOS as the model's metadata says.
- * parse_special: recognise special/added token texts inside `text`.
+ * parse_special: recognise control token texts (<|im_start|>, <s>, ...)
+ * inside `text`. User-defined (non-special added) tokens are recognised
+ * either way, as llama.cpp and Hugging Face tokenizers do; candidates are
+ * tried longest first.
  * *tokens_p is malloc'd (caller frees with free()); *n_p its length. */
 td_status td_tokenizer_encode(const td_tokenizer *tok, const char *text, size_t len,
                               bool add_special, bool parse_special, int32_t **tokens_p,
