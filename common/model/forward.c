@@ -488,7 +488,10 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
     td_status st = validate(e, seqs, n_seqs);
     if (st) return st;
     int32_t n_out = last ? td_engine_n_logit_rows(seqs, n_seqs) : 0;
-    if (n_out > 0 && !logits) return TD_ERR_INVALID;
+    if (n_out > 0 && !logits) {
+        TD_LOG_ERROR("batch produces %d logit rows but no logits buffer was given", n_out);
+        return TD_ERR_INVALID;
+    }
     e->seqs = seqs;
     int32_t T = 0, n_logit = 0;
     e->attn_cost[0] = 0;

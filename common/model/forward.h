@@ -39,7 +39,8 @@ typedef struct {
 td_engine_params td_engine_default_params(void);
 
 /* The engine borrows m, kv, tp and comm (they must outlive it) and allocates
- * its scratch once. Free with td_engine_destroy(). */
+ * its scratch once. tp may be NULL (everything runs on the calling thread);
+ * p may be NULL (defaults). Free with td_engine_destroy(). */
 td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp, td_comm *comm,
                            const td_engine_params *p, td_engine **e_p);
 void td_engine_destroy(td_engine *e); /* accepts NULL */

@@ -464,6 +464,92 @@ static void test_threads_default(void **state) {
     for_default_model(threads_case);
 }
 
+/* ------------------------------------------------------------ bad batches */
+
+/* Batches that break the limits are refused with TD_ERR_INVALID, and the
+ * engine and cache stay usable: a valid call afterwards gives the same logits. */
+static void test_forward_rejects(void **state) {
+    (void)state;
+    char path[4096];
+    if (!tiny_path("smollm2-q4_1-gguf", path, sizeof path)) skip();
+    harness h;
+    h_open(&h, path, 2);
+    int n = 20;
+    int32_t *tok = make_tokens(n, 51, h.V);
+    float *ref = alloc_logits(&h, n), *got = alloc_logits(&h, n);
+    run_chunked(&h, tok, n, n, ref);
+    int32_t blocks[4];
+    assert_int_equal(td_kv_block_alloc(h.kv, 2, blocks), TD_OK);
+    const td_seq_chunk ok = {.tokens = tok,
+                             .n_tokens = n,
+                             .pos0 = 0,
+                             .block_table = blocks,
+                             .n_blocks = 2,
+                             .logits_all = true};
+    int32_t bad_tok[2] = {5, h.V};
+    int32_t neg_tok[1] = {-3};
+    int32_t bad_blocks[2] = {blocks[0], N_BLOCKS};
+    td_seq_chunk c;
+    td_seq_chunk many[17];
+    for (int i = 0; i < 17; i++)
+        many[i] =
+            (td_seq_chunk){.tokens = tok, .n_tokens = 1, .block_table = blocks, .n_blocks = 1};
+    int32_t *big = make_tokens(MAX_CTX + 1, 52, h.V);
+    int32_t big_blocks[MAX_CTX / 16 + 2];
+    assert_int_equal(td_kv_block_alloc(h.kv, MAX_CTX / 16 + 1, big_blocks), TD_OK);
+
+    assert_int_equal(td_engine_forward(h.e, &ok, 0, got), TD_ERR_INVALID);
+    assert_int_equal(td_engine_forward(h.e, many, 17, got), TD_ERR_INVALID); /* max_seqs 16 */
+    c = ok;
+    c.tokens = bad_tok;
+    c.n_tokens = 2;
+    assert_int_equal(td_engine_forward(h.e, &c, 1, got), TD_ERR_INVALID);
+    c.tokens = neg_tok;
+    c.n_tokens = 1;
+    assert_int_equal(td_engine_forward(h.e, &c, 1, got), TD_ERR_INVALID);
+    c = ok;
+    c.n_tokens = 0;
+    assert_int_equal(td_engine_forward(h.e, &c, 1, got), TD_ERR_INVALID);
+    c = ok;
+    c.pos0 = -1;
+    assert_int_equal(td_engine_forward(h.e, &c, 1, got), TD_ERR_INVALID);
+    c = ok;
+    c.n_blocks = 1; /* 20 positions need 2 blocks */
+    assert_int_equal(td_engine_forward(h.e, &c, 1, got), TD_ERR_INVALID);
+    c = ok;
+    c.block_table = bad_blocks;
+    assert_int_equal(td_engine_forward(h.e, &c, 1, got), TD_ERR_INVALID);
+    c = ok;
+    c.block_table = NULL;
+    assert_int_equal(td_engine_forward(h.e, &c, 1, got), TD_ERR_INVALID);
+    c = ok;
+    assert_int_equal(td_engine_forward(h.e, &c, 1, NULL), TD_ERR_INVALID);
+    c = (td_seq_chunk){.tokens = big,
+                       .n_tokens = MAX_CTX + 1,
+                       .block_table = big_blocks,
+                       .n_blocks = MAX_CTX / 16 + 1};
+    assert_int_equal(td_engine_forward(h.e, &c, 1, got), TD_ERR_INVALID); /* past max_ctx */
+    c = (td_seq_chunk){.tokens = big,
+                       .n_tokens = 1,
+                       .pos0 = MAX_CTX,
+                       .block_table = big_blocks,
+                       .n_blocks = MAX_CTX / 16 + 1};
+    assert_int_equal(td_engine_forward(h.e, &c, 1, got), TD_ERR_INVALID);
+    c.no_logits = true; /* no logits wanted: a NULL buffer is fine */
+    c.pos0 = 0;
+    assert_int_equal(td_engine_forward(h.e, &c, 1, NULL), TD_OK);
+
+    assert_int_equal(td_engine_forward(h.e, &ok, 1, got), TD_OK);
+    assert_memory_equal(got, ref, (size_t)n * (size_t)h.V * sizeof(float));
+    td_kv_block_free(h.kv, blocks, 2);
+    td_kv_block_free(h.kv, big_blocks, MAX_CTX / 16 + 1);
+    free(big);
+    free(tok);
+    free(ref);
+    free(got);
+    h_close(&h);
+}
+
 /* -------------------------------------------------------------- pipeline */
 
 /* Two pipeline stages (layers [0, split) and [split, n_layer), each its own
@@ -547,12 +633,12 @@ int main(void) {
         return 1;
     }
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_chunks_tiny),     cmocka_unit_test(test_batch_tiny),
-        cmocka_unit_test(test_prefix_tiny),     cmocka_unit_test(test_recompute_tiny),
-        cmocka_unit_test(test_threads_tiny),    cmocka_unit_test(test_pipeline_tiny),
-        cmocka_unit_test(test_chunks_default),  cmocka_unit_test(test_batch_default),
-        cmocka_unit_test(test_prefix_default),  cmocka_unit_test(test_recompute_default),
-        cmocka_unit_test(test_threads_default),
+        cmocka_unit_test(test_chunks_tiny),       cmocka_unit_test(test_batch_tiny),
+        cmocka_unit_test(test_prefix_tiny),       cmocka_unit_test(test_recompute_tiny),
+        cmocka_unit_test(test_threads_tiny),      cmocka_unit_test(test_pipeline_tiny),
+        cmocka_unit_test(test_forward_rejects),   cmocka_unit_test(test_chunks_default),
+        cmocka_unit_test(test_batch_default),     cmocka_unit_test(test_prefix_default),
+        cmocka_unit_test(test_recompute_default), cmocka_unit_test(test_threads_default),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
