@@ -12,6 +12,19 @@ typedef struct td_comm td_comm;
 
 /* World of one. Free with td_comm_destroy(). */
 td_status td_comm_create_single(td_comm **comm_p);
+
+/* In-process world of n ranks that are threads of one process (tests of
+ * parallel plans, and single-process tensor parallelism). Create the group
+ * once, then one communicator per rank; each rank's thread calls the
+ * collectives on its own communicator. Collectives block until every rank
+ * has called them (a rank that never calls blocks the others: the caller's
+ * plan must be consistent). all_reduce_sum adds in rank order 0..n-1, so
+ * every rank gets the same bits. Free each comm with td_comm_destroy() and
+ * then the group with td_comm_group_destroy(). */
+typedef struct td_comm_group td_comm_group;
+td_status td_comm_group_create(int n_ranks, td_comm_group **group_p);
+void td_comm_group_destroy(td_comm_group *group); /* accepts NULL */
+td_status td_comm_create_local(td_comm_group *group, int rank, td_comm **comm_p);
 void td_comm_destroy(td_comm *comm); /* accepts NULL */
 
 int td_comm_rank(const td_comm *comm);
