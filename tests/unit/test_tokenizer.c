@@ -4,6 +4,7 @@
  * Hugging Face `tokenizers` on the tokenizer.json ones. Also: round trips,
  * streaming detokenization against the golden text, invalid UTF-8, EOG and
  * corrupt vocabulary metadata. */
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -460,6 +461,59 @@ static void test_invalid_utf8(void **state) {
     td_tokenizer_free(tok);
 }
 
+/* A tokenizer is shared read-only by several threads (the contract in
+ * tokenizer.h): each thread encodes every golden row and must get the
+ * golden ids. */
+typedef struct {
+    const td_tokenizer *tok;
+    json_t *rows;
+    int mismatches;
+} thread_arg;
+
+static void *encode_rows(void *p) {
+    thread_arg *a = p;
+    for (int rep = 0; rep < 5; rep++) {
+        size_t i;
+        json_t *row;
+        json_array_foreach(a->rows, i, row) {
+            json_t *jt = json_object_get(row, "text"), *want = json_object_get(row, "ids");
+            int32_t *ids = NULL;
+            size_t n = 0;
+            if (td_tokenizer_encode(a->tok, json_string_value(jt), json_string_length(jt),
+                                    json_is_true(json_object_get(row, "add_special")),
+                                    json_is_true(json_object_get(row, "parse_special")), &ids,
+                                    &n) != TD_OK) {
+                a->mismatches++;
+                continue;
+            }
+            bool same = n == json_array_size(want);
+            for (size_t k = 0; same && k < n; k++)
+                same = ids[k] == (int32_t)json_integer_value(json_array_get(want, k));
+            a->mismatches += !same;
+            free(ids);
+        }
+    }
+    return NULL;
+}
+
+static void test_threads(void **state) {
+    (void)state;
+    td_tokenizer *tok = load_hf_tok("llama3-tiny");
+    json_t *g = load_golden("llama3-tiny-hf");
+    pthread_t th[4];
+    thread_arg args[4];
+    for (int i = 0; i < 4; i++) {
+        args[i] = (thread_arg){tok, json_object_get(g, "rows"), 0};
+        assert_int_equal(pthread_create(&th[i], NULL, encode_rows, &args[i]), 0);
+    }
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        assert_int_equal(args[i].mismatches, 0);
+    }
+    json_decref(g);
+    td_tokenizer_free(tok);
+}
+
 /* NFC against Python's unicodedata.normalize. */
 static void test_nfc(void **state) {
     (void)state;
@@ -567,6 +621,7 @@ int main(void) {
         cmocka_unit_test(test_bad_args),
         cmocka_unit_test(test_corrupt_vocabs),
         cmocka_unit_test(test_nfc),
+        cmocka_unit_test(test_threads),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
