@@ -1,6 +1,6 @@
 /* libFuzzer target for the tokenizers and chat templates.
  *
- * Built once: the default model's GGUF tokenizer (TANDEM_FUZZ_MODEL, or the
+ * Built once: the default model's GGUF tokenizer (TANDEM_FUZZ_MODEL, TANDEM_MODEL or the
  * default model path) when present, the committed SentencePiece test
  * vocabulary (tests/tokenizer/vocabs/spm-tiny.gguf) when found, and always a
  * small byte-level BPE vocabulary constructed here. Each input picks a
@@ -91,11 +91,15 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     (void)argv;
     td_log_set_level(TD_LOG_NONE);
     const char *model = getenv("TANDEM_FUZZ_MODEL");
+    if (!model || !model[0]) model = getenv("TANDEM_MODEL");
     char path[4096];
-    if (!model) {
-        const char *home = getenv("HOME");
-        snprintf(path, sizeof(path), "%s/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf",
-                 home ? home : "/root");
+    if (!model || !model[0]) {
+        const char *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
+        if (xdg && xdg[0])
+            snprintf(path, sizeof(path), "%s/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf", xdg);
+        else
+            snprintf(path, sizeof(path), "%s/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+                     home ? home : ".");
         model = path;
     }
     td_tokenizer *t = from_gguf_path(model);

@@ -35,11 +35,19 @@ static void find_dir(void) {
         snprintf(g_dir, sizeof(g_dir), "tests/tokenizer");
 }
 
+/* The default model, found as tools/runtime.c does: $TANDEM_MODEL, else
+ * $XDG_CACHE_HOME/tandem/models, else ~/.cache/tandem/models; NULL if absent. */
 static const char *default_model(void) {
     static char path[4096];
+    const char *env = getenv("TANDEM_MODEL"), *xdg = getenv("XDG_CACHE_HOME");
     const char *home = getenv("HOME");
-    snprintf(path, sizeof(path), "%s/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf",
-             home ? home : "/root");
+    if (env && env[0])
+        snprintf(path, sizeof(path), "%s", env);
+    else if (xdg && xdg[0])
+        snprintf(path, sizeof(path), "%s/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf", xdg);
+    else
+        snprintf(path, sizeof(path), "%s/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+                 home ? home : ".");
     FILE *f = fopen(path, "rb");
     if (!f) return NULL;
     fclose(f);
