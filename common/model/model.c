@@ -608,15 +608,12 @@ static td_status config_check(const loader *ld, const td_model_params *p) {
                      p->tp_size);
         return TD_ERR_INVALID;
     }
-    if (p->tp_size > c->n_head_kv) {
-        TD_LOG_ERROR("%s: tp size %d exceeds the %d KV heads (replicated KV heads are not "
-                     "supported yet)",
-                     ld->path, p->tp_size, c->n_head_kv);
-        return TD_ERR_UNSUPPORTED;
-    }
-    if (c->n_head_kv % p->tp_size != 0) {
-        TD_LOG_ERROR("%s: head_count_kv %d is not divisible by tp size %d", ld->path, c->n_head_kv,
-                     p->tp_size);
+    /* More ranks than KV heads: each KV head is replicated on tp / n_head_kv
+     * ranks (each rank's query heads then share one KV head). */
+    if (p->tp_size > c->n_head_kv ? p->tp_size % c->n_head_kv != 0
+                                  : c->n_head_kv % p->tp_size != 0) {
+        TD_LOG_ERROR("%s: head_count_kv %d and tp size %d: one must divide the other", ld->path,
+                     c->n_head_kv, p->tp_size);
         return TD_ERR_INVALID;
     }
     if (c->n_ff % p->tp_size != 0) {
@@ -698,6 +695,9 @@ static td_status load_layer(loader *ld, int l, td_layer_weights *lw) {
     int64_t q_rows = (int64_t)c->n_head * hd, kv_rows = (int64_t)c->n_head_kv * hd;
     int64_t q_loc = (int64_t)m->n_head_local * hd, kv_loc = (int64_t)m->n_head_kv_local * hd;
     int64_t ff_loc = ff / m->tp_size, r = m->tp_rank;
+    /* First KV row of this rank: its own heads, or the one head its query
+     * heads share when KV heads are replicated. */
+    int64_t kv_r0 = m->tp_size > c->n_head_kv ? r / (m->tp_size / c->n_head_kv) * hd : r * kv_loc;
     char b[160];
     td_status st;
     if ((st = load_vector(ld,
@@ -706,9 +706,9 @@ static td_status load_layer(loader *ld, int l, td_layer_weights *lw) {
         (st = load_matrix(ld, tname(b, sizeof b, ld, l, "attn_q.weight", "self_attn.q_proj.weight"),
                           q_rows, E, r * q_loc, q_loc, 0, E, &lw->wq)) ||
         (st = load_matrix(ld, tname(b, sizeof b, ld, l, "attn_k.weight", "self_attn.k_proj.weight"),
-                          kv_rows, E, r * kv_loc, kv_loc, 0, E, &lw->wk)) ||
+                          kv_rows, E, kv_r0, kv_loc, 0, E, &lw->wk)) ||
         (st = load_matrix(ld, tname(b, sizeof b, ld, l, "attn_v.weight", "self_attn.v_proj.weight"),
-                          kv_rows, E, r * kv_loc, kv_loc, 0, E, &lw->wv)) ||
+                          kv_rows, E, kv_r0, kv_loc, 0, E, &lw->wv)) ||
         (st = load_matrix(
              ld, tname(b, sizeof b, ld, l, "attn_output.weight", "self_attn.o_proj.weight"), E,
              q_rows, 0, E, r * q_loc, q_loc, &lw->wo)) ||
@@ -726,9 +726,9 @@ static td_status load_layer(loader *ld, int l, td_layer_weights *lw) {
         if ((st = load_vector(ld, tname(b, sizeof b, ld, l, "attn_q.bias", "self_attn.q_proj.bias"),
                               q_rows, r * q_loc, q_loc, (float **)&lw->bq)) ||
             (st = load_vector(ld, tname(b, sizeof b, ld, l, "attn_k.bias", "self_attn.k_proj.bias"),
-                              kv_rows, r * kv_loc, kv_loc, (float **)&lw->bk)) ||
+                              kv_rows, kv_r0, kv_loc, (float **)&lw->bk)) ||
             (st = load_vector(ld, tname(b, sizeof b, ld, l, "attn_v.bias", "self_attn.v_proj.bias"),
-                              kv_rows, r * kv_loc, kv_loc, (float **)&lw->bv)))
+                              kv_rows, kv_r0, kv_loc, (float **)&lw->bv)))
             return st;
     }
     return TD_OK;
@@ -847,7 +847,7 @@ td_status td_model_load(const td_model_params *p, td_model **m_p) {
     m->layer_begin = p->layer_begin;
     m->layer_end = p->layer_end < 0 ? m->cfg.n_layer : p->layer_end;
     m->n_head_local = m->cfg.n_head / p->tp_size;
-    m->n_head_kv_local = m->cfg.n_head_kv / p->tp_size;
+    m->n_head_kv_local = p->tp_size > m->cfg.n_head_kv ? 1 : m->cfg.n_head_kv / p->tp_size;
     if ((st = load_weights(&ld))) goto fail;
     if ((st = rope_init(&ld))) goto fail;
     st = ld.hf ? td_tokenizer_from_hf_dir(m->path, &m->tok)

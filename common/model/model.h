@@ -76,7 +76,9 @@ typedef struct {
 typedef struct {
     const char *path; /* GGUF file or HF directory */
     int tp_rank;      /* 0..tp_size-1 */
-    int tp_size;      /* >= 1; must divide n_head_kv... (see td_model_load) */
+    int tp_size;      /* >= 1; divides n_head and n_ff, and n_head_kv divides it or it
+                         divides n_head_kv (KV heads replicated when tp_size > n_head_kv);
+                         row-parallel slices must split at quant-block boundaries */
     int layer_begin;  /* first layer of this stage */
     int layer_end;    /* one past the last layer; -1 = n_layer */
 } td_model_params;

@@ -476,7 +476,7 @@ static void test_threads_default(void **state) {
 typedef struct {
     const char *path;
     td_comm_group *group;
-    int rank;
+    int rank, size;
     const int32_t *tok;
     int n;
     float *out; /* (n, V) */
@@ -493,7 +493,7 @@ static void *tp_rank_main(void *arg) {
     td_model_params mp = td_model_default_params();
     mp.path = j->path;
     mp.tp_rank = j->rank;
-    mp.tp_size = 2;
+    mp.tp_size = j->size;
     if ((j->st = td_model_load(&mp, &m))) goto done;
     const td_model_config *c = td_model_get_config(m);
     td_kv_params kp = td_kv_default_params();
@@ -532,7 +532,7 @@ done:
     return NULL;
 }
 
-static void tp_case(const char *rel, double tol) {
+static void tp_case(const char *rel, int size, double tol) {
     char path[4096];
     snprintf(path, sizeof path, "%s/%s", test_models_dir(), rel);
     harness h;
@@ -543,18 +543,25 @@ static void tp_case(const char *rel, double tol) {
     run_chunked(&h, tok, n, n, ref);
     check_sane(&h, ref, n);
     td_comm_group *g = NULL;
-    assert_int_equal(td_comm_group_create(2, &g), TD_OK);
-    tp_rank_job jobs[2];
-    pthread_t th[2];
-    for (int r = 0; r < 2; r++) {
-        jobs[r] = (tp_rank_job){
-            .path = path, .group = g, .rank = r, .tok = tok, .n = n, .out = alloc_logits(&h, n)};
+    assert_int_equal(td_comm_group_create(size, &g), TD_OK);
+    tp_rank_job jobs[4];
+    pthread_t th[4];
+    assert_true(size <= 4);
+    for (int r = 0; r < size; r++) {
+        jobs[r] = (tp_rank_job){.path = path,
+                                .group = g,
+                                .rank = r,
+                                .size = size,
+                                .tok = tok,
+                                .n = n,
+                                .out = alloc_logits(&h, n)};
         assert_int_equal(pthread_create(&th[r], NULL, tp_rank_main, &jobs[r]), 0);
     }
-    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
-    assert_int_equal(jobs[0].st, TD_OK);
-    assert_int_equal(jobs[1].st, TD_OK);
-    assert_memory_equal(jobs[0].out, jobs[1].out, (size_t)n * (size_t)h.V * sizeof(float));
+    for (int r = 0; r < size; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < size; r++) {
+        assert_int_equal(jobs[r].st, TD_OK);
+        assert_memory_equal(jobs[0].out, jobs[r].out, (size_t)n * (size_t)h.V * sizeof(float));
+    }
     double worst = 0;
     for (int t = 0; t < n; t++) {
         double m = 0, d = 0;
@@ -565,10 +572,10 @@ static void tp_case(const char *rel, double tol) {
         }
         worst = fmax(worst, d / m);
     }
-    print_message("    %s: tp=2 vs tp=1 max relative logit difference %.2e\n", rel, worst);
+    print_message("    %s: tp=%d vs tp=1 max relative logit difference %.2e\n", rel, size, worst);
     assert_true(worst <= tol);
     assert_true(worst > 0 || tol == 0); /* the summation order did change */
-    for (int r = 0; r < 2; r++) free(jobs[r].out);
+    for (int r = 0; r < size; r++) free(jobs[r].out);
     td_comm_group_destroy(g);
     free(tok);
     free(ref);
@@ -581,15 +588,16 @@ static void test_tp_tiny(void **state) {
     /* F32 weights: only the F32 rounding of the split sums differs, a few
      * ulps per layer (measured ~5e-7 relative on these models); 1e-5 is 20x
      * that and far below what a wrong slice would give (order 1). */
-    tp_case("gguf/tinyllama-f32.gguf", 1e-5);
-    tp_case("gguf/qwen2-f32.gguf", 1e-5); /* Q/K/V biases sliced per rank */
-    tp_case("hf/llama3-f32", 1e-5);       /* HF, NeoX RoPE, llama3 scaling */
+    tp_case("gguf/tinyllama-f32.gguf", 2, 1e-5);
+    tp_case("gguf/tinyllama-f32.gguf", 4, 1e-5); /* 4 ranks, 2 KV heads: replicated */
+    tp_case("gguf/qwen2-f32.gguf", 2, 1e-5);     /* Q/K/V biases sliced per rank */
+    tp_case("hf/llama3-f32", 2, 1e-5);           /* HF, NeoX RoPE, llama3 scaling */
     /* Q4_0: each rank's column slice starts at a 32-block, so activations
      * quantise the same blocks as on one rank; the partial sums can still
      * flip an 8-bit rounding later on, which moves these random models'
      * logits by up to a few percent (see tests/integration/test_numerics.py,
      * whose q4 bound against the reference is 0.10). */
-    tp_case("gguf/tinyllama-q4_0.gguf", 0.10);
+    tp_case("gguf/tinyllama-q4_0.gguf", 2, 0.10);
 }
 
 /* ------------------------------------------------------------ bad batches */

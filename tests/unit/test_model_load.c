@@ -522,13 +522,36 @@ static void test_shards(void **state) {
     assert_null(td_model_output(m));
     td_model_free(m);
 
-    /* 2 KV heads: tp 4 would replicate them (rejected for now), tp 3 does not divide 8 heads. */
+    /* tp 4 > 2 KV heads: ranks 2 and 3 share KV head 1 (rows 16..31 of attn_k). */
+    assert_int_equal(td_gguf_open(path, &g), TD_OK);
+    const td_gguf_tensor *k = td_gguf_find_tensor(g, "blk.0.attn_k.weight");
+    size_t krow = k->nbytes / (size_t)k->ne[1];
+    for (int r = 0; r < 4; r++) {
+        p = td_model_default_params();
+        p.path = path;
+        p.tp_size = 4;
+        p.tp_rank = r;
+        assert_int_equal(td_model_load(&p, &m), TD_OK);
+        assert_int_equal(td_model_n_head_local(m), 2);
+        assert_int_equal(td_model_n_head_kv_local(m), 1);
+        const td_weight *wk = &td_model_layer(m, 0)->wk;
+        assert_int_equal(wk->rows, 16);
+        assert_memory_equal(wk->data, (const uint8_t *)k->data + (size_t)(r / 2) * 16 * krow,
+                            16 * krow);
+        td_model_free(m);
+    }
+    td_gguf_close(g);
+    /* 3 ranks do not divide 8 heads; with smollm2's 6 heads, 3 ranks and 2 KV heads
+     * neither divides the other. */
     p = td_model_default_params();
     p.path = path;
-    p.tp_size = 4;
-    expect_load_error(path, p, (const char *[]){path, "KV heads", NULL});
     p.tp_size = 3;
     expect_load_error(path, p, (const char *[]){path, "tp size 3", NULL});
+    char smol[4096];
+    model_path("gguf/smollm2-f32.gguf", smol, sizeof smol);
+    p.path = smol;
+    expect_load_error(smol, p, (const char *[]){smol, "head_count_kv 2", NULL});
+    p.path = path;
     p.tp_size = 1;
     p.layer_begin = 1;
     p.layer_end = 5;
