@@ -3,7 +3,7 @@
  * All tokens of all chunks are rows of one activation matrix, so every
  * weight matrix is streamed once per call. Each step is per token row (norm,
  * activation quantisation, bias, RoPE, KV write, SwiGLU), per (row, output
- * row) dot product (matmul split by output rows), or per (token, head)
+ * row) dot product (matmul, shared out in tiles of output rows), or per (token, head)
  * (attention, reading K/V back from the paged cache). None of them splits a
  * reduction across threads or depends on which other rows are present, so
  * a row's values are the same whatever the batch, chunking or thread count:
@@ -48,7 +48,6 @@ struct td_engine {
     int32_t *tok_seq;    /* (T) sequence of each row */
     int32_t *tok_pos;    /* (T) position of each row */
     int32_t *logit_tok;  /* (T) row feeding each logit row */
-    int64_t *attn_cost;  /* (T + 1) prefix sums of attention cost per row */
     const td_seq_chunk *seqs;
     int32_t n_tok;
     _Atomic int64_t work_next; /* next unclaimed work item of the running step */
@@ -88,7 +87,6 @@ static void engine_free_scratch(td_engine *e) {
     free(e->tok_seq);
     free(e->tok_pos);
     free(e->logit_tok);
-    free(e->attn_cost);
 }
 
 static size_t act_bytes(const td_weight *w) {
@@ -166,7 +164,6 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
     e->tok_seq = scratch_alloc(T, sizeof(int32_t), &fail);
     e->tok_pos = scratch_alloc(T, sizeof(int32_t), &fail);
     e->logit_tok = scratch_alloc(T, sizeof(int32_t), &fail);
-    e->attn_cost = scratch_alloc(T + 1, sizeof(int64_t), &fail);
     if (fail) {
         TD_LOG_ERROR("out of memory for engine scratch (%d tokens)", ep.max_batch_tokens);
         engine_free_scratch(e);
@@ -494,13 +491,13 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
     }
     e->seqs = seqs;
     int32_t T = 0, n_logit = 0;
-    e->attn_cost[0] = 0;
+    int64_t attn_cost = 0; /* positions attended, summed over rows */
     for (int32_t i = 0; i < n_seqs; i++) {
         const td_seq_chunk *s = &seqs[i];
         for (int32_t j = 0; j < s->n_tokens; j++, T++) {
             e->tok_seq[T] = i;
             e->tok_pos[T] = s->pos0 + j;
-            e->attn_cost[T + 1] = e->attn_cost[T] + s->pos0 + j + 1;
+            attn_cost += s->pos0 + j + 1;
             if (!s->no_logits && (s->logits_all || j == s->n_tokens - 1))
                 e->logit_tok[n_logit++] = T;
         }
@@ -543,7 +540,7 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
                                 .n_kv_heads = e->nkv,
                                 .head_dim = e->head_dim}};
         /* attention cost grows with context: worth threads even for one row */
-        dispatch(e, task_attn, &at, e->tp && e->nth > 1 && e->attn_cost[T] * e->nh >= 1024);
+        dispatch(e, task_attn, &at, e->tp && e->nth > 1 && attn_cost * e->nh >= 1024);
 
         quant_plan qo;
         const td_weight *wo[] = {&lw->wo};
