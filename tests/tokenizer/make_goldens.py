@@ -211,6 +211,7 @@ def train_spm_tiny():
     with open(os.path.join(d, "tokenizer_config.json"), "w", encoding="utf-8") as fp:
         json.dump(cfg, fp, indent=1)
     write_spm_gguf(tj, os.path.join(VOCABS, "spm-tiny.gguf"))
+    write_spm_gguf(tj, os.path.join(VOCABS, "spm-tiny-nospace.gguf"), add_space_prefix=False)
     # The same vocabulary in the newer layout (Mistral / Llama-2 non-legacy):
     # no normalizer, a Metaspace pre-tokenizer prepending only to the first
     # fragment, a Metaspace decoder.
@@ -247,6 +248,42 @@ BYTELEVEL_VOCABS = {
                    "bos": None, "eos": "<|im_end|>", "add_bos": False,
                    "normalizer": {"type": "NFC"}},
 }
+
+
+# The qwen2-tiny vocabulary again under other tokenizer.ggml.pre values: the
+# GPT-2 regex, llama.cpp's "default" regex set, and an unknown name (which
+# Tandem tokenizes with the GPT-2 regex, so its golden is the "gpt2" one).
+PRE_VARIANTS = {"gpt2pre-tiny": "gpt-2", "defaultpre-tiny": "default",
+                "unknownpre-tiny": "no-such-pre"}
+
+
+def write_pre_variants():
+    import gguf
+    from gguf import GGUFReader
+
+    r = GGUFReader(os.path.join(VOCABS, "qwen2-tiny.gguf"))
+    f = r.fields
+    for name, pre in PRE_VARIANTS.items():
+        w = gguf.GGUFWriter(os.path.join(VOCABS, name + ".gguf"), "llama")
+        w.add_context_length(64)
+        w.add_embedding_length(8)
+        w.add_block_count(1)
+        w.add_feed_forward_length(16)
+        w.add_head_count(1)
+        w.add_head_count_kv(1)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_rope_dimension_count(8)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(f["tokenizer.ggml.tokens"].contents())
+        w.add_token_types(f["tokenizer.ggml.token_type"].contents())
+        w.add_token_merges(f["tokenizer.ggml.merges"].contents())
+        w.add_eos_token_id(f["tokenizer.ggml.eos_token_id"].contents())
+        w.add_add_bos_token(False)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
 
 
 def train_bytelevel(name, spec):
@@ -326,7 +363,7 @@ def train_bytelevel(name, spec):
     w.close()
 
 
-def write_spm_gguf(tj, path):
+def write_spm_gguf(tj, path, add_space_prefix=True):
     import gguf
     import numpy as np
 
@@ -370,7 +407,7 @@ def write_spm_gguf(tj, path):
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
-    w.add_add_space_prefix(True)
+    w.add_add_space_prefix(add_space_prefix)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -621,6 +658,7 @@ def main():
         train_spm_tiny()
         for name, spec in BYTELEVEL_VOCABS.items():
             train_bytelevel(name, spec)
+        write_pre_variants()
         write_corrupt()
     if a.goldens:
         goldens_hf(os.path.join(VOCABS, "smollm2"), "smollm2-hf")
@@ -633,6 +671,10 @@ def main():
             goldens_llama_cpp(os.path.join(VOCABS, "spm-tiny.gguf"), "spm-tiny-gguf")
             for name in BYTELEVEL_VOCABS:
                 goldens_llama_cpp(os.path.join(VOCABS, name + ".gguf"), name + "-gguf")
+            goldens_llama_cpp(os.path.join(VOCABS, "spm-tiny-nospace.gguf"), "spm-tiny-nospace-gguf")
+            for name, pre in PRE_VARIANTS.items():
+                if pre != "no-such-pre":  # llama.cpp refuses unknown pre-types
+                    goldens_llama_cpp(os.path.join(VOCABS, name + ".gguf"), name + "-gguf")
         except ImportError:
             log("llama_cpp not importable: GGUF goldens not regenerated")
     if a.chat:

@@ -260,6 +260,29 @@ static void test_goldens_bytelevel_pretypes(void **state) {
     }
 }
 
+/* Other tokenizer.ggml.pre values on one vocabulary; an unknown pre-type
+ * falls back to the GPT-2 regex, so it must match the "gpt-2" golden. And
+ * SentencePiece without add_space_prefix. */
+static void test_goldens_gguf_variants(void **state) {
+    (void)state;
+    static const struct {
+        const char *vocab, *golden;
+        int kind;
+    } cases[] = {
+        {"gpt2pre-tiny", "gpt2pre-tiny-gguf", 0},
+        {"defaultpre-tiny", "defaultpre-tiny-gguf", 0},
+        {"unknownpre-tiny", "gpt2pre-tiny-gguf", 0},
+        {"spm-tiny-nospace", "spm-tiny-nospace-gguf", SPM_LIKE},
+    };
+    for (size_t i = 0; i < TD_ARRAY_SIZE(cases); i++) {
+        char path[4200];
+        snprintf(path, sizeof(path), "%s/vocabs/%s.gguf", g_dir, cases[i].vocab);
+        td_tokenizer *tok = load_gguf_tok(path);
+        assert_true(check_goldens(tok, cases[i].golden, cases[i].kind) >= 50);
+        td_tokenizer_free(tok);
+    }
+}
+
 /* SmolLM2's metadata: no BOS added, <|im_end|> (EOS) and <|endoftext|> end
  * generation, <|im_start|> does not. Ids are looked up by text. */
 static void check_smollm2_meta(td_tokenizer *tok) {
@@ -623,6 +646,7 @@ int main(void) {
         cmocka_unit_test(test_goldens_smollm2_hf),
         cmocka_unit_test(test_goldens_spm_hf),
         cmocka_unit_test(test_goldens_bytelevel_pretypes),
+        cmocka_unit_test(test_goldens_gguf_variants),
         cmocka_unit_test(test_smollm2_metadata),
         cmocka_unit_test(test_spm_metadata),
         cmocka_unit_test(test_invalid_utf8),
