@@ -26,6 +26,38 @@ AI float hsum512(__m512 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* Four horizontal sums at once, each lane combined exactly as hsum512 does
+ * (i + i+8, then i + i+4, then i + i+2, then i + i+1), so a pair's result
+ * does not depend on which other pairs share the reduction. */
+AI void hsum512x4(__m512 a, __m512 b, __m512 c, __m512 d, float *out) {
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+    v = _mm512_add_ps(v, _mm512_movehdup_ps(v));
+    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(
+                           _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), v)));
+}
+
+/* Reduce acc[r][t] for an R x T tile into y (row r, token t at y[t*ldy + r]). */
+#define TILE_STORE(ACC, R, T, y, ldy)                                                              \
+    do {                                                                                           \
+        if ((R) == 4) {                                                                            \
+            _Pragma("GCC unroll 8") for (int t_ = 0; t_ < (T); t_++) {                             \
+                hsum512x4(ACC[0][t_], ACC[1][t_], ACC[2][t_], ACC[3][t_],                          \
+                          (y) + (size_t)t_ * (ldy));                                               \
+            }                                                                                      \
+        } else {                                                                                   \
+            _Pragma("GCC unroll 8") for (int t_ = 0; t_ < (T); t_++) {                             \
+                _Pragma("GCC unroll 8") for (int r_ = 0; r_ < (R); r_++)(                          \
+                    y)[(size_t)t_ * (ldy) + r_] = hsum512(ACC[r_][t_]);                            \
+            }                                                                                      \
+        }                                                                                          \
+    } while (0)
+
 AI __m512 exp512(__m512 x) {
     x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
                       _mm512_set1_ps(-87.3365447504f));
@@ -48,7 +80,7 @@ AI __m512 exp512(__m512 x) {
 /* ---------------- quantized matmul ---------------- */
 
 #define TR_MAX 4 /* max rows per tile */
-#define TT_MAX 8 /* max tokens per tile */
+#define TT_MAX 4 /* max tokens per tile */
 #define QR     TR_MAX
 #define QT     TT_MAX
 
@@ -61,28 +93,24 @@ AI __m512i unpack_q4x2(const uint8_t *qs0, const uint8_t *qs1, __mmask16 m1) {
 }
 
 /* One step (blocks b, b+1; `two` false for a lone last block) of one row:
- * w: unsigned weight bytes, dw: d per lane, mw: Q4_1 min in lanes 0 / 8. */
+ * w: unsigned weight bytes, dw: d per lane (0 for a missing block); for
+ * Q4_1 the two mins go to m2[0..1]. */
 AI void load_w_step(const td_dtype WT, const char *wrow, int64_t b, int two, __m512i *wv,
-                    __m512 *dw, __m512 *mw) {
-    const __m512i idx_d = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+                    __m512 *dw, float *m2) {
+    const __m512i idx2 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    uint32_t dd;
     if (WT == TD_TYPE_Q8_0) {
         const td_block_q8_0 *b0 = (const td_block_q8_0 *)wrow + b;
         __m256i lo = _mm256_loadu_si256((const __m256i *)b0->qs);
         __m256i hi = two ? _mm256_loadu_si256((const __m256i *)b0[1].qs) : _mm256_set1_epi8(-128);
         *wv = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
                                _mm512_set1_epi8(-128));
-        uint32_t dd = (uint32_t)b0->d | (two ? (uint32_t)b0[1].d << 16 : 0);
-        __m512 dv = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)));
-        *dw = _mm512_permutexvar_ps(
-            _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), dv);
+        dd = (uint32_t)b0->d | (two ? (uint32_t)b0[1].d << 16 : 0);
     } else if (WT == TD_TYPE_Q4_0) {
         const td_block_q4_0 *b0 = (const td_block_q4_0 *)wrow + b;
         *wv = two ? unpack_q4x2(b0->qs, b0[1].qs, 0xff00)
                   : _mm512_maskz_mov_epi32(0x00ff, unpack_q4x2(b0->qs, b0->qs, 0));
-        uint32_t dd = (uint32_t)b0->d | (two ? (uint32_t)b0[1].d << 16 : 0);
-        __m512 dv = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)));
-        *dw = _mm512_permutexvar_ps(
-            _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), dv);
+        dd = (uint32_t)b0->d | (two ? (uint32_t)b0[1].d << 16 : 0);
     } else {
         const td_block_q4_1 *b0 = (const td_block_q4_1 *)wrow + b;
         *wv = two ? unpack_q4x2(b0->qs, b0[1].qs, 0xff00)
@@ -90,20 +118,43 @@ AI void load_w_step(const td_dtype WT, const char *wrow, int64_t b, int two, __m
         uint32_t dm0, dm1 = 0;
         memcpy(&dm0, &b0->d, 4); /* d, m adjacent */
         if (two) memcpy(&dm1, &b0[1].d, 4);
-        __m128i h = _mm_insert_epi32(_mm_cvtsi32_si128((int)dm0), (int)dm1, 1);
-        __m512 dv = _mm512_castps128_ps512(_mm_cvtph_ps(h)); /* D0 M0 D1 M1 */
-        *dw = _mm512_permutexvar_ps(idx_d, dv);
-        *mw = _mm512_maskz_permutexvar_ps(
-            0x0101, _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1), dv);
+        __m128 v = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)dm0), (int)dm1, 1));
+        /* v = D0 M0 D1 M1 */
+        *dw =
+            _mm512_permutexvar_ps(_mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),
+                                  _mm512_castps128_ps512(v));
+        _mm_storel_pi((__m64 *)m2, _mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 1, 3, 1)));
+        return;
     }
+    *dw = _mm512_permutexvar_ps(idx2,
+                                _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd))));
 }
 
-AI void tile_quant(const td_dtype WT, const int R, const int T, const char *w, size_t w_stride,
-                   const char *xq, size_t xq_stride, int64_t nb, float *y, size_t ldy) {
-    __m512 acc[QR][QT];
+/* Weight rows of a tile unpacked once and reused by every token tile:
+ * per row and step, 64 unsigned weight bytes and the 16-lane scale vector. */
+#define WBUF_STEPS 256  /* k up to 16384 */
+#define MCHUNK     1024 /* blocks per chunk of the Q4_1 min term */
+typedef struct {
+    __m512i w[TR_MAX][WBUF_STEPS];
+    __m512 d[TR_MAX][WBUF_STEPS];
+    float m[TR_MAX][2 * WBUF_STEPS];
+} wbuf;
+
+/* The tile kernel. A (row, token) pair's arithmetic, whatever the tile:
+ *   per step s (blocks 2s, 2s+1): p = vpdpbusd(seed, w, x); f = cvt(p);
+ *                                 acc = fma(f, dw * dx, acc)
+ *   Q4_1: per 16 blocks, macc = fma(m, d_x * sum(q_x), macc)
+ *   y = hsum(acc) (+ hsum(macc))
+ * BUF only chooses where w, dw and m come from (unpacked now or before).
+ * Blocks go in chunks of MCHUNK so the Q4_1 mins fit a stack array. */
+AI void tile_quant(const td_dtype WT, const int R, const int T, const int BUF, const char *w,
+                   size_t w_stride, const wbuf *wb, const char *xq, size_t xq_stride, int64_t nb,
+                   float *y, size_t ldy) {
+    __m512 acc[QR][QT], macc[QR][QT];
     const float *xd[QT], *xs[QT];
     const int32_t *xsum[QT];
     const int8_t *xqs[QT];
+    float mloc[BUF ? 1 : QR][BUF ? 1 : MCHUNK];
     const __m512i idx2 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const int32_t seed = WT == TD_TYPE_Q4_0 ? -8 : -128;
 #pragma GCC unroll 8
@@ -114,91 +165,163 @@ AI void tile_quant(const td_dtype WT, const int R, const int T, const char *w, s
         xsum[t] = td_q8x_sum(row, nb);
         xqs[t] = td_q8x_qs(row, nb);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) acc[r][t] = _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) acc[r][t] = macc[r][t] = _mm512_setzero_ps();
     }
-    for (int64_t b = 0; b < nb; b += 2) {
-        const int two = b + 1 < nb;
-        __m512i wv[QR];
-        __m512 dw[QR], mw[QR];
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++)
-            load_w_step(WT, w + (size_t)r * w_stride, b, two, &wv[r], &dw[r], &mw[r]);
-#pragma GCC unroll 8
-        for (int t = 0; t < T; t++) {
-            __m512i xv;
-            __m128 d2, s2 = _mm_setzero_ps();
-            __m128i i2 = _mm_setzero_si128();
-            if (two) {
-                xv = _mm512_loadu_si512(xqs[t] + b * 32);
-                d2 = _mm_castpd_ps(_mm_load_sd((const double *)(xd[t] + b)));
-                if (WT == TD_TYPE_Q4_1)
-                    s2 = _mm_castpd_ps(_mm_load_sd((const double *)(xs[t] + b)));
-                else
-                    i2 = _mm_loadl_epi64((const __m128i *)(xsum[t] + b));
-            } else {
-                xv = _mm512_maskz_loadu_epi8(0xffffffffull, xqs[t] + b * 32);
-                d2 = _mm_load_ss(xd[t] + b);
-                if (WT == TD_TYPE_Q4_1)
-                    s2 = _mm_load_ss(xs[t] + b);
-                else
-                    i2 = _mm_cvtsi32_si128(xsum[t][b]);
-            }
-            __m512 dx = _mm512_permutexvar_ps(idx2, _mm512_castps128_ps512(d2));
-            __m512 sx = _mm512_setzero_ps();
-            __m512i init = _mm512_setzero_si512();
-            if (WT == TD_TYPE_Q4_1)
-                sx = _mm512_maskz_expand_ps(0x0101, _mm512_castps128_ps512(s2));
-            else
-                init = _mm512_maskz_expand_epi32(
-                    0x0101, _mm512_castsi128_si512(_mm_mullo_epi32(i2, _mm_set1_epi32(seed))));
+    for (int64_t c0 = 0; c0 < nb; c0 += MCHUNK) {
+        const int64_t c1 = nb - c0 < MCHUNK ? nb : c0 + MCHUNK;
+        for (int64_t b = c0; b < c1; b += 2) {
+            const int64_t s = b / 2;
+            const int two = b + 1 < nb;
+            __m512i wv[QR];
+            __m512 dw[QR];
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
-                __m512i p = _mm512_dpbusd_epi32(init, wv[r], xv);
-                __m512 f = _mm512_cvtepi32_ps(p);
-                acc[r][t] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw[r], dx), acc[r][t]);
-                if (WT == TD_TYPE_Q4_1) acc[r][t] = _mm512_fmadd_ps(mw[r], sx, acc[r][t]);
+                if (BUF) {
+                    wv[r] = _mm512_load_si512(&wb->w[r][s]);
+                    dw[r] = _mm512_load_ps(&wb->d[r][s]);
+                } else {
+                    load_w_step(WT, w + (size_t)r * w_stride, b, two, &wv[r], &dw[r],
+                                &mloc[BUF ? 0 : r][BUF ? 0 : b - c0]);
+                }
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < T; t++) {
+                /* the qs region is padded to 64 bytes with zeros, so a lone
+                 * last block reads zeros as its partner */
+                __m512i xv = _mm512_loadu_si512(xqs[t] + b * 32);
+                __m128 d2;
+                __m128i i2 = _mm_setzero_si128();
+                if (two) {
+                    d2 = _mm_castpd_ps(_mm_load_sd((const double *)(xd[t] + b)));
+                    if (WT != TD_TYPE_Q4_1) i2 = _mm_loadl_epi64((const __m128i *)(xsum[t] + b));
+                } else {
+                    d2 = _mm_load_ss(xd[t] + b);
+                    if (WT != TD_TYPE_Q4_1) i2 = _mm_cvtsi32_si128(xsum[t][b]);
+                }
+                __m512 dx = _mm512_permutexvar_ps(idx2, _mm512_castps128_ps512(d2));
+                __m512i init = _mm512_setzero_si512();
+                if (WT != TD_TYPE_Q4_1)
+                    init = _mm512_maskz_expand_epi32(
+                        0x0101, _mm512_castsi128_si512(_mm_mullo_epi32(i2, _mm_set1_epi32(seed))));
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    __m512i p = _mm512_dpbusd_epi32(init, wv[r], xv);
+                    __m512 f = _mm512_cvtepi32_ps(p);
+                    acc[r][t] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw[r], dx), acc[r][t]);
+                }
+            }
+        }
+        if (WT == TD_TYPE_Q4_1) { /* sum over blocks of m_w * (d_x * sum(q_x)) */
+            for (int64_t b = c0; b < c1; b += 16) {
+                __mmask16 m = c1 - b >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (c1 - b)) - 1);
+                __m512 mw[QR];
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++)
+                    mw[r] = _mm512_maskz_loadu_ps(m, BUF ? &wb->m[r][b]
+                                                         : &mloc[BUF ? 0 : r][BUF ? 0 : b - c0]);
+#pragma GCC unroll 8
+                for (int t = 0; t < T; t++) {
+                    __m512 sv = _mm512_maskz_loadu_ps(m, xs[t] + b);
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; r++) macc[r][t] = _mm512_fmadd_ps(mw[r], sv, macc[r][t]);
+                }
             }
         }
     }
+    if (WT == TD_TYPE_Q4_1)
 #pragma GCC unroll 8
-    for (int t = 0; t < T; t++)
+        for (int t = 0; t < T; t++)
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) y[(size_t)t * ldy + r] = hsum512(acc[r][t]);
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_add_ps(acc[r][t], macc[r][t]);
+    TILE_STORE(acc, R, T, y, ldy);
+}
+
+static void wbuf_fill(const td_dtype wt, const char *w, size_t w_stride, int rows, int64_t nb,
+                      wbuf *wb) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t s = 0; s < (nb + 1) / 2; s++) {
+            __m512i wv;
+            __m512 dw;
+            const char *wr = w + (size_t)r * w_stride;
+            if (wt == TD_TYPE_Q8_0)
+                load_w_step(TD_TYPE_Q8_0, wr, 2 * s, 2 * s + 1 < nb, &wv, &dw, &wb->m[r][2 * s]);
+            else if (wt == TD_TYPE_Q4_0)
+                load_w_step(TD_TYPE_Q4_0, wr, 2 * s, 2 * s + 1 < nb, &wv, &dw, &wb->m[r][2 * s]);
+            else
+                load_w_step(TD_TYPE_Q4_1, wr, 2 * s, 2 * s + 1 < nb, &wv, &dw, &wb->m[r][2 * s]);
+            _mm512_store_si512(&wb->w[r][s], wv);
+            _mm512_store_ps(&wb->d[r][s], dw);
+        }
 }
 
 typedef void (*tile_fn)(const char *w, size_t w_stride, const char *xq, size_t xq_stride,
                         int64_t nb, float *y, size_t ldy);
+typedef void (*qtile_fn)(const char *w, size_t w_stride, const wbuf *wb, const char *xq,
+                         size_t xq_stride, int64_t nb, float *y, size_t ldy);
 
-#define DEF_TILE(NAME, KERN, WT, R, T)                                                             \
-    static void NAME##_##R##_##T(const char *w, size_t ws, const char *xq, size_t xs, int64_t nb,  \
-                                 float *y, size_t ldy) {                                           \
-        KERN(WT, R, T, w, ws, xq, xs, nb, y, ldy);                                                 \
+#define DEF_QTILE(NAME, WT, BUF, R, T)                                                             \
+    static void NAME##_##BUF##_##R##_##T(const char *w, size_t ws, const wbuf *wb, const char *xq, \
+                                         size_t xs, int64_t nb, float *y, size_t ldy) {            \
+        tile_quant(WT, R, T, BUF, w, ws, wb, xq, xs, nb, y, ldy);                                  \
     }
-#define DEF_TILES_R(NAME, KERN, WT, R)                                                             \
-    DEF_TILE(NAME, KERN, WT, R, 1)                                                                 \
-    DEF_TILE(NAME, KERN, WT, R, 2)                                                                 \
-    DEF_TILE(NAME, KERN, WT, R, 3)                                                                 \
-    DEF_TILE(NAME, KERN, WT, R, 4)                                                                 \
-    DEF_TILE(NAME, KERN, WT, R, 5)                                                                 \
-    DEF_TILE(NAME, KERN, WT, R, 6)                                                                 \
-    DEF_TILE(NAME, KERN, WT, R, 7)                                                                 \
-    DEF_TILE(NAME, KERN, WT, R, 8)
-#define ROW_TILES(NAME, R)                                                                         \
+#define DEF_QTILES_R(NAME, WT, BUF, R)                                                             \
+    DEF_QTILE(NAME, WT, BUF, R, 1)                                                                 \
+    DEF_QTILE(NAME, WT, BUF, R, 2)                                                                 \
+    DEF_QTILE(NAME, WT, BUF, R, 3)                                                                 \
+    DEF_QTILE(NAME, WT, BUF, R, 4)
+#define QROW(NAME, BUF, R)                                                                         \
     {                                                                                              \
-        NAME##_##R##_1, NAME##_##R##_2, NAME##_##R##_3, NAME##_##R##_4, NAME##_##R##_5,            \
-            NAME##_##R##_6, NAME##_##R##_7, NAME##_##R##_8                                         \
+        NAME##_##BUF##_##R##_1, NAME##_##BUF##_##R##_2, NAME##_##BUF##_##R##_3,                    \
+            NAME##_##BUF##_##R##_4                                                                 \
     }
-#define DEF_TILES(NAME, KERN, WT)                                                                  \
-    DEF_TILES_R(NAME, KERN, WT, 1)                                                                 \
-    DEF_TILES_R(NAME, KERN, WT, 2)                                                                 \
-    DEF_TILES_R(NAME, KERN, WT, 3)                                                                 \
-    DEF_TILES_R(NAME, KERN, WT, 4)                                                                 \
-    static const tile_fn NAME##_tiles[TR_MAX][TT_MAX] = {ROW_TILES(NAME, 1), ROW_TILES(NAME, 2),   \
-                                                         ROW_TILES(NAME, 3), ROW_TILES(NAME, 4)};
+#define DEF_QTILES(NAME, WT)                                                                       \
+    DEF_QTILES_R(NAME, WT, 0, 1)                                                                   \
+    DEF_QTILES_R(NAME, WT, 0, 2)                                                                   \
+    DEF_QTILES_R(NAME, WT, 0, 3)                                                                   \
+    DEF_QTILES_R(NAME, WT, 0, 4)                                                                   \
+    DEF_QTILES_R(NAME, WT, 1, 1)                                                                   \
+    DEF_QTILES_R(NAME, WT, 1, 2)                                                                   \
+    DEF_QTILES_R(NAME, WT, 1, 3)                                                                   \
+    DEF_QTILES_R(NAME, WT, 1, 4)                                                                   \
+    static const qtile_fn NAME##_tiles[2][TR_MAX][QT] = {                                          \
+        {QROW(NAME, 0, 1), QROW(NAME, 0, 2), QROW(NAME, 0, 3), QROW(NAME, 0, 4)},                  \
+        {QROW(NAME, 1, 1), QROW(NAME, 1, 2), QROW(NAME, 1, 3), QROW(NAME, 1, 4)}};
 
-DEF_TILES(q80, tile_quant, TD_TYPE_Q8_0)
-DEF_TILES(q40, tile_quant, TD_TYPE_Q4_0)
-DEF_TILES(q41, tile_quant, TD_TYPE_Q4_1)
+DEF_QTILES(q80, TD_TYPE_Q8_0)
+DEF_QTILES(q40, TD_TYPE_Q4_0)
+DEF_QTILES(q41, TD_TYPE_Q4_1)
+
+static void matmul_quant_avx512(td_dtype wt, const void *w, size_t w_stride, const void *xq,
+                                size_t xq_stride, int n, int64_t k, float *y, size_t ldy, int r0,
+                                int r1) {
+    const qtile_fn(*tiles)[TR_MAX][QT] = wt == TD_TYPE_Q8_0   ? q80_tiles
+                                         : wt == TD_TYPE_Q4_0 ? q40_tiles
+                                                              : q41_tiles;
+    const int R = TR_MAX, T = QT;
+    const int64_t nb = k / 32;
+    /* Token chunks whose activations stay in L2 while the row tiles sweep them. */
+    size_t act_bytes = xq_stride ? xq_stride : 1;
+    int tchunk = (int)((256 * 1024) / act_bytes);
+    if (tchunk < T) tchunk = T;
+    tchunk -= tchunk % T;
+    _Alignas(64) wbuf wb;
+    for (int tc = 0; tc < n; tc += tchunk) {
+        int te = tc + tchunk < n ? tc + tchunk : n;
+        /* unpack once per row tile when several token tiles will reuse it */
+        int buf = te - tc > T && (nb + 1) / 2 <= WBUF_STEPS;
+        for (int r = r0; r < r1; r += R) {
+            int rr = r1 - r < R ? r1 - r : R;
+            const char *wr = (const char *)w + (size_t)r * w_stride;
+            if (buf) wbuf_fill(wt, wr, w_stride, rr, nb, &wb);
+            for (int t = tc; t < te; t += T) {
+                int tt = te - t < T ? te - t : T;
+                tiles[buf][rr - 1][tt - 1](wr, w_stride, &wb,
+                                           (const char *)xq + (size_t)t * xq_stride, xq_stride, nb,
+                                           y + (size_t)t * ldy + r, ldy);
+            }
+        }
+    }
+}
 
 /* ---------------- float-weight matmul ---------------- */
 
@@ -233,34 +356,49 @@ AI void tile_float(const td_dtype WT, const int R, const int T, const char *w, s
             for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
         }
     }
-#pragma GCC unroll 8
-    for (int t = 0; t < T; t++)
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) y[(size_t)t * ldy + r] = hsum512(acc[r][t]);
+    TILE_STORE(acc, R, T, y, ldy);
 }
 
-DEF_TILES(f32, tile_float, TD_TYPE_F32)
-DEF_TILES(f16, tile_float, TD_TYPE_F16)
-DEF_TILES(bf16, tile_float, TD_TYPE_BF16)
+#define DEF_FTILE(NAME, WT, R, T)                                                                  \
+    static void NAME##_##R##_##T(const char *w, size_t ws, const char *xq, size_t xs, int64_t k,   \
+                                 float *y, size_t ldy) {                                           \
+        tile_float(WT, R, T, w, ws, xq, xs, k, y, ldy);                                            \
+    }
+#define DEF_FTILES_R(NAME, WT, R)                                                                  \
+    DEF_FTILE(NAME, WT, R, 1)                                                                      \
+    DEF_FTILE(NAME, WT, R, 2)                                                                      \
+    DEF_FTILE(NAME, WT, R, 3)                                                                      \
+    DEF_FTILE(NAME, WT, R, 4)
+#define FROW(NAME, R)                                                                              \
+    { NAME##_##R##_1, NAME##_##R##_2, NAME##_##R##_3, NAME##_##R##_4 }
+#define DEF_FTILES(NAME, WT)                                                                       \
+    DEF_FTILES_R(NAME, WT, 1)                                                                      \
+    DEF_FTILES_R(NAME, WT, 2)                                                                      \
+    DEF_FTILES_R(NAME, WT, 3)                                                                      \
+    DEF_FTILES_R(NAME, WT, 4)                                                                      \
+    static const tile_fn NAME##_tiles[FR][FT] = {FROW(NAME, 1), FROW(NAME, 2), FROW(NAME, 3),      \
+                                                 FROW(NAME, 4)};
 
-int g_tile_r = 4, g_tile_t = 4;
+DEF_FTILES(f32, TD_TYPE_F32)
+DEF_FTILES(f16, TD_TYPE_F16)
+DEF_FTILES(bf16, TD_TYPE_BF16)
+
 static void matmul_avx512(td_dtype wt, const void *w, size_t w_stride, const void *xq,
                           size_t xq_stride, int n, int64_t k, float *y, size_t ldy, int r0,
                           int r1) {
-    const tile_fn *tiles;
-    int R = g_tile_r, T = g_tile_t;
-    int64_t kk = k;
+    const tile_fn(*tiles)[FT];
     switch (wt) {
-    case TD_TYPE_Q8_0: tiles = &q80_tiles[0][0], kk = k / 32; break;
-    case TD_TYPE_Q4_0: tiles = &q40_tiles[0][0], kk = k / 32; break;
-    case TD_TYPE_Q4_1: tiles = &q41_tiles[0][0], kk = k / 32; break;
-    case TD_TYPE_F32: tiles = &f32_tiles[0][0]; break;
-    case TD_TYPE_F16: tiles = &f16_tiles[0][0]; break;
-    case TD_TYPE_BF16: tiles = &bf16_tiles[0][0]; break;
+    case TD_TYPE_Q8_0:
+    case TD_TYPE_Q4_0:
+    case TD_TYPE_Q4_1:
+        matmul_quant_avx512(wt, w, w_stride, xq, xq_stride, n, k, y, ldy, r0, r1);
+        return;
+    case TD_TYPE_F32: tiles = f32_tiles; break;
+    case TD_TYPE_F16: tiles = f16_tiles; break;
+    case TD_TYPE_BF16: tiles = bf16_tiles; break;
     default: TD_KERNEL_UNREACHABLE_TYPE(wt);
     }
-    /* Tokens in chunks whose activations stay in L2 while the row tiles
-     * sweep them. */
+    const int R = FR, T = FT;
     size_t act_bytes = xq_stride ? xq_stride : 1;
     int tchunk = (int)((256 * 1024) / act_bytes);
     if (tchunk < T) tchunk = T;
@@ -272,9 +410,8 @@ static void matmul_avx512(td_dtype wt, const void *w, size_t w_stride, const voi
             const char *wr = (const char *)w + (size_t)r * w_stride;
             for (int t = tc; t < te; t += T) {
                 int tt = te - t < T ? te - t : T;
-                tiles[(rr - 1) * TT_MAX + (tt - 1)](wr, w_stride,
-                                                    (const char *)xq + (size_t)t * xq_stride,
-                                                    xq_stride, kk, y + (size_t)t * ldy + r, ldy);
+                tiles[rr - 1][tt - 1](wr, w_stride, (const char *)xq + (size_t)t * xq_stride,
+                                      xq_stride, k, y + (size_t)t * ldy + r, ldy);
             }
         }
     }

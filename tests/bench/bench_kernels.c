@@ -10,7 +10,7 @@
  *       -mavx2 -mfma -mf16c -c $S/ops-avx512.c -o $O/ops-avx512.o
  *   gcc -std=gnu17 -O2 -I. tests/bench/bench_kernels.c common/base/threadpool.c \
  *       common/base/base.c $O/*.o -lm -lpthread -o $O/bench_kernels
- *   $O/bench_kernels [-t THREADS] [-i avx512|avx2|scalar] [-n TOKENS]
+ *   $O/bench_kernels [-t THREADS] [-i avx512|avx2|scalar] [-n TOKENS] [-w GGUF_TYPE_ID]
  *
  * Without -i every ISA the CPU supports is measured (scalar only at n = 1);
  * without -n both n = 1 and n = 512. */
@@ -94,9 +94,8 @@ const char *td_dtype_name(int t) {
     }
 }
 
-extern int g_tile_r, g_tile_t;
 int main(int argc, char **argv) {
-    int threads = 2, only_n = 0, only_isa = -1;
+    int threads = 2, only_n = 0, only_isa = -1, only_type = -1;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "-t"))
             threads = atoi(argv[i + 1]);
@@ -104,10 +103,8 @@ int main(int argc, char **argv) {
             only_n = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "-i"))
             only_isa = td_cpu_isa_parse(argv[i + 1]);
-        else if (!strcmp(argv[i], "-R"))
-            g_tile_r = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "-T"))
-            g_tile_t = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "-w"))
+            only_type = atoi(argv[i + 1]);
     }
     g_cpu_clock = threads == 1;
     td_threadpool *tp;
@@ -125,8 +122,9 @@ int main(int argc, char **argv) {
             if (isa == TD_ISA_SCALAR && n > 1 && only_isa < 0) continue;
             for (size_t ti = 0; ti < 3; ti++)
                 for (size_t si = 0; si < 4; si++)
-                    bench_one(tp, types[ti], shapes[si][0], shapes[si][1], n);
-            bench_one(tp, TD_TYPE_Q8_0, 49152, 576, n);
+                    if (only_type < 0 || only_type == (int)types[ti])
+                        bench_one(tp, types[ti], shapes[si][0], shapes[si][1], n);
+            if (only_type < 0 || only_type == TD_TYPE_Q8_0) bench_one(tp, TD_TYPE_Q8_0, 49152, 576, n);
         }
     }
     td_threadpool_destroy(tp);
