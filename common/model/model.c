@@ -376,6 +376,13 @@ static td_status config_from_gguf(loader *ld) {
         c->rope_scaling = TD_ROPE_SCALING_LINEAR;
         c->rope_factor = factor;
     }
+    int64_t n_expert = 0;
+    if ((st = gguf_opt_i64(ld, KEY("expert_count"), 0, 1 << 16, &n_expert))) return st;
+    if (n_expert > 0) {
+        TD_LOG_ERROR("%s: mixture-of-experts models (%s.expert_count %lld) are not supported yet",
+                     ld->path, arch, (long long)n_expert);
+        return TD_ERR_UNSUPPORTED;
+    }
     int64_t n_vocab = -1;
     if ((st = gguf_opt_i64(ld, KEY("vocab_size"), 1, TD_MAX_VOCAB, &n_vocab))) return st;
 #undef KEY

@@ -705,6 +705,8 @@ static void test_unsupported_bias(void **state) {
 static void test_unknown_arch(void **state) {
     (void)state;
     need_models();
+    mutation moe = {.set_u32_key = "llama.expert_count", .set_u32 = 8};
+    corrupt_case("gguf/llama2-f32.gguf", &moe, (const char *[]){"expert_count 8", NULL});
     mutation mu = {.set_str_key = "general.architecture", .set_str = "gpt2"};
     corrupt_case("gguf/llama2-f32.gguf", &mu, (const char *[]){"gpt2", NULL});
 }
