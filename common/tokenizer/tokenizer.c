@@ -932,6 +932,13 @@ static size_t token_piece(const td_tokenizer *tok, int32_t id, bool skip_special
     return o;
 }
 
+size_t td_tokenizer_token_to_piece(const td_tokenizer *tok, int32_t id, bool skip_special,
+                                   char *buf, size_t cap) {
+    bool normal;
+    if (!tok || (!buf && cap > 0)) return 0;
+    return token_piece(tok, id, skip_special, buf, cap, &normal);
+}
+
 td_status td_tokenizer_decode(const td_tokenizer *tok, const int32_t *tokens, size_t n,
                               bool skip_special, char **text_p, size_t *len_p) {
     if (!tok || (!tokens && n > 0) || !text_p || !len_p) return TD_ERR_INVALID;

@@ -69,6 +69,15 @@ td_status td_tokenizer_encode(const td_tokenizer *tok, const char *text, size_t 
 td_status td_tokenizer_decode(const td_tokenizer *tok, const int32_t *tokens, size_t n,
                               bool skip_special, char **text_p, size_t *len_p);
 
+/* The bytes token id stands for: a byte token (<0xXX>) its byte, byte-level
+ * and SentencePiece text their bytes with spaces restored, a control token
+ * its text (nothing when skip_special). Written to buf, at most cap bytes,
+ * no NUL; returns the full length, which may exceed cap (buf then holds
+ * the first cap bytes). 0 for an id out of range. The piece may be part of
+ * a UTF-8 sequence; no leading-space stripping (see td_detok for that). */
+size_t td_tokenizer_token_to_piece(const td_tokenizer *tok, int32_t id, bool skip_special,
+                                   char *buf, size_t cap);
+
 /* Incremental detokenizer for streaming: push one token at a time and get
  * back only complete UTF-8 sequences; incomplete tails are held until the
  * next token completes them (or td_detok_flush emits them as U+FFFD).

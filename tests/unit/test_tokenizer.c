@@ -301,6 +301,16 @@ static void check_smollm2_meta(td_tokenizer *tok) {
     assert_false(td_tokenizer_is_eog(tok, -1));
     assert_false(td_tokenizer_is_eog(tok, td_tokenizer_n_vocab(tok)));
     assert_true(td_tokenizer_is_special(tok, im_start));
+    /* byte-level pieces map the GPT-2 characters back to bytes ("Ġ" -> ' ') */
+    int32_t *w;
+    size_t nw;
+    char piece[32];
+    assert_int_equal(td_tokenizer_encode(tok, " the", 4, false, false, &w, &nw), TD_OK);
+    assert_int_equal(nw, 1);
+    assert_string_equal(td_tokenizer_token_text(tok, w[0]), "\xC4\xA0the");
+    assert_int_equal(td_tokenizer_token_to_piece(tok, w[0], false, piece, sizeof(piece)), 4);
+    assert_memory_equal(piece, " the", 4);
+    free(w);
     assert_int_equal(td_tokenizer_eos(tok), im_end);
     size_t n;
     const int32_t *e = td_tokenizer_eog_ids(tok, &n);
@@ -359,6 +369,28 @@ static void test_spm_metadata(void **state) {
         assert_int_equal(l, 3);
         assert_memory_equal(s, "\xE4\xB8\xAD", 3);
         free(s);
+        /* pieces: a byte token is its byte; "▁" pieces give spaces */
+        char piece[16];
+        assert_int_equal(td_tokenizer_token_to_piece(tok, 3 + 0x41, false, piece, sizeof(piece)),
+                         1);
+        assert_int_equal(piece[0], 'A');
+        assert_int_equal(td_tokenizer_token_to_piece(tok, 3 + 0xE4, false, piece, sizeof(piece)),
+                         1);
+        assert_int_equal((unsigned char)piece[0], 0xE4);
+        int32_t *w;
+        size_t nw;
+        assert_int_equal(td_tokenizer_encode(tok, "License", 7, false, false, &w, &nw), TD_OK);
+        assert_int_equal(nw, 1); /* "▁License" is in the vocabulary (trained on licences) */
+        assert_int_equal(td_tokenizer_token_to_piece(tok, w[0], false, piece, sizeof(piece)), 8);
+        assert_memory_equal(piece, " License", 8);
+        assert_int_equal(td_tokenizer_token_to_piece(tok, w[0], false, piece, 3), 8); /* cut */
+        assert_memory_equal(piece, " Li", 3);
+        free(w);
+        assert_int_equal(td_tokenizer_token_to_piece(tok, td_tokenizer_bos(tok), true, piece, 16),
+                         0);
+        assert_int_equal(td_tokenizer_token_to_piece(tok, td_tokenizer_bos(tok), false, piece, 16),
+                         3);
+        assert_int_equal(td_tokenizer_token_to_piece(tok, -1, false, piece, 16), 0);
         /* streaming holds the partial sequence back until it completes */
         td_detok d;
         char out[64];
