@@ -124,10 +124,9 @@ static td_status parse_pretok(td_tokenizer *tok, json_t *p, const char *path) {
     if (strcmp(type, "Split") == 0) return parse_split(tok, p, path);
     if (strcmp(type, "ByteLevel") == 0) {
         tok->byte_level = true;
-        if (jbool(p, "add_prefix_space", false)) {
-            tok->prefix = TD_PREFIX_ALWAYS;
-            tok->prefix_unless_space = true;
-        }
+        td_status st;
+        /* a space before every piece that lacks one, then the GPT-2 regex */
+        if (jbool(p, "add_prefix_space", false) && (st = td_tok_add_prefix_step(tok))) return st;
         if (jbool(p, "use_regex", true))
             return td_tok_add_pretok(tok, RE_BYTELEVEL, TD_SPLIT_ISOLATED, false);
         return TD_OK;
@@ -135,7 +134,14 @@ static td_status parse_pretok(td_tokenizer *tok, json_t *p, const char *path) {
     if (strcmp(type, "Digits") == 0)
         return td_tok_add_pretok(tok, jbool(p, "individual_digits", false) ? "\\p{N}" : "\\p{N}+",
                                  TD_SPLIT_ISOLATED, false);
-    if (strcmp(type, "Metaspace") == 0) return parse_metaspace(tok, p, path);
+    if (strcmp(type, "Metaspace") == 0) {
+        /* applied to whole text fragments before any other step */
+        if (tok->n_pretok > 0) {
+            TD_LOG_ERROR("%s: Metaspace after another pre-tokenizer is unsupported", path);
+            return TD_ERR_UNSUPPORTED;
+        }
+        return parse_metaspace(tok, p, path);
+    }
     if (strcmp(type, "WhitespaceSplit") == 0)
         return td_tok_add_pretok(tok, "\\s+", TD_SPLIT_REMOVED, false);
     if (strcmp(type, "Whitespace") == 0) /* keep the matches, drop the rest */

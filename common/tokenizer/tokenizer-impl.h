@@ -51,7 +51,8 @@ typedef enum {
 } td_split_behavior;
 
 typedef struct {
-    pcre2_code *re;
+    pcre2_code *re; /* NULL: the step prepends ' ' to every piece not starting
+                     * with one (HF ByteLevel add_prefix_space) */
     td_split_behavior behavior;
     bool invert; /* pieces are the matches' complement (HF Split invert) */
 } td_pretok_step;
@@ -129,6 +130,8 @@ td_status td_tok_set_token(td_tokenizer *tok, int32_t id, const char *s, size_t 
 /* Compiles a pre-tokenizer regex (UTF + UCP, invalid UTF-8 tolerated). */
 td_status td_tok_add_pretok(td_tokenizer *tok, const char *pattern, td_split_behavior behavior,
                             bool invert);
+/* Adds a step that prepends ' ' to every piece that does not start with one. */
+td_status td_tok_add_prefix_step(td_tokenizer *tok);
 /* Builds the vocabulary map; must come before td_tok_add_merge. */
 td_status td_tok_build_vocab(td_tokenizer *tok);
 /* Adds merge (a, b) with the next rank; *skipped_p set if a part or the

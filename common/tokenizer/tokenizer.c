@@ -328,6 +328,14 @@ td_status td_tok_add_pretok(td_tokenizer *tok, const char *pattern, td_split_beh
     return TD_OK;
 }
 
+td_status td_tok_add_prefix_step(td_tokenizer *tok) {
+    td_pretok_step *p = realloc(tok->pretok, (tok->n_pretok + 1) * sizeof(*p));
+    if (!p) return TD_ERR_NOMEM;
+    tok->pretok = p;
+    p[tok->n_pretok++] = (td_pretok_step){NULL, TD_SPLIT_ISOLATED, false};
+    return TD_OK;
+}
+
 td_status td_tok_build_vocab(td_tokenizer *tok) { return str_map_build(tok); }
 
 static int special_cmp(const void *a, const void *b, void *arg) {
@@ -756,6 +764,28 @@ static td_status normalize_fragment(const td_tokenizer *tok, const char *s, size
     return TD_OK;
 }
 
+/* Rebuilds buf so that every piece in r starts with ' '. */
+static td_status prefix_pieces(char **buf_p, size_t *blen_p, range_vec *r) {
+    size_t cap;
+    if (td_add_overflow(*blen_p, r->n + 1, &cap)) return TD_ERR_NOMEM;
+    char *nb = malloc(cap), *b = *buf_p;
+    if (!nb) return TD_ERR_NOMEM;
+    size_t o = 0;
+    for (size_t i = 0; i < r->n; i++) {
+        size_t off = r->v[2 * i], len = r->v[2 * i + 1], start = o;
+        if (b[off] != ' ') nb[o++] = ' ';
+        memcpy(nb + o, b + off, len);
+        o += len;
+        r->v[2 * i] = start;
+        r->v[2 * i + 1] = o - start;
+    }
+    nb[o] = 0;
+    free(b);
+    *buf_p = nb;
+    *blen_p = o;
+    return TD_OK;
+}
+
 static td_status encode_fragment(const td_tokenizer *tok, const char *s, size_t n, bool add_prefix,
                                  td_ivec *out) {
     char *buf = NULL, *nfc = NULL;
@@ -774,6 +804,10 @@ static td_status encode_fragment(const td_tokenizer *tok, const char *s, size_t 
     if (st) return st;
     if ((st = range_push(&a, 0, blen))) goto out;
     for (size_t k = 0; k < tok->n_pretok; k++) {
+        if (!tok->pretok[k].re) {
+            if ((st = prefix_pieces(&buf, &blen, &a))) goto out;
+            continue;
+        }
         if (!md) {
             md = pcre2_match_data_create(1, NULL);
             if (!md) {

@@ -363,6 +363,46 @@ def train_bytelevel(name, spec):
     w.close()
 
 
+# HF pre-tokenizer components Tandem supports beyond the models' own layouts,
+# on the llama3-tiny vocabulary: every Split behaviour, invert, String
+# patterns, Digits, WhitespaceSplit, Whitespace, ByteLevel add_prefix_space.
+SPLIT_VARIANTS = {
+    "split-a": [
+        {"type": "Split", "pattern": {"String": "-"}, "behavior": "MergedWithNext", "invert": False},
+        {"type": "Split", "pattern": {"String": ","}, "behavior": "Removed", "invert": False},
+        {"type": "Split", "pattern": {"Regex": "\\s+"}, "behavior": "MergedWithPrevious",
+         "invert": False},
+        {"type": "Digits", "individual_digits": False},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+    ],
+    "split-b": [
+        {"type": "WhitespaceSplit"},
+        {"type": "Split", "pattern": {"Regex": "[aeiou]"}, "behavior": "Contiguous",
+         "invert": False},
+        {"type": "Split", "pattern": {"Regex": "t+"}, "behavior": "MergedWithPrevious",
+         "invert": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+    ],
+    "split-c": [
+        {"type": "Whitespace"},
+        {"type": "Split", "pattern": {"String": "."}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+    ],
+}
+
+
+def write_split_variants():
+    base = json.load(open(os.path.join(VOCABS, "llama3-tiny", "tokenizer.json"), encoding="utf-8"))
+    for name, steps in SPLIT_VARIANTS.items():
+        tj = dict(base)
+        tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": steps}
+        tj["model"] = dict(base["model"], ignore_merges=False)
+        d = os.path.join(VOCABS, name)
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as fp:
+            json.dump(tj, fp, ensure_ascii=False)
+
+
 def write_spm_gguf(tj, path, add_space_prefix=True):
     import gguf
     import numpy as np
@@ -659,11 +699,14 @@ def main():
         for name, spec in BYTELEVEL_VOCABS.items():
             train_bytelevel(name, spec)
         write_pre_variants()
+        write_split_variants()
         write_corrupt()
     if a.goldens:
         goldens_hf(os.path.join(VOCABS, "smollm2"), "smollm2-hf")
         goldens_hf(os.path.join(VOCABS, "spm-tiny"), "spm-tiny-hf")
         goldens_hf(os.path.join(VOCABS, "spm-tiny-metaspace"), "spm-tiny-metaspace-hf")
+        for name in SPLIT_VARIANTS:
+            goldens_hf(os.path.join(VOCABS, name), name + "-hf")
         for name in BYTELEVEL_VOCABS:
             goldens_hf(os.path.join(VOCABS, name), name + "-hf")
         try:
