@@ -295,22 +295,16 @@ static td_status set_merges(td_tokenizer *tok, json_t *merges, const char *path)
     return TD_OK;
 }
 
-td_status td_tokenizer_from_hf_dir(const char *dir, td_tokenizer **tok_p) {
-    if (!dir || !tok_p) return TD_ERR_INVALID;
-    char path[4096], cpath[4096];
-    if ((size_t)snprintf(path, sizeof(path), "%s/tokenizer.json", dir) >= sizeof(path) ||
-        (size_t)snprintf(cpath, sizeof(cpath), "%s/tokenizer_config.json", dir) >= sizeof(cpath))
-        return TD_ERR_INVALID;
-    json_t *root = NULL, *cfg = NULL;
+/* Builds from parsed tokenizer.json (root) and tokenizer_config.json (cfg,
+ * may be NULL); takes ownership of both. `path` names them in errors. */
+static td_status from_json(json_t *root, json_t *cfg, const char *path, td_tokenizer **tok_p) {
     td_tokenizer *tok = NULL;
-    td_status st = load_json(path, &root, false);
-    if (st) return st;
-    st = load_json(cpath, &cfg, true);
-    if (st == TD_ERR_NOT_FOUND)
-        cfg = NULL;
-    else if (st)
+    td_status st;
+    if (!json_is_object(root) || (cfg && !json_is_object(cfg))) {
+        TD_LOG_ERROR("%s: not a JSON object", path);
+        st = TD_ERR_FORMAT;
         goto fail;
-
+    }
     tok = td_tok_alloc();
     if (!tok) {
         st = TD_ERR_NOMEM;
@@ -452,4 +446,40 @@ fail:
     json_decref(root);
     json_decref(cfg);
     return st;
+}
+
+td_status td_tokenizer_from_hf_dir(const char *dir, td_tokenizer **tok_p) {
+    if (!dir || !tok_p) return TD_ERR_INVALID;
+    char path[4096], cpath[4096];
+    if ((size_t)snprintf(path, sizeof(path), "%s/tokenizer.json", dir) >= sizeof(path) ||
+        (size_t)snprintf(cpath, sizeof(cpath), "%s/tokenizer_config.json", dir) >= sizeof(cpath))
+        return TD_ERR_INVALID;
+    json_t *root = NULL, *cfg = NULL;
+    td_status st = load_json(path, &root, false);
+    if (st) return st;
+    st = load_json(cpath, &cfg, true);
+    if (st == TD_ERR_NOT_FOUND) {
+        cfg = NULL;
+    } else if (st) {
+        json_decref(root);
+        return st;
+    }
+    return from_json(root, cfg, path, tok_p);
+}
+
+td_status td_tok_from_hf_json(const char *tok_json, size_t len, const char *cfg_json,
+                              size_t cfg_len, const char *name, td_tokenizer **tok_p) {
+    if (!tok_json || !tok_p || !name) return TD_ERR_INVALID;
+    json_error_t err;
+    json_t *root = json_loadb(tok_json, len, JSON_DECODE_ANY, &err), *cfg = NULL;
+    if (!root) {
+        TD_LOG_ERROR("%s:%d: %s", name, err.line, err.text);
+        return TD_ERR_FORMAT;
+    }
+    if (cfg_json && !(cfg = json_loadb(cfg_json, cfg_len, JSON_DECODE_ANY, &err))) {
+        TD_LOG_ERROR("%s (config):%d: %s", name, err.line, err.text);
+        json_decref(root);
+        return TD_ERR_FORMAT;
+    }
+    return from_json(root, cfg, name, tok_p);
 }

@@ -144,6 +144,11 @@ td_status td_tok_finish(td_tokenizer *tok, const char *src);
 
 int32_t td_tok_find(const td_tokenizer *tok, const char *s, size_t len); /* -1 if absent */
 
+/* tokenizer.json (and optionally tokenizer_config.json) from memory; `name`
+ * is used in error messages (fuzzing, tests). */
+td_status td_tok_from_hf_json(const char *tok_json, size_t len, const char *cfg_json,
+                              size_t cfg_len, const char *name, td_tokenizer **tok_p);
+
 /* ---- shared helpers ---- */
 /* Length of the valid UTF-8 sequence starting at s, 1 for an invalid byte, 0 if n == 0. */
 size_t td_utf8_len(const unsigned char *s, size_t n);

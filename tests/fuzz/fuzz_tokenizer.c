@@ -6,7 +6,9 @@
  * small byte-level BPE vocabulary constructed here. Each input picks a
  * tokenizer and flags with its first byte and is then encoded, decoded and
  * streamed through the detokenizer; the same bytes are also read as token
- * ids (mostly out of range) and as chat messages. */
+ * ids (mostly out of range) and as chat messages. Inputs whose first byte
+ * is 0xF0..0xFF are tokenizer.json (+ NUL + tokenizer_config.json) text
+ * instead. */
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -123,11 +125,40 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 
 static volatile uint8_t g_sink;
 
+/* The input as tokenizer.json, optionally followed by a NUL and a
+ * tokenizer_config.json; a tokenizer that loads then encodes and decodes. */
+static void fuzz_hf_json(const char *s, size_t n) {
+    const char *nul = memchr(s, 0, n);
+    size_t tl = nul ? (size_t)(nul - s) : n;
+    td_tokenizer *tok = NULL;
+    if (td_tok_from_hf_json(s, tl, nul ? nul + 1 : NULL, nul ? n - tl - 1 : 0, "fuzz.json", &tok) !=
+        TD_OK)
+        return;
+    static const char sample[] = "<s>Hello  w\xC3\xB6rld 123\t\xE4\xB8\xAD\xF0\x9F\x99\x82 "
+                                 "\xFF\x80<|im_end|>e\xCC\x81";
+    int32_t *ids = NULL;
+    size_t nt = 0;
+    if (td_tokenizer_encode(tok, sample, sizeof(sample) - 1, true, true, &ids, &nt) == TD_OK) {
+        for (size_t i = 0; i < nt; i++)
+            if (ids[i] < 0 || ids[i] >= td_tokenizer_n_vocab(tok)) abort();
+        char *back = NULL;
+        size_t bl = 0;
+        if (td_tokenizer_decode(tok, ids, nt, false, &back, &bl) != TD_OK) abort();
+        free(back);
+        free(ids);
+    }
+    td_tokenizer_free(tok);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size == 0) return 0;
     uint8_t sel = data[0];
     const char *text = (const char *)data + 1;
     size_t len = size - 1;
+    if ((sel & 0xF0) == 0xF0) {
+        fuzz_hf_json(text, len);
+        return 0;
+    }
     const td_tokenizer *tok = g_tok[(sel & 3) % g_ntok];
     bool add_special = sel & 4, parse_special = sel & 8, skip_special = sel & 16;
 

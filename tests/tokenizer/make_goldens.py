@@ -678,6 +678,40 @@ def write_fuzz_seeds():
     for i, text in enumerate(seeds):
         with open(os.path.join(d, "seed%02d" % i), "wb") as fp:
             fp.write(bytes([(i * 37) & 0xFF]) + text.encode("utf-8"))
+    # small tokenizer.json files (selector 0xF0..0xFF)
+    bl = {"type": "BPE", "vocab": {c: i + 3 for i, c in enumerate("\u0120abcdehlorw12")},
+          "merges": ["h e", "l l", "he ll", "\u0120 w", ["o", "r"]], "ignore_merges": True}
+    bl["vocab"].update({"hell": 20, "he": 21, "ll": 22, "\u0120w": 23, "or": 24})
+    jsons = [
+        {"added_tokens": [{"id": 0, "content": "<s>", "special": True},
+                          {"id": 1, "content": "<|im_end|>", "special": True, "rstrip": True},
+                          {"id": 2, "content": "user", "special": False, "lstrip": True}],
+         "normalizer": {"type": "Sequence", "normalizers": [{"type": "NFC"}]},
+         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+             {"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}"}, "behavior": "Isolated",
+              "invert": False},
+             {"type": "Digits", "individual_digits": True},
+             {"type": "ByteLevel", "add_prefix_space": True, "use_regex": True}]},
+         "post_processor": {"type": "TemplateProcessing",
+                            "single": [{"SpecialToken": {"id": "<s>"}}, {"Sequence": {"id": "A"}}]},
+         "decoder": {"type": "ByteLevel"}, "model": bl},
+        {"added_tokens": [{"id": 0, "content": "<unk>", "special": True},
+                          {"id": 1, "content": "<s>", "special": True}],
+         "normalizer": {"type": "Sequence", "normalizers": [
+             {"type": "Prepend", "prepend": "\u2581"},
+             {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]},
+         "pre_tokenizer": None,
+         "decoder": {"type": "Sequence", "decoders": [
+             {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+         "model": {"type": "BPE", "byte_fallback": True, "fuse_unk": True, "unk_token": "<unk>",
+                   "vocab": dict({"<unk>": 0, "<s>": 1, "\u2581": 2, "a": 3, "\u2581a": 4},
+                                 **{"<0x%02X>" % b: 5 + b for b in range(256)}),
+                   "merges": [["\u2581", "a"]]}},
+    ]
+    for i, j in enumerate(jsons):
+        cfg = {"bos_token": "<s>", "add_bos_token": i == 1, "chat_template": "{{ x }}"}
+        with open(os.path.join(d, "json%d" % i), "wb") as fp:
+            fp.write(b"\xf0" + json.dumps(j).encode() + b"\x00" + json.dumps(cfg).encode())
     for i, raw in enumerate([b"\x80\xbf\xc3", b"\xf0\x9f\x98", b"\xed\xa0\x80 x \xff"]):
         with open(os.path.join(d, "invalid%d" % i), "wb") as fp:
             fp.write(bytes([i * 5]) + raw)
