@@ -363,6 +363,15 @@ static td_status from_json(json_t *root, json_t *cfg, const char *path, td_token
         st = TD_ERR_FORMAT;
         goto fail;
     }
+    /* ids are dense in real files; a few holes are tolerated, a huge
+     * mostly-empty id space (a lying file) is not */
+    size_t entries = json_object_size(vocab) + json_array_size(added);
+    if ((size_t)max_id >= entries + 4096) {
+        TD_LOG_ERROR("%s: token id %lld with only %zu tokens: ids are not dense", path,
+                     (long long)max_id, entries);
+        st = TD_ERR_FORMAT;
+        goto fail;
+    }
     if ((st = td_tok_set_n_vocab(tok, (int32_t)max_id + 1))) goto fail;
     tok->model = TD_TOK_MODEL_BPE;
     tok->byte_fallback = jbool(model, "byte_fallback", false);

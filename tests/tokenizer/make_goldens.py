@@ -504,7 +504,9 @@ def write_corrupt():
 
     for name, text in [("bad-json-syntax", '{"model": {"type": "BPE", '),
                        ("bad-json-model", '{"model": {"type": "WordPiece", "vocab": {"a": 0}}}'),
-                       ("bad-json-ids", '{"model": {"type": "BPE", "vocab": {"a": -5}, "merges": []}}')]:
+                       ("bad-json-ids", '{"model": {"type": "BPE", "vocab": {"a": -5}, "merges": []}}'),
+                       ("bad-json-sparse", '{"model": {"type": "BPE", "vocab": {"a": 16000000}}}'),
+                       ("bad-json-merge", '{"model": {"type": "BPE", "vocab": {"a": 0}, "merges": [7]}}')]:
         os.makedirs(os.path.join(d, name), exist_ok=True)
         with open(os.path.join(d, name, "tokenizer.json"), "w") as fp:
             fp.write(text)

@@ -675,7 +675,8 @@ static void test_corrupt_vocabs(void **state) {
         assert_null(tok);
         td_gguf_close(g);
     }
-    static const char *bad_json[] = {"bad-json-syntax", "bad-json-model", "bad-json-ids"};
+    static const char *bad_json[] = {"bad-json-syntax", "bad-json-model", "bad-json-ids",
+                                     "bad-json-sparse", "bad-json-merge"};
     for (size_t i = 0; i < TD_ARRAY_SIZE(bad_json); i++) {
         char path[4200];
         snprintf(path, sizeof(path), "%s/vocabs/corrupt/%s", g_dir, bad_json[i]);
