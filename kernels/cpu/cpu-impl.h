@@ -13,12 +13,20 @@
  *   float   s[nb]     d * sum(qs of the block)   (the Q4_1 min term)
  *   int32_t sum[nb]   sum(qs of the block)        (the Q4_0 offset term)
  *   pad to 64 bytes
- *   int8_t  qs[nb*32] q = round_half_even(x / d), natural element order
- * The whole row is padded to a multiple of 64 bytes. Splitting scales from
- * quants keeps two blocks of quants in one 64-byte load. */
+ *   int8_t  qs[]      q = round_half_even(x / d), in groups of four blocks:
+ *                     group g (blocks 4g..4g+3) is 128 bytes, elements 0-15
+ *                     of its four blocks then elements 16-31 of the four
+ *                     (td_q8x_pos); a partial last group is zero-padded.
+ * The group layout matches the nibble layout of Q4 weights (low nibbles =
+ * elements 0-15, high = 16-31), so one vpdpbusd pair covers four blocks
+ * with no shuffles. */
 static inline size_t td_q8x_head_bytes(int64_t nb) { return ((size_t)nb * 12 + 63) & ~(size_t)63; }
 static inline size_t td_q8x_row_bytes(int64_t nb) {
-    return td_q8x_head_bytes(nb) + (((size_t)nb * 32 + 63) & ~(size_t)63);
+    return td_q8x_head_bytes(nb) + (((size_t)nb * 32 + 127) & ~(size_t)127);
+}
+/* Byte offset of element j (0..31) of block b in the qs region. */
+static inline size_t td_q8x_pos(int64_t b, int j) {
+    return (size_t)(b / 4) * 128 + (size_t)(j / 16) * 64 + (size_t)(b % 4) * 16 + (size_t)(j % 16);
 }
 static inline const float *td_q8x_d(const void *row) { return (const float *)row; }
 static inline const float *td_q8x_s(const void *row, int64_t nb) { return (const float *)row + nb; }

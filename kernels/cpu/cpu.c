@@ -253,7 +253,8 @@ void td_cpu_act_quant_scalar(td_dtype wtype, const float *x, void *xq, int64_t k
     int8_t *qs = (int8_t *)xq + td_q8x_head_bytes(nb);
     /* header padding and row padding are zeroed so rows are fully defined */
     memset((char *)xq + nb * 12, 0, td_q8x_head_bytes(nb) - (size_t)nb * 12);
-    memset(qs + nb * 32, 0, td_q8x_row_bytes(nb) - td_q8x_head_bytes(nb) - (size_t)nb * 32);
+    memset(qs + (nb / 4) * 128, 0,
+           td_q8x_row_bytes(nb) - td_q8x_head_bytes(nb) - (size_t)(nb / 4) * 128);
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * 32;
         float amax = 0.0f;
@@ -263,7 +264,7 @@ void td_cpu_act_quant_scalar(td_dtype wtype, const float *x, void *xq, int64_t k
         int32_t acc = 0;
         for (int j = 0; j < 32; j++) {
             int q = (int)nearbyintf(xb[j] * id); /* round half to even, like cvtps2dq */
-            qs[b * 32 + j] = (int8_t)q;
+            qs[td_q8x_pos(b, j)] = (int8_t)q;
             acc += q;
         }
         d[b] = db;

@@ -98,7 +98,8 @@ AI void tile_quant(const td_dtype WT, const int R, const int T, const char *w, s
         }
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xqs[t] + b * 32));
+            __m256i xv = _mm256_loadu2_m128i((const __m128i *)(xqs[t] + td_q8x_pos(b, 16)),
+                                             (const __m128i *)(xqs[t] + td_q8x_pos(b, 0)));
             __m256 dx = _mm256_set1_ps(xd[t][b]);
             __m256i init = _mm256_setzero_si256();
             __m256 sx = _mm256_setzero_ps();

@@ -77,86 +77,182 @@ AI __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* ---------------- quantized matmul ---------------- */
+/* ---------------- quantized matmul ----------------
+ *
+ * A "step" covers four 32-element blocks b..b+3 of a (row, token) pair. The
+ * activation row stores elements 0-15 of the four blocks in one 64-byte
+ * vector (xa) and elements 16-31 in the next (xb), the same split as Q4
+ * nibbles, so with wa/wb the matching unsigned weight bytes
+ *   p   = vpdpbusd(vpdpbusd(seed, wa, xa), wb, xb)   lanes 4i..4i+3: block b+i
+ *   acc = fma(cvt(p), dw * dx, acc)                  dw, dx laid out alike
+ * Q4_0 (q - 8) and Q8_0 (w + 128, to make it unsigned) fold their offset in
+ * the integer seed (-8 or -128 times sum(q_x), in lane 4i). Q4_1 adds, per
+ * 16 blocks, macc = fma(m_w, d_x * sum(q_x), macc); y = hsum(acc + macc).
+ * Blocks past nb have zero weights and zero scales. */
 
 #define TR_MAX 4 /* max rows per tile */
 #define TT_MAX 4 /* max tokens per tile */
 #define QR     TR_MAX
 #define QT     TT_MAX
+#ifndef QTILE_R /* tile used for full tiles; -D to experiment */
+#define QTILE_R 4
+#define QTILE_T 3
+#endif
 
-/* Two Q4 blocks' 16-byte nibble arrays -> 64 bytes 0..15 in element order. */
-AI __m512i unpack_q4x2(const uint8_t *qs0, const uint8_t *qs1, __mmask16 m1) {
-    __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)qs0));
-    z = _mm512_mask_broadcast_i32x4(z, m1, _mm_loadu_si128((const __m128i *)qs1));
-    z = _mm512_srlv_epi64(z, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0));
-    return _mm512_and_si512(z, _mm512_set1_epi8(0x0f));
-}
+/* lane j of a step -> block offset j / 4 */
+#define IDX_STEP _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
 
-/* One step (blocks b, b+1; `two` false for a lone last block) of one row:
- * w: unsigned weight bytes, dw: d per lane (0 for a missing block); for
- * Q4_1 the two mins go to m2[0..1]. */
-AI void load_w_step(const td_dtype WT, const char *wrow, int64_t b, int two, __m512i *wv,
-                    __m512 *dw, float *m2) {
-    const __m512i idx2 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    uint32_t dd;
+/* One step of one weight row: blocks b..b+3 (n valid, 1..4): wa = elements
+ * 0-15 of each block, wb = elements 16-31, unsigned. Q4_1 mins go to
+ * m4[0..4). */
+AI void load_w_step_full(const td_dtype WT, const char *wrow, int64_t b, __m512i *wa, __m512i *wb,
+                         __m512 *dw, float *m4) {
     if (WT == TD_TYPE_Q8_0) {
-        const td_block_q8_0 *b0 = (const td_block_q8_0 *)wrow + b;
-        __m256i lo = _mm256_loadu_si256((const __m256i *)b0->qs);
-        __m256i hi = two ? _mm256_loadu_si256((const __m256i *)b0[1].qs) : _mm256_set1_epi8(-128);
-        *wv = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
-                               _mm512_set1_epi8(-128));
-        dd = (uint32_t)b0->d | (two ? (uint32_t)b0[1].d << 16 : 0);
-    } else if (WT == TD_TYPE_Q4_0) {
-        const td_block_q4_0 *b0 = (const td_block_q4_0 *)wrow + b;
-        *wv = two ? unpack_q4x2(b0->qs, b0[1].qs, 0xff00)
-                  : _mm512_maskz_mov_epi32(0x00ff, unpack_q4x2(b0->qs, b0->qs, 0));
-        dd = (uint32_t)b0->d | (two ? (uint32_t)b0[1].d << 16 : 0);
-    } else {
-        const td_block_q4_1 *b0 = (const td_block_q4_1 *)wrow + b;
-        *wv = two ? unpack_q4x2(b0->qs, b0[1].qs, 0xff00)
-                  : _mm512_maskz_mov_epi32(0x00ff, unpack_q4x2(b0->qs, b0->qs, 0));
-        uint32_t dm0, dm1 = 0;
-        memcpy(&dm0, &b0->d, 4); /* d, m adjacent */
-        if (two) memcpy(&dm1, &b0[1].d, 4);
-        __m128 v = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)dm0), (int)dm1, 1));
-        /* v = D0 M0 D1 M1 */
-        *dw =
-            _mm512_permutexvar_ps(_mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),
-                                  _mm512_castps128_ps512(v));
-        _mm_storel_pi((__m64 *)m2, _mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 1, 3, 1)));
+        const td_block_q8_0 *bl = (const td_block_q8_0 *)wrow + b;
+        __m512i lo = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)bl[0].qs));
+        __m512i hi = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(bl[0].qs + 16)));
+        lo = _mm512_inserti32x4(lo, _mm_loadu_si128((const __m128i *)bl[1].qs), 1);
+        hi = _mm512_inserti32x4(hi, _mm_loadu_si128((const __m128i *)(bl[1].qs + 16)), 1);
+        lo = _mm512_inserti32x4(lo, _mm_loadu_si128((const __m128i *)bl[2].qs), 2);
+        hi = _mm512_inserti32x4(hi, _mm_loadu_si128((const __m128i *)(bl[2].qs + 16)), 2);
+        lo = _mm512_inserti32x4(lo, _mm_loadu_si128((const __m128i *)bl[3].qs), 3);
+        hi = _mm512_inserti32x4(hi, _mm_loadu_si128((const __m128i *)(bl[3].qs + 16)), 3);
+        const __m512i sign = _mm512_set1_epi8(-128);
+        *wa = _mm512_xor_si512(lo, sign);
+        *wb = _mm512_xor_si512(hi, sign);
+        __m128i h = _mm_setr_epi16((short)bl[0].d, (short)bl[1].d, (short)bl[2].d, (short)bl[3].d,
+                                   0, 0, 0, 0);
+        *dw = _mm512_permutexvar_ps(IDX_STEP, _mm512_castps128_ps512(_mm_cvtph_ps(h)));
         return;
     }
-    *dw = _mm512_permutexvar_ps(idx2,
-                                _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd))));
+    const size_t bs = WT == TD_TYPE_Q4_0 ? sizeof(td_block_q4_0) : sizeof(td_block_q4_1);
+    const size_t qo =
+        WT == TD_TYPE_Q4_0 ? offsetof(td_block_q4_0, qs) : offsetof(td_block_q4_1, qs);
+    const char *p0 = wrow + (size_t)b * bs;
+    __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p0 + qo)));
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p0 + bs + qo)), 1);
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p0 + 2 * bs + qo)), 2);
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p0 + 3 * bs + qo)), 3);
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    *wa = _mm512_and_si512(z, nib);
+    *wb = _mm512_and_si512(_mm512_srli_epi16(z, 4), nib);
+    if (WT == TD_TYPE_Q4_1) {
+        uint32_t dm0, dm1, dm2, dm3; /* d, m adjacent */
+        memcpy(&dm0, p0, 4);
+        memcpy(&dm1, p0 + bs, 4);
+        memcpy(&dm2, p0 + 2 * bs, 4);
+        memcpy(&dm3, p0 + 3 * bs, 4);
+        __m256 v = _mm256_cvtph_ps(_mm_setr_epi32((int)dm0, (int)dm1, (int)dm2, (int)dm3));
+        *dw = _mm512_permutexvar_ps(_mm512_slli_epi32(IDX_STEP, 1), _mm512_castps256_ps512(v));
+        _mm_storeu_ps(m4, _mm256_castps256_ps128(_mm256_permutevar8x32_ps(
+                              v, _mm256_set_epi32(7, 5, 3, 1, 7, 5, 3, 1))));
+        return;
+    }
+    uint16_t d0, d1, d2, d3;
+    memcpy(&d0, p0, 2);
+    memcpy(&d1, p0 + bs, 2);
+    memcpy(&d2, p0 + 2 * bs, 2);
+    memcpy(&d3, p0 + 3 * bs, 2);
+    __m128i h = _mm_setr_epi16((short)d0, (short)d1, (short)d2, (short)d3, 0, 0, 0, 0);
+    *dw = _mm512_permutexvar_ps(IDX_STEP, _mm512_castps128_ps512(_mm_cvtph_ps(h)));
 }
 
-/* Weight rows of a tile unpacked once and reused by every token tile:
- * per row and step, 64 unsigned weight bytes and the 16-lane scale vector. */
-#define WBUF_STEPS 256  /* k up to 16384 */
+AI void load_w_step(const td_dtype WT, const char *wrow, int64_t b, int n, __m512i *wa, __m512i *wb,
+                    __m512 *dw, float *m4) {
+    if (n == 4) {
+        load_w_step_full(WT, wrow, b, wa, wb, dw, m4);
+        return;
+    }
+    const __mmask16 keep = (__mmask16)((1u << (4 * n)) - 1); /* 32-bit lanes of valid blocks */
+    if (WT == TD_TYPE_Q8_0) {
+        const td_block_q8_0 *bl = (const td_block_q8_0 *)wrow + b;
+        __m512i lo = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)bl[0].qs));
+        __m512i hi = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(bl[0].qs + 16)));
+        for (int i = 1; i < 4; i++) {
+            if (i >= n) break;
+            lo = _mm512_mask_broadcast_i32x4(lo, (__mmask16)(0xf << (4 * i)),
+                                             _mm_loadu_si128((const __m128i *)bl[i].qs));
+            hi = _mm512_mask_broadcast_i32x4(hi, (__mmask16)(0xf << (4 * i)),
+                                             _mm_loadu_si128((const __m128i *)(bl[i].qs + 16)));
+        }
+        const __m512i sign = _mm512_set1_epi8(-128);
+        *wa = _mm512_maskz_mov_epi32(keep, _mm512_xor_si512(lo, sign));
+        *wb = _mm512_maskz_mov_epi32(keep, _mm512_xor_si512(hi, sign));
+    } else {
+        const size_t bs = WT == TD_TYPE_Q4_0 ? sizeof(td_block_q4_0) : sizeof(td_block_q4_1);
+        const size_t qo =
+            WT == TD_TYPE_Q4_0 ? offsetof(td_block_q4_0, qs) : offsetof(td_block_q4_1, qs);
+        const char *p0 = wrow + (size_t)b * bs + qo;
+        __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p0));
+        for (int i = 1; i < 4; i++) {
+            if (i >= n) break;
+            z = _mm512_mask_broadcast_i32x4(z, (__mmask16)(0xf << (4 * i)),
+                                            _mm_loadu_si128((const __m128i *)(p0 + i * bs)));
+        }
+        const __m512i nib = _mm512_set1_epi8(0x0f);
+        *wa = _mm512_maskz_and_epi32(keep, z, nib);
+        *wb = _mm512_maskz_and_epi32(keep, _mm512_srli_epi16(z, 4), nib);
+    }
+    if (WT == TD_TYPE_Q4_1) {
+        const td_block_q4_1 *bl = (const td_block_q4_1 *)wrow + b;
+        uint32_t dm[4] = {0, 0, 0, 0};
+        for (int i = 0; i < 4; i++)
+            if (i < n) memcpy(&dm[i], &bl[i].d, 4);                       /* d, m adjacent */
+        __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dm)); /* D0 M0 .. D3 M3 */
+        *dw = _mm512_permutexvar_ps(_mm512_slli_epi32(IDX_STEP, 1), _mm512_castps256_ps512(v));
+        _mm_storeu_ps(m4, _mm256_castps256_ps128(_mm256_permutevar8x32_ps(
+                              v, _mm256_set_epi32(7, 5, 3, 1, 7, 5, 3, 1))));
+        return;
+    }
+    uint16_t d[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int i = 0; i < 4; i++)
+        if (i < n)
+            d[i] = WT == TD_TYPE_Q8_0 ? ((const td_block_q8_0 *)wrow)[b + i].d
+                                      : ((const td_block_q4_0 *)wrow)[b + i].d;
+    *dw = _mm512_permutexvar_ps(
+        IDX_STEP, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadu_si128((const __m128i *)d))));
+}
+
+/* One step of one token: dx laid out like dw, and the vpdpbusd seed
+ * (Q4_0: -8 * sum(q_x), Q8_0: -128 * sum(q_x), block i in lane 4i). */
+AI void load_x_step(const td_dtype WT, const float *xd, const int32_t *xsum, int64_t b, int n,
+                    __m512 *dx, __m512i *seed) {
+    const __mmask8 m = (__mmask8)((1u << n) - 1);
+    *dx = _mm512_permutexvar_ps(
+        IDX_STEP,
+        _mm512_castps128_ps512(n == 4 ? _mm_loadu_ps(xd + b) : _mm_maskz_loadu_ps(m, xd + b)));
+    if (WT == TD_TYPE_Q4_1) {
+        *seed = _mm512_setzero_si512();
+        return;
+    }
+    const int32_t c = WT == TD_TYPE_Q4_0 ? -8 : -128;
+    __m512i s4 = _mm512_castsi128_si512(_mm_mullo_epi32(
+        n == 4 ? _mm_loadu_si128((const __m128i *)(xsum + b)) : _mm_maskz_loadu_epi32(m, xsum + b),
+        _mm_set1_epi32(c)));
+    *seed = _mm512_maskz_permutexvar_epi32(0x1111, IDX_STEP, s4);
+}
+
+/* Weight rows of a tile unpacked once for all token tiles of a chunk, and
+ * the chunk's per-token step vectors made once for all row tiles. */
+#define WBUF_STEPS 64   /* buffered path for k up to 8192 */
+#define XBUF_VECS  1536 /* per-token step vectors of one token chunk (96 KiB) */
 #define MCHUNK     1024 /* blocks per chunk of the Q4_1 min term */
 typedef struct {
-    __m512i w[TR_MAX][WBUF_STEPS];
+    __m512i w[TR_MAX][WBUF_STEPS][2];
     __m512 d[TR_MAX][WBUF_STEPS];
-    float m[TR_MAX][2 * WBUF_STEPS];
+    float m[TR_MAX][4 * WBUF_STEPS];
 } wbuf;
 
-/* The tile kernel. A (row, token) pair's arithmetic, whatever the tile:
- *   per step s (blocks 2s, 2s+1): p = vpdpbusd(seed, w, x); f = cvt(p);
- *                                 acc = fma(f, dw * dx, acc)
- *   Q4_1: per 16 blocks, macc = fma(m, d_x * sum(q_x), macc)
- *   y = hsum(acc) (+ hsum(macc))
- * BUF only chooses where w, dw and m come from (unpacked now or before).
- * Blocks go in chunks of MCHUNK so the Q4_1 mins fit a stack array. */
 AI void tile_quant(const td_dtype WT, const int R, const int T, const int BUF, const char *w,
-                   size_t w_stride, const wbuf *wb, const char *xq, size_t xq_stride, int64_t nb,
-                   float *y, size_t ldy) {
+                   size_t w_stride, const wbuf *wb, const __m512 *xb, const char *xq,
+                   size_t xq_stride, int64_t nb, float *y, size_t ldy) {
+    const int NV = WT == TD_TYPE_Q4_1 ? 1 : 2; /* xb vectors per token-step */
+    const int64_t nsteps = (nb + 3) / 4;
     __m512 acc[QR][QT], macc[QR][QT];
     const float *xd[QT], *xs[QT];
     const int32_t *xsum[QT];
     const int8_t *xqs[QT];
     float mloc[BUF ? 1 : QR][BUF ? 1 : MCHUNK];
-    const __m512i idx2 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const int32_t seed = WT == TD_TYPE_Q4_0 ? -8 : -128;
 #pragma GCC unroll 8
     for (int t = 0; t < T; t++) {
         const char *row = xq + (size_t)t * xq_stride;
@@ -169,45 +265,42 @@ AI void tile_quant(const td_dtype WT, const int R, const int T, const int BUF, c
     }
     for (int64_t c0 = 0; c0 < nb; c0 += MCHUNK) {
         const int64_t c1 = nb - c0 < MCHUNK ? nb : c0 + MCHUNK;
-        for (int64_t b = c0; b < c1; b += 2) {
-            const int64_t s = b / 2;
-            const int two = b + 1 < nb;
-            __m512i wv[QR];
+        for (int64_t b = c0; b < c1; b += 4) {
+            const int64_t s = b / 4;
+            const int nv = nb - b < 4 ? (int)(nb - b) : 4;
+            __m512i wa[QR], wbv[QR];
             __m512 dw[QR];
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 if (BUF) {
-                    wv[r] = _mm512_load_si512(&wb->w[r][s]);
+                    wa[r] = _mm512_load_si512(&wb->w[r][s][0]);
+                    wbv[r] = _mm512_load_si512(&wb->w[r][s][1]);
                     dw[r] = _mm512_load_ps(&wb->d[r][s]);
                 } else {
-                    load_w_step(WT, w + (size_t)r * w_stride, b, two, &wv[r], &dw[r],
+                    load_w_step(WT, w + (size_t)r * w_stride, b, nv, &wa[r], &wbv[r], &dw[r],
                                 &mloc[BUF ? 0 : r][BUF ? 0 : b - c0]);
                 }
             }
 #pragma GCC unroll 8
             for (int t = 0; t < T; t++) {
-                /* the qs region is padded to 64 bytes with zeros, so a lone
-                 * last block reads zeros as its partner */
-                __m512i xv = _mm512_loadu_si512(xqs[t] + b * 32);
-                __m128 d2;
-                __m128i i2 = _mm_setzero_si128();
-                if (two) {
-                    d2 = _mm_castpd_ps(_mm_load_sd((const double *)(xd[t] + b)));
-                    if (WT != TD_TYPE_Q4_1) i2 = _mm_loadl_epi64((const __m128i *)(xsum[t] + b));
+                /* a partial last group of the qs region is zero-padded */
+                __m512i xa = _mm512_loadu_si512(xqs[t] + b * 32);
+                __m512i xbq = _mm512_loadu_si512(xqs[t] + b * 32 + 64);
+                __m512 dx;
+                __m512i seed;
+                if (BUF) {
+                    const __m512 *v = xb + ((size_t)t * nsteps + s) * NV;
+                    dx = v[0];
+                    seed = WT == TD_TYPE_Q4_1 ? _mm512_setzero_si512() : _mm512_castps_si512(v[1]);
                 } else {
-                    d2 = _mm_load_ss(xd[t] + b);
-                    if (WT != TD_TYPE_Q4_1) i2 = _mm_cvtsi32_si128(xsum[t][b]);
+                    load_x_step(WT, xd[t], xsum[t], b, nv, &dx, &seed);
                 }
-                __m512 dx = _mm512_permutexvar_ps(idx2, _mm512_castps128_ps512(d2));
-                __m512i init = _mm512_setzero_si512();
-                if (WT != TD_TYPE_Q4_1)
-                    init = _mm512_maskz_expand_epi32(
-                        0x0101, _mm512_castsi128_si512(_mm_mullo_epi32(i2, _mm_set1_epi32(seed))));
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
-                    __m512i p = _mm512_dpbusd_epi32(init, wv[r], xv);
-                    __m512 f = _mm512_cvtepi32_ps(p);
-                    acc[r][t] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw[r], dx), acc[r][t]);
+                    __m512i p = _mm512_dpbusd_epi32(seed, wa[r], xa);
+                    p = _mm512_dpbusd_epi32(p, wbv[r], xbq);
+                    acc[r][t] =
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[r], dx), acc[r][t]);
                 }
             }
         }
@@ -238,31 +331,36 @@ AI void tile_quant(const td_dtype WT, const int R, const int T, const int BUF, c
 
 static void wbuf_fill(const td_dtype wt, const char *w, size_t w_stride, int rows, int64_t nb,
                       wbuf *wb) {
-    for (int r = 0; r < rows; r++)
-        for (int64_t s = 0; s < (nb + 1) / 2; s++) {
-            __m512i wv;
+    for (int r = 0; r < rows; r++) {
+        const char *wr = w + (size_t)r * w_stride;
+        for (int64_t b = 0; b < nb; b += 4) {
+            const int64_t s = b / 4;
+            const int n = nb - b < 4 ? (int)(nb - b) : 4;
+            __m512i wa, wbv;
             __m512 dw;
-            const char *wr = w + (size_t)r * w_stride;
             if (wt == TD_TYPE_Q8_0)
-                load_w_step(TD_TYPE_Q8_0, wr, 2 * s, 2 * s + 1 < nb, &wv, &dw, &wb->m[r][2 * s]);
+                load_w_step(TD_TYPE_Q8_0, wr, b, n, &wa, &wbv, &dw, &wb->m[r][b]);
             else if (wt == TD_TYPE_Q4_0)
-                load_w_step(TD_TYPE_Q4_0, wr, 2 * s, 2 * s + 1 < nb, &wv, &dw, &wb->m[r][2 * s]);
+                load_w_step(TD_TYPE_Q4_0, wr, b, n, &wa, &wbv, &dw, &wb->m[r][b]);
             else
-                load_w_step(TD_TYPE_Q4_1, wr, 2 * s, 2 * s + 1 < nb, &wv, &dw, &wb->m[r][2 * s]);
-            _mm512_store_si512(&wb->w[r][s], wv);
+                load_w_step(TD_TYPE_Q4_1, wr, b, n, &wa, &wbv, &dw, &wb->m[r][b]);
+            _mm512_store_si512(&wb->w[r][s][0], wa);
+            _mm512_store_si512(&wb->w[r][s][1], wbv);
             _mm512_store_ps(&wb->d[r][s], dw);
         }
+    }
 }
 
 typedef void (*tile_fn)(const char *w, size_t w_stride, const char *xq, size_t xq_stride,
                         int64_t nb, float *y, size_t ldy);
-typedef void (*qtile_fn)(const char *w, size_t w_stride, const wbuf *wb, const char *xq,
-                         size_t xq_stride, int64_t nb, float *y, size_t ldy);
+typedef void (*qtile_fn)(const char *w, size_t w_stride, const wbuf *wb, const __m512 *xb,
+                         const char *xq, size_t xq_stride, int64_t nb, float *y, size_t ldy);
 
 #define DEF_QTILE(NAME, WT, BUF, R, T)                                                             \
-    static void NAME##_##BUF##_##R##_##T(const char *w, size_t ws, const wbuf *wb, const char *xq, \
-                                         size_t xs, int64_t nb, float *y, size_t ldy) {            \
-        tile_quant(WT, R, T, BUF, w, ws, wb, xq, xs, nb, y, ldy);                                  \
+    static void NAME##_##BUF##_##R##_##T(const char *w, size_t ws, const wbuf *wb,                 \
+                                         const __m512 *xb, const char *xq, size_t xs, int64_t nb,  \
+                                         float *y, size_t ldy) {                                   \
+        tile_quant(WT, R, T, BUF, w, ws, wb, xb, xq, xs, nb, y, ldy);                              \
     }
 #define DEF_QTILES_R(NAME, WT, BUF, R)                                                             \
     DEF_QTILE(NAME, WT, BUF, R, 1)                                                                 \
@@ -291,31 +389,64 @@ DEF_QTILES(q80, TD_TYPE_Q8_0)
 DEF_QTILES(q40, TD_TYPE_Q4_0)
 DEF_QTILES(q41, TD_TYPE_Q4_1)
 
+static void xbuf_fill(const td_dtype wt, const char *xq, size_t xq_stride, int n, int64_t nb,
+                      __m512 *xb) {
+    for (int t = 0; t < n; t++) {
+        const char *row = xq + (size_t)t * xq_stride;
+        const float *xd = td_q8x_d(row);
+        const int32_t *xsum = td_q8x_sum(row, nb);
+        for (int64_t b = 0; b < nb; b += 4) {
+            const int nv = nb - b < 4 ? (int)(nb - b) : 4;
+            __m512 dx;
+            __m512i seed;
+            if (wt == TD_TYPE_Q4_1) {
+                load_x_step(TD_TYPE_Q4_1, xd, xsum, b, nv, &dx, &seed);
+                *xb++ = dx;
+                continue;
+            }
+            if (wt == TD_TYPE_Q4_0)
+                load_x_step(TD_TYPE_Q4_0, xd, xsum, b, nv, &dx, &seed);
+            else
+                load_x_step(TD_TYPE_Q8_0, xd, xsum, b, nv, &dx, &seed);
+            *xb++ = dx;
+            *xb++ = _mm512_castsi512_ps(seed);
+        }
+    }
+}
+
+/* Tokens go in chunks that the row tiles of [r0, r1) sweep in turn: the
+ * chunk's activations stay in L2 and its per-step scale/seed vectors (xb)
+ * are made once. When a chunk has several token tiles, each row tile is
+ * unpacked once (wb) for all of them. */
 static void matmul_quant_avx512(td_dtype wt, const void *w, size_t w_stride, const void *xq,
                                 size_t xq_stride, int n, int64_t k, float *y, size_t ldy, int r0,
                                 int r1) {
     const qtile_fn(*tiles)[TR_MAX][QT] = wt == TD_TYPE_Q8_0   ? q80_tiles
                                          : wt == TD_TYPE_Q4_0 ? q40_tiles
                                                               : q41_tiles;
-    const int R = TR_MAX, T = QT;
-    const int64_t nb = k / 32;
-    /* Token chunks whose activations stay in L2 while the row tiles sweep them. */
+    const int R = QTILE_R, T = QTILE_T;
+    const int64_t nb = k / 32, nsteps = (nb + 3) / 4;
+    const int nv = wt == TD_TYPE_Q4_1 ? 1 : 2;
+    const int can_buf = nsteps <= WBUF_STEPS && nsteps * nv * T <= XBUF_VECS;
     size_t act_bytes = xq_stride ? xq_stride : 1;
     int tchunk = (int)((256 * 1024) / act_bytes);
+    if (can_buf && tchunk > XBUF_VECS / (nsteps * nv)) tchunk = (int)(XBUF_VECS / (nsteps * nv));
     if (tchunk < T) tchunk = T;
     tchunk -= tchunk % T;
     _Alignas(64) wbuf wb;
+    _Alignas(64) __m512 xb[XBUF_VECS];
     for (int tc = 0; tc < n; tc += tchunk) {
         int te = tc + tchunk < n ? tc + tchunk : n;
-        /* unpack once per row tile when several token tiles will reuse it */
-        int buf = te - tc > T && (nb + 1) / 2 <= WBUF_STEPS;
+        int buf = can_buf && te - tc > T;
+        if (buf)
+            xbuf_fill(wt, (const char *)xq + (size_t)tc * xq_stride, xq_stride, te - tc, nb, xb);
         for (int r = r0; r < r1; r += R) {
             int rr = r1 - r < R ? r1 - r : R;
             const char *wr = (const char *)w + (size_t)r * w_stride;
             if (buf) wbuf_fill(wt, wr, w_stride, rr, nb, &wb);
             for (int t = tc; t < te; t += T) {
                 int tt = te - t < T ? te - t : T;
-                tiles[buf][rr - 1][tt - 1](wr, w_stride, &wb,
+                tiles[buf][rr - 1][tt - 1](wr, w_stride, &wb, xb + (size_t)(t - tc) * nsteps * nv,
                                            (const char *)xq + (size_t)t * xq_stride, xq_stride, nb,
                                            y + (size_t)t * ldy + r, ldy);
             }
@@ -329,8 +460,9 @@ static void matmul_quant_avx512(td_dtype wt, const void *w, size_t w_stride, con
 #define FT TT_MAX
 
 AI __m512 load_w16(const td_dtype WT, const void *p, __mmask16 m) {
-    if (WT == TD_TYPE_F32) return _mm512_maskz_loadu_ps(m, p);
-    __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    if (WT == TD_TYPE_F32) return m == 0xffff ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
+    __m256i h =
+        m == 0xffff ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(m, p);
     if (WT == TD_TYPE_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -343,8 +475,21 @@ AI void tile_float(const td_dtype WT, const int R, const int T, const char *w, s
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += 16) {
-        __mmask16 m = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        __m512 wv[FR];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            wv[r] = load_w16(WT, w + (size_t)r * w_stride + (size_t)i * es, (__mmask16)0xffff);
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            __m512 xv = _mm512_loadu_ps((const float *)(xq + (size_t)t * xq_stride) + i);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+        }
+    }
+    if (i < k) { /* masked tail: the same update with zeros past k */
+        __mmask16 m = (__mmask16)((1u << (k - i)) - 1);
         __m512 wv[FR];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++)
@@ -430,7 +575,8 @@ static void act_quant_avx512(td_dtype wt, const float *x, void *xq, int64_t k) {
     int32_t *sum = (int32_t *)xq + 2 * nb;
     int8_t *qs = (int8_t *)xq + td_q8x_head_bytes(nb);
     memset((char *)xq + nb * 12, 0, td_q8x_head_bytes(nb) - (size_t)nb * 12);
-    memset(qs + nb * 32, 0, td_q8x_row_bytes(nb) - td_q8x_head_bytes(nb) - (size_t)nb * 32);
+    memset(qs + (nb / 4) * 128, 0,
+           td_q8x_row_bytes(nb) - td_q8x_head_bytes(nb) - (size_t)(nb / 4) * 128);
     const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t b = 0; b < nb; b++) {
         __m512 v0 = _mm512_loadu_ps(x + b * 32), v1 = _mm512_loadu_ps(x + b * 32 + 16);
@@ -441,8 +587,8 @@ static void act_quant_avx512(td_dtype wt, const float *x, void *xq, int64_t k) {
         __m512 iv = _mm512_set1_ps(id);
         __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, iv));
         __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, iv));
-        _mm_storeu_si128((__m128i *)(qs + b * 32), _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(qs + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
+        _mm_storeu_si128((__m128i *)(qs + td_q8x_pos(b, 0)), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(qs + td_q8x_pos(b, 16)), _mm512_cvtepi32_epi8(q1));
         int32_t acc = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         d[b] = db;
         sum[b] = acc;
@@ -541,10 +687,9 @@ static void attn_paged_avx512(const float *q, const td_cpu_kv_layer *kv, int kv_
             a2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k2 + i), a2);
             a3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k3 + i), a3);
         }
-        scratch[p] = hsum512(a0) * scale;
-        scratch[p + 1] = hsum512(a1) * scale;
-        scratch[p + 2] = hsum512(a2) * scale;
-        scratch[p + 3] = hsum512(a3) * scale;
+        float d4[4];
+        hsum512x4(a0, a1, a2, a3, d4);
+        _mm_storeu_ps(scratch + p, _mm_mul_ps(_mm_loadu_ps(d4), _mm_set1_ps(scale)));
     }
     for (; p < n_ctx; p++) {
         const float *k0 = kbase + TOK(p);

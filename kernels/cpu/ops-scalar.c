@@ -8,7 +8,8 @@ static float dot_q8x_scalar(td_dtype wt, const void *wrow, const void *xrow, int
     const int8_t *xq = td_q8x_qs(xrow, nb);
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
-        const int8_t *x = xq + b * 32;
+        int8_t x[32];
+        for (int j = 0; j < 32; j++) x[j] = xq[td_q8x_pos(b, j)];
         int32_t isum = 0;
         if (wt == TD_TYPE_Q8_0) {
             const td_block_q8_0 *w = (const td_block_q8_0 *)wrow + b;
