@@ -10,12 +10,18 @@
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define TD_SPIN_ITERS 20000 /* pause loops before sleeping (tens of microseconds) */
+/* Waiting: spin with pause for a few microseconds (the common case: the
+ * other threads are running and finish together), then yield the core for
+ * up to about a millisecond (when cores are oversubscribed, the thread we
+ * wait for may be the one needing this core), then sleep on the futex. */
+#define TD_SPIN_ITERS  2000
+#define TD_YIELD_ITERS 200
 
 struct td_threadpool {
     int n;
@@ -53,9 +59,11 @@ static void *worker_main(void *p) {
         uint32_t g;
         int spins = 0;
         while ((g = atomic_load_explicit(&tp->gen, memory_order_acquire)) == seen) {
-            if (spins < TD_SPIN_ITERS) {
-                _mm_pause();
-                spins++;
+            if (spins < TD_SPIN_ITERS + TD_YIELD_ITERS) {
+                if (spins++ < TD_SPIN_ITERS)
+                    _mm_pause();
+                else
+                    sched_yield();
                 continue;
             }
             atomic_fetch_add(&tp->sleepers, 1);
@@ -136,9 +144,11 @@ void td_threadpool_run(td_threadpool *tp, td_task_fn fn, void *ctx) {
     int spins = 0;
     uint32_t left;
     while ((left = atomic_load_explicit(&tp->pending, memory_order_acquire)) != 0) {
-        if (spins < TD_SPIN_ITERS) {
-            _mm_pause();
-            spins++;
+        if (spins < TD_SPIN_ITERS + TD_YIELD_ITERS) {
+            if (spins++ < TD_SPIN_ITERS)
+                _mm_pause();
+            else
+                sched_yield();
             continue;
         }
         atomic_store(&tp->caller_sleeping, 1);
