@@ -94,6 +94,9 @@ typedef struct {
     void (*attn_paged)(const float *q, const td_cpu_kv_layer *kv, int kv_head,
                        const int32_t *block_table, int n_ctx, float scale, float *out,
                        float *scratch);
+    /* NULL: td_cpu_attn_paged_multi loops over attn_paged */
+    void (*attn_paged_multi)(const td_cpu_attn_query *qs, int n_q, const td_cpu_kv_layer *kv,
+                             int kv_head, const int32_t *block_table, float scale, float *scratch);
 } td_cpu_ops;
 
 extern const td_cpu_ops td_cpu_ops_scalar;

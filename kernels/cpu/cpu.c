@@ -299,6 +299,17 @@ void td_cpu_attn_paged(const float *q, const td_cpu_kv_layer *kv, int kv_head,
     g_ops->attn_paged(q, kv, kv_head, block_table, n_ctx, scale, out, scratch);
 }
 
+void td_cpu_attn_paged_multi(const td_cpu_attn_query *qs, int n_q, const td_cpu_kv_layer *kv,
+                             int kv_head, const int32_t *block_table, float scale, float *scratch) {
+    if (g_ops->attn_paged_multi) {
+        g_ops->attn_paged_multi(qs, n_q, kv, kv_head, block_table, scale, scratch);
+        return;
+    }
+    for (int i = 0; i < n_q; i++)
+        g_ops->attn_paged(qs[i].q, kv, kv_head, block_table, qs[i].n_ctx, scale, qs[i].out,
+                          scratch);
+}
+
 /* RoPE is shared by every ISA: the angles come from double-precision
  * sin/cos, so positions rotate identically everywhere, and its cost (n_rot/2
  * sincos per token, amortised over all heads) is negligible. */

@@ -106,6 +106,19 @@ void td_cpu_attn_paged(const float *q, const td_cpu_kv_layer *kv, int kv_head,
                        const int32_t *block_table, int n_ctx, float scale, float *out,
                        float *scratch);
 
+/* Several queries over the same KV head of one sequence (e.g. the query
+ * heads of a GQA group, for the tokens of a prefill chunk): query i reads
+ * q[i], writes out[i] and attends to positions [0, n_ctx[i]). Results are
+ * bit-identical to td_cpu_attn_paged called once per query; K/V rows are
+ * loaded once for all of them. scratch: at least n_q * max(n_ctx) floats. */
+typedef struct {
+    const float *q; /* (head_dim) */
+    float *out;     /* (head_dim) */
+    int n_ctx;
+} td_cpu_attn_query;
+void td_cpu_attn_paged_multi(const td_cpu_attn_query *qs, int n_q, const td_cpu_kv_layer *kv,
+                             int kv_head, const int32_t *block_table, float scale, float *scratch);
+
 #ifdef __cplusplus
 }
 #endif

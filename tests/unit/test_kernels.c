@@ -595,6 +595,32 @@ static void test_attention(void **state) {
             }
         }
     }
+    /* the multi-query entry point: bit-identical to one call per query, for
+     * queries of several heads and positions (ragged n_ctx, tails) */
+    enum { NQ = 11 };
+    float qm[NQ][HD], om[NQ][HD], o1m[HD];
+    float *scr = malloc(sizeof(float) * NQ * CTX);
+    td_cpu_attn_query qs[NQ];
+    for (size_t ii = 0; ii < 3; ii++) {
+        if (!select_isa(k_isas[ii])) continue;
+        for (int h = 0; h < HKV; h++) {
+            for (int i = 0; i < NQ; i++) {
+                for (int d = 0; d < HD; d++) qm[i][d] = frand(-2, 2);
+                qs[i].q = qm[i];
+                qs[i].out = om[i];
+                qs[i].n_ctx = i == 0 ? 1 : CTX - (i * 13) % 40; /* 131, 118, 105, ... */
+            }
+            for (int nq = 1; nq <= NQ; nq += 5) {
+                memset(om, 0xff, sizeof(om));
+                td_cpu_attn_paged_multi(qs, nq, &ls, h, perm, scale, scr);
+                for (int i = 0; i < nq; i++) {
+                    td_cpu_attn_paged(qm[i], &ls, h, perm, qs[i].n_ctx, scale, o1m, scratch);
+                    assert_memory_equal(om[i], o1m, sizeof(o1m));
+                }
+            }
+        }
+    }
+    free(scr);
     free(kc), free(vc), free(ks), free(vs);
 }
 
