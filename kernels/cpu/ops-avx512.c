@@ -86,8 +86,9 @@ AI __m512 exp512(__m512 x) {
  *   p   = vpdpbusd(vpdpbusd(seed, wa, xa), wb, xb)   lanes 4i..4i+3: block b+i
  *   acc = fma(cvt(p), dw * dx, acc)                  dw, dx laid out alike
  * Q4_0 (q - 8) and Q8_0 (w + 128, to make it unsigned) fold their offset in
- * the integer seed (-8 or -128 times sum(q_x), in lane 4i). Q4_1 adds, per
- * 16 blocks, macc = fma(m_w, d_x * sum(q_x), macc); y = hsum(acc + macc).
+ * the integer seed (-8 or -128 times sum(q_x), in lane 4i). Q4_1 then adds,
+ * per 16 blocks of a 1024-block chunk, acc = fma(m_w, d_x * sum(q_x), acc);
+ * y = hsum(acc).
  * Blocks past nb have zero weights and zero scales. */
 
 #define TR_MAX 4 /* max rows per tile */
@@ -248,7 +249,7 @@ AI void tile_quant(const td_dtype WT, const int R, const int T, const int BUF, c
                    size_t xq_stride, int64_t nb, float *y, size_t ldy) {
     const int NV = WT == TD_TYPE_Q4_1 ? 1 : 2; /* xb vectors per token-step */
     const int64_t nsteps = (nb + 3) / 4;
-    __m512 acc[QR][QT], macc[QR][QT];
+    __m512 acc[QR][QT];
     const float *xd[QT], *xs[QT];
     const int32_t *xsum[QT];
     const int8_t *xqs[QT];
@@ -261,7 +262,7 @@ AI void tile_quant(const td_dtype WT, const int R, const int T, const int BUF, c
         xsum[t] = td_q8x_sum(row, nb);
         xqs[t] = td_q8x_qs(row, nb);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) acc[r][t] = macc[r][t] = _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) acc[r][t] = _mm512_setzero_ps();
     }
     for (int64_t c0 = 0; c0 < nb; c0 += MCHUNK) {
         const int64_t c1 = nb - c0 < MCHUNK ? nb : c0 + MCHUNK;
@@ -316,16 +317,11 @@ AI void tile_quant(const td_dtype WT, const int R, const int T, const int BUF, c
                 for (int t = 0; t < T; t++) {
                     __m512 sv = _mm512_maskz_loadu_ps(m, xs[t] + b);
 #pragma GCC unroll 8
-                    for (int r = 0; r < R; r++) macc[r][t] = _mm512_fmadd_ps(mw[r], sv, macc[r][t]);
+                    for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(mw[r], sv, acc[r][t]);
                 }
             }
         }
     }
-    if (WT == TD_TYPE_Q4_1)
-#pragma GCC unroll 8
-        for (int t = 0; t < T; t++)
-#pragma GCC unroll 8
-            for (int r = 0; r < R; r++) acc[r][t] = _mm512_add_ps(acc[r][t], macc[r][t]);
     TILE_STORE(acc, R, T, y, ldy);
 }
 

@@ -10,7 +10,7 @@
  *       -mavx2 -mfma -mf16c -c $S/ops-avx512.c -o $O/ops-avx512.o
  *   gcc -std=gnu17 -O2 -I. tests/bench/bench_kernels.c common/base/threadpool.c \
  *       common/base/base.c $O/*.o -lm -lpthread -o $O/bench_kernels
- *   $O/bench_kernels [-t THREADS] [-i avx512|avx2|scalar] [-n TOKENS] [-w GGUF_TYPE_ID]
+ *   $O/bench_kernels [-t THREADS] [-i avx512|avx2|scalar] [-n TOKENS] [-w GGUF_TYPE_ID] [-c ROWS_PER_CALL]
  *
  * Without -i every ISA the CPU supports is measured (scalar only at n = 1);
  * without -n both n = 1 and n = 512. */
@@ -32,13 +32,18 @@ typedef struct {
     float *y;
 } mm_job;
 
+static int g_row_chunk; /* -c N: call the kernel per N rows, as a forward pass may */
+
 static void mm_task(void *ctx, int ith, int nth) {
     mm_job *j = ctx;
     int64_t b, e;
     /* rows split in multiples of 4 so every thread keeps full tiles */
     td_split_range((j->rows + 3) / 4, ith, nth, &b, &e);
     int r0 = (int)(b * 4), r1 = (int)(e * 4 < j->rows ? e * 4 : j->rows);
-    if (r0 < r1) td_cpu_matmul(j->t, j->w, j->ws, j->xq, j->xs, j->n, j->k, j->y, j->rows, r0, r1);
+    int step = g_row_chunk > 0 ? g_row_chunk : r1 - r0;
+    for (int r = r0; r < r1; r += step)
+        td_cpu_matmul(j->t, j->w, j->ws, j->xq, j->xs, j->n, j->k, j->y, j->rows, r,
+                      r + step < r1 ? r + step : r1);
 }
 
 static int g_cpu_clock; /* -t 1: time with the thread's CPU clock (ignores preemption) */
@@ -103,6 +108,8 @@ int main(int argc, char **argv) {
             only_n = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "-i"))
             only_isa = td_cpu_isa_parse(argv[i + 1]);
+        else if (!strcmp(argv[i], "-c"))
+            g_row_chunk = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "-w"))
             only_type = atoi(argv[i + 1]);
     }
