@@ -231,6 +231,255 @@ DEF_FTILES(f32, TD_TYPE_F32)
 DEF_FTILES(f16, TD_TYPE_F16)
 DEF_FTILES(bf16, TD_TYPE_BF16)
 
+/* ---------------- Q4 weights, four blocks per step ----------------
+ *
+ * For k <= 32768 Q4_0 / Q4_1 use the activation row's groups of four blocks
+ * (elements 0-15 of blocks b..b+3, then 16-31): with L/H the low / high
+ * nibbles of two blocks [b | b+1] and X0..X3 the four 32-byte pieces,
+ *   u  = madd(maddubs(L01, X0) + maddubs(H01, X2), 1)    blocks b, b+1
+ *   v  = madd(maddubs(L23, X1) + maddubs(H23, X3), 1)    blocks b+2, b+3
+ *   p  = hadd(u, v) (+ seed: -8 * sum(q_x) for Q4_0)     lanes [b b b+2 b+2 | b+1 b+1 b+3 b+3]
+ *   acc = fma(cvt(p), dw * dx, acc)
+ * and Q4_1 adds, per 8 blocks, acc = fma(m_w, d_x * sum(q_x), acc) (lane
+ * order of the blocks, then the usual horizontal sum). Rows are unpacked and
+ * token scales laid out once per token chunk, whatever n is, so there is
+ * one code path. maddubs cannot saturate: 2 * 15 * 127 * 2 < 32767. */
+
+#define S4_MAX_STEPS 256  /* k <= 32768 */
+#define S4_XVECS     2048 /* token-step vectors per chunk (64 KiB) */
+#define S4_T         4
+
+typedef struct {
+    __m256i w[S4_MAX_STEPS][4]; /* L01 H01 L23 H23 */
+    __m256 d[S4_MAX_STEPS];
+    float m[4 * S4_MAX_STEPS + 4];
+} s4_row;
+
+static const int32_t k_s4_lane_block[8] = {0, 0, 2, 2, 1, 1, 3, 3};
+
+/* Unsigned nibbles and lane scales of blocks b..b+3 (n valid) of a row;
+ * Q4_1 mins to m4[0..4) (0 for missing blocks). */
+static inline __attribute__((always_inline)) void s4_w_step(const td_dtype WT, const char *wrow,
+                                                            int64_t b, int n, __m256i *wv,
+                                                            __m256 *dw, float *m4) {
+    const size_t bs = WT == TD_TYPE_Q4_0 ? sizeof(td_block_q4_0) : sizeof(td_block_q4_1);
+    const size_t qo =
+        WT == TD_TYPE_Q4_0 ? offsetof(td_block_q4_0, qs) : offsetof(td_block_q4_1, qs);
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    const __m256i idx = _mm256_loadu_si256((const __m256i *)k_s4_lane_block);
+    const char *p0 = wrow + (size_t)b * bs;
+    if (n == 4) {
+        __m256i w01 =
+            _mm256_loadu2_m128i((const __m128i *)(p0 + bs + qo), (const __m128i *)(p0 + qo));
+        __m256i w23 = _mm256_loadu2_m128i((const __m128i *)(p0 + 3 * bs + qo),
+                                          (const __m128i *)(p0 + 2 * bs + qo));
+        wv[0] = _mm256_and_si256(w01, nib);
+        wv[1] = _mm256_and_si256(_mm256_srli_epi16(w01, 4), nib);
+        wv[2] = _mm256_and_si256(w23, nib);
+        wv[3] = _mm256_and_si256(_mm256_srli_epi16(w23, 4), nib);
+        if (WT == TD_TYPE_Q4_1) {
+            uint32_t x0, x1, x2, x3; /* (d, m) pairs */
+            memcpy(&x0, p0, 4);
+            memcpy(&x1, p0 + bs, 4);
+            memcpy(&x2, p0 + 2 * bs, 4);
+            memcpy(&x3, p0 + 3 * bs, 4);
+            __m256 v = _mm256_cvtph_ps(_mm_setr_epi32((int)x0, (int)x1, (int)x2, (int)x3));
+            *dw = _mm256_permutevar8x32_ps(v, _mm256_slli_epi32(idx, 1));
+            _mm_storeu_ps(m4, _mm256_castps256_ps128(_mm256_permutevar8x32_ps(
+                                  v, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7))));
+        } else {
+            uint16_t d0, d1, d2, d3;
+            memcpy(&d0, p0, 2);
+            memcpy(&d1, p0 + bs, 2);
+            memcpy(&d2, p0 + 2 * bs, 2);
+            memcpy(&d3, p0 + 3 * bs, 2);
+            __m128 v = _mm_cvtph_ps(
+                _mm_setr_epi16((short)d0, (short)d1, (short)d2, (short)d3, 0, 0, 0, 0));
+            *dw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), idx);
+        }
+        return;
+    }
+    __m128i q[4];
+    float d[4], m[4];
+    for (int i = 0; i < 4; i++) {
+        const char *blk = p0 + (size_t)i * bs;
+        if (i < n) {
+            td_fp16 h;
+            q[i] = _mm_loadu_si128((const __m128i *)(blk + qo));
+            memcpy(&h, blk, 2);
+            d[i] = _cvtsh_ss(h);
+            m[i] = 0.0f;
+            if (WT == TD_TYPE_Q4_1) {
+                memcpy(&h, blk + 2, 2);
+                m[i] = _cvtsh_ss(h);
+            }
+        } else {
+            q[i] = _mm_setzero_si128();
+            d[i] = m[i] = 0.0f;
+        }
+    }
+    __m256i w01 = _mm256_set_m128i(q[1], q[0]), w23 = _mm256_set_m128i(q[3], q[2]);
+    wv[0] = _mm256_and_si256(w01, nib);
+    wv[1] = _mm256_and_si256(_mm256_srli_epi16(w01, 4), nib);
+    wv[2] = _mm256_and_si256(w23, nib);
+    wv[3] = _mm256_and_si256(_mm256_srli_epi16(w23, 4), nib);
+    *dw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(d)), idx);
+    if (WT == TD_TYPE_Q4_1) memcpy(m4, m, sizeof(m));
+}
+
+static void s4_row_fill(td_dtype wt, const char *wrow, int64_t nb, s4_row *rb) {
+    for (int64_t b = 0; b < nb; b += 4) {
+        const int n = nb - b < 4 ? (int)(nb - b) : 4;
+        if (wt == TD_TYPE_Q4_0)
+            s4_w_step(TD_TYPE_Q4_0, wrow, b, n, rb->w[b / 4], &rb->d[b / 4], rb->m + b);
+        else
+            s4_w_step(TD_TYPE_Q4_1, wrow, b, n, rb->w[b / 4], &rb->d[b / 4], rb->m + b);
+    }
+    /* mins past nb are read 8 at a time */
+    for (int64_t b = (nb + 3) / 4 * 4; b < (nb + 7) / 8 * 8; b++) rb->m[b] = 0.0f;
+}
+
+/* Per token and step: dx laid out like the lanes of p, then (Q4_0) the seed. */
+static void s4_x_fill(td_dtype wt, const char *xq, size_t xq_stride, int n, int64_t nb,
+                      __m256 *xb) {
+    const __m256i idx = _mm256_loadu_si256((const __m256i *)k_s4_lane_block);
+    for (int t = 0; t < n; t++) {
+        const char *row = xq + (size_t)t * xq_stride;
+        const float *xd = td_q8x_d(row);
+        const int32_t *xsum = td_q8x_sum(row, nb);
+        for (int64_t b = 0; b < nb; b += 4) {
+            const int nv = nb - b < 4 ? (int)(nb - b) : 4;
+            float d[4] = {0, 0, 0, 0};
+            int32_t sm[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int i = 0; i < nv; i++) d[i] = xd[b + i];
+            *xb++ = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(d)), idx);
+            if (wt == TD_TYPE_Q4_0) {
+                /* one seed per block, in its first lane */
+                static const int lane[4] = {0, 4, 2, 6};
+                for (int i = 0; i < nv; i++) sm[lane[i]] = -8 * xsum[b + i];
+                *xb++ = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)sm));
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void
+s4_tile(const td_dtype WT, const int T, const int BUF, const char *wrow, const s4_row *rb,
+        const __m256 *xb, int64_t nsteps, const char *xq, size_t xq_stride, int64_t nb, float *y,
+        size_t ldy) {
+    const int NV = WT == TD_TYPE_Q4_0 ? 2 : 1;
+    float mloc[BUF ? 8 : 4 * S4_MAX_STEPS + 8]; /* Q4_1 mins of the direct path */
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[S4_T];
+    const int8_t *xqs[S4_T];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) {
+        acc[t] = _mm256_setzero_ps();
+        xqs[t] = td_q8x_qs(xq + (size_t)t * xq_stride, nb);
+    }
+    for (int64_t s = 0; s < nsteps; s++) {
+        __m256i wv[4];
+        __m256 dw;
+        if (BUF) {
+            wv[0] = rb->w[s][0], wv[1] = rb->w[s][1], wv[2] = rb->w[s][2], wv[3] = rb->w[s][3];
+            dw = rb->d[s];
+        } else {
+            s4_w_step(WT, wrow, 4 * s, nb - 4 * s < 4 ? (int)(nb - 4 * s) : 4, wv, &dw,
+                      mloc + (BUF ? 0 : 4 * s));
+        }
+        const __m256i l01 = wv[0], h01 = wv[1], l23 = wv[2], h23 = wv[3];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            const __m256i *x = (const __m256i *)(xqs[t] + s * 128);
+            const __m256 *v = xb + ((size_t)t * nsteps + s) * NV;
+            __m256i u = _mm256_add_epi16(_mm256_maddubs_epi16(l01, _mm256_loadu_si256(x)),
+                                         _mm256_maddubs_epi16(h01, _mm256_loadu_si256(x + 2)));
+            __m256i w = _mm256_add_epi16(_mm256_maddubs_epi16(l23, _mm256_loadu_si256(x + 1)),
+                                         _mm256_maddubs_epi16(h23, _mm256_loadu_si256(x + 3)));
+            __m256i p = _mm256_hadd_epi32(_mm256_madd_epi16(u, ones), _mm256_madd_epi16(w, ones));
+            if (WT == TD_TYPE_Q4_0) p = _mm256_add_epi32(p, _mm256_castps_si256(v[1]));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, v[0]), acc[t]);
+        }
+    }
+    if (WT == TD_TYPE_Q4_1) {
+        for (int64_t b = 0; b < nb; b += 8) {
+            const int c = nb - b < 8 ? (int)(nb - b) : 8;
+            __m256 mv;
+            if (BUF) {
+                mv = _mm256_loadu_ps(rb->m + b); /* zero past nb */
+            } else {
+                for (int i = c; i < 8; i++) mloc[b + i] = 0.0f;
+                mv = _mm256_loadu_ps(mloc + b);
+            }
+            const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(c), lanes);
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) {
+                const float *sp = td_q8x_s(xq + (size_t)t * xq_stride, nb) + b;
+                __m256 sv = c == 8 ? _mm256_loadu_ps(sp) : _mm256_maskload_ps(sp, mask);
+                acc[t] = _mm256_fmadd_ps(mv, sv, acc[t]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) y[(size_t)t * ldy] = hsum256(acc[t]);
+}
+
+typedef void (*s4_fn)(const char *wrow, const s4_row *rb, const __m256 *xb, int64_t nsteps,
+                      const char *xq, size_t xq_stride, int64_t nb, float *y, size_t ldy);
+#define DEF_S4(NAME, WT, T)                                                                        \
+    static void NAME##_##T(const char *wrow, const s4_row *rb, const __m256 *xb, int64_t nsteps,   \
+                           const char *xq, size_t xs, int64_t nb, float *y, size_t ldy) {          \
+        s4_tile(WT, T, 1, wrow, rb, xb, nsteps, xq, xs, nb, y, ldy);                               \
+    }                                                                                              \
+    static void NAME##_d##T(const char *wrow, const s4_row *rb, const __m256 *xb, int64_t nsteps,  \
+                            const char *xq, size_t xs, int64_t nb, float *y, size_t ldy) {         \
+        s4_tile(WT, T, 0, wrow, rb, xb, nsteps, xq, xs, nb, y, ldy);                               \
+    }
+DEF_S4(s4q40, TD_TYPE_Q4_0, 1)
+DEF_S4(s4q40, TD_TYPE_Q4_0, 2)
+DEF_S4(s4q40, TD_TYPE_Q4_0, 3)
+DEF_S4(s4q40, TD_TYPE_Q4_0, 4)
+DEF_S4(s4q41, TD_TYPE_Q4_1, 1)
+DEF_S4(s4q41, TD_TYPE_Q4_1, 2)
+DEF_S4(s4q41, TD_TYPE_Q4_1, 3)
+DEF_S4(s4q41, TD_TYPE_Q4_1, 4)
+/* [buffered][tokens - 1] */
+static const s4_fn s4q40_tiles[2][S4_T] = {{s4q40_d1, s4q40_d2, s4q40_d3, s4q40_d4},
+                                           {s4q40_1, s4q40_2, s4q40_3, s4q40_4}};
+static const s4_fn s4q41_tiles[2][S4_T] = {{s4q41_d1, s4q41_d2, s4q41_d3, s4q41_d4},
+                                           {s4q41_1, s4q41_2, s4q41_3, s4q41_4}};
+
+static void matmul_s4_avx2(td_dtype wt, const void *w, size_t w_stride, const void *xq,
+                           size_t xq_stride, int n, int64_t k, float *y, size_t ldy, int r0,
+                           int r1) {
+    const s4_fn(*tiles)[S4_T] = wt == TD_TYPE_Q4_0 ? s4q40_tiles : s4q41_tiles;
+    const int64_t nb = k / 32, nsteps = (nb + 3) / 4;
+    const int nv = wt == TD_TYPE_Q4_0 ? 2 : 1;
+    int tchunk = (int)(S4_XVECS / (nsteps * nv));
+    size_t act_bytes = xq_stride ? xq_stride : 1;
+    if ((size_t)tchunk * act_bytes > 256 * 1024) tchunk = (int)((256 * 1024) / act_bytes);
+    if (tchunk < 1) tchunk = 1;
+    _Alignas(32) s4_row rb;
+    _Alignas(32) __m256 xb[S4_XVECS];
+    for (int tc = 0; tc < n; tc += tchunk) {
+        int te = tc + tchunk < n ? tc + tchunk : n;
+        s4_x_fill(wt, (const char *)xq + (size_t)tc * xq_stride, xq_stride, te - tc, nb, xb);
+        /* unpack a row once when several token tiles reuse it */
+        const int buf = te - tc > S4_T;
+        for (int r = r0; r < r1; r++) {
+            const char *wr = (const char *)w + (size_t)r * w_stride;
+            if (buf) s4_row_fill(wt, wr, nb, &rb);
+            for (int t = tc; t < te; t += S4_T) {
+                int tt = te - t < S4_T ? te - t : S4_T;
+                tiles[buf][tt - 1](wr, &rb, xb + (size_t)(t - tc) * nsteps * nv, nsteps,
+                                   (const char *)xq + (size_t)t * xq_stride, xq_stride, nb,
+                                   y + (size_t)t * ldy + r, ldy);
+            }
+        }
+    }
+}
+
 /* Tokens are taken in chunks whose activations stay in L2 while every row
  * tile of the range sweeps them. */
 void td_cpu_matmul_avx2(td_dtype wt, const void *w, size_t w_stride, const void *xq,
@@ -238,6 +487,10 @@ void td_cpu_matmul_avx2(td_dtype wt, const void *w, size_t w_stride, const void 
     const tile_fn *tiles;
     int R, T;
     int64_t kk = k;
+    if ((wt == TD_TYPE_Q4_0 || wt == TD_TYPE_Q4_1) && k / 32 <= 4 * S4_MAX_STEPS) {
+        matmul_s4_avx2(wt, w, w_stride, xq, xq_stride, n, k, y, ldy, r0, r1);
+        return;
+    }
     switch (wt) {
     case TD_TYPE_Q8_0: tiles = &q80_tiles[0][0], R = QR, T = QT, kk = k / 32; break;
     case TD_TYPE_Q4_0: tiles = &q40_tiles[0][0], R = QR, T = QT, kk = k / 32; break;
