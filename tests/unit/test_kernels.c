@@ -264,9 +264,22 @@ typedef struct {
 } mm_case;
 
 static const mm_case k_mm_cases[] = {
-    {TD_TYPE_Q4_1, 576}, {TD_TYPE_Q4_1, 544}, {TD_TYPE_Q4_0, 576}, {TD_TYPE_Q4_0, 544},
-    {TD_TYPE_Q8_0, 576}, {TD_TYPE_Q8_0, 544}, {TD_TYPE_F32, 83},   {TD_TYPE_F32, 576},
-    {TD_TYPE_F16, 83},   {TD_TYPE_F16, 576},  {TD_TYPE_BF16, 83},  {TD_TYPE_BF16, 576},
+    {TD_TYPE_Q4_1, 576},
+    {TD_TYPE_Q4_1, 544},
+    {TD_TYPE_Q4_0, 576},
+    {TD_TYPE_Q4_0, 544},
+    {TD_TYPE_Q8_0, 576},
+    {TD_TYPE_Q8_0, 544},
+    {TD_TYPE_F32, 83},
+    {TD_TYPE_F32, 576},
+    {TD_TYPE_F16, 83},
+    {TD_TYPE_F16, 576},
+    {TD_TYPE_BF16, 83},
+    {TD_TYPE_BF16, 576},
+    /* long rows take other paths: k > 8192 and > 32768, more than 1024 blocks */
+    {TD_TYPE_Q8_0, 9248},
+    {TD_TYPE_Q4_1, 35232},
+    {TD_TYPE_Q4_0, 35232},
 };
 
 enum { MM_ROWS = 13, MM_N = 7 };
@@ -326,7 +339,8 @@ static void test_matmul_accuracy(void **state) {
             float y[MM_N * MM_ROWS];
             td_cpu_matmul(m.t, m.w, m.ws, m.xq, m.xs, MM_N, m.k, y, MM_ROWS, 0, MM_ROWS);
             bool quant = td_dtype_block_elems(m.t) == 32;
-            double *xh = malloc(sizeof(double) * m.k), dx[64];
+            double *xh = malloc(sizeof(double) * m.k),
+                   *dx = malloc(sizeof(double) * (m.k / 32 + 1));
             for (int t = 0; t < MM_N; t++) {
                 const float *x = m.x + (size_t)t * m.k;
                 if (quant) ref_act_q8(x, xh, dx, m.k);
@@ -359,6 +373,7 @@ static void test_matmul_accuracy(void **state) {
                 }
             }
             free(xh);
+            free(dx);
             mm_free(&m);
         }
     }
