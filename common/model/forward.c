@@ -2,21 +2,29 @@
  *
  * All tokens of all chunks are rows of one activation matrix, so every
  * weight matrix is streamed once per call. Each step is per token row (norm,
- * activation quantisation, bias, RoPE, KV write, SwiGLU), per (row, output
- * row) dot product (matmul, shared out in tiles of output rows), or per (token, head)
+ * bias, RoPE, KV write, SwiGLU), per (row, output row) dot product (matmul,
+ * shared out in tiles of output rows), or per (token, head)
  * (attention, reading K/V back from the paged cache). None of them splits a
  * reduction across threads or depends on which other rows are present, so
  * a row's values are the same whatever the batch, chunking or thread count:
  * that is the invariance contract of forward.h. Rows are handed to threads
  * only to share work; small row counts run on the calling thread, which
- * computes exactly the same values. */
+ * computes exactly the same values.
+ *
+ * Activations stay f32 for every matmul: quantized weights are dequantized
+ * on the fly (td_cpu_matmul_f32act), so the only error against a float64
+ * forward pass on the dequantized weights is f32 rounding. Quantizing the
+ * activations to 8 bits as well (llama.cpp's scheme) flipped the greedy
+ * answer of the default Q4_1 model on a 0.08-logit margin. */
 #include "forward.h"
 
 #include <math.h>
 #include <stdatomic.h>
 #include <string.h>
 
-#define N_XQ         3  /* activation buffers: one per weight type of a matmul group */
+#include "kernels/cpu/qmatmul.h"
+
+#define N_MM         3  /* most weights sharing one input in a matmul step */
 #define ROW_TILE     16 /* matmul output rows are split between threads in tiles */
 #define MIN_PAR_ROWS 4  /* fewer token rows than this: elementwise steps run inline */
 #define ROW_CHUNK    4  /* token rows claimed at a time by elementwise steps */
@@ -42,8 +50,6 @@ struct td_engine {
     float *att;          /* (T, q_dim) attention output */
     float *o;            /* (T, n_embd) wo / w_down output */
     float *g, *u;        /* (T, n_ff) local MLP width */
-    uint8_t *xq[N_XQ];   /* (T, xq_cap) quantised activation rows */
-    size_t xq_cap;       /* bytes of one row of xq, the most any weight needs */
     float *attn_scratch; /* (nth, max_ctx) */
     int32_t *tok_seq;    /* (T) sequence of each row */
     int32_t *tok_pos;    /* (T) position of each row */
@@ -70,8 +76,6 @@ static void *scratch_alloc(size_t n, size_t elem, bool *fail) {
     return p;
 }
 
-static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
-
 static void engine_free_scratch(td_engine *e) {
     free(e->x);
     free(e->xn);
@@ -82,15 +86,10 @@ static void engine_free_scratch(td_engine *e) {
     free(e->o);
     free(e->g);
     free(e->u);
-    for (int i = 0; i < N_XQ; i++) free(e->xq[i]);
     free(e->attn_scratch);
     free(e->tok_seq);
     free(e->tok_pos);
     free(e->logit_tok);
-}
-
-static size_t act_bytes(const td_weight *w) {
-    return round64(td_cpu_act_row_bytes(w->type, w->cols));
 }
 
 td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp, td_comm *comm,
@@ -139,15 +138,6 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
     e->rope_mode = c->rope_mode;
     e->inv_freq = td_model_rope_inv_freq(m);
 
-    size_t cap = td_model_output(m) ? act_bytes(td_model_output(m)) : 64;
-    for (int l = td_model_layer_begin(m); l < td_model_layer_end(m); l++) {
-        const td_layer_weights *lw = td_model_layer(m, l);
-        const td_weight *ws[] = {&lw->wq,     &lw->wk,   &lw->wv,    &lw->wo,
-                                 &lw->w_gate, &lw->w_up, &lw->w_down};
-        for (size_t i = 0; i < TD_ARRAY_SIZE(ws); i++) cap = TD_MAX(cap, act_bytes(ws[i]));
-    }
-    e->xq_cap = cap;
-
     size_t T = (size_t)ep.max_batch_tokens;
     bool fail = false;
     e->x = scratch_alloc(T * (size_t)e->n_embd, sizeof(float), &fail);
@@ -159,7 +149,6 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
     e->v = scratch_alloc(T * (size_t)e->kv_dim, sizeof(float), &fail);
     e->g = scratch_alloc(T * (size_t)e->n_ff, sizeof(float), &fail);
     e->u = scratch_alloc(T * (size_t)e->n_ff, sizeof(float), &fail);
-    for (int i = 0; i < N_XQ; i++) e->xq[i] = scratch_alloc(T, cap, &fail);
     e->attn_scratch = scratch_alloc((size_t)e->nth * (size_t)ep.max_ctx, sizeof(float), &fail);
     e->tok_seq = scratch_alloc(T, sizeof(int32_t), &fail);
     e->tok_pos = scratch_alloc(T, sizeof(int32_t), &fail);
@@ -212,43 +201,13 @@ static void run(td_engine *e, td_task_fn fn, void *ctx, int n_rows) {
     dispatch(e, fn, ctx, e->tp && e->nth > 1 && n_rows >= MIN_PAR_ROWS);
 }
 
-/* Quantise rows for a group of weights: one xq buffer per distinct type. */
-typedef struct {
-    int n;
-    const td_weight *w[N_XQ];
-    int slot[N_XQ]; /* xq buffer each weight reads */
-    size_t stride[N_XQ];
-} quant_plan;
-
-static void plan_quant(quant_plan *qp, const td_weight *const *ws, int n) {
-    qp->n = n;
-    for (int i = 0; i < n; i++) {
-        qp->w[i] = ws[i];
-        qp->slot[i] = i;
-        for (int j = 0; j < i; j++)
-            if (ws[j]->type == ws[i]->type) {
-                qp->slot[i] = qp->slot[j];
-                break;
-            }
-        qp->stride[i] = act_bytes(ws[i]);
-    }
-}
-
-static void quant_row(td_engine *e, const quant_plan *qp, const float *src, int32_t t) {
-    for (int i = 0; i < qp->n; i++) {
-        if (qp->slot[i] != i) continue;
-        td_cpu_act_quant(qp->w[i]->type, src, e->xq[i] + (size_t)t * qp->stride[i], qp->w[i]->cols);
-    }
-}
-
-/* Row step: [x += o] ; xn = rmsnorm(x[src], w) ; quantise xn. */
+/* Row step: [x += o] ; xn = rmsnorm(x[src], w). */
 typedef struct {
     td_engine *e;
     int32_t n_rows;
     bool add;
     const int32_t *src_row; /* NULL: identity */
     const float *norm_w;
-    const quant_plan *qp;
 } norm_task;
 
 static void task_norm(void *ctx, int ith, int nth) {
@@ -264,42 +223,47 @@ static void task_norm(void *ctx, int ith, int nth) {
             if (t->add) td_cpu_add(x, e->o + (size_t)r * E, x, (int64_t)E);
             float *xn = e->xn + (size_t)r * E;
             td_cpu_rmsnorm(x, t->norm_w, xn, (int64_t)E, e->eps);
-            quant_row(e, t->qp, xn, (int32_t)r);
         }
 }
 
-/* y_i = W_i xq for up to N_XQ weights; each thread takes tiles of output rows. */
+/* y_i = W_i x for up to N_MM weights reading the same f32 rows x (n_rows,
+ * ldx); each thread takes tiles of output rows. */
 typedef struct {
     td_engine *e;
     int32_t n_rows;
-    const quant_plan *qp;
-    float *y[N_XQ];
-    size_t ldy[N_XQ];
+    int n_w;
+    const td_weight *w[N_MM];
+    const float *x;
+    size_t ldx;
+    float *y[N_MM];
+    size_t ldy[N_MM];
 } matmul_task;
 
 static void task_matmul(void *ctx, int ith, int nth) {
     (void)ith;
     (void)nth;
     const matmul_task *t = ctx;
-    int64_t tiles[N_XQ], total = 0, b, end;
-    for (int i = 0; i < t->qp->n; i++) {
-        tiles[i] = (t->qp->w[i]->rows + ROW_TILE - 1) / ROW_TILE;
+    int64_t tiles[N_MM], total = 0, b, end;
+    for (int i = 0; i < t->n_w; i++) {
+        tiles[i] = (t->w[i]->rows + ROW_TILE - 1) / ROW_TILE;
         total += tiles[i];
     }
     while (claim(t->e, total, 1, &b, &end)) {
         int i = 0;
         while (b >= tiles[i]) b -= tiles[i++];
-        const td_weight *w = t->qp->w[i];
+        const td_weight *w = t->w[i];
         int64_t r0 = b * ROW_TILE, r1 = TD_MIN(r0 + ROW_TILE, w->rows);
-        td_cpu_matmul(w->type, w->data, w->stride, t->e->xq[t->qp->slot[i]], t->qp->stride[i],
-                      t->n_rows, w->cols, t->y[i], t->ldy[i], (int)r0, (int)r1);
+        td_cpu_matmul_f32act(w->type, w->data, w->stride, t->x, t->ldx, t->n_rows, w->cols, t->y[i],
+                             t->ldy[i], (int)r0, (int)r1);
     }
 }
 
-static void matmul(td_engine *e, const quant_plan *qp, float *const *y, const size_t *ldy,
-                   int32_t n_rows) {
-    matmul_task t = {.e = e, .n_rows = n_rows, .qp = qp};
-    for (int i = 0; i < qp->n; i++) {
+static void matmul(td_engine *e, const td_weight *const *w, int n_w, const float *x, size_t ldx,
+                   float *const *y, const size_t *ldy, int32_t n_rows) {
+    TD_ASSERT(n_w >= 1 && n_w <= N_MM);
+    matmul_task t = {.e = e, .n_rows = n_rows, .n_w = n_w, .x = x, .ldx = ldx};
+    for (int i = 0; i < n_w; i++) {
+        t.w[i] = w[i];
         t.y[i] = y[i];
         t.ldy[i] = ldy[i];
     }
@@ -366,7 +330,6 @@ static void task_attn(void *ctx, int ith, int nth) {
 
 typedef struct {
     td_engine *e;
-    const quant_plan *qp;
 } swiglu_task;
 
 static void task_swiglu(void *ctx, int ith, int nth) {
@@ -379,23 +342,7 @@ static void task_swiglu(void *ctx, int ith, int nth) {
         for (int64_t r = r0; r < r1; r++) {
             float *g = e->g + (size_t)r * (size_t)e->n_ff;
             td_cpu_swiglu(g, e->u + (size_t)r * (size_t)e->n_ff, g, e->n_ff);
-            quant_row(e, t->qp, g, (int32_t)r);
         }
-}
-
-typedef struct {
-    td_engine *e;
-    const quant_plan *qp;
-} attq_task;
-
-static void task_att_quant(void *ctx, int ith, int nth) {
-    const attq_task *t = ctx;
-    (void)ith;
-    (void)nth;
-    int64_t r0, r1;
-    while (claim(t->e, t->e->n_tok, ROW_CHUNK, &r0, &r1))
-        for (int64_t r = r0; r < r1; r++)
-            quant_row(t->e, t->qp, t->e->att + (size_t)r * (size_t)t->e->q_dim, (int32_t)r);
 }
 
 /* Embedding rows: dequantised straight from the (possibly quantised) table. */
@@ -518,14 +465,12 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
         const td_layer_weights *lw = td_model_layer(m, l);
 
         /* attention block */
-        quant_plan qkv;
         const td_weight *wqkv[] = {&lw->wq, &lw->wk, &lw->wv};
-        plan_quant(&qkv, wqkv, 3);
-        norm_task nt = {.e = e, .n_rows = T, .add = l > lb, .norm_w = lw->attn_norm, .qp = &qkv};
+        norm_task nt = {.e = e, .n_rows = T, .add = l > lb, .norm_w = lw->attn_norm};
         run(e, task_norm, &nt, T);
         float *y3[] = {e->q, e->k, e->v};
         size_t ld3[] = {(size_t)e->q_dim, (size_t)e->kv_dim, (size_t)e->kv_dim};
-        matmul(e, &qkv, y3, ld3, T);
+        matmul(e, wqkv, 3, e->xn, E, y3, ld3, T);
 
         qkv_task qt = {.e = e,
                        .lw = lw,
@@ -542,32 +487,24 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
         /* attention cost grows with context: worth threads even for one row */
         dispatch(e, task_attn, &at, e->tp && e->nth > 1 && attn_cost * e->nh >= 1024);
 
-        quant_plan qo;
         const td_weight *wo[] = {&lw->wo};
-        plan_quant(&qo, wo, 1);
-        attq_task aq = {.e = e, .qp = &qo};
-        run(e, task_att_quant, &aq, T);
         float *yo[] = {e->o};
         size_t ldo[] = {E};
-        matmul(e, &qo, yo, ldo, T);
+        matmul(e, wo, 1, e->att, (size_t)e->q_dim, yo, ldo, T);
         if ((st = td_comm_all_reduce_sum(e->comm, e->o, (size_t)T * E))) return st;
 
         /* MLP block */
-        quant_plan qgu;
         const td_weight *wgu[] = {&lw->w_gate, &lw->w_up};
-        plan_quant(&qgu, wgu, 2);
-        norm_task nt2 = {.e = e, .n_rows = T, .add = true, .norm_w = lw->ffn_norm, .qp = &qgu};
+        norm_task nt2 = {.e = e, .n_rows = T, .add = true, .norm_w = lw->ffn_norm};
         run(e, task_norm, &nt2, T);
         float *ygu[] = {e->g, e->u};
         size_t ldgu[] = {(size_t)e->n_ff, (size_t)e->n_ff};
-        matmul(e, &qgu, ygu, ldgu, T);
+        matmul(e, wgu, 2, e->xn, E, ygu, ldgu, T);
 
-        quant_plan qd;
         const td_weight *wd[] = {&lw->w_down};
-        plan_quant(&qd, wd, 1);
-        swiglu_task sw = {.e = e, .qp = &qd};
+        swiglu_task sw = {.e = e};
         run(e, task_swiglu, &sw, T);
-        matmul(e, &qd, yo, ldo, T);
+        matmul(e, wd, 1, e->g, (size_t)e->n_ff, yo, ldo, T);
         if ((st = td_comm_all_reduce_sum(e->comm, e->o, (size_t)T * E))) return st;
     }
 
@@ -579,18 +516,15 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
         return TD_OK;
     }
     if (n_logit == 0) return TD_OK;
-    quant_plan qh;
     const td_weight *wh[] = {td_model_output(m)};
-    plan_quant(&qh, wh, 1);
     norm_task nh = {.e = e,
                     .n_rows = n_logit,
                     .add = false,
                     .src_row = e->logit_tok,
-                    .norm_w = td_model_output_norm(m),
-                    .qp = &qh};
+                    .norm_w = td_model_output_norm(m)};
     run(e, task_norm, &nh, n_logit);
     float *yh[] = {logits};
     size_t ldh[] = {(size_t)e->n_vocab};
-    matmul(e, &qh, yh, ldh, n_logit);
+    matmul(e, wh, 1, e->xn, E, yh, ldh, n_logit);
     return TD_OK;
 }

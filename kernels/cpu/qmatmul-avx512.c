@@ -1,0 +1,217 @@
+/* AVX-512 F32-activation quantized matmul.
+ *
+ * Each (row, token) pair owns one 16-lane f32 accumulator: lane j takes the
+ * elements j, j + 16, ... in k order (one FMA of the dequantized weights
+ * with the activations per 16 elements), then one fixed horizontal sum.
+ * Two paths produce those same roundings:
+ *   - register path (few tokens, decode): each weight block is dequantized
+ *     in registers and used at once, so the weights stream from memory once;
+ *   - tiled path (prefill): a tile of weight rows is dequantized once per
+ *     token chunk into a thread-local f32 scratch, and a rows x tokens FMA
+ *     micro-kernel runs over it.
+ * Dequantization is exact up to the single rounding of d*q + m, the same in
+ * both paths, so the choice of path (made from n) never changes a value. */
+#include <immintrin.h>
+
+#include "cpu-impl.h"
+#include "qmatmul-impl.h"
+
+#define AI     static inline __attribute__((always_inline))
+
+#define RR     4            /* weight rows per tile */
+#define TREG   3            /* tokens per tile, register path */
+#define TBUF   6            /* tokens per tile, tiled path */
+#define MIN_TB 4            /* tokens from which the tiled path is used */
+#define XCHUNK (192 * 1024) /* activation bytes of one token chunk (L2) */
+
+static _Thread_local _Alignas(64) float g_wf[RR * TD_QMM_KMAX]; /* (RR, k) dequantized rows */
+
+AI float hsum(__m512 v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Block b of a row: lo = elements 0-15, hi = elements 16-31. */
+AI void deq_block(const td_dtype WT, const char *row, int64_t b, __m512 *lo, __m512 *hi) {
+    if (WT == TD_TYPE_Q8_0) {
+        const td_block_q8_0 *bl = (const td_block_q8_0 *)row + b;
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(bl->d));
+        __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bl->qs));
+        __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(bl->qs + 16)));
+        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d);
+        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d);
+        return;
+    }
+    const uint8_t *qs;
+    td_fp16 dh;
+    if (WT == TD_TYPE_Q4_0) {
+        const td_block_q4_0 *bl = (const td_block_q4_0 *)row + b;
+        qs = bl->qs;
+        dh = bl->d;
+    } else {
+        const td_block_q4_1 *bl = (const td_block_q4_1 *)row + b;
+        qs = bl->qs;
+        dh = bl->d;
+    }
+    const __m128i nib = _mm_set1_epi8(0x0f);
+    __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    __m512i q0 = _mm512_cvtepu8_epi32(_mm_and_si128(q, nib));
+    __m512i q1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), nib));
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+    if (WT == TD_TYPE_Q4_0) {
+        const __m512i eight = _mm512_set1_epi32(8);
+        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q0, eight)), d);
+        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q1, eight)), d);
+    } else {
+        const __m512 m = _mm512_set1_ps(_cvtsh_ss(((const td_block_q4_1 *)row + b)->m));
+        *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), d, m);
+        *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), d, m);
+    }
+}
+
+AI void tile_store(const int R, const int T, __m512 acc[RR][TBUF], float *y, size_t ldy) {
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) y[(size_t)t * ldy + (size_t)r] = hsum(acc[r][t]);
+}
+
+/* Register path: R rows x T tokens straight from the weight blocks. */
+AI void kern_reg(const td_dtype WT, const int R, const int T, const char *w, size_t ws,
+                 const float *x, size_t ldx, int64_t nb, float *y, size_t ldy) {
+    __m512 acc[RR][TBUF];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 wl[RR], wh[RR];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) deq_block(WT, w + (size_t)r * ws, b, &wl[r], &wh[r]);
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            const float *xt = x + (size_t)t * ldx + (size_t)b * 32;
+            __m512 xl = _mm512_loadu_ps(xt), xh = _mm512_loadu_ps(xt + 16);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                acc[r][t] = _mm512_fmadd_ps(wl[r], xl, acc[r][t]);
+                acc[r][t] = _mm512_fmadd_ps(wh[r], xh, acc[r][t]);
+            }
+        }
+    }
+    tile_store(R, T, acc, y, ldy);
+}
+
+/* Tiled path: R rows of dequantized weights wf (row stride k) x T tokens. */
+AI void kern_buf(const int R, const int T, const float *wf, const float *x, size_t ldx, int64_t k,
+                 float *y, size_t ldy) {
+    __m512 acc[RR][TBUF];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) {
+        __m512 wv[RR];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) wv[r] = _mm512_load_ps(wf + (size_t)r * (size_t)k + i);
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            __m512 xv = _mm512_loadu_ps(x + (size_t)t * ldx + i);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+        }
+    }
+    tile_store(R, T, acc, y, ldy);
+}
+
+#define REG_CASE(WT, R, T)                                                                         \
+    case (R)*8 + (T):                                                                              \
+        kern_reg(WT, R, T, w, ws, x, ldx, nb, y, ldy);                                             \
+        return;
+#define REG_ROW(WT, R) REG_CASE(WT, R, 1) REG_CASE(WT, R, 2) REG_CASE(WT, R, 3)
+#define DEF_REG(NAME, WT)                                                                          \
+    static void NAME(int R, int T, const char *w, size_t ws, const float *x, size_t ldx,           \
+                     int64_t nb, float *y, size_t ldy) {                                           \
+        switch (R * 8 + T) {                                                                       \
+            REG_ROW(WT, 1) REG_ROW(WT, 2) REG_ROW(WT, 3) REG_ROW(WT, 4) default : abort();         \
+        }                                                                                          \
+    }
+DEF_REG(reg_q40, TD_TYPE_Q4_0)
+DEF_REG(reg_q41, TD_TYPE_Q4_1)
+DEF_REG(reg_q80, TD_TYPE_Q8_0)
+
+#define BUF_CASE(R, T)                                                                             \
+    case (R)*8 + (T):                                                                              \
+        kern_buf(R, T, wf, x, ldx, k, y, ldy);                                                     \
+        return;
+#define BUF_ROW(R)                                                                                 \
+    BUF_CASE(R, 1) BUF_CASE(R, 2) BUF_CASE(R, 3) BUF_CASE(R, 4) BUF_CASE(R, 5) BUF_CASE(R, 6)
+static void run_buf(int R, int T, const float *wf, const float *x, size_t ldx, int64_t k, float *y,
+                    size_t ldy) {
+    switch (R * 8 + T) { BUF_ROW(1) BUF_ROW(2) BUF_ROW(3) BUF_ROW(4) default : abort(); }
+}
+
+AI void deq_rows(const td_dtype WT, const char *w, size_t ws, int R, int64_t k, float *wf) {
+    for (int r = 0; r < R; r++) {
+        const char *row = w + (size_t)r * ws;
+        float *dst = wf + (size_t)r * (size_t)k;
+        for (int64_t b = 0; b < k / 32; b++) {
+            __m512 lo, hi;
+            deq_block(WT, row, b, &lo, &hi);
+            _mm512_store_ps(dst + b * 32, lo);
+            _mm512_store_ps(dst + b * 32 + 16, hi);
+        }
+    }
+}
+
+static void deq_rows_any(td_dtype wt, const char *w, size_t ws, int R, int64_t k, float *wf) {
+    switch (wt) {
+    case TD_TYPE_Q4_0: deq_rows(TD_TYPE_Q4_0, w, ws, R, k, wf); return;
+    case TD_TYPE_Q4_1: deq_rows(TD_TYPE_Q4_1, w, ws, R, k, wf); return;
+    case TD_TYPE_Q8_0: deq_rows(TD_TYPE_Q8_0, w, ws, R, k, wf); return;
+    default: TD_KERNEL_UNREACHABLE_TYPE(wt);
+    }
+}
+
+void td_qmm_avx512(td_dtype wt, const void *w, size_t ws, const float *x, size_t ldx, int n,
+                   int64_t k, float *y, size_t ldy, int r0, int r1) {
+    const int64_t nb = k / 32;
+    if (n < MIN_TB || k > TD_QMM_KMAX) {
+        void (*reg)(int, int, const char *, size_t, const float *, size_t, int64_t, float *,
+                    size_t) = wt == TD_TYPE_Q4_0   ? reg_q40
+                              : wt == TD_TYPE_Q4_1 ? reg_q41
+                              : wt == TD_TYPE_Q8_0 ? reg_q80
+                                                   : NULL;
+        if (!reg) TD_KERNEL_UNREACHABLE_TYPE(wt);
+        for (int t = 0; t < n; t += TREG) {
+            const int tt = n - t < TREG ? n - t : TREG;
+            for (int r = r0; r < r1; r += RR) {
+                const int rr = r1 - r < RR ? r1 - r : RR;
+                reg(rr, tt, (const char *)w + (size_t)r * ws, ws, x + (size_t)t * ldx, ldx, nb,
+                    y + (size_t)t * ldy + (size_t)r, ldy);
+            }
+        }
+        return;
+    }
+    /* Token chunks whose activations stay in L2 while every row tile of
+     * [r0, r1) is dequantized once for the chunk and swept over it. */
+    int tchunk = (int)(XCHUNK / ((size_t)k * sizeof(float)));
+    if (tchunk < TBUF) tchunk = TBUF;
+    tchunk -= tchunk % TBUF;
+    float *wf = g_wf;
+    for (int tc = 0; tc < n; tc += tchunk) {
+        const int te = n - tc < tchunk ? n : tc + tchunk;
+        for (int r = r0; r < r1; r += RR) {
+            const int rr = r1 - r < RR ? r1 - r : RR;
+            deq_rows_any(wt, (const char *)w + (size_t)r * ws, ws, rr, k, wf);
+            for (int t = tc; t < te; t += TBUF) {
+                const int tt = te - t < TBUF ? te - t : TBUF;
+                run_buf(rr, tt, wf, x + (size_t)t * ldx, ldx, k, y + (size_t)t * ldy + (size_t)r,
+                        ldy);
+            }
+        }
+    }
+}

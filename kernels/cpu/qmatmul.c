@@ -1,0 +1,20 @@
+/* td_cpu_matmul_f32act: dispatch on the weight type and the selected ISA. */
+#include "qmatmul-impl.h"
+
+#include "cpu-impl.h"
+
+void td_cpu_matmul_f32act(td_dtype wtype, const void *w, size_t w_stride, const float *x,
+                          size_t ldx, int n, int64_t k, float *y, size_t ldy, int r0, int r1) {
+    if (n <= 0 || r1 <= r0) return;
+    if (!td_dtype_is_quant(wtype)) {
+        /* float weights: td_cpu_matmul already takes plain f32 rows */
+        td_cpu_matmul(wtype, w, w_stride, x, ldx * sizeof(float), n, k, y, ldy, r0, r1);
+        return;
+    }
+    switch (td_cpu_selected()) {
+    case TD_ISA_AVX512: td_qmm_avx512(wtype, w, w_stride, x, ldx, n, k, y, ldy, r0, r1); return;
+    case TD_ISA_AVX2: td_qmm_avx2(wtype, w, w_stride, x, ldx, n, k, y, ldy, r0, r1); return;
+    case TD_ISA_SCALAR: break;
+    }
+    td_qmm_scalar(wtype, w, w_stride, x, ldx, n, k, y, ldy, r0, r1);
+}

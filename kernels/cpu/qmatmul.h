@@ -1,0 +1,40 @@
+/* Matmul with F32 activations for every weight type.
+ *
+ * Quantized weights (Q4_0, Q4_1, Q8_0) are dequantized on the fly exactly as
+ * GGUF defines them (q4_0: d*(q-8); q4_1: d*q+m; q8_0: d*q; d and m fp16),
+ * to f32, and multiplied with the f32 activations by f32 FMAs: the result is
+ * an f32 GEMM of the dequantized weights, with no activation quantization
+ * error. Float weights (F32, F16, BF16) go to td_cpu_matmul, whose
+ * activation format for them is plain f32 rows.
+ *
+ * Invariance (as cpu.h): for one selected ISA, the value of a (row, token)
+ * pair is computed by the same sequence of roundings whatever n, r0, r1 and
+ * the caller's thread split are; k is never split. Different ISAs may
+ * differ in the last bits.
+ * Thread-safety: reentrant after td_cpu_select(); each thread uses its own
+ * thread-local dequantization scratch (no allocation). */
+#ifndef TD_KERNELS_CPU_QMATMUL_H
+#define TD_KERNELS_CPU_QMATMUL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cpu.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* y[t * ldy + r] = sum_i dequant(W[r, i]) * x[t * ldx + i]
+ * for t in [0, n), r in [r0, r1), i in [0, k).
+ * w: weight rows of k elements of type wtype, row r at w + r * w_stride bytes
+ * (k a multiple of the block size). x: (n, ldx) floats. y: (n, ldy) floats.
+ * wtype in {F32, F16, BF16, Q4_0, Q4_1, Q8_0}; any other type aborts (types
+ * are checked when a model is loaded). */
+void td_cpu_matmul_f32act(td_dtype wtype, const void *w, size_t w_stride, const float *x,
+                          size_t ldx, int n, int64_t k, float *y, size_t ldy, int r0, int r1);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
