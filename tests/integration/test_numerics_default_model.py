@@ -10,17 +10,19 @@ here), followed by the answer "The capital of France is Paris." as teacher.
 Checks:
   * the reference itself (float64, dequantized weights) predicts the answer
     token by token, i.e. greedy decoding from the reference says Paris;
-  * the engine's logits at every position: rel_t = max|a-b| / max|b| <= 0.15,
-    mean over positions <= 0.06. The engine quantizes activations to 8 bits
-    per 32-block for Q4_1/Q8_0 matmuls; the reference run with that rounding
-    (act_round="q8_0") moves this model's logits by rel_t <= 0.059 (mean
-    0.035), the engine measured 0.091 (mean 0.038): a trained model's
-    outlier activations make 8-bit blocks coarser than on the random models,
-    hence bounds looser than test_numerics.py's q4 class (0.10 / 0.04);
+  * the engine's logits at every position: rel_t = max|a-b| / max|b| <= 1e-4,
+    mean over positions <= 1e-4. The engine dequantizes Q4_1/Q8_0 weights
+    exactly (as the reference does) and multiplies them with F32 activations,
+    so the only difference is F32 rounding through 30 layers: measured rel_t
+    <= 1.6e-6 (avx512), 2.7e-6 (avx2), 2.4e-6 (scalar); the bound leaves a
+    ~40x margin and is what test_numerics.py uses for every class. (With
+    8-bit activations, the earlier scheme, rel_t was 0.091, and greedy
+    decoding answered something else: see test_generate_model.py.)
   * teacher forcing: the engine's argmax equals the reference's wherever the
-    reference's top-1/top-2 margin exceeds 0.12 * max|ref| (as for q4 in
-    test_numerics.py). The first answer token ("The") has a reference margin
-    of only 0.08 logits, so it is not a clear position.
+    reference's top-1/top-2 margin exceeds 2e-3 * max|ref| (20x the logits
+    tolerance, as in test_numerics.py). 43 of the 44 positions clear it,
+    among them the first answer token ("The", margin 0.08 logits = 3.2e-3 *
+    max|ref|).
 """
 
 import pathlib
@@ -38,8 +40,8 @@ PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trai
           "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?"
           "<|im_end|>\n<|im_start|>assistant\n")
 ANSWER = "The capital of France is Paris."
-TOL, MEAN_TOL, DELTA = 0.15, 0.06, 0.12
-MIN_CHECKED = 10  # of the 44 positions, 15 clear delta with the reference
+TOL, MEAN_TOL, DELTA = 1e-4, 1e-4, 2e-3
+MIN_CHECKED = 40  # of the 44 positions, 43 clear delta with the reference
 
 
 def _tokenizer(path):
