@@ -2,18 +2,22 @@
  * SmolLM2-135M shapes, per ISA, at n = 1 (generation) and n = 512 (prompt).
  * Not built by CMake. Build and run from the repository root:
  *
- *   S=kernels/cpu; O=/tmp/tdbench; mkdir -p $O
- *   gcc -std=gnu17 -O2 -I. -c $S/cpu.c -o $O/cpu.o
- *   gcc -std=gnu17 -O2 -I. -c $S/ops-scalar.c -o $O/ops-scalar.o
- *   gcc -std=gnu17 -O2 -I. -mavx2 -mfma -mf16c -c $S/ops-avx2.c -o $O/ops-avx2.o
- *   gcc -std=gnu17 -O2 -I. -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni \
- *       -mavx2 -mfma -mf16c -c $S/ops-avx512.c -o $O/ops-avx512.o
+ *   O=/tmp/tdbench; mkdir -p $O; S=kernels/cpu
+ *   X512="-mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx2 -mfma -mf16c"
+ *   for f in $S/[a-z]*.c; do
+ *     case $f in *-avx2.c) m="-mavx2 -mfma -mf16c";; *-avx512.c) m=$X512;; *) m="";; esac
+ *     gcc -std=gnu17 -O2 -I. $m -c $f -o $O/$(basename $f .c).o
+ *   done
  *   gcc -std=gnu17 -O2 -I. tests/bench/bench_kernels.c common/base/threadpool.c \
- *       common/base/base.c $O/*.o -lm -lpthread -o $O/bench_kernels
- *   $O/bench_kernels [-t THREADS] [-i avx512|avx2|scalar] [-n TOKENS] [-w GGUF_TYPE_ID] [-c ROWS_PER_CALL]
+ *       common/base/base.c $O/[a-z]*.o -lm -lpthread -o $O/bench_kernels
+ *   $O/bench_kernels [-t THREADS] [-i avx512|avx2|scalar] [-n TOKENS] [-w GGUF_TYPE_ID]
+ *                    [-c ROWS_PER_CALL] [-a]
  *
- * Without -i every ISA the CPU supports is measured (scalar only at n = 1);
- * without -n both n = 1 and n = 512. */
+ * -a measures td_cpu_matmul_f32act (f32 activations) instead of td_cpu_matmul
+ * (activations quantized per row). Without -i every ISA the CPU supports is
+ * measured (scalar only at n = 1); without -n both n = 1 and n = 512. With
+ * -t 1 times are the thread's CPU time, so other load on the machine does not
+ * count. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +25,7 @@
 
 #include "common/base/threadpool.h"
 #include "kernels/cpu/cpu.h"
+#include "kernels/cpu/qmatmul.h"
 
 typedef struct {
     td_dtype t;
@@ -28,9 +33,12 @@ typedef struct {
     size_t ws;
     const void *xq;
     size_t xs;
+    const float *xf; /* f32 activations, (n, k) */
     int n, k, rows;
     float *y;
 } mm_job;
+
+static int g_f32act; /* -a */
 
 static int g_row_chunk; /* -c N: call the kernel per N rows, as a forward pass may */
 
@@ -41,9 +49,14 @@ static void mm_task(void *ctx, int ith, int nth) {
     td_split_range((j->rows + 3) / 4, ith, nth, &b, &e);
     int r0 = (int)(b * 4), r1 = (int)(e * 4 < j->rows ? e * 4 : j->rows);
     int step = g_row_chunk > 0 ? g_row_chunk : r1 - r0;
-    for (int r = r0; r < r1; r += step)
-        td_cpu_matmul(j->t, j->w, j->ws, j->xq, j->xs, j->n, j->k, j->y, j->rows, r,
-                      r + step < r1 ? r + step : r1);
+    for (int r = r0; r < r1; r += step) {
+        int re = r + step < r1 ? r + step : r1;
+        if (g_f32act)
+            td_cpu_matmul_f32act(j->t, j->w, j->ws, j->xf, (size_t)j->k, j->n, j->k, j->y,
+                                 (size_t)j->rows, r, re);
+        else
+            td_cpu_matmul(j->t, j->w, j->ws, j->xq, j->xs, j->n, j->k, j->y, j->rows, r, re);
+    }
 }
 
 static int g_cpu_clock; /* -t 1: time with the thread's CPU clock (ignores preemption) */
@@ -57,7 +70,7 @@ static double now_s(void) {
 static void bench_one(td_threadpool *tp, td_dtype t, int rows, int k, int n) {
     size_t ws = td_dtype_row_bytes(t, k), xs = td_cpu_act_row_bytes(t, k);
     char *w = malloc(ws * rows), *xq = malloc(xs * n);
-    float *x = malloc(sizeof(float) * k), *y = malloc(sizeof(float) * (size_t)n * rows);
+    float *x = malloc(sizeof(float) * (size_t)n * k), *y = malloc(sizeof(float) * (size_t)n * rows);
     float *wr = malloc(sizeof(float) * k);
     srand(7);
     for (int r = 0; r < rows; r++) {
@@ -65,10 +78,11 @@ static void bench_one(td_threadpool *tp, td_dtype t, int rows, int k, int n) {
         td_cpu_quant_row(t, wr, w + (size_t)r * ws, k);
     }
     for (int tt = 0; tt < n; tt++) {
-        for (int i = 0; i < k; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;
-        td_cpu_act_quant(t, x, xq + (size_t)tt * xs, k);
+        float *xt = x + (size_t)tt * k;
+        for (int i = 0; i < k; i++) xt[i] = (float)rand() / RAND_MAX - 0.5f;
+        td_cpu_act_quant(t, xt, xq + (size_t)tt * xs, k);
     }
-    mm_job j = {t, w, ws, xq, xs, n, k, rows, y};
+    mm_job j = {t, w, ws, xq, xs, x, n, k, rows, y};
     td_threadpool_run(tp, mm_task, &j); /* warm up */
     double best = 1e30;
     double budget = td_time_s() + 0.3;
@@ -81,27 +95,21 @@ static void bench_one(td_threadpool *tp, td_dtype t, int rows, int k, int n) {
         reps++;
     } while (td_time_s() < budget || reps < 3);
     double flop = 2.0 * rows * (double)k * n;
-    printf("%-7s %-5s %6d x %-5d n=%-4d %9.1f us %8.1f GFLOP/s %7.1f GB/s\n",
-           td_cpu_isa_name(td_cpu_selected()), td_dtype_name(t), rows, k, n, best * 1e6,
-           flop / best * 1e-9, (double)ws * rows / best * 1e-9);
+    printf("%-7s%s %-5s %6d x %-5d n=%-4d %9.1f us %8.1f GFLOP/s %7.1f GB/s\n",
+           td_cpu_isa_name(td_cpu_selected()), g_f32act ? "/f32act" : "", td_dtype_name(t), rows, k,
+           n, best * 1e6, flop / best * 1e-9, (double)ws * rows / best * 1e-9);
     free(w), free(xq), free(x), free(y), free(wr);
-}
-
-const char *td_dtype_name(int t) {
-    switch (t) {
-    case TD_TYPE_F32: return "f32";
-    case TD_TYPE_F16: return "f16";
-    case TD_TYPE_BF16: return "bf16";
-    case TD_TYPE_Q8_0: return "q8_0";
-    case TD_TYPE_Q4_0: return "q4_0";
-    case TD_TYPE_Q4_1: return "q4_1";
-    default: return "?";
-    }
 }
 
 int main(int argc, char **argv) {
     int threads = 2, only_n = 0, only_isa = -1, only_type = -1;
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "-a")) g_f32act = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
+        if (!strcmp(argv[i], "-a")) {
+            i--;
+            continue;
+        }
         if (!strcmp(argv[i], "-t"))
             threads = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "-n"))
@@ -131,7 +139,8 @@ int main(int argc, char **argv) {
                 for (size_t si = 0; si < 4; si++)
                     if (only_type < 0 || only_type == (int)types[ti])
                         bench_one(tp, types[ti], shapes[si][0], shapes[si][1], n);
-            if (only_type < 0 || only_type == TD_TYPE_Q8_0) bench_one(tp, TD_TYPE_Q8_0, 49152, 576, n);
+            if (only_type < 0 || only_type == TD_TYPE_Q8_0)
+                bench_one(tp, TD_TYPE_Q8_0, 49152, 576, n);
         }
     }
     td_threadpool_destroy(tp);
