@@ -24,10 +24,15 @@
 
 #include "kernels/cpu/qmatmul.h"
 
-#define N_MM         3  /* most weights sharing one input in a matmul step */
-#define ROW_TILE     16 /* matmul output rows are split between threads in tiles */
-#define MIN_PAR_ROWS 4  /* fewer token rows than this: elementwise steps run inline */
-#define ROW_CHUNK    4  /* token rows claimed at a time by elementwise steps */
+#define N_MM 3 /* most weights sharing one input in a matmul step */
+#ifndef ROW_TILE
+#define ROW_TILE 16 /* matmul output rows are split between threads in tiles */
+#endif
+#ifndef ROW_TILE_FEW
+#define ROW_TILE_FEW 64 /* the same for fewer than MIN_PAR_ROWS token rows (decode) */
+#endif
+#define MIN_PAR_ROWS 4 /* fewer token rows than this: elementwise steps run inline */
+#define ROW_CHUNK    4 /* token rows claimed at a time by elementwise steps */
 
 struct td_engine {
     const td_model *m;
@@ -244,15 +249,16 @@ static void task_matmul(void *ctx, int ith, int nth) {
     (void)nth;
     const matmul_task *t = ctx;
     int64_t tiles[N_MM], total = 0, b, end;
+    const int64_t tile = t->n_rows < MIN_PAR_ROWS ? ROW_TILE_FEW : ROW_TILE;
     for (int i = 0; i < t->n_w; i++) {
-        tiles[i] = (t->w[i]->rows + ROW_TILE - 1) / ROW_TILE;
+        tiles[i] = (t->w[i]->rows + tile - 1) / tile;
         total += tiles[i];
     }
     while (claim(t->e, total, 1, &b, &end)) {
         int i = 0;
         while (b >= tiles[i]) b -= tiles[i++];
         const td_weight *w = t->w[i];
-        int64_t r0 = b * ROW_TILE, r1 = TD_MIN(r0 + ROW_TILE, w->rows);
+        int64_t r0 = b * tile, r1 = TD_MIN(r0 + tile, w->rows);
         td_cpu_matmul_f32act(w->type, w->data, w->stride, t->x, t->ldx, t->n_rows, w->cols, t->y[i],
                              t->ldy[i], (int)r0, (int)r1);
     }
