@@ -61,7 +61,8 @@ void td_cpu_act_quant(td_dtype wtype, const float *x, void *xq, int64_t k);
 /* y[t * ldy + r] = dot(W row r, x row t) for t in [0, n), r in [r0, r1).
  * w: weight rows of k elements of type wtype, row r at w + r * w_stride bytes.
  * xq: n activation rows made by td_cpu_act_quant, row t at xq + t * xq_stride.
- * y: (n, ldy) floats. */
+ * y: (n, ldy) floats. The SIMD kernels keep unpacked weight tiles and
+ * per-token scale vectors on the stack: up to about 160 KiB per call. */
 void td_cpu_matmul(td_dtype wtype, const void *w, size_t w_stride, const void *xq, size_t xq_stride,
                    int n, int64_t k, float *y, size_t ldy, int r0, int r1);
 
