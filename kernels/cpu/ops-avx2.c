@@ -586,16 +586,19 @@ void td_cpu_softmax_avx2(float *x, int64_t n) {
 }
 
 /* head_dim is a multiple of 8 for every supported model; other sizes take a
- * scalar tail. */
+ * scalar tail. Positions are walked block by block (no division). */
 void td_cpu_attn_paged_avx2(const float *q, const td_cpu_kv_layer *kv, int kv_head,
                             const int32_t *block_table, int n_ctx, float scale, float *out,
                             float *scratch) {
-    int hd = kv->head_dim, bs = kv->block_size;
-    int hv = hd & ~7;
-    size_t tok_stride = (size_t)kv->n_kv_heads * hd;
+    const int hd = kv->head_dim, bs = kv->block_size;
+    const int hv = hd & ~7;
+    const size_t tok_stride = (size_t)kv->n_kv_heads * hd;
+    const float *kbase = kv->k + (size_t)kv_head * hd;
+    const float *vbase = kv->v + (size_t)kv_head * hd;
+    int blk = 0, slot = 0;
     for (int p = 0; p < n_ctx; p++) {
-        const float *k =
-            kv->k + ((size_t)block_table[p / bs] * bs + p % bs) * tok_stride + (size_t)kv_head * hd;
+        const float *k = kbase + ((size_t)block_table[blk] * bs + slot) * tok_stride;
+        if (++slot == bs) slot = 0, blk++;
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
         int i = 0;
         for (; i + 16 <= hv; i += 16) {
@@ -612,9 +615,10 @@ void td_cpu_attn_paged_avx2(const float *q, const td_cpu_kv_layer *kv, int kv_he
     int i = 0;
     for (; i + 32 <= hv; i += 32) { /* 4 accumulators: positions in order for each lane */
         __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+        blk = 0, slot = 0;
         for (int p = 0; p < n_ctx; p++) {
-            const float *v = kv->v + ((size_t)block_table[p / bs] * bs + p % bs) * tok_stride +
-                             (size_t)kv_head * hd + i;
+            const float *v = vbase + ((size_t)block_table[blk] * bs + slot) * tok_stride + i;
+            if (++slot == bs) slot = 0, blk++;
             __m256 a = _mm256_set1_ps(scratch[p]);
             o0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(v), o0);
             o1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(v + 8), o1);
@@ -628,18 +632,22 @@ void td_cpu_attn_paged_avx2(const float *q, const td_cpu_kv_layer *kv, int kv_he
     }
     for (; i + 8 <= hv; i += 8) {
         __m256 o0 = _mm256_setzero_ps();
+        blk = 0, slot = 0;
         for (int p = 0; p < n_ctx; p++) {
-            const float *v = kv->v + ((size_t)block_table[p / bs] * bs + p % bs) * tok_stride +
-                             (size_t)kv_head * hd + i;
+            const float *v = vbase + ((size_t)block_table[blk] * bs + slot) * tok_stride + i;
+            if (++slot == bs) slot = 0, blk++;
             o0 = _mm256_fmadd_ps(_mm256_set1_ps(scratch[p]), _mm256_loadu_ps(v), o0);
         }
         _mm256_storeu_ps(out + i, o0);
     }
     for (; i < hd; i++) {
         float o = 0.0f;
-        for (int p = 0; p < n_ctx; p++)
-            o += scratch[p] * kv->v[((size_t)block_table[p / bs] * bs + p % bs) * tok_stride +
-                                    (size_t)kv_head * hd + i];
+        blk = 0, slot = 0;
+        for (int p = 0; p < n_ctx; p++) {
+            const float *v = vbase + ((size_t)block_table[blk] * bs + slot) * tok_stride + i;
+            if (++slot == bs) slot = 0, blk++;
+            o += scratch[p] * v[0];
+        }
         out[i] = o;
     }
 }
