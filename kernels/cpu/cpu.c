@@ -1,5 +1,6 @@
 /* Run-time ISA selection, conversions, row quantization and the public entry
  * points that forward to the selected kernel table. */
+#include <cpuid.h>
 #include <math.h>
 
 #include "cpu-impl.h"
@@ -7,13 +8,19 @@
 static const td_cpu_ops *g_ops = &td_cpu_ops_scalar;
 static td_isa g_isa = TD_ISA_SCALAR;
 
+/* F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does
+ * not know the "f16c" feature name. */
+static bool cpu_has_f16c(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+}
+
 static bool isa_supported(td_isa isa) {
     switch (isa) {
     case TD_ISA_SCALAR: return true;
     case TD_ISA_AVX2:
         __builtin_cpu_init();
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
     case TD_ISA_AVX512:
         __builtin_cpu_init();
         return isa_supported(TD_ISA_AVX2) && __builtin_cpu_supports("avx512f") &&
