@@ -5,7 +5,9 @@
  * with the activations per 16 elements), then one fixed horizontal sum.
  * Two paths produce those same roundings:
  *   - register path (few tokens, decode): each weight block is dequantized
- *     in registers and used at once, so the weights stream from memory once;
+ *     in registers and used at once, so the weights stream from memory once,
+ *     one row at a time (a single sequential stream per thread: decode
+ *     measured 1.3-1.4x faster than with four rows interleaved);
  *   - tiled path (prefill): a tile of weight rows is dequantized once per
  *     token chunk into a thread-local f32 scratch, and a rows x tokens FMA
  *     micro-kernel runs over it.
@@ -19,7 +21,7 @@
 #define AI     static inline __attribute__((always_inline))
 
 #define RR     4            /* weight rows per tile */
-#define TREG   3            /* tokens per tile, register path */
+#define TREG   3            /* tokens per tile, register path (one weight row per tile) */
 #define TBUF   6            /* tokens per tile, tiled path */
 #define MIN_TB 4            /* tokens from which the tiled path is used */
 #define XCHUNK (192 * 1024) /* activation bytes of one token chunk (L2) */
@@ -44,6 +46,24 @@ AI float hsum(__m512 v) {
 
 /* Block b of a row: lo = elements 0-15, hi = elements 16-31. */
 AI void deq_block(const td_dtype WT, const char *row, int64_t b, __m512 *lo, __m512 *hi) {
+    /* float types: 32-element groups, converted exactly */
+    if (WT == TD_TYPE_F32) {
+        *lo = _mm512_loadu_ps((const float *)row + b * 32);
+        *hi = _mm512_loadu_ps((const float *)row + b * 32 + 16);
+        return;
+    }
+    if (WT == TD_TYPE_F16 || WT == TD_TYPE_BF16) {
+        const __m256i *p = (const __m256i *)((const td_fp16 *)row + b * 32);
+        __m256i h0 = _mm256_loadu_si256(p), h1 = _mm256_loadu_si256(p + 1);
+        if (WT == TD_TYPE_F16) {
+            *lo = _mm512_cvtph_ps(h0);
+            *hi = _mm512_cvtph_ps(h1);
+        } else {
+            *lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16));
+            *hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h1), 16));
+        }
+        return;
+    }
     if (WT == TD_TYPE_Q8_0) {
         const td_block_q8_0 *bl = (const td_block_q8_0 *)row + b;
         const __m512 d = bcast_h(&bl->d);
@@ -93,9 +113,7 @@ AI void tile_store(const int R, const int T, __m512 acc[RR][TBUF], float *y, siz
 /* Register path: R rows x T tokens straight from the weight blocks. */
 AI void kern_reg(const td_dtype WT, const int R, const int T, const char *w, size_t ws,
                  const float *x, size_t ldx, int64_t nb, float *y, size_t ldy) {
-    const size_t BS = WT == TD_TYPE_Q4_0   ? sizeof(td_block_q4_0)
-                      : WT == TD_TYPE_Q4_1 ? sizeof(td_block_q4_1)
-                                           : sizeof(td_block_q8_0);
+    const size_t BS = td_dtype_row_bytes(WT, 32); /* bytes of 32 elements */
     __m512 acc[RR][TBUF];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
@@ -152,13 +170,14 @@ AI void kern_buf(const int R, const int T, const float *wf, const float *x, size
 #define DEF_REG(NAME, WT)                                                                          \
     static void NAME(int R, int T, const char *w, size_t ws, const float *x, size_t ldx,           \
                      int64_t nb, float *y, size_t ldy) {                                           \
-        switch (R * 8 + T) {                                                                       \
-            REG_ROW(WT, 1) REG_ROW(WT, 2) REG_ROW(WT, 3) REG_ROW(WT, 4) default : abort();         \
-        }                                                                                          \
+        switch (R * 8 + T) { REG_ROW(WT, 1) default : abort(); }                                   \
     }
 DEF_REG(reg_q40, TD_TYPE_Q4_0)
 DEF_REG(reg_q41, TD_TYPE_Q4_1)
 DEF_REG(reg_q80, TD_TYPE_Q8_0)
+DEF_REG(reg_f32, TD_TYPE_F32)
+DEF_REG(reg_f16, TD_TYPE_F16)
+DEF_REG(reg_bf16, TD_TYPE_BF16)
 
 #define BUF_CASE(R, T)                                                                             \
     case (R)*8 + (T):                                                                              \
@@ -189,6 +208,9 @@ static void deq_rows_any(td_dtype wt, const char *w, size_t ws, int R, int64_t k
     case TD_TYPE_Q4_0: deq_rows(TD_TYPE_Q4_0, w, ws, R, k, wf); return;
     case TD_TYPE_Q4_1: deq_rows(TD_TYPE_Q4_1, w, ws, R, k, wf); return;
     case TD_TYPE_Q8_0: deq_rows(TD_TYPE_Q8_0, w, ws, R, k, wf); return;
+    case TD_TYPE_F32: deq_rows(TD_TYPE_F32, w, ws, R, k, wf); return;
+    case TD_TYPE_F16: deq_rows(TD_TYPE_F16, w, ws, R, k, wf); return;
+    case TD_TYPE_BF16: deq_rows(TD_TYPE_BF16, w, ws, R, k, wf); return;
     default: TD_KERNEL_UNREACHABLE_TYPE(wt);
     }
 }
@@ -201,13 +223,15 @@ void td_qmm_avx512(td_dtype wt, const void *w, size_t ws, const float *x, size_t
                     size_t) = wt == TD_TYPE_Q4_0   ? reg_q40
                               : wt == TD_TYPE_Q4_1 ? reg_q41
                               : wt == TD_TYPE_Q8_0 ? reg_q80
+                              : wt == TD_TYPE_F32  ? reg_f32
+                              : wt == TD_TYPE_F16  ? reg_f16
+                              : wt == TD_TYPE_BF16 ? reg_bf16
                                                    : NULL;
         if (!reg) TD_KERNEL_UNREACHABLE_TYPE(wt);
         for (int t = 0; t < n; t += TREG) {
             const int tt = n - t < TREG ? n - t : TREG;
-            for (int r = r0; r < r1; r += RR) {
-                const int rr = r1 - r < RR ? r1 - r : RR;
-                reg(rr, tt, (const char *)w + (size_t)r * ws, ws, x + (size_t)t * ldx, ldx, nb,
+            for (int r = r0; r < r1; r++) {
+                reg(1, tt, (const char *)w + (size_t)r * ws, ws, x + (size_t)t * ldx, ldx, nb,
                     y + (size_t)t * ldy + (size_t)r, ldy);
             }
         }

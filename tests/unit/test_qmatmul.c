@@ -5,7 +5,8 @@
  * and the thread split.
  *
  * The reference decodes blocks from the GGUF definitions written here
- * (q4_0: d*(q-8), q4_1: d*q+m, q8_0: d*q; fp16 by its formula) and sums in
+ * (q4_0: d*(q-8), q4_1: d*q+m, q8_0: d*q; fp16 by its formula; bf16 as the
+ * top half of an f32) and sums in
  * double. Tolerance: the kernel rounds each dequantized weight once (q4_1
  * only: d*q is exact in f32) and sums k products in f32 with lane
  * accumulators (k/8 terms per lane at most, then a tree of at most 4 levels),
@@ -28,7 +29,8 @@
 #include "kernels/cpu/qmatmul.h"
 
 static const td_isa k_isas[] = {TD_ISA_SCALAR, TD_ISA_AVX2, TD_ISA_AVX512};
-static const td_dtype k_qtypes[] = {TD_TYPE_Q4_0, TD_TYPE_Q4_1, TD_TYPE_Q8_0};
+static const td_dtype k_types[] = {TD_TYPE_Q4_0, TD_TYPE_Q4_1, TD_TYPE_Q8_0,
+                                   TD_TYPE_F16,  TD_TYPE_BF16, TD_TYPE_F32};
 
 static uint64_t g_rng = 0x243f6a8885a308d3ull;
 static uint64_t rnd64(void) { /* xorshift64* */
@@ -77,6 +79,17 @@ static double ref_w(td_dtype t, const uint8_t *row, int64_t b, int j) {
     }
     case TD_TYPE_F16:
         return ref_h2f((uint16_t)(row[2 * (32 * b + j)] | row[2 * (32 * b + j) + 1] << 8));
+    case TD_TYPE_BF16: { /* the top half of an IEEE single */
+        uint32_t u = (uint32_t)(row[2 * (32 * b + j)] | row[2 * (32 * b + j) + 1] << 8) << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    case TD_TYPE_F32: {
+        float f;
+        memcpy(&f, row + 4 * (32 * b + j), 4);
+        return f;
+    }
     default: fail_msg("type %d", t); return 0;
     }
 }
@@ -86,7 +99,9 @@ static size_t row_bytes(td_dtype t, int64_t k) {
     case TD_TYPE_Q4_0: return (size_t)k / 32 * 18;
     case TD_TYPE_Q4_1: return (size_t)k / 32 * 20;
     case TD_TYPE_Q8_0: return (size_t)k / 32 * 34;
-    case TD_TYPE_F16: return (size_t)k * 2;
+    case TD_TYPE_F16:
+    case TD_TYPE_BF16: return (size_t)k * 2;
+    case TD_TYPE_F32: return (size_t)k * 4;
     default: fail_msg("type %d", t); return 0;
     }
 }
@@ -97,6 +112,21 @@ static size_t row_bytes(td_dtype t, int64_t k) {
 static void fill_weights(td_dtype t, uint8_t *w, int rows, int64_t k, size_t stride, bool exact) {
     for (int r = 0; r < rows; r++) {
         uint8_t *row = w + (size_t)r * stride;
+        if (t == TD_TYPE_F32 || t == TD_TYPE_BF16) {
+            for (int64_t i = 0; i < k; i++) {
+                float f =
+                    exact ? (float)((int)(rnd64() % 9) - 4) * 0.25f : (float)(urand() * 0.2 - 0.1);
+                uint32_t u;
+                memcpy(&u, &f, 4);
+                if (t == TD_TYPE_BF16) {
+                    uint16_t h = (uint16_t)(u >> 16); /* truncation: still a bf16 value */
+                    memcpy(row + 2 * i, &h, 2);
+                } else {
+                    memcpy(row + 4 * i, &u, 4);
+                }
+            }
+            continue;
+        }
         if (t == TD_TYPE_F16) {
             for (int64_t i = 0; i < k; i++) {
                 uint16_t h = exact ? h_bits((int)(rnd64() & 1), (int)(rnd64() % 4) - 2, 0)
@@ -159,13 +189,12 @@ static void check_case(const mcase *c, bool exact) {
     for (int t = 0; t < c->n; t++) {
         for (int r = 0; r < c->rows; r++) {
             double s = 0, sa = 0;
-            for (int64_t b = 0; b < c->k / 32; b++)
-                for (int j = 0; j < 32; j++) {
-                    double p = ref_w(c->t, w + (size_t)r * stride, b, j) *
-                               x[(size_t)t * ldx + (size_t)b * 32 + (size_t)j];
-                    s += p;
-                    sa += fabs(p);
-                }
+            for (int64_t i = 0; i < c->k; i++) {
+                double p = ref_w(c->t, w + (size_t)r * stride, i / 32, (int)(i % 32)) *
+                           x[(size_t)t * ldx + (size_t)i];
+                s += p;
+                sa += fabs(p);
+            }
             double got = y[(size_t)t * ldy + (size_t)r];
             double tol = exact ? 0 : ((double)c->k / 8 + 6) * ldexp(1, -24) * sa;
             if (!(fabs(got - s) <= tol))
@@ -186,7 +215,10 @@ static const mcase k_cases[] = {
     {TD_TYPE_Q4_0, 37, 8, 576},   {TD_TYPE_Q4_1, 37, 1, 576}, {TD_TYPE_Q8_0, 37, 13, 576},
     {TD_TYPE_Q4_1, 19, 37, 1536}, {TD_TYPE_Q4_0, 6, 2, 4096}, {TD_TYPE_Q8_0, 7, 9, 1536},
     {TD_TYPE_Q4_1, 5, 6, 16416}, /* longer than the tiled paths' scratch */
-    {TD_TYPE_F16, 9, 7, 96},
+    {TD_TYPE_F16, 9, 7, 96},      {TD_TYPE_F16, 9, 1, 576},   {TD_TYPE_BF16, 11, 5, 576},
+    {TD_TYPE_BF16, 3, 2, 64},     {TD_TYPE_F32, 10, 9, 128},  {TD_TYPE_F32, 4, 1, 1536},
+    {TD_TYPE_F32, 5, 6, 40}, /* float rows of any length (not a multiple of 32) */
+    {TD_TYPE_F16, 3, 5, 16416},
 };
 
 static void test_reference(void **state) {
@@ -239,8 +271,8 @@ static void test_invariance(void **state) {
     fill_x(x, INV_N, INV_K, INV_K, false);
     static const int ns[] = {1, 2, 3, 4, 5, 7, 8, 37, 512};
     static const int splits[][2] = {{0, 37}, {0, 1}, {1, 6}, {6, 7}, {7, 20}, {20, 37}, {3, 4}};
-    for (size_t ti = 0; ti < 3; ti++) {
-        td_dtype t = k_qtypes[ti];
+    for (size_t ti = 0; ti < sizeof k_types / sizeof k_types[0]; ti++) {
+        td_dtype t = k_types[ti];
         size_t stride = row_bytes(t, INV_K);
         uint8_t *w = malloc(stride * INV_ROWS);
         assert_non_null(w);
