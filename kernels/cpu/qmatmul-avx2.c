@@ -14,7 +14,7 @@
 #define AI     static inline __attribute__((always_inline))
 
 #define RR     4 /* weight rows per tile */
-#define TREG   2 /* tokens per tile, register path */
+#define TREG   3 /* tokens per tile, register path (one weight row per tile) */
 #define TBUF   2 /* tokens per tile, tiled path */
 #define MIN_TB 4 /* tokens from which the tiled path is used */
 #define XCHUNK (192 * 1024)
@@ -58,7 +58,7 @@ AI __m256 deq_step(const td_dtype WT, const char *row, int64_t b, const int s, _
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
 }
 
-AI void tile_store(const int R, const int T, __m256 acc[RR][TBUF], float *y, size_t ldy) {
+AI void tile_store(const int R, const int T, __m256 acc[RR][TREG], float *y, size_t ldy) {
 #pragma GCC unroll 8
     for (int t = 0; t < T; t++)
 #pragma GCC unroll 8
@@ -67,7 +67,7 @@ AI void tile_store(const int R, const int T, __m256 acc[RR][TBUF], float *y, siz
 
 AI void kern_reg(const td_dtype WT, const int R, const int T, const char *w, size_t ws,
                  const float *x, size_t ldx, int64_t nb, float *y, size_t ldy) {
-    __m256 acc[RR][TBUF];
+    __m256 acc[RR][TREG];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
@@ -97,7 +97,7 @@ AI void kern_reg(const td_dtype WT, const int R, const int T, const char *w, siz
 
 AI void kern_buf(const int R, const int T, const float *wf, const float *x, size_t ldx, int64_t k,
                  float *y, size_t ldy) {
-    __m256 acc[RR][TBUF];
+    __m256 acc[RR][TREG];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
@@ -120,13 +120,11 @@ AI void kern_buf(const int R, const int T, const float *wf, const float *x, size
     case (R)*8 + (T):                                                                              \
         kern_reg(WT, R, T, w, ws, x, ldx, nb, y, ldy);                                             \
         return;
-#define REG_ROW(WT, R) REG_CASE(WT, R, 1) REG_CASE(WT, R, 2)
+#define REG_ROW(WT, R) REG_CASE(WT, R, 1) REG_CASE(WT, R, 2) REG_CASE(WT, R, 3)
 #define DEF_REG(NAME, WT)                                                                          \
     static void NAME(int R, int T, const char *w, size_t ws, const float *x, size_t ldx,           \
                      int64_t nb, float *y, size_t ldy) {                                           \
-        switch (R * 8 + T) {                                                                       \
-            REG_ROW(WT, 1) REG_ROW(WT, 2) REG_ROW(WT, 3) REG_ROW(WT, 4) default : abort();         \
-        }                                                                                          \
+        switch (R * 8 + T) { REG_ROW(WT, 1) default : abort(); }                                   \
     }
 DEF_REG(reg_q40, TD_TYPE_Q4_0)
 DEF_REG(reg_q41, TD_TYPE_Q4_1)
@@ -178,9 +176,8 @@ void td_qmm_avx2(td_dtype wt, const void *w, size_t ws, const float *x, size_t l
         if (!reg) TD_KERNEL_UNREACHABLE_TYPE(wt);
         for (int t = 0; t < n; t += TREG) {
             const int tt = n - t < TREG ? n - t : TREG;
-            for (int r = r0; r < r1; r += RR) {
-                const int rr = r1 - r < RR ? r1 - r : RR;
-                reg(rr, tt, (const char *)w + (size_t)r * ws, ws, x + (size_t)t * ldx, ldx, nb,
+            for (int r = r0; r < r1; r++) { /* one row: one sequential stream */
+                reg(1, tt, (const char *)w + (size_t)r * ws, ws, x + (size_t)t * ldx, ldx, nb,
                     y + (size_t)t * ldy + (size_t)r, ldy);
             }
         }

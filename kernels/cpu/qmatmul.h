@@ -4,8 +4,9 @@
  * GGUF defines them (q4_0: d*(q-8); q4_1: d*q+m; q8_0: d*q; d and m fp16),
  * to f32, and multiplied with the f32 activations by f32 FMAs: the result is
  * an f32 GEMM of the dequantized weights, with no activation quantization
- * error. Float weights (F32, F16, BF16) go to td_cpu_matmul, whose
- * activation format for them is plain f32 rows.
+ * error. Float weights (F32, F16, BF16) are converted exactly the same way
+ * by the AVX-512 kernels when k is a multiple of 32, and otherwise go to
+ * td_cpu_matmul, whose activation format for them is plain f32 rows.
  *
  * Invariance (as cpu.h): for one selected ISA, the value of a (row, token)
  * pair is computed by the same sequence of roundings whatever n, r0, r1 and
