@@ -24,15 +24,11 @@
 
 #include "kernels/cpu/qmatmul.h"
 
-#define N_MM 3 /* most weights sharing one input in a matmul step */
-#ifndef ROW_TILE
-#define ROW_TILE 16 /* matmul output rows are split between threads in tiles */
-#endif
-#ifndef ROW_TILE_FEW
+#define N_MM         3  /* most weights sharing one input in a matmul step */
+#define ROW_TILE     16 /* matmul output rows are split between threads in tiles */
 #define ROW_TILE_FEW 64 /* the same for fewer than MIN_PAR_ROWS token rows (decode) */
-#endif
-#define MIN_PAR_ROWS 4 /* fewer token rows than this: elementwise steps run inline */
-#define ROW_CHUNK    4 /* token rows claimed at a time by elementwise steps */
+#define MIN_PAR_ROWS 4  /* fewer token rows than this: elementwise steps run inline */
+#define ROW_CHUNK    4  /* token rows claimed at a time by elementwise steps */
 
 struct td_engine {
     const td_model *m;
