@@ -174,7 +174,7 @@ typedef struct {
 /* Runs y = W x on the selected ISA and checks every entry against the
  * reference; exact: the entry must be equal. */
 static void check_case(const mcase *c, bool exact) {
-    size_t stride = row_bytes(c->t, c->k) + 6; /* rows need not be packed */
+    size_t stride = row_bytes(c->t, c->k) + 8; /* rows need not be packed */
     size_t ldx = (size_t)c->k + 3, ldy = (size_t)c->rows + 2;
     uint8_t *w = malloc(stride * (size_t)c->rows);
     float *x = malloc(sizeof(float) * ldx * (size_t)c->n);
