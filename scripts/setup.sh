@@ -23,7 +23,7 @@ fi
 # Python packages for tests and tools only (never needed at run time).
 PY=${PYTHON:-python3}
 PIP_PKGS=(pytest numpy gguf safetensors tokenizers openai grpcio grpcio-tools jinja2)
-if ! $PY -c "import pytest, numpy, gguf, safetensors, tokenizers" 2>/dev/null; then
+if ! $PY -c "import pytest, numpy, gguf, safetensors, tokenizers, openai, grpc, grpc_tools, jinja2" 2>/dev/null; then
   $PY -m pip install -q "${PIP_PKGS[@]}" 2>/dev/null ||
     $PY -m pip install -q --break-system-packages "${PIP_PKGS[@]}"
 fi
