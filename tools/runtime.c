@@ -39,7 +39,8 @@ td_runtime_params td_runtime_default_params(void) {
 }
 
 int32_t td_runtime_blocks_for(const td_runtime *rt, int32_t n_tokens) {
-    return (n_tokens + rt->block_size - 1) / rt->block_size;
+    /* in 64 bits: n_tokens near INT32_MAX (--ctx) must not wrap negative */
+    return (int32_t)(((int64_t)n_tokens + rt->block_size - 1) / rt->block_size);
 }
 
 static td_status select_isa(const td_runtime_params *p, td_isa *isa_p) {

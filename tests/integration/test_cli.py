@@ -156,6 +156,21 @@ def test_not_a_model(tmp_path):
     assert "garbage.gguf" in r.stderr.decode(errors="replace")
 
 
+def test_generate_huge_ctx_does_not_wrap(tiny_gguf):
+    # --ctx up to INT32_MAX is accepted; the KV block count for it must not
+    # overflow int32 (it used to wrap negative: "invalid KV pool parameters").
+    # The pool is then either too large to map (a clean error) or mapped
+    # lazily and the short generation runs.
+    r = run("generate", "--model", tiny_gguf, "--prompt", "x", "--max-tokens", "2",
+            "--threads", "1", "--ctx", "2147483647")
+    err = r.stderr.decode(errors="replace")
+    assert r.returncode >= 0, f"killed by signal {signal.Signals(-r.returncode).name}"
+    assert r.returncode in (0, 1), (r.returncode, err)
+    assert "invalid KV pool parameters" not in err, err
+    if r.returncode == 1:
+        assert re.search(r"KV|memory", err), err
+
+
 @pytest.mark.parametrize("args", [
     ["generate", "--no-such-flag", "--prompt", "x"],
     ["generate", "--prompt"],
