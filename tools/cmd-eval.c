@@ -150,8 +150,9 @@ int td_cmd_eval(int argc, char **argv) {
         case 'i': isa = optarg; break;
         case 'b': batch = 1; break;
         case 'j':
-            if (parse_int(optarg, 1, &threads)) {
-                fprintf(stderr, "tandem eval: --threads needs a positive integer\n");
+            /* the same bound as generate and bench-engine */
+            if (parse_int(optarg, 1, &threads) || threads > 4096) {
+                fprintf(stderr, "tandem eval: --threads needs an integer in [1, 4096]\n");
                 return 2;
             }
             break;

@@ -119,6 +119,7 @@ def test_unreadable_files_exit_1(model, tmp_path):
     ["--tokens", "x.json"],
     ["--chunk", "0", "--tokens", "x.json", "--out", "o.bin"],
     ["--threads", "abc", "--tokens", "x.json", "--out", "o.bin"],
+    ["--threads", "4097", "--tokens", "x.json", "--out", "o.bin"],  # generate's bound
     ["--bogus"],
 ])
 def test_usage_exit_2(args):
