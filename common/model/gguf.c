@@ -11,6 +11,9 @@
  * before anything is allocated for it. */
 #include "gguf.h"
 
+#include <float.h>
+#include <math.h>
+
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
@@ -916,6 +919,8 @@ td_status td_gguf_get_f32(const td_gguf *g, const char *key, float *v_p) {
     if (kv->type == TD_GGUF_FLOAT64) {
         double d;
         memcpy(&d, kv->raw, 8);
+        /* Converting a finite double outside float's range is undefined. */
+        if (isfinite(d) && fabs(d) > FLT_MAX) return TD_ERR_FORMAT;
         *v_p = (float)d;
         return TD_OK;
     }

@@ -593,6 +593,38 @@ static void test_no_tensors(void **state) {
 }
 
 /* The error names the file and the tensor. */
+/* A FLOAT64 value outside float's range is a format error, not an
+ * (undefined) conversion; an in-range one converts. */
+static void test_f64_out_of_float_range(void **state) {
+    (void)state;
+    layout L;
+    wbuf b = make_gguf(3, 64, &L);
+    const uint64_t want = 0x4002000000000000ull; /* 2.25, the k.f64 value */
+    size_t at = SIZE_MAX;
+    for (size_t i = 0; i + 8 <= b.n; i++) {
+        uint64_t v;
+        memcpy(&v, b.p + i, 8);
+        if (v == want) {
+            at = i;
+            break;
+        }
+    }
+    assert_true(at != SIZE_MAX);
+    td_gguf *g = NULL;
+    float f = 0;
+    assert_int_equal(td_gguf_open_buffer(b.p, b.n, "f64.gguf", &g), TD_OK);
+    assert_int_equal(td_gguf_get_f32(g, "k.f64", &f), TD_OK);
+    assert_true(f == 2.25f);
+    td_gguf_close(g);
+    patch_u64(&b, at, 0x7e37e43c8800759cull); /* 1e300 */
+    assert_int_equal(td_gguf_open_buffer(b.p, b.n, "f64.gguf", &g), TD_OK);
+    f = 7.0f;
+    assert_int_equal(td_gguf_get_f32(g, "k.f64", &f), TD_ERR_FORMAT);
+    assert_true(f == 7.0f); /* untouched on failure */
+    td_gguf_close(g);
+    free(b.p);
+}
+
 static void test_error_message(void **state) {
     (void)state;
     layout L;
@@ -878,6 +910,7 @@ int main(void) {
         cmocka_unit_test(test_corrupt_variants),
         cmocka_unit_test(test_deep_nesting),
         cmocka_unit_test(test_no_tensors),
+        cmocka_unit_test(test_f64_out_of_float_range),
         cmocka_unit_test(test_error_message),
         cmocka_unit_test(test_dtype_names),
         cmocka_unit_test(test_default_model),
