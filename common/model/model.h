@@ -3,10 +3,12 @@
  * shard for (tp_rank, tp_size) and the layer range [layer_begin, layer_end)
  * of a pipeline stage.
  *
- * Weight matrices point into the memory-mapped file wherever the shard is
- * a contiguous slice (column-parallel: Q/K/V/gate/up rows); row-parallel
- * shards (attn_output, ffn_down columns) and converted small tensors (norms,
- * biases as F32) are owned copies. The model file is untrusted input: a
+ * Weight matrices point into the memory-mapped file: column-parallel
+ * shards (Q/K/V/gate/up rows) are contiguous slices, row-parallel shards
+ * (attn_output, ffn_down columns) keep the full row stride and start at the
+ * shard's first column block. Only tensors whose data is not suitably
+ * aligned in the file, and converted small tensors (norms, biases as F32),
+ * are owned copies. The model file is untrusted input: a
  * missing tensor, a shape mismatch, an unknown type or an inconsistent
  * config is one logged line naming the file and tensor, and an error. */
 #ifndef TD_MODEL_H
