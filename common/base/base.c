@@ -16,6 +16,8 @@ const char *td_status_str(td_status st) {
     case TD_ERR_NOT_FOUND: return "not found";
     case TD_ERR_RANGE: return "out of range";
     case TD_ERR_INTERNAL: return "internal error";
+    case TD_ERR_UNAVAILABLE: return "unavailable";
+    case TD_ERR_CANCELLED: return "cancelled";
     case TD_AGAIN: return "try again";
     case TD_NO_KV_BLOCK: return "no free KV block";
     default: return "unknown status";

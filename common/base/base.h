@@ -30,6 +30,8 @@ enum {
     TD_ERR_NOT_FOUND = -6,   /* missing key, tensor, file */
     TD_ERR_RANGE = -7,       /* value out of range (context overflow, ...) */
     TD_ERR_INTERNAL = -8,
+    TD_ERR_UNAVAILABLE = -9, /* not ready, draining or shutting down */
+    TD_ERR_CANCELLED = -10,  /* the request was cancelled */
     TD_AGAIN = 1,       /* transient: retry later */
     TD_NO_KV_BLOCK = 2, /* no free KV block right now */
 };

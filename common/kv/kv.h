@@ -1,6 +1,5 @@
 /* Paged KV block pool: fixed blocks of block_size tokens, ref-counted, one
- * allocator for the whole instance (the serving issue adds the prefix cache
- * on top of this same pool).
+ * allocator for the whole instance, with a prefix cache on the same blocks.
  *
  * Storage: per layer one K region and one V region, each laid out as
  * (n_blocks, block_size, n_kv_heads, head_dim) floats, so a run of
@@ -10,7 +9,11 @@
 #ifndef TD_KV_H
 #define TD_KV_H
 
+#include <stdbool.h>
+
 #include "../base/base.h"
+#include "events.h"
+#include "hash.h"
 
 typedef struct {
     int n_layers;   /* layers held by this rank (its pipeline stage) */
@@ -18,6 +21,8 @@ typedef struct {
     int head_dim;
     int block_size;   /* tokens per block, default 16 */
     int32_t n_blocks; /* blocks in the pool */
+    uint32_t event_capacity; /* KV events kept for the router (default 65536) */
+    uint64_t epoch;          /* this run's id in the event log; 0 (default): random */
 } td_kv_params;
 
 typedef struct td_kv_pool td_kv_pool;
@@ -31,17 +36,73 @@ td_status td_kv_pool_create(const td_kv_params *p, td_kv_pool **pool_p);
 void td_kv_pool_destroy(td_kv_pool *pool); /* accepts NULL */
 
 const td_kv_params *td_kv_pool_params(const td_kv_pool *pool);
+/* Blocks an allocation can take now: empty blocks plus cached blocks nobody
+ * references (evictable), minus the reservations. */
 int32_t td_kv_pool_n_free(const td_kv_pool *pool);
 
+/* Block accounting. Every block is exactly one of: empty (no data, no
+ * hash), cached (refcount 0, holds a hashed full block, evictable, on the
+ * LRU list) or used (refcount > 0, hashed or not). Reservations are a
+ * count of blocks promised to admitted sequences but not yet allocated.
+ * Idle means used == 0 and reserved == 0. */
+typedef struct {
+    int32_t total;
+    int32_t empty;
+    int32_t cached;   /* unreferenced, evictable */
+    int32_t used;     /* refcount > 0 */
+    int32_t hashed;   /* blocks with a hash in the prefix cache (used or cached) */
+    int32_t reserved; /* promised, not yet allocated */
+    int32_t largest_free_run; /* longest run of consecutive allocatable (empty or cached) ids */
+    double fragmentation;     /* 1 - largest_free_run / (empty + cached); 0 when none free */
+    uint64_t evictions;       /* cached blocks evicted since create */
+} td_kv_counts;
+void td_kv_pool_counts(const td_kv_pool *pool, td_kv_counts *c);
+
+/* The event log the pool appends to (stored / removed hashes); owned by
+ * the pool, thread-safe to read (see events.h). */
+td_kv_events *td_kv_pool_events(td_kv_pool *pool);
+
+/* Reservations: td_kv_reserve promises n blocks to a caller (TD_NO_KV_BLOCK
+ * and nothing changes if fewer than n are free, reservations counted);
+ * td_kv_unreserve returns a promise that will not be used. A reserved
+ * allocation (td_kv_block_alloc_reserved) consumes the promise. */
+td_status td_kv_reserve(td_kv_pool *pool, int32_t n);
+void td_kv_unreserve(td_kv_pool *pool, int32_t n);
+
 /* Allocates n blocks with refcount 1, all or nothing, into ids[0..n).
- * Returns TD_NO_KV_BLOCK (pool unchanged) if fewer than n are free. */
+ * Prefers empty blocks (lowest run of n consecutive ids, else the lowest
+ * ids); when empty blocks run out it evicts cached blocks, least recently
+ * used first (each eviction logs a "removed" event). Returns TD_NO_KV_BLOCK
+ * (pool unchanged) if fewer than n are free (reservations counted). */
 td_status td_kv_block_alloc(td_kv_pool *pool, int32_t n, int32_t *ids);
-/* Adds a reference to a block. */
+/* The same, taking n blocks from the caller's reservation (the caller must
+ * hold n reserved); never fails for lack of blocks. */
+td_status td_kv_block_alloc_reserved(td_kv_pool *pool, int32_t n, int32_t *ids);
+/* Adds a reference to a used block. */
 void td_kv_block_ref(td_kv_pool *pool, int32_t id);
-/* Drops one reference to each of ids[0..n); a block whose count reaches
- * zero returns to the free list. */
+/* Drops one reference to each of ids[0..n). A block whose count reaches
+ * zero becomes cached (MRU end of the LRU list) if it has a hash, else
+ * empty. Ids are released in reverse order so a sequence's tail blocks are
+ * evicted before its head (the head is the more shared prefix). */
 void td_kv_block_free(td_kv_pool *pool, const int32_t *ids, int32_t n);
 int32_t td_kv_block_refcount(const td_kv_pool *pool, int32_t id);
+
+/* Prefix cache. A block may be published once it is full (its block_size
+ * tokens written): td_kv_cache_insert gives used block `id` the hash h and
+ * logs a "stored" event. If another block already holds h, nothing changes
+ * and false is returned (the caller's block stays unhashed and becomes
+ * empty when freed). A block keeps its hash until evicted. */
+bool td_kv_cache_insert(td_kv_pool *pool, int32_t id, td_kv_hash h);
+/* Longest cached prefix: walks hashes[0..n) in order and stops at the first
+ * miss; for each hit takes a reference (a cached block becomes used and
+ * leaves the LRU list) and writes its id to ids[]. Returns the number of
+ * leading hits. */
+int32_t td_kv_cache_acquire(td_kv_pool *pool, const td_kv_hash *hashes, int32_t n, int32_t *ids);
+/* Leading hits without taking anything (for routing and admission checks). */
+int32_t td_kv_cache_probe(const td_kv_pool *pool, const td_kv_hash *hashes, int32_t n);
+/* Drops every cached (unreferenced) block: they become empty, with
+ * "removed" events. Used blocks keep their hashes. */
+void td_kv_cache_clear(td_kv_pool *pool);
 
 /* Layer l's K / V region: (n_blocks, block_size, n_kv_heads, head_dim). */
 float *td_kv_layer_k(td_kv_pool *pool, int l);

@@ -1,0 +1,43 @@
+/* The gRPC front end (gRPC C core + protobuf-c; messages in
+ * proto/tandem.proto): tandem.v1.Generate/Generate (server streaming;
+ * text or token-id input, the sampling parameters of HTTP; responses a
+ * oneof of chunk / complete / error), tandem.v1.Generate/Abort, and the
+ * standard grpc.health.v1.Health service (SERVING, NOT_SERVING while
+ * draining). Cancelling a call cancels its request. Validation is the
+ * HTTP one (request.h), errors map to gRPC status codes (INVALID_ARGUMENT,
+ * UNAUTHENTICATED, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE) or to an
+ * error message once the stream has started. API keys, when configured,
+ * come as "authorization: Bearer KEY" metadata (health needs none). */
+#ifndef TD_API_GRPC_H
+#define TD_API_GRPC_H
+
+#include <stdbool.h>
+
+#include "../base/base.h"
+#include "../obs/metrics.h"
+#include "../sched/sched.h"
+#include "request.h"
+
+typedef struct {
+    const char *host; /* default "127.0.0.1" */
+    int port;         /* 0: ephemeral */
+    td_sched *sched;
+    td_metrics *metrics; /* may be NULL */
+    td_api_model model;
+    td_api_limits limits;
+    const char *const *api_keys; /* (n_api_keys) copied */
+    int n_api_keys;
+} td_grpc_params;
+
+td_grpc_params td_grpc_default_params(void);
+
+typedef struct td_grpc_server td_grpc_server;
+
+/* Binds and starts the server threads. TD_ERR_IO (logged) if the port
+ * cannot be bound. Stop with td_grpc_server_stop(). */
+td_status td_grpc_server_start(const td_grpc_params *p, td_grpc_server **srv_p);
+int td_grpc_server_port(const td_grpc_server *srv);
+/* Cancels every call in flight, shuts the server down and frees it. Accepts NULL. */
+void td_grpc_server_stop(td_grpc_server *srv);
+
+#endif

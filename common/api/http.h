@@ -1,0 +1,63 @@
+/* The HTTP front end (libmicrohttpd, one thread per connection): the
+ * OpenAI surface of DESIGN.md §7 — POST /v1/completions,
+ * POST /v1/chat/completions (SSE when stream is true), GET /v1/models,
+ * POST /tokenize, POST /detokenize, GET /health, GET /ready, GET /metrics —
+ * and GET /internal/v1/state?since=N for the router.
+ *
+ * Request threads parse into C structs and hand the work to the scheduler
+ * through td_gen_stream (the only hand-off). A client that disconnects
+ * (streaming or not) cancels its request within a second: the waiting
+ * thread polls the connection's socket together with the stream's fd.
+ * Streams send ": ping" comments while nothing else is sent for
+ * ping_interval_s. Errors before the headers are the OpenAI error object
+ * with its status; after the headers, a `data: {"error": ...}` event and
+ * then `data: [DONE]`.
+ *
+ * API keys: "Authorization: Bearer KEY" compared in constant time against
+ * every configured key; every path except /health, /ready and /metrics
+ * needs one when keys are configured (metrics_need_key puts /metrics
+ * behind the key too). */
+#ifndef TD_API_HTTP_H
+#define TD_API_HTTP_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "../base/base.h"
+#include "../obs/metrics.h"
+#include "../sched/sched.h"
+#include "request.h"
+
+typedef struct {
+    const char *host; /* address to bind (default "127.0.0.1"; "::1" and "0.0.0.0" work) */
+    int port;         /* 0: an ephemeral port (see td_http_server_port) */
+    td_sched *sched;
+    td_metrics *metrics; /* may be NULL */
+    td_api_model model;
+    td_api_limits limits;
+    const char *const *api_keys; /* (n_api_keys) copied; none: no auth */
+    int n_api_keys;
+    bool metrics_need_key;
+    int max_connections;      /* default 1024 */
+    size_t max_header_bytes;  /* per-connection memory for the request line + headers
+                               * (default 16 KiB); beyond it libmicrohttpd answers 431/413 */
+    double ping_interval_s;   /* default 5 */
+    int retry_after_s;        /* Retry-After on 429 (default 1) */
+    const char *instance_id;  /* reported by /internal/v1/state (copied; default the host:port) */
+} td_http_params;
+
+td_http_params td_http_default_params(void);
+
+typedef struct td_http_server td_http_server;
+
+/* Binds and starts serving. Everything in p is borrowed (sched, metrics,
+ * tokenizer) or copied (strings). TD_ERR_IO (logged) if the address cannot
+ * be bound. Stop with td_http_server_stop(). */
+td_status td_http_server_start(const td_http_params *p, td_http_server **srv_p);
+/* The port actually bound. */
+int td_http_server_port(const td_http_server *srv);
+/* Stops accepting, closes every connection (their requests are cancelled)
+ * and frees the server. Accepts NULL. */
+void td_http_server_stop(td_http_server *srv);
+
+#endif

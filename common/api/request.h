@@ -1,0 +1,132 @@
+/* OpenAI request parsing and validation, shared by the HTTP and gRPC front
+ * ends: JSON body (or a gRPC message) -> a validated td_api_request ->
+ * prompt tokens + td_gen_request for the scheduler. Rules follow vLLM
+ * (DESIGN.md §7): temperature in [0, 2], top_p in (0, 1], top_k -1 or >= 0
+ * (0 and -1 mean off), min_p in [0, 1], presence/frequency penalties in
+ * [-2, 2], repetition_penalty in (0, 2], max_tokens >= 1, min_tokens <=
+ * max_tokens, 1 <= n <= limits.max_n, at most limits.max_stop non-empty
+ * stop strings, logprobs / top_logprobs in [0, 20], logit_bias ids in the
+ * vocabulary and values in [-100, 100], seed an integer. Wrong JSON types
+ * are 400s naming the parameter; unknown fields are ignored and logged at
+ * INFO once per request ("ignoring unknown fields: a, b"). Both max_tokens
+ * and max_completion_tokens are accepted (the latter wins if both).
+ *
+ * Errors are the OpenAI error object. Thread-safe: no shared state. */
+#ifndef TD_API_REQUEST_H
+#define TD_API_REQUEST_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../base/base.h"
+#include "../sched/sched.h"
+#include "../tokenizer/chat.h"
+#include "../tokenizer/tokenizer.h"
+
+typedef enum {
+    TD_API_COMPLETIONS = 0, /* /v1/completions */
+    TD_API_CHAT = 1,        /* /v1/chat/completions */
+} td_api_kind;
+
+/* An error as the client sees it. */
+typedef struct {
+    int http_status; /* 400, 401, 404, 413, 429, 500, 503 */
+    char type[40];   /* "invalid_request_error", "authentication_error", "not_found_error",
+                      * "rate_limit_error", "server_error", "service_unavailable" */
+    char code[40];   /* e.g. "context_length_exceeded", "model_not_found",
+                      * "invalid_api_key"; "" for none (JSON null) */
+    char param[64];  /* the offending parameter, "" for none (JSON null) */
+    char message[512];
+} td_api_error;
+
+void td_api_error_set(td_api_error *err, int http_status, const char *type, const char *code,
+                      const char *param, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+/* {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+ * malloc'd, NUL-terminated (caller frees); NULL only when out of memory. */
+char *td_api_error_json(const td_api_error *err);
+/* The one status -> error mapping for failures that come from below the
+ * API (td_sched_submit and friends): TD_AGAIN -> 429, TD_ERR_UNAVAILABLE ->
+ * 503, TD_ERR_RANGE -> 400 context_length_exceeded, TD_ERR_INVALID -> 400,
+ * TD_ERR_NOMEM / others -> 500. */
+void td_api_error_from_status(td_api_error *err, td_status st, const char *what);
+
+typedef struct {
+    size_t max_body_bytes; /* default 4 MiB; larger bodies are 413 */
+    int32_t max_n;         /* default 8 */
+    int32_t max_stop;      /* default 16 */
+    int32_t max_prompt_items; /* completions: most prompts in one batch request (default 16) */
+} td_api_limits;
+
+td_api_limits td_api_default_limits(void);
+
+typedef struct {
+    td_api_kind kind;
+    char *model; /* as sent; NULL if absent */
+    /* The prompt, exactly one of: */
+    char **prompts;             /* completions: (n_prompts) strings */
+    int32_t **prompt_ids;       /* completions: (n_prompts) token-id lists ... */
+    int32_t *prompt_ids_len;    /* ... and their lengths */
+    int32_t n_prompts;          /* completions: >= 1 */
+    td_chat_msg *messages;      /* chat: (n_messages), role/content malloc'd */
+    int32_t n_messages;
+    /* Generation. */
+    int32_t max_tokens; /* 0 = not given: up to the context */
+    int32_t min_tokens;
+    int32_t n;
+    bool stream;
+    bool include_usage; /* stream_options.include_usage */
+    td_sampler_params sampling; /* sampling.logit_bias points into logit_bias below */
+    td_logit_bias *logit_bias;
+    int32_t n_logit_bias;
+    bool has_seed;
+    char **stop; /* (n_stop) non-empty */
+    int32_t n_stop;
+    int32_t *stop_ids; /* stop_token_ids (vLLM) */
+    int32_t n_stop_ids;
+    bool logprobs;        /* chat: logprobs=true; completions: logprobs=N given */
+    int32_t top_logprobs; /* chat: top_logprobs; completions: logprobs=N */
+    bool echo;            /* completions: prepend the prompt to the text */
+    bool ignore_eos;
+    bool skip_special_tokens;        /* default true */
+    bool include_stop_str_in_output; /* default false */
+    bool add_generation_prompt;      /* chat, default true */
+    char *user;                      /* accepted, logged only */
+} td_api_request;
+
+/* Parses and validates a JSON body. On failure fills *err (400 for bad
+ * JSON, wrong types and values; 413 for a body over max_body_bytes) and
+ * leaves req empty. On success req owns its allocations: free with
+ * td_api_request_free(). */
+td_status td_api_request_parse(td_api_kind kind, const char *body, size_t len,
+                               const td_api_limits *lim, int32_t n_vocab, td_api_request *req,
+                               td_api_error *err);
+void td_api_request_free(td_api_request *req); /* accepts a zeroed or freed req */
+
+/* What the front ends need to turn a request into scheduler work. */
+typedef struct {
+    const td_tokenizer *tok;
+    td_chat_template chat_template; /* TD_CHAT_UNKNOWN: the template cannot be used (chat is 400) */
+    const char *model_name;         /* served model name; requests naming another are 404 */
+    int32_t max_ctx;                /* context length (prompt + output) */
+} td_api_model;
+
+/* Checks the model name (NULL/absent is accepted), renders the chat
+ * template or takes prompt i (0 <= i < n_prompts; 0 for chat), tokenizes
+ * (BOS as the model says; special tokens are parsed in both kinds, as
+ * vLLM does),
+ * and checks the context: prompt + 1 > max_ctx, or prompt + max_tokens >
+ * max_ctx, is 400 context_length_exceeded. *tokens_p (malloc'd, caller
+ * frees) and *n_p on success; *max_tokens_p: the effective max_tokens
+ * (max_ctx - prompt when not given). */
+td_status td_api_request_tokens(const td_api_model *mdl, const td_api_request *req, int32_t i,
+                                int32_t **tokens_p, int32_t *n_p, int32_t *max_tokens_p,
+                                td_api_error *err);
+
+/* Fills g for choice `choice` (0..n-1) of prompt tokens (borrowed: g points
+ * into req and tokens, which must outlive the submit). A fixed seed gives
+ * choice c the seed + c, so n > 1 choices differ but repeat run to run. */
+void td_api_request_to_gen(const td_api_request *req, const int32_t *tokens, int32_t n_tokens,
+                           int32_t max_tokens, int32_t choice, td_gen_request *g);
+
+#endif

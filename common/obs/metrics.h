@@ -1,0 +1,100 @@
+/* Serving metrics (Prometheus text exposition) and the per-request log line.
+ *
+ * Names follow vLLM exactly where vLLM has the metric (DESIGN.md §7), with
+ * the label model_name="<served model name>"; Tandem's own use the
+ * "tandem:" prefix. Every function is thread-safe (the scheduler thread
+ * records token timings, HTTP/gRPC threads record errors and render).
+ *
+ * Rendered families (counters end in _total in the text):
+ *   gauges     vllm:num_requests_running, vllm:num_requests_waiting,
+ *              vllm:kv_cache_usage_perc (used / total, 0..1),
+ *              tandem:kv_blocks{state="empty|cached|used|reserved|total"},
+ *              tandem:kv_fragmentation, tandem:draining
+ *   counters   vllm:prompt_tokens, vllm:generation_tokens,
+ *              vllm:request_success{finished_reason="stop|length|abort"},
+ *              vllm:prefix_cache_queries, vllm:prefix_cache_hits (tokens),
+ *              vllm:num_preemptions, tandem:kv_evictions,
+ *              tandem:request_errors{code="<http status>",type="<error type>"}
+ *   histograms vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
+ *              vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds,
+ *              vllm:request_prefill_time_seconds, vllm:request_decode_time_seconds,
+ *              vllm:request_inference_time_seconds,
+ *              vllm:request_prompt_tokens, vllm:request_generation_tokens,
+ *              vllm:iteration_tokens_total
+ * Latency buckets span 1 ms .. 320 s so both GPU and CPU latencies land in
+ * distinct buckets. */
+#ifndef TD_METRICS_H
+#define TD_METRICS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../base/base.h"
+
+typedef enum {
+    TD_FINISH_NONE = 0, /* still running */
+    TD_FINISH_STOP,     /* EOS / stop token / stop string */
+    TD_FINISH_LENGTH,   /* max_tokens or the context */
+    TD_FINISH_ABORT,    /* cancelled by the client or by the server (drain timeout) */
+    TD_FINISH_ERROR,    /* failed inside the engine */
+    TD_FINISH_COUNT
+} td_finish_reason;
+
+/* "stop", "length", "abort", "error" (NULL for TD_FINISH_NONE). */
+const char *td_finish_reason_str(td_finish_reason r);
+
+/* What the scheduler knows about a finished request. Times are td_time_s(). */
+typedef struct {
+    const char *id; /* request id ("cmpl-...") */
+    int32_t n_prompt_tokens;
+    int32_t n_cached_tokens; /* prompt tokens served from the prefix cache */
+    int32_t n_output_tokens;
+    td_finish_reason finish;
+    double t_arrival;     /* submitted to the scheduler */
+    double t_scheduled;   /* first admitted (queue time = t_scheduled - t_arrival) */
+    double t_first_token; /* 0 if none */
+    double t_finished;
+    int32_t n_preemptions;
+} td_request_record;
+
+/* Instantaneous figures the renderer asks for (from the scheduler). */
+typedef struct {
+    int32_t running, waiting;
+    int64_t queued_prefill_tokens;
+    int32_t kv_total, kv_empty, kv_cached, kv_used, kv_reserved;
+    double kv_fragmentation;
+    uint64_t kv_evictions;
+    bool draining;
+} td_metrics_gauges;
+
+typedef struct td_metrics td_metrics;
+
+/* model_name is copied. Free with td_metrics_destroy(). */
+td_status td_metrics_create(const char *model_name, td_metrics **m_p);
+void td_metrics_destroy(td_metrics *m); /* accepts NULL */
+
+/* Scheduler side. */
+void td_metrics_first_token(td_metrics *m, double ttft_s, double queue_s);
+void td_metrics_inter_token(td_metrics *m, double itl_s); /* one per output token after the first */
+void td_metrics_prefix_cache(td_metrics *m, int64_t queried_tokens, int64_t hit_tokens);
+void td_metrics_preemption(td_metrics *m);
+void td_metrics_iteration(td_metrics *m, int32_t n_tokens); /* tokens in one forward step */
+/* Records every per-request histogram and counter for r, and writes the
+ * structured log line (td_obs_log_request). */
+void td_metrics_request_finished(td_metrics *m, const td_request_record *r);
+
+/* API side: a request rejected or failed with an HTTP status (gRPC maps its
+ * codes to the HTTP equivalents) and an OpenAI error type. */
+void td_metrics_request_error(td_metrics *m, int http_status, const char *type);
+
+/* Prometheus text format 0.0.4. *text_p is malloc'd (caller frees). */
+td_status td_metrics_render(td_metrics *m, const td_metrics_gauges *g, char **text_p,
+                            size_t *len_p);
+
+/* One line at INFO on stderr, key=value pairs:
+ * "request id=... prompt_tokens=N cached_tokens=N output_tokens=N
+ *  queue_ms=.. ttft_ms=.. e2e_ms=.. finish=stop preemptions=N" */
+void td_obs_log_request(const td_request_record *r);
+
+#endif

@@ -1,0 +1,157 @@
+/* The scheduler of one instance: one thread that owns the engine, the KV
+ * pool and every sequence, running continuous batching with chunked
+ * prefill (DESIGN.md §5). API threads (HTTP, gRPC) submit requests and read
+ * their output through a td_gen_stream; that stream is the only hand-off.
+ *
+ * Each step the scheduler
+ *   1. takes new submissions and cancellations;
+ *   2. admits waiting requests first-come first-served while fewer than
+ *      max_running run: a request is admitted only if the pool can give it
+ *      the blocks of its uncached prompt now plus a reservation for
+ *      min(max_tokens, reserve_output_tokens) output tokens, so an admitted
+ *      sequence does not starve mid-decode; the head of the queue that
+ *      does not fit blocks the ones behind it (no overtaking);
+ *   3. builds one batch: one decode token for every running sequence past
+ *      its prompt, then prefill chunks of admitted prompts in admission
+ *      order, within max_batch_tokens;
+ *   4. runs the forward pass, samples, detokenizes, applies the stop
+ *      conditions (EOG / stop ids unless ignore_eos, stop strings,
+ *      max_tokens, the context; none before min_tokens) and publishes to
+ *      the streams;
+ *   5. publishes every newly full block to the prefix cache, and frees the
+ *      blocks of finished sequences (hashed ones stay cached, LRU).
+ * When a running sequence needs a block past its reservation and none is
+ * free, the most recently admitted sequence is preempted (its blocks freed,
+ * it goes back to the head of the queue and later recomputes prompt +
+ * output so far); counted in metrics. Output is bit-identical whatever the
+ * batching (the engine's guarantee) and preemption changes nothing a
+ * client sees.
+ *
+ * Thread-safety: td_sched_submit, td_sched_stats, td_sched_drain and every
+ * td_gen_stream_* function may be called from any thread. */
+#ifndef TD_SCHED_H
+#define TD_SCHED_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "../kv/kv.h"
+#include "../model/forward.h"
+#include "../obs/metrics.h"
+#include "../tokenizer/tokenizer.h"
+#include "sampler.h"
+
+typedef struct {
+    int32_t max_running;           /* sequences decoding at once (default 16) */
+    int32_t max_batch_tokens;      /* tokens per step, decode + prefill chunks (default 512);
+                                    * must not exceed the engine's max_batch_tokens */
+    int32_t max_waiting;           /* queued requests beyond which submit says TD_AGAIN (default 256) */
+    int32_t reserve_output_tokens; /* cap on the output tokens reserved at admission (default 256) */
+    int32_t max_ctx;               /* longest sequence (prompt + output) (required) */
+    bool prefix_cache;             /* reuse cached full blocks (default true) */
+    td_kv_hash compat;             /* root of the block hash chain (compatibility hash) */
+} td_sched_params;
+
+td_sched_params td_sched_default_params(void);
+
+/* One generation request. Everything is copied by td_sched_submit. */
+typedef struct {
+    const char *id;           /* request id for logs and metrics (copied; may be NULL) */
+    const int32_t *prompt;    /* (n_prompt) token ids, every one in the vocabulary */
+    int32_t n_prompt;         /* >= 1 */
+    int32_t max_tokens;       /* >= 1; generation also ends at max_ctx */
+    int32_t min_tokens;       /* no stop (EOG, stop id, stop string) before this many (default 0) */
+    td_sampler_params sampling;
+    const int32_t *stop_ids; /* user stop token ids */
+    int32_t n_stop_ids;
+    const char *const *stop; /* stop strings, non-empty */
+    int32_t n_stop;
+    bool include_stop_str; /* keep a matched stop string in the text */
+    bool ignore_eos;       /* do not stop on EOG tokens */
+    bool skip_special;     /* leave special tokens out of the text (default true) */
+    double t_arrival;      /* td_time_s() when the request arrived; 0: now */
+} td_gen_request;
+
+void td_gen_request_init(td_gen_request *r); /* defaults; prompt NULL */
+
+typedef struct td_gen_stream td_gen_stream;
+
+/* What a reader gets from td_gen_stream_read: everything published since
+ * its previous read. Pointers stay valid until the next read or release. */
+typedef struct {
+    const int32_t *tokens; /* (n_tokens) newly generated ids */
+    const td_sample_result *logprobs; /* (n_tokens) when the request asked for logprobs, else NULL */
+    int32_t n_tokens;
+    const char *text; /* text now final (stop-string hold-back applied), not NUL-terminated */
+    size_t text_len;
+    /* Totals so far. */
+    int32_t n_prompt_tokens;
+    int32_t n_cached_tokens;
+    int32_t n_output_tokens;
+    /* Set once, on the read that sees the end. */
+    bool finished;
+    td_finish_reason finish;
+    int stop_index;     /* index of the matched stop string, or -1 */
+    int32_t stop_token; /* the stop / EOG token that ended it, or -1 */
+    td_status error;    /* TD_OK, or why it failed (finish == TD_FINISH_ERROR / ABORT) */
+} td_gen_delta;
+
+typedef struct td_sched td_sched;
+
+/* Starts the scheduler thread. engine, kv, tok and metrics (may be NULL)
+ * are borrowed and must outlive the scheduler. Free with
+ * td_sched_destroy(), which cancels everything still running, joins the
+ * thread and waits for nothing else. */
+td_status td_sched_create(const td_sched_params *p, td_engine *engine, td_kv_pool *kv,
+                          const td_tokenizer *tok, td_metrics *metrics, td_sched **s_p);
+void td_sched_destroy(td_sched *s); /* accepts NULL */
+
+/* Queues a request. On success *st_p is a stream the caller reads and must
+ * release. TD_AGAIN: more than max_waiting requests wait (HTTP 429);
+ * TD_ERR_UNAVAILABLE: draining; TD_ERR_RANGE: n_prompt + 1 > max_ctx
+ * (context_length_exceeded), or a prompt that can never fit in the pool;
+ * TD_ERR_INVALID: bad parameters (logged). */
+td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **st_p);
+
+/* Waits up to timeout_ms (0: no wait, < 0: forever) for news on the stream
+ * and fills *d with it. Returns TD_OK when *d holds news (tokens, text or
+ * the end), TD_AGAIN on timeout with nothing new. After the read that
+ * reported finished, every read returns TD_OK with n_tokens 0 and finished. */
+td_status td_gen_stream_read(td_gen_stream *st, int timeout_ms, td_gen_delta *d);
+/* File descriptor that is readable while the stream has unread news
+ * (an eventfd), for callers that poll it with a socket. */
+int td_gen_stream_fd(const td_gen_stream *st);
+/* Asks the scheduler to cancel (idempotent; a finished stream is unchanged).
+ * The scheduler frees the sequence's blocks at its next step and the
+ * stream finishes with TD_FINISH_ABORT. */
+void td_gen_stream_cancel(td_gen_stream *st);
+/* The reader is done: cancels if unfinished, and frees the stream once the
+ * scheduler has let go of it too. */
+void td_gen_stream_release(td_gen_stream *st);
+
+/* Instantaneous load and block figures (also the metrics gauges). */
+typedef struct {
+    int32_t running;
+    int32_t waiting;
+    int64_t queued_prefill_tokens; /* prompt tokens admitted or waiting, not yet computed */
+    td_kv_counts kv;
+    uint64_t steps;
+    uint64_t preemptions;
+    bool draining;
+} td_sched_stats;
+void td_sched_stats_get(td_sched *s, td_sched_stats *st);
+void td_sched_metrics_gauges(td_sched *s, td_metrics_gauges *g);
+
+/* The KV event log of the instance's pool (thread-safe reads). */
+td_kv_events *td_sched_kv_events(td_sched *s);
+
+/* Draining: from now on submit returns TD_ERR_UNAVAILABLE; running and
+ * waiting requests go on. td_sched_wait_idle waits up to timeout_s for
+ * nothing to run or wait; returns true if idle. td_sched_abort_all cancels
+ * everything. */
+void td_sched_drain(td_sched *s);
+bool td_sched_draining(td_sched *s);
+bool td_sched_wait_idle(td_sched *s, double timeout_s);
+void td_sched_abort_all(td_sched *s);
+
+#endif
