@@ -17,7 +17,9 @@ typedef struct {
     uint64_t lo, hi;
 } td_kv_hash;
 
-static inline bool td_kv_hash_eq(td_kv_hash a, td_kv_hash b) { return a.lo == b.lo && a.hi == b.hi; }
+static inline bool td_kv_hash_eq(td_kv_hash a, td_kv_hash b) {
+    return a.lo == b.lo && a.hi == b.hi;
+}
 
 /* Hash of one full block given its parent's hash. extra (may be NULL) holds
  * extra keys (e.g. a LoRA or multimodal id); extra_len bytes of it. */

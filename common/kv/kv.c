@@ -1,31 +1,52 @@
-/* Paged KV block pool.
+/* Paged KV block pool with a prefix cache.
  *
- * Free blocks are a bitmap (bit set = free). Allocation takes the lowest
- * run of n consecutive free ids if there is one, else the n lowest free
- * ids, so the pool stays compact and KV transfers can move whole runs.
- * Storage is one anonymous mapping (page-aligned, committed lazily):
- * layer l's K region, then its V region, each (n_blocks, block_size,
- * n_kv_heads, head_dim) floats. */
+ * Allocatable blocks are a bitmap (bit set = empty); cached blocks
+ * (unreferenced, hashed) sit on an LRU list and are evicted only when empty
+ * blocks run out. Allocation takes the lowest run of n consecutive empty
+ * ids if there is one, else the lowest empty ids, so the pool stays compact
+ * and KV transfers can move whole runs. Storage is one anonymous mapping
+ * (page-aligned, committed lazily): layer l's K region, then its V region,
+ * each (n_blocks, block_size, n_kv_heads, head_dim) floats. */
 #include "kv.h"
 
 #include <errno.h>
 #include <stdbool.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
+
+#include "hmap.h"
 
 struct td_kv_pool {
     td_kv_params p;
-    uint64_t *free_bits; /* (ceil(n_blocks / 64)) */
-    int32_t *refs;       /* (n_blocks) */
-    int32_t n_free;
+    uint64_t *empty_bits; /* (ceil(n_blocks / 64)) set = empty */
+    int32_t *refs;        /* (n_blocks) */
+    td_kv_hash *hashes;   /* (n_blocks) valid where has_hash */
+    bool *has_hash;       /* (n_blocks) */
+    int32_t *lru_prev;    /* (n_blocks) LRU list of cached blocks; -1 ends */
+    int32_t *lru_next;    /* (n_blocks) */
+    int32_t lru_head;     /* least recently used cached block, or -1 */
+    int32_t lru_tail;     /* most recently used */
+    int32_t n_empty;
+    int32_t n_cached;
+    int32_t n_hashed;
+    int32_t reserved;
+    uint64_t evictions;
+    td_kv_hmap map; /* hash -> block id */
+    td_kv_events *events;
     size_t layer_floats; /* floats of one K (or V) region */
     float *storage;      /* (n_layers, 2, n_blocks, block_size, n_kv_heads, head_dim) */
     size_t storage_bytes;
 };
 
 td_kv_params td_kv_default_params(void) {
-    td_kv_params p = {
-        .n_layers = 0, .n_kv_heads = 0, .head_dim = 0, .block_size = 16, .n_blocks = 0};
+    td_kv_params p = {.n_layers = 0,
+                      .n_kv_heads = 0,
+                      .head_dim = 0,
+                      .block_size = 16,
+                      .n_blocks = 0,
+                      .event_capacity = 65536,
+                      .epoch = 0};
     return p;
 }
 
@@ -55,6 +76,19 @@ size_t td_kv_block_bytes(const td_kv_params *p) {
     return n;
 }
 
+static uint64_t random_epoch(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t x = (uint64_t)ts.tv_sec * 1000000007ull ^ (uint64_t)ts.tv_nsec ^
+                 ((uint64_t)(uintptr_t)&ts << 17);
+    /* splitmix64 finaliser */
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    return x ? x : 1;
+}
+
 td_status td_kv_pool_create(const td_kv_params *p, td_kv_pool **pool_p) {
     if (!params_ok(p) || !pool_p) {
         TD_LOG_ERROR("invalid KV pool parameters");
@@ -72,29 +106,54 @@ td_status td_kv_pool_create(const td_kv_params *p, td_kv_pool **pool_p) {
         return TD_ERR_NOMEM;
     }
     pool->p = *p;
+    if (pool->p.event_capacity == 0) pool->p.event_capacity = 65536;
+    if (pool->p.epoch == 0) pool->p.epoch = random_epoch();
     pool->layer_floats = lf;
-    size_t n_words = ((size_t)p->n_blocks + 63) / 64;
-    pool->free_bits = calloc(n_words, sizeof(uint64_t));
-    pool->refs = calloc((size_t)p->n_blocks, sizeof(int32_t));
-    if (!pool->free_bits || !pool->refs) {
+    size_t nb = (size_t)p->n_blocks, n_words = (nb + 63) / 64;
+    pool->empty_bits = calloc(n_words, sizeof(uint64_t));
+    pool->refs = calloc(nb, sizeof(int32_t));
+    pool->hashes = calloc(nb, sizeof(td_kv_hash));
+    pool->has_hash = calloc(nb, sizeof(bool));
+    pool->lru_prev = malloc(nb * sizeof(int32_t));
+    pool->lru_next = malloc(nb * sizeof(int32_t));
+    if (!pool->empty_bits || !pool->refs || !pool->hashes || !pool->has_hash || !pool->lru_prev ||
+        !pool->lru_next) {
         TD_LOG_ERROR("out of memory");
-        goto free_pool;
+        goto free_arrays;
     }
-    for (int32_t i = 0; i < p->n_blocks; i++) pool->free_bits[i / 64] |= 1ull << (i % 64);
-    pool->n_free = p->n_blocks;
+    if (td_kv_hmap_init(&pool->map, (uint32_t)TD_MIN(nb, 1u << 20)) != TD_OK) {
+        TD_LOG_ERROR("out of memory");
+        goto free_arrays;
+    }
+    if (td_kv_events_create(pool->p.event_capacity, pool->p.epoch, &pool->events) != TD_OK)
+        goto free_map;
+    for (size_t i = 0; i < nb; i++) {
+        pool->empty_bits[i / 64] |= 1ull << (i % 64);
+        pool->lru_prev[i] = pool->lru_next[i] = -1;
+    }
+    pool->lru_head = pool->lru_tail = -1;
+    pool->n_empty = p->n_blocks;
     void *mem = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mem == MAP_FAILED) {
         TD_LOG_ERROR("mmap of %zu bytes of KV storage failed: %s", total, strerror(errno));
-        goto free_pool;
+        goto free_events;
     }
     pool->storage = mem;
     pool->storage_bytes = total;
     *pool_p = pool;
     return TD_OK;
 
-free_pool:
+free_events:
+    td_kv_events_destroy(pool->events);
+free_map:
+    td_kv_hmap_free(&pool->map);
+free_arrays:
+    free(pool->lru_next);
+    free(pool->lru_prev);
+    free(pool->has_hash);
+    free(pool->hashes);
     free(pool->refs);
-    free(pool->free_bits);
+    free(pool->empty_bits);
     free(pool);
     return TD_ERR_NOMEM;
 }
@@ -102,24 +161,35 @@ free_pool:
 void td_kv_pool_destroy(td_kv_pool *pool) {
     if (!pool) return;
     if (pool->storage) munmap(pool->storage, pool->storage_bytes);
+    td_kv_events_destroy(pool->events);
+    td_kv_hmap_free(&pool->map);
+    free(pool->lru_next);
+    free(pool->lru_prev);
+    free(pool->has_hash);
+    free(pool->hashes);
     free(pool->refs);
-    free(pool->free_bits);
+    free(pool->empty_bits);
     free(pool);
 }
 
 const td_kv_params *td_kv_pool_params(const td_kv_pool *pool) { return &pool->p; }
-int32_t td_kv_pool_n_free(const td_kv_pool *pool) { return pool->n_free; }
 
-static inline bool is_free(const td_kv_pool *pool, int32_t i) {
-    return (pool->free_bits[i / 64] >> (i % 64)) & 1u;
+int32_t td_kv_pool_n_free(const td_kv_pool *pool) {
+    return pool->n_empty + pool->n_cached - pool->reserved;
 }
 
-/* Lowest free id >= from, or -1. */
-static int32_t next_free(const td_kv_pool *pool, int32_t from) {
+td_kv_events *td_kv_pool_events(td_kv_pool *pool) { return pool->events; }
+
+static inline bool is_empty(const td_kv_pool *pool, int32_t i) {
+    return (pool->empty_bits[i / 64] >> (i % 64)) & 1u;
+}
+
+/* Lowest empty id >= from, or -1. */
+static int32_t next_empty(const td_kv_pool *pool, int32_t from) {
     int32_t nb = pool->p.n_blocks;
     if (from >= nb) return -1;
     size_t w = (size_t)from / 64;
-    uint64_t bits = pool->free_bits[w] & (~0ull << (from % 64));
+    uint64_t bits = pool->empty_bits[w] & (~0ull << (from % 64));
     size_t n_words = ((size_t)nb + 63) / 64;
     for (;;) {
         if (bits) {
@@ -127,16 +197,16 @@ static int32_t next_free(const td_kv_pool *pool, int32_t from) {
             return id < nb ? id : -1;
         }
         if (++w >= n_words) return -1;
-        bits = pool->free_bits[w];
+        bits = pool->empty_bits[w];
     }
 }
 
-/* Lowest used id >= from, or n_blocks. */
-static int32_t next_used(const td_kv_pool *pool, int32_t from) {
+/* Lowest non-empty id >= from, or n_blocks. */
+static int32_t next_taken(const td_kv_pool *pool, int32_t from) {
     int32_t nb = pool->p.n_blocks;
     if (from >= nb) return nb;
     size_t w = (size_t)from / 64;
-    uint64_t bits = ~pool->free_bits[w] & (~0ull << (from % 64));
+    uint64_t bits = ~pool->empty_bits[w] & (~0ull << (from % 64));
     size_t n_words = ((size_t)nb + 63) / 64;
     for (;;) {
         if (bits) {
@@ -144,42 +214,113 @@ static int32_t next_used(const td_kv_pool *pool, int32_t from) {
             return id < nb ? id : nb;
         }
         if (++w >= n_words) return nb;
-        bits = ~pool->free_bits[w];
+        bits = ~pool->empty_bits[w];
     }
 }
 
-static void take(td_kv_pool *pool, int32_t id) {
-    pool->free_bits[id / 64] &= ~(1ull << (id % 64));
+static void lru_unlink(td_kv_pool *pool, int32_t id) {
+    int32_t pr = pool->lru_prev[id], nx = pool->lru_next[id];
+    if (pr >= 0)
+        pool->lru_next[pr] = nx;
+    else
+        pool->lru_head = nx;
+    if (nx >= 0)
+        pool->lru_prev[nx] = pr;
+    else
+        pool->lru_tail = pr;
+    pool->lru_prev[id] = pool->lru_next[id] = -1;
+}
+
+static void lru_push_tail(td_kv_pool *pool, int32_t id) {
+    pool->lru_prev[id] = pool->lru_tail;
+    pool->lru_next[id] = -1;
+    if (pool->lru_tail >= 0)
+        pool->lru_next[pool->lru_tail] = id;
+    else
+        pool->lru_head = id;
+    pool->lru_tail = id;
+}
+
+static void drop_hash(td_kv_pool *pool, int32_t id) {
+    TD_ASSERT(pool->has_hash[id]);
+    td_kv_hmap_del(&pool->map, pool->hashes[id]);
+    pool->has_hash[id] = false;
+    pool->n_hashed--;
+    td_kv_events_append(pool->events, TD_KV_EVENT_REMOVED, pool->hashes[id]);
+}
+
+static void take_empty(td_kv_pool *pool, int32_t id) {
+    pool->empty_bits[id / 64] &= ~(1ull << (id % 64));
     pool->refs[id] = 1;
-    pool->n_free--;
+    pool->n_empty--;
+}
+
+/* Evicts the least recently used cached block and takes it (refcount 1). */
+static int32_t take_evicted(td_kv_pool *pool) {
+    int32_t id = pool->lru_head;
+    TD_ASSERT(id >= 0);
+    lru_unlink(pool, id);
+    pool->n_cached--;
+    drop_hash(pool, id);
+    pool->evictions++;
+    pool->refs[id] = 1;
+    return id;
+}
+
+static void alloc_n(td_kv_pool *pool, int32_t n, int32_t *ids) {
+    if (n <= pool->n_empty) {
+        /* First fit: the lowest run of n consecutive empty ids. */
+        int32_t start = next_empty(pool, 0);
+        while (start >= 0) {
+            int32_t end = next_taken(pool, start);
+            if (end - start >= n) {
+                for (int32_t i = 0; i < n; i++) {
+                    take_empty(pool, start + i);
+                    ids[i] = start + i;
+                }
+                return;
+            }
+            start = next_empty(pool, end);
+        }
+    }
+    /* No run is long enough: the lowest empty ids, then LRU evictions. */
+    int32_t i = 0, id = -1;
+    for (; i < n && pool->n_empty > 0; i++) {
+        id = next_empty(pool, id + 1);
+        TD_ASSERT(id >= 0);
+        take_empty(pool, id);
+        ids[i] = id;
+    }
+    for (; i < n; i++) ids[i] = take_evicted(pool);
 }
 
 td_status td_kv_block_alloc(td_kv_pool *pool, int32_t n, int32_t *ids) {
     if (n < 0 || (n > 0 && !ids)) return TD_ERR_INVALID;
     if (n == 0) return TD_OK;
-    if (n > pool->n_free) return TD_NO_KV_BLOCK;
-    /* First fit: the lowest run of n consecutive free ids. */
-    int32_t start = next_free(pool, 0);
-    while (start >= 0) {
-        int32_t end = next_used(pool, start);
-        if (end - start >= n) {
-            for (int32_t i = 0; i < n; i++) {
-                take(pool, start + i);
-                ids[i] = start + i;
-            }
-            return TD_OK;
-        }
-        start = next_free(pool, end);
-    }
-    /* No run is long enough: the n lowest free ids (runs stay in order). */
-    int32_t id = -1;
-    for (int32_t i = 0; i < n; i++) {
-        id = next_free(pool, id + 1);
-        TD_ASSERT(id >= 0);
-        take(pool, id);
-        ids[i] = id;
-    }
+    if (n > td_kv_pool_n_free(pool)) return TD_NO_KV_BLOCK;
+    alloc_n(pool, n, ids);
     return TD_OK;
+}
+
+td_status td_kv_block_alloc_reserved(td_kv_pool *pool, int32_t n, int32_t *ids) {
+    if (n < 0 || (n > 0 && !ids)) return TD_ERR_INVALID;
+    if (n == 0) return TD_OK;
+    TD_ASSERT(n <= pool->reserved);
+    pool->reserved -= n;
+    alloc_n(pool, n, ids);
+    return TD_OK;
+}
+
+td_status td_kv_reserve(td_kv_pool *pool, int32_t n) {
+    if (n < 0) return TD_ERR_INVALID;
+    if (n > td_kv_pool_n_free(pool)) return TD_NO_KV_BLOCK;
+    pool->reserved += n;
+    return TD_OK;
+}
+
+void td_kv_unreserve(td_kv_pool *pool, int32_t n) {
+    TD_ASSERT(n >= 0 && n <= pool->reserved);
+    pool->reserved -= n;
 }
 
 void td_kv_block_ref(td_kv_pool *pool, int32_t id) {
@@ -190,13 +331,17 @@ void td_kv_block_ref(td_kv_pool *pool, int32_t id) {
 }
 
 void td_kv_block_free(td_kv_pool *pool, const int32_t *ids, int32_t n) {
-    for (int32_t i = 0; i < n; i++) {
+    for (int32_t i = n - 1; i >= 0; i--) {
         int32_t id = ids[i];
         TD_ASSERT(id >= 0 && id < pool->p.n_blocks);
-        TD_ASSERT(pool->refs[id] > 0 && !is_free(pool, id));
-        if (--pool->refs[id] == 0) {
-            pool->free_bits[id / 64] |= 1ull << (id % 64);
-            pool->n_free++;
+        TD_ASSERT(pool->refs[id] > 0 && !is_empty(pool, id));
+        if (--pool->refs[id] > 0) continue;
+        if (pool->has_hash[id]) {
+            lru_push_tail(pool, id);
+            pool->n_cached++;
+        } else {
+            pool->empty_bits[id / 64] |= 1ull << (id % 64);
+            pool->n_empty++;
         }
     }
 }
@@ -204,6 +349,75 @@ void td_kv_block_free(td_kv_pool *pool, const int32_t *ids, int32_t n) {
 int32_t td_kv_block_refcount(const td_kv_pool *pool, int32_t id) {
     if (id < 0 || id >= pool->p.n_blocks) return 0;
     return pool->refs[id];
+}
+
+bool td_kv_cache_insert(td_kv_pool *pool, int32_t id, td_kv_hash h) {
+    TD_ASSERT(id >= 0 && id < pool->p.n_blocks);
+    TD_ASSERT(pool->refs[id] > 0);
+    if (pool->has_hash[id]) return false; /* published once; a block never changes hash */
+    td_status st;
+    if (!td_kv_hmap_put(&pool->map, h, id, &st)) {
+        if (st != TD_OK) TD_LOG_WARN("out of memory: block not added to the prefix cache");
+        return false;
+    }
+    pool->hashes[id] = h;
+    pool->has_hash[id] = true;
+    pool->n_hashed++;
+    td_kv_events_append(pool->events, TD_KV_EVENT_STORED, h);
+    return true;
+}
+
+int32_t td_kv_cache_probe(const td_kv_pool *pool, const td_kv_hash *hashes, int32_t n) {
+    int32_t k = 0;
+    while (k < n && td_kv_hmap_get(&pool->map, hashes[k]) >= 0) k++;
+    return k;
+}
+
+int32_t td_kv_cache_acquire(td_kv_pool *pool, const td_kv_hash *hashes, int32_t n, int32_t *ids) {
+    int32_t k = 0;
+    for (; k < n; k++) {
+        int32_t id = td_kv_hmap_get(&pool->map, hashes[k]);
+        if (id < 0) break;
+        if (pool->refs[id] == 0) {
+            lru_unlink(pool, id);
+            pool->n_cached--;
+            /* Taking a cached block spends free capacity that a reservation
+             * may count on; callers check td_kv_pool_n_free first. */
+        }
+        pool->refs[id]++;
+        ids[k] = id;
+    }
+    return k;
+}
+
+void td_kv_cache_clear(td_kv_pool *pool) {
+    while (pool->lru_head >= 0) {
+        int32_t id = pool->lru_head;
+        lru_unlink(pool, id);
+        pool->n_cached--;
+        drop_hash(pool, id);
+        pool->empty_bits[id / 64] |= 1ull << (id % 64);
+        pool->n_empty++;
+    }
+}
+
+void td_kv_pool_counts(const td_kv_pool *pool, td_kv_counts *c) {
+    int32_t nb = pool->p.n_blocks, best = 0, run = 0;
+    for (int32_t i = 0; i < nb; i++) {
+        bool free_id = is_empty(pool, i) || (pool->refs[i] == 0 && pool->has_hash[i]);
+        run = free_id ? run + 1 : 0;
+        if (run > best) best = run;
+    }
+    int32_t n_free = pool->n_empty + pool->n_cached;
+    c->total = nb;
+    c->empty = pool->n_empty;
+    c->cached = pool->n_cached;
+    c->used = nb - pool->n_empty - pool->n_cached;
+    c->hashed = pool->n_hashed;
+    c->reserved = pool->reserved;
+    c->largest_free_run = best;
+    c->fragmentation = n_free > 0 ? 1.0 - (double)best / (double)n_free : 0.0;
+    c->evictions = pool->evictions;
 }
 
 float *td_kv_layer_k(td_kv_pool *pool, int l) {

@@ -19,8 +19,8 @@ typedef struct {
     int n_layers;   /* layers held by this rank (its pipeline stage) */
     int n_kv_heads; /* KV heads held by this rank */
     int head_dim;
-    int block_size;   /* tokens per block, default 16 */
-    int32_t n_blocks; /* blocks in the pool */
+    int block_size;          /* tokens per block, default 16 */
+    int32_t n_blocks;        /* blocks in the pool */
     uint32_t event_capacity; /* KV events kept for the router (default 65536) */
     uint64_t epoch;          /* this run's id in the event log; 0 (default): random */
 } td_kv_params;
@@ -48,10 +48,10 @@ int32_t td_kv_pool_n_free(const td_kv_pool *pool);
 typedef struct {
     int32_t total;
     int32_t empty;
-    int32_t cached;   /* unreferenced, evictable */
-    int32_t used;     /* refcount > 0 */
-    int32_t hashed;   /* blocks with a hash in the prefix cache (used or cached) */
-    int32_t reserved; /* promised, not yet allocated */
+    int32_t cached;           /* unreferenced, evictable */
+    int32_t used;             /* refcount > 0 */
+    int32_t hashed;           /* blocks with a hash in the prefix cache (used or cached) */
+    int32_t reserved;         /* promised, not yet allocated */
     int32_t largest_free_run; /* longest run of consecutive allocatable (empty or cached) ids */
     double fragmentation;     /* 1 - largest_free_run / (empty + cached); 0 when none free */
     uint64_t evictions;       /* cached blocks evicted since create */
