@@ -9,9 +9,9 @@
  *   gauges     vllm:num_requests_running, vllm:num_requests_waiting,
  *              vllm:kv_cache_usage_perc (used / total, 0..1),
  *              tandem:kv_blocks{state="empty|cached|used|reserved|total"},
- *              tandem:kv_fragmentation, tandem:draining
+ *              tandem:kv_fragmentation, tandem:queued_prefill_tokens, tandem:draining
  *   counters   vllm:prompt_tokens, vllm:generation_tokens,
- *              vllm:request_success{finished_reason="stop|length|abort"},
+ *              vllm:request_success{finished_reason="stop|length|abort|error"},
  *              vllm:prefix_cache_queries, vllm:prefix_cache_hits (tokens),
  *              vllm:num_preemptions, tandem:kv_evictions,
  *              tandem:request_errors{code="<http status>",type="<error type>"}
@@ -22,7 +22,10 @@
  *              vllm:request_prompt_tokens, vllm:request_generation_tokens,
  *              vllm:iteration_tokens_total
  * Latency buckets span 1 ms .. 320 s so both GPU and CPU latencies land in
- * distinct buckets. */
+ * distinct buckets; token-count buckets are powers of two, 1 .. 131072.
+ * Gauges (and tandem:kv_evictions) come from the td_metrics_gauges passed
+ * to td_metrics_render; the rest accumulate here. Non-finite observations
+ * are dropped, negative latencies count as 0. */
 #ifndef TD_METRICS_H
 #define TD_METRICS_H
 
@@ -74,27 +77,37 @@ typedef struct td_metrics td_metrics;
 td_status td_metrics_create(const char *model_name, td_metrics **m_p);
 void td_metrics_destroy(td_metrics *m); /* accepts NULL */
 
-/* Scheduler side. */
+/* Scheduler side. All accept m == NULL (no-op).
+ * first_token records the TTFT and the queue-time histograms (queue time is
+ * recorded only here, so a request aborted while waiting adds none). */
 void td_metrics_first_token(td_metrics *m, double ttft_s, double queue_s);
 void td_metrics_inter_token(td_metrics *m, double itl_s); /* one per output token after the first */
 void td_metrics_prefix_cache(td_metrics *m, int64_t queried_tokens, int64_t hit_tokens);
 void td_metrics_preemption(td_metrics *m);
 void td_metrics_iteration(td_metrics *m, int32_t n_tokens); /* tokens in one forward step */
-/* Records every per-request histogram and counter for r, and writes the
- * structured log line (td_obs_log_request). */
+/* Records every per-request histogram and counter for r (prompt and
+ * generation token counters, request_success by finish reason, e2e, prompt
+ * and generation token counts; inference time when t_scheduled > 0; prefill
+ * and decode time when t_first_token > 0 too), and writes the structured log
+ * line (td_obs_log_request). */
 void td_metrics_request_finished(td_metrics *m, const td_request_record *r);
 
 /* API side: a request rejected or failed with an HTTP status (gRPC maps its
- * codes to the HTTP equivalents) and an OpenAI error type. */
+ * codes to the HTTP equivalents) and an OpenAI error type (NULL or "" is
+ * counted as "unknown"; types are cut at 63 bytes; past 63 distinct pairs,
+ * new pairs are counted as code="0",type="other"). */
 void td_metrics_request_error(td_metrics *m, int http_status, const char *type);
 
-/* Prometheus text format 0.0.4. *text_p is malloc'd (caller frees). */
+/* Prometheus text format 0.0.4. *text_p is malloc'd (caller frees); len_p
+ * may be NULL. g may be NULL: the gauge families are then left out. */
 td_status td_metrics_render(td_metrics *m, const td_metrics_gauges *g, char **text_p,
                             size_t *len_p);
 
 /* One line at INFO on stderr, key=value pairs:
- * "request id=... prompt_tokens=N cached_tokens=N output_tokens=N
- *  queue_ms=.. ttft_ms=.. e2e_ms=.. finish=stop preemptions=N" */
+ * "I request: id=... prompt_tokens=N cached_tokens=N output_tokens=N
+ *  queue_ms=.. ttft_ms=.. e2e_ms=.. finish=stop preemptions=N"
+ * (queue_ms / ttft_ms are -1 when the request was never scheduled / never
+ * produced a token; ttft_ms counts from t_arrival). */
 void td_obs_log_request(const td_request_record *r);
 
 #endif
