@@ -34,6 +34,10 @@ td_runtime_params td_runtime_default_params(void) {
                            .ctx_len = 0,
                            .n_seqs = 1,
                            .max_batch_tokens = 0,
+                           .max_seqs = 0,
+                           .block_size = 0,
+                           .kv_blocks = 0,
+                           .kv_memory = 0,
                            .quiet = false};
     return p;
 }
@@ -87,9 +91,22 @@ td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p) {
     kp.n_layers = td_model_layer_end(rt->model) - td_model_layer_begin(rt->model);
     kp.n_kv_heads = td_model_n_head_kv_local(rt->model);
     kp.head_dim = rt->cfg->head_dim;
+    if (p->block_size > 0) kp.block_size = p->block_size;
     rt->block_size = kp.block_size;
     rt->ctx_len = ctx;
     int64_t blocks = (int64_t)td_runtime_blocks_for(rt, ctx) * n_seqs;
+    if (p->kv_blocks > 0) {
+        blocks = p->kv_blocks;
+    } else if (p->kv_memory > 0) {
+        size_t per = td_kv_block_bytes(&kp);
+        blocks = per ? (int64_t)(p->kv_memory / per) : 0;
+        if (blocks < 1) {
+            TD_LOG_ERROR("--kv-memory %zu bytes holds no KV block (%zu bytes each)", p->kv_memory,
+                         per);
+            st = TD_ERR_INVALID;
+            goto fail;
+        }
+    }
     if (blocks > INT32_MAX) {
         TD_LOG_ERROR("KV pool of %lld blocks is too large", (long long)blocks);
         st = TD_ERR_RANGE;
@@ -102,7 +119,7 @@ td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p) {
     td_engine_params ep = td_engine_default_params();
     ep.max_ctx = ctx;
     ep.max_batch_tokens = p->max_batch_tokens > 0 ? p->max_batch_tokens : 512;
-    ep.max_seqs = TD_MAX(n_seqs, 1);
+    ep.max_seqs = p->max_seqs > 0 ? p->max_seqs : TD_MAX(n_seqs, 1);
     if ((st = td_engine_create(rt->model, rt->kv, rt->tp, rt->comm, &ep, &rt->engine))) goto fail;
     if (!p->quiet)
         fprintf(stderr, "model: %s (%d layers, %d embd, vocab %d, %s), %d threads\n", rt->cfg->name,

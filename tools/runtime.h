@@ -20,6 +20,10 @@ typedef struct {
     int32_t ctx_len;          /* tokens of KV per sequence; <= 0: min(n_ctx_train, 4096) */
     int32_t n_seqs;           /* sequences that may hold ctx_len tokens at once (default 1) */
     int32_t max_batch_tokens; /* most tokens per forward call; <= 0: 512 */
+    int32_t max_seqs;         /* most sequences per forward call; <= 0: n_seqs */
+    int32_t block_size;       /* KV block size in tokens; <= 0: 16 */
+    int32_t kv_blocks;        /* > 0: pool of exactly this many blocks (overrides n_seqs) */
+    size_t kv_memory;         /* > 0: pool of as many blocks as fit in this many bytes */
     bool quiet;               /* do not print the ISA / model summary on stderr */
 } td_runtime_params;
 

@@ -99,9 +99,12 @@ typedef struct {
 typedef struct td_sched td_sched;
 
 /* Starts the scheduler thread. engine, kv, tok and metrics (may be NULL)
- * are borrowed and must outlive the scheduler. Free with
- * td_sched_destroy(), which cancels everything still running, joins the
- * thread and waits for nothing else. */
+ * are borrowed and must outlive the scheduler. TD_ERR_INVALID (logged)
+ * when the pool cannot hold one sequence of max_ctx tokens, or
+ * max_batch_tokens < max_running. Free with td_sched_destroy(), which
+ * finishes everything still queued or running with TD_FINISH_ABORT and
+ * joins the thread. Release every stream first (the HTTP and gRPC servers
+ * are stopped before the scheduler). */
 td_status td_sched_create(const td_sched_params *p, td_engine *engine, td_kv_pool *kv,
                           const td_tokenizer *tok, td_metrics *metrics, td_sched **s_p);
 void td_sched_destroy(td_sched *s); /* accepts NULL */
@@ -126,7 +129,8 @@ int td_gen_stream_fd(const td_gen_stream *st);
  * stream finishes with TD_FINISH_ABORT. */
 void td_gen_stream_cancel(td_gen_stream *st);
 /* The reader is done: cancels if unfinished, and frees the stream once the
- * scheduler has let go of it too. */
+ * scheduler has let go of it too. Release every stream before
+ * td_sched_destroy (the count of live streams lives in the scheduler). */
 void td_gen_stream_release(td_gen_stream *st);
 
 /* Instantaneous load and block figures (also the metrics gauges). */
@@ -151,6 +155,9 @@ td_kv_events *td_sched_kv_events(td_sched *s);
  * everything. */
 void td_sched_drain(td_sched *s);
 bool td_sched_draining(td_sched *s);
+/* Streams submitted and not yet released by their readers (a draining
+ * server waits for 0 before closing its connections). */
+int32_t td_sched_live_streams(td_sched *s);
 bool td_sched_wait_idle(td_sched *s, double timeout_s);
 void td_sched_abort_all(td_sched *s);
 

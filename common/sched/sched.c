@@ -1,0 +1,1010 @@
+/* The scheduler: one thread owns the engine, the KV pool and every
+ * sequence; API threads only touch td_gen_stream (under its mutex) and the
+ * inbox (under the scheduler's mutex). */
+#include "sched.h"
+
+#include <errno.h>
+#include <math.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "stop.h"
+
+/* ---- streams ---- */
+
+struct td_gen_stream {
+    pthread_mutex_t mu;
+    int efd; /* readable while there is unread news */
+    atomic_int refs;
+    atomic_bool cancel;
+    /* Published by the scheduler (under mu). tokens/logprobs never move:
+     * they are sized for the whole output at submit. */
+    int32_t *tokens;      /* (cap) */
+    td_sample_result *lp; /* (cap) or NULL */
+    int32_t cap;
+    int32_t n_pub;
+    char *text; /* (text_cap) */
+    size_t text_len, text_cap;
+    int32_t n_prompt, n_cached;
+    bool finished;
+    td_finish_reason finish;
+    int stop_index;
+    int32_t stop_token;
+    td_status error;
+    /* Reader side. */
+    int32_t n_read;
+    size_t text_read;
+    bool end_reported;
+    char *r_text; /* reader's copy of the new text */
+    size_t r_text_cap;
+    struct td_sched *sched; /* to wake on cancel */
+};
+
+static void stream_unref(td_gen_stream *st) {
+    if (atomic_fetch_sub(&st->refs, 1) != 1) return;
+    close(st->efd);
+    pthread_mutex_destroy(&st->mu);
+    free(st->tokens);
+    free(st->lp);
+    free(st->text);
+    free(st->r_text);
+    free(st);
+}
+
+static void stream_notify(td_gen_stream *st) {
+    uint64_t one = 1;
+    ssize_t r = write(st->efd, &one, sizeof one);
+    TD_UNUSED(r); /* EAGAIN only when the counter is saturated: still readable */
+}
+
+/* ---- sequences ---- */
+
+typedef enum { SEQ_WAITING = 0, SEQ_RUNNING = 1 } seq_state;
+
+typedef struct seq {
+    struct seq *next; /* in the inbox / waiting list / running list */
+    char id[64];
+    td_gen_stream *st;
+    seq_state state;
+    int32_t *tokens; /* (tok_cap) prompt then output */
+    int32_t tok_cap;
+    int32_t n_prompt, n_tokens;
+    int32_t n_computed; /* tokens whose KV is in the cache */
+    int32_t max_tokens, min_tokens;
+    int32_t *blocks; /* (blk_cap) block table */
+    int32_t blk_cap, n_blocks;
+    int32_t n_reserved;  /* blocks still promised to this sequence */
+    td_kv_hash *hashes;  /* (blk_cap) chain hashes of its full blocks */
+    int32_t n_published; /* leading blocks whose hash is known (published or matched) */
+    int32_t n_cached_tokens;
+    td_sampler *sampler;
+    td_stop *stop;
+    td_detok detok;
+    int32_t *ban; /* (n_ban) ids banned before min_tokens */
+    int32_t n_ban;
+    bool ignore_eos;
+    bool logprobs;
+    bool stop_strings;
+    double t_arrival, t_scheduled, t_first, t_last;
+    int32_t n_preemptions;
+    uint64_t admit_order;
+    int32_t chunk; /* tokens fed in the current step (0: not in the batch) */
+} seq;
+
+struct td_sched {
+    td_sched_params p;
+    td_engine *engine;
+    td_kv_pool *kv;
+    const td_tokenizer *tok;
+    td_metrics *metrics;
+    int32_t n_vocab;
+    int32_t block_size;
+    pthread_t thread;
+    /* Inbox and wake-up (under mu). */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    seq *inbox_head, *inbox_tail;
+    int32_t n_inbox;
+    bool stop;
+    atomic_bool draining;
+    atomic_bool abort_all;
+    atomic_int n_waiting_total; /* inbox + waiting, for max_waiting */
+    atomic_int n_live_streams;  /* submitted, not yet released by their reader */
+    /* Owned by the scheduler thread. */
+    seq *waiting;  /* FCFS; preempted sequences go back to the head */
+    seq **running; /* (max_running) in admission order */
+    int32_t n_running;
+    uint64_t admit_counter;
+    float *logits; /* (max_running, n_vocab) */
+    td_seq_chunk *chunks;
+    seq **batch;
+    uint64_t steps, preemptions;
+    /* Published figures (under stats_mu). */
+    pthread_mutex_t stats_mu;
+    pthread_cond_t stats_cv;
+    td_sched_stats stats;
+};
+
+td_sched_params td_sched_default_params(void) {
+    td_sched_params p = {.max_running = 16,
+                         .max_batch_tokens = 512,
+                         .max_waiting = 256,
+                         .reserve_output_tokens = 256,
+                         .max_ctx = 0,
+                         .prefix_cache = true,
+                         .compat = {0, 0}};
+    return p;
+}
+
+void td_gen_request_init(td_gen_request *r) {
+    memset(r, 0, sizeof *r);
+    r->max_tokens = 16;
+    r->sampling = td_sampler_default_params();
+    r->skip_special = true;
+}
+
+static void seq_free(seq *s) {
+    if (!s) return;
+    td_sampler_destroy(s->sampler);
+    td_stop_destroy(s->stop);
+    free(s->tokens);
+    free(s->blocks);
+    free(s->hashes);
+    free(s->ban);
+    free(s);
+}
+
+static int32_t blocks_for(const td_sched *s, int64_t n_tokens) {
+    return (int32_t)((n_tokens + s->block_size - 1) / s->block_size);
+}
+
+/* ---- submit ---- */
+
+td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **st_p) {
+    if (!s || !r || !st_p || !r->prompt || r->n_prompt < 1 || r->max_tokens < 1 ||
+        r->min_tokens < 0 || r->n_stop < 0 || r->n_stop_ids < 0) {
+        TD_LOG_ERROR("invalid generation request");
+        return TD_ERR_INVALID;
+    }
+    if (atomic_load(&s->draining)) return TD_ERR_UNAVAILABLE;
+    if ((int64_t)r->n_prompt + 1 > s->p.max_ctx) {
+        TD_LOG_INFO("request %s: prompt of %d tokens leaves no room in the context of %d",
+                    r->id ? r->id : "-", r->n_prompt, s->p.max_ctx);
+        return TD_ERR_RANGE;
+    }
+    if (blocks_for(s, (int64_t)r->n_prompt + 1) > td_kv_pool_params(s->kv)->n_blocks) {
+        TD_LOG_INFO("request %s: prompt of %d tokens can never fit the KV pool (%d blocks)",
+                    r->id ? r->id : "-", r->n_prompt, td_kv_pool_params(s->kv)->n_blocks);
+        return TD_ERR_RANGE;
+    }
+    for (int32_t i = 0; i < r->n_prompt; i++)
+        if (r->prompt[i] < 0 || r->prompt[i] >= s->n_vocab) {
+            TD_LOG_INFO("request %s: prompt token %d is outside the vocabulary (%d)",
+                        r->id ? r->id : "-", r->prompt[i], s->n_vocab);
+            return TD_ERR_INVALID;
+        }
+    if (atomic_load(&s->n_waiting_total) >= s->p.max_waiting) return TD_AGAIN;
+
+    td_status st = TD_ERR_NOMEM;
+    seq *q = calloc(1, sizeof *q);
+    td_gen_stream *gs = calloc(1, sizeof *gs);
+    if (!q || !gs) goto fail;
+    int64_t out_cap = TD_MIN((int64_t)r->max_tokens, (int64_t)s->p.max_ctx - r->n_prompt);
+    q->max_tokens = (int32_t)out_cap;
+    q->min_tokens = TD_MIN(r->min_tokens, q->max_tokens);
+    q->tok_cap = r->n_prompt + q->max_tokens;
+    q->tokens = malloc((size_t)q->tok_cap * sizeof *q->tokens);
+    q->blk_cap = blocks_for(s, q->tok_cap);
+    q->blocks = malloc((size_t)q->blk_cap * sizeof *q->blocks);
+    q->hashes = malloc((size_t)q->blk_cap * sizeof *q->hashes);
+    if (!q->tokens || !q->blocks || !q->hashes) goto fail;
+    memcpy(q->tokens, r->prompt, (size_t)r->n_prompt * sizeof *q->tokens);
+    q->n_prompt = q->n_tokens = r->n_prompt;
+    snprintf(q->id, sizeof q->id, "%s", r->id ? r->id : "-");
+
+    if ((st = td_sampler_create(&r->sampling, s->n_vocab, &q->sampler)) != TD_OK) goto fail;
+    if ((st = td_sampler_accept_prompt(q->sampler, r->prompt, (size_t)r->n_prompt)) != TD_OK)
+        goto fail;
+    td_stop_params sp = td_stop_default_params();
+    sp.stop_ids = r->stop_ids;
+    sp.n_stop_ids = (size_t)r->n_stop_ids;
+    sp.stop_strings = r->stop;
+    sp.n_stop_strings = (size_t)r->n_stop;
+    sp.include_stop_str = r->include_stop_str;
+    sp.ignore_eog = r->ignore_eos;
+    if ((st = td_stop_create(&sp, s->tok, &q->stop)) != TD_OK) goto fail;
+    q->stop_strings = r->n_stop > 0;
+    q->ignore_eos = r->ignore_eos;
+    td_detok_init(&q->detok, r->skip_special);
+    q->logprobs = r->sampling.logprobs || r->sampling.n_logprobs > 0;
+    if (q->min_tokens > 0) {
+        /* vLLM's min_tokens: stop tokens (EOG unless ignore_eos, and user
+         * stop ids) cannot be sampled before min_tokens outputs. */
+        size_t n_eog = 0;
+        const int32_t *eog = r->ignore_eos ? NULL : td_tokenizer_eog_ids(s->tok, &n_eog);
+        if (r->ignore_eos) n_eog = 0;
+        q->ban = malloc((n_eog + (size_t)r->n_stop_ids + 1) * sizeof *q->ban);
+        if (!q->ban) goto fail;
+        for (size_t i = 0; i < n_eog; i++) q->ban[q->n_ban++] = eog[i];
+        for (int32_t i = 0; i < r->n_stop_ids; i++)
+            if (r->stop_ids[i] >= 0 && r->stop_ids[i] < s->n_vocab)
+                q->ban[q->n_ban++] = r->stop_ids[i];
+    }
+    double now = td_time_s();
+    q->t_arrival = r->t_arrival > 0 ? r->t_arrival : now;
+
+    if (pthread_mutex_init(&gs->mu, NULL) != 0) goto fail;
+    gs->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (gs->efd < 0) {
+        TD_LOG_ERROR("eventfd: %s", strerror(errno));
+        pthread_mutex_destroy(&gs->mu);
+        st = TD_ERR_IO;
+        goto fail;
+    }
+    gs->cap = q->max_tokens;
+    gs->tokens = malloc((size_t)gs->cap * sizeof *gs->tokens);
+    gs->lp = q->logprobs ? malloc((size_t)gs->cap * sizeof *gs->lp) : NULL;
+    gs->text_cap = 256;
+    gs->text = malloc(gs->text_cap);
+    if (!gs->tokens || (q->logprobs && !gs->lp) || !gs->text) {
+        close(gs->efd);
+        pthread_mutex_destroy(&gs->mu);
+        st = TD_ERR_NOMEM;
+        goto fail;
+    }
+    gs->n_prompt = r->n_prompt;
+    gs->stop_index = -1;
+    gs->stop_token = -1;
+    gs->sched = s;
+    atomic_init(&gs->refs, 2); /* reader + scheduler */
+    atomic_init(&gs->cancel, false);
+    q->st = gs;
+
+    pthread_mutex_lock(&s->mu);
+    if (atomic_load(&s->draining) || s->stop) {
+        pthread_mutex_unlock(&s->mu);
+        atomic_store(&gs->refs, 1);
+        stream_unref(gs);
+        q->st = NULL;
+        seq_free(q);
+        return TD_ERR_UNAVAILABLE;
+    }
+    if (atomic_load(&s->n_waiting_total) >= s->p.max_waiting) {
+        pthread_mutex_unlock(&s->mu);
+        atomic_store(&gs->refs, 1);
+        stream_unref(gs);
+        q->st = NULL;
+        seq_free(q);
+        return TD_AGAIN;
+    }
+    atomic_fetch_add(&s->n_waiting_total, 1);
+    atomic_fetch_add(&s->n_live_streams, 1);
+    if (s->inbox_tail)
+        s->inbox_tail->next = q;
+    else
+        s->inbox_head = q;
+    s->inbox_tail = q;
+    s->n_inbox++;
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    *st_p = gs;
+    return TD_OK;
+
+fail:
+    if (st == TD_ERR_NOMEM) TD_LOG_ERROR("out of memory");
+    if (gs) {
+        free(gs->tokens);
+        free(gs->lp);
+        free(gs->text);
+        free(gs);
+    }
+    seq_free(q);
+    return st;
+}
+
+/* ---- stream reader side ---- */
+
+td_status td_gen_stream_read(td_gen_stream *st, int timeout_ms, td_gen_delta *d) {
+    double deadline = timeout_ms > 0 ? td_time_s() + timeout_ms / 1000.0 : 0;
+    for (;;) {
+        pthread_mutex_lock(&st->mu);
+        bool news = st->n_pub > st->n_read || st->text_len > st->text_read ||
+                    (st->finished && !st->end_reported) || st->end_reported;
+        if (news) {
+            uint64_t v;
+            ssize_t r = read(st->efd, &v, sizeof v);
+            TD_UNUSED(r);
+            memset(d, 0, sizeof *d);
+            d->tokens = st->tokens + st->n_read;
+            d->logprobs = st->lp ? st->lp + st->n_read : NULL;
+            d->n_tokens = st->n_pub - st->n_read;
+            size_t nt = st->text_len - st->text_read;
+            if (nt > st->r_text_cap) {
+                size_t cap = TD_MAX(nt, 2 * st->r_text_cap);
+                char *p = realloc(st->r_text, cap);
+                if (!p) {
+                    pthread_mutex_unlock(&st->mu);
+                    TD_LOG_ERROR("out of memory");
+                    return TD_ERR_NOMEM;
+                }
+                st->r_text = p;
+                st->r_text_cap = cap;
+            }
+            if (nt) memcpy(st->r_text, st->text + st->text_read, nt);
+            d->text = st->r_text;
+            d->text_len = nt;
+            st->n_read = st->n_pub;
+            st->text_read = st->text_len;
+            d->n_prompt_tokens = st->n_prompt;
+            d->n_cached_tokens = st->n_cached;
+            d->n_output_tokens = st->n_pub;
+            d->stop_index = st->stop_index;
+            d->stop_token = st->stop_token;
+            if (st->finished) {
+                d->finished = true;
+                d->finish = st->finish;
+                d->error = st->error;
+                st->end_reported = true;
+                /* Keep the fd readable so pollers see the end every time. */
+                stream_notify(st);
+            }
+            pthread_mutex_unlock(&st->mu);
+            return TD_OK;
+        }
+        pthread_mutex_unlock(&st->mu);
+        if (timeout_ms == 0) return TD_AGAIN;
+        int wait_ms = -1;
+        if (timeout_ms > 0) {
+            double left = deadline - td_time_s();
+            if (left <= 0) return TD_AGAIN;
+            wait_ms = (int)ceil(left * 1000.0);
+        }
+        struct pollfd pfd = {.fd = st->efd, .events = POLLIN};
+        int pr = poll(&pfd, 1, wait_ms);
+        if (pr == 0) return TD_AGAIN;
+        if (pr < 0 && errno != EINTR) {
+            TD_LOG_ERROR("poll: %s", strerror(errno));
+            return TD_ERR_IO;
+        }
+    }
+}
+
+int td_gen_stream_fd(const td_gen_stream *st) { return st->efd; }
+
+void td_gen_stream_cancel(td_gen_stream *st) {
+    if (!st) return;
+    /* A finished stream may outlive its scheduler: touch nothing else. */
+    pthread_mutex_lock(&st->mu);
+    bool done = st->finished;
+    pthread_mutex_unlock(&st->mu);
+    if (done || atomic_exchange(&st->cancel, true)) return;
+    td_sched *s = st->sched;
+    pthread_mutex_lock(&s->mu);
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+void td_gen_stream_release(td_gen_stream *st) {
+    if (!st) return;
+    td_gen_stream_cancel(st);
+    atomic_fetch_sub(&st->sched->n_live_streams, 1);
+    stream_unref(st);
+}
+
+/* ---- scheduler thread ---- */
+
+/* Appends bytes to the stream's text (under its mutex). */
+static bool stream_text_append(td_gen_stream *st, const char *p, size_t n) {
+    if (n == 0) return true;
+    if (st->text_len + n > st->text_cap) {
+        size_t cap = TD_MAX(st->text_len + n, 2 * st->text_cap);
+        char *t = realloc(st->text, cap);
+        if (!t) return false;
+        st->text = t;
+        st->text_cap = cap;
+    }
+    memcpy(st->text + st->text_len, p, n);
+    st->text_len += n;
+    return true;
+}
+
+static void publish_stats(td_sched *s) {
+    td_sched_stats x;
+    memset(&x, 0, sizeof x);
+    x.running = s->n_running;
+    int32_t n_wait = 0;
+    int64_t queued = 0;
+    for (seq *q = s->waiting; q; q = q->next) {
+        n_wait++;
+        queued += q->n_tokens - q->n_computed;
+    }
+    for (int32_t i = 0; i < s->n_running; i++) {
+        seq *q = s->running[i];
+        if (q->n_tokens - q->n_computed > 1) queued += q->n_tokens - q->n_computed;
+    }
+    pthread_mutex_lock(&s->mu);
+    n_wait += s->n_inbox;
+    for (seq *q = s->inbox_head; q; q = q->next) queued += q->n_tokens;
+    pthread_mutex_unlock(&s->mu);
+    x.waiting = n_wait;
+    x.queued_prefill_tokens = queued;
+    td_kv_pool_counts(s->kv, &x.kv);
+    x.steps = s->steps;
+    x.preemptions = s->preemptions;
+    x.draining = atomic_load(&s->draining);
+    pthread_mutex_lock(&s->stats_mu);
+    s->stats = x;
+    pthread_cond_broadcast(&s->stats_cv);
+    pthread_mutex_unlock(&s->stats_mu);
+}
+
+/* Ends a sequence: publishes the end, records metrics, frees its blocks
+ * and reservation, and lets go of the stream. s must not be on any list. */
+static void seq_finish(td_sched *s, seq *q, td_finish_reason why, td_status err, int stop_index,
+                       int32_t stop_token) {
+    td_gen_stream *st = q->st;
+    const char *tail = NULL;
+    size_t tail_len = 0;
+    if (why == TD_FINISH_LENGTH || why == TD_FINISH_STOP) {
+        if (stop_index < 0) td_stop_flush(q->stop, &tail, &tail_len);
+    }
+    char flushed[16];
+    size_t nf = (why == TD_FINISH_LENGTH || why == TD_FINISH_STOP) && stop_index < 0
+                    ? td_detok_flush(&q->detok, flushed, sizeof flushed)
+                    : 0;
+    pthread_mutex_lock(&st->mu);
+    bool ok = stream_text_append(st, tail, tail_len) && stream_text_append(st, flushed, nf);
+    st->finished = true;
+    st->finish = ok ? why : TD_FINISH_ERROR;
+    st->error = ok ? err : TD_ERR_NOMEM;
+    st->stop_index = stop_index;
+    st->stop_token = stop_token;
+    int32_t n_out = st->n_pub;
+    pthread_mutex_unlock(&st->mu);
+    stream_notify(st);
+
+    if (s->metrics) {
+        td_request_record rec = {.id = q->id,
+                                 .n_prompt_tokens = q->n_prompt,
+                                 .n_cached_tokens = q->n_cached_tokens,
+                                 .n_output_tokens = n_out,
+                                 .finish = st->finish,
+                                 .t_arrival = q->t_arrival,
+                                 .t_scheduled = q->t_scheduled,
+                                 .t_first_token = q->t_first,
+                                 .t_finished = td_time_s(),
+                                 .n_preemptions = q->n_preemptions};
+        td_metrics_request_finished(s->metrics, &rec);
+    }
+    if (q->n_blocks) td_kv_block_free(s->kv, q->blocks, q->n_blocks);
+    if (q->n_reserved) td_kv_unreserve(s->kv, q->n_reserved);
+    q->n_blocks = q->n_reserved = 0;
+    if (q->state == SEQ_WAITING) atomic_fetch_sub(&s->n_waiting_total, 1);
+    stream_unref(st);
+    q->st = NULL;
+    seq_free(q);
+}
+
+static void running_remove(td_sched *s, int32_t i) {
+    memmove(&s->running[i], &s->running[i + 1], (size_t)(s->n_running - i - 1) * sizeof(seq *));
+    s->n_running--;
+}
+
+/* Takes the inbox; handles cancellations of waiting and running sequences. */
+static void take_inbox_and_cancels(td_sched *s) {
+    pthread_mutex_lock(&s->mu);
+    seq *in = s->inbox_head;
+    s->inbox_head = s->inbox_tail = NULL;
+    s->n_inbox = 0;
+    pthread_mutex_unlock(&s->mu);
+    seq **tail = &s->waiting;
+    while (*tail) tail = &(*tail)->next;
+    *tail = in;
+
+    bool all = atomic_load(&s->abort_all);
+    for (seq **pp = &s->waiting; *pp;) {
+        seq *q = *pp;
+        if (all || atomic_load(&q->st->cancel)) {
+            *pp = q->next;
+            q->next = NULL;
+            seq_finish(s, q, TD_FINISH_ABORT, TD_ERR_CANCELLED, -1, -1);
+        } else {
+            pp = &q->next;
+        }
+    }
+    for (int32_t i = 0; i < s->n_running;) {
+        seq *q = s->running[i];
+        if (all || atomic_load(&q->st->cancel)) {
+            running_remove(s, i);
+            seq_finish(s, q, TD_FINISH_ABORT, TD_ERR_CANCELLED, -1, -1);
+        } else {
+            i++;
+        }
+    }
+    if (all) atomic_store(&s->abort_all, false);
+}
+
+/* Blocks the sequence keeps beyond its tokens: the output it may still
+ * produce, capped by reserve_output_tokens, not past max_tokens. */
+static int32_t reserve_target(const td_sched *s, const seq *q) {
+    int32_t produced = q->n_tokens - q->n_prompt;
+    int64_t left = (int64_t)q->max_tokens - produced;
+    int64_t want = TD_MIN(left, (int64_t)s->p.reserve_output_tokens);
+    int64_t final_tokens = (int64_t)q->n_tokens + want;
+    int32_t have_for_tokens = blocks_for(s, q->n_tokens);
+    return TD_MAX(0, blocks_for(s, final_tokens) - have_for_tokens);
+}
+
+/* Tries to admit the head of the waiting queue. */
+static bool admit_one(td_sched *s, seq *q) {
+    int32_t bs = s->block_size;
+    int32_t matched = 0;
+    if (s->p.prefix_cache) {
+        /* Hash the full blocks of what must be computed, keeping at least the
+         * last token to run (its logits give the next token). */
+        int32_t n_full = (q->n_tokens - 1) / bs;
+        int32_t n_h = td_kv_hash_chain(s->p.compat, q->tokens, n_full * bs, bs, q->hashes);
+        matched = td_kv_cache_acquire(s->kv, q->hashes, n_h, q->blocks);
+        if (s->metrics) td_metrics_prefix_cache(s->metrics, q->n_tokens, (int64_t)matched * bs);
+    }
+    int32_t need_now = blocks_for(s, q->n_tokens) - matched;
+    int32_t reserve = reserve_target(s, q);
+    int32_t n_free = td_kv_pool_n_free(s->kv);
+    if (need_now + reserve > n_free) {
+        if (s->n_running == 0 && need_now <= n_free) {
+            reserve = n_free - need_now; /* alone: take what there is */
+        } else {
+            td_kv_block_free(s->kv, q->blocks, matched);
+            return false;
+        }
+    }
+    td_status st = td_kv_block_alloc(s->kv, need_now, q->blocks + matched);
+    TD_ASSERT(st == TD_OK);
+    st = td_kv_reserve(s->kv, reserve);
+    TD_ASSERT(st == TD_OK);
+    q->n_blocks = matched + need_now;
+    q->n_reserved = reserve;
+    q->n_published = matched;
+    q->n_computed = matched * bs;
+    if (q->n_preemptions == 0) q->n_cached_tokens = matched * bs;
+    q->state = SEQ_RUNNING;
+    q->admit_order = ++s->admit_counter;
+    if (q->t_scheduled == 0) q->t_scheduled = td_time_s();
+    if (q->n_preemptions == 0) {
+        pthread_mutex_lock(&q->st->mu);
+        q->st->n_cached = q->n_cached_tokens;
+        pthread_mutex_unlock(&q->st->mu);
+    }
+    return true;
+}
+
+static void admit(td_sched *s) {
+    while (s->waiting && s->n_running < s->p.max_running) {
+        seq *q = s->waiting;
+        if (!admit_one(s, q)) break;
+        s->waiting = q->next;
+        q->next = NULL;
+        atomic_fetch_sub(&s->n_waiting_total, 1);
+        s->running[s->n_running++] = q;
+    }
+}
+
+/* Puts a running sequence back at the head of the queue, freeing its KV;
+ * it recomputes prompt + output so far when admitted again. */
+static void preempt(td_sched *s, int32_t i) {
+    seq *q = s->running[i];
+    running_remove(s, i);
+    td_kv_block_free(s->kv, q->blocks, q->n_blocks);
+    if (q->n_reserved) td_kv_unreserve(s->kv, q->n_reserved);
+    q->n_blocks = q->n_reserved = 0;
+    q->n_computed = 0;
+    q->n_published = 0;
+    q->chunk = 0;
+    q->state = SEQ_WAITING;
+    q->n_preemptions++;
+    q->next = s->waiting;
+    s->waiting = q;
+    atomic_fetch_add(&s->n_waiting_total, 1);
+    s->preemptions++;
+    if (s->metrics) td_metrics_preemption(s->metrics);
+    TD_LOG_INFO("preempted %s (KV exhausted; it will recompute %d tokens)", q->id, q->n_tokens);
+}
+
+/* Gives q the blocks to hold `upto` tokens; preempts the latest admitted
+ * other sequences when the pool is dry. False if q itself had to go. */
+static bool grow_blocks(td_sched *s, seq *q, int32_t upto) {
+    int32_t need = blocks_for(s, upto) - q->n_blocks;
+    while (need > 0) {
+        if (q->n_reserved > 0) {
+            int32_t k = TD_MIN(need, q->n_reserved);
+            td_kv_block_alloc_reserved(s->kv, k, q->blocks + q->n_blocks);
+            q->n_reserved -= k;
+            q->n_blocks += k;
+            need -= k;
+            continue;
+        }
+        if (td_kv_block_alloc(s->kv, need, q->blocks + q->n_blocks) == TD_OK) {
+            q->n_blocks += need;
+            return true;
+        }
+        /* Last resort: recompute the most recently admitted sequence (the
+         * running list is in admission order, so it is the last one). */
+        int32_t victim = s->n_running - 1;
+        TD_ASSERT(victim >= 0);
+        bool self = s->running[victim] == q;
+        preempt(s, victim);
+        if (self) return false;
+    }
+    return true;
+}
+
+/* Publishes the hashes of q's newly full, computed blocks. */
+static void publish_blocks(td_sched *s, seq *q) {
+    if (!s->p.prefix_cache) return;
+    int32_t bs = s->block_size, full = q->n_computed / bs;
+    while (q->n_published < full) {
+        int32_t b = q->n_published;
+        td_kv_hash parent = b == 0 ? s->p.compat : q->hashes[b - 1];
+        q->hashes[b] = td_kv_hash_block(parent, q->tokens + (size_t)b * (size_t)bs, bs, NULL, 0);
+        td_kv_cache_insert(s->kv, q->blocks[b], q->hashes[b]);
+        q->n_published++;
+    }
+}
+
+/* Builds the step's batch: decodes first, then prefill chunks in admission
+ * order within the token budget. Returns the number of sequences. */
+static int32_t build_batch(td_sched *s) {
+    int32_t budget = s->p.max_batch_tokens, n = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int32_t i = 0; i < s->n_running && budget > 0;) {
+            seq *q = s->running[i];
+            int32_t todo = q->n_tokens - q->n_computed;
+            bool decode = todo == 1;
+            if ((pass == 0) != decode || q->chunk > 0) {
+                i++;
+                continue;
+            }
+            int32_t take = TD_MIN(todo, budget);
+            if (!grow_blocks(s, q, q->n_computed + take)) {
+                /* q was preempted; the list shifted. Restart the pass so
+                 * sequences already chosen keep their blocks. */
+                n = 0;
+                budget = s->p.max_batch_tokens;
+                for (int32_t k = 0; k < s->n_running; k++) s->running[k]->chunk = 0;
+                pass = -1;
+                break;
+            }
+            /* grow_blocks may have preempted later sequences, never an
+             * earlier one, so index i still names q. */
+            q->chunk = take;
+            budget -= take;
+            i++;
+        }
+    }
+    /* Collect in running order (preemptions may have removed chosen ones). */
+    for (int32_t i = 0; i < s->n_running; i++) {
+        seq *q = s->running[i];
+        if (q->chunk <= 0) continue;
+        td_seq_chunk *c = &s->chunks[n];
+        c->tokens = q->tokens + q->n_computed;
+        c->n_tokens = q->chunk;
+        c->pos0 = q->n_computed;
+        c->block_table = q->blocks;
+        c->n_blocks = q->n_blocks;
+        c->logits_all = false;
+        c->no_logits = q->n_computed + q->chunk < q->n_tokens;
+        s->batch[n++] = q;
+    }
+    return n;
+}
+
+/* Samples q's next token from its logits row and applies the stop rules. */
+static void sample_one(td_sched *s, seq *q, float *logits, double now) {
+    int32_t n_out = q->n_tokens - q->n_prompt;
+    if (n_out < q->min_tokens)
+        for (int32_t i = 0; i < q->n_ban; i++) logits[q->ban[i]] = -INFINITY;
+    td_sample_result r;
+    td_status st = td_sampler_sample(q->sampler, logits, &r);
+    if (st != TD_OK) {
+        seq_finish(s, q, TD_FINISH_ERROR, st, -1, -1);
+        return;
+    }
+    td_sampler_accept(q->sampler, r.token);
+    q->tokens[q->n_tokens++] = r.token;
+    n_out++;
+    if (q->t_first == 0) {
+        q->t_first = now;
+        if (s->metrics)
+            td_metrics_first_token(s->metrics, now - q->t_arrival, q->t_scheduled - q->t_arrival);
+    } else if (s->metrics) {
+        td_metrics_inter_token(s->metrics, now - q->t_last);
+    }
+    q->t_last = now;
+
+    td_gen_stream *gs = q->st;
+    bool stop_tok = n_out > q->min_tokens - 1 && td_stop_is_stop_token(q->stop, r.token);
+    const char *text = NULL;
+    size_t text_len = 0;
+    bool stop_str = false;
+    char piece[256];
+    if (!stop_tok) {
+        size_t np = td_detok_push(s->tok, &q->detok, r.token, piece, sizeof piece);
+        if (n_out <= q->min_tokens || !q->stop_strings) {
+            /* Stop strings are not checked before min_tokens (vLLM). */
+            text = piece;
+            text_len = np;
+        } else {
+            td_stop_feed(q->stop, piece, np, &text, &text_len, &stop_str);
+        }
+    }
+    pthread_mutex_lock(&gs->mu);
+    gs->tokens[gs->n_pub] = r.token;
+    if (gs->lp) gs->lp[gs->n_pub] = r;
+    gs->n_pub++;
+    bool ok = stream_text_append(gs, text, text_len);
+    pthread_mutex_unlock(&gs->mu);
+    stream_notify(gs);
+    if (!ok) {
+        TD_LOG_ERROR("out of memory");
+        seq_finish(s, q, TD_FINISH_ERROR, TD_ERR_NOMEM, -1, -1);
+    } else if (stop_tok) {
+        seq_finish(s, q, TD_FINISH_STOP, TD_OK, -1, r.token);
+    } else if (stop_str) {
+        seq_finish(s, q, TD_FINISH_STOP, TD_OK, td_stop_matched(q->stop), -1);
+    } else if (n_out >= q->max_tokens || q->n_tokens >= s->p.max_ctx) {
+        seq_finish(s, q, TD_FINISH_LENGTH, TD_OK, -1, -1);
+    } else {
+        return;
+    }
+    /* Finished: seq_finish freed q; the caller drops it from running. */
+}
+
+/* One scheduling step. Returns false when there was nothing to run. */
+static bool step(td_sched *s) {
+    take_inbox_and_cancels(s);
+    admit(s);
+    int32_t n = build_batch(s);
+    if (n == 0) return false;
+    int32_t n_tok = 0;
+    for (int32_t i = 0; i < n; i++) n_tok += s->chunks[i].n_tokens;
+    td_status st = td_engine_forward(s->engine, s->chunks, n, s->logits);
+    s->steps++;
+    if (s->metrics) td_metrics_iteration(s->metrics, n_tok);
+    double now = td_time_s();
+    int32_t row = 0;
+    for (int32_t i = 0; i < n; i++) {
+        seq *q = s->batch[i];
+        int32_t chunk = q->chunk;
+        q->chunk = 0;
+        bool has_logits = !s->chunks[i].no_logits;
+        float *lg = has_logits ? s->logits + (size_t)row++ * (size_t)s->n_vocab : NULL;
+        int32_t idx = -1;
+        for (int32_t k = 0; k < s->n_running; k++)
+            if (s->running[k] == q) idx = k;
+        TD_ASSERT(idx >= 0);
+        if (st != TD_OK) {
+            TD_LOG_ERROR("forward pass failed (%s): ending request %s", td_status_str(st), q->id);
+            running_remove(s, idx);
+            seq_finish(s, q, TD_FINISH_ERROR, st, -1, -1);
+            continue;
+        }
+        q->n_computed += chunk;
+        publish_blocks(s, q);
+        if (!has_logits) continue;
+        /* A cancel that arrived during the forward pass wins over the token. */
+        if (atomic_load(&q->st->cancel)) continue;
+        running_remove(s, idx);
+        int32_t before = s->n_running;
+        /* sample_one frees q when it finishes; otherwise put it back in its
+         * admission-order place. */
+        bool finished;
+        {
+            td_gen_stream *gs = q->st;
+            atomic_fetch_add(&gs->refs, 1);
+            sample_one(s, q, lg, now);
+            pthread_mutex_lock(&gs->mu);
+            finished = gs->finished;
+            pthread_mutex_unlock(&gs->mu);
+            stream_unref(gs);
+        }
+        TD_ASSERT(s->n_running == before);
+        if (!finished) {
+            memmove(&s->running[idx + 1], &s->running[idx],
+                    (size_t)(s->n_running - idx) * sizeof(seq *));
+            s->running[idx] = q;
+            s->n_running++;
+        }
+    }
+    return true;
+}
+
+static void *sched_main(void *arg) {
+    td_sched *s = arg;
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        if (s->stop) {
+            pthread_mutex_unlock(&s->mu);
+            break;
+        }
+        pthread_mutex_unlock(&s->mu);
+        bool worked = step(s);
+        publish_stats(s);
+        if (worked) continue;
+        pthread_mutex_lock(&s->mu);
+        /* Sleep until a submission, a cancel or stop; cancels of queued or
+         * running work signal the same condition. The timeout bounds the
+         * latency of a cancel racing with this check. */
+        if (!s->stop && !s->inbox_head && !atomic_load(&s->abort_all)) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 100 * 1000000L;
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+        }
+        pthread_mutex_unlock(&s->mu);
+    }
+    /* Shutting down: end everything still queued or running. */
+    atomic_store(&s->abort_all, true);
+    take_inbox_and_cancels(s);
+    publish_stats(s);
+    return NULL;
+}
+
+td_status td_sched_create(const td_sched_params *p, td_engine *engine, td_kv_pool *kv,
+                          const td_tokenizer *tok, td_metrics *metrics, td_sched **s_p) {
+    if (!p || !engine || !kv || !tok || !s_p || p->max_running < 1 || p->max_batch_tokens < 1 ||
+        p->max_waiting < 0 || p->reserve_output_tokens < 0 || p->max_ctx < 2) {
+        TD_LOG_ERROR("invalid scheduler parameters");
+        return TD_ERR_INVALID;
+    }
+    const td_kv_params *kp = td_kv_pool_params(kv);
+    if ((int64_t)kp->n_blocks * kp->block_size < p->max_ctx) {
+        TD_LOG_ERROR("the KV pool (%d blocks of %d tokens) cannot hold one sequence of the "
+                     "context length %d",
+                     kp->n_blocks, kp->block_size, p->max_ctx);
+        return TD_ERR_INVALID;
+    }
+    if (p->max_batch_tokens < p->max_running) {
+        TD_LOG_ERROR("max_batch_tokens (%d) must be at least max_running (%d)", p->max_batch_tokens,
+                     p->max_running);
+        return TD_ERR_INVALID;
+    }
+    td_sched *s = calloc(1, sizeof *s);
+    if (!s) return TD_ERR_NOMEM;
+    s->p = *p;
+    s->engine = engine;
+    s->kv = kv;
+    s->tok = tok;
+    s->metrics = metrics;
+    s->n_vocab = td_tokenizer_n_vocab(tok);
+    s->block_size = kp->block_size;
+    s->running = calloc((size_t)p->max_running, sizeof *s->running);
+    s->batch = calloc((size_t)p->max_running, sizeof *s->batch);
+    s->chunks = calloc((size_t)p->max_running, sizeof *s->chunks);
+    s->logits = malloc((size_t)p->max_running * (size_t)s->n_vocab * sizeof(float));
+    if (!s->running || !s->batch || !s->chunks || !s->logits) {
+        TD_LOG_ERROR("out of memory");
+        goto free_s;
+    }
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    pthread_mutex_init(&s->stats_mu, NULL);
+    pthread_cond_init(&s->stats_cv, NULL);
+    publish_stats(s);
+    int rc = pthread_create(&s->thread, NULL, sched_main, s);
+    if (rc != 0) {
+        TD_LOG_ERROR("pthread_create: %s", strerror(rc));
+        pthread_cond_destroy(&s->stats_cv);
+        pthread_mutex_destroy(&s->stats_mu);
+        pthread_cond_destroy(&s->cv);
+        pthread_mutex_destroy(&s->mu);
+        goto free_s;
+    }
+    *s_p = s;
+    return TD_OK;
+
+free_s:
+    free(s->logits);
+    free(s->chunks);
+    free(s->batch);
+    free(s->running);
+    free(s);
+    return TD_ERR_NOMEM;
+}
+
+void td_sched_destroy(td_sched *s) {
+    if (!s) return;
+    pthread_mutex_lock(&s->mu);
+    s->stop = true;
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->thread, NULL);
+    pthread_cond_destroy(&s->stats_cv);
+    pthread_mutex_destroy(&s->stats_mu);
+    pthread_cond_destroy(&s->cv);
+    pthread_mutex_destroy(&s->mu);
+    free(s->logits);
+    free(s->chunks);
+    free(s->batch);
+    free(s->running);
+    free(s);
+}
+
+void td_sched_stats_get(td_sched *s, td_sched_stats *st) {
+    pthread_mutex_lock(&s->stats_mu);
+    *st = s->stats;
+    pthread_mutex_unlock(&s->stats_mu);
+    st->draining = atomic_load(&s->draining);
+}
+
+void td_sched_metrics_gauges(td_sched *s, td_metrics_gauges *g) {
+    td_sched_stats st;
+    td_sched_stats_get(s, &st);
+    memset(g, 0, sizeof *g);
+    g->running = st.running;
+    g->waiting = st.waiting;
+    g->queued_prefill_tokens = st.queued_prefill_tokens;
+    g->kv_total = st.kv.total;
+    g->kv_empty = st.kv.empty;
+    g->kv_cached = st.kv.cached;
+    g->kv_used = st.kv.used;
+    g->kv_reserved = st.kv.reserved;
+    g->kv_fragmentation = st.kv.fragmentation;
+    g->kv_evictions = st.kv.evictions;
+    g->draining = st.draining;
+}
+
+td_kv_events *td_sched_kv_events(td_sched *s) { return td_kv_pool_events(s->kv); }
+
+void td_sched_drain(td_sched *s) {
+    atomic_store(&s->draining, true);
+    pthread_mutex_lock(&s->mu);
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+bool td_sched_draining(td_sched *s) { return atomic_load(&s->draining); }
+
+int32_t td_sched_live_streams(td_sched *s) { return atomic_load(&s->n_live_streams); }
+
+bool td_sched_wait_idle(td_sched *s, double timeout_s) {
+    double deadline = td_time_s() + timeout_s;
+    pthread_mutex_lock(&s->stats_mu);
+    for (;;) {
+        if (s->stats.running == 0 && s->stats.waiting == 0) {
+            pthread_mutex_unlock(&s->stats_mu);
+            pthread_mutex_lock(&s->mu);
+            bool idle = s->inbox_head == NULL;
+            pthread_mutex_unlock(&s->mu);
+            if (idle) return true;
+            pthread_mutex_lock(&s->stats_mu);
+        }
+        double left = deadline - td_time_s();
+        if (left <= 0) break;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        double w = TD_MIN(left, 0.1);
+        ts.tv_nsec += (long)(w * 1e9);
+        while (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&s->stats_cv, &s->stats_mu, &ts);
+    }
+    pthread_mutex_unlock(&s->stats_mu);
+    return false;
+}
+
+void td_sched_abort_all(td_sched *s) {
+    atomic_store(&s->abort_all, true);
+    pthread_mutex_lock(&s->mu);
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
