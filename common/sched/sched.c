@@ -114,6 +114,7 @@ struct td_sched {
     atomic_bool abort_all;
     atomic_int n_waiting_total; /* inbox + waiting, for max_waiting */
     atomic_int n_live_streams;  /* submitted, not yet released by their reader */
+    atomic_int n_active;        /* submitted, not yet finished */
     /* Owned by the scheduler thread. */
     seq *waiting;  /* FCFS; preempted sequences go back to the head */
     seq **running; /* (max_running) in admission order */
@@ -127,6 +128,7 @@ struct td_sched {
     pthread_mutex_t stats_mu;
     pthread_cond_t stats_cv;
     td_sched_stats stats;
+    int32_t stats_active; /* n_active when stats were taken */
 };
 
 td_sched_params td_sched_default_params(void) {
@@ -283,6 +285,7 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
     }
     atomic_fetch_add(&s->n_waiting_total, 1);
     atomic_fetch_add(&s->n_live_streams, 1);
+    atomic_fetch_add(&s->n_active, 1);
     if (s->inbox_tail)
         s->inbox_tail->next = q;
     else
@@ -436,8 +439,10 @@ static void publish_stats(td_sched *s) {
     x.steps = s->steps;
     x.preemptions = s->preemptions;
     x.draining = atomic_load(&s->draining);
+    int32_t active = atomic_load(&s->n_active);
     pthread_mutex_lock(&s->stats_mu);
     s->stats = x;
+    s->stats_active = active;
     pthread_cond_broadcast(&s->stats_cv);
     pthread_mutex_unlock(&s->stats_mu);
 }
@@ -484,6 +489,7 @@ static void seq_finish(td_sched *s, seq *q, td_finish_reason why, td_status err,
     if (q->n_reserved) td_kv_unreserve(s->kv, q->n_reserved);
     q->n_blocks = q->n_reserved = 0;
     if (q->state == SEQ_WAITING) atomic_fetch_sub(&s->n_waiting_total, 1);
+    atomic_fetch_sub(&s->n_active, 1);
     stream_unref(st);
     q->st = NULL;
     seq_free(q);
@@ -975,16 +981,14 @@ bool td_sched_draining(td_sched *s) { return atomic_load(&s->draining); }
 int32_t td_sched_live_streams(td_sched *s) { return atomic_load(&s->n_live_streams); }
 
 bool td_sched_wait_idle(td_sched *s, double timeout_s) {
+    /* Idle: nothing active now, and the published figures were taken when
+     * nothing was active (so they show the final block counts). */
     double deadline = td_time_s() + timeout_s;
     pthread_mutex_lock(&s->stats_mu);
     for (;;) {
-        if (s->stats.running == 0 && s->stats.waiting == 0) {
+        if (s->stats_active == 0 && atomic_load(&s->n_active) == 0) {
             pthread_mutex_unlock(&s->stats_mu);
-            pthread_mutex_lock(&s->mu);
-            bool idle = s->inbox_head == NULL;
-            pthread_mutex_unlock(&s->mu);
-            if (idle) return true;
-            pthread_mutex_lock(&s->stats_mu);
+            return true;
         }
         double left = deadline - td_time_s();
         if (left <= 0) break;
