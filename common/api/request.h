@@ -56,6 +56,7 @@ typedef struct {
     int32_t max_n;         /* default 8 */
     int32_t max_stop;      /* default 16 */
     int32_t max_prompt_items; /* completions: most prompts in one batch request (default 16) */
+    int32_t max_stop_ids;     /* most stop_token_ids (default 256) */
 } td_api_limits;
 
 td_api_limits td_api_default_limits(void);
