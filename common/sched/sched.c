@@ -77,9 +77,10 @@ typedef struct seq {
     int32_t max_tokens, min_tokens;
     int32_t *blocks; /* (blk_cap) block table */
     int32_t blk_cap, n_blocks;
-    int32_t n_reserved;  /* blocks still promised to this sequence */
-    td_kv_hash *hashes;  /* (blk_cap) chain hashes of its full blocks */
-    int32_t n_published; /* leading blocks whose hash is known (published or matched) */
+    int32_t n_reserved;   /* blocks still promised to this sequence */
+    td_kv_hash *hashes;   /* (blk_cap) chain hashes of its full blocks */
+    int32_t n_published;  /* leading blocks published to (or matched in) the prefix cache */
+    int32_t n_hash_valid; /* leading entries of hashes[] computed (tokens never change) */
     int32_t n_cached_tokens;
     td_sampler *sampler;
     td_stop *stop;
@@ -553,9 +554,13 @@ static bool admit_one(td_sched *s, seq *q) {
         /* Hash the full blocks of what must be computed, keeping at least the
          * last token to run (its logits give the next token). */
         int32_t n_full = (q->n_tokens - 1) / bs;
-        int32_t n_h = td_kv_hash_chain(s->p.compat, q->tokens, n_full * bs, bs, q->hashes);
-        matched = td_kv_cache_acquire(s->kv, q->hashes, n_h, q->blocks);
-        if (s->metrics) td_metrics_prefix_cache(s->metrics, q->n_tokens, (int64_t)matched * bs);
+        for (; q->n_hash_valid < n_full; q->n_hash_valid++) {
+            int32_t b = q->n_hash_valid;
+            td_kv_hash parent = b == 0 ? s->p.compat : q->hashes[b - 1];
+            q->hashes[b] =
+                td_kv_hash_block(parent, q->tokens + (size_t)b * (size_t)bs, bs, NULL, 0);
+        }
+        matched = td_kv_cache_acquire(s->kv, q->hashes, n_full, q->blocks);
     }
     int32_t need_now = blocks_for(s, q->n_tokens) - matched;
     int32_t reserve = reserve_target(s, q);
@@ -572,6 +577,8 @@ static bool admit_one(td_sched *s, seq *q) {
     TD_ASSERT(st == TD_OK);
     st = td_kv_reserve(s->kv, reserve);
     TD_ASSERT(st == TD_OK);
+    if (s->p.prefix_cache && s->metrics)
+        td_metrics_prefix_cache(s->metrics, q->n_tokens, (int64_t)matched * bs);
     q->n_blocks = matched + need_now;
     q->n_reserved = reserve;
     q->n_published = matched;
@@ -654,8 +661,12 @@ static void publish_blocks(td_sched *s, seq *q) {
     int32_t bs = s->block_size, full = q->n_computed / bs;
     while (q->n_published < full) {
         int32_t b = q->n_published;
-        td_kv_hash parent = b == 0 ? s->p.compat : q->hashes[b - 1];
-        q->hashes[b] = td_kv_hash_block(parent, q->tokens + (size_t)b * (size_t)bs, bs, NULL, 0);
+        if (b >= q->n_hash_valid) {
+            td_kv_hash parent = b == 0 ? s->p.compat : q->hashes[b - 1];
+            q->hashes[b] =
+                td_kv_hash_block(parent, q->tokens + (size_t)b * (size_t)bs, bs, NULL, 0);
+            q->n_hash_valid = b + 1;
+        }
         td_kv_cache_insert(s->kv, q->blocks[b], q->hashes[b]);
         q->n_published++;
     }
