@@ -13,6 +13,7 @@ static const struct {
     {"bench-engine", td_cmd_bench_engine,
      "measure prompt and generation speed (llama-bench style)"},
     {"eval", td_cmd_eval, "dump logits for token sequences (used by the numerics tests)"},
+    {"bench", td_cmd_bench, "load-test an OpenAI-compatible endpoint"},
 };
 
 static void usage(FILE *f) {
