@@ -1,0 +1,397 @@
+"""Helpers for tests that run a real `tandem serve` on loopback.
+
+    from serve_util import serve  # noqa: F401  (the pytest fixture)
+
+    def test_x(serve, test_models):
+        srv = serve(test_models / "gguf/llama2-f32.gguf", "--max-running", 4)
+        status, body = srv.post_json("/v1/completions", {...})
+        m = srv.metrics()                       # {(name, labels): value}
+        assert metric(m, "vllm:num_preemptions_total") == 0
+        srv.wait_idle()                         # used == reserved == 0, nothing runs
+
+API (kept small on purpose):
+  serve (fixture)       serve(model, *args, env=None, ready_timeout=60) -> Server.
+                        Starts `tandem serve --model MODEL --port 0 --grpc-port -1
+                        ARGS...` (pass "--grpc-port", "0" in ARGS to get gRPC) and
+                        waits for the ready line; every server is stopped at
+                        teardown, even when the test fails.
+  Server.start(binary, model, args, log_dir, env=None, ready_timeout=60)
+                        the same without the fixture (call .close() yourself).
+  Server attributes     proc (Popen), host, port, grpc_port (None when off),
+                        base_url ("http://HOST:PORT"), out_path / err_path (logs).
+  Server.request(method, path, body=None, headers=None, timeout=30)
+                        -> (status, {lower-case header: value}, bytes)
+  Server.post_json(path, obj, headers=None, timeout=60) -> (status, parsed JSON or None)
+  Server.get_json(path, timeout=30) -> (status, parsed JSON or None)
+  Server.open_stream(path, obj, headers=None, timeout=60) -> SSEStream: a raw
+                        streaming POST; .status, .events() yields each `data:`
+                        payload parsed as JSON (the string "[DONE]" for the end
+                        marker), .abort() closes the socket at once (a client
+                        that disconnects), .close().
+  Server.metrics() -> dict {(name, frozenset(labels.items())): float} of /metrics
+  Server.state(since=None) -> the JSON of /internal/v1/state[?since=N]
+  Server.blocks() -> {"used", "reserved", "cached", "empty", "total", "running",
+                        "waiting"} from /metrics (tandem:kv_blocks and the vLLM gauges)
+  Server.wait_idle(timeout=10) polls until nothing runs or waits and the KV
+                        used and reserved counts are 0 (in /metrics and in
+                        /internal/v1/state); fails the test with the last values.
+  Server.stop(sig=SIGTERM, timeout=30) -> exit status (fails the test if it
+                        does not exit in time); Server.close() kills if needed.
+  Server.log_tail(n=4000) -> the end of stderr, for failure messages.
+  parse_metrics(text), metric(samples, name, **labels): sum of the samples of
+                        `name` whose labels include `labels` (the family must
+                        exist; 0.0 when no labelled sample matches).
+  state_load(state) -> the load figures of a /internal/v1/state JSON as a flat
+                        dict (running, waiting, kv_used, kv_reserved, ...).
+  ready_line_ports(line) -> (host, http_port, grpc_port or None).
+
+Timeouts go through conftest.scaled() (TANDEM_TEST_TIMEOUT_SCALE).
+"""
+
+import http.client
+import json
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from conftest import scaled
+
+READY_RE = re.compile(r"^tandem serve: listening http=(\S+) grpc=(\S+)\s*$")
+
+
+def ready_line_ports(line):
+    """Parses `tandem serve: listening http=HOST:PORT grpc=HOST:PORT|off`."""
+    m = READY_RE.match(line.strip())
+    if not m:
+        return None
+    host, port = m.group(1).rsplit(":", 1)
+    host = host.strip("[]")
+    grpc = None if m.group(2) == "off" else int(m.group(2).rsplit(":", 1)[1])
+    return host, int(port), grpc
+
+
+# ---------------------------------------------------------------------------
+# Prometheus text format
+
+_SAMPLE_RE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$')
+_LABEL_RE = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"\s*(,|$)')
+
+
+def _unescape(v):
+    return re.sub(r'\\(.)', lambda m: {"n": "\n", "\\": "\\", '"': '"'}.get(m.group(1), m.group(0)), v)
+
+
+def parse_metrics(text):
+    """{(name, frozenset(labels.items())): float} for every sample line.
+    Fails the test on a line that is not valid exposition format."""
+    out = {}
+    for ln in text.splitlines():
+        if not ln.strip() or ln.startswith("#"):
+            continue
+        m = _SAMPLE_RE.match(ln)
+        if not m:
+            pytest.fail(f"/metrics: not a sample line: {ln!r}")
+        labels = {}
+        body = m.group(3) or ""
+        pos = 0
+        while pos < len(body):
+            lm = _LABEL_RE.match(body, pos)
+            if not lm:
+                pytest.fail(f"/metrics: bad labels in {ln!r}")
+            labels[lm.group(1)] = _unescape(lm.group(2))
+            pos = lm.end()
+        key = (m.group(1), frozenset(labels.items()))
+        if key in out:
+            pytest.fail(f"/metrics: duplicate sample {ln!r}")
+        out[key] = float(m.group(4))
+    return out
+
+
+def metric(samples, name, **labels):
+    """Sum of the samples of `name` whose labels include `labels`. Fails when
+    no sample of `name` exists at all (a misspelt name must not read as 0)."""
+    found = False
+    total = 0.0
+    want = set(labels.items())
+    for (n, ls), v in samples.items():
+        if n != name:
+            continue
+        found = True
+        if want <= set(ls):
+            total += v
+    if not found:
+        names = sorted({n for n, _ in samples})
+        pytest.fail(f"/metrics has no {name}; it has: {', '.join(names)}")
+    return total
+
+
+# ---------------------------------------------------------------------------
+# /internal/v1/state
+
+def state_load(st):
+    """The load figures of a /internal/v1/state body (shape in
+    common/api/http.h) as a flat dict: running, waiting,
+    queued_prefill_tokens, kv_total, kv_empty, kv_cached, kv_used,
+    kv_reserved, kv_free, kv_block_size. Fails the test when "load" or
+    "load.kv" is missing."""
+    load = st.get("load")
+    if not isinstance(load, dict) or not isinstance(load.get("kv"), dict):
+        pytest.fail(f"/internal/v1/state without load / load.kv: {st!r}")
+    flat = {k: v for k, v in load.items() if k != "kv"}
+    flat.update({"kv_" + k: v for k, v in load["kv"].items()})
+    return flat
+
+
+# ---------------------------------------------------------------------------
+# SSE
+
+
+class SSEStream:
+    """A raw streaming POST on its own socket (http.client), so a test can
+    read a few events and then drop the connection like a real client."""
+
+    def __init__(self, host, port, path, obj, headers=None, timeout=60):
+        self.conn = http.client.HTTPConnection(host, port, timeout=scaled(timeout))
+        body = json.dumps(obj).encode()
+        h = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        h.update(headers or {})
+        self.conn.request("POST", path, body=body, headers=h)
+        self.resp = self.conn.getresponse()
+        self.status = self.resp.status
+        self.headers = {k.lower(): v for k, v in self.resp.getheaders()}
+        self.comments = 0
+
+    def events(self):
+        """Yields each event's data: a parsed JSON object, or "[DONE]". A
+        non-200 response yields its parsed body once. Ends at EOF."""
+        if self.status != 200:
+            raw = self.resp.read()
+            try:
+                yield json.loads(raw)
+            except ValueError:
+                yield {"_raw": raw.decode(errors="replace")}
+            return
+        data = []
+        while True:
+            line = self.resp.readline()
+            if not line:
+                return
+            line = line.decode("utf-8", errors="replace").rstrip("\r\n")
+            if line.startswith(":"):
+                self.comments += 1
+                continue
+            if line.startswith("data:"):
+                data.append(line[5:].lstrip(" "))
+                continue
+            if line == "" and data:
+                payload = "\n".join(data)
+                data = []
+                if payload == "[DONE]":
+                    yield "[DONE]"
+                else:
+                    yield json.loads(payload)
+
+    def abort(self):
+        """Closes the connection at once (RST when unread data remains)."""
+        sock = self.conn.sock
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            except OSError:
+                pass
+        self.close()
+
+    def close(self):
+        try:
+            self.resp.close()
+        finally:
+            self.conn.close()
+
+
+# ---------------------------------------------------------------------------
+# The server
+
+
+class Server:
+    def __init__(self):
+        self.proc = None
+        self.host = self.port = self.grpc_port = None
+        self.base_url = None
+        self.out_path = self.err_path = None
+        self.argv = None
+
+    @classmethod
+    def start(cls, binary, model, args, log_dir, env=None, ready_timeout=60):
+        s = cls()
+        log_dir = pathlib.Path(log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        n = len(list(log_dir.glob("serve-*.out")))
+        s.out_path = log_dir / f"serve-{n}.out"
+        s.err_path = log_dir / f"serve-{n}.err"
+        args = [str(a) for a in args]
+        s.argv = [str(binary), "serve", "--model", str(model), "--port", "0"]
+        if "--grpc-port" not in args:
+            s.argv += ["--grpc-port", "-1"]
+        s.argv += args
+        full_env = dict(os.environ)
+        if env:
+            full_env.update({k: str(v) for k, v in env.items()})
+        with open(s.out_path, "wb") as fo, open(s.err_path, "wb") as fe:
+            s.proc = subprocess.Popen(s.argv, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
+                                      env=full_env, start_new_session=True)
+        try:
+            deadline = time.monotonic() + scaled(ready_timeout)
+            while True:
+                with open(s.out_path, errors="replace") as f:
+                    for ln in f:
+                        ports = ready_line_ports(ln)
+                        if ports:
+                            s.host, s.port, s.grpc_port = ports
+                            break
+                if s.port:
+                    break
+                if s.proc.poll() is not None:
+                    pytest.fail(f"tandem serve exited with {s.proc.returncode} before ready\n"
+                                f"$ {' '.join(s.argv)}\n{s.log_tail()}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"tandem serve not ready after {scaled(ready_timeout):.0f} s\n"
+                                f"$ {' '.join(s.argv)}\n{s.log_tail()}")
+                time.sleep(0.02)
+        except BaseException:
+            s.close()
+            raise
+        s.base_url = f"http://{s.host}:{s.port}"
+        return s
+
+    # -- plumbing
+    def log_tail(self, n=4000):
+        try:
+            with open(self.err_path, errors="replace") as f:
+                return f.read()[-n:]
+        except (OSError, TypeError):
+            return ""
+
+    def request(self, method, path, body=None, headers=None, timeout=30):
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=scaled(timeout))
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            r = conn.getresponse()
+            data = r.read()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, data
+        finally:
+            conn.close()
+
+    def post_json(self, path, obj, headers=None, timeout=60):
+        h = {"Content-Type": "application/json"}
+        h.update(headers or {})
+        status, _, data = self.request("POST", path, json.dumps(obj).encode(), h, timeout)
+        try:
+            return status, json.loads(data)
+        except ValueError:
+            return status, None
+
+    def get_json(self, path, timeout=30):
+        status, _, data = self.request("GET", path, timeout=timeout)
+        try:
+            return status, json.loads(data)
+        except ValueError:
+            return status, None
+
+    def open_stream(self, path, obj, headers=None, timeout=60):
+        return SSEStream(self.host, self.port, path, obj, headers, timeout)
+
+    # -- observability
+    def metrics(self):
+        status, _, data = self.request("GET", "/metrics")
+        if status != 200:
+            pytest.fail(f"GET /metrics: {status} {data[:300]!r}")
+        return parse_metrics(data.decode())
+
+    def state(self, since=None):
+        path = "/internal/v1/state" + ("" if since is None else f"?since={since}")
+        status, body = self.get_json(path)
+        if status != 200 or not isinstance(body, dict):
+            pytest.fail(f"GET {path}: {status} {body!r}")
+        return body
+
+    def blocks(self):
+        m = self.metrics()
+        out = {s: metric(m, "tandem:kv_blocks", state=s)
+               for s in ("used", "reserved", "cached", "empty", "total")}
+        out["running"] = metric(m, "vllm:num_requests_running")
+        out["waiting"] = metric(m, "vllm:num_requests_waiting")
+        return out
+
+    def wait_idle(self, timeout=10):
+        """Polls until nothing runs or waits and no KV block is used or
+        reserved, in /metrics and in /internal/v1/state."""
+        deadline = time.monotonic() + scaled(timeout)
+        last = None
+        while True:
+            b = self.blocks()
+            ld = state_load(self.state())
+            last = (b, ld)
+            ok = (b["used"] == 0 and b["reserved"] == 0 and b["running"] == 0
+                  and b["waiting"] == 0
+                  and b["empty"] + b["cached"] == b["total"]
+                  and ld.get("kv_used", -1) == 0 and ld.get("kv_reserved", -1) == 0
+                  and ld.get("running", -1) == 0 and ld.get("waiting", -1) == 0)
+            if ok:
+                return b
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited ({self.proc.returncode}) while waiting for idle\n"
+                            f"{self.log_tail()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"not idle after {scaled(timeout):.0f} s: metrics {last[0]}, "
+                            f"state {last[1]}")
+            time.sleep(0.05)
+
+    # -- lifetime
+    def stop(self, sig=signal.SIGTERM, timeout=30):
+        """Sends sig and waits for the exit; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=scaled(timeout))
+        except subprocess.TimeoutExpired:
+            self.close()
+            pytest.fail(f"tandem serve did not exit within {scaled(timeout):.0f} s of "
+                        f"signal {sig}\n{self.log_tail()}")
+
+    def close(self):
+        p = self.proc
+        if p is None:
+            return
+        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+            if p.poll() is not None:
+                break
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                p.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+@pytest.fixture
+def serve(tandem_bin, tmp_path):
+    """serve(model, *args, env=None, ready_timeout=60) -> a ready Server,
+    stopped at teardown."""
+    servers = []
+
+    def start(model, *args, env=None, ready_timeout=60):
+        s = Server.start(tandem_bin, model, args, tmp_path, env=env, ready_timeout=ready_timeout)
+        servers.append(s)
+        return s
+
+    yield start
+    for s in reversed(servers):
+        s.close()

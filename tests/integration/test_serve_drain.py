@@ -1,0 +1,165 @@
+"""SIGTERM drains `tandem serve` (issue 3, item 6): /ready answers 503 at
+once, new requests get 503, running streams finish within --drain-timeout,
+then the process exits 0. With a drain timeout too short for the work in
+flight, the unfinished streams are ended (an error event or a finish
+reason, then the connection closes) and the process still exits 0 promptly.
+
+A tiny random model keeps the run short; the streams are long (ignore_eos,
+200+ tokens) so that they are still running when the signal arrives, and
+every stream is read by its own thread from the start, as real clients do.
+"""
+
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from conftest import scaled, wait_until
+from serve_util import serve  # noqa: F401  (fixture)
+
+MODEL = "llama3-q8_0-gguf"
+SERVED = "tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny(test_models, manifest):
+    for e in manifest:
+        if e["name"] == MODEL:
+            return test_models / e["path"]
+    pytest.fail(f"{MODEL} not in the test models manifest")
+
+
+class StreamReader(threading.Thread):
+    """Reads one SSE completion stream to its end on its own thread."""
+
+    def __init__(self, srv, body):
+        super().__init__(daemon=True)
+        self.srv, self.body = srv, body
+        self.events, self.error, self.status = [], None, None
+        self.first = threading.Event()
+        self.t_end = None
+
+    def run(self):
+        try:
+            st = self.srv.open_stream("/v1/completions", self.body, timeout=120)
+            self.status = st.status
+            try:
+                for ev in st.events():
+                    self.events.append(ev)
+                    if isinstance(ev, dict) and ev.get("choices") and ev["choices"][0].get("text"):
+                        self.first.set()
+            finally:
+                st.close()
+        except Exception as e:  # noqa: BLE001 (reported by the test)
+            self.error = e
+        finally:
+            self.t_end = time.monotonic()
+            self.first.set()
+
+    def finish_reasons(self):
+        return [c.get("finish_reason") for ev in self.events if isinstance(ev, dict)
+                for c in ev.get("choices", []) if c.get("finish_reason")]
+
+    def usage(self):
+        us = [ev["usage"] for ev in self.events if isinstance(ev, dict) and ev.get("usage")]
+        return us[-1] if us else None
+
+    def error_events(self):
+        return [ev for ev in self.events if isinstance(ev, dict) and "error" in ev]
+
+    def describe(self):
+        return (f"status {self.status}, exception {self.error!r}, {len(self.events)} events, "
+                f"finish {self.finish_reasons()}, usage {self.usage()}, "
+                f"last {self.events[-2:]!r}")
+
+
+def stream_body(rng, max_tokens):
+    return {"model": SERVED, "prompt": [rng.randrange(3, 512) for _ in range(8)],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+def start_streams(srv, n, max_tokens, seed):
+    rng = random.Random(seed)
+    readers = [StreamReader(srv, stream_body(rng, max_tokens)) for _ in range(n)]
+    for r in readers:
+        r.start()
+    return readers
+
+
+def test_sigterm_drains_running_streams(serve, tiny):
+    srv = serve(tiny, "--served-model-name", SERVED, "--max-running", 8, "--drain-timeout", 60)
+    n_tokens = 240
+    readers = start_streams(srv, 8, n_tokens, seed=1)
+    try:
+        for r in readers:
+            assert r.first.wait(scaled(30)), "no first token within 30 s"
+            assert r.error is None and r.status == 200, r.describe()
+        running = [r for r in readers if r.is_alive()]
+        t_sig = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        # At once: not ready, and new work refused, while the streams run.
+        status, _, _ = srv.request("GET", "/ready", timeout=5)
+        assert status == 503, f"/ready answered {status} right after SIGTERM"
+        status, body = srv.post_json("/v1/completions", {
+            "model": SERVED, "prompt": [5, 6, 7], "max_tokens": 2}, timeout=5)
+        assert status == 503, (status, body)
+        assert isinstance(body, dict) and body["error"]["message"], body
+        still = sum(r.is_alive() for r in readers)
+        assert still >= 1, (f"all 8 streams of {n_tokens} tokens ended before the checks "
+                            f"({len(running)} were running at SIGTERM): drain not exercised")
+        for r in readers:
+            r.join(scaled(120))
+            assert not r.is_alive(), "a stream did not end"
+        for i, r in enumerate(readers):
+            assert r.error is None, f"stream {i}: {r.describe()}"
+            assert r.finish_reasons() == ["length"], f"stream {i}: {r.describe()}"
+            assert r.usage() and r.usage()["completion_tokens"] == n_tokens, f"stream {i}: {r.describe()}"
+            assert not r.error_events(), f"stream {i}: {r.describe()}"
+            assert r.events[-1] == "[DONE]", f"stream {i}: {r.describe()}"
+        rc = srv.proc.wait(timeout=scaled(60))
+        assert rc == 0, f"exit status {rc}\n{srv.log_tail()}"
+        assert time.monotonic() - t_sig < scaled(60)
+    finally:
+        for r in readers:
+            r.join(0.1)
+
+
+def test_short_drain_timeout_ends_streams(serve, tiny):
+    """--drain-timeout 1 with far more work queued than a second allows
+    (one sequence at a time, 16 streams of 240 tokens): the streams still
+    running or waiting when it expires are ended with an error event or a
+    finish reason, and the process exits 0 soon after."""
+    drain = 1
+    srv = serve(tiny, "--served-model-name", SERVED, "--max-running", 1,
+                "--drain-timeout", drain)
+    readers = start_streams(srv, 16, 240, seed=2)
+    try:
+        assert readers[0].first.wait(scaled(30)), "no first token within 30 s"
+        wait_until(lambda: (lambda b: b["running"] + b["waiting"] == 16)(srv.blocks()),
+                   timeout=30, what="16 requests running or waiting", proc=srv.proc)
+        t_sig = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        rc = srv.proc.wait(timeout=drain + scaled(15))
+        t_exit = time.monotonic() - t_sig
+        assert rc == 0, f"exit status {rc}\n{srv.log_tail()}"
+        assert t_exit < drain + scaled(5), f"exited {t_exit:.1f} s after SIGTERM (drain {drain} s)"
+        for r in readers:
+            r.join(scaled(10))
+            assert not r.is_alive(), "a stream stayed open after the process exited"
+        complete = [r for r in readers if r.usage() and r.usage()["completion_tokens"] == 240
+                    and r.finish_reasons() == ["length"]]
+        cut = [r for r in readers if r not in complete]
+        assert cut, "every stream finished: the drain timeout never cut anything"
+        for r in cut:
+            if r.status is not None and r.status != 200:
+                # Never admitted before the drain began: refused outright.
+                assert r.status == 503, r.describe()
+                continue
+            ended = r.error_events() or (r.finish_reasons() and r.finish_reasons()[-1] != "length")
+            assert ended, f"an unfinished stream ended without an error or finish reason: {r.describe()}"
+    finally:
+        for r in readers:
+            r.join(0.1)
