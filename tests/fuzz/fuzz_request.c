@@ -1,0 +1,81 @@
+/* libFuzzer target for the OpenAI request parser: the input is a request
+ * body, parsed and validated as both /v1/completions and
+ * /v1/chat/completions (td_api_request_parse), then freed; a success must
+ * hold a request whose shape the header promises. The error object of a
+ * failure is rendered as JSON, which must be valid. */
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "common/api/request.h"
+
+int LLVMFuzzerInitialize(int *argc, char ***argv);
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+int LLVMFuzzerInitialize(int *argc, char ***argv) {
+    (void)argc;
+    (void)argv;
+    td_log_set_level(TD_LOG_WARN); /* "ignoring unknown fields" on most inputs */
+    return 0;
+}
+
+#define VOCAB 512
+
+static void check_ok(const td_api_request *r, const td_api_limits *lim) {
+    if (r->n < 1 || r->n > lim->max_n) abort();
+    if (r->n_stop < 0 || r->n_stop > lim->max_stop) abort();
+    for (int32_t i = 0; i < r->n_stop; i++)
+        if (!r->stop[i] || !r->stop[i][0]) abort();
+    for (int32_t i = 0; i < r->n_stop_ids; i++)
+        if (r->stop_ids[i] < 0 || r->stop_ids[i] >= VOCAB) abort();
+    for (int32_t i = 0; i < r->n_logit_bias; i++)
+        if (r->logit_bias[i].token < 0 || r->logit_bias[i].token >= VOCAB) abort();
+    if (r->max_tokens < 0 || (r->max_tokens > 0 && r->min_tokens > r->max_tokens)) abort();
+    if (r->top_logprobs < 0 || r->top_logprobs > 20) abort();
+    if (!(r->sampling.temperature >= 0 && r->sampling.temperature <= 2)) abort();
+    if (!(r->sampling.top_p > 0 && r->sampling.top_p <= 1)) abort();
+    if (r->kind == TD_API_COMPLETIONS) {
+        if (r->n_prompts < 1 || (!r->prompts == !r->prompt_ids)) abort();
+        for (int32_t i = 0; r->prompt_ids && i < r->n_prompts; i++) {
+            if (r->prompt_ids_len[i] < 1) abort();
+            for (int32_t k = 0; k < r->prompt_ids_len[i]; k++)
+                if (r->prompt_ids[i][k] < 0 || r->prompt_ids[i][k] >= VOCAB) abort();
+        }
+    } else {
+        if (r->n_messages < 1 || !r->messages) abort();
+        for (int32_t i = 0; i < r->n_messages; i++)
+            if (!r->messages[i].role || !r->messages[i].content) abort();
+    }
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    td_api_limits lim = td_api_default_limits();
+    lim.max_body_bytes = 1 << 16;
+    for (int k = 0; k < 2; k++) {
+        td_api_kind kind = k ? TD_API_CHAT : TD_API_COMPLETIONS;
+        td_api_request req;
+        td_api_error err;
+        memset(&err, 0, sizeof(err));
+        td_status st =
+            td_api_request_parse(kind, (const char *)data, size, &lim, VOCAB, &req, &err);
+        if (st == TD_OK) {
+            check_ok(&req, &lim);
+        } else {
+            if (err.http_status != 400 && err.http_status != 413 && err.http_status != 500) abort();
+            char *js = td_api_error_json(&err);
+            if (js) {
+                json_error_t je;
+                json_t *j = json_loads(js, 0, &je);
+                if (!j) abort();
+                json_decref(j);
+                free(js);
+            }
+        }
+        td_api_request_free(&req);
+    }
+    return 0;
+}
