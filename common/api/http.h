@@ -4,6 +4,17 @@
  * POST /tokenize, POST /detokenize, GET /health, GET /ready, GET /metrics —
  * and GET /internal/v1/state?since=N for the router.
  *
+ * /internal/v1/state answers (the router's view of the instance):
+ *   {"instance_id": str, "epoch": "16 hex digits" (a string: 64 bits do not
+ *    fit JSON integers everywhere), "last_seq": N, "full": bool,
+ *    "events": [{"seq": N, "type": "stored"|"removed"|"cleared",
+ *                "hash": "32 hex"}]          (full == false: the diff after since)
+ *    "hashes": ["32 hex", ...]               (full == true: every stored hash)
+ *    "load": {"running", "waiting", "queued_prefill_tokens",
+ *             "kv": {"total", "empty", "cached", "used", "reserved",
+ *                    "free" (empty + cached - reserved), "block_size"}}}
+ * since absent is 0; since that is not a decimal number is 400.
+ *
  * Request threads parse into C structs and hand the work to the scheduler
  * through td_gen_stream (the only hand-off). A client that disconnects
  * (streaming or not) cancels its request within a second: the waiting
@@ -38,12 +49,13 @@ typedef struct {
     const char *const *api_keys; /* (n_api_keys) copied; none: no auth */
     int n_api_keys;
     bool metrics_need_key;
-    int max_connections;      /* default 1024 */
-    size_t max_header_bytes;  /* per-connection memory for the request line + headers
-                               * (default 16 KiB); beyond it libmicrohttpd answers 431/413 */
-    double ping_interval_s;   /* default 5 */
-    int retry_after_s;        /* Retry-After on 429 (default 1) */
-    const char *instance_id;  /* reported by /internal/v1/state (copied; default the host:port) */
+    int max_connections;     /* default 1024 */
+    size_t max_header_bytes; /* per-connection memory for the request line + headers
+                              * (default 16 KiB); beyond it libmicrohttpd answers 431/413 */
+    double ping_interval_s;  /* default 5 */
+    int retry_after_s;       /* Retry-After on 429 (default 1) */
+    const char *instance_id; /* reported by /internal/v1/state (copied; default the host:port) */
+    int32_t kv_block_size;   /* KV block size reported by /internal/v1/state (default 16) */
 } td_http_params;
 
 td_http_params td_http_default_params(void);
