@@ -30,7 +30,8 @@ td_status td_api_check_model(const td_api_model *mdl, const char *model, td_api_
  * boundary, counting invalid bytes as (one-byte) characters: what can be
  * sent now without splitting a character that the next bytes may complete. */
 size_t td_api_utf8_complete_len(const char *s, size_t n);
-/* s[0..n) with every invalid UTF-8 sequence replaced by U+FFFD: a
+/* s[0..n) with every maximal ill-formed UTF-8 subpart replaced by one
+ * U+FFFD (what Python's decode(errors="replace") gives): a
  * malloc'd, NUL-terminated copy (*len_p its length); NULL when out of memory. */
 char *td_api_utf8_fix(const char *s, size_t n, size_t *len_p);
 

@@ -111,10 +111,15 @@ td_api_limits td_api_default_limits(void) {
 
 /* ------------------------------------------------------------------- UTF-8 */
 
-/* Length of the valid UTF-8 sequence at s[0..n): > 0 valid, 0 invalid
- * lead or continuation, -1 a valid but incomplete prefix reaching the end. */
-static int utf8_seq(const unsigned char *s, size_t n) {
+/* The UTF-8 sequence at s[0..n): returns its length when valid; else 0
+ * with *bad = the length of its maximal ill-formed subpart (>= 1), which is
+ * replaced by one U+FFFD (Unicode's recommended practice, as Python and
+ * browsers decode), and *trunc = true when that subpart is a valid prefix
+ * cut by the end of the input. */
+static int utf8_seq(const unsigned char *s, size_t n, int *bad, bool *trunc) {
     unsigned c = s[0];
+    *trunc = false;
+    *bad = 1;
     if (c < 0x80) return 1;
     int len;
     unsigned lo = 0x80, hi = 0xBF;
@@ -131,10 +136,17 @@ static int utf8_seq(const unsigned char *s, size_t n) {
     } else
         return 0;
     for (int k = 1; k < len; k++) {
-        if ((size_t)k >= n) return -1;
+        if ((size_t)k >= n) {
+            *bad = k;
+            *trunc = true;
+            return 0;
+        }
         unsigned b = s[k];
         unsigned l = k == 1 ? lo : 0x80, h = k == 1 ? hi : 0xBF;
-        if (b < l || b > h) return 0;
+        if (b < l || b > h) {
+            *bad = k;
+            return 0;
+        }
     }
     return len;
 }
@@ -143,9 +155,11 @@ size_t td_api_utf8_complete_len(const char *s, size_t n) {
     const unsigned char *u = (const unsigned char *)s;
     size_t i = 0;
     while (i < n) {
-        int l = utf8_seq(u + i, n - i);
-        if (l < 0) return i;
-        i += l ? (size_t)l : 1;
+        int bad;
+        bool trunc;
+        int l = utf8_seq(u + i, n - i, &bad, &trunc);
+        if (trunc) return i;
+        i += (size_t)(l ? l : bad);
     }
     return n;
 }
@@ -158,7 +172,9 @@ char *td_api_utf8_fix(const char *s, size_t n, size_t *len_p) {
     if (!out) return NULL;
     size_t o = 0, i = 0;
     while (i < n) {
-        int l = utf8_seq(u + i, n - i);
+        int bad;
+        bool trunc;
+        int l = utf8_seq(u + i, n - i, &bad, &trunc);
         if (l > 0) {
             memcpy(out + o, s + i, (size_t)l);
             o += (size_t)l;
@@ -166,7 +182,7 @@ char *td_api_utf8_fix(const char *s, size_t n, size_t *len_p) {
         } else {
             memcpy(out + o, "\xEF\xBF\xBD", 3);
             o += 3;
-            i += 1;
+            i += (size_t)bad;
         }
     }
     out[o] = 0;

@@ -571,28 +571,42 @@ static void test_utf8(void **state) {
     assert_int_equal(td_api_utf8_complete_len("\xF0\x9F\x98\x80", 4), 4);
     assert_int_equal(td_api_utf8_complete_len("a\xFF", 2), 2);     /* invalid: not held */
     assert_int_equal(td_api_utf8_complete_len("a\xC3\x41", 3), 3); /* broken sequence */
-    size_t n;
-    char *s = td_api_utf8_fix("a\xFF"
-                              "b\xC3",
-                              4, &n);
-    assert_non_null(s);
-    assert_int_equal(n, 8);
-    assert_memory_equal(s,
-                        "a\xEF\xBF\xBD"
-                        "b\xEF\xBF\xBD",
-                        8);
-    free(s);
-    s = td_api_utf8_fix("\xED\xA0\x80", 3, &n); /* a surrogate is invalid */
-    assert_non_null(s);
-    assert_int_equal(n, 9);
-    free(s);
-    s = td_api_utf8_fix("\xE2\x82\xAC", 3, &n);
-    assert_non_null(s);
-    assert_string_equal(s, "\xE2\x82\xAC");
-    free(s);
+    /* Each maximal ill-formed subpart becomes one U+FFFD (Unicode's
+     * recommended practice; expected values from Python's
+     * bytes.decode("utf-8", "replace")). */
+    static const struct {
+        const char *in;
+        size_t n;
+        const char *out;
+    } fx[] = {
+        {"a\xFF"
+         "b\xC3",
+         4,
+         "a\xEF\xBF\xBD"
+         "b\xEF\xBF\xBD"},
+        {"\xE2\x82", 2, "\xEF\xBF\xBD"}, /* one, not two */
+        {"\xE2\x82"
+         "A",
+         3,
+         "\xEF\xBF\xBD"
+         "A"},
+        {"\xF0\x80\x80", 3, "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"}, /* F0 80: overlong */
+        {"\xED\xA0\x80", 3, "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"}, /* surrogate */
+        {"\xF0\x9F\x98", 3, "\xEF\xBF\xBD"},
+        {"\xC0\xAF", 2, "\xEF\xBF\xBD\xEF\xBF\xBD"},
+        {"\xE2\x82\xAC", 3, "\xE2\x82\xAC"},
+        {"", 0, ""},
+    };
+    for (size_t i = 0; i < TD_ARRAY_SIZE(fx); i++) {
+        size_t n = 99;
+        char *s = td_api_utf8_fix(fx[i].in, fx[i].n, &n);
+        assert_non_null(s);
+        assert_int_equal(n, strlen(fx[i].out));
+        assert_memory_equal(s, fx[i].out, n);
+        assert_int_equal(s[n], 0);
+        free(s);
+    }
 }
-
-/* ------------------------------------------------- with a real tokenizer */
 
 static td_tokenizer *g_tok;
 
