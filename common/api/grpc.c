@@ -37,6 +37,7 @@
 
 #include "proto/health.pb-c.h"
 #include "proto/tandem.pb-c.h"
+#include "request-impl.h"
 
 /* Calls asked of the core ahead of their arrival, so a burst is accepted
  * without waiting for the thread to ask again. */
@@ -95,7 +96,7 @@ struct gcall {
     char request_id[128];
     bool registered;    /* request_id is in the table (the live list) */
     bool stream_done;   /* the stream reported finished */
-    char utf8_carry[4]; /* an incomplete UTF-8 sequence held for the next chunk */
+    char utf8_carry[8]; /* an incomplete UTF-8 character held for the next chunk */
     int n_utf8_carry;
     /* Health Watch. */
     char *watch_service;
@@ -170,65 +171,44 @@ static grpc_byte_buffer *pack_message(const ProtobufCMessage *m) {
     return bb;
 }
 
-/* Valid UTF-8 of src (with c's carried bytes in front) appended to out,
- * invalid bytes replaced by U+FFFD; an incomplete sequence at the end is
- * carried to the next call unless final. NUL becomes U+FFFD too: protobuf-c
- * packs strings up to their first NUL. out must hold 3 * (n + 4) + 1 bytes. */
-static size_t utf8_clean(gcall *c, const char *src, size_t n, bool final, char *out) {
-    static const char repl[3] = {'\xEF', '\xBF', '\xBD'};
-    unsigned char tmp[4];
-    size_t o = 0;
-    /* Process the carry joined with the start of src through a small window. */
+/* The text of a delta as the client may see it, exactly as the HTTP API
+ * streams it (request-impl.h): whole UTF-8 characters only, a split tail
+ * carried to the next delta (and repaired at the end), ill-formed bytes as
+ * U+FFFD. NUL becomes U+FFFD too, since protobuf-c packs a string up to its
+ * first NUL. Returns a malloc'd NUL-terminated string, NULL when out of
+ * memory. */
+static char *take_text(gcall *c, const char *t, size_t n, bool final) {
     size_t total = (size_t)c->n_utf8_carry + n;
-    size_t i = 0;
-#define AT(k)                                                                                      \
-    ((k) < (size_t)c->n_utf8_carry ? (unsigned char)c->utf8_carry[(k)]                             \
-                                   : (unsigned char)src[(k) - (size_t)c->n_utf8_carry])
-    while (i < total) {
-        unsigned char b = AT(i);
-        size_t len;
-        uint32_t min;
-        if (b >= 0x01 && b < 0x80) {
-            out[o++] = (char)b;
-            i++;
-            continue;
-        } else if (b >= 0xC2 && b <= 0xDF) {
-            len = 2, min = 0x80;
-        } else if (b >= 0xE0 && b <= 0xEF) {
-            len = 3, min = 0x800;
-        } else if (b >= 0xF0 && b <= 0xF4) {
-            len = 4, min = 0x10000;
-        } else {
-            memcpy(out + o, repl, 3), o += 3, i++;
-            continue;
+    char *buf = malloc(total + 1);
+    if (!buf) return NULL;
+    memcpy(buf, c->utf8_carry, (size_t)c->n_utf8_carry);
+    if (n) memcpy(buf + c->n_utf8_carry, t, n);
+    size_t keep = final ? total : td_api_utf8_complete_len(buf, total);
+    size_t tail = total - keep;
+    TD_ASSERT(tail < sizeof(c->utf8_carry));
+    memcpy(c->utf8_carry, buf + keep, tail);
+    c->n_utf8_carry = (int)tail;
+    size_t len = 0;
+    char *fixed = td_api_utf8_fix(buf, keep, &len);
+    free(buf);
+    if (!fixed || !memchr(fixed, '\0', len)) return fixed;
+    size_t n_nul = 0;
+    for (size_t i = 0; i < len; i++) n_nul += fixed[i] == '\0';
+    char *out = malloc(len + 2 * n_nul + 1);
+    if (out) {
+        size_t o = 0;
+        for (size_t i = 0; i < len; i++) {
+            if (fixed[i] == '\0') {
+                memcpy(out + o, "\xEF\xBF\xBD", 3);
+                o += 3;
+            } else {
+                out[o++] = fixed[i];
+            }
         }
-        size_t k = 1;
-        while (k < len && i + k < total && (AT(i + k) & 0xC0) == 0x80) k++;
-        if (k < len && i + k == total && !final) {
-            /* Possibly completed by the next chunk. */
-            for (size_t j = 0; j < k; j++) tmp[j] = AT(i + j);
-            memcpy(c->utf8_carry, tmp, k);
-            c->n_utf8_carry = (int)k;
-            out[o] = '\0';
-            return o;
-        }
-        if (k < len) {
-            memcpy(out + o, repl, 3), o += 3, i++;
-            continue;
-        }
-        uint32_t cp = b & (0xFF >> (len + 1));
-        for (size_t j = 1; j < len; j++) cp = (cp << 6) | (AT(i + j) & 0x3F);
-        if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) {
-            memcpy(out + o, repl, 3), o += 3, i++;
-            continue;
-        }
-        for (size_t j = 0; j < len; j++) out[o++] = (char)AT(i + j);
-        i += len;
+        out[o] = '\0';
     }
-#undef AT
-    c->n_utf8_carry = 0;
-    out[o] = '\0';
-    return o;
+    free(fixed);
+    return out;
 }
 
 /* ---- batches (call mutex held) ---- */
@@ -342,14 +322,11 @@ static void arm_locked(gcall *c) {
 /* ---- Generate: stream news -> messages ---- */
 
 static void queue_chunk_locked(gcall *c, const td_gen_delta *d, bool final) {
-    char *text = NULL;
-    size_t cap = 3 * (d->text_len + 4) + 1;
-    text = malloc(cap);
     Tandem__V1__TokenLogprob *lps = NULL, **lpp = NULL;
     Tandem__V1__TopLogprob *tops = NULL, **topp = NULL;
+    char *text = take_text(c, d->text ? d->text : "", d->text_len, final);
     if (!text) goto nomem;
-    size_t n_text = utf8_clean(c, d->text ? d->text : "", d->text_len, final, text);
-    if (d->n_tokens == 0 && n_text == 0) goto cleanup;
+    if (d->n_tokens == 0 && text[0] == '\0') goto cleanup;
 
     Tandem__V1__Chunk chunk = TANDEM__V1__CHUNK__INIT;
     chunk.n_token_ids = (size_t)d->n_tokens;
