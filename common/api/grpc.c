@@ -33,6 +33,7 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "proto/health.pb-c.h"
@@ -43,6 +44,9 @@
  * without waiting for the thread to ask again. */
 #define N_REQUESTED_CALLS 8
 #define WATCH_POLL_MS     200
+/* How long td_grpc_server_stop waits for ended generations to reach their
+ * clients before cancelling what is left. */
+#define STOP_GRACE_S 2
 
 typedef enum {
     CALL_UNKNOWN = 0,
@@ -124,7 +128,8 @@ struct td_grpc_server {
     atomic_bool stopping;
 
     pthread_mutex_t mu;
-    gcall live; /* sentinel of the live list */
+    pthread_cond_t retired; /* signalled whenever a call leaves the live list */
+    gcall live;             /* sentinel of the live list */
     gcall *zombies;
     atomic_uint_fast64_t next_id;
     uint64_t id_salt;
@@ -739,6 +744,12 @@ static void handle_generate(gcall *c, const uint8_t *data, size_t len) {
     /* Check the id and register the call in one step under the server
      * mutex, so two calls cannot both take an id. */
     pthread_mutex_lock(&srv->mu);
+    if (atomic_load(&srv->stopping)) {
+        pthread_mutex_unlock(&srv->mu);
+        td_api_error_set(&err, 503, "service_unavailable", NULL, NULL,
+                         "the server is shutting down");
+        goto fail;
+    }
     if (id_in_use(srv, c->request_id)) {
         pthread_mutex_unlock(&srv->mu);
         td_api_error_set(&err, 409, "invalid_request_error", NULL, "request_id",
@@ -746,7 +757,13 @@ static void handle_generate(gcall *c, const uint8_t *data, size_t len) {
         goto fail;
     }
     td_status st = td_sched_submit(srv->sched, &g, &stream);
-    if (st == TD_OK) c->registered = true;
+    if (st == TD_OK) {
+        /* Listed with its stream at once, so Abort and a stop find it. */
+        pthread_mutex_lock(&c->mu);
+        c->stream = stream;
+        c->registered = true;
+        pthread_mutex_unlock(&c->mu);
+    }
     pthread_mutex_unlock(&srv->mu);
     if (st != TD_OK) {
         td_api_error_from_status(&err, st, "submit");
@@ -756,10 +773,7 @@ static void handle_generate(gcall *c, const uint8_t *data, size_t len) {
     free(body);
     tandem__v1__generate_request__free_unpacked(r, NULL);
 
-    /* Nothing else ran on this call meanwhile: its close is handled by this
-     * thread, after this function. */
     pthread_mutex_lock(&c->mu);
-    c->stream = stream;
     generate_pump_locked(c);
     pthread_mutex_unlock(&c->mu);
     return;
@@ -921,6 +935,7 @@ static void retire(gcall *c) {
     c->prev = c->next = NULL;
     c->zombie_next = srv->zombies;
     srv->zombies = c;
+    pthread_cond_broadcast(&srv->retired);
     pthread_mutex_unlock(&srv->mu);
     uint64_t one = 1;
     ssize_t w = write(srv->wakefd, &one, sizeof(one));
@@ -966,6 +981,9 @@ static void on_new(gcall *c, bool ok) {
     }
     if (!atomic_load(&srv->stopping)) request_call(srv);
 
+    /* Set before the call is listed: other threads read it under the server
+     * mutex only. */
+    c->kind = method_kind(c->details.method);
     pthread_mutex_lock(&srv->mu);
     c->next = srv->live.next;
     c->prev = &srv->live;
@@ -974,7 +992,6 @@ static void on_new(gcall *c, bool ok) {
     pthread_mutex_unlock(&srv->mu);
 
     pthread_mutex_lock(&c->mu);
-    c->kind = method_kind(c->details.method);
     grpc_op op;
     memset(&op, 0, sizeof(op));
     op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
@@ -1171,6 +1188,7 @@ static void server_free(td_grpc_server *srv) {
     free(srv->api_keys);
     free(srv->api_key_lens);
     free(srv->model_name);
+    pthread_cond_destroy(&srv->retired);
     pthread_mutex_destroy(&srv->mu);
     free(srv);
 }
@@ -1185,6 +1203,11 @@ td_status td_grpc_server_start(const td_grpc_params *p, td_grpc_server **srv_p) 
     td_grpc_server *srv = calloc(1, sizeof(*srv));
     if (!srv) return TD_ERR_NOMEM;
     pthread_mutex_init(&srv->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&srv->retired, &ca);
+    pthread_condattr_destroy(&ca);
     srv->live.next = srv->live.prev = &srv->live;
     srv->epfd = srv->wakefd = -1;
     srv->sched = p->sched;
@@ -1288,10 +1311,35 @@ fail:
     return st;
 }
 
+/* Cancels every running generation and waits, a bounded time, for the
+ * calls to deliver their last messages (Complete with finish_reason
+ * "abort", or the end that was already on its way), so a stop after a
+ * drain ends streams cleanly instead of with UNAVAILABLE. */
+static void end_generations(td_grpc_server *srv) {
+    struct timespec deadline;
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += STOP_GRACE_S;
+    pthread_mutex_lock(&srv->mu);
+    for (gcall *c = srv->live.next; c != &srv->live; c = c->next) {
+        pthread_mutex_lock(&c->mu);
+        if (c->stream) td_gen_stream_cancel(c->stream);
+        pthread_mutex_unlock(&c->mu);
+    }
+    for (;;) {
+        bool any = false;
+        for (gcall *c = srv->live.next; c != &srv->live && !any; c = c->next)
+            any = c->kind == CALL_GENERATE;
+        if (!any) break;
+        if (pthread_cond_timedwait(&srv->retired, &srv->mu, &deadline) == ETIMEDOUT) break;
+    }
+    pthread_mutex_unlock(&srv->mu);
+}
+
 void td_grpc_server_stop(td_grpc_server *srv) {
     if (!srv) return;
     atomic_store(&srv->stopping, true);
     grpc_server_shutdown_and_notify(srv->server, srv->cq, &srv->shutdown_tag);
+    if (srv->cq_thread_started) end_generations(srv);
     grpc_server_cancel_all_calls(srv->server);
     if (srv->cq_thread_started) {
         pthread_join(srv->cq_thread, NULL);
