@@ -1041,7 +1041,8 @@ static void on_close(gcall *c) {
         if (c->stream) {
             td_gen_stream_cancel(c->stream);
             if (!c->stream_done)
-                TD_LOG_INFO("gRPC Generate %s cancelled by the client", c->request_id);
+                TD_LOG_INFO("gRPC Generate %s cancelled (client cancel, deadline or shutdown)",
+                            c->request_id);
         }
     }
     bool done = finished_locked(c);

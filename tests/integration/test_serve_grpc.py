@@ -135,6 +135,10 @@ def test_health_check(client, srv):
     with pytest.raises(grpc.RpcError) as ei:
         client.health.Check(hpb.HealthCheckRequest(service="no.such.Service"), timeout=scaled(10))
     assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+    # Watch reports an unknown service in a message (the protocol's rule), not an error.
+    w = client.health.Watch(hpb.HealthCheckRequest(service="no.such.Service"), timeout=scaled(10))
+    assert next(w).status == hpb.HealthCheckResponse.SERVICE_UNKNOWN
+    w.cancel()
 
 
 def test_greedy_text_and_token_ids_equal_http(client, srv):
@@ -304,8 +308,9 @@ def test_abort(client, srv):
     assert end.finish_reason == "abort"
     assert end.completion_tokens < MAX_LONG
     assert time.monotonic() - t0 < scaled(5)
-    r = client.gen.Abort(client.pb.AbortRequest(request_id="abort-me"), timeout=scaled(10))
-    assert not r.found
+    for rid in ("abort-me", "", "never-ran"):
+        r = client.gen.Abort(client.pb.AbortRequest(request_id=rid), timeout=scaled(10))
+        assert not r.found, rid
     srv.wait_idle()
 
 
