@@ -95,8 +95,15 @@ typedef struct {
     size_t len, cap;
     bool too_large; /* more than max_body_bytes arrived (the rest is discarded) */
     bool oom;
-    bool answered; /* a response was queued at the first call */
+    bool answered;    /* a response was queued at the first call */
+    size_t discarded; /* bytes of a too-large body read and dropped */
 } conn_state;
+
+/* The most body bytes read (and dropped) to answer 413 politely. */
+static size_t drain_limit(const struct td_http_server *srv) {
+    size_t lim = srv->p.limits.max_body_bytes;
+    return lim > SIZE_MAX / 4 ? SIZE_MAX : TD_MAX(lim * 4, (size_t)16 << 20);
+}
 
 /* ------------------------------------------------------------- responses */
 
@@ -1147,7 +1154,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
                 cs->r = routes[i].r;
                 cs->post = routes[i].post;
             }
-        /* A body announced larger than the limit is refused before it is read. */
+        /* A body announced larger than the limit is refused before it is
+         * read when the client waits for "100 Continue" (nothing is in
+         * flight) or when reading it would be absurd; otherwise it is read
+         * and dropped first, so the client is not reset mid-send and sees
+         * the 413. */
         const char *cl =
             MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl) {
@@ -1155,9 +1166,13 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
             errno = 0;
             unsigned long long v = strtoull(cl, &end, 10);
             if (!errno && end != cl && v > srv->p.limits.max_body_bytes) {
+                const char *expect =
+                    MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_EXPECT);
                 cs->too_large = true;
-                cs->answered = true;
-                return dispatch(srv, c, method, url, cs);
+                if ((expect && strcasecmp(expect, "100-continue") == 0) || v > drain_limit(srv)) {
+                    cs->answered = true;
+                    return dispatch(srv, c, method, url, cs);
+                }
             }
         }
         return MHD_YES;
@@ -1166,9 +1181,14 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         size_t n = *upload_size;
         *upload_size = 0;
         if (cs->answered) return MHD_YES;
-        if (cs->too_large || cs->oom) return MHD_YES; /* discard the rest */
+        if (cs->too_large || cs->oom) {
+            /* Discard the rest, up to a bound; past it, drop the connection. */
+            cs->discarded += n;
+            return cs->discarded > drain_limit(srv) ? MHD_NO : MHD_YES;
+        }
         if (cs->len + n > srv->p.limits.max_body_bytes) {
             cs->too_large = true;
+            cs->discarded = cs->len + n;
             free(cs->body);
             cs->body = NULL;
             cs->len = cs->cap = 0;
@@ -1279,12 +1299,12 @@ td_status td_http_server_start(const td_http_params *p, td_http_server **srv_p) 
 
     unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
                      MHD_USE_ERROR_LOG | (v6 ? MHD_USE_DUAL_STACK : 0);
-    srv->d = MHD_start_daemon(
-        flags, (uint16_t)p->port, NULL, NULL, on_request, srv, MHD_OPTION_SOCK_ADDR,
-        (struct sockaddr *)&addr, MHD_OPTION_CONNECTION_LIMIT, (unsigned)srv->p.max_connections,
-        MHD_OPTION_CONNECTION_MEMORY_LIMIT, srv->p.max_header_bytes, MHD_OPTION_CONNECTION_TIMEOUT,
-        (unsigned)120, MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv, MHD_OPTION_EXTERNAL_LOGGER,
-        on_mhd_log, srv, MHD_OPTION_END);
+    srv->d = MHD_start_daemon(flags, (uint16_t)p->port, NULL, NULL, on_request, srv,
+                              MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, srv, MHD_OPTION_SOCK_ADDR,
+                              (struct sockaddr *)&addr, MHD_OPTION_CONNECTION_LIMIT,
+                              (unsigned)srv->p.max_connections, MHD_OPTION_CONNECTION_MEMORY_LIMIT,
+                              srv->p.max_header_bytes, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)120,
+                              MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv, MHD_OPTION_END);
     if (!srv->d) {
         TD_LOG_ERROR("cannot listen on %s:%d: %s", srv->host, p->port, strerror(errno));
         st = TD_ERR_IO;
