@@ -41,7 +41,8 @@ typedef struct {
 } td_api_error;
 
 void td_api_error_set(td_api_error *err, int http_status, const char *type, const char *code,
-                      const char *param, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+                      const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
 /* {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
  * malloc'd, NUL-terminated (caller frees); NULL only when out of memory. */
 char *td_api_error_json(const td_api_error *err);
@@ -52,9 +53,9 @@ char *td_api_error_json(const td_api_error *err);
 void td_api_error_from_status(td_api_error *err, td_status st, const char *what);
 
 typedef struct {
-    size_t max_body_bytes; /* default 4 MiB; larger bodies are 413 */
-    int32_t max_n;         /* default 8 */
-    int32_t max_stop;      /* default 16 */
+    size_t max_body_bytes;    /* default 4 MiB; larger bodies are 413 */
+    int32_t max_n;            /* default 8 */
+    int32_t max_stop;         /* default 16 */
     int32_t max_prompt_items; /* completions: most prompts in one batch request (default 16) */
     int32_t max_stop_ids;     /* most stop_token_ids (default 256) */
 } td_api_limits;
@@ -65,18 +66,18 @@ typedef struct {
     td_api_kind kind;
     char *model; /* as sent; NULL if absent */
     /* The prompt, exactly one of: */
-    char **prompts;             /* completions: (n_prompts) strings */
-    int32_t **prompt_ids;       /* completions: (n_prompts) token-id lists ... */
-    int32_t *prompt_ids_len;    /* ... and their lengths */
-    int32_t n_prompts;          /* completions: >= 1 */
-    td_chat_msg *messages;      /* chat: (n_messages), role/content malloc'd */
+    char **prompts;          /* completions: (n_prompts) strings */
+    int32_t **prompt_ids;    /* completions: (n_prompts) token-id lists ... */
+    int32_t *prompt_ids_len; /* ... and their lengths */
+    int32_t n_prompts;       /* completions: >= 1 */
+    td_chat_msg *messages;   /* chat: (n_messages), role/content malloc'd */
     int32_t n_messages;
     /* Generation. */
     int32_t max_tokens; /* 0 = not given: up to the context */
     int32_t min_tokens;
     int32_t n;
     bool stream;
-    bool include_usage; /* stream_options.include_usage */
+    bool include_usage;         /* stream_options.include_usage */
     td_sampler_params sampling; /* sampling.logit_bias points into logit_bias below */
     td_logit_bias *logit_bias;
     int32_t n_logit_bias;
