@@ -13,6 +13,7 @@ static const struct {
     {"bench-engine", td_cmd_bench_engine,
      "measure prompt and generation speed (llama-bench style)"},
     {"eval", td_cmd_eval, "dump logits for token sequences (used by the numerics tests)"},
+    {"serve", td_cmd_serve, "serve the model over the OpenAI HTTP API and gRPC"},
     {"bench", td_cmd_bench, "load-test an OpenAI-compatible endpoint"},
 };
 
