@@ -48,7 +48,11 @@ def start_server(tandem_bin, model, tmp_path_factory, *args):
 def srv(tandem_bin, model, tmp_path_factory):
     s = start_server(tandem_bin, model, tmp_path_factory)
     yield s
+    # A clean exit after everything above (a sanitizer build exits nonzero
+    # on a leak or an error it found).
+    rc = s.stop()
     s.close()
+    assert rc == 0, s.log_tail()
 
 
 class Client:
@@ -386,6 +390,7 @@ def test_api_key(stubs, tandem_bin, model, tmp_path_factory):
         # Health needs no key.
         r = c.health.Check(c.hpb.HealthCheckRequest(), timeout=scaled(10))
         assert r.status == c.hpb.HealthCheckResponse.SERVING
+        assert s.stop() == 0, s.log_tail()
     finally:
         c.close()
         s.close()
