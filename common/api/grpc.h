@@ -7,7 +7,11 @@
  * HTTP one (request.h), errors map to gRPC status codes (INVALID_ARGUMENT,
  * UNAUTHENTICATED, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE) or to an
  * error message once the stream has started. API keys, when configured,
- * come as "authorization: Bearer KEY" metadata (health needs none). */
+ * come as "authorization: Bearer KEY" metadata (health needs none).
+ * Health knows the services "" (the server) and "tandem.v1.Generate";
+ * Check of another name is NOT_FOUND, Watch of it says SERVICE_UNKNOWN.
+ * Abort(request_id) cancels the running Generate with that id (a client
+ * id may not be reused while its request runs: ALREADY_EXISTS). */
 #ifndef TD_API_GRPC_H
 #define TD_API_GRPC_H
 
@@ -37,7 +41,10 @@ typedef struct td_grpc_server td_grpc_server;
  * cannot be bound. Stop with td_grpc_server_stop(). */
 td_status td_grpc_server_start(const td_grpc_params *p, td_grpc_server **srv_p);
 int td_grpc_server_port(const td_grpc_server *srv);
-/* Cancels every call in flight, shuts the server down and frees it. Accepts NULL. */
+/* Cancels every call in flight, shuts the server down and frees it.
+ * Running Generate calls end with Complete{finish_reason: "abort"}, and
+ * calls whose stream already ended get up to 2 s to deliver their last
+ * messages before the rest are cancelled (UNAVAILABLE). Accepts NULL. */
 void td_grpc_server_stop(td_grpc_server *srv);
 
 #endif
