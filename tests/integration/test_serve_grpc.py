@@ -282,6 +282,15 @@ def test_unknown_model_and_method(client, srv):
     assert ei.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
+def test_oversized_message(client, srv):
+    # Over the server's message limit (the HTTP body limit, 4 MiB by default).
+    code, _ = client.error_of(client.request(text="y" * (5 << 20), max_tokens=2))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    _, _, _, end = client.generate(client.request(text="after", max_tokens=2, ignore_eos=True))
+    assert end.completion_tokens == 2
+    srv.wait_idle()
+
+
 def test_malformed_message(client, srv):
     raw = client.channel.unary_stream("/tandem.v1.Generate/Generate")
     for junk in (b"\xff\xff\xff\xff", b"\x0a\x80", b"\x1a\x05ab"):
@@ -355,20 +364,24 @@ def _garbage_payloads():
 
 
 def test_garbage_bytes_then_generate(client, srv):
-    for junk in _garbage_payloads():
-        with socket.create_connection((srv.host, srv.grpc_port), timeout=scaled(5)) as s:
+    # Every garbage connection stays open (some wait for more bytes) while a
+    # real client is served.
+    socks = []
+    try:
+        for junk in _garbage_payloads():
+            s = socket.create_connection((srv.host, srv.grpc_port), timeout=scaled(5))
+            socks.append(s)
             s.sendall(junk)
-            s.settimeout(scaled(5))
-            try:
-                while s.recv(4096):
-                    pass  # the server answers (GOAWAY) and closes, or just closes
-            except (socket.timeout, ConnectionResetError):
-                pass
-    ids, _, _, end = client.generate(client.request(text="still alive", temperature=0,
-                                                    max_tokens=4, ignore_eos=True))
-    assert end.finish_reason == "length" and len(ids) == 4
-    r = client.health.Check(client.hpb.HealthCheckRequest(), timeout=scaled(10))
-    assert r.status == client.hpb.HealthCheckResponse.SERVING
+        ids, _, _, end = client.generate(client.request(text="still alive", temperature=0,
+                                                        max_tokens=4, ignore_eos=True))
+        assert end.finish_reason == "length" and len(ids) == 4
+        r = client.health.Check(client.hpb.HealthCheckRequest(), timeout=scaled(10))
+        assert r.status == client.hpb.HealthCheckResponse.SERVING
+    finally:
+        for s in socks:
+            s.close()
+    _, _, _, end = client.generate(client.request(text="after", max_tokens=2, ignore_eos=True))
+    assert end.completion_tokens == 2
     srv.wait_idle()
 
 
