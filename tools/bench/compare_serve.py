@@ -24,10 +24,14 @@ Both servers get the same KV capacity: llama-server -c = max-running *
 ctx-per-slot; tandem serve --ctx ctx-per-slot and --kv-blocks =
 max-running * ctx-per-slot / 16 (block size 16).
 
-Serving overhead at concurrency 1: Tandem's median TTFT on random minus the
+Serving overhead at concurrency 1: Tandem's TTFT P50 on random minus the
 engine's own prefill time for the same prompt length (`tandem bench-engine
--p N -n 0`, median of its timed repetitions, same threads), N being the
-prompt tokens the server reported.
+-p N -n 0 -r 5`, median of its timed repetitions, same threads, run right
+after that repeat's server run), N being the prompt tokens the server
+reported; the median over repeats of the differences.
+Note: on a shared machine other tenants' load swamps these figures (and
+may hurt the two servers' thread pools differently); run it on a
+quiet machine.
 
 Prints progress on stderr and a Markdown table on stdout; --json OUT writes
 every bench report and the raw medians.
@@ -280,7 +284,7 @@ def main():
     ap.add_argument("--prefix-len", type=int, default=192)
     ap.add_argument("--prefix-input-len", type=int, default=64)
     ap.add_argument("--ready-timeout", type=float, default=120)
-    ap.add_argument("--no-overhead", action="store_true", help="skip the bench-engine prefill run")
+    ap.add_argument("--no-overhead", action="store_true", help="skip the bench-engine prefill runs")
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args()
     args.concurrency = parse_list(args.concurrency, "--concurrency")
@@ -296,12 +300,16 @@ def main():
     for p, what in ((args.model, "model"), (args.llama_server, "llama-server")):
         if not os.path.exists(p):
             raise SystemExit(f"{what} not found: {p}")
-    need = max(args.input_len, args.prefix_len + args.prefix_input_len) + args.output_len + 8
+    longest = max(args.input_len if "random" in args.datasets else 0,
+                  args.prefix_len + args.prefix_input_len if "shared-prefix" in args.datasets else 0)
+    need = longest + args.output_len + 8  # + BOS and the fitting slack of the prompt lengths
     if need > args.ctx_per_slot:
         raise SystemExit(f"--ctx-per-slot {args.ctx_per_slot} < {need} tokens a request needs")
 
     t_start = time.monotonic()
     results, raw = {}, []
+    want_overhead = not args.no_overhead and 1 in args.concurrency and "random" in args.datasets
+    pairs, engine_runs = [], []
     logdir = tempfile.mkdtemp(prefix="compare-serve-")
     log(f"server logs in {logdir}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -309,16 +317,25 @@ def main():
             order = ["tandem", "llama"] if rep_i % 2 == 0 else ["llama", "tandem"]
             for name in order:
                 measure_server(args, name, logdir, tmp, rep_i, results, raw)
+                if name == "tandem" and want_overhead:
+                    # Right after the server run (server stopped), so both
+                    # figures see the same machine state.
+                    fig = results[("tandem", "random", 1)][-1]
+                    n_tok = int(round(fig["prompt_tokens_p50"]))
+                    pre_ms, engine = engine_prefill_ms(args, n_tok)
+                    engine_runs.append(engine)
+                    pairs.append({"prompt_tokens": n_tok, "ttft_p50_ms": fig["ttft_p50"],
+                                  "engine_prefill_ms": pre_ms,
+                                  "overhead_ms": fig["ttft_p50"] - pre_ms})
+                    log(f"engine prefill of {n_tok} tokens: {pre_ms:.2f} ms; serving overhead "
+                        f"{pairs[-1]['overhead_ms']:.2f} ms")
 
     overhead = None
-    engine = None
-    c1 = 1 if 1 in args.concurrency else None
-    if not args.no_overhead and c1 is not None and "random" in args.datasets:
-        n_tok = int(round(med(results, ("tandem", "random", 1), "prompt_tokens_p50")))
-        pre_ms, engine = engine_prefill_ms(args, n_tok)
-        ttft = med(results, ("tandem", "random", 1), "ttft_p50")
-        overhead = {"prompt_tokens": n_tok, "ttft_p50_ms": ttft, "engine_prefill_ms": pre_ms,
-                    "overhead_ms": ttft - pre_ms}
+    if pairs:
+        overhead = {k: statistics.median(p[k] for p in pairs)
+                    for k in ("prompt_tokens", "ttft_p50_ms", "engine_prefill_ms", "overhead_ms")}
+        overhead["prompt_tokens"] = int(overhead["prompt_tokens"])
+        overhead["repeats"] = pairs
 
     out = sys.stdout
     out.write(f"\nSame machine, same run; model {os.path.basename(args.model)}, "
@@ -347,18 +364,19 @@ def main():
                       f"| {f1(ll['tpot_p50'])} / {f1(ll['tpot_p99'])} "
                       f"| {ratio(t['tpot_p50'], ll['tpot_p50'])} / {ratio(t['tpot_p99'], ll['tpot_p99'])} |\n")
     if overhead:
-        out.write(f"\nServing overhead at concurrency 1 (random): TTFT P50 "
-                  f"{overhead['ttft_p50_ms']:.2f} ms - engine prefill of "
-                  f"{overhead['prompt_tokens']} tokens {overhead['engine_prefill_ms']:.2f} ms "
-                  f"(tandem bench-engine -p {overhead['prompt_tokens']} -n 0 -r 5 --threads "
-                  f"{args.threads}, median) = {overhead['overhead_ms']:.2f} ms\n")
+        out.write(f"\nServing overhead at concurrency 1 (random), median over repeats of "
+                  f"(TTFT P50 - engine prefill, measured right after): "
+                  f"{overhead['overhead_ms']:.2f} ms (TTFT P50 {overhead['ttft_p50_ms']:.2f} ms, "
+                  f"prefill of {overhead['prompt_tokens']} tokens "
+                  f"{overhead['engine_prefill_ms']:.2f} ms: tandem bench-engine -p "
+                  f"{overhead['prompt_tokens']} -n 0 -r 5 --threads {args.threads}, median)\n")
     elapsed = time.monotonic() - t_start
     out.write(f"\nCommand: {' '.join(sys.argv)}  ({elapsed / 60:.1f} min)\n")
     out.flush()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": {k: v for k, v in vars(args).items()}, "table": table,
-                       "overhead": overhead, "engine": engine, "runs": raw,
+                       "overhead": overhead, "engine": engine_runs, "runs": raw,
                        "elapsed_s": elapsed}, f, indent=1)
             f.write("\n")
     return 0
