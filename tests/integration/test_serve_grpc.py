@@ -15,7 +15,7 @@ import time
 import grpc
 import pytest
 
-from conftest import scaled
+from conftest import scaled, wait_until
 from grpc_stubs import load_stubs
 from serve_util import Server, metric
 
@@ -339,9 +339,10 @@ def test_duplicate_request_id(client, srv):
 def test_client_cancel_frees_request(client, srv):
     it = client.gen.Generate(long_request(client), timeout=scaled(120))
     next(it)
-    m = srv.metrics()
-    assert metric(m, "vllm:num_requests_running") == 1
-    assert metric(m, "tandem:kv_blocks", state="used") > 0
+    # The gauges are published after each scheduler step: poll.
+    wait_until(lambda: (metric(m := srv.metrics(), "vllm:num_requests_running") == 1
+                        and metric(m, "tandem:kv_blocks", state="used") > 0),
+               timeout=10, what="the running request in /metrics")
     it.cancel()
     srv.wait_idle()
     # A deadline cancels the same way.
@@ -430,6 +431,22 @@ def test_drain_not_serving(stubs, tandem_bin, model, tmp_path_factory):
         ends = [m.complete.finish_reason for m in it if m.WhichOneof("response") == "complete"]
         assert ends == ["abort"]
         assert s.stop(timeout=30) == 0
+    finally:
+        c.close()
+        s.close()
+
+
+def test_drain_timeout_ends_stream_with_abort(stubs, tandem_bin, model, tmp_path_factory):
+    s = start_server(tandem_bin, model, tmp_path_factory, "--drain-timeout", 0.5)
+    c = Client(stubs, s)
+    try:
+        it = c.gen.Generate(long_request(c), timeout=scaled(120))
+        next(it)
+        s.proc.send_signal(signal.SIGTERM)
+        ends = [m.complete for m in it if m.WhichOneof("response") == "complete"]
+        assert len(ends) == 1 and ends[0].finish_reason == "abort"
+        assert ends[0].completion_tokens < MAX_LONG
+        assert s.stop(timeout=30) == 0, s.log_tail()
     finally:
         c.close()
         s.close()
