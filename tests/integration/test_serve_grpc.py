@@ -274,8 +274,11 @@ def test_invalid_params(client, srv, sampling, extra):
 
 
 def test_unknown_model_and_method(client, srv):
+    before = metric(srv.metrics(), "tandem:request_errors_total", code="404")
     code, details = client.error_of(client.request(text="hi", model="no-such-model"))
     assert code == grpc.StatusCode.NOT_FOUND, details
+    # Counted like the HTTP API's 404.
+    assert metric(srv.metrics(), "tandem:request_errors_total", code="404") == before + 1
     call = client.channel.unary_unary("/tandem.v1.Generate/Nope")
     with pytest.raises(grpc.RpcError) as ei:
         call(b"", timeout=scaled(10))
