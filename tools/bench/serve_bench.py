@@ -891,6 +891,9 @@ def main(argv):
     calibrated = counter is not None and counter.style is not None and not any(
         "calibration" in n for n in notes)
 
+    # Rate mode runs one thread per request in flight: small stacks keep
+    # thousands of them cheap (http.client and json need little).
+    threading.stack_size(512 * 1024)
     progress = Progress(len(items), not args.no_progress)
     records, duration = run_load(server, args, items, progress)
     rep = make_report(args, server, records, duration, notes, calibrated)
