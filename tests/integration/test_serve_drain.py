@@ -17,7 +17,7 @@ import time
 import pytest
 
 from conftest import scaled, wait_until
-from serve_util import serve  # noqa: F401  (fixture)
+from serve_util import metric, serve  # noqa: F401  (serve: fixture)
 
 MODEL = "llama3-q8_0-gguf"
 SERVED = "tiny"
@@ -101,15 +101,25 @@ def test_sigterm_drains_running_streams(serve, tiny):
         t_sig = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         # At once: not ready, and new work refused, while the streams run.
-        status, _, _ = srv.request("GET", "/ready", timeout=5)
-        assert status == 503, f"/ready answered {status} right after SIGTERM"
+        # "At once" is bounded by signal delivery: the signal thread must be
+        # scheduled (milliseconds on a busy 2-core machine), so /ready gets
+        # 0.5 s, far less than the streams have left.
+        deadline = time.monotonic() + scaled(0.5)
+        while True:
+            status, _, _ = srv.request("GET", "/ready", timeout=5)
+            if status == 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.002)
+        assert status == 503, f"/ready still answered {status} 0.5 s after SIGTERM"
+        t_ready = time.monotonic() - t_sig
         status, body = srv.post_json("/v1/completions", {
             "model": SERVED, "prompt": [5, 6, 7], "max_tokens": 2}, timeout=5)
         assert status == 503, (status, body)
         assert isinstance(body, dict) and body["error"]["message"], body
         still = sum(r.is_alive() for r in readers)
         assert still >= 1, (f"all 8 streams of {n_tokens} tokens ended before the checks "
-                            f"({len(running)} were running at SIGTERM): drain not exercised")
+                            f"({len(running)} were running at SIGTERM, /ready 503 after "
+                            f"{t_ready * 1e3:.0f} ms): drain not exercised")
         for r in readers:
             r.join(scaled(120))
             assert not r.is_alive(), "a stream did not end"
@@ -128,18 +138,25 @@ def test_sigterm_drains_running_streams(serve, tiny):
 
 
 def test_short_drain_timeout_ends_streams(serve, tiny):
-    """--drain-timeout 1 with far more work queued than a second allows
-    (one sequence at a time, 16 streams of 240 tokens): the streams still
-    running or waiting when it expires are ended with an error event or a
-    finish reason, and the process exits 0 soon after."""
-    drain = 1
+    """--drain-timeout 0.3 with far more work queued than that allows (one
+    sequence at a time, 32 streams of 240 tokens: several seconds on this
+    machine): the streams still running or waiting when it expires are
+    ended with an error event or a finish reason, and the process exits 0
+    soon after."""
+    drain = 0.3
+    n = 32
     srv = serve(tiny, "--served-model-name", SERVED, "--max-running", 1,
                 "--drain-timeout", drain)
-    readers = start_streams(srv, 16, 240, seed=2)
+    readers = start_streams(srv, n, 240, seed=2)
     try:
         assert readers[0].first.wait(scaled(30)), "no first token within 30 s"
-        wait_until(lambda: (lambda b: b["running"] + b["waiting"] == 16)(srv.blocks()),
-                   timeout=30, what="16 requests running or waiting", proc=srv.proc)
+
+        def all_submitted():
+            m = srv.metrics()
+            return (metric(m, "vllm:num_requests_running") + metric(m, "vllm:num_requests_waiting")
+                    + metric(m, "vllm:request_success_total")) == n
+
+        wait_until(all_submitted, timeout=30, what=f"{n} requests submitted", proc=srv.proc)
         t_sig = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         rc = srv.proc.wait(timeout=drain + scaled(15))
@@ -160,6 +177,7 @@ def test_short_drain_timeout_ends_streams(serve, tiny):
                 continue
             ended = r.error_events() or (r.finish_reasons() and r.finish_reasons()[-1] != "length")
             assert ended, f"an unfinished stream ended without an error or finish reason: {r.describe()}"
+            assert r.events and r.events[-1] == "[DONE]", f"no [DONE] after the end: {r.describe()}"
     finally:
         for r in readers:
             r.join(0.1)
