@@ -1,4 +1,4 @@
-/* Internal to common/kv: a map from block hash to an int32 value (open
+/* Internal to common/ (kv and sched): a map from block hash to an int32 value (open
  * addressing, linear probing, backward-shift deletion, power-of-two
  * capacity that doubles at 50% load). Not thread-safe. */
 #ifndef TD_KV_HMAP_H

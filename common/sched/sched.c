@@ -12,6 +12,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include "../kv/hmap.h"
 #include "stop.h"
 
 /* ---- streams ---- */
@@ -81,6 +82,7 @@ typedef struct seq {
     td_kv_hash *hashes;   /* (blk_cap) chain hashes of its full blocks */
     int32_t n_published;  /* leading blocks published to (or matched in) the prefix cache */
     int32_t n_hash_valid; /* leading entries of hashes[] computed (tokens never change) */
+    int32_t n_pend_end;   /* blocks [n_published, n_pend_end) are in the pending map */
     int32_t n_cached_tokens;
     td_sampler *sampler;
     td_stop *stop;
@@ -125,6 +127,10 @@ struct td_sched {
     td_seq_chunk *chunks;
     seq **batch;
     uint64_t steps, preemptions;
+    /* Hashes of prompt blocks a running sequence is computing now: a
+     * request whose next uncached block is among them waits for it to be
+     * published instead of computing the same prefix again. */
+    td_kv_hmap pending;
     /* Published figures (under stats_mu). */
     pthread_mutex_t stats_mu;
     pthread_cond_t stats_cv;
@@ -448,6 +454,13 @@ static void publish_stats(td_sched *s) {
     pthread_mutex_unlock(&s->stats_mu);
 }
 
+/* Forgets the pending prefix blocks q registered and did not publish. */
+static void pending_drop(td_sched *s, seq *q) {
+    for (int32_t b = q->n_published; b < q->n_pend_end; b++)
+        td_kv_hmap_del(&s->pending, q->hashes[b]);
+    q->n_pend_end = 0;
+}
+
 /* Ends a sequence: publishes the end, records metrics, frees its blocks
  * and reservation, and lets go of the stream. s must not be on any list. */
 static void seq_finish(td_sched *s, seq *q, td_finish_reason why, td_status err, int stop_index,
@@ -486,6 +499,7 @@ static void seq_finish(td_sched *s, seq *q, td_finish_reason why, td_status err,
                                  .n_preemptions = q->n_preemptions};
         td_metrics_request_finished(s->metrics, &rec);
     }
+    pending_drop(s, q);
     if (q->n_blocks) td_kv_block_free(s->kv, q->blocks, q->n_blocks);
     if (q->n_reserved) td_kv_unreserve(s->kv, q->n_reserved);
     q->n_blocks = q->n_reserved = 0;
@@ -561,6 +575,13 @@ static bool admit_one(td_sched *s, seq *q) {
                 td_kv_hash_block(parent, q->tokens + (size_t)b * (size_t)bs, bs, NULL, 0);
         }
         matched = td_kv_cache_acquire(s->kv, q->hashes, n_full, q->blocks);
+        if (matched < n_full && s->n_running > 0 &&
+            td_kv_hmap_get(&s->pending, q->hashes[matched]) >= 0) {
+            /* Another sequence is computing this very block: wait one or
+             * two steps for it rather than compute the prefix twice. */
+            td_kv_block_free(s->kv, q->blocks, matched);
+            return false;
+        }
     }
     int32_t need_now = blocks_for(s, q->n_tokens) - matched;
     int32_t reserve = reserve_target(s, q);
@@ -582,6 +603,15 @@ static bool admit_one(td_sched *s, seq *q) {
     q->n_blocks = matched + need_now;
     q->n_reserved = reserve;
     q->n_published = matched;
+    q->n_pend_end = matched;
+    if (s->p.prefix_cache) {
+        int32_t n_full = (q->n_tokens - 1) / bs;
+        td_status pst = TD_OK;
+        while (q->n_pend_end < n_full && pst == TD_OK) {
+            if (!td_kv_hmap_put(&s->pending, q->hashes[q->n_pend_end], 1, &pst)) break;
+            q->n_pend_end++;
+        }
+    }
     q->n_computed = matched * bs;
     if (q->n_preemptions == 0) q->n_cached_tokens = matched * bs;
     q->state = SEQ_RUNNING;
@@ -611,6 +641,7 @@ static void admit(td_sched *s) {
 static void preempt(td_sched *s, int32_t i) {
     seq *q = s->running[i];
     running_remove(s, i);
+    pending_drop(s, q);
     td_kv_block_free(s->kv, q->blocks, q->n_blocks);
     if (q->n_reserved) td_kv_unreserve(s->kv, q->n_reserved);
     q->n_blocks = q->n_reserved = 0;
@@ -668,6 +699,7 @@ static void publish_blocks(td_sched *s, seq *q) {
             q->n_hash_valid = b + 1;
         }
         td_kv_cache_insert(s->kv, q->blocks[b], q->hashes[b]);
+        if (b < q->n_pend_end) td_kv_hmap_del(&s->pending, q->hashes[b]);
         q->n_published++;
     }
 }
@@ -906,7 +938,8 @@ td_status td_sched_create(const td_sched_params *p, td_engine *engine, td_kv_poo
     s->batch = calloc((size_t)p->max_running, sizeof *s->batch);
     s->chunks = calloc((size_t)p->max_running, sizeof *s->chunks);
     s->logits = malloc((size_t)p->max_running * (size_t)s->n_vocab * sizeof(float));
-    if (!s->running || !s->batch || !s->chunks || !s->logits) {
+    if (!s->running || !s->batch || !s->chunks || !s->logits ||
+        td_kv_hmap_init(&s->pending, 1024) != TD_OK) {
         TD_LOG_ERROR("out of memory");
         goto free_s;
     }
@@ -928,6 +961,7 @@ td_status td_sched_create(const td_sched_params *p, td_engine *engine, td_kv_poo
     return TD_OK;
 
 free_s:
+    td_kv_hmap_free(&s->pending);
     free(s->logits);
     free(s->chunks);
     free(s->batch);
@@ -947,6 +981,7 @@ void td_sched_destroy(td_sched *s) {
     pthread_mutex_destroy(&s->stats_mu);
     pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);
+    td_kv_hmap_free(&s->pending);
     free(s->logits);
     free(s->chunks);
     free(s->batch);

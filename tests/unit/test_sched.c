@@ -240,6 +240,16 @@ static void test_prefix_cache_hit(void **state) {
     assert_int_equal(b[0].n_cached, 64);
     assert_int_equal(b[0].n_out, a[0].n_out);
     assert_memory_equal(a[0].out, b[0].out, (size_t)a[0].n_out * sizeof(int32_t));
+    /* Two requests with one new prompt submitted together: the second
+     * waits for the first to publish the shared blocks and reuses them. */
+    job c[2];
+    make_jobs(c, 1, h.V, 1234);
+    c[0].n_prompt = 70;
+    c[1] = c[0];
+    run_together(&h, c, 2);
+    assert_int_equal(c[0].n_cached, 0);
+    assert_int_equal(c[1].n_cached, 64);
+    assert_memory_equal(c[0].out, c[1].out, (size_t)c[0].n_out * sizeof(int32_t));
     td_sched_stats st;
     assert_true(td_sched_wait_idle(h.s, 30.0)); /* stats are published after each step */
     td_sched_stats_get(h.s, &st);
