@@ -1,8 +1,10 @@
 /* The gRPC front end on the gRPC C core.
  *
- * Two threads. The completion-queue thread owns every call's life: it
- * accepts calls, parses and validates requests, submits them to the
- * scheduler and handles every batch completion. The pump thread waits (epoll)
+ * Three threads. The completion-queue thread owns every call's life: it
+ * accepts calls, answers Abort and health calls and handles every batch
+ * completion. The prepare thread parses, validates and tokenizes Generate
+ * requests and submits them to the scheduler, so a large prompt does not
+ * hold up other calls' completions. The pump thread waits (epoll)
  * on the eventfds of the generation streams, turns their news into
  * GenerateResponse messages and starts the send batches, and also re-sends
  * health Watch statuses when draining begins. A call's mutable state is
@@ -13,7 +15,7 @@
  *
  * A call ends when its RECV_CLOSE_ON_SERVER batch has completed (status sent,
  * or the call was cancelled: client cancel, deadline, shutdown) and no other
- * batch is in flight. The completion-queue thread then hands it to the pump
+ * batch (nor its preparation) is in flight. The completion-queue thread then hands it to the pump
  * thread, which alone removes it from epoll and frees it, so an epoll event
  * never points at freed memory. */
 #include "grpc.h"
@@ -80,7 +82,7 @@ struct gcall {
     grpc_byte_buffer *recv_buf;
     grpc_byte_buffer *send_buf; /* owned until its batch completes */
     int cancelled;              /* out-argument of RECV_CLOSE_ON_SERVER */
-    int n_pending;              /* batches started and not yet completed */
+    int n_pending;              /* batches started and not completed, + a queued preparation */
     bool closed;                /* RECV_CLOSE_ON_SERVER completed */
     bool stop_sending;          /* cancelled, or a send failed */
     bool initial_md_sent;
@@ -108,6 +110,9 @@ struct gcall {
     /* Lists (server mutex). */
     gcall *prev, *next; /* live list */
     gcall *zombie_next;
+    /* Preparation queue (its own mutex). */
+    grpc_slice prep_msg; /* the GenerateRequest bytes */
+    gcall *prep_next;
 };
 
 struct td_grpc_server {
@@ -137,8 +142,14 @@ struct td_grpc_server {
     int epfd;
     int wakefd;
     atomic_bool pump_stop;
-    pthread_t cq_thread, pump_thread;
-    bool grpc_inited, cq_thread_started, pump_thread_started;
+
+    pthread_mutex_t prep_mu;
+    pthread_cond_t prep_cv;
+    gcall *prep_head, *prep_tail;
+    bool prep_stop;
+
+    pthread_t cq_thread, pump_thread, prep_thread;
+    bool grpc_inited, cq_thread_started, pump_thread_started, prep_thread_started;
 };
 
 /* ---- small helpers ---- */
@@ -774,6 +785,7 @@ static void handle_generate(gcall *c, const uint8_t *data, size_t len) {
     tandem__v1__generate_request__free_unpacked(r, NULL);
 
     pthread_mutex_lock(&c->mu);
+    if (c->stop_sending) td_gen_stream_cancel(stream); /* cancelled while we prepared */
     generate_pump_locked(c);
     pthread_mutex_unlock(&c->mu);
     return;
@@ -883,6 +895,51 @@ done:
     if (r) grpc__health__v1__health_check_request__free_unpacked(r, NULL);
 }
 
+static bool finished_locked(gcall *c);
+static void retire(gcall *c);
+
+/* Hands a Generate request to the prepare thread. The preparation counts as
+ * a pending operation, so the call outlives it whatever the client does. */
+static void prep_enqueue(gcall *c, grpc_slice msg) {
+    td_grpc_server *srv = c->srv;
+    pthread_mutex_lock(&c->mu);
+    c->n_pending++;
+    pthread_mutex_unlock(&c->mu);
+    c->prep_msg = msg;
+    c->prep_next = NULL;
+    pthread_mutex_lock(&srv->prep_mu);
+    if (srv->prep_tail)
+        srv->prep_tail->prep_next = c;
+    else
+        srv->prep_head = c;
+    srv->prep_tail = c;
+    pthread_cond_signal(&srv->prep_cv);
+    pthread_mutex_unlock(&srv->prep_mu);
+}
+
+static void *prep_main(void *arg) {
+    td_grpc_server *srv = arg;
+    for (;;) {
+        pthread_mutex_lock(&srv->prep_mu);
+        while (!srv->prep_head && !srv->prep_stop) pthread_cond_wait(&srv->prep_cv, &srv->prep_mu);
+        gcall *c = srv->prep_head;
+        if (c) {
+            srv->prep_head = c->prep_next;
+            if (!srv->prep_head) srv->prep_tail = NULL;
+        }
+        pthread_mutex_unlock(&srv->prep_mu);
+        if (!c) break; /* stopping, queue empty */
+        handle_generate(c, GRPC_SLICE_START_PTR(c->prep_msg), GRPC_SLICE_LENGTH(c->prep_msg));
+        grpc_slice_unref(c->prep_msg);
+        pthread_mutex_lock(&c->mu);
+        c->n_pending--;
+        bool done = finished_locked(c);
+        pthread_mutex_unlock(&c->mu);
+        if (done) retire(c);
+    }
+    return NULL;
+}
+
 static void on_recv(gcall *c, bool ok) {
     pthread_mutex_lock(&c->mu);
     c->n_pending--;
@@ -912,7 +969,7 @@ static void on_recv(gcall *c, bool ok) {
     const uint8_t *data = GRPC_SLICE_START_PTR(s);
     size_t len = GRPC_SLICE_LENGTH(s);
     switch (c->kind) {
-    case CALL_GENERATE: handle_generate(c, data, len); break;
+    case CALL_GENERATE: prep_enqueue(c, s); return; /* the prepare thread owns s now */
     case CALL_ABORT: handle_abort(c, data, len); break;
     case CALL_HEALTH_CHECK:
     case CALL_HEALTH_WATCH: handle_health(c, data, len); break;
@@ -1189,6 +1246,8 @@ static void server_free(td_grpc_server *srv) {
     free(srv->api_keys);
     free(srv->api_key_lens);
     free(srv->model_name);
+    pthread_cond_destroy(&srv->prep_cv);
+    pthread_mutex_destroy(&srv->prep_mu);
     pthread_cond_destroy(&srv->retired);
     pthread_mutex_destroy(&srv->mu);
     free(srv);
@@ -1209,6 +1268,8 @@ td_status td_grpc_server_start(const td_grpc_params *p, td_grpc_server **srv_p) 
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&srv->retired, &ca);
     pthread_condattr_destroy(&ca);
+    pthread_mutex_init(&srv->prep_mu, NULL);
+    pthread_cond_init(&srv->prep_cv, NULL);
     srv->live.next = srv->live.prev = &srv->live;
     srv->epfd = srv->wakefd = -1;
     srv->sched = p->sched;
@@ -1285,6 +1346,12 @@ td_status td_grpc_server_start(const td_grpc_params *p, td_grpc_server **srv_p) 
         goto fail_started;
     }
     srv->pump_thread_started = true;
+    if (pthread_create(&srv->prep_thread, NULL, prep_main, srv) != 0) {
+        TD_LOG_ERROR("gRPC: cannot start the prepare thread");
+        st = TD_ERR_NOMEM;
+        goto fail_started;
+    }
+    srv->prep_thread_started = true;
     if (pthread_create(&srv->cq_thread, NULL, cq_main, srv) != 0) {
         TD_LOG_ERROR("gRPC: cannot start the completion-queue thread");
         st = TD_ERR_NOMEM;
@@ -1358,6 +1425,14 @@ void td_grpc_server_stop(td_grpc_server *srv) {
             gtag *t = ev.tag;
             if (t->kind == TAG_NEW) on_new(t->c, false);
         }
+    }
+    /* Every call has ended, so every preparation has too. */
+    if (srv->prep_thread_started) {
+        pthread_mutex_lock(&srv->prep_mu);
+        srv->prep_stop = true;
+        pthread_cond_signal(&srv->prep_cv);
+        pthread_mutex_unlock(&srv->prep_mu);
+        pthread_join(srv->prep_thread, NULL);
     }
     if (srv->pump_thread_started) {
         atomic_store(&srv->pump_stop, true);
