@@ -15,9 +15,9 @@
  *
  * A call ends when its RECV_CLOSE_ON_SERVER batch has completed (status sent,
  * or the call was cancelled: client cancel, deadline, shutdown) and no other
- * batch (nor its preparation) is in flight. The completion-queue thread then hands it to the pump
- * thread, which alone removes it from epoll and frees it, so an epoll event
- * never points at freed memory. */
+ * batch, nor its preparation, is in flight. Whichever thread sees that hands
+ * the call to the pump thread, which alone removes it from epoll and frees
+ * it, so an epoll event never points at freed memory. */
 #include "grpc.h"
 
 #include <errno.h>
@@ -460,7 +460,7 @@ static void generate_pump_locked(gcall *c) {
     }
 }
 
-/* ---- request handling (completion-queue thread) ---- */
+/* ---- request handling (Generate: prepare thread; others: completion-queue thread) ---- */
 
 static bool auth_ok(const td_grpc_server *srv, const grpc_metadata_array *md) {
     if (srv->n_api_keys == 0) return true;
@@ -1150,8 +1150,6 @@ static void *cq_main(void *arg) {
         case TAG_SEND: on_send(t->c, ev.success != 0); break;
         case TAG_CLOSE: on_close(t->c); break;
         }
-        /* Calls that finished while no batch was in flight (a request whose
-         * validation failed completes through on_send/on_close above). */
     }
     return NULL;
 }
