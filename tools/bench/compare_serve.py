@@ -5,7 +5,7 @@ same GGUF, same threads, llama-server's -np equal to Tandem's --max-running
 (issue 3, docs/PERFORMANCE.md).
 
     compare_serve.py [--tandem BIN] [--model GGUF] [--llama-server PATH]
-        [--threads 2] [--max-running 16] [--repeats 3] [--concurrency 1,4,16]
+        [--threads 2] [--max-running 16] [--repeats 2] [--concurrency 1,4,16]
         [--num-prompts 16,32,64] [--input-len 256] [--output-len 64]
         [--prefix-len 192] [--prefix-input-len 64] [--json OUT]
 
@@ -274,7 +274,9 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-running", type=int, default=16)
     ap.add_argument("--ctx-per-slot", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="runs of the whole grid per server; figures are medians (default 2; "
+                    "the time of each repeat is logged with an estimate of the rest)")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--num-prompts", default="16,32,64",
                     help="requests per run, one per concurrency level")
@@ -329,6 +331,9 @@ def main():
                                   "overhead_ms": fig["ttft_p50"] - pre_ms})
                     log(f"engine prefill of {n_tok} tokens: {pre_ms:.2f} ms; serving overhead "
                         f"{pairs[-1]['overhead_ms']:.2f} ms")
+            took = time.monotonic() - t_start
+            log(f"repeat {rep_i + 1}/{args.repeats} done after {took / 60:.1f} min; about "
+                f"{took / (rep_i + 1) * (args.repeats - rep_i - 1) / 60:.1f} min to go")
 
     overhead = None
     if pairs:
