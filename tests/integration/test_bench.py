@@ -11,6 +11,7 @@ are counted by kind in the report; the exit status is 1 when no request
 completed, 0 otherwise, 2 for bad arguments or dataset files.
 """
 import json
+import socket
 
 import numpy as np
 import pytest
@@ -236,6 +237,16 @@ def test_errors_by_kind(serve, test_models, tmp_path):
     assert all(q["error_kind"] == "connection" and q["error"] for q in rep["requests"])
     assert rep["ttft_ms"]["p50"] is None and rep["request_throughput"] == 0
     assert "Errors: connection 4" in r.stdout
+
+    # A peer that accepts connections (the kernel's backlog) but never
+    # answers: every request runs into --timeout.
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(16)
+        rep, _ = bench(tmp_path, f"http://127.0.0.1:{hole.getsockname()[1]}", "--num-prompts", "2",
+                       "--input-len", "4", "--output-len", "2", "--concurrency", "2",
+                       "--timeout", "0.5", "--no-progress", rc=1)
+    assert rep["errors"] == {"timeout": 2}
 
     srv = start(serve, test_models, "--api-key", KEY)
     # No API key: every request is refused with 401 and counted as such.
