@@ -1262,7 +1262,10 @@ td_status td_http_server_start(const td_http_params *p, td_http_server **srv_p) 
     if (srv->p.max_header_bytes == 0) srv->p.max_header_bytes = 16 << 10;
     if (srv->p.kv_block_size <= 0) srv->p.kv_block_size = 16;
     srv->host = strdup(p->host ? p->host : "127.0.0.1");
-    srv->model_name = strdup(p->model.model_name ? p->model.model_name : "model");
+    /* The name comes from the model file: JSON needs it valid UTF-8. */
+    const char *mn = p->model.model_name ? p->model.model_name : "model";
+    size_t mn_len = 0;
+    srv->model_name = td_api_utf8_fix(mn, strlen(mn), &mn_len);
     if (!srv->host || !srv->model_name) goto fail;
     srv->p.host = srv->host;
     srv->p.model.model_name = srv->model_name;
@@ -1319,13 +1322,13 @@ td_status td_http_server_start(const td_http_params *p, td_http_server **srv_p) 
     else
         srv->port = p->port;
 
-    if (p->instance_id) {
-        srv->instance_id = strdup(p->instance_id);
-    } else {
-        char id[300];
+    char id[300];
+    if (p->instance_id)
+        snprintf(id, sizeof(id), "%s", p->instance_id);
+    else
         snprintf(id, sizeof(id), v6 ? "[%s]:%d" : "%s:%d", srv->host, srv->port);
-        srv->instance_id = strdup(id);
-    }
+    size_t id_len = 0;
+    srv->instance_id = td_api_utf8_fix(id, td_api_utf8_complete_len(id, strlen(id)), &id_len);
     if (!srv->instance_id) {
         st = TD_ERR_NOMEM;
         goto fail;
