@@ -774,6 +774,35 @@ def test_pings_while_queued_and_429(srv):
     wait_until(lambda: _running(srv) == 0, timeout=5, what="running gauge back to 0")
 
 
+def test_error_event_after_headers(tandem_bin, model_path, tmp_path):
+    """A stream the server has to abort (SIGTERM, drain timeout passed) ends
+    with an error event and [DONE], not with a truncated success."""
+    s = Server.start(tandem_bin, model_path, ["--ctx", CTX, "--drain-timeout", "0.3",
+                                              "--threads", 1], tmp_path)
+    try:
+        st = s.open_stream("/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": "go"}], "stream": True,
+                            **LONG})
+        assert st.status == 200
+        it = st.events()
+        first = [next(it) for _ in range(LONG["n"] + 2)]  # role chunks + tokens
+        assert all(isinstance(e, dict) and "choices" in e for e in first)
+        s.proc.send_signal(15)
+        rest = list(it)
+        st.close()
+        assert rest and rest[-1] == "[DONE]", rest[-3:]
+        errors = [e for e in rest if isinstance(e, dict) and "error" in e]
+        assert len(errors) == 1, rest[-3:]
+        assert errors[0]["error"]["type"] == "service_unavailable"
+        assert rest[-2] is errors[0]
+        # Nothing claims a normal end.
+        assert not any(c.get("finish_reason") for e in first + rest if isinstance(e, dict)
+                       for c in e.get("choices", []))
+        assert s.proc.wait(timeout=scaled(30)) == 0, s.log_tail()
+    finally:
+        s.close()
+
+
 def test_concurrent_clients(client):
     """A few clients at once each get the greedy answer they get alone."""
     prompts = [f"Concurrent {i}" for i in range(6)]
