@@ -11,6 +11,7 @@
 
 #include <jansson.h>
 
+#include "common/api/request-impl.h"
 #include "common/api/request.h"
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
@@ -52,7 +53,26 @@ static void check_ok(const td_api_request *r, const td_api_limits *lim) {
     }
 }
 
+/* The UTF-8 repair the responses rely on: always valid, never longer than
+ * 3 bytes per input byte, a no-op on valid text. */
+static void check_utf8(const uint8_t *data, size_t size) {
+    size_t n = 0;
+    char *fixed = td_api_utf8_fix((const char *)data, size, &n);
+    if (!fixed) return;
+    if (n > 3 * size || fixed[n] != 0) abort();
+    json_t *s = json_stringn(fixed, n);
+    if (!s) abort(); /* jansson accepts only valid UTF-8 */
+    json_decref(s);
+    size_t keep = td_api_utf8_complete_len((const char *)data, size);
+    if (keep > size || size - keep > 3) abort();
+    json_t *orig = json_stringn((const char *)data, size);
+    if (orig && (n != size || memcmp(fixed, data, size) != 0)) abort();
+    json_decref(orig);
+    free(fixed);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    check_utf8(data, size);
     td_api_limits lim = td_api_default_limits();
     lim.max_body_bytes = 1 << 16;
     for (int k = 0; k < 2; k++) {
