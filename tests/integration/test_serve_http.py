@@ -13,7 +13,6 @@ reserved and nothing runs.
 import http.client
 import json
 import math
-import pathlib
 import socket
 import threading
 import time
