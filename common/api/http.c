@@ -1034,8 +1034,9 @@ static enum MHD_Result handle_state(td_http_server *srv, struct MHD_Connection *
     if (st != TD_OK) return send_status(srv, c, method, url, st, "kv events");
     td_sched_stats stats;
     td_sched_stats_get(srv->p.sched, &stats);
-    char epoch[24], hex[33];
+    char epoch[24], hex[33], compat[33];
     snprintf(epoch, sizeof(epoch), "%016" PRIx64, td_kv_events_epoch(ev));
+    td_kv_hash_hex(td_sched_compat(srv->p.sched), compat);
     json_t *list = json_array();
     for (size_t i = 0; list && i < n; i++) {
         if (full) {
@@ -1051,13 +1052,13 @@ static enum MHD_Result handle_state(td_http_server *srv, struct MHD_Connection *
     free(hashes);
     const td_kv_counts *k = &stats.kv;
     json_t *root = json_pack(
-        "{s:s,s:s,s:I,s:b,s:o,s:{s:i,s:i,s:I,s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i}}}", "instance_id",
-        srv->instance_id, "epoch", epoch, "last_seq", (json_int_t)last, "full", (int)full,
-        full ? "hashes" : "events", list, "load", "running", (int)stats.running, "waiting",
-        (int)stats.waiting, "queued_prefill_tokens", (json_int_t)stats.queued_prefill_tokens, "kv",
-        "total", (int)k->total, "empty", (int)k->empty, "cached", (int)k->cached, "used",
-        (int)k->used, "reserved", (int)k->reserved, "free",
-        (int)(k->empty + k->cached - k->reserved), "block_size", (int)srv->p.kv_block_size);
+        "{s:s,s:s,s:s,s:I,s:b,s:o,s:{s:i,s:i,s:I,s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i}}}", "instance_id",
+        srv->instance_id, "epoch", epoch, "compat", compat, "last_seq", (json_int_t)last, "full",
+        (int)full, full ? "hashes" : "events", list, "load", "running", (int)stats.running,
+        "waiting", (int)stats.waiting, "queued_prefill_tokens",
+        (json_int_t)stats.queued_prefill_tokens, "kv", "total", (int)k->total, "empty",
+        (int)k->empty, "cached", (int)k->cached, "used", (int)k->used, "reserved", (int)k->reserved,
+        "free", (int)(k->empty + k->cached - k->reserved), "block_size", (int)srv->p.kv_block_size);
     return queue_json(c, MHD_HTTP_OK, root);
 }
 

@@ -6,7 +6,9 @@
  *
  * /internal/v1/state answers (the router's view of the instance):
  *   {"instance_id": str, "epoch": "16 hex digits" (a string: 64 bits do not
- *    fit JSON integers everywhere), "last_seq": N, "full": bool,
+ *    fit JSON integers everywhere), "compat": "32 hex" (the compatibility
+ *    hash: the parent of every sequence's first block, kv/hash.h),
+ *    "last_seq": N, "full": bool,
  *    "events": [{"seq": N, "type": "stored"|"removed"|"cleared",
  *                "hash": "32 hex"}]          (full == false: the diff after since)
  *    "hashes": ["32 hex", ...]               (full == true: every stored hash)

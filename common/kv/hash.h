@@ -31,9 +31,12 @@ td_kv_hash td_kv_hash_block(td_kv_hash parent, const int32_t *tokens, int32_t n_
 int32_t td_kv_hash_chain(td_kv_hash root, const int32_t *tokens, int32_t n_tokens,
                          int32_t block_size, td_kv_hash *out);
 
-/* The compatibility hash: XXH3_128 of "tandem-kv" and the fields below,
- * each length-prefixed, so instances agree on it only when everything that
- * changes the meaning of a block agrees. */
+/* The compatibility hash: XXH3_128 over "tandem-kv", model_id,
+ * weight_type, kv_dtype (strings; NULL is ""), block_size, layout_version,
+ * protocol_version (each int32 as 4 little-endian bytes), every field
+ * written as its byte length (u64 little-endian) followed by its bytes, so
+ * instances agree on it only when everything that changes the meaning of
+ * a block agrees. */
 typedef struct {
     const char *model_id;    /* model name + a digest of the weights file's identity */
     const char *weight_type; /* e.g. "q4_1" */

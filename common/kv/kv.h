@@ -96,7 +96,9 @@ bool td_kv_cache_insert(td_kv_pool *pool, int32_t id, td_kv_hash h);
 /* Longest cached prefix: walks hashes[0..n) in order and stops at the first
  * miss; for each hit takes a reference (a cached block becomes used and
  * leaves the LRU list) and writes its id to ids[]. Returns the number of
- * leading hits. */
+ * leading hits. Taking a cached block uses up free capacity that
+ * reservations count on: callers holding reservations check that
+ * td_kv_pool_n_free stays >= 0 (as the scheduler does at admission). */
 int32_t td_kv_cache_acquire(td_kv_pool *pool, const td_kv_hash *hashes, int32_t n, int32_t *ids);
 /* Leading hits without taking anything (for routing and admission checks). */
 int32_t td_kv_cache_probe(const td_kv_pool *pool, const td_kv_hash *hashes, int32_t n);

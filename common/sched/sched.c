@@ -1015,6 +1015,8 @@ void td_sched_metrics_gauges(td_sched *s, td_metrics_gauges *g) {
 
 td_kv_events *td_sched_kv_events(td_sched *s) { return td_kv_pool_events(s->kv); }
 
+td_kv_hash td_sched_compat(const td_sched *s) { return s->p.compat; }
+
 void td_sched_drain(td_sched *s) {
     atomic_store(&s->draining, true);
     pthread_mutex_lock(&s->mu);

@@ -146,6 +146,9 @@ typedef struct {
 void td_sched_stats_get(td_sched *s, td_sched_stats *st);
 void td_sched_metrics_gauges(td_sched *s, td_metrics_gauges *g);
 
+/* The compatibility hash the block hash chains start from (params.compat). */
+td_kv_hash td_sched_compat(const td_sched *s);
+
 /* The KV event log of the instance's pool (thread-safe reads). */
 td_kv_events *td_sched_kv_events(td_sched *s);
 

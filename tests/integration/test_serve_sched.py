@@ -422,6 +422,8 @@ def test_state_events(serve, tiny):
     assert [(e["seq"], e["type"]) for e in evs] == [(1, "stored"), (2, "stored"), (3, "stored")], evs
     assert st1["last_seq"] == 3
     hs = [e["hash"] for e in evs]
+    # Block 0 chains from the published compatibility hash.
+    assert hs[0] == block_hash(parse_hex(st1["compat"]), prompt[:BLOCK]), (st1["compat"], hs)
     for b in (1, 2):
         assert hs[b] == block_hash(parse_hex(hs[b - 1]), prompt[b * BLOCK:(b + 1) * BLOCK]), (
             f"block {b}'s hash is not XXH3_128(parent || tokens) of block {b - 1}'s: {hs}")
