@@ -449,8 +449,8 @@ void td_obs_log_request(const td_request_record *r) {
     const char *fin = td_finish_reason_str(r->finish);
     td_log(TD_LOG_INFO, "request",
            "id=%s prompt_tokens=%d cached_tokens=%d output_tokens=%d queue_ms=%.3f ttft_ms=%.3f "
-           "e2e_ms=%.3f finish=%s preemptions=%d",
+           "e2e_ms=%.3f finish=%s preemptions=%d prefill_compute_ms=%.3f",
            r->id ? r->id : "-", (int)r->n_prompt_tokens, (int)r->n_cached_tokens,
            (int)r->n_output_tokens, queue_ms, ttft_ms, (r->t_finished - r->t_arrival) * 1e3,
-           fin ? fin : "none", (int)r->n_preemptions);
+           fin ? fin : "none", (int)r->n_preemptions, r->prefill_compute_s * 1e3);
 }

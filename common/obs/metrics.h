@@ -59,6 +59,9 @@ typedef struct {
     double t_first_token; /* 0 if none */
     double t_finished;
     int32_t n_preemptions;
+    double prefill_compute_s; /* forward-pass time of the steps that carried this request
+                               * until its first token (its share of the engine's work and
+                               * its batch-mates'); TTFT minus this is serving overhead */
 } td_request_record;
 
 /* Instantaneous figures the renderer asks for (from the scheduler). */

@@ -94,6 +94,7 @@ typedef struct seq {
     bool stop_strings;
     double t_arrival, t_scheduled, t_first, t_last;
     int32_t n_preemptions;
+    double prefill_compute; /* forward time of the steps that carried it before its first token */
     uint64_t admit_order;
     int32_t chunk; /* tokens fed in the current step (0: not in the batch) */
 } seq;
@@ -496,7 +497,8 @@ static void seq_finish(td_sched *s, seq *q, td_finish_reason why, td_status err,
                                  .t_scheduled = q->t_scheduled,
                                  .t_first_token = q->t_first,
                                  .t_finished = td_time_s(),
-                                 .n_preemptions = q->n_preemptions};
+                                 .n_preemptions = q->n_preemptions,
+                                 .prefill_compute_s = q->prefill_compute};
         td_metrics_request_finished(s->metrics, &rec);
     }
     pending_drop(s, q);
@@ -820,7 +822,9 @@ static bool step(td_sched *s) {
     if (n == 0) return false;
     int32_t n_tok = 0;
     for (int32_t i = 0; i < n; i++) n_tok += s->chunks[i].n_tokens;
+    double t0 = td_time_s();
     td_status st = td_engine_forward(s->engine, s->chunks, n, s->logits);
+    double dt = td_time_s() - t0;
     s->steps++;
     if (s->metrics) td_metrics_iteration(s->metrics, n_tok);
     double now = td_time_s();
@@ -842,6 +846,7 @@ static bool step(td_sched *s) {
             continue;
         }
         q->n_computed += chunk;
+        if (q->t_first == 0) q->prefill_compute += dt;
         publish_blocks(s, q);
         if (!has_logits) continue;
         /* A cancel that arrived during the forward pass wins over the token. */

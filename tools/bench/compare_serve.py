@@ -219,6 +219,13 @@ def measure_server(args, name, logdir, tmp, rep_i, results, raw):
                        "tpot_p50": rep["tpot_ms"]["p50"], "tpot_p99": rep["tpot_ms"]["p99"],
                        "prompt_tokens_p50": statistics.median(
                            r["prompt_tokens"] for r in rep["requests"])}
+                if name == "tandem" and ds == "random" and conc == 1:
+                    fig.update(paired_overhead(srv.log_path, rep["requests"]))
+                    if fig.get("paired_overhead_p50") is not None:
+                        log(f"tandem serving overhead (client TTFT - server prefill compute, "
+                            f"per request): P50 {fig['paired_overhead_p50']:.2f} ms, "
+                            f"P90 {fig['paired_overhead_p90']:.2f} ms over "
+                            f"{fig['paired_overhead_n']} requests")
                 results.setdefault((name, ds, conc), []).append(fig)
                 rep.pop("requests")
                 raw.append({"server": name, "dataset": ds, "concurrency": conc, "repeat": rep_i,
@@ -227,6 +234,26 @@ def measure_server(args, name, logdir, tmp, rep_i, results, raw):
                     f"TTFT P50 {fig['ttft_p50']:.1f} ms, TPOT P50 {fig['tpot_p50']:.1f} ms")
     finally:
         srv.close()
+
+
+def paired_overhead(log_path, requests):
+    """Per request: the client's TTFT minus the forward-pass time the
+    server spent on that request before its first token (the log line's
+    prefill_compute_ms), paired by response id. Same request, same moment,
+    so machine noise in the forward pass cancels out."""
+    compute = {}
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            m = re.search(r"request: id=(\S+) .*prefill_compute_ms=([0-9.]+)", line)
+            if m:
+                compute[m.group(1)] = float(m.group(2))
+    d = sorted(r["ttft_ms"] - compute[r["id"] + "-0"] for r in requests
+               if r.get("success") and r.get("id") and r["id"] + "-0" in compute)
+    if not d:
+        return {"paired_overhead_p50": None, "paired_overhead_p90": None, "paired_overhead_n": 0}
+    return {"paired_overhead_p50": statistics.median(d),
+            "paired_overhead_p90": d[min(len(d) - 1, int(0.9 * len(d)))],
+            "paired_overhead_n": len(d)}
 
 
 def engine_prefill_ms(args, n_tokens):
@@ -375,6 +402,14 @@ def main():
                   f"prefill of {overhead['prompt_tokens']} tokens "
                   f"{overhead['engine_prefill_ms']:.2f} ms: tandem bench-engine -p "
                   f"{overhead['prompt_tokens']} -n 0 -r 5 --threads {args.threads}, median)\n")
+    po = [f["paired_overhead_p50"] for f in results.get(("tandem", "random", 1), [])
+          if f.get("paired_overhead_p50") is not None]
+    if po:
+        out.write(f"\nServing overhead at concurrency 1 (random), paired per request: client TTFT "
+                  f"minus the forward-pass time the server spent on that request before its first "
+                  f"token (its log line's prefill_compute_ms): median over repeats of the per-run "
+                  f"P50 {statistics.median(po):.2f} ms (per-run P50s: "
+                  f"{', '.join(f'{v:.2f}' for v in po)})\n")
     elapsed = time.monotonic() - t_start
     out.write(f"\nCommand: {' '.join(sys.argv)}  ({elapsed / 60:.1f} min)\n")
     out.flush()

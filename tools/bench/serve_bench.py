@@ -524,6 +524,8 @@ def run_one(server, args, item, t_bench):
                 e = obj["error"]
                 fail("stream_error", e.get("message", e) if isinstance(e, dict) else e)
                 break
+            if rec.get("id") is None and isinstance(obj.get("id"), str):
+                rec["id"] = obj["id"]  # lets a caller pair it with the server's log
             usage = obj.get("usage")
             if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
                 rec["output_tokens"] = int(usage["completion_tokens"])
