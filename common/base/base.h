@@ -32,8 +32,8 @@ enum {
     TD_ERR_INTERNAL = -8,
     TD_ERR_UNAVAILABLE = -9, /* not ready, draining or shutting down */
     TD_ERR_CANCELLED = -10,  /* the request was cancelled */
-    TD_AGAIN = 1,       /* transient: retry later */
-    TD_NO_KV_BLOCK = 2, /* no free KV block right now */
+    TD_AGAIN = 1,            /* transient: retry later */
+    TD_NO_KV_BLOCK = 2,      /* no free KV block right now */
 };
 
 /* Static string for a status code; never NULL. */

@@ -42,25 +42,26 @@
 #include "sampler.h"
 
 typedef struct {
-    int32_t max_running;           /* sequences decoding at once (default 16) */
-    int32_t max_batch_tokens;      /* tokens per step, decode + prefill chunks (default 512);
-                                    * must not exceed the engine's max_batch_tokens */
-    int32_t max_waiting;           /* queued requests beyond which submit says TD_AGAIN (default 256) */
-    int32_t reserve_output_tokens; /* cap on the output tokens reserved at admission (default 256) */
-    int32_t max_ctx;               /* longest sequence (prompt + output) (required) */
-    bool prefix_cache;             /* reuse cached full blocks (default true) */
-    td_kv_hash compat;             /* root of the block hash chain (compatibility hash) */
+    int32_t max_running;      /* sequences decoding at once (default 16) */
+    int32_t max_batch_tokens; /* tokens per step, decode + prefill chunks (default 512);
+                               * must not exceed the engine's max_batch_tokens */
+    int32_t max_waiting;      /* queued requests beyond which submit says TD_AGAIN (default 256) */
+    int32_t
+        reserve_output_tokens; /* cap on the output tokens reserved at admission (default 256) */
+    int32_t max_ctx;           /* longest sequence (prompt + output) (required) */
+    bool prefix_cache;         /* reuse cached full blocks (default true) */
+    td_kv_hash compat;         /* root of the block hash chain (compatibility hash) */
 } td_sched_params;
 
 td_sched_params td_sched_default_params(void);
 
 /* One generation request. Everything is copied by td_sched_submit. */
 typedef struct {
-    const char *id;           /* request id for logs and metrics (copied; may be NULL) */
-    const int32_t *prompt;    /* (n_prompt) token ids, every one in the vocabulary */
-    int32_t n_prompt;         /* >= 1 */
-    int32_t max_tokens;       /* >= 1; generation also ends at max_ctx */
-    int32_t min_tokens;       /* no stop (EOG, stop id, stop string) before this many (default 0) */
+    const char *id;        /* request id for logs and metrics (copied; may be NULL) */
+    const int32_t *prompt; /* (n_prompt) token ids, every one in the vocabulary */
+    int32_t n_prompt;      /* >= 1 */
+    int32_t max_tokens;    /* >= 1; generation also ends at max_ctx */
+    int32_t min_tokens;    /* no stop (EOG, stop id, stop string) before this many (default 0) */
     td_sampler_params sampling;
     const int32_t *stop_ids; /* user stop token ids */
     int32_t n_stop_ids;
@@ -80,7 +81,8 @@ typedef struct td_gen_stream td_gen_stream;
  * its previous read. Pointers stay valid until the next read or release. */
 typedef struct {
     const int32_t *tokens; /* (n_tokens) newly generated ids */
-    const td_sample_result *logprobs; /* (n_tokens) when the request asked for logprobs, else NULL */
+    const td_sample_result
+        *logprobs; /* (n_tokens) when the request asked for logprobs, else NULL */
     int32_t n_tokens;
     const char *text; /* text now final (stop-string hold-back applied), not NUL-terminated */
     size_t text_len;
