@@ -724,9 +724,16 @@ static void handle_generate(gcall *c, const uint8_t *data, size_t len) {
         goto fail;
     }
     if (r->request_id && r->request_id[0]) {
-        if (strlen(r->request_id) >= sizeof(c->request_id)) {
+        /* It goes into logs, metrics ids and responses: short printable
+         * ASCII only (no newline can forge a log line, no invalid UTF-8
+         * can break a client's decoding). */
+        size_t n_id = strlen(r->request_id);
+        bool printable = true;
+        for (size_t i = 0; i < n_id; i++)
+            if (r->request_id[i] < 0x21 || r->request_id[i] > 0x7e) printable = false;
+        if (n_id > 63 || !printable) {
             td_api_error_set(&err, 400, "invalid_request_error", NULL, "request_id",
-                             "request_id longer than %zu bytes", sizeof(c->request_id) - 1);
+                             "request_id must be 1 to 63 printable ASCII characters, no spaces");
             goto fail;
         }
         snprintf(c->request_id, sizeof(c->request_id), "%s", r->request_id);
@@ -950,9 +957,13 @@ static void on_recv(gcall *c, bool ok) {
         reply_status_locked(c, GRPC_STATUS_INVALID_ARGUMENT, "missing request message");
         give_up = true;
     }
+    /* The close may have completed first: then this was the last pending
+     * operation and the call must be retired here. */
+    bool done = give_up && finished_locked(c);
     pthread_mutex_unlock(&c->mu);
     if (give_up) {
         if (bb) grpc_byte_buffer_destroy(bb);
+        if (done) retire(c);
         return;
     }
     grpc_byte_buffer_reader rd;

@@ -95,8 +95,9 @@ typedef struct {
     size_t len, cap;
     bool too_large; /* more than max_body_bytes arrived (the rest is discarded) */
     bool oom;
-    bool answered;    /* a response was queued at the first call */
-    size_t discarded; /* bytes of a too-large body read and dropped */
+    bool answered;     /* a response was queued at the first call */
+    bool unauthorized; /* no valid key: the body is discarded, not stored, then 401 */
+    size_t discarded;  /* bytes of a too-large body read and dropped */
 } conn_state;
 
 /* The most body bytes read (and dropped) to answer 413 politely. */
@@ -1090,6 +1091,13 @@ static enum MHD_Result dispatch(td_http_server *srv, struct MHD_Connection *c, c
                                 const char *url, conn_state *cs) {
     td_api_error e;
     memset(&e, 0, sizeof(e));
+    bool open =
+        cs->r == R_HEALTH || cs->r == R_READY || (cs->r == R_METRICS && !srv->p.metrics_need_key);
+    if (!open && !authorized(srv, c)) {
+        td_api_error_set(&e, 401, "authentication_error", "invalid_api_key", "",
+                         "missing or invalid API key (send \"Authorization: Bearer KEY\")");
+        return send_error(srv, c, method, url, &e, NULL);
+    }
     if (cs->too_large) {
         td_api_error_set(&e, 413, "invalid_request_error", "", "",
                          "request body exceeds the limit of %zu bytes",
@@ -1098,13 +1106,6 @@ static enum MHD_Result dispatch(td_http_server *srv, struct MHD_Connection *c, c
     }
     if (cs->oom) {
         td_api_error_set(&e, 500, "server_error", "", "", "out of memory");
-        return send_error(srv, c, method, url, &e, NULL);
-    }
-    bool open =
-        cs->r == R_HEALTH || cs->r == R_READY || (cs->r == R_METRICS && !srv->p.metrics_need_key);
-    if (!open && !authorized(srv, c)) {
-        td_api_error_set(&e, 401, "authentication_error", "invalid_api_key", "",
-                         "missing or invalid API key (send \"Authorization: Bearer KEY\")");
         return send_error(srv, c, method, url, &e, NULL);
     }
     if (cs->r == R_NONE) {
@@ -1155,6 +1156,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
                 cs->r = routes[i].r;
                 cs->post = routes[i].post;
             }
+        /* A client without a valid key gets its 401 after its body, which
+         * is read and dropped (bounded) rather than stored. */
+        bool open = cs->r == R_HEALTH || cs->r == R_READY ||
+                    (cs->r == R_METRICS && !srv->p.metrics_need_key);
+        cs->unauthorized = !open && !authorized(srv, c);
         /* A body announced larger than the limit is refused before it is
          * read when the client waits for "100 Continue" (nothing is in
          * flight) or when reading it would be absurd; otherwise it is read
@@ -1182,7 +1188,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         size_t n = *upload_size;
         *upload_size = 0;
         if (cs->answered) return MHD_YES;
-        if (cs->too_large || cs->oom) {
+        if (cs->too_large || cs->oom || cs->unauthorized) {
             /* Discard the rest, up to a bound; past it, drop the connection. */
             cs->discarded += n;
             return cs->discarded > drain_limit(srv) ? MHD_NO : MHD_YES;

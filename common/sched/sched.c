@@ -119,6 +119,7 @@ struct td_sched {
     atomic_int n_waiting_total; /* inbox + waiting, for max_waiting */
     atomic_int n_live_streams;  /* submitted, not yet released by their reader */
     atomic_int n_active;        /* submitted, not yet finished */
+    atomic_int n_running_pub;   /* running count as of the last step */
     /* Owned by the scheduler thread. */
     seq *waiting;  /* FCFS; preempted sequences go back to the head */
     seq **running; /* (max_running) in admission order */
@@ -174,6 +175,13 @@ static int32_t blocks_for(const td_sched *s, int64_t n_tokens) {
 
 /* ---- submit ---- */
 
+/* More than max_waiting requests would wait: the ones the free running
+ * slots will take at the next step do not count as waiting. */
+static bool queue_full(td_sched *s) {
+    int free_slots = s->p.max_running - atomic_load(&s->n_running_pub);
+    return atomic_load(&s->n_waiting_total) >= s->p.max_waiting + TD_MAX(free_slots, 0);
+}
+
 td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **st_p) {
     if (!s || !r || !st_p || !r->prompt || r->n_prompt < 1 || r->max_tokens < 1 ||
         r->min_tokens < 0 || r->n_stop < 0 || r->n_stop_ids < 0) {
@@ -197,7 +205,7 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
                         r->id ? r->id : "-", r->prompt[i], s->n_vocab);
             return TD_ERR_INVALID;
         }
-    if (atomic_load(&s->n_waiting_total) >= s->p.max_waiting) return TD_AGAIN;
+    if (queue_full(s)) return TD_AGAIN;
 
     td_status st = TD_ERR_NOMEM;
     seq *q = calloc(1, sizeof *q);
@@ -283,7 +291,7 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
         seq_free(q);
         return TD_ERR_UNAVAILABLE;
     }
-    if (atomic_load(&s->n_waiting_total) >= s->p.max_waiting) {
+    if (queue_full(s)) {
         pthread_mutex_unlock(&s->mu);
         atomic_store(&gs->refs, 1);
         stream_unref(gs);
@@ -366,6 +374,12 @@ td_status td_gen_stream_read(td_gen_stream *st, int timeout_ms, td_gen_delta *d)
             pthread_mutex_unlock(&st->mu);
             return TD_OK;
         }
+        /* Nothing new: clear a wake-up that an earlier read already
+         * consumed the news of, so pollers do not spin on a readable fd
+         * (news is published under mu before its notify, so none is lost). */
+        uint64_t stale;
+        ssize_t rr = read(st->efd, &stale, sizeof stale);
+        TD_UNUSED(rr);
         pthread_mutex_unlock(&st->mu);
         if (timeout_ms == 0) return TD_AGAIN;
         int wait_ms = -1;
@@ -448,6 +462,7 @@ static void publish_stats(td_sched *s) {
     x.preemptions = s->preemptions;
     x.draining = atomic_load(&s->draining);
     int32_t active = atomic_load(&s->n_active);
+    atomic_store(&s->n_running_pub, s->n_running);
     pthread_mutex_lock(&s->stats_mu);
     s->stats = x;
     s->stats_active = active;

@@ -120,7 +120,8 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
 
 /* Waits up to timeout_ms (0: no wait, < 0: forever) for news on the stream
  * and fills *d with it. Returns TD_OK when *d holds news (tokens, text or
- * the end), TD_AGAIN on timeout with nothing new. After the read that
+ * the end), TD_AGAIN on timeout with nothing new, TD_ERR_NOMEM / TD_ERR_IO
+ * (logged) when the copy or the wait fails. After the read that
  * reported finished, every read returns TD_OK with n_tokens 0 and finished. */
 td_status td_gen_stream_read(td_gen_stream *st, int timeout_ms, td_gen_delta *d);
 /* File descriptor that is readable while the stream has unread news

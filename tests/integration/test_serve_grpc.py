@@ -339,6 +339,19 @@ def test_duplicate_request_id(client, srv):
     srv.wait_idle()
 
 
+def test_bad_request_id(client, srv):
+    # Ids go into log lines and responses: a newline (a forged log line),
+    # non-ASCII bytes or an overlong id are refused, a good one is echoed.
+    for rid in ("a\nI request: id=forged", "caf\u00e9", "x" * 64, "with space"):
+        code, details = client.error_of(client.request(text="hi", request_id=rid, max_tokens=1))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (rid, details)
+        assert "request_id" in details
+    msgs = list(client.gen.Generate(client.request(text="hi", request_id="ok-" + "x" * 60,
+                                                   max_tokens=1), timeout=scaled(30)))
+    assert msgs[-1].request_id == "ok-" + "x" * 60
+    srv.wait_idle()
+
+
 def test_client_cancel_frees_request(client, srv):
     it = client.gen.Generate(long_request(client), timeout=scaled(120))
     next(it)
