@@ -42,15 +42,6 @@ static void bench_usage(FILE *f) {
             td_default_model_path());
 }
 
-static bool parse_long(const char *s, long lo, long hi, long *out) {
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return false;
-    *out = v;
-    return true;
-}
-
 /* splitmix64: random token ids that do not depend on libc's rand(). */
 static uint64_t bench_rand(uint64_t *x) {
     uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
@@ -204,13 +195,13 @@ int td_cmd_bench_engine(int argc, char **argv) {
         else if (!strcmp(opt, "--isa"))
             isa = val;
         else if (!strcmp(opt, "-p") || !strcmp(opt, "--n-prompt"))
-            ok = parse_long(val, 0, 1 << 20, &n_prompt);
+            ok = td_cli_parse_long(val, 0, 1 << 20, &n_prompt);
         else if (!strcmp(opt, "-n") || !strcmp(opt, "--n-gen"))
-            ok = parse_long(val, 0, 1 << 20, &n_gen);
+            ok = td_cli_parse_long(val, 0, 1 << 20, &n_gen);
         else if (!strcmp(opt, "-r") || !strcmp(opt, "--repetitions"))
-            ok = parse_long(val, 1, BENCH_MAX_REPS, &reps);
+            ok = td_cli_parse_long(val, 1, BENCH_MAX_REPS, &reps);
         else
-            ok = parse_long(val, 1, 4096, &threads);
+            ok = td_cli_parse_long(val, 1, 4096, &threads);
         if (!ok) {
             fprintf(stderr, "tandem bench-engine: bad value '%s' for %s\n", val, opt);
             return 2;

@@ -48,35 +48,6 @@ static void gen_usage(FILE *f) {
         td_default_model_path(), GEN_MAX_STOP);
 }
 
-/* Strict number parsing: the whole string, in range. */
-static bool parse_long(const char *s, long lo, long hi, long *out) {
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return false;
-    *out = v;
-    return true;
-}
-
-static bool parse_float(const char *s, float *out) {
-    char *end;
-    errno = 0;
-    float v = strtof(s, &end);
-    if (errno || end == s || *end || !isfinite(v)) return false;
-    *out = v;
-    return true;
-}
-
-static bool parse_u64(const char *s, uint64_t *out) {
-    char *end;
-    errno = 0;
-    if (*s == '-') return false;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s || *end) return false;
-    *out = (uint64_t)v;
-    return true;
-}
-
 typedef struct {
     const char *model;
     const char *prompt;
@@ -120,28 +91,28 @@ static int parse_args(int argc, char **argv, gen_args *a) {
         else if (!strcmp(opt, "--isa"))
             a->isa = val;
         else if (!strcmp(opt, "--max-tokens") || !strcmp(opt, "-n"))
-            ok = parse_long(val, 1, INT32_MAX, &a->max_tokens);
+            ok = td_cli_parse_long(val, 1, INT32_MAX, &a->max_tokens);
         else if (!strcmp(opt, "--threads") || !strcmp(opt, "-t"))
-            ok = parse_long(val, 1, 4096, &a->threads);
+            ok = td_cli_parse_long(val, 1, 4096, &a->threads);
         else if (!strcmp(opt, "--ctx") || !strcmp(opt, "-c"))
-            ok = parse_long(val, 1, INT32_MAX, &a->ctx);
+            ok = td_cli_parse_long(val, 1, INT32_MAX, &a->ctx);
         else if (!strcmp(opt, "--temperature") || !strcmp(opt, "--temp"))
-            ok = parse_float(val, &a->sp.temperature);
+            ok = td_cli_parse_float(val, &a->sp.temperature);
         else if (!strcmp(opt, "--top-k")) {
-            ok = parse_long(val, 0, INT32_MAX, &l);
+            ok = td_cli_parse_long(val, 0, INT32_MAX, &l);
             a->sp.top_k = (int32_t)l;
         } else if (!strcmp(opt, "--top-p"))
-            ok = parse_float(val, &a->sp.top_p);
+            ok = td_cli_parse_float(val, &a->sp.top_p);
         else if (!strcmp(opt, "--min-p"))
-            ok = parse_float(val, &a->sp.min_p);
+            ok = td_cli_parse_float(val, &a->sp.min_p);
         else if (!strcmp(opt, "--repeat-penalty"))
-            ok = parse_float(val, &a->sp.repetition_penalty);
+            ok = td_cli_parse_float(val, &a->sp.repetition_penalty);
         else if (!strcmp(opt, "--frequency-penalty"))
-            ok = parse_float(val, &a->sp.frequency_penalty);
+            ok = td_cli_parse_float(val, &a->sp.frequency_penalty);
         else if (!strcmp(opt, "--presence-penalty"))
-            ok = parse_float(val, &a->sp.presence_penalty);
+            ok = td_cli_parse_float(val, &a->sp.presence_penalty);
         else if (!strcmp(opt, "--seed")) {
-            ok = parse_u64(val, &a->sp.seed) && a->sp.seed != TD_SAMPLER_SEED_RANDOM;
+            ok = td_cli_parse_u64(val, &a->sp.seed) && a->sp.seed != TD_SAMPLER_SEED_RANDOM;
         } else if (!strcmp(opt, "--stop")) {
             if (a->n_stops == GEN_MAX_STOP || !*val)
                 ok = false;

@@ -57,15 +57,6 @@ static void serve_usage(FILE *f) {
         td_default_model_path(), SERVE_MAX_KEYS);
 }
 
-static bool parse_long(const char *s, long lo, long hi, long *out) {
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return false;
-    *out = v;
-    return true;
-}
-
 static bool parse_seconds(const char *s, double *out) {
     char *end;
     errno = 0;
@@ -149,9 +140,9 @@ static int parse_args(int argc, char **argv, serve_args *a) {
         else if (!strcmp(opt, "--host"))
             a->host = val;
         else if (!strcmp(opt, "--port"))
-            ok = parse_long(val, 0, 65535, &a->port);
+            ok = td_cli_parse_long(val, 0, 65535, &a->port);
         else if (!strcmp(opt, "--grpc-port"))
-            ok = parse_long(val, -1, 65535, &a->grpc_port);
+            ok = td_cli_parse_long(val, -1, 65535, &a->grpc_port);
         else if (!strcmp(opt, "--api-key")) {
             if (a->n_keys == SERVE_MAX_KEYS || !*val)
                 ok = false;
@@ -166,23 +157,23 @@ static int parse_args(int argc, char **argv, serve_args *a) {
         } else if (!strcmp(opt, "--isa"))
             a->isa = val;
         else if (!strcmp(opt, "--threads") || !strcmp(opt, "-t"))
-            ok = parse_long(val, 1, 4096, &a->threads);
+            ok = td_cli_parse_long(val, 1, 4096, &a->threads);
         else if (!strcmp(opt, "--ctx"))
-            ok = parse_long(val, 2, 1 << 24, &a->ctx);
+            ok = td_cli_parse_long(val, 2, 1 << 24, &a->ctx);
         else if (!strcmp(opt, "--kv-memory"))
             ok = parse_bytes(val, &a->kv_memory);
         else if (!strcmp(opt, "--kv-blocks"))
-            ok = parse_long(val, 1, 1 << 24, &a->kv_blocks);
+            ok = td_cli_parse_long(val, 1, 1 << 24, &a->kv_blocks);
         else if (!strcmp(opt, "--block-size"))
-            ok = parse_long(val, 1, 1024, &a->block_size);
+            ok = td_cli_parse_long(val, 1, 1024, &a->block_size);
         else if (!strcmp(opt, "--max-running"))
-            ok = parse_long(val, 1, 1024, &a->max_running);
+            ok = td_cli_parse_long(val, 1, 1024, &a->max_running);
         else if (!strcmp(opt, "--max-batch-tokens"))
-            ok = parse_long(val, 1, 1 << 20, &a->max_batch_tokens);
+            ok = td_cli_parse_long(val, 1, 1 << 20, &a->max_batch_tokens);
         else if (!strcmp(opt, "--max-waiting"))
-            ok = parse_long(val, 0, 1 << 20, &a->max_waiting);
+            ok = td_cli_parse_long(val, 0, 1 << 20, &a->max_waiting);
         else if (!strcmp(opt, "--reserve-output-tokens"))
-            ok = parse_long(val, 0, 1 << 24, &a->reserve_output);
+            ok = td_cli_parse_long(val, 0, 1 << 24, &a->reserve_output);
         else if (!strcmp(opt, "--drain-timeout"))
             ok = parse_seconds(val, &a->drain_timeout);
         else if (!strcmp(opt, "--ping-interval"))

@@ -1,7 +1,10 @@
 /* In-process runtime for the CLI commands: ISA, thread pool, model, KV
- * pool, comm and engine, brought up and torn down in one place. */
+ * pool, comm and engine, brought up and torn down in one place; and the
+ * option parsers every command shares. */
 #include "runtime.h"
 
+#include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -25,6 +28,34 @@ const char *td_default_model_path(void) {
     snprintf(buf, sizeof buf, "%s/.cache/tandem/models/%s", home && home[0] ? home : ".",
              DEFAULT_MODEL_FILE);
     return buf;
+}
+
+bool td_cli_parse_long(const char *s, long lo, long hi, long *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return false;
+    *out = v;
+    return true;
+}
+
+bool td_cli_parse_float(const char *s, float *out) {
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno || end == s || *end || !isfinite(v)) return false;
+    *out = v;
+    return true;
+}
+
+bool td_cli_parse_u64(const char *s, uint64_t *out) {
+    char *end;
+    errno = 0;
+    if (*s == '-') return false;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || *end) return false;
+    *out = (uint64_t)v;
+    return true;
 }
 
 td_runtime_params td_runtime_default_params(void) {

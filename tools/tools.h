@@ -15,4 +15,12 @@ int td_cmd_bench(int argc, char **argv);
  * Returns a static buffer. */
 const char *td_default_model_path(void);
 
+#include <stdbool.h>
+#include <stdint.h>
+
+/* Strict option parsing: the whole string, in range; false otherwise. */
+bool td_cli_parse_long(const char *s, long lo, long hi, long *out);
+bool td_cli_parse_float(const char *s, float *out);  /* finite */
+bool td_cli_parse_u64(const char *s, uint64_t *out); /* no sign */
+
 #endif

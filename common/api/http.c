@@ -27,6 +27,7 @@
 #include <sys/socket.h>
 #include <time.h>
 
+#include "../base/strbuf.h"
 #include "request-impl.h"
 
 struct td_http_server {
@@ -184,34 +185,8 @@ static double safe_lp(float x) { return isfinite(x) ? (double)x : -9999.0; }
 
 /* ----------------------------------------------------------------- buffers */
 
-typedef struct {
-    char *v;
-    size_t n, cap;
-    bool oom;
-} sbuf;
-
-static void sb_put(sbuf *b, const char *s, size_t n) {
-    if (b->oom || n == 0) return;
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 1024;
-        while (cap < b->n + n + 1) cap *= 2;
-        char *v = realloc(b->v, cap);
-        if (!v) {
-            b->oom = true;
-            return;
-        }
-        b->v = v;
-        b->cap = cap;
-    }
-    memcpy(b->v + b->n, s, n);
-    b->n += n;
-    b->v[b->n] = 0;
-}
-
-static void sb_puts(sbuf *b, const char *s) { sb_put(b, s, strlen(s)); }
-
 /* "data: JSON\n\n" (consumes root). */
-static void sb_event(sbuf *b, json_t *root) {
+static void sb_event(td_strbuf *b, json_t *root) {
     if (!root) {
         b->oom = true;
         return;
@@ -222,9 +197,9 @@ static void sb_event(sbuf *b, json_t *root) {
         b->oom = true;
         return;
     }
-    sb_puts(b, "data: ");
-    sb_puts(b, s);
-    sb_puts(b, "\n\n");
+    td_strbuf_puts(b, "data: ");
+    td_strbuf_puts(b, s);
+    td_strbuf_puts(b, "\n\n");
     free(s);
 }
 
@@ -255,9 +230,9 @@ typedef struct {
     int32_t stop_token;
     td_status error;
     int32_t n_prompt, n_cached, n_output;
-    sbuf text;     /* non-streaming: the whole text */
-    json_t *lp;    /* non-streaming: accumulated logprobs */
-    char carry[8]; /* streaming: an incomplete UTF-8 tail held for the next delta */
+    td_strbuf text; /* non-streaming: the whole text */
+    json_t *lp;     /* non-streaming: accumulated logprobs */
+    char carry[8];  /* streaming: an incomplete UTF-8 tail held for the next delta */
     size_t n_carry;
     int64_t text_offset; /* completions logprobs: byte offset of the next token */
 } choice;
@@ -279,7 +254,7 @@ typedef struct {
     struct pollfd *pfd; /* (n_ch + 1) */
     int32_t *pfd_ch;    /* (n_ch + 1) */
     /* Streaming. */
-    sbuf out;
+    td_strbuf out;
     size_t out_off;
     double last_send;
     bool finished; /* the last event is in out */
@@ -443,9 +418,9 @@ static void lp_add(const job *j, choice *c, json_t *lp, const td_gen_delta *d) {
  * next delta (and is flushed, repaired, at the end). Returns a malloc'd
  * valid UTF-8 string (*n_p its length) or NULL when out of memory. */
 static char *take_text(choice *c, const char *t, size_t n, bool final, size_t *n_p) {
-    sbuf b = {0};
-    sb_put(&b, c->carry, c->n_carry);
-    sb_put(&b, t, n);
+    td_strbuf b = {0};
+    td_strbuf_put(&b, c->carry, c->n_carry);
+    td_strbuf_put(&b, t, n);
     if (b.oom) {
         free(b.v);
         return NULL;
@@ -488,7 +463,7 @@ static json_t *chunk_choice(const job *j, int32_t idx, const char *text, size_t 
     return ch;
 }
 
-static void sb_chunk(sbuf *b, const job *j, json_t *choice_obj) {
+static void sb_chunk(td_strbuf *b, const job *j, json_t *choice_obj) {
     json_t *o = chunk_new(j);
     if (!o || !choice_obj) {
         json_decref(o);
@@ -560,7 +535,7 @@ static void job_collect(job *j, bool streaming) {
                 job_fail(j, c);
         }
         if (!streaming) {
-            sb_put(&c->text, d.text, d.text_len);
+            td_strbuf_put(&c->text, d.text, d.text_len);
             if (j->req.logprobs && d.n_tokens) {
                 if (!c->lp) c->lp = lp_new(j);
                 lp_add(j, c, c->lp, &d);
@@ -615,9 +590,9 @@ static void stream_finish(job *j) {
         record_error(j->srv, j->fail.http_status, j->fail.type);
         char *js = td_api_error_json(&j->fail);
         if (js) {
-            sb_puts(&j->out, "data: ");
-            sb_puts(&j->out, js);
-            sb_puts(&j->out, "\n\n");
+            td_strbuf_puts(&j->out, "data: ");
+            td_strbuf_puts(&j->out, js);
+            td_strbuf_puts(&j->out, "\n\n");
             free(js);
         } else {
             j->out.oom = true;
@@ -627,7 +602,7 @@ static void stream_finish(job *j) {
         if (o) json_object_set_new(o, "usage", usage_json(j));
         sb_event(&j->out, o);
     }
-    sb_puts(&j->out, "data: [DONE]\n\n");
+    td_strbuf_puts(&j->out, "data: [DONE]\n\n");
     j->finished = true;
 }
 
@@ -659,7 +634,7 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max) {
             return MHD_CONTENT_READER_END_WITH_ERROR;
         }
         if (w == W_TIMEOUT) {
-            if (td_time_s() >= j->last_send + ping) sb_puts(&j->out, ": ping\n\n");
+            if (td_time_s() >= j->last_send + ping) td_strbuf_puts(&j->out, ": ping\n\n");
             continue;
         }
         job_collect(j, true);
@@ -675,15 +650,15 @@ static json_t *response_json(job *j) {
     if (!choices) return NULL;
     for (int32_t i = 0; i < j->n_ch; i++) {
         choice *c = &j->ch[i];
-        sbuf text = {0};
+        td_strbuf text = {0};
         if (!chat && j->req.echo) {
             size_t n = 0;
             char *t = echo_text(j, c->prompt, &n);
             if (!t) text.oom = true;
-            sb_put(&text, t ? t : "", n);
+            td_strbuf_put(&text, t ? t : "", n);
             free(t);
         }
-        sb_put(&text, c->text.v ? c->text.v : "", c->text.n);
+        td_strbuf_put(&text, c->text.v ? c->text.v : "", c->text.n);
         if (text.oom || c->text.oom) {
             free(text.v);
             json_decref(choices);

@@ -7,6 +7,7 @@
 
 #include <string.h>
 
+#include "../base/strbuf.h"
 #include "tokenizer-impl.h"
 
 static const char *const names[TD_CHAT_COUNT] = {
@@ -56,32 +57,6 @@ const char *td_chat_template_name(td_chat_template t) {
     return names[t];
 }
 
-typedef struct {
-    char *v;
-    size_t n, cap;
-    bool oom;
-} sbuf;
-
-static void put(sbuf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->n + n + 1) cap *= 2;
-        char *v = realloc(b->v, cap);
-        if (!v) {
-            b->oom = true;
-            return;
-        }
-        b->v = v;
-        b->cap = cap;
-    }
-    memcpy(b->v + b->n, s, n);
-    b->n += n;
-    b->v[b->n] = 0;
-}
-
-static void puts_(sbuf *b, const char *s) { put(b, s, strlen(s)); }
-
 /* Python's str.isspace() set, which Jinja's trim and str.strip() use. */
 static size_t space_at(const char *s, size_t n) {
     const unsigned char *u = (const unsigned char *)s;
@@ -120,10 +95,10 @@ static void strip(const char *s, bool left, size_t *start_p, size_t *len_p) {
     *len_p = end - a;
 }
 
-static void put_stripped(sbuf *b, const char *s, bool left) {
+static void put_stripped(td_strbuf *b, const char *s, bool left) {
     size_t a, l;
     strip(s, left, &a, &l);
-    put(b, s + a, l);
+    td_strbuf_put(b, s + a, l);
 }
 
 static bool is(const char *role, const char *r) { return role && strcmp(role, r) == 0; }
@@ -145,8 +120,8 @@ td_status td_chat_apply(td_chat_template t, const td_chat_msg *msgs, size_t n,
     }
     if (!bos) bos = "";
     if (!eos) eos = "";
-    sbuf b = {0};
-    put(&b, "", 0);
+    td_strbuf b = {0};
+    td_strbuf_put(&b, "", 0);
     td_status st = TD_OK;
 
     switch (t) {
@@ -154,25 +129,26 @@ td_status td_chat_apply(td_chat_template t, const td_chat_msg *msgs, size_t n,
     case TD_CHAT_SMOLLM2:
         for (size_t i = 0; i < n; i++) {
             if (t == TD_CHAT_SMOLLM2 && i == 0 && !is(msgs[0].role, "system"))
-                puts_(&b, "<|im_start|>system\n" SMOLLM2_SYSTEM "<|im_end|>\n");
-            puts_(&b, "<|im_start|>");
-            puts_(&b, msgs[i].role);
-            puts_(&b, "\n");
-            puts_(&b, msgs[i].content);
-            puts_(&b, "<|im_end|>\n");
+                td_strbuf_puts(&b, "<|im_start|>system\n" SMOLLM2_SYSTEM "<|im_end|>\n");
+            td_strbuf_puts(&b, "<|im_start|>");
+            td_strbuf_puts(&b, msgs[i].role);
+            td_strbuf_puts(&b, "\n");
+            td_strbuf_puts(&b, msgs[i].content);
+            td_strbuf_puts(&b, "<|im_end|>\n");
         }
-        if (add_generation_prompt) puts_(&b, "<|im_start|>assistant\n");
+        if (add_generation_prompt) td_strbuf_puts(&b, "<|im_start|>assistant\n");
         break;
     case TD_CHAT_LLAMA3:
         for (size_t i = 0; i < n; i++) {
-            if (i == 0) puts_(&b, bos);
-            puts_(&b, "<|start_header_id|>");
-            puts_(&b, msgs[i].role);
-            puts_(&b, "<|end_header_id|>\n\n");
+            if (i == 0) td_strbuf_puts(&b, bos);
+            td_strbuf_puts(&b, "<|start_header_id|>");
+            td_strbuf_puts(&b, msgs[i].role);
+            td_strbuf_puts(&b, "<|end_header_id|>\n\n");
             put_stripped(&b, msgs[i].content, true);
-            puts_(&b, "<|eot_id|>");
+            td_strbuf_puts(&b, "<|eot_id|>");
         }
-        if (add_generation_prompt) puts_(&b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+        if (add_generation_prompt)
+            td_strbuf_puts(&b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
         break;
     case TD_CHAT_LLAMA2:
     case TD_CHAT_MISTRAL: {
@@ -182,7 +158,7 @@ td_status td_chat_apply(td_chat_template t, const td_chat_msg *msgs, size_t n,
             sys = msgs[0].content;
             first = 1;
         }
-        if (t == TD_CHAT_MISTRAL) puts_(&b, bos);
+        if (t == TD_CHAT_MISTRAL) td_strbuf_puts(&b, bos);
         for (size_t i = first; i < n; i++) {
             size_t idx = i - first;
             const char *role = msgs[i].role;
@@ -195,39 +171,39 @@ td_status td_chat_apply(td_chat_template t, const td_chat_msg *msgs, size_t n,
             }
             if (t == TD_CHAT_LLAMA2) {
                 if (is(role, "user")) {
-                    puts_(&b, bos);
-                    puts_(&b, "[INST] ");
+                    td_strbuf_puts(&b, bos);
+                    td_strbuf_puts(&b, "[INST] ");
                     if (idx == 0 && sys) {
                         /* content.strip() of "<<SYS>>\n" + sys + ... + content:
                          * the leading strip never reaches past "<<SYS>>" */
-                        puts_(&b, "<<SYS>>\n");
-                        puts_(&b, sys);
-                        puts_(&b, "\n<</SYS>>\n\n");
+                        td_strbuf_puts(&b, "<<SYS>>\n");
+                        td_strbuf_puts(&b, sys);
+                        td_strbuf_puts(&b, "\n<</SYS>>\n\n");
                         put_stripped(&b, msgs[i].content, false);
                     } else {
                         put_stripped(&b, msgs[i].content, true);
                     }
-                    puts_(&b, " [/INST]");
+                    td_strbuf_puts(&b, " [/INST]");
                 } else if (is(role, "assistant")) { /* never idx 0: roles alternate */
-                    puts_(&b, " ");
+                    td_strbuf_puts(&b, " ");
                     put_stripped(&b, msgs[i].content, true);
-                    puts_(&b, " ");
-                    puts_(&b, eos);
+                    td_strbuf_puts(&b, " ");
+                    td_strbuf_puts(&b, eos);
                 }
                 /* other roles at assistant positions render nothing */
             } else {
                 if (is(role, "user")) {
-                    puts_(&b, " [INST] ");
+                    td_strbuf_puts(&b, " [INST] ");
                     if (idx == 0 && sys) {
-                        puts_(&b, sys);
-                        puts_(&b, "\n\n");
+                        td_strbuf_puts(&b, sys);
+                        td_strbuf_puts(&b, "\n\n");
                     }
-                    puts_(&b, msgs[i].content);
-                    puts_(&b, " [/INST]");
+                    td_strbuf_puts(&b, msgs[i].content);
+                    td_strbuf_puts(&b, " [/INST]");
                 } else if (is(role, "assistant")) {
-                    puts_(&b, " ");
-                    puts_(&b, msgs[i].content);
-                    puts_(&b, eos);
+                    td_strbuf_puts(&b, " ");
+                    td_strbuf_puts(&b, msgs[i].content);
+                    td_strbuf_puts(&b, eos);
                 } else {
                     TD_LOG_ERROR("chat template mistral: only user and assistant roles after an "
                                  "optional first system message (message %zu is '%s')",
@@ -243,14 +219,14 @@ td_status td_chat_apply(td_chat_template t, const td_chat_msg *msgs, size_t n,
         for (size_t i = 0; i < n; i++) {
             const char *role = msgs[i].role;
             if (is(role, "user") || is(role, "system") || is(role, "assistant")) {
-                puts_(&b, "<|");
-                puts_(&b, role);
-                puts_(&b, "|>\n");
-                puts_(&b, msgs[i].content);
-                puts_(&b, eos);
-                puts_(&b, "\n");
+                td_strbuf_puts(&b, "<|");
+                td_strbuf_puts(&b, role);
+                td_strbuf_puts(&b, "|>\n");
+                td_strbuf_puts(&b, msgs[i].content);
+                td_strbuf_puts(&b, eos);
+                td_strbuf_puts(&b, "\n");
             }
-            if (i + 1 == n && add_generation_prompt) puts_(&b, "<|assistant|>\n");
+            if (i + 1 == n && add_generation_prompt) td_strbuf_puts(&b, "<|assistant|>\n");
         }
         break;
     default: st = TD_ERR_INVALID; break;
