@@ -46,6 +46,8 @@ static void gen_usage(FILE *f) {
         "  --isa NAME            kernel set: scalar, avx2, avx512 (default: best available)\n"
         "  --ctx N               context length in tokens (default: min(trained, 4096))\n",
         td_default_model_path(), GEN_MAX_STOP);
+    fprintf(f, "\nparallel plan (validated against the model; --plan-dry-run shows it):\n%s",
+            td_plan_flags_help());
 }
 
 typedef struct {
@@ -61,6 +63,7 @@ typedef struct {
     const char *stops[GEN_MAX_STOP];
     size_t n_stops;
     td_sampler_params sp;
+    td_cli_plan plan;
 } gen_args;
 
 /* Returns 0 to go on, else the exit status (2 usage, 0 for --help). */
@@ -71,6 +74,9 @@ static int parse_args(int argc, char **argv, gen_args *a) {
             gen_usage(stdout);
             return -1;
         }
+        int pf = td_cli_plan_flag(&a->plan, argc, argv, &i);
+        if (pf < 0) return 2;
+        if (pf > 0) continue;
         if (i + 1 >= argc) {
             fprintf(stderr, "tandem generate: %s needs a value (or is unknown)\n", opt);
             return 2;
@@ -127,7 +133,7 @@ static int parse_args(int argc, char **argv, gen_args *a) {
             return 2;
         }
     }
-    if (!a->prompt == !a->chat) {
+    if (!a->prompt == !a->chat && !a->plan.dry_run) {
         fprintf(stderr, "tandem generate: give exactly one of --prompt and --chat (see --help)\n");
         return 2;
     }
@@ -205,9 +211,13 @@ static void emit(const char *s, size_t n) {
 }
 
 int td_cmd_generate(int argc, char **argv) {
-    gen_args a = {.max_tokens = 256, .sp = td_sampler_default_params()};
+    gen_args a = {.max_tokens = 256,
+                  .sp = td_sampler_default_params(),
+                  .plan = {.p = td_plan_default_params()}};
     int rc = parse_args(argc, argv, &a);
     if (rc) return rc < 0 ? 0 : rc;
+    rc = td_cli_plan_check("generate", &a.plan, a.model ? a.model : td_default_model_path());
+    if (rc >= 0) return rc;
 
     int exit_code = 1;
     td_runtime *rt = NULL;

@@ -55,6 +55,8 @@ static void serve_usage(FILE *f) {
         "  --ping-interval S          SSE ': ping' comment interval (default 5)\n"
         "  --isa NAME                 kernel set: scalar, avx2, avx512 (default: best)\n",
         td_default_model_path(), SERVE_MAX_KEYS);
+    fprintf(f, "\nparallel plan (validated against the model; --plan-dry-run shows it):\n%s",
+            td_plan_flags_help());
 }
 
 static bool parse_seconds(const char *s, double *out) {
@@ -111,6 +113,7 @@ typedef struct {
     size_t kv_memory;
     bool no_prefix_cache;
     double drain_timeout, ping_interval;
+    td_cli_plan plan;
 } serve_args;
 
 /* 0 to go on, -1 after --help, else the exit status. */
@@ -129,6 +132,9 @@ static int parse_args(int argc, char **argv, serve_args *a) {
             a->no_prefix_cache = true;
             continue;
         }
+        int pf = td_cli_plan_flag(&a->plan, argc, argv, &i);
+        if (pf < 0) return 2;
+        if (pf > 0) continue;
         if (i + 1 >= argc) {
             fprintf(stderr, "tandem serve: %s needs a value (or is unknown)\n", opt);
             return 2;
@@ -233,9 +239,12 @@ int td_cmd_serve(int argc, char **argv) {
                     .reserve_output = 256,
                     .kv_memory = (size_t)1 << 30,
                     .drain_timeout = 30,
-                    .ping_interval = 5};
+                    .ping_interval = 5,
+                    .plan = {.p = td_plan_default_params()}};
     int rc = parse_args(argc, argv, &a);
     if (rc) return rc < 0 ? 0 : rc;
+    rc = td_cli_plan_check("serve", &a.plan, a.model ? a.model : td_default_model_path());
+    if (rc >= 0) return rc;
 
     /* Signals are taken by sigwait in this thread; every thread started
      * from here on inherits the mask. A peer that hangs up must not kill

@@ -1,0 +1,96 @@
+/* Parallel plan of one pool instance (DESIGN.md §3): world = tp × cp × pp
+ * ranks, TP innermost, then CP, then PP (DP means separate instances behind
+ * the router); EP places MoE experts over the ranks of one pipeline stage.
+ *
+ * td_plan_create validates a plan against a model's configuration at
+ * start-up with one clear line per problem: query heads divisible by TP,
+ * KV heads divisible by TP or TP divisible by them (then KV heads are
+ * replicated), the FFN width divisible by TP, row-parallel slices on
+ * quantisation-block boundaries, at least one layer per stage (and an
+ * explicit split that adds up), experts divisible by EP and EP dividing the
+ * ranks of a stage, EP only for MoE models. More CPU ranks than cores is
+ * a warning, not an error.
+ *
+ * td_plan_report is --plan-dry-run: per rank its coordinates, layers,
+ * weight bytes (the shard really loaded), KV bytes per token, and the bytes
+ * it sends per token and per step; then for the plan as a whole the five
+ * questions — what state is split, what is replicated, what crosses the
+ * interconnect, how often, and what the plan improves. */
+#ifndef TD_PLAN_H
+#define TD_PLAN_H
+
+#include <stdbool.h>
+#include <stdio.h>
+
+#include "../base/base.h"
+#include "../model/model.h"
+
+#define TD_PLAN_MAX_PP 64
+
+typedef enum {
+    TD_CP_ALLGATHER = 0, /* every CP rank all-gathers the prompt's K/V per layer */
+    TD_CP_RING = 1,      /* K/V chunks pass around the ring, online-softmax accumulation */
+} td_cp_mode;
+
+typedef struct {
+    int tp, pp, cp;                    /* >= 1 */
+    int ep;                            /* >= 1; 0: the TP group for MoE models, 1 otherwise */
+    bool attn_dp;                      /* MoE: attention data-parallel over the EP ranks */
+    int32_t pp_layers[TD_PLAN_MAX_PP]; /* layers per stage; all 0: even split */
+    td_cp_mode cp_mode;
+    int32_t cp_min_tokens; /* prompts shorter than this are not split over CP (default 256) */
+} td_plan_params;
+
+td_plan_params td_plan_default_params(void);
+
+/* Command-line flags shared by every command that takes a plan:
+ * --tp N, --pp N, --pp-layers A,B,..., --cp N, --cp-mode allgather|ring,
+ * --cp-min-tokens N, --ep N, --attn-dp (no value). Returns the number of
+ * argv words consumed (1 or 2), 0 when opt is not a plan flag, -1 for a bad
+ * value (logged). val may be NULL (then only --attn-dp can match). */
+int td_plan_parse_flag(td_plan_params *p, const char *opt, const char *val);
+/* "--tp N --pp N ..." help lines for the flags above. */
+const char *td_plan_flags_help(void);
+
+/* Coordinates of one rank. */
+typedef struct {
+    int rank;
+    int tp_rank, cp_rank, pp_rank;
+    int ep_rank;                    /* rank within its stage's EP group, -1 without EP */
+    int32_t layer_begin, layer_end; /* its stage's layers */
+} td_rank_coord;
+
+typedef struct td_plan td_plan;
+
+/* Validates p against cfg (n_expert, n_expert_used: 0 for dense models) and
+ * fixes the layer split. Every problem is logged on its own line;
+ * TD_ERR_INVALID if there is any. Free with td_plan_destroy(). */
+td_status td_plan_create(const td_plan_params *p, const td_model_config *cfg, int32_t n_expert,
+                         int32_t n_expert_used, td_plan **plan_p);
+void td_plan_destroy(td_plan *plan); /* accepts NULL */
+
+int td_plan_world(const td_plan *plan);
+const td_plan_params *td_plan_params_get(const td_plan *plan);
+/* Coordinates of rank r (0 <= r < world): TP innermost, then CP, then PP. */
+td_rank_coord td_plan_rank(const td_plan *plan, int r);
+
+/* Bytes one rank sends per token (TP all-reduces, the PP hand-off, the PCP
+ * K/V exchange, the DCP partial-attention merge, the EP dispatch and
+ * combine), ring algorithms assumed: an all-reduce of S bytes over n ranks
+ * sends 2 S (n-1)/n, an all-gather S (n-1)/n. */
+typedef struct {
+    double tp_per_token;       /* 2 all-reduces of n_embd floats per layer */
+    double pp_per_token;       /* hidden state to the next stage (0 on the last) */
+    double pcp_per_token;      /* prefill: this rank's K/V to the other CP ranks, per layer */
+    double dcp_per_token;      /* decode: partial attention (out, max, sum) per layer */
+    double ep_per_token;       /* MoE: hidden states to and from the experts' ranks */
+    double kv_bytes_per_token; /* KV this rank holds per token of context (f32) */
+} td_rank_traffic;
+td_rank_traffic td_plan_traffic(const td_plan *plan, int r);
+
+/* The --plan-dry-run report. Loads each distinct (tp_rank, stage) weight
+ * shard of model_path to report its real size (and so also proves the
+ * shards load); errors from the loader are returned. */
+td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out);
+
+#endif

@@ -1,0 +1,51 @@
+"""Parallel-plan flags on the CLI (issue 4, partial): --plan-dry-run prints
+the plan validated against the model's real shape; a plan the model does not
+allow is a clear error; a valid multi-rank plan without --plan-dry-run is
+refused with a clear message (the rank launcher is not built yet), never
+silently run on one rank."""
+import os
+
+from conftest import run_tandem
+
+MODEL = os.path.join(os.environ.get("TANDEM_TEST_MODELS", ""), "gguf/llama2-f32.gguf")
+# Its shape (tests/models/make_models.py): 2 layers, 4 heads, 4 KV heads, FFN 192.
+
+
+def test_dry_run_prints_the_plan():
+    for cmd in ("generate", "serve"):
+        r = run_tandem(cmd, "--model", MODEL, "--tp", "2", "--pp", "2", "--cp", "2",
+                       "--plan-dry-run", check=False)
+        assert r.returncode == 0, r.describe()
+        out = r.stdout
+        assert "tp 2 x cp 2 x pp 2 = 8 ranks" in out, out
+        rows = [ln.split() for ln in out.splitlines() if ln[:1].isdigit()]
+        assert len(rows) == 8, out
+        # TP innermost, then CP, then PP; one layer per stage.
+        assert [row[1:5] for row in rows] == [
+            [str(r % 2), str(r // 2 % 2), str(r // 4), "0-0" if r < 4 else "1-1"] for r in range(8)]
+        for q in ("what state is split", "what is replicated",
+                  "what crosses the interconnect", "what the plan improves"):
+            assert q in out, out
+
+
+def test_plans_the_model_does_not_allow():
+    cases = [(["--tp", "3"], "does not divide the 4 attention heads"),
+             (["--pp", "3"], "exceeds the 2 layers"),
+             (["--pp", "2", "--pp-layers", "1,2"], "adds up to 3 layers"),
+             (["--ep", "2"], "needs a mixture-of-experts model")]
+    for flags, msg in cases:
+        r = run_tandem("generate", "--model", MODEL, *flags, "--plan-dry-run", check=False)
+        assert r.returncode == 2, r.describe()
+        assert msg in r.stderr, r.describe()
+    r = run_tandem("generate", "--model", MODEL, "--tp", "two", "--prompt", "x", check=False)
+    assert r.returncode == 2 and "bad value 'two' for --tp" in r.stderr, r.describe()
+
+
+def test_multi_rank_without_dry_run_is_refused():
+    r = run_tandem("generate", "--model", MODEL, "--tp", "2", "--prompt", "hi", check=False)
+    assert r.returncode == 2, r.describe()
+    assert "(the rank launcher) is not built yet" in r.stderr, r.describe()
+    # One rank through the plan flags runs as before.
+    r = run_tandem("generate", "--model", MODEL, "--tp", "1", "--prompt", "hi",
+                   "--max-tokens", "2", check=False)
+    assert r.returncode == 0, r.describe()
