@@ -495,7 +495,7 @@ td_status td_comm_seg_reduce_scatter(td_comm *c, const float *send, float *recv,
                        m * sizeof(float));
         if ((st = barrier(c))) break;
         if (i == 0 && (st = check_meta(c))) break;
-        combine(c, h, (size_t)c->rank * piece_b, 0, m, op, recv + off);
+        if (m) combine(c, h, (size_t)c->rank * piece_b, 0, m, op, recv + off);
     }
     return finish(c, st);
 }
