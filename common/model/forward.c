@@ -44,13 +44,25 @@ struct td_engine {
     const float *inv_freq;
 
     /* scratch, T = max_batch_tokens */
-    float *x;            /* (T, n_embd) residual stream */
-    float *xn;           /* (T, n_embd) normed rows */
-    float *q;            /* (T, q_dim) */
-    float *k, *v;        /* (T, kv_dim) */
-    float *att;          /* (T, q_dim) attention output */
-    float *o;            /* (T, n_embd) wo / w_down output */
-    float *g, *u;        /* (T, n_ff) local MLP width */
+    float *x;     /* (T, n_embd) residual stream */
+    float *xn;    /* (T, n_embd) normed rows */
+    float *q;     /* (T, q_dim) */
+    float *k, *v; /* (T, kv_dim) */
+    float *att;   /* (T, q_dim) attention output */
+    float *o;     /* (T, n_embd) wo / w_down output */
+    float *g, *u; /* (T, n_ff) local MLP width (the shared expert's for MoE) */
+    /* MoE scratch (n_expert > 0), K = n_expert_used */
+    int n_expert, n_used, n_ff_exp;
+    bool norm_topk;
+    float *rl;           /* (T, n_expert) router logits */
+    int32_t *sel_id;     /* (T, K) chosen experts, by descending probability */
+    float *sel_w;        /* (T, K) their weights */
+    int32_t *sel_slot;   /* (T, K) grouped slot holding each choice */
+    int32_t *slot_row;   /* (T * K) token row of each slot, slots grouped by expert */
+    int32_t *exp_off;    /* (n_expert + 1) first slot of each expert */
+    float *xg;           /* (T * K, n_embd) token rows gathered per expert */
+    float *gg, *ug;      /* (T * K, n_ff_exp) local expert width */
+    float *yg;           /* (T * K, n_embd) expert outputs */
     float *attn_scratch; /* (nth, max_ctx) */
     int32_t *tok_seq;    /* (T) sequence of each row */
     int32_t *tok_pos;    /* (T) position of each row */
@@ -91,6 +103,16 @@ static void engine_free_scratch(td_engine *e) {
     free(e->tok_seq);
     free(e->tok_pos);
     free(e->logit_tok);
+    free(e->rl);
+    free(e->sel_id);
+    free(e->sel_w);
+    free(e->sel_slot);
+    free(e->slot_row);
+    free(e->exp_off);
+    free(e->xg);
+    free(e->gg);
+    free(e->ug);
+    free(e->yg);
 }
 
 td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp, td_comm *comm,
@@ -114,6 +136,14 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
                      td_model_n_head_kv_local(m), c->head_dim);
         return TD_ERR_INVALID;
     }
+    for (int l = td_model_layer_begin(m); c->n_expert > 0 && l < td_model_layer_end(m); l++) {
+        if (td_model_layer(m, l)->n_experts_local != c->n_expert) {
+            TD_LOG_ERROR("layer %d holds %d of the %d experts: expert parallelism needs the "
+                         "all-to-all dispatch",
+                         l, td_model_layer(m, l)->n_experts_local, c->n_expert);
+            return TD_ERR_UNSUPPORTED;
+        }
+    }
     td_engine *e = calloc(1, sizeof *e);
     if (!e) {
         TD_LOG_ERROR("out of memory");
@@ -133,6 +163,14 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
     e->q_dim = e->nh * c->head_dim;
     e->kv_dim = e->nkv * c->head_dim;
     e->n_ff = c->n_ff / td_model_tp_size(m);
+    if (c->n_expert > 0) {
+        /* The dense g/u buffers serve the shared expert. */
+        e->n_ff = c->n_ff_shexp / td_model_tp_size(m);
+        e->n_expert = c->n_expert;
+        e->n_used = c->n_expert_used;
+        e->n_ff_exp = c->n_ff_exp / td_model_tp_size(m);
+        e->norm_topk = c->norm_topk_prob;
+    }
     e->n_vocab = c->n_vocab;
     e->eps = c->rms_eps;
     e->attn_scale = (float)(1.0 / sqrt((double)c->head_dim));
@@ -154,6 +192,19 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
     e->tok_seq = scratch_alloc(T, sizeof(int32_t), &fail);
     e->tok_pos = scratch_alloc(T, sizeof(int32_t), &fail);
     e->logit_tok = scratch_alloc(T, sizeof(int32_t), &fail);
+    if (e->n_expert > 0) {
+        size_t TK = T * (size_t)e->n_used;
+        e->rl = scratch_alloc(T * (size_t)e->n_expert, sizeof(float), &fail);
+        e->sel_id = scratch_alloc(TK, sizeof(int32_t), &fail);
+        e->sel_w = scratch_alloc(TK, sizeof(float), &fail);
+        e->sel_slot = scratch_alloc(TK, sizeof(int32_t), &fail);
+        e->slot_row = scratch_alloc(TK, sizeof(int32_t), &fail);
+        e->exp_off = scratch_alloc((size_t)e->n_expert + 1, sizeof(int32_t), &fail);
+        e->xg = scratch_alloc(TK * (size_t)e->n_embd, sizeof(float), &fail);
+        e->gg = scratch_alloc(TK * (size_t)e->n_ff_exp, sizeof(float), &fail);
+        e->ug = scratch_alloc(TK * (size_t)e->n_ff_exp, sizeof(float), &fail);
+        e->yg = scratch_alloc(TK * (size_t)e->n_embd, sizeof(float), &fail);
+    }
     if (fail) {
         TD_LOG_ERROR("out of memory for engine scratch (%d tokens)", ep.max_batch_tokens);
         engine_free_scratch(e);
@@ -330,21 +381,201 @@ static void task_attn(void *ctx, int ith, int nth) {
     }
 }
 
+/* g = silu(g) * u over n_rows rows of width n. */
 typedef struct {
     td_engine *e;
+    float *g;
+    const float *u;
+    int32_t n_rows;
+    int n;
 } swiglu_task;
 
 static void task_swiglu(void *ctx, int ith, int nth) {
     const swiglu_task *t = ctx;
-    td_engine *e = t->e;
     (void)ith;
     (void)nth;
     int64_t r0, r1;
+    while (claim(t->e, t->n_rows, ROW_CHUNK, &r0, &r1))
+        for (int64_t r = r0; r < r1; r++) {
+            float *g = t->g + (size_t)r * (size_t)t->n;
+            td_cpu_swiglu(g, t->u + (size_t)r * (size_t)t->n, g, t->n);
+        }
+}
+
+/* ------------------------------------------------------------------- MoE */
+
+/* Routing of each row: softmax over the router logits, the K most probable
+ * experts (a strict > comparison over ascending ids, so ties go to the lower
+ * id), renormalised when norm_topk. Per row, so batch-invariant. */
+typedef struct {
+    td_engine *e;
+} route_task;
+
+static void task_route(void *ctx, int ith, int nth) {
+    td_engine *e = ((const route_task *)ctx)->e;
+    (void)ith;
+    (void)nth;
+    const int NE = e->n_expert, K = e->n_used;
+    int64_t r0, r1;
     while (claim(e, e->n_tok, ROW_CHUNK, &r0, &r1))
         for (int64_t r = r0; r < r1; r++) {
-            float *g = e->g + (size_t)r * (size_t)e->n_ff;
-            td_cpu_swiglu(g, e->u + (size_t)r * (size_t)e->n_ff, g, e->n_ff);
+            float *p = e->rl + (size_t)r * (size_t)NE; /* logits -> probabilities in place */
+            float mx = p[0], sum = 0.0f;
+            for (int x = 1; x < NE; x++) mx = p[x] > mx ? p[x] : mx;
+            for (int x = 0; x < NE; x++) {
+                p[x] = expf(p[x] - mx);
+                sum += p[x];
+            }
+            for (int x = 0; x < NE; x++) p[x] /= sum;
+            int32_t *id = e->sel_id + (size_t)r * (size_t)K;
+            float *w = e->sel_w + (size_t)r * (size_t)K;
+            int n = 0;
+            for (int x = 0; x < NE; x++) {
+                int j = n < K ? n++ : K;
+                if (j == K && !(p[x] > w[K - 1])) continue;
+                if (j == K) j = K - 1;
+                while (j > 0 && p[x] > w[j - 1]) {
+                    w[j] = w[j - 1];
+                    id[j] = id[j - 1];
+                    j--;
+                }
+                w[j] = p[x];
+                id[j] = x;
+            }
+            if (e->norm_topk) {
+                float s = 0.0f;
+                for (int j = 0; j < K; j++) s += w[j];
+                for (int j = 0; j < K; j++) w[j] /= s;
+            }
         }
+}
+
+/* xg[slot] = xn[slot_row[slot]] */
+typedef struct {
+    td_engine *e;
+    int32_t n_slots;
+} gather_task;
+
+static void task_gather(void *ctx, int ith, int nth) {
+    const gather_task *t = ctx;
+    td_engine *e = t->e;
+    (void)ith;
+    (void)nth;
+    size_t E = (size_t)e->n_embd;
+    int64_t s0, s1;
+    while (claim(e, t->n_slots, ROW_CHUNK, &s0, &s1))
+        for (int64_t s = s0; s < s1; s++)
+            memcpy(e->xg + (size_t)s * E, e->xn + (size_t)e->slot_row[s] * E, E * sizeof(float));
+}
+
+/* o[r] = (shared ? sigmoid(shexp_inp . xn[r]) * o[r] : 0) + sum_j w_j yg[slot_j],
+ * the sum in the row's selection order. */
+typedef struct {
+    td_engine *e;
+    const float *shexp_inp; /* NULL: no shared-expert gate */
+    bool shared;            /* o holds the shared expert's output */
+} combine_task;
+
+static void task_combine(void *ctx, int ith, int nth) {
+    const combine_task *t = ctx;
+    td_engine *e = t->e;
+    (void)ith;
+    (void)nth;
+    const size_t E = (size_t)e->n_embd;
+    const int K = e->n_used;
+    int64_t r0, r1;
+    while (claim(e, e->n_tok, ROW_CHUNK, &r0, &r1))
+        for (int64_t r = r0; r < r1; r++) {
+            float *o = e->o + (size_t)r * E;
+            if (t->shared) {
+                float gs = 1.0f;
+                if (t->shexp_inp) {
+                    const float *xn = e->xn + (size_t)r * E;
+                    float d = 0.0f;
+                    for (size_t i = 0; i < E; i++) d += t->shexp_inp[i] * xn[i];
+                    gs = 1.0f / (1.0f + expf(-d));
+                }
+                for (size_t i = 0; i < E; i++) o[i] *= gs;
+            } else {
+                memset(o, 0, E * sizeof(float));
+            }
+            for (int j = 0; j < K; j++) {
+                float w = e->sel_w[(size_t)r * (size_t)K + (size_t)j];
+                const float *y = e->yg + (size_t)e->sel_slot[(size_t)r * (size_t)K + (size_t)j] * E;
+                for (size_t i = 0; i < E; i++) o[i] += w * y[i];
+            }
+        }
+}
+
+/* The MoE FFN of one layer on xn (T, n_embd), result in o (this rank's
+ * partial sum under TP, like the dense FFN). Tokens are grouped by expert
+ * (a counting sort over the rows in order), so each expert's matrices are
+ * streamed once over all of its tokens. */
+static void moe_ffn(td_engine *e, const td_layer_weights *lw) {
+    const int32_t T = e->n_tok;
+    const int K = e->n_used, NE = e->n_expert;
+    const size_t E = (size_t)e->n_embd, F = (size_t)e->n_ff_exp;
+
+    const td_weight *wr[] = {&lw->router};
+    float *yr[] = {e->rl};
+    size_t ldr[] = {(size_t)NE};
+    matmul(e, wr, 1, e->xn, E, yr, ldr, T);
+    route_task rt = {.e = e};
+    run(e, task_route, &rt, T);
+
+    int32_t *off = e->exp_off;
+    memset(off, 0, ((size_t)NE + 1) * sizeof *off);
+    for (size_t i = 0; i < (size_t)T * (size_t)K; i++) off[e->sel_id[i] + 1]++;
+    for (int x = 0; x < NE; x++) off[x + 1] += off[x];
+    for (int32_t r = 0; r < T; r++)
+        for (int j = 0; j < K; j++) {
+            size_t i = (size_t)r * (size_t)K + (size_t)j;
+            int32_t slot = off[e->sel_id[i]]++;
+            e->sel_slot[i] = slot;
+            e->slot_row[slot] = r;
+        }
+    for (int x = NE; x > 0; x--) off[x] = off[x - 1]; /* back to first slots */
+    off[0] = 0;
+    int32_t n_slots = T * K;
+    gather_task gt = {.e = e, .n_slots = n_slots};
+    run(e, task_gather, &gt, n_slots);
+
+    for (int32_t i = 0; i < lw->n_experts_local; i++) {
+        const td_expert_weights *ex = &lw->experts[i];
+        int32_t s0 = off[ex->id], n = off[ex->id + 1] - s0;
+        if (n == 0) continue;
+        const td_weight *wgu[] = {&ex->gate, &ex->up};
+        float *ygu[] = {e->gg + (size_t)s0 * F, e->ug + (size_t)s0 * F};
+        size_t ldgu[] = {F, F};
+        matmul(e, wgu, 2, e->xg + (size_t)s0 * E, E, ygu, ldgu, n);
+    }
+    swiglu_task sw = {.e = e, .g = e->gg, .u = e->ug, .n_rows = n_slots, .n = (int)F};
+    run(e, task_swiglu, &sw, n_slots);
+    for (int32_t i = 0; i < lw->n_experts_local; i++) {
+        const td_expert_weights *ex = &lw->experts[i];
+        int32_t s0 = off[ex->id], n = off[ex->id + 1] - s0;
+        if (n == 0) continue;
+        const td_weight *wd[] = {&ex->down};
+        float *yd[] = {e->yg + (size_t)s0 * E};
+        size_t ldd[] = {E};
+        matmul(e, wd, 1, e->gg + (size_t)s0 * F, F, yd, ldd, n);
+    }
+
+    bool shared = e->n_ff > 0;
+    if (shared) {
+        const td_weight *wgu[] = {&lw->shexp_gate, &lw->shexp_up};
+        float *ygu[] = {e->g, e->u};
+        size_t ldgu[] = {(size_t)e->n_ff, (size_t)e->n_ff};
+        matmul(e, wgu, 2, e->xn, E, ygu, ldgu, T);
+        swiglu_task ss = {.e = e, .g = e->g, .u = e->u, .n_rows = T, .n = e->n_ff};
+        run(e, task_swiglu, &ss, T);
+        const td_weight *wd[] = {&lw->shexp_down};
+        float *yo[] = {e->o};
+        size_t ldo[] = {E};
+        matmul(e, wd, 1, e->g, (size_t)e->n_ff, yo, ldo, T);
+    }
+    combine_task ct = {.e = e, .shexp_inp = lw->shexp_inp, .shared = shared};
+    run(e, task_combine, &ct, T);
 }
 
 /* Embedding rows: dequantised straight from the (possibly quantised) table. */
@@ -496,17 +727,21 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
         if ((st = td_comm_all_reduce_sum(e->comm, e->o, (size_t)T * E))) return st;
 
         /* MLP block */
-        const td_weight *wgu[] = {&lw->w_gate, &lw->w_up};
         norm_task nt2 = {.e = e, .n_rows = T, .add = true, .norm_w = lw->ffn_norm};
         run(e, task_norm, &nt2, T);
-        float *ygu[] = {e->g, e->u};
-        size_t ldgu[] = {(size_t)e->n_ff, (size_t)e->n_ff};
-        matmul(e, wgu, 2, e->xn, E, ygu, ldgu, T);
+        if (e->n_expert > 0) {
+            moe_ffn(e, lw);
+        } else {
+            const td_weight *wgu[] = {&lw->w_gate, &lw->w_up};
+            float *ygu[] = {e->g, e->u};
+            size_t ldgu[] = {(size_t)e->n_ff, (size_t)e->n_ff};
+            matmul(e, wgu, 2, e->xn, E, ygu, ldgu, T);
 
-        const td_weight *wd[] = {&lw->w_down};
-        swiglu_task sw = {.e = e};
-        run(e, task_swiglu, &sw, T);
-        matmul(e, wd, 1, e->g, (size_t)e->n_ff, yo, ldo, T);
+            const td_weight *wd[] = {&lw->w_down};
+            swiglu_task sw = {.e = e, .g = e->g, .u = e->u, .n_rows = T, .n = e->n_ff};
+            run(e, task_swiglu, &sw, T);
+            matmul(e, wd, 1, e->g, (size_t)e->n_ff, yo, ldo, T);
+        }
         if ((st = td_comm_all_reduce_sum(e->comm, e->o, (size_t)T * E))) return st;
     }
 

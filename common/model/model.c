@@ -22,10 +22,11 @@
 #include "gguf.h"
 #include "safetensors.h"
 
-#define TD_MAX_DIM    (1 << 20) /* sanity bound on embedding / ff widths */
-#define TD_MAX_LAYERS 4096
-#define TD_MAX_HEADS  4096
-#define TD_MAX_VOCAB  (1 << 24)
+#define TD_MAX_DIM     (1 << 20) /* sanity bound on embedding / ff widths */
+#define TD_MAX_LAYERS  4096
+#define TD_MAX_HEADS   4096
+#define TD_MAX_VOCAB   (1 << 24)
+#define TD_MAX_EXPERTS 4096
 
 struct td_model {
     td_model_config cfg;
@@ -164,25 +165,23 @@ static size_t elem_align(td_dtype t) {
     }
 }
 
-/* Weight (rows, cols) from the file; the shard is rows [r0, r0 + nr) and
- * columns [c0, c0 + nc). Columns must split at block boundaries. */
-static td_status load_matrix(loader *ld, const char *name, int64_t rows, int64_t cols, int64_t r0,
-                             int64_t nr, int64_t c0, int64_t nc, td_weight *w) {
-    src_tensor t;
-    td_status st = tensor_lookup(ld, name, &t);
-    if (st) return st;
-    if ((st = check_shape2(ld, &t, rows, cols))) return st;
-    td_dtype type = (td_dtype)t.type;
+/* The shard rows [r0, r0 + nr), columns [c0, c0 + nc) of the (rows, cols)
+ * matrix of t's type at mat (t itself, or one expert of a 3-D tensor).
+ * Columns must split at block boundaries. */
+static td_status slice_matrix(loader *ld, const src_tensor *t, const uint8_t *mat, int64_t cols,
+                              int64_t r0, int64_t nr, int64_t c0, int64_t nc, td_weight *w) {
+    const char *name = t->name;
+    td_dtype type = (td_dtype)t->type;
     int be = td_dtype_block_elems(type);
     if (c0 % be != 0 || nc % be != 0) {
         TD_LOG_ERROR("%s: tensor '%s': the shard's columns [%lld, %lld) do not split at %s block "
                      "boundaries (%d elements)",
-                     ld->path, name, (long long)c0, (long long)(c0 + nc), t.type_name, be);
+                     ld->path, name, (long long)c0, (long long)(c0 + nc), t->type_name, be);
         return TD_ERR_UNSUPPORTED;
     }
     size_t row_bytes = td_dtype_row_bytes(type, cols);
-    const uint8_t *base = (const uint8_t *)t.data + (size_t)r0 * row_bytes +
-                          (size_t)(c0 / be) * td_dtype_block_bytes(type);
+    const uint8_t *base =
+        mat + (size_t)r0 * row_bytes + (size_t)(c0 / be) * td_dtype_block_bytes(type);
     w->type = type;
     w->rows = nr;
     w->cols = nc;
@@ -203,6 +202,42 @@ static td_status load_matrix(loader *ld, const char *name, int64_t rows, int64_t
         w->stride = slice_row;
     }
     ld->m->weight_bytes += td_dtype_row_bytes(type, nc) * (size_t)nr;
+    return TD_OK;
+}
+
+/* Weight (rows, cols) from the file; the shard is rows [r0, r0 + nr) and
+ * columns [c0, c0 + nc). */
+static td_status load_matrix(loader *ld, const char *name, int64_t rows, int64_t cols, int64_t r0,
+                             int64_t nr, int64_t c0, int64_t nc, td_weight *w) {
+    src_tensor t;
+    td_status st = tensor_lookup(ld, name, &t);
+    if (st) return st;
+    if ((st = check_shape2(ld, &t, rows, cols))) return st;
+    return slice_matrix(ld, &t, t.data, cols, r0, nr, c0, nc, w);
+}
+
+/* Checks that t is n_exp experts of (rows, cols): ne = [cols, rows, n_exp]. */
+static td_status check_shape3(const loader *ld, const src_tensor *t, int64_t n_exp, int64_t rows,
+                              int64_t cols) {
+    bool ok = t->n_dims == 3 && t->ne[0] == cols && t->ne[1] == rows && t->ne[2] == n_exp;
+    if (!ok) {
+        char got[96];
+        shape_str(t, got, sizeof got);
+        TD_LOG_ERROR("%s: tensor '%s': shape %s, expected [%lld, %lld, %lld]", ld->path, t->name,
+                     got, (long long)cols, (long long)rows, (long long)n_exp);
+        return TD_ERR_FORMAT;
+    }
+    size_t row_bytes = td_dtype_row_bytes((td_dtype)t->type, cols), total;
+    if (row_bytes == 0) {
+        TD_LOG_ERROR("%s: tensor '%s': row of %lld elements is not a whole number of %s blocks",
+                     ld->path, t->name, (long long)cols, t->type_name);
+        return TD_ERR_FORMAT;
+    }
+    if (td_mul_overflow(row_bytes, (size_t)(rows * n_exp), &total) || total != t->nbytes) {
+        TD_LOG_ERROR("%s: tensor '%s': %zu bytes of data, expected %lld rows of %zu", ld->path,
+                     t->name, t->nbytes, (long long)(rows * n_exp), row_bytes);
+        return TD_ERR_FORMAT;
+    }
     return TD_OK;
 }
 
@@ -318,8 +353,13 @@ static td_status config_from_gguf(loader *ld) {
         c->arch = TD_ARCH_QWEN2;
         c->rope_mode = TD_ROPE_NEOX;
         c->qkv_bias = true;
+    } else if (strcmp(arch, "qwen2moe") == 0) {
+        c->arch = TD_ARCH_QWEN2MOE;
+        c->rope_mode = TD_ROPE_NEOX;
+        c->qkv_bias = true;
     } else {
-        TD_LOG_ERROR("%s: architecture '%.64s' is not supported (llama, qwen2)", ld->path, arch);
+        TD_LOG_ERROR("%s: architecture '%.64s' is not supported (llama, qwen2, qwen2moe)", ld->path,
+                     arch);
         return TD_ERR_UNSUPPORTED;
     }
     char key[160];
@@ -376,13 +416,57 @@ static td_status config_from_gguf(loader *ld) {
         c->rope_scaling = TD_ROPE_SCALING_LINEAR;
         c->rope_factor = factor;
     }
-    int64_t n_expert = 0;
-    if ((st = gguf_opt_i64(ld, KEY("expert_count"), 0, 1 << 16, &n_expert))) return st;
-    if (n_expert > 0) {
-        TD_LOG_ERROR("%s: mixture-of-experts models (%s.expert_count %lld) are not supported yet",
-                     ld->path, arch, (long long)n_expert);
-        return TD_ERR_UNSUPPORTED;
+    /* Experts as llama.cpp reads them: llama-arch experts are feed_forward_length
+     * wide; qwen2moe's are expert_feed_forward_length (else n_ff / top-k) and its
+     * shared expert expert_shared_feed_forward_length (else n_ff). */
+    int64_t n_expert = 0, n_used = 0, ff_exp = 0, ff_sh = 0;
+    bool moe = c->arch == TD_ARCH_QWEN2MOE;
+    if (moe) {
+        if ((st = gguf_req_i64(ld, KEY("expert_count"), 1, TD_MAX_EXPERTS, &n_expert))) return st;
+    } else if ((st = gguf_opt_i64(ld, KEY("expert_count"), 0, TD_MAX_EXPERTS, &n_expert))) {
+        return st;
     }
+    if (n_expert > 0) {
+        if (td_gguf_find_key(m->gguf, KEY("expert_used_count")) < 0) {
+            TD_LOG_ERROR("%s: %s.expert_count %lld but metadata key '%s' is missing", ld->path,
+                         arch, (long long)n_expert, key);
+            return TD_ERR_FORMAT;
+        }
+        if ((st = gguf_req_i64(ld, key, 1, TD_MAX_EXPERTS, &n_used))) return st;
+        if (n_used > n_expert) {
+            TD_LOG_ERROR("%s: %s.expert_used_count %lld exceeds expert_count %lld", ld->path, arch,
+                         (long long)n_used, (long long)n_expert);
+            return TD_ERR_FORMAT;
+        }
+        ff_exp = n_ff;
+        if (moe) {
+            ff_exp = n_ff / n_used;
+            ff_sh = n_ff;
+            bool norm = false;
+            if ((st =
+                     gguf_opt_i64(ld, KEY("expert_feed_forward_length"), 1, TD_MAX_DIM, &ff_exp)) ||
+                (st = gguf_opt_i64(ld, KEY("expert_shared_feed_forward_length"), 1, TD_MAX_DIM,
+                                   &ff_sh)))
+                return st;
+            st = td_gguf_get_bool(m->gguf, KEY("expert_weights_norm"), &norm);
+            if (st && st != TD_ERR_NOT_FOUND) {
+                TD_LOG_ERROR("%s: metadata key '%s' is not a boolean", ld->path, key);
+                return TD_ERR_FORMAT;
+            }
+            c->norm_topk_prob = norm;
+        } else {
+            c->norm_topk_prob = true; /* Mixtral */
+        }
+        if (ff_exp < 1) {
+            TD_LOG_ERROR("%s: expert width is 0 (%s.expert_feed_forward_length missing)", ld->path,
+                         arch);
+            return TD_ERR_FORMAT;
+        }
+    }
+    c->n_expert = (int32_t)n_expert;
+    c->n_expert_used = (int32_t)n_used;
+    c->n_ff_exp = (int32_t)ff_exp;
+    c->n_ff_shexp = (int32_t)ff_sh;
     int64_t n_vocab = -1;
     if ((st = gguf_opt_i64(ld, KEY("vocab_size"), 1, TD_MAX_VOCAB, &n_vocab))) return st;
 #undef KEY
@@ -443,6 +527,53 @@ static td_status json_num(const loader *ld, json_t *root, const char *key, float
     return TD_OK;
 }
 
+/* Mixtral: num_local_experts experts of intermediate_size, always
+ * renormalised. Qwen2-MoE: num_experts of moe_intermediate_size, a shared
+ * expert of shared_expert_intermediate_size, norm_topk_prob (default
+ * false), every layer sparse (decoder_sparse_step 1, no mlp_only_layers). */
+static td_status moe_config_from_hf(loader *ld, json_t *root, const char *cpath, int64_t n_ff) {
+    td_model_config *c = &ld->m->cfg;
+    bool qwen = c->arch == TD_ARCH_QWEN2MOE;
+    int64_t n_expert, n_used, ff_exp = n_ff, ff_sh = 0, step = 1;
+    td_status st;
+    if ((st = json_int(ld, root, qwen ? "num_experts" : "num_local_experts", true, 1,
+                       TD_MAX_EXPERTS, &n_expert)) ||
+        (st = json_int(ld, root, "num_experts_per_tok", true, 1, TD_MAX_EXPERTS, &n_used)))
+        return st;
+    if (n_used > n_expert) {
+        TD_LOG_ERROR("%s: num_experts_per_tok %lld exceeds the %lld experts", cpath,
+                     (long long)n_used, (long long)n_expert);
+        return TD_ERR_FORMAT;
+    }
+    c->norm_topk_prob = true;
+    if (qwen) {
+        if ((st = json_int(ld, root, "moe_intermediate_size", true, 1, TD_MAX_DIM, &ff_exp)) ||
+            (st = json_int(ld, root, "shared_expert_intermediate_size", true, 0, TD_MAX_DIM,
+                           &ff_sh)) ||
+            (st = json_int(ld, root, "decoder_sparse_step", false, 1, TD_MAX_LAYERS, &step)))
+            return st;
+        json_t *only = json_object_get(root, "mlp_only_layers");
+        if (step != 1 || (only && !json_is_null(only) && json_array_size(only) > 0) ||
+            (only && !json_is_null(only) && !json_is_array(only))) {
+            TD_LOG_ERROR("%s: dense layers in a MoE model (decoder_sparse_step %lld, "
+                         "mlp_only_layers) are not supported",
+                         cpath, (long long)step);
+            return TD_ERR_UNSUPPORTED;
+        }
+        json_t *norm = json_object_get(root, "norm_topk_prob");
+        if (norm && !json_is_null(norm) && !json_is_boolean(norm)) {
+            TD_LOG_ERROR("%s: 'norm_topk_prob' is not a boolean", cpath);
+            return TD_ERR_FORMAT;
+        }
+        c->norm_topk_prob = json_is_true(norm);
+    }
+    c->n_expert = (int32_t)n_expert;
+    c->n_expert_used = (int32_t)n_used;
+    c->n_ff_exp = (int32_t)ff_exp;
+    c->n_ff_shexp = (int32_t)ff_sh;
+    return TD_OK;
+}
+
 static td_status config_from_hf(loader *ld) {
     td_model_config *c = &ld->m->cfg;
     char cpath[4096];
@@ -476,9 +607,15 @@ static td_status config_from_hf(loader *ld) {
             st = TD_ERR_UNSUPPORTED;
             goto done;
         }
-    } else if (strcmp(a, "Qwen2ForCausalLM") == 0) {
-        c->arch = TD_ARCH_QWEN2;
+    } else if (strcmp(a, "MixtralForCausalLM") == 0) {
+        c->arch = TD_ARCH_LLAMA;
+        c->qkv_bias = false;
+        c->n_expert = -1; /* read below */
+    } else if (strcmp(a, "Qwen2ForCausalLM") == 0 || strcmp(a, "Qwen2MoeForCausalLM") == 0) {
+        bool moe = strcmp(a, "Qwen2MoeForCausalLM") == 0;
+        c->arch = moe ? TD_ARCH_QWEN2MOE : TD_ARCH_QWEN2;
         c->qkv_bias = true;
+        if (moe) c->n_expert = -1;
         if (json_is_true(json_object_get(root, "use_sliding_window"))) {
             TD_LOG_ERROR("%s: use_sliding_window is not supported", cpath);
             st = TD_ERR_UNSUPPORTED;
@@ -486,7 +623,8 @@ static td_status config_from_hf(loader *ld) {
         }
     } else {
         TD_LOG_ERROR("%s: architecture '%.64s' is not supported (LlamaForCausalLM, "
-                     "MistralForCausalLM, Qwen2ForCausalLM)",
+                     "MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
+                     "Qwen2MoeForCausalLM)",
                      cpath, a);
         st = TD_ERR_UNSUPPORTED;
         goto done;
@@ -514,6 +652,7 @@ static td_status config_from_hf(loader *ld) {
         (st = json_int(ld, root, "head_dim", false, 1, 4096, &head_dim)))
         goto done;
     if (n_head_kv < 0) n_head_kv = n_head;
+    if (c->n_expert < 0 && (st = moe_config_from_hf(ld, root, cpath, n_ff))) goto done;
     if (head_dim < 0) {
         if (n_embd % n_head != 0) {
             TD_LOG_ERROR("%s: hidden_size %lld is not divisible by num_attention_heads %lld", cpath,
@@ -623,9 +762,14 @@ static td_status config_check(const loader *ld, const td_model_params *p) {
                      c->n_head_kv, p->tp_size);
         return TD_ERR_INVALID;
     }
-    if (c->n_ff % p->tp_size != 0) {
+    if (c->n_expert == 0 && c->n_ff % p->tp_size != 0) {
         TD_LOG_ERROR("%s: feed_forward_length %d is not divisible by tp size %d", ld->path, c->n_ff,
                      p->tp_size);
+        return TD_ERR_INVALID;
+    }
+    if (c->n_expert > 0 && (c->n_ff_exp % p->tp_size != 0 || c->n_ff_shexp % p->tp_size != 0)) {
+        TD_LOG_ERROR("%s: expert widths %d and %d (shared) are not divisible by tp size %d",
+                     ld->path, c->n_ff_exp, c->n_ff_shexp, p->tp_size);
         return TD_ERR_INVALID;
     }
     int end = p->layer_end < 0 ? c->n_layer : p->layer_end;
@@ -695,6 +839,114 @@ static const char *tname(char *buf, size_t cap, const loader *ld, int l, const c
     return buf;
 }
 
+/* Name of expert x's matrix `which` (0 gate, 1 up, 2 down) as its own tensor. */
+static const char *expert_name(char *buf, size_t cap, const loader *ld, int l, int x, int which) {
+    static const char *const gguf[] = {"ffn_gate", "ffn_up", "ffn_down"};
+    static const char *const mixtral[] = {"w1", "w3", "w2"};
+    static const char *const qwen[] = {"gate_proj", "up_proj", "down_proj"};
+    if (!ld->hf)
+        snprintf(buf, cap, "blk.%d.%s.%d.weight", l, gguf[which], x);
+    else if (ld->m->cfg.arch == TD_ARCH_QWEN2MOE)
+        snprintf(buf, cap, "model.layers.%d.mlp.experts.%d.%s.weight", l, x, qwen[which]);
+    else
+        snprintf(buf, cap, "model.layers.%d.block_sparse_moe.experts.%d.%s.weight", l, x,
+                 mixtral[which]);
+    return buf;
+}
+
+/* Matrix `which` of every expert: GGUF's merged blk.N.ffn_*_exps.weight
+ * (ne = [cols, rows, n_expert]) when the file has it, else one tensor per
+ * expert. Each expert's shard is sliced as its dense counterpart. */
+static td_status load_expert_family(loader *ld, int l, int which, td_layer_weights *lw) {
+    static const char *const merged[] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
+    const td_model *m = ld->m;
+    const td_model_config *c = &m->cfg;
+    int64_t E = c->n_embd, ff = c->n_ff_exp, ff_loc = ff / m->tp_size, r = m->tp_rank;
+    int64_t rows = which == 2 ? E : ff, cols = which == 2 ? ff : E;
+    int64_t r0 = which == 2 ? 0 : r * ff_loc, nr = which == 2 ? E : ff_loc;
+    int64_t c0 = which == 2 ? r * ff_loc : 0, nc = which == 2 ? ff_loc : E;
+    char b[192];
+    src_tensor t;
+    td_status st;
+    bool have_merged = false;
+    if (!ld->hf) {
+        snprintf(b, sizeof b, "blk.%d.%s.weight", l, merged[which]);
+        have_merged = find_tensor(ld, b, &t);
+    }
+    if (have_merged) {
+        if ((st = tensor_lookup(ld, b, &t)) || (st = check_shape3(ld, &t, c->n_expert, rows, cols)))
+            return st;
+    } else if (!ld->hf) {
+        char first[192];
+        if (!find_tensor(ld, expert_name(first, sizeof first, ld, l, 0, which), &t)) {
+            TD_LOG_ERROR("%s: tensor '%s' is missing (nor per-expert tensors such as '%s')",
+                         ld->path, b, first);
+            return TD_ERR_NOT_FOUND;
+        }
+    }
+    for (int x = 0; x < lw->n_experts_local; x++) {
+        td_expert_weights *ex = &lw->experts[x];
+        td_weight *w = which == 0 ? &ex->gate : which == 1 ? &ex->up : &ex->down;
+        if (have_merged) {
+            size_t mat_bytes = td_dtype_row_bytes((td_dtype)t.type, cols) * (size_t)rows;
+            const uint8_t *mat = (const uint8_t *)t.data + (size_t)ex->id * mat_bytes;
+            st = slice_matrix(ld, &t, mat, cols, r0, nr, c0, nc, w);
+        } else {
+            st = load_matrix(ld, expert_name(b, sizeof b, ld, l, ex->id, which), rows, cols, r0, nr,
+                             c0, nc, w);
+        }
+        if (st) return st;
+    }
+    return TD_OK;
+}
+
+/* Router, routed experts and the shared expert of layer l. */
+static td_status load_moe(loader *ld, int l, td_layer_weights *lw) {
+    td_model *m = ld->m;
+    const td_model_config *c = &m->cfg;
+    int64_t E = c->n_embd, sh = c->n_ff_shexp, sh_loc = sh / m->tp_size, r = m->tp_rank;
+    bool qwen = c->arch == TD_ARCH_QWEN2MOE;
+    char b[192];
+    td_status st;
+    const char *router = tname(b, sizeof b, ld, l, "ffn_gate_inp.weight",
+                               qwen ? "mlp.gate.weight" : "block_sparse_moe.gate.weight");
+    if ((st = load_matrix(ld, router, c->n_expert, E, 0, c->n_expert, 0, E, &lw->router)))
+        return st;
+    lw->experts = owned_alloc(m, (size_t)c->n_expert * sizeof *lw->experts);
+    if (!lw->experts) {
+        TD_LOG_ERROR("out of memory");
+        return TD_ERR_NOMEM;
+    }
+    memset(lw->experts, 0, (size_t)c->n_expert * sizeof *lw->experts);
+    lw->n_experts_local = c->n_expert;
+    for (int x = 0; x < c->n_expert; x++) lw->experts[x].id = x;
+    size_t before = m->weight_bytes;
+    for (int which = 0; which < 3; which++)
+        if ((st = load_expert_family(ld, l, which, lw))) return st;
+    /* Per token only n_expert_used of the experts are read. */
+    size_t exp_bytes = m->weight_bytes - before;
+    m->weight_bytes = before + exp_bytes / (size_t)c->n_expert * (size_t)c->n_expert_used;
+    if (sh == 0) return TD_OK;
+    if ((st = load_matrix(ld,
+                          tname(b, sizeof b, ld, l, "ffn_gate_shexp.weight",
+                                "mlp.shared_expert.gate_proj.weight"),
+                          sh, E, r * sh_loc, sh_loc, 0, E, &lw->shexp_gate)) ||
+        (st = load_matrix(
+             ld,
+             tname(b, sizeof b, ld, l, "ffn_up_shexp.weight", "mlp.shared_expert.up_proj.weight"),
+             sh, E, r * sh_loc, sh_loc, 0, E, &lw->shexp_up)) ||
+        (st = load_matrix(ld,
+                          tname(b, sizeof b, ld, l, "ffn_down_shexp.weight",
+                                "mlp.shared_expert.down_proj.weight"),
+                          E, sh, 0, E, r * sh_loc, sh_loc, &lw->shexp_down)) ||
+        (st = load_vector(ld,
+                          tname(b, sizeof b, ld, l, "ffn_gate_inp_shexp.weight",
+                                "mlp.shared_expert_gate.weight"),
+                          E, 0, E, (float **)&lw->shexp_inp)))
+        return st;
+    return TD_OK;
+}
+
 static td_status load_layer(loader *ld, int l, td_layer_weights *lw) {
     td_model *m = ld->m;
     const td_model_config *c = &m->cfg;
@@ -721,14 +973,21 @@ static td_status load_layer(loader *ld, int l, td_layer_weights *lw) {
              q_rows, 0, E, r * q_loc, q_loc, &lw->wo)) ||
         (st = load_vector(
              ld, tname(b, sizeof b, ld, l, "ffn_norm.weight", "post_attention_layernorm.weight"), E,
-             0, E, (float **)&lw->ffn_norm)) ||
-        (st = load_matrix(ld, tname(b, sizeof b, ld, l, "ffn_gate.weight", "mlp.gate_proj.weight"),
-                          ff, E, r * ff_loc, ff_loc, 0, E, &lw->w_gate)) ||
-        (st = load_matrix(ld, tname(b, sizeof b, ld, l, "ffn_up.weight", "mlp.up_proj.weight"), ff,
-                          E, r * ff_loc, ff_loc, 0, E, &lw->w_up)) ||
-        (st = load_matrix(ld, tname(b, sizeof b, ld, l, "ffn_down.weight", "mlp.down_proj.weight"),
-                          E, ff, 0, E, r * ff_loc, ff_loc, &lw->w_down)))
+             0, E, (float **)&lw->ffn_norm)))
         return st;
+    if (c->n_expert > 0) {
+        if ((st = load_moe(ld, l, lw))) return st;
+    } else if ((st = load_matrix(
+                    ld, tname(b, sizeof b, ld, l, "ffn_gate.weight", "mlp.gate_proj.weight"), ff, E,
+                    r * ff_loc, ff_loc, 0, E, &lw->w_gate)) ||
+               (st = load_matrix(ld,
+                                 tname(b, sizeof b, ld, l, "ffn_up.weight", "mlp.up_proj.weight"),
+                                 ff, E, r * ff_loc, ff_loc, 0, E, &lw->w_up)) ||
+               (st = load_matrix(
+                    ld, tname(b, sizeof b, ld, l, "ffn_down.weight", "mlp.down_proj.weight"), E, ff,
+                    0, E, r * ff_loc, ff_loc, &lw->w_down))) {
+        return st;
+    }
     if (c->qkv_bias) {
         if ((st = load_vector(ld, tname(b, sizeof b, ld, l, "attn_q.bias", "self_attn.q_proj.bias"),
                               q_rows, r * q_loc, q_loc, (float **)&lw->bq)) ||

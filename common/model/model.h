@@ -10,7 +10,19 @@
  * aligned in the file, and converted small tensors (norms, biases as F32),
  * are owned copies. The model file is untrusted input: a
  * missing tensor, a shape mismatch, an unknown type or an inconsistent
- * config is one logged line naming the file and tensor, and an error. */
+ * config is one logged line naming the file and tensor, and an error.
+ *
+ * Mixture of experts (n_expert > 0): Mixtral (GGUF arch "llama" with
+ * llama.expert_count, HF MixtralForCausalLM) and Qwen2-MoE (GGUF "qwen2moe",
+ * HF Qwen2MoeForCausalLM). Each layer's FFN is a router (n_expert, n_embd)
+ * and per-expert SwiGLU matrices, each expert its own td_weight entries
+ * tagged with its expert id (a slice of GGUF's merged 3-D tensor, or its own
+ * tensor), so a later expert-parallel shard can hold any subset; Qwen2-MoE
+ * adds a shared expert scaled by sigmoid(shexp_inp . x). Routing: softmax
+ * over the router logits, the n_expert_used largest probabilities (ties go
+ * to the lower expert id), renormalised to sum 1 when norm_topk_prob
+ * (always for Mixtral; config.json norm_topk_prob / GGUF
+ * qwen2moe.expert_weights_norm for Qwen2-MoE, false by default). */
 #ifndef TD_MODEL_H
 #define TD_MODEL_H
 
@@ -21,8 +33,9 @@
 #include "../tokenizer/tokenizer.h"
 
 typedef enum {
-    TD_ARCH_LLAMA = 0, /* Llama 1/2/3, Mistral, SmolLM2, TinyLlama */
-    TD_ARCH_QWEN2 = 1, /* QKV bias, NeoX RoPE */
+    TD_ARCH_LLAMA = 0,    /* Llama 1/2/3, Mistral, SmolLM2, TinyLlama */
+    TD_ARCH_QWEN2 = 1,    /* QKV bias, NeoX RoPE */
+    TD_ARCH_QWEN2MOE = 2, /* qwen2 attention, routed experts + a sigmoid-gated shared expert */
 } td_arch;
 
 typedef enum {
@@ -52,8 +65,13 @@ typedef struct {
     float rope_high_freq_factor;
     int32_t rope_orig_ctx;
     bool qkv_bias;
-    bool tied_output; /* output head shares token_embd */
-    td_dtype wtype;   /* type of most matrices (for display and compatibility) */
+    bool tied_output;      /* output head shares token_embd */
+    td_dtype wtype;        /* type of most matrices (for display and compatibility) */
+    int32_t n_expert;      /* routed experts per layer; 0: dense FFN (n_ff) */
+    int32_t n_expert_used; /* experts per token (top-k), 1..n_expert */
+    int32_t n_ff_exp;      /* width of one routed expert */
+    int32_t n_ff_shexp;    /* width of the shared expert; 0: none */
+    bool norm_topk_prob;   /* renormalise the top-k probabilities to sum 1 */
 } td_model_config;
 
 /* A 2-D weight: rows x cols elements of `type`, row r at data + r * stride. */
@@ -65,6 +83,13 @@ typedef struct {
     const void *data;
 } td_weight;
 
+/* One routed expert of a layer. */
+typedef struct {
+    int32_t id;         /* expert index in the router's output, 0..n_expert-1 */
+    td_weight gate, up; /* (local n_ff_exp, n_embd) */
+    td_weight down;     /* (n_embd, local n_ff_exp) */
+} td_expert_weights;
+
 typedef struct {
     const float *attn_norm;    /* (n_embd) */
     td_weight wq, wk, wv;      /* (local heads * head_dim, n_embd) */
@@ -73,12 +98,20 @@ typedef struct {
     const float *ffn_norm;     /* (n_embd) */
     td_weight w_gate, w_up;    /* (local n_ff, n_embd) */
     td_weight w_down;          /* (n_embd, local n_ff) */
+    /* MoE layers only (n_expert > 0; w_gate/w_up/w_down are then empty): */
+    td_weight router;               /* (n_expert, n_embd), replicated on every rank */
+    td_expert_weights *experts;     /* (n_experts_local), ascending id */
+    int32_t n_experts_local;        /* experts this shard holds (all of them today) */
+    td_weight shexp_gate, shexp_up; /* (local n_ff_shexp, n_embd), when n_ff_shexp > 0 */
+    td_weight shexp_down;           /* (n_embd, local n_ff_shexp) */
+    const float *shexp_inp;         /* (n_embd) shared-expert gate, or NULL */
 } td_layer_weights;
 
 typedef struct {
     const char *path; /* GGUF file or HF directory */
     int tp_rank;      /* 0..tp_size-1 */
-    int tp_size;      /* >= 1; divides n_head and n_ff, and n_head_kv divides it or it
+    int tp_size;      /* >= 1; divides n_head and n_ff (n_ff_exp and n_ff_shexp for MoE:
+                         every expert is split like a dense FFN), and n_head_kv divides it or it
                          divides n_head_kv (KV heads replicated when tp_size > n_head_kv);
                          row-parallel slices must split at quant-block boundaries */
     int layer_begin;  /* first layer of this stage */

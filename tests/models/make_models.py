@@ -35,7 +35,25 @@ architecture name), converted the way the real tools convert them:
 The output head is scaled (output_scale) so that logits are peaked: at random
 positions the top-1/top-2 logit margin is typically > 1.
 
-MANIFEST (models.json): {"version": VERSION, "models": [entry...]}, entry =
+Mixture-of-experts models (MOE_VARIANTS) go to DIR/gguf/<variant>-<wtype>.gguf
+(F32 and Q8_0) and DIR/hf/<variant>-f32/, listed under "moe_models" (not
+"models", whose consumers expect dense FFN tensors):
+  * mixtral: GGUF arch "llama" with llama.expert_count / expert_used_count,
+    router blk.N.ffn_gate_inp.weight (n_expert, n_embd), experts as merged 3-D
+    blk.N.ffn_{gate,up,down}_exps.weight (F32 file) or, as older llama.cpp
+    conversions wrote them, one blk.N.ffn_{gate,up,down}.E.weight per expert
+    (Q8_0 file); HF MixtralForCausalLM (block_sparse_moe.gate,
+    block_sparse_moe.experts.E.w1/w2/w3; w1 gate, w3 up, w2 down).
+  * qwen2moe: GGUF arch "qwen2moe" (expert_feed_forward_length,
+    expert_shared_feed_forward_length, ffn_*_exps, ffn_*_shexp and the 1-D
+    sigmoid gate ffn_gate_inp_shexp.weight); HF Qwen2MoeForCausalLM (mlp.gate,
+    mlp.experts.E.*_proj, mlp.shared_expert.*_proj, mlp.shared_expert_gate
+    (1, n_embd)), norm_topk_prob false (Qwen1.5-MoE's setting).
+  Routers and the shared-expert gate stay F32 in quantized files (llama.cpp's
+  quantizer leaves ffn_gate_inp alone).
+
+MANIFEST (models.json): {"version": VERSION, "models": [entry...],
+  "moe_models": [entry...]}, entry =
   name, path (relative to DIR), format ("gguf"|"hf"), arch ("llama"|"qwen2"),
   variant (llama2, llama3, mistral, qwen2, smollm2, tinyllama), wtype (F32 F16
   BF16 Q8_0 Q4_0 Q4_1 MIXED), tensor_types ({tensor role: type}), tol_class
@@ -43,7 +61,8 @@ MANIFEST (models.json): {"version": VERSION, "models": [entry...]}, entry =
   n_layer n_head n_head_kv head_dim n_ff n_ctx_train rope_theta rms_eps
   rope_mode ("norm"|"neox": the convention of THIS file) rope_scaling (null or
   {type factor low_freq_factor high_freq_factor original_ctx}) qkv_bias bos
-  eos}.
+  eos}; MoE entries add config.moe {n_expert n_expert_used n_ff_exp
+  n_ff_shexp norm_topk_prob} and expert_layout ("merged"|"per_expert"|"hf").
 """
 
 import argparse
@@ -55,7 +74,7 @@ import time
 
 import numpy as np
 
-VERSION = "tandem-test-models-v5"
+VERSION = "tandem-test-models-v6"
 
 N_VOCAB = 512
 N_CTX = 256
@@ -100,6 +119,24 @@ VARIANTS = {
                       n_head_kv=2, n_ff=256, n_layer=2, rope_theta=10000.0, rms_eps=1e-5,
                       tied=False, rope_scaling=None),
 }
+
+# Mixture-of-experts variants: n_ff is one expert's width; 2 and 4 divide the
+# heads and the experts, and 4-way shards of every FFN width are whole Q8_0 blocks. The router's rows are scaled (ROUTER_SCALE) so that
+# the routing probabilities are far from uniform.
+MOE_VARIANTS = {
+    "mixtral": dict(arch="llama", hf_arch="MixtralForCausalLM", n_embd=64, n_head=4,
+                    n_head_kv=2, n_ff=128, n_layer=2, rope_theta=1000000.0, rms_eps=1e-5,
+                    tied=False, rope_scaling=None, n_expert=4, n_used=2, n_ff_shexp=0,
+                    norm_topk=True),
+    "qwen2moe": dict(arch="qwen2moe", hf_arch="Qwen2MoeForCausalLM", n_embd=64, n_head=4,
+                     n_head_kv=2, n_ff=128, n_layer=2, rope_theta=1000000.0, rms_eps=1e-6,
+                     tied=False, rope_scaling=None, n_expert=8, n_used=2, n_ff_shexp=256,
+                     norm_topk=False, dense_ff=128),
+}
+MOE_GGUF_WTYPES = ["F32", "Q8_0"]
+MOE_HF_DTYPES = ["F32"]
+PER_EXPERT_GGUF = ("mixtral", "Q8_0")  # the one GGUF file with per-expert tensors
+ROUTER_SCALE = 3.0
 
 GGUF_WTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "MIXED"]
 HF_DTYPES = ["F32", "F16", "BF16"]
@@ -208,15 +245,34 @@ def make_weights(variant, v):
         w[p + "self_attn.q_proj.weight"] = mat(H * D, E)
         w[p + "self_attn.k_proj.weight"] = mat(KV * D, E)
         w[p + "self_attn.v_proj.weight"] = mat(KV * D, E)
-        if v["arch"] == "qwen2":
+        if v["arch"] in ("qwen2", "qwen2moe"):
             w[p + "self_attn.q_proj.bias"] = (0.5 * rng.standard_normal(H * D)).astype(np.float32)
             w[p + "self_attn.k_proj.bias"] = (0.5 * rng.standard_normal(KV * D)).astype(np.float32)
             w[p + "self_attn.v_proj.bias"] = (0.5 * rng.standard_normal(KV * D)).astype(np.float32)
         w[p + "self_attn.o_proj.weight"] = mat(E, H * D)
         w[p + "post_attention_layernorm.weight"] = gain(E)
-        w[p + "mlp.gate_proj.weight"] = mat(F, E)
-        w[p + "mlp.up_proj.weight"] = mat(F, E)
-        w[p + "mlp.down_proj.weight"] = mat(E, F)
+        if "n_expert" in v and v["arch"] == "llama":
+            m = p + "block_sparse_moe."
+            w[m + "gate.weight"] = mat(v["n_expert"], E, ROUTER_SCALE)
+            for x in range(v["n_expert"]):
+                w[m + f"experts.{x}.w1.weight"] = mat(F, E)
+                w[m + f"experts.{x}.w3.weight"] = mat(F, E)
+                w[m + f"experts.{x}.w2.weight"] = mat(E, F)
+        elif "n_expert" in v:
+            S = v["n_ff_shexp"]
+            w[p + "mlp.gate.weight"] = mat(v["n_expert"], E, ROUTER_SCALE)
+            for x in range(v["n_expert"]):
+                w[p + f"mlp.experts.{x}.gate_proj.weight"] = mat(F, E)
+                w[p + f"mlp.experts.{x}.up_proj.weight"] = mat(F, E)
+                w[p + f"mlp.experts.{x}.down_proj.weight"] = mat(E, F)
+            w[p + "mlp.shared_expert.gate_proj.weight"] = mat(S, E)
+            w[p + "mlp.shared_expert.up_proj.weight"] = mat(S, E)
+            w[p + "mlp.shared_expert.down_proj.weight"] = mat(E, S)
+            w[p + "mlp.shared_expert_gate.weight"] = mat(1, E)
+        else:
+            w[p + "mlp.gate_proj.weight"] = mat(F, E)
+            w[p + "mlp.up_proj.weight"] = mat(F, E)
+            w[p + "mlp.down_proj.weight"] = mat(E, F)
     if v["tied"]:
         w["model.norm.weight"] = (gain(E) * OUTPUT_SCALE / (EMBD_TIED * np.sqrt(E))).astype(np.float32)
     else:
@@ -291,7 +347,13 @@ def write_gguf(path, variant, v, w, wtype, tok):
     wr.add_context_length(N_CTX)
     wr.add_embedding_length(E)
     wr.add_block_count(L)
-    wr.add_feed_forward_length(v["n_ff"])
+    wr.add_feed_forward_length(v.get("dense_ff", v["n_ff"]))
+    if "n_expert" in v:
+        wr.add_expert_count(v["n_expert"])
+        wr.add_expert_used_count(v["n_used"])
+        if arch == "qwen2moe":
+            wr.add_expert_feed_forward_length(v["n_ff"])
+            wr.add_expert_shared_feed_forward_length(v["n_ff_shexp"])
     wr.add_head_count(H)
     wr.add_head_count_kv(KV)
     wr.add_rope_dimension_count(D)
@@ -328,15 +390,38 @@ def write_gguf(path, variant, v, w, wtype, tok):
         put(b + "attn_q.weight", q, mat_t)
         put(b + "attn_k.weight", k, mat_t)
         put(b + "attn_v.weight", w[p + "self_attn.v_proj.weight"], mat_t)
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2moe"):
             put(b + "attn_q.bias", w[p + "self_attn.q_proj.bias"], "F32")
             put(b + "attn_k.bias", w[p + "self_attn.k_proj.bias"], "F32")
             put(b + "attn_v.bias", w[p + "self_attn.v_proj.bias"], "F32")
         put(b + "attn_output.weight", w[p + "self_attn.o_proj.weight"], mat_t)
         put(b + "ffn_norm.weight", w[p + "post_attention_layernorm.weight"], "F32")
-        put(b + "ffn_gate.weight", w[p + "mlp.gate_proj.weight"], mat_t)
-        put(b + "ffn_up.weight", w[p + "mlp.up_proj.weight"], mat_t)
-        put(b + "ffn_down.weight", w[p + "mlp.down_proj.weight"], mat_t)
+        if "n_expert" not in v:
+            put(b + "ffn_gate.weight", w[p + "mlp.gate_proj.weight"], mat_t)
+            put(b + "ffn_up.weight", w[p + "mlp.up_proj.weight"], mat_t)
+            put(b + "ffn_down.weight", w[p + "mlp.down_proj.weight"], mat_t)
+            continue
+        if arch == "llama":
+            names = {"gate_inp": "block_sparse_moe.gate.weight",
+                     "exp": "block_sparse_moe.experts.{x}.{m}.weight",
+                     "gate": "w1", "up": "w3", "down": "w2"}
+        else:
+            names = {"gate_inp": "mlp.gate.weight", "exp": "mlp.experts.{x}.{m}.weight",
+                     "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+        put(b + "ffn_gate_inp.weight", w[p + names["gate_inp"]], "F32")
+        for part in ("gate", "up", "down"):
+            mats = [w[p + names["exp"].format(x=x, m=names[part])] for x in range(v["n_expert"])]
+            if (variant, wtype) == PER_EXPERT_GGUF:
+                for x, a in enumerate(mats):
+                    put(b + f"ffn_{part}.{x}.weight", a, mat_t)
+            else:
+                put(b + f"ffn_{part}_exps.weight", np.stack(mats), mat_t)
+        if arch == "qwen2moe":
+            put(b + "ffn_gate_inp_shexp.weight",
+                w[p + "mlp.shared_expert_gate.weight"].reshape(-1), "F32")
+            for part in ("gate", "up", "down"):
+                put(b + f"ffn_{part}_shexp.weight",
+                    w[p + f"mlp.shared_expert.{part}_proj.weight"], mat_t)
     put("output_norm.weight", w["model.norm.weight"], "F32")
     if not v["tied"]:
         put("output.weight", w["lm_head.weight"], embd_t)
@@ -393,7 +478,8 @@ def write_hf(dirpath, variant, v, w, dtype, tok, sharded):
     cfg = {
         "architectures": [v["hf_arch"]],
         "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                       "Qwen2ForCausalLM": "qwen2"}[v["hf_arch"]],
+                       "Qwen2ForCausalLM": "qwen2", "MixtralForCausalLM": "mixtral",
+                       "Qwen2MoeForCausalLM": "qwen2_moe"}[v["hf_arch"]],
         "hidden_size": E,
         "intermediate_size": v["n_ff"],
         "num_attention_heads": H,
@@ -409,7 +495,7 @@ def write_hf(dirpath, variant, v, w, dtype, tok, sharded):
         "max_position_embeddings": N_CTX,
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
-        "attention_bias": v["arch"] == "qwen2",
+        "attention_bias": v["arch"] in ("qwen2", "qwen2moe"),
         "torch_dtype": {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[dtype],
     }
     rs = v["rope_scaling"]
@@ -418,8 +504,21 @@ def write_hf(dirpath, variant, v, w, dtype, tok, sharded):
                                "low_freq_factor": rs["low_freq_factor"],
                                "high_freq_factor": rs["high_freq_factor"],
                                "original_max_position_embeddings": rs["original_ctx"]}
-    if v["hf_arch"] == "MistralForCausalLM":
+    if v["hf_arch"] in ("MistralForCausalLM", "MixtralForCausalLM"):
         cfg["sliding_window"] = None
+    if v["hf_arch"] == "MixtralForCausalLM":
+        cfg["num_local_experts"] = v["n_expert"]
+        cfg["num_experts_per_tok"] = v["n_used"]
+    if v["hf_arch"] == "Qwen2MoeForCausalLM":
+        cfg["intermediate_size"] = v["dense_ff"]
+        cfg["num_experts"] = v["n_expert"]
+        cfg["num_experts_per_tok"] = v["n_used"]
+        cfg["moe_intermediate_size"] = v["n_ff"]
+        cfg["shared_expert_intermediate_size"] = v["n_ff_shexp"]
+        cfg["norm_topk_prob"] = v["norm_topk"]
+        cfg["decoder_sparse_step"] = 1
+        cfg["mlp_only_layers"] = []
+        cfg["use_sliding_window"] = False
     with open(os.path.join(dirpath, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     if not sharded:
@@ -456,7 +555,10 @@ def config_entry(v, rope_mode):
         "n_head_kv": v["n_head_kv"], "head_dim": E // H, "n_ff": v["n_ff"],
         "n_ctx_train": N_CTX, "rope_theta": v["rope_theta"], "rms_eps": v["rms_eps"],
         "rope_mode": rope_mode, "rope_scaling": v["rope_scaling"],
-        "qkv_bias": v["arch"] == "qwen2", "bos": BOS_ID, "eos": EOS_ID,
+        "qkv_bias": v["arch"] in ("qwen2", "qwen2moe"), "bos": BOS_ID, "eos": EOS_ID,
+        **({"moe": {"n_expert": v["n_expert"], "n_expert_used": v["n_used"],
+                    "n_ff_exp": v["n_ff"], "n_ff_shexp": v["n_ff_shexp"],
+                    "norm_topk_prob": v["norm_topk"]}} if "n_expert" in v else {}),
     }
 
 
@@ -488,8 +590,29 @@ def generate(out):
                                "variant": variant, "wtype": dt, "tensor_types": {"all": dt},
                                "tol_class": TOL_CLASS[dt], "sharded": sharded,
                                "tied": v["tied"], "config": config_entry(v, "neox")})
+    moe_models = []
+    for variant, v in MOE_VARIANTS.items():
+        w = make_weights(variant, v)
+        gguf_mode = "norm" if v["arch"] == "llama" else "neox"
+        for wt in MOE_GGUF_WTYPES:
+            rel = f"gguf/{variant}-{wt.lower()}.gguf"
+            tt = write_gguf(os.path.join(tmp, rel), variant, v, w, wt, tok)
+            layout = "per_expert" if (variant, wt) == PER_EXPERT_GGUF else "merged"
+            moe_models.append({"name": f"{variant}-{wt.lower()}-gguf", "path": rel,
+                               "format": "gguf", "arch": v["arch"], "variant": variant,
+                               "wtype": wt, "tensor_types": tt, "tol_class": TOL_CLASS[wt],
+                               "sharded": False, "tied": v["tied"], "expert_layout": layout,
+                               "config": config_entry(v, gguf_mode)})
+        for dt in MOE_HF_DTYPES:
+            rel = f"hf/{variant}-{dt.lower()}"
+            write_hf(os.path.join(tmp, rel), variant, v, w, dt, tok, False)
+            moe_models.append({"name": f"{variant}-{dt.lower()}-hf", "path": rel, "format": "hf",
+                               "arch": v["arch"], "variant": variant, "wtype": dt,
+                               "tensor_types": {"all": dt}, "tol_class": TOL_CLASS[dt],
+                               "sharded": False, "tied": v["tied"], "expert_layout": "hf",
+                               "config": config_entry(v, "neox")})
     with open(os.path.join(tmp, "models.json"), "w") as f:
-        json.dump({"version": VERSION, "models": models}, f, indent=1)
+        json.dump({"version": VERSION, "models": models, "moe_models": moe_models}, f, indent=1)
     # Move into place, then stamp last: an interrupted run leaves no stamp.
     for sub in ("gguf", "hf", "models.json"):
         dst = os.path.join(out, sub)
@@ -501,7 +624,7 @@ def generate(out):
     shutil.rmtree(tmp, ignore_errors=True)
     with open(os.path.join(out, ".stamp"), "w") as f:
         f.write(VERSION + "\n")
-    return len(models)
+    return len(models) + len(moe_models)
 
 
 def main():

@@ -22,6 +22,19 @@ Model definition implemented here, per layer l, for token rows x (T, E):
     x  = x + (silu(h Wgate^T) * (h Wup^T)) Wdown^T
 logits = (RMSNorm(x) * output_norm) Wout^T, Wout = token_embd when tied.
 
+Mixture of experts (config "moe", Mixtral / Qwen2-MoE as transformers'
+MixtralSparseMoeBlock and Qwen2MoeSparseMoeBlock define them), replacing the
+FFN line for each token row h:
+    p  = softmax(h Wrouter^T)                     (n_expert,)
+    S  = the n_expert_used largest p (ties: lower expert id first)
+    w_e = p_e / sum_S p  if norm_topk_prob (Mixtral always; Qwen2-MoE per
+          config, false by default) else p_e
+    ffn = sum_{e in S} w_e (silu(h Wg_e^T) * (h Wu_e^T)) Wd_e^T
+          + sigmoid(h . w_shgate) * (silu(h Wg_sh^T) * (h Wu_sh^T)) Wd_sh^T   (Qwen2-MoE)
+Expert tensors: GGUF merged blk.N.ffn_{gate,up,down}_exps (ne [cols, rows,
+n_expert]) or per-expert blk.N.ffn_{gate,up,down}.E; HF Mixtral
+block_sparse_moe.experts.E.w1/w3/w2, Qwen2-MoE mlp.experts.E.*_proj.
+
 RoPE: angle(pos, i) = pos * inv_freq[i], inv_freq[i] = theta^(-2i/n_rot), i < n_rot/2.
   NORM (llama.cpp's LLAMA_ROPE_TYPE_NORM, used for GGUF arch "llama" whose Q/K
         rows convert_hf_to_gguf.py permuted): rotates pairs (2i, 2i+1).
@@ -72,7 +85,7 @@ def load_gguf(path):
 
     r = gguf.GGUFReader(path)
     arch = _gguf_field(r, "general.architecture")
-    if arch not in ("llama", "qwen2"):
+    if arch not in ("llama", "qwen2", "qwen2moe"):
         raise ValueError(f"{path}: unsupported architecture {arch!r}")
 
     def kv(k, default=None):
@@ -93,13 +106,18 @@ def load_gguf(path):
         "rms_eps": float(kv("attention.layer_norm_rms_epsilon")),
         "n_ctx_train": int(kv("context_length", 0)),
         # llama.cpp: arch llama -> NORM rope (Q/K permuted by the converter),
-        # qwen2 -> NEOX.
+        # qwen2 / qwen2moe -> NEOX.
         "rope_mode": "norm" if arch == "llama" else "neox",
         "linear_factor": 1.0,
         "freq_divisors": None,
     }
     if kv("rope.scaling.type") == "linear":
         cfg["linear_factor"] = float(kv("rope.scaling.factor", 1.0))
+    n_expert = int(kv("expert_count", 0))
+    if n_expert > 0:
+        used = int(kv("expert_used_count"))
+        cfg["moe"] = {"n_expert": n_expert, "n_expert_used": used,
+                      "norm_topk_prob": arch == "llama" or bool(kv("expert_weights_norm", False))}
 
     names = {
         "token_embd.weight": "tok_embd",
@@ -112,6 +130,10 @@ def load_gguf(path):
         "attn_v.weight": "wv", "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
         "attn_output.weight": "wo", "ffn_norm.weight": "ffn_norm", "ffn_gate.weight": "w_gate",
         "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+        "ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "exp_gate",
+        "ffn_up_exps.weight": "exp_up", "ffn_down_exps.weight": "exp_down",
+        "ffn_gate_inp_shexp.weight": "sh_inp", "ffn_gate_shexp.weight": "sh_gate",
+        "ffn_up_shexp.weight": "sh_up", "ffn_down_shexp.weight": "sh_down",
     }
     t, types = {}, {}
     for ti in r.tensors:
@@ -119,9 +141,14 @@ def load_gguf(path):
             key = names[ti.name]
         elif ti.name.startswith("blk."):
             _, l, rest = ti.name.split(".", 2)
-            if rest not in per_layer:
+            parts = rest.split(".")
+            if len(parts) == 3 and parts[0] in ("ffn_gate", "ffn_up", "ffn_down"):
+                # per-expert tensor blk.N.ffn_gate.E.weight
+                key = f"{int(l)}.exp_{parts[0][4:]}.{int(parts[1])}"
+            elif rest not in per_layer:
                 continue
-            key = f"{int(l)}.{per_layer[rest]}"
+            else:
+                key = f"{int(l)}.{per_layer[rest]}"
         else:
             continue
         shape = tuple(int(x) for x in reversed(ti.shape))  # GGUF ne is innermost-first
@@ -130,11 +157,34 @@ def load_gguf(path):
         types[key] = ti.tensor_type.name
     if "rope_freqs" in t:
         cfg["freq_divisors"] = t.pop("rope_freqs")
+    if "moe" in cfg:
+        _stack_experts(t, types, cfg)
     cfg["tied"] = "output" not in t
     cfg["n_vocab"] = int(t["tok_embd"].shape[0])
     m = Model(path, _finish_config(cfg), t)
     m.wtypes = types
     return m
+
+
+def _stack_experts(t, types, cfg):
+    """Per-expert tensors "L.exp_gate.E" -> one (n_expert, rows, cols) array
+    "L.exp_gate", as GGUF's merged form and the forward pass expect."""
+    n = cfg["moe"]["n_expert"]
+    for l in range(cfg["n_layer"]):
+        for part in ("gate", "up", "down"):
+            key = f"{l}.exp_{part}"
+            if key in t:
+                if t[key].shape[0] != n:
+                    raise ValueError(f"{key}: {t[key].shape[0]} experts, want {n}")
+                continue
+            mats = []
+            for x in range(n):
+                k = f"{key}.{x}"
+                if k not in t:
+                    raise ValueError(f"missing expert tensor {k}")
+                mats.append(t.pop(k))
+                types[key] = types.pop(k)
+            t[key] = np.stack(mats)
 
 
 _ST_DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": (None, 2), "F64": ("<f8", 8)}
@@ -182,6 +232,10 @@ def load_hf(path):
         arch = "llama"
     elif archs and archs[0] == "Qwen2ForCausalLM":
         arch = "qwen2"
+    elif archs and archs[0] == "MixtralForCausalLM":
+        arch = "mixtral"
+    elif archs and archs[0] == "Qwen2MoeForCausalLM":
+        arch = "qwen2moe"
     else:
         raise ValueError(f"{path}: unsupported architectures {archs}")
     n_embd = hc["hidden_size"]
@@ -203,6 +257,12 @@ def load_hf(path):
         "linear_factor": 1.0,
         "freq_divisors": None,
     }
+    if arch == "mixtral":
+        cfg["moe"] = {"n_expert": hc["num_local_experts"],
+                      "n_expert_used": hc["num_experts_per_tok"], "norm_topk_prob": True}
+    elif arch == "qwen2moe":
+        cfg["moe"] = {"n_expert": hc["num_experts"], "n_expert_used": hc["num_experts_per_tok"],
+                      "norm_topk_prob": bool(hc.get("norm_topk_prob", False))}
     rs = hc.get("rope_scaling")
     if rs:
         rtype = rs.get("rope_type", rs.get("type"))
@@ -245,9 +305,32 @@ def load_hf(path):
             take(p + f"self_attn.{hn}_proj.bias", f"{l}.b{k}", required=False)
         take(p + "self_attn.o_proj.weight", f"{l}.wo")
         take(p + "post_attention_layernorm.weight", f"{l}.ffn_norm")
-        take(p + "mlp.gate_proj.weight", f"{l}.w_gate")
-        take(p + "mlp.up_proj.weight", f"{l}.w_up")
-        take(p + "mlp.down_proj.weight", f"{l}.w_down")
+        if arch == "mixtral":
+            take(p + "block_sparse_moe.gate.weight", f"{l}.router")
+            for x in range(cfg["moe"]["n_expert"]):
+                e = p + f"block_sparse_moe.experts.{x}."
+                take(e + "w1.weight", f"{l}.exp_gate.{x}")
+                take(e + "w3.weight", f"{l}.exp_up.{x}")
+                take(e + "w2.weight", f"{l}.exp_down.{x}")
+        elif arch == "qwen2moe":
+            take(p + "mlp.gate.weight", f"{l}.router")
+            for x in range(cfg["moe"]["n_expert"]):
+                e = p + f"mlp.experts.{x}."
+                take(e + "gate_proj.weight", f"{l}.exp_gate.{x}")
+                take(e + "up_proj.weight", f"{l}.exp_up.{x}")
+                take(e + "down_proj.weight", f"{l}.exp_down.{x}")
+            if hc["shared_expert_intermediate_size"] > 0:
+                take(p + "mlp.shared_expert.gate_proj.weight", f"{l}.sh_gate")
+                take(p + "mlp.shared_expert.up_proj.weight", f"{l}.sh_up")
+                take(p + "mlp.shared_expert.down_proj.weight", f"{l}.sh_down")
+                take(p + "mlp.shared_expert_gate.weight", f"{l}.sh_inp")
+                t[f"{l}.sh_inp"] = t[f"{l}.sh_inp"].reshape(-1)
+        else:
+            take(p + "mlp.gate_proj.weight", f"{l}.w_gate")
+            take(p + "mlp.up_proj.weight", f"{l}.w_up")
+            take(p + "mlp.down_proj.weight", f"{l}.w_down")
+    if "moe" in cfg:
+        _stack_experts(t, types, cfg)
     cfg["tied"] = "output" not in t
     cfg["n_vocab"] = int(t["tok_embd"].shape[0])
     m = Model(path, _finish_config(cfg), t)
@@ -385,11 +468,51 @@ def forward(m, tokens, act_round=None, rope_mode=None):
         a = np.einsum("hts,shd->thd", pr, v[:, g, :]).reshape(T, H * D)
         x = x + _matmul(m, a, p + "wo", act_round)
         h = _rmsnorm(x, m.t[p + "ffn_norm"], c["rms_eps"])
+        if "moe" in c:
+            x = x + moe_ffn(m, l, h, act_round)
+            continue
         gt = _matmul(m, h, p + "w_gate", act_round)
         up = _matmul(m, h, p + "w_up", act_round)
         x = x + _matmul(m, gt / (1.0 + np.exp(-gt)) * up, p + "w_down", act_round)
     h = _rmsnorm(x, m.t["output_norm"], c["rms_eps"])
     return _matmul(m, h, "tok_embd" if c["tied"] else "output", act_round)
+
+
+def route(probs, k, norm):
+    """(ids, weights) of the k most probable experts of one row, ties to the
+    lower id (a stable sort of -p keeps ascending ids among equals)."""
+    ids = np.argsort(-probs, kind="stable")[:k]
+    w = probs[ids]
+    if norm:
+        w = w / w.sum()
+    return ids, w
+
+
+def moe_ffn(m, l, h, act_round=None):
+    """The MoE FFN of layer l on normed rows h (T, E) (see the module docstring)."""
+    c = m.config["moe"]
+    p = f"{l}."
+    logits = _matmul(m, h, p + "router", act_round)
+    logits = logits - logits.max(axis=-1, keepdims=True)
+    probs = np.exp(logits)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = np.zeros_like(h)
+    wg, wu, wd = m.t[p + "exp_gate"], m.t[p + "exp_up"], m.t[p + "exp_down"]
+    for t in range(h.shape[0]):
+        ids, w = route(probs[t], c["n_expert_used"], c["norm_topk_prob"])
+        ht = _round_act(h[t:t + 1], _act_mode(m, p + "exp_gate", act_round))
+        for e, we in zip(ids, w):
+            g = ht @ wg[e].T
+            a = g / (1.0 + np.exp(-g)) * (ht @ wu[e].T)
+            a = _round_act(a, _act_mode(m, p + "exp_down", act_round))
+            out[t] += we * (a @ wd[e].T)[0]
+    if p + "sh_gate" in m.t:
+        g = _matmul(m, h, p + "sh_gate", act_round)
+        a = g / (1.0 + np.exp(-g)) * _matmul(m, h, p + "sh_up", act_round)
+        sh = _matmul(m, a, p + "sh_down", act_round)
+        gate = 1.0 / (1.0 + np.exp(-(h @ m.t[p + "sh_inp"])))
+        out += gate[:, None] * sh
+    return out
 
 
 def greedy(m, prompt, n):
