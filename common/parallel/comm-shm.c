@@ -632,7 +632,7 @@ td_status td_comm_seg_split(td_comm *c, int color, int key, td_comm **sub_p) {
         base = b + (uint32_t)n_colors > MAX_GROUPS ? -1 : (int32_t)b;
     }
     if ((st = td_comm_seg_broadcast(c, &base, sizeof base, 0))) return st;
-    if (base < 0) {
+    if (base < 0 || base + n_colors > MAX_GROUPS) { /* every rank checks the shared value */
         if (c->rank == 0)
             TD_LOG_ERROR("no group slot left (%d sub-groups per world)", MAX_GROUPS - 1);
         return TD_ERR_RANGE;
