@@ -136,6 +136,11 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
                      td_model_n_head_kv_local(m), c->head_dim);
         return TD_ERR_INVALID;
     }
+    if (c->n_expert > 0 && (int64_t)ep.max_batch_tokens * c->n_expert_used > INT32_MAX) {
+        TD_LOG_ERROR("batch of %d tokens times %d experts each is too large", ep.max_batch_tokens,
+                     c->n_expert_used);
+        return TD_ERR_INVALID;
+    }
     for (int l = td_model_layer_begin(m); c->n_expert > 0 && l < td_model_layer_end(m); l++) {
         if (td_model_layer(m, l)->n_experts_local != c->n_expert) {
             TD_LOG_ERROR("layer %d holds %d of the %d experts: expert parallelism needs the "

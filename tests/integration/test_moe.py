@@ -123,7 +123,7 @@ def test_routing_is_not_degenerate(variant):
     srt = np.sort(p, axis=1)
     k = c["moe"]["n_expert_used"]
     # no near-tie at the top-k boundary: the gap is >= 20x the F32 rounding of the
-    # probabilities (router logits ~3, 64-term F32 dots: ~1e-7)
+    # probabilities (router logits ~3, 128-term F32 dots: ~1e-7)
     assert (srt[:, -k] - srt[:, -k - 1]).min() > 2e-6
     full = R.moe_ffn(m, 0, h)
     top1 = R.Model(m.path, dict(c, moe=dict(c["moe"], n_expert_used=1)), m.t)
@@ -250,7 +250,7 @@ def test_bad_gguf_missing_per_expert_tensor(mm, tok, tmp_path):
 def test_bad_gguf_expert_tensor_shape(mm, tok, tmp_path):
     p = _gguf(mm, tok, tmp_path / "m.gguf", "qwen2moe",
               mangle={"blk.0.ffn_down_exps.weight": lambda a: a[:7]})
-    _expect_error(p, "blk.0.ffn_down_exps.weight", "shape [128, 64, 7], expected [128, 64, 8]")
+    _expect_error(p, "blk.0.ffn_down_exps.weight", "shape [128, 128, 7], expected [128, 128, 8]")
 
 
 def test_bad_gguf_missing_shared_gate(mm, tok, tmp_path):
@@ -285,7 +285,7 @@ def test_bad_hf_missing_expert(mm, tok, tmp_path):
 
 def test_bad_hf_router_shape(mm, tok, tmp_path):
     p = _hf(mm, tok, tmp_path / "m", "mixtral", cfg_over={"num_local_experts": 8})
-    _expect_error(p, "model.layers.0.block_sparse_moe.gate.weight", "expected [64, 8]")
+    _expect_error(p, "model.layers.0.block_sparse_moe.gate.weight", "expected [128, 8]")
 
 
 def test_bad_hf_dense_layers_unsupported(mm, tok, tmp_path):

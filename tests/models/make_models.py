@@ -74,7 +74,7 @@ import time
 
 import numpy as np
 
-VERSION = "tandem-test-models-v6"
+VERSION = "tandem-test-models-v7"
 
 N_VOCAB = 512
 N_CTX = 256
@@ -121,14 +121,15 @@ VARIANTS = {
 }
 
 # Mixture-of-experts variants: n_ff is one expert's width; 2 and 4 divide the
-# heads and the experts, and 4-way shards of every FFN width are whole Q8_0 blocks. The router's rows are scaled (ROUTER_SCALE) so that
+# heads and the experts, and 4-way shards of every row (head_dim 32, FFN widths)
+# are whole Q8_0 blocks. The router's rows are scaled (ROUTER_SCALE) so that
 # the routing probabilities are far from uniform.
 MOE_VARIANTS = {
-    "mixtral": dict(arch="llama", hf_arch="MixtralForCausalLM", n_embd=64, n_head=4,
+    "mixtral": dict(arch="llama", hf_arch="MixtralForCausalLM", n_embd=128, n_head=4,
                     n_head_kv=2, n_ff=128, n_layer=2, rope_theta=1000000.0, rms_eps=1e-5,
                     tied=False, rope_scaling=None, n_expert=4, n_used=2, n_ff_shexp=0,
                     norm_topk=True),
-    "qwen2moe": dict(arch="qwen2moe", hf_arch="Qwen2MoeForCausalLM", n_embd=64, n_head=4,
+    "qwen2moe": dict(arch="qwen2moe", hf_arch="Qwen2MoeForCausalLM", n_embd=128, n_head=4,
                      n_head_kv=2, n_ff=128, n_layer=2, rope_theta=1000000.0, rms_eps=1e-6,
                      tied=False, rope_scaling=None, n_expert=8, n_used=2, n_ff_shexp=256,
                      norm_topk=False, dense_ff=128),
