@@ -9,7 +9,10 @@
  * a row's values are the same whatever the batch, chunking or thread count:
  * that is the invariance contract of forward.h. Rows are handed to threads
  * only to share work; small row counts run on the calling thread, which
- * computes exactly the same values.
+ * computes exactly the same values. MoE layers keep the contract: routing
+ * is per row, grouping tokens by expert only decides which rows share an
+ * expert's matmul call (never a row's value), and each row adds its
+ * experts' outputs in its own selection order.
  *
  * Activations stay f32 for every matmul: quantized weights are dequantized
  * on the fly (td_cpu_matmul_f32act), so the only error against a float64
