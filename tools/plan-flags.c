@@ -29,7 +29,8 @@ int td_cli_plan_check(const char *cmd, const td_cli_plan *cp, const char *model_
     td_model *m = NULL;
     if (td_model_load(&mp, &m) != TD_OK) return 1;
     td_plan *plan = NULL;
-    td_status st = td_plan_create(&cp->p, td_model_get_config(m), 0, 0, &plan);
+    const td_model_config *cfg = td_model_get_config(m);
+    td_status st = td_plan_create(&cp->p, cfg, cfg->n_expert, cfg->n_expert_used, &plan);
     td_model_free(m);
     if (st != TD_OK) {
         fprintf(stderr, "tandem %s: the plan does not fit the model (see above)\n", cmd);

@@ -131,11 +131,15 @@ td_status td_plan_create(const td_plan_params *p, const td_model_config *cfg, in
         PLAN_ERR("plan: --tp %d and the %d KV heads: one must divide the other (KV heads are "
                  "replicated when TP exceeds them)",
                  tp, cfg->n_head_kv);
-    if (cfg->n_ff % tp) PLAN_ERR("plan: --tp %d does not divide the FFN width %d", tp, cfg->n_ff);
+    /* MoE models split every expert (and the shared one) like a dense FFN. */
+    int32_t ffw = n_expert > 0 ? cfg->n_ff_exp : cfg->n_ff;
+    if (ffw % tp) PLAN_ERR("plan: --tp %d does not divide the FFN width %d", tp, ffw);
+    if (n_expert > 0 && cfg->n_ff_shexp % tp)
+        PLAN_ERR("plan: --tp %d does not divide the shared expert's width %d", tp, cfg->n_ff_shexp);
     int be = td_dtype_block_elems(cfg->wtype);
-    if (tp > 1 && be > 1 && cfg->n_head % tp == 0 && cfg->n_ff % tp == 0) {
+    if (tp > 1 && be > 1 && cfg->n_head % tp == 0 && ffw % tp == 0) {
         int64_t attn_cols = (int64_t)cfg->n_head / tp * cfg->head_dim;
-        int64_t ff_cols = cfg->n_ff / tp;
+        int64_t ff_cols = ffw / tp;
         if (attn_cols % be || ff_cols % be)
             PLAN_ERR("plan: with --tp %d the row-parallel slices (%lld attention and %lld FFN "
                      "columns) do not fall on %s's %d-element blocks",
@@ -279,8 +283,8 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
     fprintf(out,
             "\nmodel: %s (%d layers, %d heads, %d KV heads, head_dim %d, embd %d, ffn %d, "
             "vocab %d, %s)\n",
-            c->name, c->n_layer, c->n_head, c->n_head_kv, c->head_dim, c->n_embd, c->n_ff,
-            c->n_vocab, td_dtype_name(c->wtype));
+            c->name, c->n_layer, c->n_head, c->n_head_kv, c->head_dim, c->n_embd,
+            plan->n_expert > 0 ? c->n_ff_exp : c->n_ff, c->n_vocab, td_dtype_name(c->wtype));
     fprintf(out, "\n%-5s %-4s %-4s %-4s %-9s %-12s %-12s %-12s %-14s %-14s\n", "rank", "tp", "cp",
             "pp", "layers", "weights", "KV/token", "TP/token", "prefill/token", "decode/token");
     /* Weight shards: one load per distinct (tp_rank, stage); CP ranks hold
@@ -343,8 +347,10 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
     if (p->tp > 1)
         fprintf(out,
                 "  TP %d: attention heads (%d query, %d KV per rank) and FFN columns "
-                "(%d per rank); KV cache by head\n",
-                p->tp, c->n_head / p->tp, kv_heads_local(c, p->tp), c->n_ff / p->tp);
+                "(%d per rank%s); KV cache by head\n",
+                p->tp, c->n_head / p->tp, kv_heads_local(c, p->tp),
+                (plan->n_expert > 0 ? c->n_ff_exp : c->n_ff) / p->tp,
+                plan->n_expert > 0 ? " of every expert" : "");
     if (p->pp > 1) fprintf(out, "  PP %d: layers by stage; KV cache by layer\n", p->pp);
     if (p->cp > 1)
         fprintf(out,

@@ -49,3 +49,16 @@ def test_multi_rank_without_dry_run_is_refused():
     r = run_tandem("generate", "--model", MODEL, "--tp", "1", "--prompt", "hi",
                    "--max-tokens", "2", check=False)
     assert r.returncode == 0, r.describe()
+
+
+def test_moe_plans():
+    moe = os.path.join(os.environ.get("TANDEM_TEST_MODELS", ""), "gguf/qwen2moe-f32.gguf")
+    # 8 experts, top-2 (tests/models/make_models.py): EP defaults to the TP group.
+    r = run_tandem("generate", "--model", moe, "--tp", "2", "--plan-dry-run", check=False)
+    assert r.returncode == 0, r.describe()
+    assert "ep 2 (8 experts, 2 per token)" in r.stdout, r.stdout
+    assert "EP 2: experts (4 per rank)" in r.stdout, r.stdout
+    r = run_tandem("generate", "--model", moe, "--tp", "2", "--cp", "2", "--ep", "3",
+                   "--plan-dry-run", check=False)
+    assert r.returncode == 2, r.describe()
+    assert "--ep 3 does not divide the 8 experts" in r.stderr, r.describe()
