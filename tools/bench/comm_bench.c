@@ -88,7 +88,7 @@ static size_t parse_size(const char *s) {
 int main(int argc, char **argv) {
     opts o = {
         .ranks = 4, .min_bytes = 1024, .max_bytes = (size_t)64 << 20, .chunk = (size_t)1 << 20};
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) { /* every option takes a value */
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(argv[i], "--ranks") && v)
             o.ranks = atoi(v);
@@ -105,7 +105,6 @@ int main(int argc, char **argv) {
                             "[--chunk-kib K] [--iters I]\n");
             return 2;
         }
-        i++;
     }
     if (o.ranks < 1 || o.ranks > TD_COMM_MAX_RANKS ||
         o.min_bytes < sizeof(float) * (size_t)o.ranks || o.max_bytes < o.min_bytes ||
