@@ -577,6 +577,17 @@ static int32_t reserve_target(const td_sched *s, const seq *q) {
     return TD_MAX(0, blocks_for(s, final_tokens) - have_for_tokens);
 }
 
+/* Extends q's chain of block hashes to its first n full blocks (a token
+ * never changes, so each block is hashed once). */
+static void hash_blocks(const td_sched *s, seq *q, int32_t n) {
+    int32_t bs = s->block_size;
+    for (; q->n_hash_valid < n; q->n_hash_valid++) {
+        int32_t b = q->n_hash_valid;
+        td_kv_hash parent = b == 0 ? s->p.compat : q->hashes[b - 1];
+        q->hashes[b] = td_kv_hash_block(parent, q->tokens + (size_t)b * (size_t)bs, bs, NULL, 0);
+    }
+}
+
 /* Tries to admit the head of the waiting queue. */
 static bool admit_one(td_sched *s, seq *q) {
     int32_t bs = s->block_size;
@@ -585,12 +596,7 @@ static bool admit_one(td_sched *s, seq *q) {
         /* Hash the full blocks of what must be computed, keeping at least the
          * last token to run (its logits give the next token). */
         int32_t n_full = (q->n_tokens - 1) / bs;
-        for (; q->n_hash_valid < n_full; q->n_hash_valid++) {
-            int32_t b = q->n_hash_valid;
-            td_kv_hash parent = b == 0 ? s->p.compat : q->hashes[b - 1];
-            q->hashes[b] =
-                td_kv_hash_block(parent, q->tokens + (size_t)b * (size_t)bs, bs, NULL, 0);
-        }
+        hash_blocks(s, q, n_full);
         matched = td_kv_cache_acquire(s->kv, q->hashes, n_full, q->blocks);
         if (matched < n_full && s->n_running > 0 &&
             td_kv_hmap_get(&s->pending, q->hashes[matched]) >= 0) {
@@ -706,15 +712,10 @@ static bool grow_blocks(td_sched *s, seq *q, int32_t upto) {
 /* Publishes the hashes of q's newly full, computed blocks. */
 static void publish_blocks(td_sched *s, seq *q) {
     if (!s->p.prefix_cache) return;
-    int32_t bs = s->block_size, full = q->n_computed / bs;
+    int32_t full = q->n_computed / s->block_size;
+    hash_blocks(s, q, full);
     while (q->n_published < full) {
         int32_t b = q->n_published;
-        if (b >= q->n_hash_valid) {
-            td_kv_hash parent = b == 0 ? s->p.compat : q->hashes[b - 1];
-            q->hashes[b] =
-                td_kv_hash_block(parent, q->tokens + (size_t)b * (size_t)bs, bs, NULL, 0);
-            q->n_hash_valid = b + 1;
-        }
         td_kv_cache_insert(s->kv, q->blocks[b], q->hashes[b]);
         if (b < q->n_pend_end) td_kv_hmap_del(&s->pending, q->hashes[b]);
         q->n_published++;
@@ -728,13 +729,13 @@ static int32_t build_batch(td_sched *s) {
     for (int pass = 0; pass < 2; pass++) {
         for (int32_t i = 0; i < s->n_running && budget > 0;) {
             seq *q = s->running[i];
-            int32_t todo = q->n_tokens - q->n_computed;
-            bool decode = todo == 1;
+            int32_t left = q->n_tokens - q->n_computed;
+            bool decode = left == 1;
             if ((pass == 0) != decode || q->chunk > 0) {
                 i++;
                 continue;
             }
-            int32_t take = TD_MIN(todo, budget);
+            int32_t take = TD_MIN(left, budget);
             if (!grow_blocks(s, q, q->n_computed + take)) {
                 /* q was preempted; the list shifted. Restart the pass so
                  * sequences already chosen keep their blocks. */
@@ -768,8 +769,9 @@ static int32_t build_batch(td_sched *s) {
     return n;
 }
 
-/* Samples q's next token from its logits row and applies the stop rules. */
-static void sample_one(td_sched *s, seq *q, float *logits, double now) {
+/* Samples q's next token from its logits row and applies the stop rules.
+ * Returns true when q ended (and was freed). */
+static bool sample_one(td_sched *s, seq *q, float *logits, double now) {
     int32_t n_out = q->n_tokens - q->n_prompt;
     if (n_out < q->min_tokens)
         for (int32_t i = 0; i < q->n_ban; i++) logits[q->ban[i]] = -INFINITY;
@@ -777,7 +779,7 @@ static void sample_one(td_sched *s, seq *q, float *logits, double now) {
     td_status st = td_sampler_sample(q->sampler, logits, &r);
     if (st != TD_OK) {
         seq_finish(s, q, TD_FINISH_ERROR, st, -1, -1);
-        return;
+        return true;
     }
     td_sampler_accept(q->sampler, r.token);
     q->tokens[q->n_tokens++] = r.token;
@@ -824,9 +826,9 @@ static void sample_one(td_sched *s, seq *q, float *logits, double now) {
     } else if (n_out >= q->max_tokens || q->n_tokens >= s->p.max_ctx) {
         seq_finish(s, q, TD_FINISH_LENGTH, TD_OK, -1, -1);
     } else {
-        return;
+        return false;
     }
-    /* Finished: seq_finish freed q; the caller drops it from running. */
+    return true;
 }
 
 /* One scheduling step. Returns false when there was nothing to run. */
@@ -866,27 +868,8 @@ static bool step(td_sched *s) {
         if (!has_logits) continue;
         /* A cancel that arrived during the forward pass wins over the token. */
         if (atomic_load(&q->st->cancel)) continue;
-        running_remove(s, idx);
-        int32_t before = s->n_running;
-        /* sample_one frees q when it finishes; otherwise put it back in its
-         * admission-order place. */
-        bool finished;
-        {
-            td_gen_stream *gs = q->st;
-            atomic_fetch_add(&gs->refs, 1);
-            sample_one(s, q, lg, now);
-            pthread_mutex_lock(&gs->mu);
-            finished = gs->finished;
-            pthread_mutex_unlock(&gs->mu);
-            stream_unref(gs);
-        }
-        TD_ASSERT(s->n_running == before);
-        if (!finished) {
-            memmove(&s->running[idx + 1], &s->running[idx],
-                    (size_t)(s->n_running - idx) * sizeof(seq *));
-            s->running[idx] = q;
-            s->n_running++;
-        }
+        /* A finished sequence has been freed: drop it from running. */
+        if (sample_one(s, q, lg, now)) running_remove(s, idx);
     }
     return true;
 }
