@@ -20,6 +20,7 @@
 struct td_kv_pool {
     td_kv_params p;
     uint64_t *empty_bits; /* (ceil(n_blocks / 64)) set = empty */
+    uint64_t *free_bits;  /* (ceil(n_blocks / 64)) set = allocatable: empty or cached */
     int32_t *refs;        /* (n_blocks) */
     td_kv_hash *hashes;   /* (n_blocks) valid where has_hash */
     bool *has_hash;       /* (n_blocks) */
@@ -111,13 +112,14 @@ td_status td_kv_pool_create(const td_kv_params *p, td_kv_pool **pool_p) {
     pool->layer_floats = lf;
     size_t nb = (size_t)p->n_blocks, n_words = (nb + 63) / 64;
     pool->empty_bits = calloc(n_words, sizeof(uint64_t));
+    pool->free_bits = calloc(n_words, sizeof(uint64_t));
     pool->refs = calloc(nb, sizeof(int32_t));
     pool->hashes = calloc(nb, sizeof(td_kv_hash));
     pool->has_hash = calloc(nb, sizeof(bool));
     pool->lru_prev = malloc(nb * sizeof(int32_t));
     pool->lru_next = malloc(nb * sizeof(int32_t));
-    if (!pool->empty_bits || !pool->refs || !pool->hashes || !pool->has_hash || !pool->lru_prev ||
-        !pool->lru_next) {
+    if (!pool->empty_bits || !pool->free_bits || !pool->refs || !pool->hashes || !pool->has_hash ||
+        !pool->lru_prev || !pool->lru_next) {
         TD_LOG_ERROR("out of memory");
         goto free_arrays;
     }
@@ -129,6 +131,7 @@ td_status td_kv_pool_create(const td_kv_params *p, td_kv_pool **pool_p) {
         goto free_map;
     for (size_t i = 0; i < nb; i++) {
         pool->empty_bits[i / 64] |= 1ull << (i % 64);
+        pool->free_bits[i / 64] |= 1ull << (i % 64);
         pool->lru_prev[i] = pool->lru_next[i] = -1;
     }
     pool->lru_head = pool->lru_tail = -1;
@@ -153,6 +156,7 @@ free_arrays:
     free(pool->has_hash);
     free(pool->hashes);
     free(pool->refs);
+    free(pool->free_bits);
     free(pool->empty_bits);
     free(pool);
     return TD_ERR_NOMEM;
@@ -168,6 +172,7 @@ void td_kv_pool_destroy(td_kv_pool *pool) {
     free(pool->has_hash);
     free(pool->hashes);
     free(pool->refs);
+    free(pool->free_bits);
     free(pool->empty_bits);
     free(pool);
 }
@@ -249,8 +254,16 @@ static void drop_hash(td_kv_pool *pool, int32_t id) {
     td_kv_events_append(pool->events, TD_KV_EVENT_REMOVED, pool->hashes[id]);
 }
 
+static inline void set_free(td_kv_pool *pool, int32_t id, bool f) {
+    if (f)
+        pool->free_bits[id / 64] |= 1ull << (id % 64);
+    else
+        pool->free_bits[id / 64] &= ~(1ull << (id % 64));
+}
+
 static void take_empty(td_kv_pool *pool, int32_t id) {
     pool->empty_bits[id / 64] &= ~(1ull << (id % 64));
+    set_free(pool, id, false);
     pool->refs[id] = 1;
     pool->n_empty--;
 }
@@ -264,6 +277,7 @@ static int32_t take_evicted(td_kv_pool *pool) {
     drop_hash(pool, id);
     pool->evictions++;
     pool->refs[id] = 1;
+    set_free(pool, id, false);
     return id;
 }
 
@@ -336,6 +350,7 @@ void td_kv_block_free(td_kv_pool *pool, const int32_t *ids, int32_t n) {
         TD_ASSERT(id >= 0 && id < pool->p.n_blocks);
         TD_ASSERT(pool->refs[id] > 0 && !is_empty(pool, id));
         if (--pool->refs[id] > 0) continue;
+        set_free(pool, id, true);
         if (pool->has_hash[id]) {
             lru_push_tail(pool, id);
             pool->n_cached++;
@@ -381,6 +396,7 @@ int32_t td_kv_cache_acquire(td_kv_pool *pool, const td_kv_hash *hashes, int32_t 
         if (pool->refs[id] == 0) {
             lru_unlink(pool, id);
             pool->n_cached--;
+            set_free(pool, id, false);
             /* Taking a cached block spends free capacity that a reservation
              * may count on; callers check td_kv_pool_n_free first. */
         }
@@ -402,10 +418,23 @@ void td_kv_cache_clear(td_kv_pool *pool) {
 }
 
 void td_kv_pool_counts(const td_kv_pool *pool, td_kv_counts *c) {
+    /* Longest run of allocatable ids, a word at a time (called every step). */
     int32_t nb = pool->p.n_blocks, best = 0, run = 0;
-    for (int32_t i = 0; i < nb; i++) {
-        bool free_id = is_empty(pool, i) || (pool->refs[i] == 0 && pool->has_hash[i]);
-        run = free_id ? run + 1 : 0;
+    size_t n_words = ((size_t)nb + 63) / 64;
+    for (size_t w = 0; w < n_words; w++) {
+        uint64_t bits = pool->free_bits[w];
+        int width = w + 1 < n_words || nb % 64 == 0 ? 64 : nb % 64;
+        if (width == 64 && bits == ~0ull) {
+            run += 64;
+        } else if (bits == 0) {
+            run = 0;
+        } else {
+            for (int i = 0; i < width; i++) {
+                run = (bits >> i) & 1u ? run + 1 : 0;
+                if (run > best) best = run;
+            }
+            continue;
+        }
         if (run > best) best = run;
     }
     int32_t n_free = pool->n_empty + pool->n_cached;
