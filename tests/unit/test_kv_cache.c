@@ -376,7 +376,7 @@ static void test_events_log(void **state) {
 /* ---------------------------------------------------------------------------
  * The pool against a model */
 
-#define MAXB 64
+#define MAXB 200 /* pools past three 64-bit words of the free bitmap */
 
 typedef struct {
     int32_t n;
