@@ -366,21 +366,24 @@ static json_t *bytes_json(const char *s, size_t n) {
 }
 
 /* Appends the delta's tokens to lp in OpenAI's format for the kind. */
+/* The bytes of one token as logprobs report it (specials included), cut
+ * to cap. */
+static size_t piece_of(const td_tokenizer *tok, int32_t id, char *buf, size_t cap) {
+    return TD_MIN(td_tokenizer_token_to_piece(tok, id, false, buf, cap), cap);
+}
+
 static void lp_add(const job *j, choice *c, json_t *lp, const td_gen_delta *d) {
     if (!lp || !d->logprobs) return;
     const td_tokenizer *tok = j->srv->p.model.tok;
     for (int32_t k = 0; k < d->n_tokens; k++) {
         const td_sample_result *r = &d->logprobs[k];
         char piece[256];
-        size_t n = td_tokenizer_token_to_piece(tok, d->tokens[k], false, piece, sizeof(piece));
-        n = TD_MIN(n, sizeof(piece));
+        size_t n = piece_of(tok, d->tokens[k], piece, sizeof(piece));
         if (j->req.kind == TD_API_CHAT) {
             json_t *top = json_array();
             for (int32_t t = 0; top && t < r->n_top && t < j->req.top_logprobs; t++) {
                 char tp[256];
-                size_t tn =
-                    td_tokenizer_token_to_piece(tok, r->top[t].token, false, tp, sizeof(tp));
-                tn = TD_MIN(tn, sizeof(tp));
+                size_t tn = piece_of(tok, r->top[t].token, tp, sizeof(tp));
                 json_array_append_new(top, json_pack("{s:o,s:f,s:o}", "token", jstr(tp, tn),
                                                      "logprob", safe_lp(r->top[t].logprob), "bytes",
                                                      bytes_json(tp, tn)));
@@ -396,9 +399,7 @@ static void lp_add(const job *j, choice *c, json_t *lp, const td_gen_delta *d) {
             json_t *top = json_object();
             for (int32_t t = 0; top && t < r->n_top && t < j->req.top_logprobs; t++) {
                 char tp[256];
-                size_t tn =
-                    td_tokenizer_token_to_piece(tok, r->top[t].token, false, tp, sizeof(tp));
-                tn = TD_MIN(tn, sizeof(tp));
+                size_t tn = piece_of(tok, r->top[t].token, tp, sizeof(tp));
                 size_t fl = 0;
                 char *key = td_api_utf8_fix(tp, tn, &fl);
                 /* Two tokens with one text: the more likely one (first) stays. */
