@@ -283,21 +283,17 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
     q->st = gs;
 
     pthread_mutex_lock(&s->mu);
-    if (atomic_load(&s->draining) || s->stop) {
+    /* The checks above again, now that they cannot race with a drain. */
+    td_status refused = atomic_load(&s->draining) || s->stop ? TD_ERR_UNAVAILABLE
+                        : queue_full(s)                      ? TD_AGAIN
+                                                             : TD_OK;
+    if (refused != TD_OK) {
         pthread_mutex_unlock(&s->mu);
         atomic_store(&gs->refs, 1);
         stream_unref(gs);
         q->st = NULL;
         seq_free(q);
-        return TD_ERR_UNAVAILABLE;
-    }
-    if (queue_full(s)) {
-        pthread_mutex_unlock(&s->mu);
-        atomic_store(&gs->refs, 1);
-        stream_unref(gs);
-        q->st = NULL;
-        seq_free(q);
-        return TD_AGAIN;
+        return refused;
     }
     atomic_fetch_add(&s->n_waiting_total, 1);
     atomic_fetch_add(&s->n_live_streams, 1);
