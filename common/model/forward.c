@@ -76,7 +76,8 @@ struct td_engine {
 };
 
 td_engine_params td_engine_default_params(void) {
-    td_engine_params p = {.max_batch_tokens = 2048, .max_seqs = 256, .max_ctx = 0};
+    td_engine_params p = {
+        .max_batch_tokens = 2048, .max_seqs = 256, .max_ctx = 0, .cp_min_tokens = 256};
     return p;
 }
 
@@ -227,6 +228,13 @@ void td_engine_destroy(td_engine *e) {
     if (!e) return;
     engine_free_scratch(e);
     free(e);
+}
+
+int32_t td_engine_stage_rows(const td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs) {
+    (void)e;
+    int32_t n = 0;
+    for (int32_t i = 0; i < n_seqs; i++) n += seqs[i].n_tokens;
+    return n;
 }
 
 int32_t td_engine_n_logit_rows(const td_seq_chunk *seqs, int32_t n_seqs) {

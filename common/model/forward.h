@@ -34,6 +34,21 @@ typedef struct {
     int32_t max_batch_tokens; /* most tokens one forward call may carry (default 2048) */
     int32_t max_seqs;         /* most sequences per call (default 256) */
     int32_t max_ctx;          /* longest sequence; 0 (default): min(n_ctx_train, 8192) */
+    /* Context parallelism (borrowed; NULL: none). Every rank of the CP group
+     * gets the same batch; KV block j of a sequence lives on CP rank
+     * j % cp (the others never write or read it); prefill chunks of at least
+     * cp_min_tokens tokens are split by block owner (PCP, K/V exchanged per
+     * cp_mode), other rows are computed by every CP rank with attention
+     * partials over each rank's positions merged (DCP). */
+    td_comm *cp_comm;
+    int cp_mode;           /* td_cp_mode of parallel/plan.h */
+    int32_t cp_min_tokens; /* default 256 */
+    /* Expert parallelism for MoE models (borrowed; NULL: every expert of
+     * the model shard is local). The group's ranks hold disjoint experts
+     * (td_model_params.ep_rank / ep_size); tokens go to their experts'
+     * ranks and back with all-to-all. */
+    td_comm *ep_comm;
+    bool attn_dp; /* attention data-parallel over the EP group (each rank its own sequences) */
 } td_engine_params;
 
 td_engine_params td_engine_default_params(void);
@@ -45,6 +60,13 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
                            const td_engine_params *p, td_engine **e_p);
 void td_engine_destroy(td_engine *e); /* accepts NULL */
 
+/* Rows of hidden state this rank computes for the batch: x_in and x_out of
+ * td_engine_forward_stage hold this many rows of n_embd floats, in the
+ * order of seqs. Every token of the batch without CP or attention-DP; with
+ * them, the tokens this rank computes (the same on every rank of a TP
+ * group, and on the same-coordinate ranks of every pipeline stage). */
+int32_t td_engine_stage_rows(const td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs);
+
 /* Rows of logits the call will produce for this batch. */
 int32_t td_engine_n_logit_rows(const td_seq_chunk *seqs, int32_t n_seqs);
 
@@ -52,18 +74,19 @@ int32_t td_engine_n_logit_rows(const td_seq_chunk *seqs, int32_t n_seqs);
  * order of seqs (every token of a logits_all chunk, else its last token,
  * none for no_logits chunks). TD_ERR_INVALID for a batch that breaks the
  * limits (too many tokens, a block table too short, a position past max_ctx,
- * a token id out of the vocabulary). */
+ * a token id out of the vocabulary). With CP or attention-DP every rank of
+ * those groups gets the whole batch and the complete logits are written on
+ * their rank 0 only (logits may be NULL on the others). */
 td_status td_engine_forward(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs, float *logits);
 
 /* The same for a pipeline stage (a model loaded with a layer range).
  * x_in: (n_tokens of the batch, n_embd) hidden states from the previous
- * stage, in the order of seqs; NULL on the first stage (which embeds the
- * tokens). x_out: where this stage's hidden states go, same shape; NULL on
- * the last stage (which produces logits as td_engine_forward does; logits
- * is ignored on other stages). Token ids are validated on every stage.
- * td_engine_forward(e, ...) is td_engine_forward_stage(e, ..., NULL, NULL,
- * logits) and needs a whole model. TD_ERR_INVALID when x_in / x_out do not
- * match the stage. */
+ * stage (td_engine_stage_rows of them), in the order of seqs; NULL on the first stage (which embeds
+ * the tokens). x_out: where this stage's hidden states go, same shape; NULL on the last stage
+ * (which produces logits as td_engine_forward does; logits is ignored on other stages). Token ids
+ * are validated on every stage. td_engine_forward(e, ...) is td_engine_forward_stage(e, ..., NULL,
+ * NULL, logits) and needs a whole model. TD_ERR_INVALID when x_in / x_out do not match the stage.
+ */
 td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs,
                                   const float *x_in, float *x_out, float *logits);
 
