@@ -70,6 +70,20 @@ struct td_engine {
     int32_t *tok_seq;    /* (T) sequence of each row */
     int32_t *tok_pos;    /* (T) position of each row */
     int32_t *logit_tok;  /* (T) row feeding each logit row */
+    /* Expert parallelism (ep_comm of size > 1) and per-expert load. The rows
+     * of the batch are split between the ranks of the row group (the TP
+     * group, or the EP group itself when TP is 1), which all hold the same
+     * rows; each rank routes its share and sends every (row, expert) choice
+     * to the expert's rank in its EP group (consecutive row-group ranks). */
+    int ep_size, ep_rank;          /* EP group; 1 / 0 without EP */
+    int n_exp_loc, exp0;           /* local experts [exp0, exp0 + n_exp_loc) */
+    td_comm *rg_comm;              /* row group: comm, or ep_comm when TP is 1 */
+    int rg_rank, rg_size, ep_base; /* ep_base: row-group rank of EP rank 0 of this group */
+    bool ep_sum;                   /* the FFN partials are summed over ep_comm (TP is 1) */
+    int32_t *ep_cnt;               /* (rg_size, n_expert) choices per expert of each rank's rows */
+    size_t *a2a;                   /* (4, ep_size) send bytes, displs, recv bytes, displs */
+    int32_t *ep_eoff;              /* (n_exp_loc + 1) first received row of each local expert */
+    int64_t *load_cur, *load_last; /* (local layers, n_expert) choices per expert */
     const td_seq_chunk *seqs;
     int32_t n_tok;
     _Atomic int64_t work_next; /* next unclaimed work item of the running step */
@@ -117,6 +131,73 @@ static void engine_free_scratch(td_engine *e) {
     free(e->gg);
     free(e->ug);
     free(e->yg);
+    free(e->ep_cnt);
+    free(e->a2a);
+    free(e->ep_eoff);
+    free(e->load_cur);
+    free(e->load_last);
+}
+
+/* Expert parallelism: the EP group must be the one the model shard was
+ * loaded for, and inside a TP group its consecutive ranks. */
+static td_status ep_check(const td_model *m, td_comm *comm, const td_engine_params *p) {
+    const td_model_config *c = td_model_get_config(m);
+    int P = p->ep_comm ? td_comm_size(p->ep_comm) : 1;
+    int R = p->ep_comm ? td_comm_rank(p->ep_comm) : 0;
+    int ms = td_model_ep_size(m), mr = td_model_ep_rank(m);
+    if (p->attn_dp) {
+        TD_LOG_ERROR("attention data-parallel (attn_dp) is not available: attention runs "
+                     "tensor-parallel over the TP group");
+        return TD_ERR_UNSUPPORTED;
+    }
+    if (c->n_expert == 0) {
+        if (P > 1) {
+            TD_LOG_ERROR("an EP group of %d ranks needs a mixture-of-experts model; this one is "
+                         "dense",
+                         P);
+            return TD_ERR_INVALID;
+        }
+        return TD_OK;
+    }
+    if (P != ms || R != mr) {
+        TD_LOG_ERROR("the EP group (rank %d of %d) does not match the model shard, which holds "
+                     "the experts of EP rank %d of %d",
+                     R, P, mr, ms);
+        return TD_ERR_INVALID;
+    }
+    int32_t n_loc = c->n_expert / ms;
+    for (int l = td_model_layer_begin(m); l < td_model_layer_end(m); l++) {
+        const td_layer_weights *lw = td_model_layer(m, l);
+        if (lw->n_experts_local != n_loc || lw->experts[0].id != mr * n_loc) {
+            TD_LOG_ERROR("layer %d holds %d experts from id %d, not the %d of EP rank %d of %d", l,
+                         lw->n_experts_local, lw->experts[0].id, n_loc, mr, ms);
+            return TD_ERR_INVALID;
+        }
+    }
+    int tn = td_comm_size(comm), tr = td_comm_rank(comm);
+    if (P > 1 && tn > 1 && (tn % P != 0 || tr % P != R)) {
+        TD_LOG_ERROR("the EP group (rank %d of %d) is not a run of consecutive ranks of the TP "
+                     "group (rank %d of %d)",
+                     R, P, tr, tn);
+        return TD_ERR_INVALID;
+    }
+    return TD_OK;
+}
+
+static void ep_setup(td_engine *e) {
+    e->ep_size = 1;
+    td_comm *epc = e->p.ep_comm;
+    if (e->n_expert == 0 || !epc || td_comm_size(epc) < 2) return;
+    e->ep_size = td_comm_size(epc);
+    e->ep_rank = td_comm_rank(epc);
+    e->n_exp_loc = e->n_expert / e->ep_size;
+    e->exp0 = e->ep_rank * e->n_exp_loc;
+    e->n_ff_exp = td_model_get_config(e->m)->n_ff_exp; /* whole experts */
+    e->ep_sum = td_comm_size(e->comm) == 1;
+    e->rg_comm = e->ep_sum ? epc : e->comm;
+    e->rg_rank = td_comm_rank(e->rg_comm);
+    e->rg_size = td_comm_size(e->rg_comm);
+    e->ep_base = e->rg_rank - e->ep_rank;
 }
 
 td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp, td_comm *comm,
@@ -145,14 +226,8 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
                      c->n_expert_used);
         return TD_ERR_INVALID;
     }
-    for (int l = td_model_layer_begin(m); c->n_expert > 0 && l < td_model_layer_end(m); l++) {
-        if (td_model_layer(m, l)->n_experts_local != c->n_expert) {
-            TD_LOG_ERROR("layer %d holds %d of the %d experts: expert parallelism needs the "
-                         "all-to-all dispatch",
-                         l, td_model_layer(m, l)->n_experts_local, c->n_expert);
-            return TD_ERR_UNSUPPORTED;
-        }
-    }
+    td_status st = ep_check(m, comm, &ep);
+    if (st) return st;
     td_engine *e = calloc(1, sizeof *e);
     if (!e) {
         TD_LOG_ERROR("out of memory");
@@ -180,6 +255,7 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
         e->n_ff_exp = c->n_ff_exp / td_model_tp_size(m);
         e->norm_topk = c->norm_topk_prob;
     }
+    ep_setup(e);
     e->n_vocab = c->n_vocab;
     e->eps = c->rms_eps;
     e->attn_scale = (float)(1.0 / sqrt((double)c->head_dim));
@@ -213,6 +289,16 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
         e->gg = scratch_alloc(TK * (size_t)e->n_ff_exp, sizeof(float), &fail);
         e->ug = scratch_alloc(TK * (size_t)e->n_ff_exp, sizeof(float), &fail);
         e->yg = scratch_alloc(TK * (size_t)e->n_embd, sizeof(float), &fail);
+        size_t NL = (size_t)n_local_layers * (size_t)e->n_expert;
+        e->load_cur = scratch_alloc(NL, sizeof(int64_t), &fail);
+        e->load_last = scratch_alloc(NL, sizeof(int64_t), &fail);
+        if (e->load_last) memset(e->load_last, 0, NL * sizeof(int64_t));
+        if (e->ep_size > 1) {
+            e->ep_cnt =
+                scratch_alloc((size_t)e->rg_size * (size_t)e->n_expert, sizeof(int32_t), &fail);
+            e->a2a = scratch_alloc(4 * (size_t)e->ep_size, sizeof(size_t), &fail);
+            e->ep_eoff = scratch_alloc((size_t)e->n_exp_loc + 1, sizeof(int32_t), &fail);
+        }
     }
     if (fail) {
         TD_LOG_ERROR("out of memory for engine scratch (%d tokens)", ep.max_batch_tokens);
@@ -235,6 +321,17 @@ int32_t td_engine_stage_rows(const td_engine *e, const td_seq_chunk *seqs, int32
     int32_t n = 0;
     for (int32_t i = 0; i < n_seqs; i++) n += seqs[i].n_tokens;
     return n;
+}
+
+td_status td_engine_expert_load(const td_engine *e, int layer, int64_t *counts) {
+    if (!e || !counts || e->n_expert == 0) return TD_ERR_INVALID;
+    int lb = td_model_layer_begin(e->m), le = td_model_layer_end(e->m);
+    if (layer != -1 && (layer < lb || layer >= le)) return TD_ERR_INVALID;
+    const size_t NE = (size_t)e->n_expert;
+    memset(counts, 0, NE * sizeof *counts);
+    for (int l = layer < 0 ? lb : layer; l < (layer < 0 ? le : layer + 1); l++)
+        for (size_t x = 0; x < NE; x++) counts[x] += e->load_last[(size_t)(l - lb) * NE + x];
+    return TD_OK;
 }
 
 int32_t td_engine_n_logit_rows(const td_seq_chunk *seqs, int32_t n_seqs) {
@@ -425,16 +522,18 @@ static void task_swiglu(void *ctx, int ith, int nth) {
  * id), renormalised when norm_topk. Per row, so batch-invariant. */
 typedef struct {
     td_engine *e;
+    int32_t r0, n_rows; /* rows [r0, r0 + n_rows) */
 } route_task;
 
 static void task_route(void *ctx, int ith, int nth) {
-    td_engine *e = ((const route_task *)ctx)->e;
+    const route_task *t = ctx;
+    td_engine *e = t->e;
     (void)ith;
     (void)nth;
     const int NE = e->n_expert, K = e->n_used;
-    int64_t r0, r1;
-    while (claim(e, e->n_tok, ROW_CHUNK, &r0, &r1))
-        for (int64_t r = r0; r < r1; r++) {
+    int64_t i0, i1;
+    while (claim(e, t->n_rows, ROW_CHUNK, &i0, &i1))
+        for (int64_t r = t->r0 + i0; r < t->r0 + i1; r++) {
             float *p = e->rl + (size_t)r * (size_t)NE; /* logits -> probabilities in place */
             float mx = p[0], sum = 0.0f;
             for (int x = 1; x < NE; x++) mx = p[x] > mx ? p[x] : mx;
@@ -490,6 +589,8 @@ typedef struct {
     td_engine *e;
     const float *shexp_inp; /* NULL: no shared-expert gate */
     bool shared;            /* o holds the shared expert's output */
+    int32_t r0, r1;         /* rows with routed outputs; the others get none */
+    bool shared_outside;    /* rows outside [r0, r1) keep their shared part, else are zeroed */
 } combine_task;
 
 static void task_combine(void *ctx, int ith, int nth) {
@@ -503,7 +604,8 @@ static void task_combine(void *ctx, int ith, int nth) {
     while (claim(e, e->n_tok, ROW_CHUNK, &r0, &r1))
         for (int64_t r = r0; r < r1; r++) {
             float *o = e->o + (size_t)r * E;
-            if (t->shared) {
+            bool routed = r >= t->r0 && r < t->r1;
+            if (t->shared && (routed || t->shared_outside)) {
                 float gs = 1.0f;
                 if (t->shexp_inp) {
                     const float *xn = e->xn + (size_t)r * E;
@@ -515,7 +617,7 @@ static void task_combine(void *ctx, int ith, int nth) {
             } else {
                 memset(o, 0, E * sizeof(float));
             }
-            for (int j = 0; j < K; j++) {
+            for (int j = 0; routed && j < K; j++) {
                 float w = e->sel_w[(size_t)r * (size_t)K + (size_t)j];
                 const float *y = e->yg + (size_t)e->sel_slot[(size_t)r * (size_t)K + (size_t)j] * E;
                 for (size_t i = 0; i < E; i++) o[i] += w * y[i];
@@ -527,7 +629,7 @@ static void task_combine(void *ctx, int ith, int nth) {
  * partial sum under TP, like the dense FFN). Tokens are grouped by expert
  * (a counting sort over the rows in order), so each expert's matrices are
  * streamed once over all of its tokens. */
-static void moe_ffn(td_engine *e, const td_layer_weights *lw) {
+static void moe_ffn(td_engine *e, const td_layer_weights *lw, int li) {
     const int32_t T = e->n_tok;
     const int K = e->n_used, NE = e->n_expert;
     const size_t E = (size_t)e->n_embd, F = (size_t)e->n_ff_exp;
@@ -536,7 +638,7 @@ static void moe_ffn(td_engine *e, const td_layer_weights *lw) {
     float *yr[] = {e->rl};
     size_t ldr[] = {(size_t)NE};
     matmul(e, wr, 1, e->xn, E, yr, ldr, T);
-    route_task rt = {.e = e};
+    route_task rt = {.e = e, .r0 = 0, .n_rows = T};
     run(e, task_route, &rt, T);
 
     int32_t *off = e->exp_off;
@@ -552,6 +654,8 @@ static void moe_ffn(td_engine *e, const td_layer_weights *lw) {
         }
     for (int x = NE; x > 0; x--) off[x] = off[x - 1]; /* back to first slots */
     off[0] = 0;
+    for (int x = 0; x < NE; x++)
+        e->load_cur[(size_t)li * (size_t)NE + (size_t)x] = off[x + 1] - off[x];
     int32_t n_slots = T * K;
     gather_task gt = {.e = e, .n_slots = n_slots};
     run(e, task_gather, &gt, n_slots);
@@ -590,8 +694,165 @@ static void moe_ffn(td_engine *e, const td_layer_weights *lw) {
         size_t ldo[] = {E};
         matmul(e, wd, 1, e->g, (size_t)e->n_ff, yo, ldo, T);
     }
-    combine_task ct = {.e = e, .shexp_inp = lw->shexp_inp, .shared = shared};
+    combine_task ct = {.e = e, .shexp_inp = lw->shexp_inp, .shared = shared, .r0 = 0, .r1 = T};
     run(e, task_combine, &ct, T);
+}
+/* Rows of the expert-parallel exchange: a is sender-major (as an
+ * all-to-all lands them: sender j's rows for each local expert in turn), b
+ * expert-major (each local expert's rows of every sender, so one matmul per
+ * expert); to_b copies a into b, else b back into a. */
+static void ep_permute(const td_engine *e, float *a, float *b, bool to_b) {
+    const size_t E = (size_t)e->n_embd;
+    const size_t *rd = e->a2a + 3 * (size_t)e->ep_size;
+    size_t nb = 0;
+    for (int i = 0; i < e->n_exp_loc; i++)
+        for (int j = 0; j < e->ep_size; j++) {
+            const int32_t *cs =
+                e->ep_cnt + (size_t)(e->ep_base + j) * (size_t)e->n_expert + e->exp0;
+            size_t na = rd[j] / (E * sizeof(float));
+            for (int k = 0; k < i; k++) na += (size_t)cs[k];
+            size_t n = (size_t)cs[i];
+            if (n && to_b)
+                memcpy(b + nb * E, a + na * E, n * E * sizeof(float));
+            else if (n)
+                memcpy(a + na * E, b + nb * E, n * E * sizeof(float));
+            nb += n;
+        }
+}
+
+/* The MoE FFN of one layer under expert parallelism. This rank routes its
+ * share [r0, r1) of the rows and groups the choices by expert as moe_ffn
+ * does, so the slots of the experts of EP rank j are contiguous: block j
+ * of the dispatch. The per-expert counts of every row-group rank (one
+ * all-gather) size every transfer and give the load of the whole batch.
+ * Each local expert runs once over the rows of all senders, the outputs go
+ * back into the slots they came from (combine), and each row adds its
+ * experts in its selection order, as on one rank. Rows outside [r0, r1)
+ * get no routed part: the sum over the row group after the FFN (the TP
+ * all-reduce, or ep_sum) completes them. */
+static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
+    const int32_t T = e->n_tok;
+    const int K = e->n_used, NE = e->n_expert, P = e->ep_size, NL = e->n_exp_loc;
+    const size_t E = (size_t)e->n_embd, F = (size_t)e->n_ff_exp, row = E * sizeof(float);
+    const int32_t r0 = (int32_t)((int64_t)T * e->rg_rank / e->rg_size);
+    const int32_t r1 = (int32_t)((int64_t)T * (e->rg_rank + 1) / e->rg_size);
+    const int32_t nr = r1 - r0;
+    td_status st;
+
+    if (nr > 0) {
+        const td_weight *wr[] = {&lw->router};
+        float *yr[] = {e->rl + (size_t)r0 * (size_t)NE};
+        size_t ldr[] = {(size_t)NE};
+        matmul(e, wr, 1, e->xn + (size_t)r0 * E, E, yr, ldr, nr);
+        route_task rt = {.e = e, .r0 = r0, .n_rows = nr};
+        run(e, task_route, &rt, nr);
+    }
+    int32_t *off = e->exp_off;
+    int32_t *mine = e->ep_cnt + (size_t)e->rg_rank * (size_t)NE;
+    memset(off, 0, ((size_t)NE + 1) * sizeof *off);
+    for (size_t i = (size_t)r0 * (size_t)K; i < (size_t)r1 * (size_t)K; i++)
+        off[e->sel_id[i] + 1]++;
+    for (int x = 0; x < NE; x++) mine[x] = off[x + 1];
+    for (int x = 0; x < NE; x++) off[x + 1] += off[x];
+    for (int32_t r = r0; r < r1; r++)
+        for (int j = 0; j < K; j++) {
+            size_t i = (size_t)r * (size_t)K + (size_t)j;
+            int32_t slot = off[e->sel_id[i]]++;
+            e->sel_slot[i] = slot;
+            e->slot_row[slot] = r;
+        }
+    for (int x = NE; x > 0; x--) off[x] = off[x - 1];
+    off[0] = 0;
+    int32_t n_slots = nr * K;
+    gather_task gt = {.e = e, .n_slots = n_slots};
+    run(e, task_gather, &gt, n_slots);
+
+    if ((st = td_comm_all_gather(e->rg_comm, mine, e->ep_cnt, (size_t)NE * sizeof(int32_t))))
+        return st;
+    for (int x = 0; x < NE; x++) {
+        int64_t n = 0;
+        for (int k = 0; k < e->rg_size; k++) n += e->ep_cnt[(size_t)k * (size_t)NE + (size_t)x];
+        e->load_cur[(size_t)li * (size_t)NE + (size_t)x] = n;
+    }
+    size_t *sb = e->a2a, *sd = sb + P, *rb = sd + P, *rd = rb + P;
+    size_t n_recv = 0;
+    for (int j = 0; j < P; j++) {
+        sd[j] = (size_t)off[j * NL] * row;
+        sb[j] = (size_t)(off[(j + 1) * NL] - off[j * NL]) * row;
+        const int32_t *cs = e->ep_cnt + (size_t)(e->ep_base + j) * (size_t)NE + e->exp0;
+        size_t n = 0;
+        for (int i = 0; i < NL; i++) n += (size_t)cs[i];
+        rd[j] = n_recv * row;
+        rb[j] = n * row;
+        n_recv += n;
+    }
+    /* The senders share one batch, so this holds unless the ranks were given
+     * different batches. */
+    if (n_recv > (size_t)e->p.max_batch_tokens * (size_t)K) {
+        TD_LOG_ERROR("expert parallelism: %zu rows for this rank's experts, more than %d tokens "
+                     "x %d: the EP group's ranks ran different batches",
+                     n_recv, e->p.max_batch_tokens, K);
+        return TD_ERR_INVALID;
+    }
+    /* Dispatch: my slots (xg) to the experts' ranks, theirs into yg. */
+    if ((st = td_comm_all_to_all_v(e->p.ep_comm, e->xg, sb, sd, e->yg, rb, rd))) return st;
+    ep_permute(e, e->yg, e->xg, true);
+    int32_t *eoff = e->ep_eoff;
+    eoff[0] = 0;
+    for (int i = 0; i < NL; i++) {
+        eoff[i + 1] = eoff[i];
+        for (int j = 0; j < P; j++)
+            eoff[i + 1] += e->ep_cnt[(size_t)(e->ep_base + j) * (size_t)NE + (size_t)(e->exp0 + i)];
+    }
+    for (int i = 0; i < NL; i++) {
+        const td_expert_weights *ex = &lw->experts[i];
+        int32_t s0 = eoff[i], n = eoff[i + 1] - s0;
+        if (n == 0) continue;
+        const td_weight *wgu[] = {&ex->gate, &ex->up};
+        float *ygu[] = {e->gg + (size_t)s0 * F, e->ug + (size_t)s0 * F};
+        size_t ldgu[] = {F, F};
+        matmul(e, wgu, 2, e->xg + (size_t)s0 * E, E, ygu, ldgu, n);
+    }
+    swiglu_task sw = {.e = e, .g = e->gg, .u = e->ug, .n_rows = (int32_t)n_recv, .n = (int)F};
+    run(e, task_swiglu, &sw, (int)n_recv);
+    for (int i = 0; i < NL; i++) {
+        const td_expert_weights *ex = &lw->experts[i];
+        int32_t s0 = eoff[i], n = eoff[i + 1] - s0;
+        if (n == 0) continue;
+        const td_weight *wd[] = {&ex->down};
+        float *yd[] = {e->yg + (size_t)s0 * E};
+        size_t ldd[] = {E};
+        matmul(e, wd, 1, e->gg + (size_t)s0 * F, F, yd, ldd, n);
+    }
+    /* Combine: the outputs back to the ranks (and slots) they came from. */
+    ep_permute(e, e->xg, e->yg, false);
+    if ((st = td_comm_all_to_all_v(e->p.ep_comm, e->xg, rb, rd, e->yg, sb, sd))) return st;
+
+    /* The shared expert is split like a dense FFN over TP (every rank, every
+     * row, a partial sum); with TP 1 each rank computes its own rows whole. */
+    bool shared = e->n_ff > 0, tp = !e->ep_sum;
+    int32_t h0 = tp ? 0 : r0, hn = tp ? T : nr;
+    if (shared && hn > 0) {
+        size_t FS = (size_t)e->n_ff;
+        const td_weight *wgu[] = {&lw->shexp_gate, &lw->shexp_up};
+        float *ygu[] = {e->g + (size_t)h0 * FS, e->u + (size_t)h0 * FS};
+        size_t ldgu[] = {FS, FS};
+        matmul(e, wgu, 2, e->xn + (size_t)h0 * E, E, ygu, ldgu, hn);
+        swiglu_task ss = {.e = e, .g = ygu[0], .u = ygu[1], .n_rows = hn, .n = e->n_ff};
+        run(e, task_swiglu, &ss, hn);
+        const td_weight *wd[] = {&lw->shexp_down};
+        float *yo[] = {e->o + (size_t)h0 * E};
+        size_t ldo[] = {E};
+        matmul(e, wd, 1, ygu[0], FS, yo, ldo, hn);
+    }
+    combine_task ct = {.e = e,
+                       .shexp_inp = lw->shexp_inp,
+                       .shared = shared,
+                       .r0 = r0,
+                       .r1 = r1,
+                       .shared_outside = tp};
+    run(e, task_combine, &ct, T);
+    return TD_OK;
 }
 
 /* Embedding rows: dequantised straight from the (possibly quantised) table. */
@@ -745,8 +1006,10 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
         /* MLP block */
         norm_task nt2 = {.e = e, .n_rows = T, .add = true, .norm_w = lw->ffn_norm};
         run(e, task_norm, &nt2, T);
-        if (e->n_expert > 0) {
-            moe_ffn(e, lw);
+        if (e->ep_size > 1) {
+            if ((st = moe_ffn_ep(e, lw, l - lb))) return st;
+        } else if (e->n_expert > 0) {
+            moe_ffn(e, lw, l - lb);
         } else {
             const td_weight *wgu[] = {&lw->w_gate, &lw->w_up};
             float *ygu[] = {e->g, e->u};
@@ -759,7 +1022,12 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
             matmul(e, wd, 1, e->g, (size_t)e->n_ff, yo, ldo, T);
         }
         if ((st = td_comm_all_reduce_sum(e->comm, e->o, (size_t)T * E))) return st;
+        if (e->ep_sum && (st = td_comm_all_reduce_sum(e->p.ep_comm, e->o, (size_t)T * E)))
+            return st;
     }
+    if (e->n_expert > 0)
+        memcpy(e->load_last, e->load_cur,
+               (size_t)(le - lb) * (size_t)e->n_expert * sizeof(int64_t));
 
     /* last residual for every row, then norm + head only for the logit rows */
     for (int32_t r = 0; r < T; r++)

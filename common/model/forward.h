@@ -46,7 +46,18 @@ typedef struct {
     /* Expert parallelism for MoE models (borrowed; NULL: every expert of
      * the model shard is local). The group's ranks hold disjoint experts
      * (td_model_params.ep_rank / ep_size); tokens go to their experts'
-     * ranks and back with all-to-all. */
+     * ranks and back with all-to-all. Its size and rank must equal the
+     * shard's ep_size / ep_rank (TD_ERR_INVALID otherwise). With a TP comm
+     * of size > 1 the EP group is a run of consecutive TP ranks (tp a
+     * multiple of ep, TP rank % ep == EP rank); with a TP comm of size 1
+     * every EP rank loads the whole attention and gets the same batch.
+     * Either way the ranks holding the same rows (the TP group, else the
+     * EP group) split them, each row routed and dispatched once, and
+     * every rank ends with the full FFN output. Numerics: with TP 1 the
+     * logits are bit-identical to the single-rank engine (each row's experts
+     * are whole and added in its selection order; the other ranks add
+     * zeros); with TP they match the TP-only run's tolerance (the shared
+     * expert and attention are TP-split). */
     td_comm *ep_comm;
     bool attn_dp; /* attention data-parallel over the EP group (each rank its own sequences) */
 } td_engine_params;
@@ -66,6 +77,17 @@ void td_engine_destroy(td_engine *e); /* accepts NULL */
  * them, the tokens this rank computes (the same on every rank of a TP
  * group, and on the same-coordinate ranks of every pipeline stage). */
 int32_t td_engine_stage_rows(const td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs);
+
+/* Per-expert load of the last successful forward call (MoE models):
+ * counts (n_expert entries) = how many tokens of the batch selected each
+ * expert in layer `layer` (a global layer index of this stage), or summed
+ * over the stage's layers for layer = -1. Every token of the batch counts
+ * once whichever rank routed it, so the counts are the same on every rank
+ * of a TP / EP group and equal the single-rank engine's; the sum over
+ * experts is tokens x n_expert_used per layer. Max / mean over experts is
+ * the load imbalance. Zeros before the first call. TD_ERR_INVALID for a
+ * dense model or a layer outside the stage. Never communicates. */
+td_status td_engine_expert_load(const td_engine *e, int layer, int64_t *counts);
 
 /* Rows of logits the call will produce for this batch. */
 int32_t td_engine_n_logit_rows(const td_seq_chunk *seqs, int32_t n_seqs);

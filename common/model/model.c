@@ -35,6 +35,7 @@ struct td_model {
     td_st *st;
     td_tokenizer *tok;
     int tp_rank, tp_size;
+    int ep_rank, ep_size; /* expert parallelism: this shard's slice of the experts */
     int layer_begin, layer_end;
     int n_head_local, n_head_kv_local;
     td_layer_weights *layers; /* (layer_end - layer_begin) */
@@ -67,8 +68,13 @@ typedef struct {
 } loader;
 
 td_model_params td_model_default_params(void) {
-    td_model_params p = {
-        .path = NULL, .tp_rank = 0, .tp_size = 1, .layer_begin = 0, .layer_end = -1};
+    td_model_params p = {.path = NULL,
+                         .tp_rank = 0,
+                         .tp_size = 1,
+                         .layer_begin = 0,
+                         .layer_end = -1,
+                         .ep_rank = 0,
+                         .ep_size = 1};
     return p;
 }
 
@@ -767,7 +773,24 @@ static td_status config_check(const loader *ld, const td_model_params *p) {
                      p->tp_size);
         return TD_ERR_INVALID;
     }
-    if (c->n_expert > 0 && (c->n_ff_exp % p->tp_size != 0 || c->n_ff_shexp % p->tp_size != 0)) {
+    if (p->ep_size < 1 || p->ep_rank < 0 || p->ep_rank >= p->ep_size) {
+        TD_LOG_ERROR("%s: bad expert-parallel rank %d of %d", ld->path, p->ep_rank, p->ep_size);
+        return TD_ERR_INVALID;
+    }
+    if (p->ep_size > 1 && c->n_expert == 0) {
+        TD_LOG_ERROR("%s: expert parallelism (ep size %d) needs a mixture-of-experts model; this "
+                     "one is dense",
+                     ld->path, p->ep_size);
+        return TD_ERR_INVALID;
+    }
+    if (p->ep_size > 1 && c->n_expert % p->ep_size != 0) {
+        TD_LOG_ERROR("%s: the %d experts do not divide into %d expert-parallel shards", ld->path,
+                     c->n_expert, p->ep_size);
+        return TD_ERR_INVALID;
+    }
+    /* Under EP the routed experts are whole: only the shared expert is split. */
+    if (c->n_expert > 0 &&
+        ((p->ep_size == 1 && c->n_ff_exp % p->tp_size != 0) || c->n_ff_shexp % p->tp_size != 0)) {
         TD_LOG_ERROR("%s: expert widths %d and %d (shared) are not divisible by tp size %d",
                      ld->path, c->n_ff_exp, c->n_ff_shexp, p->tp_size);
         return TD_ERR_INVALID;
@@ -862,6 +885,10 @@ static td_status load_expert_family(loader *ld, int l, int which, td_layer_weigh
     const td_model *m = ld->m;
     const td_model_config *c = &m->cfg;
     int64_t E = c->n_embd, ff = c->n_ff_exp, ff_loc = ff / m->tp_size, r = m->tp_rank;
+    if (m->ep_size > 1) { /* whole experts */
+        ff_loc = ff;
+        r = 0;
+    }
     int64_t rows = which == 2 ? E : ff, cols = which == 2 ? ff : E;
     int64_t r0 = which == 2 ? 0 : r * ff_loc, nr = which == 2 ? E : ff_loc;
     int64_t c0 = which == 2 ? r * ff_loc : 0, nc = which == 2 ? ff_loc : E;
@@ -912,20 +939,23 @@ static td_status load_moe(loader *ld, int l, td_layer_weights *lw) {
                                qwen ? "mlp.gate.weight" : "block_sparse_moe.gate.weight");
     if ((st = load_matrix(ld, router, c->n_expert, E, 0, c->n_expert, 0, E, &lw->router)))
         return st;
-    lw->experts = owned_alloc(m, (size_t)c->n_expert * sizeof *lw->experts);
+    int32_t n_loc = c->n_expert / m->ep_size, x0 = m->ep_rank * n_loc;
+    lw->experts = owned_alloc(m, (size_t)n_loc * sizeof *lw->experts);
     if (!lw->experts) {
         TD_LOG_ERROR("out of memory");
         return TD_ERR_NOMEM;
     }
-    memset(lw->experts, 0, (size_t)c->n_expert * sizeof *lw->experts);
-    lw->n_experts_local = c->n_expert;
-    for (int x = 0; x < c->n_expert; x++) lw->experts[x].id = x;
+    memset(lw->experts, 0, (size_t)n_loc * sizeof *lw->experts);
+    lw->n_experts_local = n_loc;
+    for (int x = 0; x < n_loc; x++) lw->experts[x].id = x0 + x;
     size_t before = m->weight_bytes;
     for (int which = 0; which < 3; which++)
         if ((st = load_expert_family(ld, l, which, lw))) return st;
-    /* Per token only n_expert_used of the experts are read. */
+    /* Per token only n_expert_used of the experts are read, spread (on
+     * average) evenly over the ep_size shards. */
     size_t exp_bytes = m->weight_bytes - before;
-    m->weight_bytes = before + exp_bytes / (size_t)c->n_expert * (size_t)c->n_expert_used;
+    m->weight_bytes =
+        before + exp_bytes / (size_t)n_loc * (size_t)c->n_expert_used / (size_t)m->ep_size;
     if (sh == 0) return TD_OK;
     if ((st = load_matrix(ld,
                           tname(b, sizeof b, ld, l, "ffn_gate_shexp.weight",
@@ -1110,6 +1140,8 @@ td_status td_model_load(const td_model_params *p, td_model **m_p) {
     if ((st = config_check(&ld, p))) goto fail;
     m->tp_rank = p->tp_rank;
     m->tp_size = p->tp_size;
+    m->ep_rank = p->ep_rank;
+    m->ep_size = p->ep_size;
     m->layer_begin = p->layer_begin;
     m->layer_end = p->layer_end < 0 ? m->cfg.n_layer : p->layer_end;
     m->n_head_local = m->cfg.n_head / p->tp_size;
@@ -1143,6 +1175,8 @@ const td_model_config *td_model_get_config(const td_model *m) { return &m->cfg; 
 const td_tokenizer *td_model_tokenizer(const td_model *m) { return m->tok; }
 int td_model_tp_rank(const td_model *m) { return m->tp_rank; }
 int td_model_tp_size(const td_model *m) { return m->tp_size; }
+int td_model_ep_rank(const td_model *m) { return m->ep_rank; }
+int td_model_ep_size(const td_model *m) { return m->ep_size; }
 int td_model_layer_begin(const td_model *m) { return m->layer_begin; }
 int td_model_layer_end(const td_model *m) { return m->layer_end; }
 int td_model_n_head_local(const td_model *m) { return m->n_head_local; }

@@ -17,7 +17,8 @@
  * HF Qwen2MoeForCausalLM). Each layer's FFN is a router (n_expert, n_embd)
  * and per-expert SwiGLU matrices, each expert its own td_weight entries
  * tagged with its expert id (a slice of GGUF's merged 3-D tensor, or its own
- * tensor), so a later expert-parallel shard can hold any subset; Qwen2-MoE
+ * tensor), so an expert-parallel shard holds its contiguous range of
+ * experts (td_model_params.ep_rank / ep_size); Qwen2-MoE
  * adds a shared expert scaled by sigmoid(shexp_inp . x). Routing: softmax
  * over the router logits, the n_expert_used largest probabilities (ties go
  * to the lower expert id), renormalised to sum 1 when norm_topk_prob
@@ -101,7 +102,7 @@ typedef struct {
     /* MoE layers only (n_expert > 0; w_gate/w_up/w_down are then empty): */
     td_weight router;               /* (n_expert, n_embd), replicated on every rank */
     td_expert_weights *experts;     /* (n_experts_local), ascending id */
-    int32_t n_experts_local;        /* experts this shard holds (all of them today) */
+    int32_t n_experts_local;        /* experts this shard holds: all, or n_expert / ep_size */
     td_weight shexp_gate, shexp_up; /* (local n_ff_shexp, n_embd), when n_ff_shexp > 0 */
     td_weight shexp_down;           /* (n_embd, local n_ff_shexp) */
     const float *shexp_inp;         /* (n_embd) shared-expert gate, or NULL */
@@ -111,11 +112,20 @@ typedef struct {
     const char *path; /* GGUF file or HF directory */
     int tp_rank;      /* 0..tp_size-1 */
     int tp_size;      /* >= 1; divides n_head and n_ff (n_ff_exp and n_ff_shexp for MoE:
-                         every expert is split like a dense FFN), and n_head_kv divides it or it
+                         every expert is split like a dense FFN; n_ff_shexp only under EP),
+                         and n_head_kv divides it or it
                          divides n_head_kv (KV heads replicated when tp_size > n_head_kv);
                          row-parallel slices must split at quant-block boundaries */
     int layer_begin;  /* first layer of this stage */
     int layer_end;    /* one past the last layer; -1 = n_layer */
+    /* Expert parallelism (MoE models only): with ep_size > 1 the shard holds
+     * the routed experts [ep_rank * n / ep_size, (ep_rank + 1) * n / ep_size)
+     * of every layer (n = n_expert, which ep_size must divide), each WHOLE:
+     * not split over TP, whatever tp_size is (tp_size then splits attention
+     * and the shared expert only, and n_ff_exp need not divide by it). The
+     * router is replicated. Default 0 / 1 (every expert, TP-split). */
+    int ep_rank;
+    int ep_size;
 } td_model_params;
 
 typedef struct td_model td_model;
@@ -131,6 +141,8 @@ const td_tokenizer *td_model_tokenizer(const td_model *m);
 /* Plan of this shard. */
 int td_model_tp_rank(const td_model *m);
 int td_model_tp_size(const td_model *m);
+int td_model_ep_rank(const td_model *m);
+int td_model_ep_size(const td_model *m);
 int td_model_layer_begin(const td_model *m);
 int td_model_layer_end(const td_model *m);
 int td_model_n_head_local(const td_model *m);

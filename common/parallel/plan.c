@@ -131,9 +131,15 @@ td_status td_plan_create(const td_plan_params *p, const td_model_config *cfg, in
         PLAN_ERR("plan: --tp %d and the %d KV heads: one must divide the other (KV heads are "
                  "replicated when TP exceeds them)",
                  tp, cfg->n_head_kv);
-    /* MoE models split every expert (and the shared one) like a dense FFN. */
-    int32_t ffw = n_expert > 0 ? cfg->n_ff_exp : cfg->n_ff;
-    if (ffw % tp) PLAN_ERR("plan: --tp %d does not divide the FFN width %d", tp, ffw);
+    /* MoE models split every expert (and the shared one) like a dense FFN;
+     * under EP (ep > 1, by default the TP group) the routed experts are
+     * whole and only the shared expert is split. */
+    int ep = n_expert > 0 ? (p->ep == 0 ? tp : p->ep) : 1;
+    int32_t ffw = n_expert > 0 ? (ep > 1 ? cfg->n_ff_shexp : cfg->n_ff_exp) : cfg->n_ff;
+    if (n_expert > 0 && ep == 1 && cfg->n_ff_exp % tp)
+        PLAN_ERR("plan: --tp %d does not divide the FFN width %d", tp, cfg->n_ff_exp);
+    else if (n_expert == 0 && ffw % tp)
+        PLAN_ERR("plan: --tp %d does not divide the FFN width %d", tp, ffw);
     if (n_expert > 0 && cfg->n_ff_shexp % tp)
         PLAN_ERR("plan: --tp %d does not divide the shared expert's width %d", tp, cfg->n_ff_shexp);
     int be = td_dtype_block_elems(cfg->wtype);
@@ -176,17 +182,19 @@ td_status td_plan_create(const td_plan_params *p, const td_model_config *cfg, in
         }
     }
 
-    /* Experts. */
-    int stage_ranks = p->tp * p->cp;
+    /* Experts: the EP group is a run of consecutive ranks of a TP group,
+     * whose ranks hold the same token rows (after the attention all-reduce)
+     * and split them for the dispatch; the CP ranks of a stage hold
+     * different rows, so EP does not reach across them. */
     if (n_expert > 0) {
         if (n_expert_used < 1 || n_expert_used > n_expert)
             PLAN_ERR("plan: %d experts used per token out of %d", n_expert_used, n_expert);
-        if (plan->p.ep == 0) plan->p.ep = p->tp;
-        if (n_expert % plan->p.ep)
-            PLAN_ERR("plan: --ep %d does not divide the %d experts", plan->p.ep, n_expert);
-        if (stage_ranks % plan->p.ep)
-            PLAN_ERR("plan: --ep %d does not divide the %d ranks of a pipeline stage (tp x cp)",
-                     plan->p.ep, stage_ranks);
+        plan->p.ep = ep;
+        if (n_expert % ep) PLAN_ERR("plan: --ep %d does not divide the %d experts", ep, n_expert);
+        if (p->tp % ep)
+            PLAN_ERR("plan: --ep %d does not divide --tp %d: the EP group is a run of consecutive "
+                     "ranks of a TP group (EP across CP or PP ranks is not supported)",
+                     ep, p->tp);
     } else {
         if (plan->p.ep > 1)
             PLAN_ERR("plan: --ep %d needs a mixture-of-experts model; this one is dense",
@@ -196,6 +204,9 @@ td_status td_plan_create(const td_plan_params *p, const td_model_config *cfg, in
     }
     if (p->attn_dp && plan->p.ep < 2)
         PLAN_ERR("plan: --attn-dp needs an EP group of 2 or more ranks");
+    else if (p->attn_dp)
+        PLAN_ERR("plan: --attn-dp is not supported: attention runs tensor-parallel over the TP "
+                 "group, experts expert-parallel over the same ranks");
 #undef PLAN_ERR
     if (bad) {
         free(plan);
@@ -252,8 +263,11 @@ td_rank_traffic td_plan_traffic(const td_plan *plan, int r) {
         double partial = (double)(c->n_head / p->tp) * ((double)c->head_dim + 2.0) * f;
         t.dcp_per_token = layers * partial * (p->cp - 1) / p->cp;
     }
+    /* A TP rank routes 1/tp of the batch's rows; (ep-1)/ep of their choices
+     * go to other ranks and come back (dispatch, then combine of the rows
+     * this rank received: the same volume on average). */
     if (plan->n_expert > 0 && p->ep > 1)
-        t.ep_per_token = layers * plan->n_expert_used * hidden * 2.0 * (p->ep - 1) / p->ep;
+        t.ep_per_token = layers * plan->n_expert_used * hidden * 2.0 * (p->ep - 1) / p->ep / p->tp;
     t.kv_bytes_per_token = kv_tok / p->cp;
     return t;
 }
@@ -304,6 +318,8 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
             mp.path = model_path;
             mp.tp_rank = rc.tp_rank;
             mp.tp_size = p->tp;
+            mp.ep_rank = rc.ep_rank < 0 ? 0 : rc.ep_rank;
+            mp.ep_size = p->ep;
             mp.layer_begin = rc.layer_begin;
             mp.layer_end = rc.layer_end;
             td_model *m = NULL;
@@ -349,8 +365,13 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
                 "  TP %d: attention heads (%d query, %d KV per rank) and FFN columns "
                 "(%d per rank%s); KV cache by head\n",
                 p->tp, c->n_head / p->tp, kv_heads_local(c, p->tp),
-                (plan->n_expert > 0 ? c->n_ff_exp : c->n_ff) / p->tp,
-                plan->n_expert > 0 ? " of every expert" : "");
+                (plan->n_expert == 0 ? c->n_ff
+                 : p->ep > 1         ? c->n_ff_shexp
+                                     : c->n_ff_exp) /
+                    p->tp,
+                plan->n_expert == 0 ? ""
+                : p->ep > 1         ? " of the shared expert"
+                                    : " of every expert");
     if (p->pp > 1) fprintf(out, "  PP %d: layers by stage; KV cache by layer\n", p->pp);
     if (p->cp > 1)
         fprintf(out,
@@ -358,7 +379,10 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
                 "CP rank b mod %d)\n",
                 p->cp, p->cp);
     if (plan->n_expert > 0 && p->ep > 1)
-        fprintf(out, "  EP %d: experts (%d per rank)\n", p->ep, plan->n_expert / p->ep);
+        fprintf(out,
+                "  EP %d: experts (%d per rank), each whole; the token rows of a TP group (each "
+                "rank routes 1/%d of them)\n",
+                p->ep, plan->n_expert / p->ep, p->tp);
     if (world == 1) fprintf(out, "  nothing: one rank holds everything\n");
     fprintf(out, "what is replicated:\n");
     if (p->tp > c->n_head_kv)
@@ -367,6 +391,9 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
     if (p->cp > 1) fprintf(out, "  all weights across the %d CP ranks of a stage\n", p->cp);
     fprintf(out, "  norms%s\n",
             p->tp > 1 ? " and the embedding / output head on every TP rank" : "");
+    if (plan->n_expert > 0)
+        fprintf(out, "  the MoE router on every rank%s\n",
+                p->tp > p->ep && p->ep > 1 ? "; the experts on each of the tp/ep EP groups" : "");
     fprintf(out, "what crosses the interconnect, and how often:\n");
     if (p->tp > 1)
         fprintf(out,

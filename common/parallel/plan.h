@@ -1,15 +1,17 @@
 /* Parallel plan of one pool instance (DESIGN.md §3): world = tp × cp × pp
  * ranks, TP innermost, then CP, then PP (DP means separate instances behind
- * the router); EP places MoE experts over the ranks of one pipeline stage.
+ * the router); EP places MoE experts over consecutive ranks of a TP group.
  *
  * td_plan_create validates a plan against a model's configuration at
  * start-up with one clear line per problem: query heads divisible by TP,
  * KV heads divisible by TP or TP divisible by them (then KV heads are
  * replicated), the FFN width divisible by TP, row-parallel slices on
  * quantisation-block boundaries, at least one layer per stage (and an
- * explicit split that adds up), experts divisible by EP and EP dividing the
- * ranks of a stage, EP only for MoE models. More CPU ranks than cores is
- * a warning, not an error.
+ * explicit split that adds up), experts divisible by EP and EP dividing TP
+ * (the EP group is a run of consecutive ranks of a TP group; the routed
+ * experts are then whole, only the shared expert is TP-split), EP only for
+ * MoE models, --attn-dp refused. More CPU ranks than cores is a warning,
+ * not an error.
  *
  * td_plan_report is --plan-dry-run: per rank its coordinates, layers,
  * weight bytes (the shard really loaded), KV bytes per token, and the bytes
@@ -83,7 +85,8 @@ typedef struct {
     double pp_per_token;       /* hidden state to the next stage (0 on the last) */
     double pcp_per_token;      /* prefill: this rank's K/V to the other CP ranks, per layer */
     double dcp_per_token;      /* decode: partial attention (out, max, sum) per layer */
-    double ep_per_token;       /* MoE: hidden states to and from the experts' ranks */
+    double ep_per_token;       /* MoE: hidden states of the 1/tp of the rows this rank routes
+                                  to the experts' ranks, and the outputs back */
     double kv_bytes_per_token; /* KV this rank holds per token of context (f32) */
 } td_rank_traffic;
 td_rank_traffic td_plan_traffic(const td_plan *plan, int r);

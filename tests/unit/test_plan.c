@@ -144,13 +144,36 @@ static void test_experts(void **state) {
     assert_int_equal(td_plan_params_get(plan)->ep, 2);
     assert_int_equal(td_plan_rank(plan, 1).ep_rank, 1);
     td_plan_destroy(plan);
-    p.ep = 3; /* neither 8 experts nor 2 stage ranks */
+    p.ep = 3; /* neither 8 experts nor 2 TP ranks */
     assert_null(make(p, c, 8, 2));
-    p.ep = 4; /* divides the experts but not the 2 ranks of a stage */
+    p.ep = 4; /* divides the experts but not the 2 ranks of a TP group */
     assert_null(make(p, c, 8, 2));
-    p.cp = 2; /* 4 ranks per stage now */
+    p.cp = 2; /* 4 ranks per stage, but EP stays inside a TP group */
+    assert_null(make(p, c, 8, 2));
+    /* tp 4, ep 2: two EP groups per TP group, ranks {0,1} and {2,3}. */
+    p = td_plan_default_params();
+    p.tp = 4;
+    p.ep = 2;
+    assert_non_null(plan = make(p, c, 8, 2));
+    for (int r = 0; r < 4; r++) assert_int_equal(td_plan_rank(plan, r).ep_rank, r % 2);
+    /* Each TP rank routes 1/4 of the rows; half of their 2 choices leave. */
+    double hidden = 30 * 576 * 4.0;
+    assert_true(td_plan_traffic(plan, 3).ep_per_token == hidden * 2 * 2 * 1 / 2 / 4);
+    td_plan_destroy(plan);
+    p.attn_dp = true; /* the engine runs attention tensor-parallel only */
+    assert_null(make(p, c, 8, 2));
+    /* Under EP the routed experts are whole: their width need not divide
+     * by TP, the shared expert's must. */
+    p = td_plan_default_params();
+    p.tp = 4;
+    c.n_ff_exp = 96 + 2;
     assert_non_null(plan = make(p, c, 8, 2));
     td_plan_destroy(plan);
+    p.ep = 1;
+    assert_null(make(p, c, 8, 2));
+    p.ep = 4;
+    c.n_ff_shexp = 98;
+    assert_null(make(p, c, 8, 2));
     p = td_plan_default_params();
     assert_null(make(p, c, 8, 9)); /* top-9 of 8 */
 }
