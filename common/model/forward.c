@@ -80,6 +80,7 @@ struct td_engine {
     td_comm *rg_comm;              /* row group: comm, or ep_comm when TP is 1 */
     int rg_rank, rg_size, ep_base; /* ep_base: row-group rank of EP rank 0 of this group */
     bool ep_sum;                   /* the FFN partials are summed over ep_comm (TP is 1) */
+    bool ep_dp;                    /* attention-DP: own sequences, own rows, no row split */
     int32_t *ep_cnt;               /* (rg_size, n_expert) choices per expert of each rank's rows */
     size_t *a2a;                   /* (4, ep_size) send bytes, displs, recv bytes, displs */
     int32_t *ep_eoff;              /* (n_exp_loc + 1) first received row of each local expert */
@@ -145,10 +146,11 @@ static td_status ep_check(const td_model *m, td_comm *comm, const td_engine_para
     int P = p->ep_comm ? td_comm_size(p->ep_comm) : 1;
     int R = p->ep_comm ? td_comm_rank(p->ep_comm) : 0;
     int ms = td_model_ep_size(m), mr = td_model_ep_rank(m);
-    if (p->attn_dp) {
-        TD_LOG_ERROR("attention data-parallel (attn_dp) is not available: attention runs "
-                     "tensor-parallel over the TP group");
-        return TD_ERR_UNSUPPORTED;
+    if (p->attn_dp && (c->n_expert == 0 || P < 2)) {
+        TD_LOG_ERROR("attention data-parallel needs a mixture-of-experts model and an EP group of "
+                     "2 or more ranks (%d experts, EP group of %d)",
+                     c->n_expert, P);
+        return TD_ERR_INVALID;
     }
     if (c->n_expert == 0) {
         if (P > 1) {
@@ -175,6 +177,13 @@ static td_status ep_check(const td_model *m, td_comm *comm, const td_engine_para
         }
     }
     int tn = td_comm_size(comm), tr = td_comm_rank(comm);
+    if (p->attn_dp &&
+        (tn > 1 || td_model_tp_size(m) > 1 || (p->cp_comm && td_comm_size(p->cp_comm) > 1))) {
+        TD_LOG_ERROR("attention data-parallel runs whole attention on every rank: TP group of %d, "
+                     "shard of TP size %d, CP group of %d (all must be 1)",
+                     tn, td_model_tp_size(m), p->cp_comm ? td_comm_size(p->cp_comm) : 1);
+        return TD_ERR_INVALID;
+    }
     if (P > 1 && tn > 1 && (tn % P != 0 || tr % P != R)) {
         TD_LOG_ERROR("the EP group (rank %d of %d) is not a run of consecutive ranks of the TP "
                      "group (rank %d of %d)",
@@ -193,11 +202,19 @@ static void ep_setup(td_engine *e) {
     e->n_exp_loc = e->n_expert / e->ep_size;
     e->exp0 = e->ep_rank * e->n_exp_loc;
     e->n_ff_exp = td_model_get_config(e->m)->n_ff_exp; /* whole experts */
-    e->ep_sum = td_comm_size(e->comm) == 1;
-    e->rg_comm = e->ep_sum ? epc : e->comm;
+    e->ep_dp = e->p.attn_dp;
+    /* TP 1: the EP group is the row group (the same rows, or under
+     * attention-DP each rank its own, which need no sum). */
+    e->rg_comm = td_comm_size(e->comm) == 1 ? epc : e->comm;
+    e->ep_sum = td_comm_size(e->comm) == 1 && !e->ep_dp;
     e->rg_rank = td_comm_rank(e->rg_comm);
     e->rg_size = td_comm_size(e->rg_comm);
     e->ep_base = e->rg_rank - e->ep_rank;
+}
+
+/* Attention-DP: sequence i of a batch is computed by EP rank i % ep. */
+static bool seq_mine(const td_engine *e, int32_t i) {
+    return !e->ep_dp || i % e->ep_size == e->ep_rank;
 }
 
 td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp, td_comm *comm,
@@ -317,9 +334,9 @@ void td_engine_destroy(td_engine *e) {
 }
 
 int32_t td_engine_stage_rows(const td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs) {
-    (void)e;
     int32_t n = 0;
-    for (int32_t i = 0; i < n_seqs; i++) n += seqs[i].n_tokens;
+    for (int32_t i = 0; i < n_seqs; i++)
+        if (seq_mine(e, i)) n += seqs[i].n_tokens;
     return n;
 }
 
@@ -734,8 +751,8 @@ static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
     const int32_t T = e->n_tok;
     const int K = e->n_used, NE = e->n_expert, P = e->ep_size, NL = e->n_exp_loc;
     const size_t E = (size_t)e->n_embd, F = (size_t)e->n_ff_exp, row = E * sizeof(float);
-    const int32_t r0 = (int32_t)((int64_t)T * e->rg_rank / e->rg_size);
-    const int32_t r1 = (int32_t)((int64_t)T * (e->rg_rank + 1) / e->rg_size);
+    const int32_t r0 = e->ep_dp ? 0 : (int32_t)((int64_t)T * e->rg_rank / e->rg_size);
+    const int32_t r1 = e->ep_dp ? T : (int32_t)((int64_t)T * (e->rg_rank + 1) / e->rg_size);
     const int32_t nr = r1 - r0;
     td_status st;
 
@@ -830,7 +847,7 @@ static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
 
     /* The shared expert is split like a dense FFN over TP (every rank, every
      * row, a partial sum); with TP 1 each rank computes its own rows whole. */
-    bool shared = e->n_ff > 0, tp = !e->ep_sum;
+    bool shared = e->n_ff > 0, tp = !e->ep_sum && !e->ep_dp;
     int32_t h0 = tp ? 0 : r0, hn = tp ? T : nr;
     if (shared && hn > 0) {
         size_t FS = (size_t)e->n_ff;
@@ -876,6 +893,52 @@ static void task_embd(void *ctx, int ith, int nth) {
 }
 
 /* ---------------------------------------------------------------- forward */
+
+static int32_t seq_logit_rows(const td_seq_chunk *s) {
+    return s->no_logits ? 0 : s->logits_all ? s->n_tokens : 1;
+}
+
+/* Attention-DP, last stage: the hidden states of every rank's logit rows go
+ * to EP rank 0 (one all-to-all), which runs the final norm and the head
+ * over the whole batch's rows in the order of seqs. */
+static td_status ep_logits(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs, int32_t n_logit,
+                           float *logits) {
+    const int P = e->ep_size;
+    const size_t E = (size_t)e->n_embd, row = E * sizeof(float);
+    for (int32_t i = 0; i < n_logit; i++)
+        memcpy(e->xn + (size_t)i * E, e->x + (size_t)e->logit_tok[i] * E, row);
+    size_t *sb = e->a2a, *sd = sb + P, *rb = sd + P, *rd = rb + P;
+    size_t n_all = 0;
+    for (int k = 0; k < P; k++) {
+        size_t n = 0;
+        for (int32_t i = k; i < n_seqs; i += P) n += (size_t)seq_logit_rows(&seqs[i]);
+        sb[k] = k == 0 ? (size_t)n_logit * row : 0;
+        sd[k] = 0;
+        rb[k] = e->ep_rank == 0 ? n * row : 0;
+        rd[k] = n_all * row;
+        n_all += n;
+    }
+    td_status st = td_comm_all_to_all_v(e->p.ep_comm, e->xn, sb, sd, e->o, rb, rd);
+    if (st || e->ep_rank != 0 || n_all == 0) return st;
+    /* Sender-major (each sender's rows in its sequences' order) to the
+     * order of seqs; rd becomes each sender's read cursor, in rows. */
+    for (int k = 0; k < P; k++) rd[k] /= row;
+    size_t out = 0;
+    for (int32_t i = 0; i < n_seqs; i++) {
+        size_t n = (size_t)seq_logit_rows(&seqs[i]);
+        memcpy(e->x + out * E, e->o + rd[i % P] * E, n * row);
+        rd[i % P] += n;
+        out += n;
+    }
+    norm_task nh = {
+        .e = e, .n_rows = (int32_t)n_all, .add = false, .norm_w = td_model_output_norm(e->m)};
+    run(e, task_norm, &nh, (int32_t)n_all);
+    const td_weight *wh[] = {td_model_output(e->m)};
+    float *yh[] = {logits};
+    size_t ldh[] = {(size_t)e->n_vocab};
+    matmul(e, wh, 1, e->xn, E, yh, ldh, (int32_t)n_all);
+    return TD_OK;
+}
 
 static td_status validate(const td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs) {
     if (n_seqs < 1 || n_seqs > e->p.max_seqs || !seqs) {
@@ -942,7 +1005,7 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
     td_status st = validate(e, seqs, n_seqs);
     if (st) return st;
     int32_t n_out = last ? td_engine_n_logit_rows(seqs, n_seqs) : 0;
-    if (n_out > 0 && !logits) {
+    if (n_out > 0 && !logits && !(e->ep_dp && e->ep_rank != 0)) {
         TD_LOG_ERROR("batch produces %d logit rows but no logits buffer was given", n_out);
         return TD_ERR_INVALID;
     }
@@ -951,6 +1014,7 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
     int64_t attn_cost = 0; /* positions attended, summed over rows */
     for (int32_t i = 0; i < n_seqs; i++) {
         const td_seq_chunk *s = &seqs[i];
+        if (!seq_mine(e, i)) continue;
         for (int32_t j = 0; j < s->n_tokens; j++, T++) {
             e->tok_seq[T] = i;
             e->tok_pos[T] = s->pos0 + j;
@@ -1036,6 +1100,7 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
         memcpy(x_out, e->x, (size_t)T * E * sizeof(float));
         return TD_OK;
     }
+    if (e->ep_dp) return ep_logits(e, seqs, n_seqs, n_logit, logits);
     if (n_logit == 0) return TD_OK;
     const td_weight *wh[] = {td_model_output(m)};
     norm_task nh = {.e = e,

@@ -59,7 +59,15 @@ typedef struct {
      * zeros); with TP they match the TP-only run's tolerance (the shared
      * expert and attention are TP-split). */
     td_comm *ep_comm;
-    bool attn_dp; /* attention data-parallel over the EP group (each rank its own sequences) */
+    /* Attention data-parallel over the EP group (needs ep_comm of size >= 2,
+     * a TP comm of size 1, a shard loaded with tp_size 1 and no CP): every
+     * rank gets the whole batch and computes sequence i on EP rank i % ep
+     * (embedding, whole attention, KV writes for its own sequences only;
+     * td_engine_stage_rows counts their tokens); the MoE all-to-all mixes the
+     * rows of all ranks; the logit rows' hidden states go to EP rank 0,
+     * which alone writes the logits. Bit-identical to the single-rank engine
+     * (no row's value depends on another rank's sums). */
+    bool attn_dp;
 } td_engine_params;
 
 td_engine_params td_engine_default_params(void);

@@ -124,7 +124,10 @@ td_status td_plan_create(const td_plan_params *p, const td_model_config *cfg, in
         PLAN_ERR("plan: tp x cp x pp = %ld ranks, more than %d", world, TD_PLAN_MAX_WORLD);
     if (bad) return TD_ERR_INVALID;
 
-    int tp = p->tp;
+    /* Attention data-parallel: every rank holds the attention (and the
+     * shared expert) whole, so nothing below is split over TP. */
+    bool dp = p->attn_dp && n_expert > 0;
+    int tp = dp ? 1 : p->tp;
     if (cfg->n_head % tp)
         PLAN_ERR("plan: --tp %d does not divide the %d attention heads", tp, cfg->n_head);
     if (cfg->n_head_kv % tp && tp % cfg->n_head_kv)
@@ -134,7 +137,7 @@ td_status td_plan_create(const td_plan_params *p, const td_model_config *cfg, in
     /* MoE models split every expert (and the shared one) like a dense FFN;
      * under EP (ep > 1, by default the TP group) the routed experts are
      * whole and only the shared expert is split. */
-    int ep = n_expert > 0 ? (p->ep == 0 ? tp : p->ep) : 1;
+    int ep = n_expert > 0 ? (p->ep == 0 ? p->tp : p->ep) : 1;
     int32_t ffw = n_expert > 0 ? (ep > 1 ? cfg->n_ff_shexp : cfg->n_ff_exp) : cfg->n_ff;
     if (n_expert > 0 && ep == 1 && cfg->n_ff_exp % tp)
         PLAN_ERR("plan: --tp %d does not divide the FFN width %d", tp, cfg->n_ff_exp);
@@ -204,9 +207,11 @@ td_status td_plan_create(const td_plan_params *p, const td_model_config *cfg, in
     }
     if (p->attn_dp && plan->p.ep < 2)
         PLAN_ERR("plan: --attn-dp needs an EP group of 2 or more ranks");
-    else if (p->attn_dp)
-        PLAN_ERR("plan: --attn-dp is not supported: attention runs tensor-parallel over the TP "
-                 "group, experts expert-parallel over the same ranks");
+    if (dp && plan->p.ep != p->tp)
+        PLAN_ERR("plan: --attn-dp runs attention data-parallel over the whole TP group: --ep %d "
+                 "must equal --tp %d",
+                 plan->p.ep, p->tp);
+    if (dp && p->cp > 1) PLAN_ERR("plan: --attn-dp does not combine with --cp %d", p->cp);
 #undef PLAN_ERR
     if (bad) {
         free(plan);
@@ -241,6 +246,11 @@ td_rank_coord td_plan_rank(const td_plan *plan, int r) {
     return c;
 }
 
+/* Ranks attention (and the shared expert) is split over: 1 under --attn-dp. */
+static int attn_tp(const td_plan *plan) {
+    return plan->p.attn_dp && plan->n_expert > 0 ? 1 : plan->p.tp;
+}
+
 td_rank_traffic td_plan_traffic(const td_plan *plan, int r) {
     const td_plan_params *p = &plan->p;
     const td_model_config *c = &plan->cfg;
@@ -248,10 +258,10 @@ td_rank_traffic td_plan_traffic(const td_plan *plan, int r) {
     double layers = rc.layer_end - rc.layer_begin;
     double f = sizeof(float);
     double hidden = (double)c->n_embd * f;
-    int kvh = kv_heads_local(c, p->tp);
+    int kvh = kv_heads_local(c, attn_tp(plan));
     td_rank_traffic t;
     memset(&t, 0, sizeof t);
-    if (p->tp > 1) t.tp_per_token = layers * 2.0 * hidden * 2.0 * (p->tp - 1) / p->tp;
+    if (attn_tp(plan) > 1) t.tp_per_token = layers * 2.0 * hidden * 2.0 * (p->tp - 1) / p->tp;
     if (rc.pp_rank < p->pp - 1) t.pp_per_token = hidden;
     double kv_tok = layers * kvh * (double)c->head_dim * 2.0 * f;
     if (p->cp > 1) {
@@ -268,6 +278,10 @@ td_rank_traffic td_plan_traffic(const td_plan *plan, int r) {
      * this rank received: the same volume on average). */
     if (plan->n_expert > 0 && p->ep > 1)
         t.ep_per_token = layers * plan->n_expert_used * hidden * 2.0 * (p->ep - 1) / p->ep / p->tp;
+    /* --attn-dp, last stage: the other ranks send the hidden state of their
+     * logit rows (every token in decode) to rank 0, which runs the head. */
+    if (attn_tp(plan) == 1 && p->attn_dp && rc.pp_rank == p->pp - 1 && rc.ep_rank > 0)
+        t.ep_per_token += hidden / p->tp;
     t.kv_bytes_per_token = kv_tok / p->cp;
     return t;
 }
@@ -316,8 +330,8 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
         } else {
             td_model_params mp = td_model_default_params();
             mp.path = model_path;
-            mp.tp_rank = rc.tp_rank;
-            mp.tp_size = p->tp;
+            mp.tp_rank = attn_tp(plan) == 1 ? 0 : rc.tp_rank;
+            mp.tp_size = attn_tp(plan);
             mp.ep_rank = rc.ep_rank < 0 ? 0 : rc.ep_rank;
             mp.ep_size = p->ep;
             mp.layer_begin = rc.layer_begin;
@@ -360,7 +374,13 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
 
     /* The five questions. */
     fprintf(out, "\nwhat state is split:\n");
-    if (p->tp > 1)
+    bool dp = attn_tp(plan) == 1 && p->tp > 1;
+    if (dp)
+        fprintf(out,
+                "  attention DP %d: sequences (sequence i on TP rank i mod %d, with its whole "
+                "KV); attention and the shared expert are whole on every rank\n",
+                p->tp, p->tp);
+    else if (p->tp > 1)
         fprintf(out,
                 "  TP %d: attention heads (%d query, %d KV per rank) and FFN columns "
                 "(%d per rank%s); KV cache by head\n",
@@ -379,13 +399,15 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
                 "CP rank b mod %d)\n",
                 p->cp, p->cp);
     if (plan->n_expert > 0 && p->ep > 1)
-        fprintf(out,
-                "  EP %d: experts (%d per rank), each whole; the token rows of a TP group (each "
-                "rank routes 1/%d of them)\n",
-                p->ep, plan->n_expert / p->ep, p->tp);
+        fprintf(out, "  EP %d: experts (%d per rank), each whole; %s\n", p->ep,
+                plan->n_expert / p->ep,
+                dp ? "each rank routes the tokens of its own sequences"
+                   : "the token rows of a TP group (each rank routes an equal share)");
     if (world == 1) fprintf(out, "  nothing: one rank holds everything\n");
     fprintf(out, "what is replicated:\n");
-    if (p->tp > c->n_head_kv)
+    if (dp)
+        fprintf(out, "  attention, shared-expert and head weights on every rank of the TP group\n");
+    else if (p->tp > c->n_head_kv)
         fprintf(out, "  KV heads: %d ranks share each of the %d KV heads\n", p->tp / c->n_head_kv,
                 c->n_head_kv);
     if (p->cp > 1) fprintf(out, "  all weights across the %d CP ranks of a stage\n", p->cp);
@@ -395,7 +417,10 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
         fprintf(out, "  the MoE router on every rank%s\n",
                 p->tp > p->ep && p->ep > 1 ? "; the experts on each of the tp/ep EP groups" : "");
     fprintf(out, "what crosses the interconnect, and how often:\n");
-    if (p->tp > 1)
+    if (dp)
+        fprintf(out, "  attention DP: the hidden state of every logit row to rank 0 (which runs "
+                     "the head), once per step\n");
+    else if (p->tp > 1)
         fprintf(out,
                 "  TP: all-reduce of the hidden state (%d floats a token), twice per layer, "
                 "every step\n",
@@ -417,7 +442,10 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
                      "per MoE layer\n");
     if (world == 1) fprintf(out, "  nothing\n");
     fprintf(out, "what the plan improves:\n");
-    if (p->tp > 1)
+    if (dp)
+        fprintf(out, "  attention DP: no attention all-reduces and no replicated KV heads; "
+                     "each sequence's latency is one rank's\n");
+    else if (p->tp > 1)
         fprintf(out, "  TP: memory per rank and latency (every token's work is split), at the "
                      "cost of 2 all-reduces per layer\n");
     if (p->pp > 1)

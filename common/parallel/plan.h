@@ -10,8 +10,9 @@
  * explicit split that adds up), experts divisible by EP and EP dividing TP
  * (the EP group is a run of consecutive ranks of a TP group; the routed
  * experts are then whole, only the shared expert is TP-split), EP only for
- * MoE models, --attn-dp refused. More CPU ranks than cores is a warning,
- * not an error.
+ * MoE models; --attn-dp (MoE, ep == tp, no CP) loads attention and the
+ * shared expert whole on every rank, so the head and FFN checks against
+ * TP are skipped. More CPU ranks than cores is a warning, not an error.
  *
  * td_plan_report is --plan-dry-run: per rank its coordinates, layers,
  * weight bytes (the shard really loaded), KV bytes per token, and the bytes

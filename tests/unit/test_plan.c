@@ -160,8 +160,30 @@ static void test_experts(void **state) {
     double hidden = 30 * 576 * 4.0;
     assert_true(td_plan_traffic(plan, 3).ep_per_token == hidden * 2 * 2 * 1 / 2 / 4);
     td_plan_destroy(plan);
-    p.attn_dp = true; /* the engine runs attention tensor-parallel only */
+    p.attn_dp = true; /* attention-DP needs ep == tp */
     assert_null(make(p, c, 8, 2));
+    /* Attention-DP over tp 2: whole attention (no TP traffic, every KV
+     * head), experts over the same ranks; rank 1 also sends its logit rows'
+     * hidden states to rank 0. */
+    p = td_plan_default_params();
+    p.tp = 2;
+    p.attn_dp = true;
+    assert_non_null(plan = make(p, c, 8, 2));
+    td_rank_traffic t0 = td_plan_traffic(plan, 0), t1 = td_plan_traffic(plan, 1);
+    assert_true(t0.tp_per_token == 0);
+    assert_true(t0.kv_bytes_per_token == 30 * 4 * 64 * 2 * 4.0);
+    assert_true(t0.ep_per_token == hidden * 2 * 2 * 1 / 2 / 2);
+    assert_true(t1.ep_per_token == t0.ep_per_token + 576 * 4.0 / 2);
+    td_plan_destroy(plan);
+    p.cp = 2;
+    assert_null(make(p, c, 8, 2));
+    /* Heads need not divide by TP under attention-DP: 6 experts over 3. */
+    p = td_plan_default_params();
+    p.tp = 3;
+    assert_null(make(p, c, 6, 2));
+    p.attn_dp = true;
+    assert_non_null(plan = make(p, c, 6, 2));
+    td_plan_destroy(plan);
     /* Under EP the routed experts are whole: their width need not divide
      * by TP, the shared expert's must. */
     p = td_plan_default_params();
