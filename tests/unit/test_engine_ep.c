@@ -48,6 +48,7 @@
 #define N_BLOCKS (N_SEQ * SEQ_BLK + N_ONE)
 #define N_CALLS  (1 + N_DEC + 1)
 #define MAX_RANK 4
+#define N_EMBD   128 /* both models */
 /* Relative logit tolerance across TP summation orders: a few f32 ulps per
  * layer (~1e-6 measured); a routing or dispatch mistake moves logits by
  * order 1. DELTA: argmax must agree where the single-rank margin exceeds
@@ -75,6 +76,8 @@ typedef struct {
     int tp_size, tp_rank, ep_size, ep_rank;
     td_comm_group *tpg, *epg;     /* NULL: a single comm / no EP group */
     bool attn_dp;                 /* logits on EP rank 0 only (NULL elsewhere) */
+    int stage;                    /* -1: the whole model, else pipeline stage 0 (layer 0) or 1 */
+    float *xio;                   /* stages: hidden states stage 0 writes, stage 1 reads */
     bool greedy;                  /* write the decode tokens (argmax), else read them */
     int32_t (*tok)[SEQ_BLK * 16]; /* (N_SEQ, positions) */
     const int32_t *one;           /* (N_ONE) tokens of the single-token sequences */
@@ -91,15 +94,19 @@ static int32_t argmax(const float *v) {
     return b;
 }
 
-static td_status record_load(td_engine *e, int64_t *out) {
+static td_status record_load(const job *j, td_engine *e, int64_t *out) {
     int64_t sum[MAX_NE] = {0};
+    int lb = j->stage < 0 ? 0 : j->stage, le = j->stage < 0 ? N_LAYER : j->stage + 1;
     td_status st;
-    for (int l = 0; l < N_LAYER; l++)
+    for (int l = lb; l < le; l++)
         if ((st = td_engine_expert_load(e, l, out + (size_t)l * MAX_NE))) return st;
-    /* The stage total is the sum of the layers. */
+    /* The stage total is the sum of its layers. */
     if ((st = td_engine_expert_load(e, -1, sum))) return st;
-    for (int x = 0; x < MAX_NE; x++)
-        if (sum[x] != out[x] + out[MAX_NE + x]) return TD_ERR_INTERNAL;
+    for (int x = 0; x < MAX_NE; x++) {
+        int64_t want = 0;
+        for (int l = lb; l < le; l++) want += out[l * MAX_NE + x];
+        if (sum[x] != want) return TD_ERR_INTERNAL;
+    }
     return TD_OK;
 }
 
@@ -110,6 +117,23 @@ static td_status check_rows(const job *j, const td_engine *e, const td_seq_chunk
     for (int i = 0; i < n; i++)
         if (!j->attn_dp || i % j->ep_size == j->ep_rank) want += ch[i].n_tokens;
     return td_engine_stage_rows(e, ch, n) == want ? TD_OK : TD_ERR_INTERNAL;
+}
+
+/* One forward call of this rank (the whole model, or a pipeline stage
+ * handing its hidden states over through j->xio), then its counts. */
+static td_status call(job *j, td_engine *e, const td_seq_chunk *ch, int n, float *logits,
+                      int64_t *load, size_t *xoff) {
+    td_status st = check_rows(j, e, ch, n);
+    if (st) return st;
+    float *x = j->xio ? j->xio + *xoff : NULL;
+    *xoff += (size_t)td_engine_stage_rows(e, ch, n) * N_EMBD;
+    if (j->stage < 0)
+        st = td_engine_forward(e, ch, n, logits);
+    else if (j->stage == 0)
+        st = td_engine_forward_stage(e, ch, n, NULL, x, NULL);
+    else
+        st = td_engine_forward_stage(e, ch, n, x, NULL, logits);
+    return st ? st : record_load(j, e, load);
 }
 
 static void *rank_main(void *arg) {
@@ -125,12 +149,20 @@ static void *rank_main(void *arg) {
     mp.tp_size = j->tp_size;
     mp.ep_rank = j->ep_rank;
     mp.ep_size = j->ep_size;
+    if (j->stage >= 0) {
+        mp.layer_begin = j->stage;
+        mp.layer_end = j->stage + 1;
+    }
     if ((j->st = td_model_load(&mp, &m))) goto done;
     const td_model_config *c = td_model_get_config(m);
+    if (c->n_embd != N_EMBD || c->n_layer != N_LAYER) {
+        j->st = TD_ERR_INTERNAL;
+        goto done;
+    }
     j->n_expert = c->n_expert;
     j->n_used = c->n_expert_used;
     td_kv_params kp = td_kv_default_params();
-    kp.n_layers = c->n_layer;
+    kp.n_layers = td_model_layer_end(m) - td_model_layer_begin(m);
     kp.n_kv_heads = td_model_n_head_kv_local(m);
     kp.head_dim = c->head_dim;
     kp.n_blocks = N_BLOCKS;
@@ -152,6 +184,7 @@ static void *rank_main(void *arg) {
     td_seq_chunk ch[N_ONE];
     float *out = j->logits;
     int64_t *load = j->load;
+    size_t xoff = 0;
     /* Prefill of both sequences in one call (rows split across the
      * sequence boundary), every row's logits. */
     for (int s = 0; s < N_SEQ; s++)
@@ -160,10 +193,7 @@ static void *rank_main(void *arg) {
                                .block_table = blocks[s],
                                .n_blocks = SEQ_BLK,
                                .logits_all = true};
-    if ((j->st = check_rows(j, e, ch, N_SEQ)) ||
-        (j->st = td_engine_forward(e, ch, N_SEQ, no_logits ? NULL : out)) ||
-        (j->st = record_load(e, load)))
-        goto done;
+    if ((j->st = call(j, e, ch, N_SEQ, no_logits ? NULL : out, load, &xoff))) goto done;
     const float *last[N_SEQ] = {out + (size_t)(PRE[0] - 1) * N_VOCAB,
                                 out + (size_t)(PRE[0] + PRE[1] - 1) * N_VOCAB};
     out += (size_t)(PRE[0] + PRE[1]) * N_VOCAB;
@@ -179,10 +209,7 @@ static void *rank_main(void *arg) {
                                    .block_table = blocks[s],
                                    .n_blocks = SEQ_BLK};
         }
-        if ((j->st = check_rows(j, e, ch, N_SEQ)) ||
-            (j->st = td_engine_forward(e, ch, N_SEQ, no_logits ? NULL : out)) ||
-            (j->st = record_load(e, load)))
-            goto done;
+        if ((j->st = call(j, e, ch, N_SEQ, no_logits ? NULL : out, load, &xoff))) goto done;
         for (int s = 0; s < N_SEQ; s++) last[s] = out + (size_t)s * N_VOCAB;
         out += (size_t)N_SEQ * N_VOCAB;
         load += N_LAYER * MAX_NE;
@@ -193,10 +220,7 @@ static void *rank_main(void *arg) {
         ch[i] = (td_seq_chunk){
             .tokens = &j->one[i], .n_tokens = 1, .block_table = &one_blk[i], .n_blocks = 1};
     }
-    if ((j->st = check_rows(j, e, ch, N_ONE)) ||
-        (j->st = td_engine_forward(e, ch, N_ONE, no_logits ? NULL : out)) ||
-        (j->st = record_load(e, load)))
-        goto done;
+    if ((j->st = call(j, e, ch, N_ONE, no_logits ? NULL : out, load, &xoff))) goto done;
 done:
     td_engine_destroy(e);
     td_comm_destroy(epc);
@@ -210,6 +234,7 @@ done:
 static job new_job(const char *path, int32_t (*tok)[SEQ_BLK * 16], const int32_t *one) {
     size_t n_out = (size_t)logit_rows() * N_VOCAB;
     job j = {.path = path,
+             .stage = -1,
              .tp_size = 1,
              .ep_size = 1,
              .tok = tok,
@@ -481,6 +506,60 @@ static void run_plan_dp(reference *r, int tp, int ep, bool attn_dp) {
 
 static void run_plan(reference *r, int tp, int ep) { run_plan_dp(r, tp, ep, false); }
 
+/* Two pipeline stages of ep ranks each (TP 1): stage 0 runs every call
+ * first, handing each EP rank's hidden states (td_engine_stage_rows of
+ * them) to the same EP rank of stage 1. PP adds no arithmetic, so the
+ * logits stay bit-identical and each stage counts its own layer. */
+static void run_pp(reference *r, int ep, bool attn_dp) {
+    size_t n_out = (size_t)logit_rows() * N_VOCAB;
+    size_t n_load = (size_t)N_CALLS * N_LAYER * MAX_NE;
+    job jobs[2][MAX_RANK];
+    float *xio[MAX_RANK];
+    for (int k = 0; k < ep; k++) {
+        /* Every token here has a logit row: logit_rows() bounds the rows. */
+        xio[k] = calloc((size_t)logit_rows() * N_EMBD, sizeof(float));
+        assert_non_null(xio[k]);
+    }
+    for (int stage = 0; stage < 2; stage++) {
+        td_comm_group *g = NULL;
+        assert_int_equal(td_comm_group_create(ep, &g), TD_OK);
+        pthread_t th[MAX_RANK];
+        for (int k = 0; k < ep; k++) {
+            job *j = &jobs[stage][k];
+            *j = new_job(r->path, r->tok, r->one);
+            j->stage = stage;
+            j->xio = xio[k];
+            j->ep_size = ep;
+            j->ep_rank = k;
+            j->epg = g;
+            j->attn_dp = attn_dp;
+            assert_int_equal(pthread_create(&th[k], NULL, rank_main, j), 0);
+        }
+        for (int k = 0; k < ep; k++) pthread_join(th[k], NULL);
+        td_comm_group_destroy(g);
+        for (int k = 0; k < ep; k++) {
+            assert_int_equal(jobs[stage][k].st, TD_OK);
+            assert_memory_equal(jobs[stage][0].load, jobs[stage][k].load, n_load * sizeof(int64_t));
+        }
+    }
+    if (memcmp(jobs[1][0].logits, r->ref.logits, n_out * sizeof(float)) != 0)
+        fail_msg("pp 2 ep %d%s: logits are not bit-identical to the single-rank run", ep,
+                 attn_dp ? " attn-dp" : "");
+    for (int call = 0; call < N_CALLS; call++)
+        for (int l = 0; l < N_LAYER; l++) {
+            size_t o = ((size_t)call * N_LAYER + (size_t)l) * MAX_NE;
+            assert_memory_equal(jobs[l][0].load + o, r->ref.load + o, MAX_NE * sizeof(int64_t));
+        }
+    print_message("    pp 2 ep %d%s: bit-identical to the single rank\n", ep,
+                  attn_dp ? " attn-dp" : "");
+    for (int stage = 0; stage < 2; stage++)
+        for (int k = 0; k < ep; k++) {
+            free(jobs[stage][k].logits);
+            free(jobs[stage][k].load);
+        }
+    for (int k = 0; k < ep; k++) free(xio[k]);
+}
+
 static void test_mixtral(void **state) {
     (void)state;
     reference r;
@@ -492,6 +571,8 @@ static void test_mixtral(void **state) {
     run_plan(&r, 4, 2); /* two EP groups of 2 in the TP group */
     run_plan_dp(&r, 1, 2, true);
     run_plan_dp(&r, 1, 4, true); /* ranks 2, 3 hold no sequence while decoding */
+    run_pp(&r, 2, true);
+    run_pp(&r, 4, false);
     free_reference(&r);
 }
 
@@ -506,6 +587,8 @@ static void test_qwen2moe(void **state) {
     run_plan(&r, 4, 2);
     run_plan_dp(&r, 1, 2, true);
     run_plan_dp(&r, 1, 4, true);
+    run_pp(&r, 2, false);
+    run_pp(&r, 4, true);
     free_reference(&r);
 }
 
