@@ -26,7 +26,7 @@
 static void bench_usage(FILE *f) {
     fprintf(f,
             "usage: tandem bench-engine [--model PATH] [-p N] [-n N] [-r N] [--threads N]\n"
-            "                           [--isa NAME] [--json]\n"
+            "                           [--isa NAME] [--json] [plan flags]\n"
             "\n"
             "Measures prompt processing (ppN: N tokens in one batch) and generation (tgN:\n"
             "N tokens one at a time from an empty context) like llama-bench: one warm-up,\n"
@@ -38,8 +38,10 @@ static void bench_usage(FILE *f) {
             "  -r, --repetitions N  timed repetitions (default 5)\n"
             "  -t, --threads N   worker threads (default: every core)\n"
             "  --isa NAME      kernel set: scalar, avx2, avx512 (default: best available)\n"
-            "  --json          one JSON object on stdout instead of the table\n",
+            "  --json          one JSON object on stdout instead of the table\n"
+            "  -t with a plan of several ranks: threads per rank (default: cores / ranks)\n",
             td_default_model_path());
+    fprintf(f, "\nparallel plan:\n%s", td_plan_flags_help());
 }
 
 /* splitmix64: random token ids that do not depend on libc's rand(). */
@@ -70,7 +72,7 @@ static double run_pp(bench_ctx *b, int32_t n) {
     td_seq_chunk c = {
         .tokens = b->tokens, .n_tokens = n, .pos0 = 0, .block_table = b->blocks, .n_blocks = nb};
     double t0 = td_time_s();
-    td_status st = td_engine_forward(b->rt->engine, &c, 1, b->logits);
+    td_status st = td_runtime_forward(b->rt, &c, 1, b->logits);
     double t = td_time_s() - t0;
     td_kv_block_free(b->rt->kv, b->blocks, nb);
     if (st != TD_OK) {
@@ -100,7 +102,7 @@ static double run_tg(bench_ctx *b, int32_t n) {
                           .pos0 = i,
                           .block_table = b->blocks,
                           .n_blocks = td_runtime_blocks_for(b->rt, i + 1)};
-        st = td_engine_forward(b->rt->engine, &c, 1, b->logits);
+        st = td_runtime_forward(b->rt, &c, 1, b->logits);
         tok = (int32_t)(bench_rand(&b->rng) % (uint64_t)nv);
     }
     double t = td_time_s() - t0;
@@ -165,8 +167,12 @@ int td_cmd_bench_engine(int argc, char **argv) {
     const char *model = NULL, *isa = NULL;
     long n_prompt = 512, n_gen = 128, reps = 5, threads = 0;
     bool json = false;
+    td_cli_plan plan = {.p = td_plan_default_params()};
     for (int i = 1; i < argc; i++) {
         const char *opt = argv[i];
+        int pf = td_cli_plan_flag(&plan, argc, argv, &i);
+        if (pf < 0) return 2;
+        if (pf > 0) continue;
         if (!strcmp(opt, "--help") || !strcmp(opt, "-h")) {
             bench_usage(stdout);
             return 0;
@@ -211,6 +217,8 @@ int td_cmd_bench_engine(int argc, char **argv) {
         fprintf(stderr, "tandem bench-engine: nothing to measure (-p 0 and -n 0)\n");
         return 2;
     }
+    int prc = td_cli_plan_check("bench-engine", &plan, model ? model : td_default_model_path());
+    if (prc >= 0) return prc;
 
     int exit_code = 1;
     bench_ctx b = {.rng = 0x7a6e64656d2d6265ull};
@@ -225,6 +233,7 @@ int td_cmd_bench_engine(int argc, char **argv) {
     rp.n_seqs = 1;
     rp.max_batch_tokens = (int32_t)TD_MAX(n_prompt, 1);
     rp.quiet = json;
+    rp.plan = &plan.p;
     if (!res) goto out;
     if (td_runtime_open(&rp, &b.rt) != TD_OK) goto out;
     b.blocks = malloc((size_t)td_runtime_blocks_for(b.rt, longest) * sizeof *b.blocks);
@@ -258,7 +267,7 @@ int td_cmd_bench_engine(int argc, char **argv) {
     uint64_t size = model_size_bytes(path);
     double params = count_params(b.rt->cfg);
     size_t wbytes = td_model_weight_bytes(b.rt->model);
-    int nth = td_threadpool_size(b.rt->tp);
+    int nth = b.rt->n_threads;
     const char *isa_name = td_cpu_isa_name(b.rt->isa);
     if (json) {
         json_t *o = json_object(), *tests = json_array();

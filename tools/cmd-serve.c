@@ -258,6 +258,7 @@ int td_cmd_serve(int argc, char **argv) {
 
     td_runtime_params rp = td_runtime_default_params();
     rp.model_path = a.model;
+    rp.plan = &a.plan.p;
     rp.n_threads = (int)a.threads;
     rp.isa_name = a.isa;
     rp.ctx_len = (int32_t)a.ctx;
@@ -301,7 +302,7 @@ int td_cmd_serve(int argc, char **argv) {
     sp.max_ctx = max_ctx;
     sp.prefix_cache = !a.no_prefix_cache;
     sp.compat = compat_hash(rt, model_path);
-    if (td_sched_create(&sp, rt->engine, rt->kv, rt->tok, metrics, &sched) != TD_OK)
+    if (td_sched_create(&sp, rt->exec, rt->kv, rt->tok, metrics, &sched) != TD_OK)
         goto free_metrics;
 
     td_api_model mdl = {.tok = rt->tok,

@@ -664,6 +664,10 @@ static td_status validate(const td_engine *e, const td_seq_chunk *seqs, int32_t 
     return TD_OK;
 }
 
+td_status td_engine_validate(const td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs) {
+    return validate(e, seqs, n_seqs);
+}
+
 td_status td_engine_forward(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs, float *logits) {
     return td_engine_forward_stage(e, seqs, n_seqs, NULL, NULL, logits);
 }

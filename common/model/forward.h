@@ -67,6 +67,10 @@ void td_engine_destroy(td_engine *e); /* accepts NULL */
  * group, and on the same-coordinate ranks of every pipeline stage). */
 int32_t td_engine_stage_rows(const td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs);
 
+/* The checks td_engine_forward makes on a batch before it touches
+ * anything: TD_ERR_INVALID (logged) when the batch breaks a limit. */
+td_status td_engine_validate(const td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs);
+
 /* Rows of logits the call will produce for this batch. */
 int32_t td_engine_n_logit_rows(const td_seq_chunk *seqs, int32_t n_seqs);
 
