@@ -346,12 +346,31 @@ int td_cmd_serve(int argc, char **argv) {
            td_http_server_port(http), grpc_addr);
     fflush(stdout);
 
+    /* Wait for a signal, or for the plan's ranks to fail: then the
+     * instance stops at once (not ready, every request an error) and exits
+     * non-zero, so its supervisor restarts it. */
     int sig = 0;
-    sigwait(&sigs, &sig);
-    TD_LOG_INFO("%s: draining (timeout %.1f s)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
-                a.drain_timeout);
-    td_sched_drain(sched);
-    if (!td_sched_wait_idle(sched, a.drain_timeout)) {
+    bool failed = false;
+    for (;;) {
+        struct timespec tick = {0, 100 * 1000000L};
+        sig = sigtimedwait(&sigs, NULL, &tick);
+        if (sig > 0) break;
+        if (td_exec_failed(rt->exec)) {
+            failed = true;
+            break;
+        }
+    }
+    if (failed) {
+        TD_LOG_ERROR("a rank of the parallel plan failed: refusing requests and exiting");
+        td_sched_drain(sched);
+        td_sched_abort_all(sched);
+        td_sched_wait_idle(sched, 5.0);
+    } else {
+        TD_LOG_INFO("%s: draining (timeout %.1f s)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
+                    a.drain_timeout);
+        td_sched_drain(sched);
+    }
+    if (!failed && !td_sched_wait_idle(sched, a.drain_timeout)) {
         TD_LOG_WARN("drain timeout: aborting the requests still running");
         td_sched_abort_all(sched);
         td_sched_wait_idle(sched, 5.0);
@@ -362,7 +381,7 @@ int td_cmd_serve(int argc, char **argv) {
         struct timespec ts = {0, 10 * 1000000L};
         nanosleep(&ts, NULL);
     }
-    exit_code = 0;
+    exit_code = failed ? 1 : 0;
 
     td_grpc_server_stop(grpc);
 stop_http:

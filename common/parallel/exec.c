@@ -85,7 +85,7 @@ struct td_exec {
     bool monitor_started, keepalive_started;
     pthread_mutex_t mu; /* one user of the world at a time: steps, keep-alives */
     pthread_cond_t cv;
-    bool stopping;
+    atomic_bool stopping; /* written under mu, read by the monitor without it */
     double last_use;
     atomic_bool failed;
     pthread_mutex_t times_mu;
@@ -458,10 +458,8 @@ static void *monitor_main(void *arg) {
             pid_t w = waitpid(x->pids[r], &status, WNOHANG);
             fds[r].fd = -1; /* poll ignores it from now on */
             if (w == x->pids[r]) x->pids[r] = 0;
-            pthread_mutex_lock(&x->mu);
-            bool stopping = x->stopping;
-            pthread_mutex_unlock(&x->mu);
-            if (stopping) continue;
+            /* never x->mu: a step holds it while it waits for this rank */
+            if (atomic_load(&x->stopping)) continue;
             if (WIFSIGNALED(status))
                 TD_LOG_ERROR("rank %d (pid %d) was killed by signal %d: the instance fails", r,
                              (int)w, WTERMSIG(status));
@@ -480,7 +478,7 @@ static void *keepalive_main(void *arg) {
     td_exec *x = arg;
     const double interval = td_comm_default_params().timeout_s / 4;
     pthread_mutex_lock(&x->mu);
-    while (!x->stopping) {
+    while (!atomic_load(&x->stopping)) {
         double now = td_time_s();
         if (now - x->last_use >= interval && !atomic_load(&x->failed)) {
             step_hdr h = {.op = OP_NOOP};
@@ -761,7 +759,7 @@ td_status td_exec_create(const td_exec_params *p, td_exec **x_p) {
     return TD_OK;
 fail:
     pthread_mutex_lock(&x->mu);
-    x->stopping = true;
+    atomic_store(&x->stopping, true);
     pthread_mutex_unlock(&x->mu);
     if (x->comm) td_comm_abort(x->comm);
     reap_ranks(x, false);
@@ -786,7 +784,7 @@ void td_exec_destroy(td_exec *x) {
     if (!x) return;
     if (x->world > 1) {
         pthread_mutex_lock(&x->mu);
-        x->stopping = true;
+        atomic_store(&x->stopping, true);
         bool ok = !atomic_load(&x->failed);
         if (ok) {
             step_hdr h = {.op = OP_STOP};

@@ -839,7 +839,18 @@ static bool step(td_sched *s) {
     td_status st = td_exec_forward(s->exec, s->chunks, n, s->logits);
     double dt = td_time_s() - t0;
     s->steps++;
-    if (s->metrics) td_metrics_iteration(s->metrics, n_tok);
+    if (s->metrics) {
+        td_metrics_iteration(s->metrics, n_tok);
+        td_rank_time rt[TD_METRICS_MAX_RANKS];
+        int nr =
+            TD_MIN(td_exec_last_times(s->exec, rt, TD_METRICS_MAX_RANKS), TD_METRICS_MAX_RANKS);
+        double cs[TD_METRICS_MAX_RANKS], ms[TD_METRICS_MAX_RANKS];
+        for (int r = 0; r < nr; r++) {
+            cs[r] = rt[r].compute_s;
+            ms[r] = rt[r].comm_s;
+        }
+        if (st == TD_OK) td_metrics_rank_step(s->metrics, nr, cs, ms);
+    }
     double now = td_time_s();
     int32_t row = 0;
     for (int32_t i = 0; i < n; i++) {
