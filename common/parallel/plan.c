@@ -241,6 +241,9 @@ td_rank_traffic td_plan_traffic(const td_plan *plan, int r) {
     td_rank_traffic t;
     memset(&t, 0, sizeof t);
     if (p->tp > 1) t.tp_per_token = layers * 2.0 * hidden * 2.0 * (p->tp - 1) / p->tp;
+    if (p->tp > 1 && rc.pp_rank == 0) t.embd_per_token = hidden * 2.0 * (p->tp - 1) / p->tp;
+    if (p->tp > 1 && rc.pp_rank == p->pp - 1)
+        t.head_per_row = (double)((c->n_vocab + p->tp - 1) / p->tp) * f * (p->tp - 1);
     if (rc.pp_rank < p->pp - 1) t.pp_per_token = hidden;
     double kv_tok = layers * kvh * (double)c->head_dim * 2.0 * f;
     if (p->cp > 1) {
@@ -318,8 +321,10 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
         }
         total_w += (double)wbytes;
         td_rank_traffic t = td_plan_traffic(plan, r);
-        double prefill = t.tp_per_token + t.pp_per_token + t.pcp_per_token + t.ep_per_token;
-        double decode = t.tp_per_token + t.pp_per_token + t.dcp_per_token + t.ep_per_token;
+        double prefill =
+            t.tp_per_token + t.embd_per_token + t.pp_per_token + t.pcp_per_token + t.ep_per_token;
+        double decode = t.tp_per_token + t.embd_per_token + t.head_per_row + t.pp_per_token +
+                        t.dcp_per_token + t.ep_per_token;
         total_send_prefill += prefill;
         total_send_decode += decode;
         char wb[32], kb[32], tb[32], pb[32], db[32], ly[32];
@@ -346,11 +351,13 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
     fprintf(out, "\nwhat state is split:\n");
     if (p->tp > 1)
         fprintf(out,
-                "  TP %d: attention heads (%d query, %d KV per rank) and FFN columns "
+                "  TP %d: attention heads (%d query, %d KV per rank), FFN columns "
+                "(%d per rank%s) and the vocabulary rows of the embedding and output head "
                 "(%d per rank%s); KV cache by head\n",
                 p->tp, c->n_head / p->tp, kv_heads_local(c, p->tp),
                 (plan->n_expert > 0 ? c->n_ff_exp : c->n_ff) / p->tp,
-                plan->n_expert > 0 ? " of every expert" : "");
+                plan->n_expert > 0 ? " of every expert" : "", (c->n_vocab + p->tp - 1) / p->tp,
+                c->n_vocab % p->tp ? ", fewer on the last" : "");
     if (p->pp > 1) fprintf(out, "  PP %d: layers by stage; KV cache by layer\n", p->pp);
     if (p->cp > 1)
         fprintf(out,
@@ -365,14 +372,14 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
         fprintf(out, "  KV heads: %d ranks share each of the %d KV heads\n", p->tp / c->n_head_kv,
                 c->n_head_kv);
     if (p->cp > 1) fprintf(out, "  all weights across the %d CP ranks of a stage\n", p->cp);
-    fprintf(out, "  norms%s\n",
-            p->tp > 1 ? " and the embedding / output head on every TP rank" : "");
+    fprintf(out, "  norms%s\n", p->tp > 1 ? " on every TP rank" : "");
     fprintf(out, "what crosses the interconnect, and how often:\n");
     if (p->tp > 1)
         fprintf(out,
                 "  TP: all-reduce of the hidden state (%d floats a token), twice per layer, "
-                "every step\n",
-                c->n_embd);
+                "every step; on the first stage one more for the vocab-parallel embedding; on "
+                "the last an all-gather of the logits (%d floats per logit row)\n",
+                c->n_embd, c->n_vocab);
     if (p->pp > 1)
         fprintf(out,
                 "  PP: the hidden state at each of %d stage boundaries, once per "
