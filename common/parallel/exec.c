@@ -294,6 +294,7 @@ static td_status run_step(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, 
         if (!first && (st = timed_recv(x, x->x_in, rows * E * sizeof(float), prev))) return st;
         st = td_engine_forward_stage(x->engine, ms, mn, first ? NULL : x->x_in,
                                      last ? NULL : x->x_out, out ? out + (size_t)row * V : NULL);
+        x->comm_s += td_engine_last_timing(x->engine).comm_s; /* TP / CP / EP collectives */
         if (st) return st;
         if (!last && (st = timed_send(x, x->x_out, rows * E * sizeof(float), next))) return st;
         row += td_engine_n_logit_rows(ms, mn);
