@@ -604,6 +604,48 @@ static td_status size_pool(const td_exec_params *p, const td_plan *plan, const t
     return TD_OK;
 }
 
+/* Bytes of MemAvailable in /proc/meminfo; 0 when unknown. */
+static uint64_t mem_available(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    unsigned long long kib = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
+    fclose(f);
+    return (uint64_t)kib * 1024u;
+}
+
+/* Start-up check of the plan's memory against the host's: the weights once
+ * (every rank maps the same file; its shard is a part of it), and per rank
+ * its KV pool and its engine scratch (activations of max_batch_tokens rows,
+ * attention scratch, step buffers). */
+static td_status check_memory(const exec_config *c, const td_plan *plan, const td_model_config *mc,
+                              size_t weight_bytes) {
+    double total = (double)weight_bytes;
+    double rows = c->max_batch_tokens;
+    double per_row = 4.0 * (8.0 * mc->n_embd + 2.0 * mc->n_ff + 3.0 * mc->n_head * mc->head_dim);
+    for (int r = 0; r < td_plan_world(plan); r++) {
+        td_rank_coord rc = td_plan_rank(plan, r);
+        td_kv_params kp = td_kv_default_params();
+        kp.n_layers = rc.layer_end - rc.layer_begin;
+        kp.n_kv_heads = kv_heads_local(mc, c->plan.tp);
+        kp.head_dim = mc->head_dim;
+        kp.block_size = c->block_size;
+        total += (double)td_kv_block_bytes(&kp) * c->n_blocks + rows * per_row;
+    }
+    uint64_t avail = mem_available();
+    if (avail > 0 && total > (double)avail) {
+        TD_LOG_ERROR("plan: %d ranks need about %.2f GiB (weights %.2f GiB once, KV pool of %d "
+                     "blocks and scratch per rank), the host has %.2f GiB available: lower "
+                     "--kv-memory / --kv-blocks or the batch, or use fewer ranks",
+                     td_plan_world(plan), total / 1073741824.0, weight_bytes / 1073741824.0,
+                     c->n_blocks, (double)avail / 1073741824.0);
+        return TD_ERR_NOMEM;
+    }
+    return TD_OK;
+}
+
 /* Loads the whole model for its configuration, validates the plan and
  * fills x->cfg and x->world; a world of one keeps the model in x->model. */
 static td_status make_config(const td_exec_params *p, td_exec *x) {
@@ -637,6 +679,7 @@ static td_status make_config(const td_exec_params *p, td_exec *x) {
         c->max_ctx = p->engine.max_ctx > 0 ? p->engine.max_ctx : TD_MIN(mc->n_ctx_train, 4096);
         c->block_size = p->block_size;
         st = size_pool(p, plan, mc, &c->n_blocks);
+        if (!st) st = check_memory(c, plan, mc, td_model_weight_bytes(whole));
         int world = td_plan_world(plan);
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
         c->n_threads =

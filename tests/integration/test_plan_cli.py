@@ -64,3 +64,12 @@ def test_moe_plans():
                    "--plan-dry-run", check=False)
     assert r.returncode == 2, r.describe()
     assert "--ep 3 does not divide the 8 experts" in r.stderr, r.describe()
+
+
+def test_plan_memory_is_checked_against_the_host():
+    # 2 ranks with a 4 TiB KV pool each: more than any test machine has.
+    r = run_tandem("serve", "--model", MODEL, "--tp", "2", "--kv-memory", "4096G", "--port", "0",
+                   check=False, timeout=60)
+    assert r.returncode != 0, r.describe()
+    assert "GiB available" in r.stderr and "2 ranks need about" in r.stderr, r.describe()
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tandem-exec-")]
