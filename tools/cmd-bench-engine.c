@@ -300,7 +300,7 @@ int td_cmd_bench_engine(int argc, char **argv) {
     const char *path = model ? model : td_default_model_path();
     uint64_t size = model_size_bytes(path);
     double params = count_params(b.rt->cfg);
-    size_t wbytes = td_model_weight_bytes(b.rt->model);
+    size_t wbytes = td_exec_weight_bytes(b.rt->exec); /* the whole model's, over the ranks */
     int nth = b.rt->n_threads;
     const char *isa_name = td_cpu_isa_name(b.rt->isa);
     if (json) {

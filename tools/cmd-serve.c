@@ -207,7 +207,7 @@ static td_kv_hash compat_hash(const td_runtime *rt, const char *model_path) {
     char id[512];
     snprintf(id, sizeof id, "%s|%s|layers=%d|embd=%d|vocab=%d|weights=%zu", rt->cfg->name,
              strrchr(model_path, '/') ? strrchr(model_path, '/') + 1 : model_path, rt->cfg->n_layer,
-             rt->cfg->n_embd, rt->cfg->n_vocab, td_model_weight_bytes(rt->model));
+             rt->cfg->n_embd, rt->cfg->n_vocab, td_exec_weight_bytes(rt->exec));
     td_kv_compat c = {.model_id = id,
                       .weight_type = td_dtype_name(rt->cfg->wtype),
                       .kv_dtype = "f32",

@@ -35,6 +35,7 @@ typedef struct {
     int32_t block_size, n_blocks;
     int32_t n_threads;
     int32_t isa;
+    uint64_t weight_bytes; /* of the whole model */
 } exec_config;
 
 /* Step header; the payload follows in a second broadcast: per sequence
@@ -685,6 +686,7 @@ static td_status make_config(const td_exec_params *p, td_exec *x) {
         c->n_threads =
             p->n_threads > 0 ? p->n_threads : (int)TD_MAX(1, (cores > 0 ? cores : 1) / world);
         c->isa = (int32_t)p->isa;
+        c->weight_bytes = td_model_weight_bytes(whole);
         x->world = world;
     }
     td_plan_destroy(plan);
@@ -820,6 +822,7 @@ td_status td_exec_wrap(td_engine *e, td_kv_pool *kv, const td_model *m, td_exec 
     x->kv = kv;
     x->model = (td_model *)m;
     x->tp = x->cp = x->pp = 1;
+    x->cfg.weight_bytes = td_model_weight_bytes(m);
     *x_p = x;
     return TD_OK;
 }
@@ -849,6 +852,7 @@ td_kv_pool *td_exec_kv(td_exec *x) { return x->kv; }
 td_engine *td_exec_engine(td_exec *x) { return x->engine; }
 int td_exec_threads_per_rank(const td_exec *x) { return x->pool ? td_threadpool_size(x->pool) : 1; }
 int32_t td_exec_max_ctx(const td_exec *x) { return x->cfg.max_ctx; }
+size_t td_exec_weight_bytes(const td_exec *x) { return (size_t)x->cfg.weight_bytes; }
 bool td_exec_failed(const td_exec *x) { return atomic_load(&x->failed); }
 
 int td_exec_last_times(const td_exec *x, td_rank_time *out, int cap) {

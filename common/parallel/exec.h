@@ -27,8 +27,9 @@
  * thread at once (pidfd); the world is aborted (every rank's wait returns
  * TD_ERR_IO), the executor is failed for good (td_exec_failed) and every
  * forward returns TD_ERR_IO. A driver that dies takes its ranks with it
- * (PR_SET_PDEATHSIG). While no step runs the driver sends a keep-alive
- * every timeout / 4 so idle ranks never hit the comm deadline.
+ * (PR_SET_PDEATHSIG, which fires when the thread that created the executor
+ * exits: create it on a thread that lives as long as the executor). While no step runs the driver
+ * sends a keep-alive every timeout / 4 so idle ranks never hit the comm deadline.
  *
  * A world of one runs the engine in-process with no extra thread. */
 #ifndef TD_EXEC_H
@@ -85,6 +86,9 @@ td_engine *td_exec_engine(td_exec *x);
 int td_exec_threads_per_rank(const td_exec *x);
 /* The engine's context limit (tokens per sequence). */
 int32_t td_exec_max_ctx(const td_exec *x);
+/* td_model_weight_bytes of the whole model, whatever the plan (the same on
+ * every instance of a model: part of its KV compatibility hash). */
+size_t td_exec_weight_bytes(const td_exec *x);
 
 /* One step over every rank, td_engine_forward's contract (logits of the
  * whole batch on the driver). TD_ERR_INVALID for a batch that breaks the

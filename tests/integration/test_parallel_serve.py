@@ -38,11 +38,15 @@ def completions(srv, n):
 def test_mixed_load_matches_one_rank(serve):
     one = serve(MODEL, "--max-running", "16", "--max-batch-tokens", "256", "--served-model-name", "m")
     want = completions(one, 16)
+    compat = one.state()["compat"]
     one.stop()
     srv = serve(MODEL, "--tp", "2", "--pp", "2", "--max-running", "16", "--served-model-name", "m",
                 "--max-batch-tokens", "256")
     got = completions(srv, 16)
     assert got == want
+    # the plan is not part of the KV compatibility hash (the transfer maps
+    # between plans): same model, same hash
+    assert srv.state()["compat"] == compat
     m = srv.metrics()
     assert metric(m, "tandem:plan_steps_total") > 0
     for r in range(4):
