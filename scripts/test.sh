@@ -21,7 +21,7 @@ scripts/check-format.sh
 
 ctest_args=(--output-on-failure --timeout 1200 -j "$jobs")
 # One exclusion regex: ctest ANDs repeated -LE options.
-skip=fuzz
+skip="fuzz|nightly" # nightly: the long matrices (ctest -L nightly)
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
   skip="$skip|gpu"
 fi

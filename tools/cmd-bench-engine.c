@@ -26,7 +26,7 @@
 static void bench_usage(FILE *f) {
     fprintf(f,
             "usage: tandem bench-engine [--model PATH] [-p N] [-n N] [-r N] [--threads N]\n"
-            "                           [--isa NAME] [--json]\n"
+            "                           [--isa NAME] [--json] [plan flags]\n"
             "\n"
             "Measures prompt processing (ppN: N tokens in one batch) and generation (tgN:\n"
             "N tokens one at a time from an empty context) like llama-bench: one warm-up,\n"
@@ -38,8 +38,10 @@ static void bench_usage(FILE *f) {
             "  -r, --repetitions N  timed repetitions (default 5)\n"
             "  -t, --threads N   worker threads (default: every core)\n"
             "  --isa NAME      kernel set: scalar, avx2, avx512 (default: best available)\n"
-            "  --json          one JSON object on stdout instead of the table\n",
+            "  --json          one JSON object on stdout instead of the table\n"
+            "  -t with a plan of several ranks: threads per rank (default: cores / ranks)\n",
             td_default_model_path());
+    fprintf(f, "\nparallel plan:\n%s", td_plan_flags_help());
 }
 
 /* splitmix64: random token ids that do not depend on libc's rand(). */
@@ -50,13 +52,35 @@ static uint64_t bench_rand(uint64_t *x) {
     return z ^ (z >> 31);
 }
 
+#define BENCH_MAX_RANKS 64
+
 typedef struct {
     td_runtime *rt;
+    /* per-rank compute / comm seconds summed over the steps of the timed
+     * repetitions of the test running now (acc false: warm-up) */
+    bool acc;
+    double rank_compute[BENCH_MAX_RANKS], rank_comm[BENCH_MAX_RANKS];
+    int64_t steps;
     int32_t *blocks; /* (blocks for the longest test) */
     int32_t *tokens; /* (n_prompt) */
     float *logits;   /* (n_vocab) */
     uint64_t rng;
 } bench_ctx;
+
+/* One step, adding the ranks' times when the context accumulates. */
+static td_status bench_step(bench_ctx *b, const td_seq_chunk *c) {
+    td_status st = td_runtime_forward(b->rt, c, 1, b->logits);
+    if (st == TD_OK && b->acc) {
+        td_rank_time t[BENCH_MAX_RANKS];
+        int n = TD_MIN(td_exec_last_times(b->rt->exec, t, BENCH_MAX_RANKS), BENCH_MAX_RANKS);
+        for (int r = 0; r < n; r++) {
+            b->rank_compute[r] += t[r].compute_s;
+            b->rank_comm[r] += t[r].comm_s;
+        }
+        b->steps++;
+    }
+    return st;
+}
 
 /* Seconds for one ppN run, or < 0 on error. */
 static double run_pp(bench_ctx *b, int32_t n) {
@@ -70,7 +94,7 @@ static double run_pp(bench_ctx *b, int32_t n) {
     td_seq_chunk c = {
         .tokens = b->tokens, .n_tokens = n, .pos0 = 0, .block_table = b->blocks, .n_blocks = nb};
     double t0 = td_time_s();
-    td_status st = td_engine_forward(b->rt->engine, &c, 1, b->logits);
+    td_status st = bench_step(b, &c);
     double t = td_time_s() - t0;
     td_kv_block_free(b->rt->kv, b->blocks, nb);
     if (st != TD_OK) {
@@ -100,7 +124,7 @@ static double run_tg(bench_ctx *b, int32_t n) {
                           .pos0 = i,
                           .block_table = b->blocks,
                           .n_blocks = td_runtime_blocks_for(b->rt, i + 1)};
-        st = td_engine_forward(b->rt->engine, &c, 1, b->logits);
+        st = bench_step(b, &c);
         tok = (int32_t)(bench_rand(&b->rng) % (uint64_t)nv);
     }
     double t = td_time_s() - t0;
@@ -119,6 +143,8 @@ typedef struct {
     double ns[BENCH_MAX_REPS]; /* nanoseconds per repetition */
     int n;
     double avg, sd;
+    int n_ranks;
+    double step_compute_ms[BENCH_MAX_RANKS], step_comm_ms[BENCH_MAX_RANKS]; /* mean per step */
 } bench_result;
 
 static void summarise(bench_result *r) {
@@ -165,8 +191,12 @@ int td_cmd_bench_engine(int argc, char **argv) {
     const char *model = NULL, *isa = NULL;
     long n_prompt = 512, n_gen = 128, reps = 5, threads = 0;
     bool json = false;
+    td_cli_plan plan = {.p = td_plan_default_params()};
     for (int i = 1; i < argc; i++) {
         const char *opt = argv[i];
+        int pf = td_cli_plan_flag(&plan, argc, argv, &i);
+        if (pf < 0) return 2;
+        if (pf > 0) continue;
         if (!strcmp(opt, "--help") || !strcmp(opt, "-h")) {
             bench_usage(stdout);
             return 0;
@@ -211,6 +241,8 @@ int td_cmd_bench_engine(int argc, char **argv) {
         fprintf(stderr, "tandem bench-engine: nothing to measure (-p 0 and -n 0)\n");
         return 2;
     }
+    int prc = td_cli_plan_check("bench-engine", &plan, model ? model : td_default_model_path());
+    if (prc >= 0) return prc;
 
     int exit_code = 1;
     bench_ctx b = {.rng = 0x7a6e64656d2d6265ull};
@@ -225,6 +257,7 @@ int td_cmd_bench_engine(int argc, char **argv) {
     rp.n_seqs = 1;
     rp.max_batch_tokens = (int32_t)TD_MAX(n_prompt, 1);
     rp.quiet = json;
+    rp.plan = &plan.p;
     if (!res) goto out;
     if (td_runtime_open(&rp, &b.rt) != TD_OK) goto out;
     b.blocks = malloc((size_t)td_runtime_blocks_for(b.rt, longest) * sizeof *b.blocks);
@@ -243,7 +276,12 @@ int td_cmd_bench_engine(int argc, char **argv) {
         r->n_prompt = test == 0 ? n : 0;
         r->n_gen = test == 0 ? 0 : n;
         /* Warm-up: pages the weights in and settles the thread pool. */
+        b.acc = false;
         if ((test == 0 ? run_pp(&b, n) : run_tg(&b, n)) < 0) goto out;
+        b.acc = true;
+        b.steps = 0;
+        memset(b.rank_compute, 0, sizeof b.rank_compute);
+        memset(b.rank_comm, 0, sizeof b.rank_comm);
         for (long k = 0; k < reps; k++) {
             double t = test == 0 ? run_pp(&b, n) : run_tg(&b, n);
             if (t < 0) goto out;
@@ -252,13 +290,18 @@ int td_cmd_bench_engine(int argc, char **argv) {
             r->n++;
         }
         summarise(r);
+        r->n_ranks = TD_MIN(td_exec_world(b.rt->exec), BENCH_MAX_RANKS);
+        for (int q = 0; q < r->n_ranks && b.steps > 0; q++) {
+            r->step_compute_ms[q] = b.rank_compute[q] * 1e3 / (double)b.steps;
+            r->step_comm_ms[q] = b.rank_comm[q] * 1e3 / (double)b.steps;
+        }
     }
 
     const char *path = model ? model : td_default_model_path();
     uint64_t size = model_size_bytes(path);
     double params = count_params(b.rt->cfg);
-    size_t wbytes = td_model_weight_bytes(b.rt->model);
-    int nth = td_threadpool_size(b.rt->tp);
+    size_t wbytes = td_exec_weight_bytes(b.rt->exec); /* the whole model's, over the ranks */
+    int nth = b.rt->n_threads;
     const char *isa_name = td_cpu_isa_name(b.rt->isa);
     if (json) {
         json_t *o = json_object(), *tests = json_array();
@@ -271,6 +314,7 @@ int td_cmd_bench_engine(int argc, char **argv) {
         json_object_set_new(o, "threads", json_integer(nth));
         json_object_set_new(o, "isa", json_string(isa_name));
         json_object_set_new(o, "repetitions", json_integer(reps));
+        json_object_set_new(o, "world", json_integer(td_exec_world(b.rt->exec)));
         for (int i = 0; i < n_res; i++) {
             json_t *t = json_object(), *ts = json_array(), *ns = json_array();
             json_object_set_new(t, "test", json_string(res[i].name));
@@ -284,6 +328,14 @@ int td_cmd_bench_engine(int argc, char **argv) {
             }
             json_object_set_new(t, "samples_ts", ts);
             json_object_set_new(t, "samples_ns", ns);
+            json_t *ranks = json_array();
+            for (int q = 0; q < res[i].n_ranks; q++) {
+                json_t *rk = json_object();
+                json_object_set_new(rk, "step_compute_ms", json_real(res[i].step_compute_ms[q]));
+                json_object_set_new(rk, "step_comm_ms", json_real(res[i].step_comm_ms[q]));
+                json_array_append_new(ranks, rk);
+            }
+            json_object_set_new(t, "ranks", ranks);
             json_array_append_new(tests, t);
         }
         json_object_set_new(o, "tests", tests);
@@ -309,6 +361,16 @@ int td_cmd_bench_engine(int argc, char **argv) {
         }
         printf("\nweight bytes read per generated token: %zu (%.2f MiB)\n", wbytes,
                (double)wbytes / (1024.0 * 1024.0));
+        if (td_exec_world(b.rt->exec) > 1) {
+            printf("\nper step and rank, mean over the timed repetitions (ms): compute / comm\n");
+            for (int i = 0; i < n_res; i++) {
+                printf("%-8s", res[i].name);
+                for (int q = 0; q < res[i].n_ranks; q++)
+                    printf("  r%d %.3f / %.3f", q, res[i].step_compute_ms[q],
+                           res[i].step_comm_ms[q]);
+                printf("\n");
+            }
+        }
     }
     exit_code = 0;
 

@@ -33,9 +33,10 @@ typedef struct {
 
 static void usage(FILE *f) {
     fprintf(f, "usage: tandem eval --model PATH --tokens IN.json --out OUT.bin [--threads N]\n"
-               "                   [--chunk N] [--batch] [--isa NAME]\n"
+               "                   [--chunk N] [--batch] [--isa NAME] [plan flags]\n"
                "  IN.json: {\"sequences\": [[token ids], ...]}\n"
                "  OUT.bin: float32 logits, (len, n_vocab) per sequence, in order\n");
+    fprintf(f, "\nparallel plan:\n%s", td_plan_flags_help());
 }
 
 static int parse_int(const char *s, int lo, int *v) {
@@ -111,7 +112,7 @@ done:
  * into its sequence's rows. */
 static int run_call(td_runtime *rt, eval_seq **which, td_seq_chunk *chunks, int32_t n,
                     float *logits) {
-    td_status st = td_engine_forward(rt->engine, chunks, n, logits);
+    td_status st = td_runtime_forward(rt, chunks, n, logits);
     if (st) {
         fprintf(stderr, "tandem eval: forward pass failed: %s\n", td_status_str(st));
         return -1;
@@ -131,7 +132,16 @@ static int run_call(td_runtime *rt, eval_seq **which, td_seq_chunk *chunks, int3
 int td_cmd_eval(int argc, char **argv) {
     const char *model = NULL, *tokens = NULL, *out = NULL, *isa = NULL;
     int threads = 0, chunk = 0, batch = 0;
+    td_plan_params plan = td_plan_default_params();
     static const struct option opts[] = {{"model", required_argument, NULL, 'm'},
+                                         {"tp", required_argument, NULL, 'P'},
+                                         {"pp", required_argument, NULL, 'P'},
+                                         {"pp-layers", required_argument, NULL, 'P'},
+                                         {"cp", required_argument, NULL, 'P'},
+                                         {"cp-mode", required_argument, NULL, 'P'},
+                                         {"cp-min-tokens", required_argument, NULL, 'P'},
+                                         {"ep", required_argument, NULL, 'P'},
+                                         {"attn-dp", no_argument, NULL, 'P'},
                                          {"tokens", required_argument, NULL, 't'},
                                          {"out", required_argument, NULL, 'o'},
                                          {"threads", required_argument, NULL, 'j'},
@@ -142,8 +152,15 @@ int td_cmd_eval(int argc, char **argv) {
                                          {NULL, 0, NULL, 0}};
     optind = 1;
     int c;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    int li = 0;
+    while ((c = getopt_long(argc, argv, "", opts, &li)) != -1) {
         switch (c) {
+        case 'P': {
+            char flag[32];
+            snprintf(flag, sizeof flag, "--%s", opts[li].name);
+            if (td_plan_parse_flag(&plan, flag, optarg) < 0) return 2;
+            break;
+        }
         case 'm': model = optarg; break;
         case 't': tokens = optarg; break;
         case 'o': out = optarg; break;
@@ -196,6 +213,7 @@ int td_cmd_eval(int argc, char **argv) {
     rp.n_seqs = batch ? TD_MAX(n_seqs, 1) : 1;
     rp.quiet = true;
     rp.max_batch_tokens = 512;
+    rp.plan = &plan;
     if (td_runtime_open(&rp, &rt)) goto done; /* the cause is logged where it is known */
     fprintf(stderr, "isa: %s\n", td_cpu_isa_name(rt->isa));
     const size_t V = (size_t)rt->cfg->n_vocab;

@@ -230,6 +230,7 @@ int td_cmd_generate(int argc, char **argv) {
 
     td_runtime_params rp = td_runtime_default_params();
     rp.model_path = a.model;
+    rp.plan = &a.plan.p;
     rp.n_threads = (int)a.threads;
     rp.isa_name = a.isa;
     rp.ctx_len = (int32_t)a.ctx;
@@ -294,7 +295,7 @@ int td_cmd_generate(int argc, char **argv) {
                           .n_blocks = td_runtime_blocks_for(rt, (int32_t)done + n),
                           .logits_all = false,
                           .no_logits = !last};
-        st = td_engine_forward(rt->engine, &c, 1, last ? logits : NULL);
+        st = td_runtime_forward(rt, &c, 1, last ? logits : NULL);
         if (st != TD_OK) {
             fprintf(stderr, "tandem generate: prefill failed: %s\n", td_status_str(st));
             goto out;
@@ -333,7 +334,7 @@ int td_cmd_generate(int argc, char **argv) {
                           .pos0 = pos,
                           .block_table = blocks,
                           .n_blocks = td_runtime_blocks_for(rt, pos + 1)};
-        st = td_engine_forward(rt->engine, &c, 1, logits);
+        st = td_runtime_forward(rt, &c, 1, logits);
         if (st != TD_OK) {
             fprintf(stderr, "tandem generate: decode failed at position %d: %s\n", pos,
                     td_status_str(st));

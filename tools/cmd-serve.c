@@ -207,7 +207,7 @@ static td_kv_hash compat_hash(const td_runtime *rt, const char *model_path) {
     char id[512];
     snprintf(id, sizeof id, "%s|%s|layers=%d|embd=%d|vocab=%d|weights=%zu", rt->cfg->name,
              strrchr(model_path, '/') ? strrchr(model_path, '/') + 1 : model_path, rt->cfg->n_layer,
-             rt->cfg->n_embd, rt->cfg->n_vocab, td_model_weight_bytes(rt->model));
+             rt->cfg->n_embd, rt->cfg->n_vocab, td_exec_weight_bytes(rt->exec));
     td_kv_compat c = {.model_id = id,
                       .weight_type = td_dtype_name(rt->cfg->wtype),
                       .kv_dtype = "f32",
@@ -258,6 +258,7 @@ int td_cmd_serve(int argc, char **argv) {
 
     td_runtime_params rp = td_runtime_default_params();
     rp.model_path = a.model;
+    rp.plan = &a.plan.p;
     rp.n_threads = (int)a.threads;
     rp.isa_name = a.isa;
     rp.ctx_len = (int32_t)a.ctx;
@@ -301,7 +302,7 @@ int td_cmd_serve(int argc, char **argv) {
     sp.max_ctx = max_ctx;
     sp.prefix_cache = !a.no_prefix_cache;
     sp.compat = compat_hash(rt, model_path);
-    if (td_sched_create(&sp, rt->engine, rt->kv, rt->tok, metrics, &sched) != TD_OK)
+    if (td_sched_create(&sp, rt->exec, rt->kv, rt->tok, metrics, &sched) != TD_OK)
         goto free_metrics;
 
     td_api_model mdl = {.tok = rt->tok,
@@ -345,12 +346,31 @@ int td_cmd_serve(int argc, char **argv) {
            td_http_server_port(http), grpc_addr);
     fflush(stdout);
 
+    /* Wait for a signal, or for the plan's ranks to fail: then the
+     * instance stops at once (not ready, every request an error) and exits
+     * non-zero, so its supervisor restarts it. */
     int sig = 0;
-    sigwait(&sigs, &sig);
-    TD_LOG_INFO("%s: draining (timeout %.1f s)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
-                a.drain_timeout);
-    td_sched_drain(sched);
-    if (!td_sched_wait_idle(sched, a.drain_timeout)) {
+    bool failed = false;
+    for (;;) {
+        struct timespec tick = {0, 100 * 1000000L};
+        sig = sigtimedwait(&sigs, NULL, &tick);
+        if (sig > 0) break;
+        if (td_exec_failed(rt->exec)) {
+            failed = true;
+            break;
+        }
+    }
+    if (failed) {
+        TD_LOG_ERROR("a rank of the parallel plan failed: refusing requests and exiting");
+        td_sched_drain(sched);
+        td_sched_abort_all(sched);
+        td_sched_wait_idle(sched, 5.0);
+    } else {
+        TD_LOG_INFO("%s: draining (timeout %.1f s)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
+                    a.drain_timeout);
+        td_sched_drain(sched);
+    }
+    if (!failed && !td_sched_wait_idle(sched, a.drain_timeout)) {
         TD_LOG_WARN("drain timeout: aborting the requests still running");
         td_sched_abort_all(sched);
         td_sched_wait_idle(sched, 5.0);
@@ -361,7 +381,7 @@ int td_cmd_serve(int argc, char **argv) {
         struct timespec ts = {0, 10 * 1000000L};
         nanosleep(&ts, NULL);
     }
-    exit_code = 0;
+    exit_code = failed ? 1 : 0;
 
     td_grpc_server_stop(grpc);
 stop_http:

@@ -36,17 +36,8 @@ int td_cli_plan_check(const char *cmd, const td_cli_plan *cp, const char *model_
         fprintf(stderr, "tandem %s: the plan does not fit the model (see above)\n", cmd);
         return 2;
     }
-    int world = td_plan_world(plan);
     int rc = -1;
-    if (cp->dry_run) {
-        rc = td_plan_report(plan, model_path, stdout) == TD_OK ? 0 : 1;
-    } else if (world > 1) {
-        fprintf(stderr,
-                "tandem %s: a plan of %d ranks is valid for this model, but multi-rank "
-                "execution (the rank launcher) is not built yet; --plan-dry-run shows the plan\n",
-                cmd, world);
-        rc = 2;
-    }
+    if (cp->dry_run) rc = td_plan_report(plan, model_path, stdout) == TD_OK ? 0 : 1;
     td_plan_destroy(plan);
     return rc;
 }

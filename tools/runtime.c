@@ -73,6 +73,11 @@ td_runtime_params td_runtime_default_params(void) {
     return p;
 }
 
+td_status td_runtime_forward(td_runtime *rt, const td_seq_chunk *seqs, int32_t n_seqs,
+                             float *logits) {
+    return td_exec_forward(rt->exec, seqs, n_seqs, logits);
+}
+
 int32_t td_runtime_blocks_for(const td_runtime *rt, int32_t n_tokens) {
     /* in 64 bits: n_tokens near INT32_MAX (--ctx) must not wrap negative */
     return (int32_t)(((int64_t)n_tokens + rt->block_size - 1) / rt->block_size);
@@ -108,54 +113,30 @@ td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p) {
     td_status st;
     if ((st = select_isa(p, &rt->isa))) goto fail;
     if (!p->quiet) fprintf(stderr, "isa: %s\n", td_cpu_isa_name(rt->isa));
-    if ((st = td_threadpool_create(p->n_threads, &rt->tp))) goto fail;
-
-    td_model_params mp = td_model_default_params();
-    mp.path = p->model_path ? p->model_path : td_default_model_path();
-    if ((st = td_model_load(&mp, &rt->model))) goto fail;
+    td_exec_params xp = td_exec_default_params();
+    xp.model_path = p->model_path ? p->model_path : td_default_model_path();
+    if (p->plan) xp.plan = *p->plan;
+    xp.engine.max_ctx = p->ctx_len;
+    xp.engine.max_batch_tokens = p->max_batch_tokens > 0 ? p->max_batch_tokens : 512;
+    xp.engine.max_seqs = p->max_seqs > 0 ? p->max_seqs : TD_MAX(p->n_seqs, 1);
+    xp.block_size = p->block_size > 0 ? p->block_size : 16;
+    xp.kv_blocks = p->kv_blocks;
+    xp.kv_memory = p->kv_memory;
+    xp.kv_seqs = p->n_seqs > 0 ? p->n_seqs : 1;
+    xp.n_threads = p->n_threads;
+    xp.isa = rt->isa;
+    if ((st = td_exec_create(&xp, &rt->exec))) goto fail;
+    rt->model = td_exec_model(rt->exec);
+    rt->kv = td_exec_kv(rt->exec);
     rt->cfg = td_model_get_config(rt->model);
     rt->tok = td_model_tokenizer(rt->model);
-
-    int32_t ctx = p->ctx_len > 0 ? p->ctx_len : TD_MIN(rt->cfg->n_ctx_train, 4096);
-    int32_t n_seqs = p->n_seqs > 0 ? p->n_seqs : 1;
-    td_kv_params kp = td_kv_default_params();
-    kp.n_layers = td_model_layer_end(rt->model) - td_model_layer_begin(rt->model);
-    kp.n_kv_heads = td_model_n_head_kv_local(rt->model);
-    kp.head_dim = rt->cfg->head_dim;
-    if (p->block_size > 0) kp.block_size = p->block_size;
-    rt->block_size = kp.block_size;
-    rt->ctx_len = ctx;
-    int64_t blocks = (int64_t)td_runtime_blocks_for(rt, ctx) * n_seqs;
-    if (p->kv_blocks > 0) {
-        blocks = p->kv_blocks;
-    } else if (p->kv_memory > 0) {
-        size_t per = td_kv_block_bytes(&kp);
-        blocks = per ? (int64_t)(p->kv_memory / per) : 0;
-        if (blocks < 1) {
-            TD_LOG_ERROR("--kv-memory %zu bytes holds no KV block (%zu bytes each)", p->kv_memory,
-                         per);
-            st = TD_ERR_INVALID;
-            goto fail;
-        }
-    }
-    if (blocks > INT32_MAX) {
-        TD_LOG_ERROR("KV pool of %lld blocks is too large", (long long)blocks);
-        st = TD_ERR_RANGE;
-        goto fail;
-    }
-    kp.n_blocks = (int32_t)blocks;
-    if ((st = td_kv_pool_create(&kp, &rt->kv))) goto fail;
-    if ((st = td_comm_create_single(&rt->comm))) goto fail;
-
-    td_engine_params ep = td_engine_default_params();
-    ep.max_ctx = ctx;
-    ep.max_batch_tokens = p->max_batch_tokens > 0 ? p->max_batch_tokens : 512;
-    ep.max_seqs = p->max_seqs > 0 ? p->max_seqs : TD_MAX(n_seqs, 1);
-    if ((st = td_engine_create(rt->model, rt->kv, rt->tp, rt->comm, &ep, &rt->engine))) goto fail;
+    rt->n_threads = td_exec_threads_per_rank(rt->exec);
+    rt->block_size = xp.block_size;
+    rt->ctx_len = td_exec_max_ctx(rt->exec);
     if (!p->quiet)
         fprintf(stderr, "model: %s (%d layers, %d embd, vocab %d, %s), %d threads\n", rt->cfg->name,
                 rt->cfg->n_layer, rt->cfg->n_embd, rt->cfg->n_vocab, td_dtype_name(rt->cfg->wtype),
-                td_threadpool_size(rt->tp));
+                rt->n_threads);
     *rt_p = rt;
     return TD_OK;
 fail:
@@ -165,10 +146,6 @@ fail:
 
 void td_runtime_close(td_runtime *rt) {
     if (!rt) return;
-    td_engine_destroy(rt->engine);
-    td_comm_destroy(rt->comm);
-    td_kv_pool_destroy(rt->kv);
-    td_model_free(rt->model);
-    td_threadpool_destroy(rt->tp);
+    td_exec_destroy(rt->exec);
     free(rt);
 }

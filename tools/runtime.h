@@ -1,7 +1,7 @@
-/* Shared set-up for the CLI commands that run the engine in-process
- * (generate, bench-engine, eval): selects the kernel ISA, creates the
- * thread pool, loads the model (whole model, single rank), sizes the KV
- * pool, and creates the comm and the engine.
+/* Shared set-up for the CLI commands that run the model (generate,
+ * bench-engine, eval, serve): selects the kernel ISA and brings up the
+ * parallel plan's executor (parallel/exec.h: on one rank the thread pool,
+ * model, KV pool and engine in-process; on more, the rank processes too).
  *
  * Not thread-safe; one runtime per process is the expected use. */
 #ifndef TD_TOOLS_RUNTIME_H
@@ -12,27 +12,29 @@
 #include "../common/model/forward.h"
 #include "../common/model/model.h"
 #include "../common/parallel/comm.h"
+#include "../common/parallel/exec.h"
+#include "../common/parallel/plan.h"
 
 typedef struct {
-    const char *model_path;   /* NULL: td_default_model_path() */
-    int n_threads;            /* <= 0: every online core */
-    const char *isa_name;     /* NULL: best this CPU runs; else "scalar" | "avx2" | "avx512" */
-    int32_t ctx_len;          /* tokens of KV per sequence; <= 0: min(n_ctx_train, 4096) */
-    int32_t n_seqs;           /* sequences that may hold ctx_len tokens at once (default 1) */
-    int32_t max_batch_tokens; /* most tokens per forward call; <= 0: 512 */
-    int32_t max_seqs;         /* most sequences per forward call; <= 0: n_seqs */
-    int32_t block_size;       /* KV block size in tokens; <= 0: 16 */
-    int32_t kv_blocks;        /* > 0: pool of exactly this many blocks (overrides n_seqs) */
-    size_t kv_memory;         /* > 0: pool of as many blocks as fit in this many bytes */
-    bool quiet;               /* do not print the ISA / model summary on stderr */
+    const char *model_path;     /* NULL: td_default_model_path() */
+    int n_threads;              /* <= 0: every online core */
+    const char *isa_name;       /* NULL: best this CPU runs; else "scalar" | "avx2" | "avx512" */
+    int32_t ctx_len;            /* tokens of KV per sequence; <= 0: min(n_ctx_train, 4096) */
+    int32_t n_seqs;             /* sequences that may hold ctx_len tokens at once (default 1) */
+    int32_t max_batch_tokens;   /* most tokens per forward call; <= 0: 512 */
+    int32_t max_seqs;           /* most sequences per forward call; <= 0: n_seqs */
+    int32_t block_size;         /* KV block size in tokens; <= 0: 16 */
+    int32_t kv_blocks;          /* > 0: pool of exactly this many blocks (overrides n_seqs) */
+    size_t kv_memory;           /* > 0: pool of as many blocks as fit in this many bytes */
+    bool quiet;                 /* do not print the ISA / model summary on stderr */
+    const td_plan_params *plan; /* NULL: one rank */
 } td_runtime_params;
 
 typedef struct {
-    td_threadpool *tp;
-    td_model *model;
-    td_kv_pool *kv;
-    td_comm *comm;
-    td_engine *engine;
+    td_exec *exec;
+    const td_model *model;      /* rank 0's shard, borrowed from exec */
+    td_kv_pool *kv;             /* rank 0's pool (block ids of every rank), borrowed */
+    int n_threads;              /* per rank */
     const td_model_config *cfg; /* borrowed from model */
     const td_tokenizer *tok;    /* borrowed from model */
     td_isa isa;                 /* the selected kernel set */
@@ -47,6 +49,10 @@ td_runtime_params td_runtime_default_params(void);
  * Prints "isa: NAME" on stderr unless p->quiet. Free with td_runtime_close(). */
 td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p);
 void td_runtime_close(td_runtime *rt); /* accepts NULL */
+
+/* One step through the plan (td_exec_forward). */
+td_status td_runtime_forward(td_runtime *rt, const td_seq_chunk *seqs, int32_t n_seqs,
+                             float *logits);
 
 /* Blocks needed for n tokens. */
 int32_t td_runtime_blocks_for(const td_runtime *rt, int32_t n_tokens);

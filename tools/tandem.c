@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../common/parallel/exec.h"
 #include "tools.h"
 
 static const struct {
@@ -29,6 +30,8 @@ int main(int argc, char **argv) {
         usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
     }
+    /* internal: a rank process of a parallel plan, started by the driver */
+    if (strcmp(argv[1], "rank") == 0) return td_exec_rank_main(argc - 1, argv + 1);
     for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++)
         if (strcmp(argv[1], k_cmds[i].name) == 0) return k_cmds[i].fn(argc - 1, argv + 1);
     fprintf(stderr, "tandem: unknown command '%s'\n", argv[1]);

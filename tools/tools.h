@@ -25,7 +25,8 @@ bool td_cli_parse_u64(const char *s, uint64_t *out); /* no sign */
 
 #include "../common/parallel/plan.h"
 
-/* Plan flags (plan.h) plus --plan-dry-run, shared by serve and generate. */
+/* Plan flags (plan.h) plus --plan-dry-run, shared by serve, generate, eval
+ * and bench-engine. */
 typedef struct {
     td_plan_params p;
     bool given;   /* a plan flag was on the command line */
@@ -35,10 +36,9 @@ typedef struct {
 /* If argv[*i] is a plan flag: consumes it (and its value, advancing *i) and
  * returns 1; 0 if it is not one; -1 for a bad value (logged). */
 int td_cli_plan_flag(td_cli_plan *cp, int argc, char **argv, int *i);
-/* After parsing: -1 to go on with one rank; otherwise the exit status
- * (0 after printing the --plan-dry-run report, 1 for a model that does not
- * load, 2 for a plan the model does not allow or one that needs more than
- * one rank). */
+/* After parsing: -1 to go on (run the plan: td_runtime_params.plan);
+ * otherwise the exit status (0 after printing the --plan-dry-run report,
+ * 1 for a model that does not load, 2 for a plan the model does not allow). */
 int td_cli_plan_check(const char *cmd, const td_cli_plan *cp, const char *model_path);
 
 #endif

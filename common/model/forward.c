@@ -32,6 +32,8 @@
 #define ROW_TILE_FEW 64 /* the same for fewer than MIN_PAR_ROWS token rows (decode) */
 #define MIN_PAR_ROWS 4  /* fewer token rows than this: elementwise steps run inline */
 #define ROW_CHUNK    4  /* token rows claimed at a time by elementwise steps */
+/* Vocab-parallel head: most logits all-gathered at a time (bounds its scratch). */
+#define HEAD_GATHER_FLOATS (1 << 21)
 
 struct td_engine {
     const td_model *m;
@@ -88,7 +90,47 @@ struct td_engine {
     const td_seq_chunk *seqs;
     int32_t n_tok;
     _Atomic int64_t work_next; /* next unclaimed work item of the running step */
+    /* vocab-parallel embedding and head (model tp_size > 1): rows of other
+     * ranks' tokens are zeros, summed over comm; logits all-gathered */
+    int vocab_tp;                   /* ranks sharing the vocabulary (the model's tp_size) */
+    int32_t vocab_begin, vocab_end; /* this rank's tokens */
+    int32_t vocab_per_rank;         /* ceil(n_vocab / vocab_tp): every rank's block width */
+    int32_t head_rows;              /* logit rows per all-gather */
+    float *head_buf;                /* (vocab_tp, head_rows, vocab_per_rank) or NULL (tp 1) */
+    /* per-rank compute / communication time of the last call (td_engine_last_timing) */
+    td_engine_timing timing;
+    uint64_t comm_ns; /* time inside comm calls during the running call */
+    uint64_t comm_t0; /* start of the running comm call */
+    bool comm_timed;  /* the running comm call is timed (communicator of > 1 rank) */
 };
+
+/* Every td_comm_* call of the forward pass goes through ENGINE_COMM, which
+ * charges its wall time (waiting for peers included) to comm_s of
+ * td_engine_timing, counts it and adds bytes (the payload this rank hands
+ * over) to comm_bytes; calls on a communicator of one rank are not timed
+ * (they are no-ops). It evaluates to the call's td_status:
+ *   if ((st = ENGINE_COMM(e, e->comm, n * sizeof(float),
+ *                         td_comm_all_reduce_sum(e->comm, buf, n))))
+ *       return st;
+ * The comma operator times exactly the call: the clock starts before it is
+ * evaluated and stops after. */
+#define ENGINE_COMM(e, comm, bytes, call)                                                          \
+    (engine_comm_start((e), (comm)), engine_comm_stop((e), (bytes), (call)))
+
+static void engine_comm_start(td_engine *e, const td_comm *comm) {
+    e->comm_timed = comm && td_comm_size(comm) > 1;
+    if (e->comm_timed) e->comm_t0 = td_time_ns();
+}
+
+static td_status engine_comm_stop(td_engine *e, size_t bytes, td_status st) {
+    if (e->comm_timed) {
+        e->comm_ns += td_time_ns() - e->comm_t0;
+        e->timing.comm_calls++;
+        e->timing.comm_bytes += bytes;
+        e->comm_timed = false;
+    }
+    return st;
+}
 
 td_engine_params td_engine_default_params(void) {
     td_engine_params p = {
@@ -137,6 +179,7 @@ static void engine_free_scratch(td_engine *e) {
     free(e->ep_eoff);
     free(e->load_cur);
     free(e->load_last);
+    free(e->head_buf);
 }
 
 /* Expert parallelism: the EP group must be the one the model shard was
@@ -245,6 +288,13 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
     }
     td_status st = ep_check(m, comm, &ep);
     if (st) return st;
+    if (td_model_tp_size(m) > 1 &&
+        (td_comm_size(comm) != td_model_tp_size(m) || td_comm_rank(comm) != td_model_tp_rank(m))) {
+        TD_LOG_ERROR("model shard is TP rank %d of %d but the communicator is rank %d of %d",
+                     td_model_tp_rank(m), td_model_tp_size(m), td_comm_rank(comm),
+                     td_comm_size(comm));
+        return TD_ERR_INVALID;
+    }
     td_engine *e = calloc(1, sizeof *e);
     if (!e) {
         TD_LOG_ERROR("out of memory");
@@ -274,6 +324,9 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
     }
     ep_setup(e);
     e->n_vocab = c->n_vocab;
+    e->vocab_tp = td_model_tp_size(m);
+    td_model_vocab_range(m, &e->vocab_begin, &e->vocab_end);
+    e->vocab_per_rank = (int32_t)(((int64_t)c->n_vocab + e->vocab_tp - 1) / e->vocab_tp);
     e->eps = c->rms_eps;
     e->attn_scale = (float)(1.0 / sqrt((double)c->head_dim));
     e->rope_mode = c->rope_mode;
@@ -316,6 +369,14 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
             e->a2a = scratch_alloc(4 * (size_t)e->ep_size, sizeof(size_t), &fail);
             e->ep_eoff = scratch_alloc((size_t)e->n_exp_loc + 1, sizeof(int32_t), &fail);
         }
+    }
+    if (e->vocab_tp > 1) {
+        size_t per_row = (size_t)e->vocab_tp * (size_t)e->vocab_per_rank;
+        e->head_rows = (int32_t)TD_MAX((size_t)1, TD_MIN(T, HEAD_GATHER_FLOATS / per_row));
+        e->head_buf = scratch_alloc((size_t)e->head_rows * per_row, sizeof(float), &fail);
+        /* Columns past a short slice are never computed (and never read):
+         * initialised once, so no uninitialised bytes go to the comm. */
+        if (e->head_buf) memset(e->head_buf, 0, (size_t)e->head_rows * per_row * sizeof(float));
     }
     if (fail) {
         TD_LOG_ERROR("out of memory for engine scratch (%d tokens)", ep.max_batch_tokens);
@@ -784,7 +845,9 @@ static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
     gather_task gt = {.e = e, .n_slots = n_slots};
     run(e, task_gather, &gt, n_slots);
 
-    if ((st = td_comm_all_gather(e->rg_comm, mine, e->ep_cnt, (size_t)NE * sizeof(int32_t))))
+    if ((st = ENGINE_COMM(
+             e, e->rg_comm, (size_t)NE * sizeof(int32_t),
+             td_comm_all_gather(e->rg_comm, mine, e->ep_cnt, (size_t)NE * sizeof(int32_t)))))
         return st;
     for (int x = 0; x < NE; x++) {
         int64_t n = 0;
@@ -812,7 +875,9 @@ static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
         return TD_ERR_INVALID;
     }
     /* Dispatch: my slots (xg) to the experts' ranks, theirs into yg. */
-    if ((st = td_comm_all_to_all_v(e->p.ep_comm, e->xg, sb, sd, e->yg, rb, rd))) return st;
+    if ((st = ENGINE_COMM(e, e->p.ep_comm, (size_t)n_slots * row,
+                          td_comm_all_to_all_v(e->p.ep_comm, e->xg, sb, sd, e->yg, rb, rd))))
+        return st;
     ep_permute(e, e->yg, e->xg, true);
     int32_t *eoff = e->ep_eoff;
     eoff[0] = 0;
@@ -843,7 +908,9 @@ static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
     }
     /* Combine: the outputs back to the ranks (and slots) they came from. */
     ep_permute(e, e->xg, e->yg, false);
-    if ((st = td_comm_all_to_all_v(e->p.ep_comm, e->xg, rb, rd, e->yg, sb, sd))) return st;
+    if ((st = ENGINE_COMM(e, e->p.ep_comm, n_recv * row,
+                          td_comm_all_to_all_v(e->p.ep_comm, e->xg, rb, rd, e->yg, sb, sd))))
+        return st;
 
     /* The shared expert is split like a dense FFN over TP (every rank, every
      * row, a partial sum); with TP 1 each rank computes its own rows whole. */
@@ -887,8 +954,14 @@ static void task_embd(void *ctx, int ith, int nth) {
         for (int64_t r = r0; r < r1; r++) {
             const td_seq_chunk *s = &e->seqs[e->tok_seq[r]];
             int32_t id = s->tokens[e->tok_pos[r] - s->pos0];
-            td_cpu_dequant_row(w->type, (const uint8_t *)w->data + (size_t)id * w->stride,
-                               e->x + (size_t)r * (size_t)e->n_embd, w->cols);
+            float *x = e->x + (size_t)r * (size_t)e->n_embd;
+            if (id < e->vocab_begin || id >= e->vocab_end) {
+                memset(x, 0, (size_t)e->n_embd * sizeof(float)); /* another rank's row */
+                continue;
+            }
+            td_cpu_dequant_row(w->type,
+                               (const uint8_t *)w->data + (size_t)(id - e->vocab_begin) * w->stride,
+                               x, w->cols);
         }
 }
 
@@ -918,7 +991,8 @@ static td_status ep_logits(td_engine *e, const td_seq_chunk *seqs, int32_t n_seq
         rd[k] = n_all * row;
         n_all += n;
     }
-    td_status st = td_comm_all_to_all_v(e->p.ep_comm, e->xn, sb, sd, e->o, rb, rd);
+    td_status st = ENGINE_COMM(e, e->p.ep_comm, sb[0],
+                               td_comm_all_to_all_v(e->p.ep_comm, e->xn, sb, sd, e->o, rb, rd));
     if (st || e->ep_rank != 0 || n_all == 0) return st;
     /* Sender-major (each sender's rows in its sequences' order) to the
      * order of seqs; rd becomes each sender's read cursor, in rows. */
@@ -988,12 +1062,81 @@ static td_status validate(const td_engine *e, const td_seq_chunk *seqs, int32_t 
     return TD_OK;
 }
 
+td_status td_engine_validate(const td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs) {
+    return validate(e, seqs, n_seqs);
+}
+
 td_status td_engine_forward(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs, float *logits) {
     return td_engine_forward_stage(e, seqs, n_seqs, NULL, NULL, logits);
 }
 
+/* Vocab-parallel head: this rank's logits of each group of rows straight
+ * into its block of head_buf, one all-gather, then every rank's block to
+ * its columns of logits. Each logit is one dot product, as with one rank. */
+typedef struct {
+    td_engine *e;
+    int32_t i0, n_rows; /* logit rows of this group */
+    float *logits;
+} head_place_task;
+
+static void task_head_place(void *ctx, int ith, int nth) {
+    const head_place_task *t = ctx;
+    td_engine *e = t->e;
+    (void)ith;
+    (void)nth;
+    const size_t W = (size_t)e->vocab_per_rank, V = (size_t)e->n_vocab;
+    const size_t blk = (size_t)t->n_rows * W;
+    int64_t r0, r1;
+    while (claim(e, t->n_rows, ROW_CHUNK, &r0, &r1))
+        for (int64_t r = r0; r < r1; r++)
+            for (int q = 0; q < e->vocab_tp; q++) {
+                size_t v0 = (size_t)q * W;
+                if (v0 >= V) break;
+                memcpy(t->logits + (size_t)(t->i0 + r) * V + v0,
+                       e->head_buf + (size_t)q * blk + (size_t)r * W,
+                       TD_MIN(W, V - v0) * sizeof(float));
+            }
+}
+
+static td_status head_vocab_parallel(td_engine *e, int32_t n_logit, float *logits) {
+    const size_t E = (size_t)e->n_embd, W = (size_t)e->vocab_per_rank;
+    const td_weight *wh[] = {td_model_output(e->m)};
+    const int rank = td_comm_rank(e->comm);
+    for (int32_t i0 = 0; i0 < n_logit; i0 += e->head_rows) {
+        int32_t g = TD_MIN(e->head_rows, n_logit - i0);
+        size_t blk = (size_t)g * W;
+        float *yh[] = {e->head_buf + (size_t)rank * blk};
+        size_t ldh[] = {W};
+        matmul(e, wh, 1, e->xn + (size_t)i0 * E, E, yh, ldh, g);
+        td_status st =
+            ENGINE_COMM(e, e->comm, blk * sizeof(float),
+                        td_comm_all_gather(e->comm, yh[0], e->head_buf, blk * sizeof(float)));
+        if (st) return st;
+        head_place_task t = {.e = e, .i0 = i0, .n_rows = g, .logits = logits};
+        run(e, task_head_place, &t, g);
+    }
+    return TD_OK;
+}
+
+static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs,
+                                   const float *x_in, float *x_out, float *logits);
+
 td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs,
                                   const float *x_in, float *x_out, float *logits) {
+    uint64_t t0 = td_time_ns();
+    memset(&e->timing, 0, sizeof e->timing);
+    e->comm_ns = 0;
+    td_status st = forward_stage_run(e, seqs, n_seqs, x_in, x_out, logits);
+    uint64_t total = td_time_ns() - t0;
+    e->timing.comm_s = (double)e->comm_ns * 1e-9;
+    e->timing.compute_s = (double)(total - TD_MIN(total, e->comm_ns)) * 1e-9;
+    return st;
+}
+
+td_engine_timing td_engine_last_timing(const td_engine *e) { return e->timing; }
+
+static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs,
+                                   const float *x_in, float *x_out, float *logits) {
     const td_model *m = e->m;
     bool first = td_model_tok_embd(m) != NULL, last = td_model_output(m) != NULL;
     if (first == (x_in != NULL) || last == (x_out != NULL)) {
@@ -1029,6 +1172,10 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
     if (first) {
         embd_task et = {.e = e};
         run(e, task_embd, &et, T);
+        if (e->vocab_tp > 1 &&
+            (st = ENGINE_COMM(e, e->comm, (size_t)T * E * sizeof(float),
+                              td_comm_all_reduce_sum(e->comm, e->x, (size_t)T * E))))
+            return st;
     } else {
         memcpy(e->x, x_in, (size_t)T * E * sizeof(float));
     }
@@ -1065,7 +1212,9 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
         float *yo[] = {e->o};
         size_t ldo[] = {E};
         matmul(e, wo, 1, e->att, (size_t)e->q_dim, yo, ldo, T);
-        if ((st = td_comm_all_reduce_sum(e->comm, e->o, (size_t)T * E))) return st;
+        if ((st = ENGINE_COMM(e, e->comm, (size_t)T * E * sizeof(float),
+                              td_comm_all_reduce_sum(e->comm, e->o, (size_t)T * E))))
+            return st;
 
         /* MLP block */
         norm_task nt2 = {.e = e, .n_rows = T, .add = true, .norm_w = lw->ffn_norm};
@@ -1085,8 +1234,12 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
             run(e, task_swiglu, &sw, T);
             matmul(e, wd, 1, e->g, (size_t)e->n_ff, yo, ldo, T);
         }
-        if ((st = td_comm_all_reduce_sum(e->comm, e->o, (size_t)T * E))) return st;
-        if (e->ep_sum && (st = td_comm_all_reduce_sum(e->p.ep_comm, e->o, (size_t)T * E)))
+        if ((st = ENGINE_COMM(e, e->comm, (size_t)T * E * sizeof(float),
+                              td_comm_all_reduce_sum(e->comm, e->o, (size_t)T * E))))
+            return st;
+        if (e->ep_sum &&
+            (st = ENGINE_COMM(e, e->p.ep_comm, (size_t)T * E * sizeof(float),
+                              td_comm_all_reduce_sum(e->p.ep_comm, e->o, (size_t)T * E))))
             return st;
     }
     if (e->n_expert > 0)
@@ -1109,6 +1262,7 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
                     .src_row = e->logit_tok,
                     .norm_w = td_model_output_norm(m)};
     run(e, task_norm, &nh, n_logit);
+    if (e->vocab_tp > 1) return head_vocab_parallel(e, n_logit, logits);
     float *yh[] = {logits};
     size_t ldh[] = {(size_t)e->n_vocab};
     matmul(e, wh, 1, e->xn, E, yh, ldh, n_logit);

@@ -86,6 +86,10 @@ void td_engine_destroy(td_engine *e); /* accepts NULL */
  * group, and on the same-coordinate ranks of every pipeline stage). */
 int32_t td_engine_stage_rows(const td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs);
 
+/* The checks td_engine_forward makes on a batch before it touches
+ * anything: TD_ERR_INVALID (logged) when the batch breaks a limit. */
+td_status td_engine_validate(const td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs);
+
 /* Per-expert load of the last successful forward call (MoE models):
  * counts (n_expert entries) = how many tokens of the batch selected each
  * expert in layer `layer` (a global layer index of this stage), or summed
@@ -102,7 +106,14 @@ int32_t td_engine_n_logit_rows(const td_seq_chunk *seqs, int32_t n_seqs);
 
 /* Runs the batch. logits: (td_engine_n_logit_rows, n_vocab), rows in the
  * order of seqs (every token of a logits_all chunk, else its last token,
- * none for no_logits chunks). TD_ERR_INVALID for a batch that breaks the
+ * none for no_logits chunks). Under TP (a model shard of tp_size > 1; comm
+ * must then be the TP group, rank i holding shard i, else create fails with
+ * TD_ERR_INVALID) the embedding and head are vocab-parallel
+ * (td_model_vocab_range): each rank embeds its own tokens, zeros for the
+ * others, and one all-reduce over comm gives every rank every row exactly;
+ * each rank computes its vocabulary slice of the logits and an all-gather
+ * leaves the complete logits, in vocabulary order, on every TP rank, each
+ * logit the same dot product as on one rank. TD_ERR_INVALID for a batch that breaks the
  * limits (too many tokens, a block table too short, a position past max_ctx,
  * a token id out of the vocabulary). With CP or attention-DP every rank of
  * those groups gets the whole batch and the complete logits are written on
@@ -119,5 +130,25 @@ td_status td_engine_forward(td_engine *e, const td_seq_chunk *seqs, int32_t n_se
  */
 td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs,
                                   const float *x_in, float *x_out, float *logits);
+
+/* Where the last td_engine_forward / td_engine_forward_stage call of this
+ * rank spent its wall time: comm_s inside communication calls on
+ * communicators of more than one rank (the TP all-reduces, the
+ * vocab-parallel embedding all-reduce and logit all-gather, and every other
+ * comm call of the forward pass), waiting for slower peers included, and
+ * compute_s the rest of the call (so compute_s + comm_s is the call's wall
+ * time). comm_calls counts those calls and comm_bytes adds the payload this
+ * rank handed to them (n floats for an all-reduce of n, its own block for
+ * an all-gather; the backend's algorithm decides the bytes on the wire).
+ * A world of one makes no timed calls: comm_s 0, comm_calls 0. Reset at the
+ * start of every call, also when the call fails. */
+typedef struct {
+    double compute_s;
+    double comm_s;
+    uint64_t comm_calls;
+    uint64_t comm_bytes;
+} td_engine_timing;
+
+td_engine_timing td_engine_last_timing(const td_engine *e);
 
 #endif

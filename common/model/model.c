@@ -45,6 +45,8 @@ struct td_model {
     float *output_norm; /* (n_embd) */
     float *inv_freq;    /* (n_rot / 2) */
     size_t weight_bytes;
+    /* vocab-parallel embedding and head: this shard's rows of token_embd / output */
+    int32_t vocab_begin, vocab_end;
     void **owned; /* buffers freed with the model */
     size_t n_owned, cap_owned;
 };
@@ -1055,11 +1057,16 @@ static td_status load_weights(loader *ld) {
         }
     }
     bool first = m->layer_begin == 0, last = m->layer_end == c->n_layer;
+    /* Vocab-parallel: ceil(n_vocab / tp) rows per rank, the last slices
+     * shorter or empty; rows are independent, so any type slices on them. */
+    int64_t per = ((int64_t)c->n_vocab + m->tp_size - 1) / m->tp_size;
+    m->vocab_begin = (int32_t)TD_MIN(per * m->tp_rank, (int64_t)c->n_vocab);
+    m->vocab_end = (int32_t)TD_MIN((int64_t)m->vocab_begin + per, (int64_t)c->n_vocab);
+    int64_t v0 = m->vocab_begin, nv = m->vocab_end - m->vocab_begin;
     if (first || (last && m->cfg.tied_output)) {
         td_weight w;
         size_t before = m->weight_bytes;
-        if ((st = load_matrix(ld, embd_name, c->n_vocab, c->n_embd, 0, c->n_vocab, 0, c->n_embd,
-                              &w)))
+        if ((st = load_matrix(ld, embd_name, c->n_vocab, c->n_embd, v0, nv, 0, c->n_embd, &w)))
             return st;
         m->weight_bytes = before; /* one row per token: not a per-token stream of weights */
         if (first) {
@@ -1074,7 +1081,7 @@ static td_status load_weights(loader *ld) {
     }
     if (last) {
         if (!m->cfg.tied_output) {
-            if ((st = load_matrix(ld, out_name, c->n_vocab, c->n_embd, 0, c->n_vocab, 0, c->n_embd,
+            if ((st = load_matrix(ld, out_name, c->n_vocab, c->n_embd, v0, nv, 0, c->n_embd,
                                   &m->output)))
                 return st;
             m->has_output = true;
@@ -1192,3 +1199,8 @@ const float *td_model_output_norm(const td_model *m) { return m->output_norm; }
 const td_weight *td_model_output(const td_model *m) { return m->has_output ? &m->output : NULL; }
 const float *td_model_rope_inv_freq(const td_model *m) { return m->inv_freq; }
 size_t td_model_weight_bytes(const td_model *m) { return m->weight_bytes; }
+
+void td_model_vocab_range(const td_model *m, int32_t *v0_p, int32_t *v1_p) {
+    *v0_p = m->vocab_begin;
+    *v1_p = m->vocab_end;
+}

@@ -149,14 +149,23 @@ int td_model_n_head_local(const td_model *m);
 int td_model_n_head_kv_local(const td_model *m);
 /* Layer l (global index, layer_begin <= l < layer_end). */
 const td_layer_weights *td_model_layer(const td_model *m, int l);
+/* Vocab-parallel embedding and output head: a shard holds only rows
+ * [*v0_p, *v1_p) of token_embd and output (tied or not), slices of
+ * ceil(n_vocab / tp_size) rows in rank order (the last ones shorter, or
+ * empty when tp_size rows do not all fit); [0, n_vocab) for tp_size 1.
+ * Row r of td_model_tok_embd / td_model_output is token *v0_p + r. Any
+ * weight type slices this way (rows are independent). */
+void td_model_vocab_range(const td_model *m, int32_t *v0_p, int32_t *v1_p);
 const td_weight *
-td_model_tok_embd(const td_model *m); /* (n_vocab, n_embd); NULL on non-first stages */
+td_model_tok_embd(const td_model *m); /* (v1 - v0, n_embd); NULL on non-first stages */
 const float *td_model_output_norm(const td_model *m); /* NULL on non-last stages */
 const td_weight *
-td_model_output(const td_model *m); /* (n_vocab, n_embd); NULL on non-last stages */
+td_model_output(const td_model *m); /* (v1 - v0, n_embd); NULL on non-last stages */
 /* RoPE angular frequencies, (n_rot / 2), scaling applied. */
 const float *td_model_rope_inv_freq(const td_model *m);
-/* Bytes of weights this shard reads per token (for bandwidth figures). */
+/* Bytes of weights this shard reads per token (for bandwidth figures): its
+ * slices of every matrix, the output head's vocabulary slice included (the
+ * embedding is one row per token and not counted). */
 size_t td_model_weight_bytes(const td_model *m);
 
 #endif

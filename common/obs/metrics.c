@@ -78,6 +78,14 @@ struct td_metrics {
     td_hist hist[H_COUNT];
     td_err_kind errs[TD_ERR_KINDS_MAX];
     int n_errs;
+    /* parallel plan */
+    int n_ranks;
+    uint64_t plan_steps;
+    double rank_compute[TD_METRICS_MAX_RANKS], rank_comm[TD_METRICS_MAX_RANKS];
+    double rank_last_compute[TD_METRICS_MAX_RANKS], rank_last_comm[TD_METRICS_MAX_RANKS];
+    int n_experts;
+    uint64_t expert_tokens[TD_METRICS_MAX_EXPERTS];
+    double expert_imbalance;
 };
 
 const char *td_finish_reason_str(td_finish_reason r) {
@@ -215,6 +223,39 @@ void td_metrics_iteration(td_metrics *m, int32_t n_tokens) {
     if (!m || n_tokens < 0) return;
     pthread_mutex_lock(&m->mu);
     hist_observe(&m->hist[H_ITER_TOKENS], (double)n_tokens);
+    pthread_mutex_unlock(&m->mu);
+}
+
+void td_metrics_rank_step(td_metrics *m, int n, const double *compute_s, const double *comm_s) {
+    if (!m || n < 1 || !compute_s || !comm_s) return;
+    n = TD_MIN(n, TD_METRICS_MAX_RANKS);
+    pthread_mutex_lock(&m->mu);
+    m->n_ranks = TD_MAX(m->n_ranks, n);
+    m->plan_steps++;
+    for (int r = 0; r < n; r++) {
+        double c = isfinite(compute_s[r]) && compute_s[r] > 0 ? compute_s[r] : 0;
+        double x = isfinite(comm_s[r]) && comm_s[r] > 0 ? comm_s[r] : 0;
+        m->rank_compute[r] += c;
+        m->rank_comm[r] += x;
+        m->rank_last_compute[r] = c;
+        m->rank_last_comm[r] = x;
+    }
+    pthread_mutex_unlock(&m->mu);
+}
+
+void td_metrics_expert_load(td_metrics *m, int n, const int64_t *tokens) {
+    if (!m || n < 1 || !tokens) return;
+    n = TD_MIN(n, TD_METRICS_MAX_EXPERTS);
+    int64_t total = 0, mx = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t t = tokens[i] > 0 ? tokens[i] : 0;
+        total += t;
+        mx = TD_MAX(mx, t);
+    }
+    pthread_mutex_lock(&m->mu);
+    m->n_experts = TD_MAX(m->n_experts, n);
+    for (int i = 0; i < n; i++) m->expert_tokens[i] += (uint64_t)(tokens[i] > 0 ? tokens[i] : 0);
+    if (total > 0) m->expert_imbalance = (double)mx * n / (double)total;
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -388,6 +429,46 @@ static void render_gauges(td_sbuf *b, const td_metrics *m, const td_metrics_gaug
           g->draining ? 1.0 : 0.0);
 }
 
+/* One labelled sample per rank or expert. Caller holds the lock. */
+static void per_index(td_sbuf *b, const td_metrics *m, const char *name, const char *label, int n,
+                      const double *v) {
+    for (int i = 0; i < n; i++) {
+        char s[32];
+        fmt_double(v[i], s);
+        sb_printf(b, "%s{model_name=\"%s\",%s=\"%d\"} %s\n", name, m->label, label, i, s);
+    }
+}
+
+/* The parallel plan's families, once a step or a routed step was recorded. */
+static void render_plan(td_sbuf *b, const td_metrics *m) {
+    if (m->n_ranks > 0) {
+        counter(b, m, "tandem:plan_steps", "Steps run through the parallel plan.", m->plan_steps);
+        family(b, "tandem:rank_compute_seconds_total", "counter",
+               "Per rank: time of the steps outside communication, in seconds.");
+        per_index(b, m, "tandem:rank_compute_seconds_total", "rank", m->n_ranks, m->rank_compute);
+        family(b, "tandem:rank_comm_seconds_total", "counter",
+               "Per rank: time inside communication calls (waiting included), in seconds.");
+        per_index(b, m, "tandem:rank_comm_seconds_total", "rank", m->n_ranks, m->rank_comm);
+        family(b, "tandem:rank_step_compute_seconds", "gauge",
+               "Per rank: compute time of the last step, in seconds.");
+        per_index(b, m, "tandem:rank_step_compute_seconds", "rank", m->n_ranks,
+                  m->rank_last_compute);
+        family(b, "tandem:rank_step_comm_seconds", "gauge",
+               "Per rank: communication time of the last step, in seconds.");
+        per_index(b, m, "tandem:rank_step_comm_seconds", "rank", m->n_ranks, m->rank_last_comm);
+    }
+    if (m->n_experts > 0) {
+        family(b, "tandem:expert_tokens_total", "counter",
+               "Per expert: tokens routed to it, summed over the layers.");
+        for (int i = 0; i < m->n_experts; i++)
+            sb_printf(b, "tandem:expert_tokens_total{model_name=\"%s\",expert=\"%d\"} %llu\n",
+                      m->label, i, (unsigned long long)m->expert_tokens[i]);
+        gauge(b, m, "tandem:expert_load_imbalance",
+              "Max over mean of the tokens per expert in the last routed step (1 is even).",
+              m->expert_imbalance);
+    }
+}
+
 td_status td_metrics_render(td_metrics *m, const td_metrics_gauges *g, char **text_p,
                             size_t *len_p) {
     if (!m || !text_p) return TD_ERR_INVALID;
@@ -430,6 +511,7 @@ td_status td_metrics_render(td_metrics *m, const td_metrics_gauges *g, char **te
         free(t);
     }
     for (int i = 0; i < H_COUNT; i++) histogram(&b, m, &m->hist[i]);
+    render_plan(&b, m);
     pthread_mutex_unlock(&m->mu);
 
     if (b.oom) {

@@ -88,6 +88,20 @@ void td_metrics_inter_token(td_metrics *m, double itl_s); /* one per output toke
 void td_metrics_prefix_cache(td_metrics *m, int64_t queried_tokens, int64_t hit_tokens);
 void td_metrics_preemption(td_metrics *m);
 void td_metrics_iteration(td_metrics *m, int32_t n_tokens); /* tokens in one forward step */
+/* Per-rank time of one step of the instance's parallel plan (n ranks,
+ * at most TD_METRICS_MAX_RANKS are kept): counters
+ * tandem:rank_compute_seconds_total{rank} and tandem:rank_comm_seconds_total{rank}
+ * (communication: inside comm calls, waiting for peers included), and the
+ * last step's tandem:rank_step_compute_seconds{rank} /
+ * tandem:rank_step_comm_seconds{rank} gauges; tandem:plan_steps_total. */
+#define TD_METRICS_MAX_RANKS 64
+void td_metrics_rank_step(td_metrics *m, int n, const double *compute_s, const double *comm_s);
+/* Tokens routed to each expert in one step, summed over the layers (n
+ * experts, at most TD_METRICS_MAX_EXPERTS are kept): counter
+ * tandem:expert_tokens_total{expert} and the last routed step's
+ * tandem:expert_load_imbalance (max / mean over the experts; 1 is even). */
+#define TD_METRICS_MAX_EXPERTS 256
+void td_metrics_expert_load(td_metrics *m, int n, const int64_t *tokens);
 /* Records every per-request histogram and counter for r (prompt and
  * generation token counters, request_success by finish reason, e2e, prompt
  * and generation token counts; inference time when t_scheduled > 0; prefill

@@ -51,6 +51,7 @@ td_status td_comm_seg_all_to_all_v(td_comm *c, const void *send, const size_t *s
                                    const size_t *recv_displs);
 td_status td_comm_seg_send(td_comm *c, const void *buf, size_t bytes, int peer);
 td_status td_comm_seg_recv(td_comm *c, void *buf, size_t bytes, int peer);
+void td_comm_seg_abort(td_comm_seg *seg);
 td_status td_comm_seg_split(td_comm *c, int color, int key, td_comm **sub_p);
 
 #endif

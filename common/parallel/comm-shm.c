@@ -287,6 +287,11 @@ static void fail_wait(td_comm *c, bool timed_out, const char *what, const int *m
                  world_of(c, c->rank), c->rank, c->size, what, c->seg->timeout_s, list);
 }
 
+void td_comm_seg_abort(td_comm_seg *seg) {
+    if (atomic_exchange(&seg->hdr->broken, 1) == 0)
+        TD_LOG_ERROR("communicator world of %d ranks aborted", seg->n);
+}
+
 static td_status barrier(td_comm *c) {
     td_comm_seg *s = c->seg;
     if (atomic_load(&s->hdr->broken)) return TD_ERR_IO;

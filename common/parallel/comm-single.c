@@ -30,6 +30,10 @@ void td_comm_destroy(td_comm *comm) {
     free(comm);
 }
 
+void td_comm_abort(td_comm *comm) {
+    if (comm && comm->seg) td_comm_seg_abort(comm->seg);
+}
+
 int td_comm_rank(const td_comm *comm) { return comm->rank; }
 int td_comm_size(const td_comm *comm) { return comm->size; }
 

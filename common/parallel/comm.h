@@ -98,6 +98,13 @@ td_status td_comm_split(td_comm *comm, int color, int key, td_comm **sub_p);
 
 void td_comm_destroy(td_comm *comm); /* accepts NULL */
 
+/* Breaks comm's world on purpose (e.g. a monitor saw a rank process die):
+ * every call in progress on any rank of the world returns TD_ERR_IO within
+ * a wait slice (50 ms), and every later one at once. The only call that
+ * may be made from another thread while a collective is in progress.
+ * A no-op for a world of one. */
+void td_comm_abort(td_comm *comm);
+
 int td_comm_rank(const td_comm *comm);
 int td_comm_size(const td_comm *comm);
 

@@ -261,7 +261,11 @@ td_rank_traffic td_plan_traffic(const td_plan *plan, int r) {
     int kvh = kv_heads_local(c, attn_tp(plan));
     td_rank_traffic t;
     memset(&t, 0, sizeof t);
-    if (attn_tp(plan) > 1) t.tp_per_token = layers * 2.0 * hidden * 2.0 * (p->tp - 1) / p->tp;
+    int atp = attn_tp(plan);
+    if (atp > 1) t.tp_per_token = layers * 2.0 * hidden * 2.0 * (p->tp - 1) / p->tp;
+    if (atp > 1 && rc.pp_rank == 0) t.embd_per_token = hidden * 2.0 * (p->tp - 1) / p->tp;
+    if (atp > 1 && rc.pp_rank == p->pp - 1)
+        t.head_per_row = (double)((c->n_vocab + p->tp - 1) / p->tp) * f * (p->tp - 1);
     if (rc.pp_rank < p->pp - 1) t.pp_per_token = hidden;
     double kv_tok = layers * kvh * (double)c->head_dim * 2.0 * f;
     if (p->cp > 1) {
@@ -348,8 +352,10 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
         }
         total_w += (double)wbytes;
         td_rank_traffic t = td_plan_traffic(plan, r);
-        double prefill = t.tp_per_token + t.pp_per_token + t.pcp_per_token + t.ep_per_token;
-        double decode = t.tp_per_token + t.pp_per_token + t.dcp_per_token + t.ep_per_token;
+        double prefill =
+            t.tp_per_token + t.embd_per_token + t.pp_per_token + t.pcp_per_token + t.ep_per_token;
+        double decode = t.tp_per_token + t.embd_per_token + t.head_per_row + t.pp_per_token +
+                        t.dcp_per_token + t.ep_per_token;
         total_send_prefill += prefill;
         total_send_decode += decode;
         char wb[32], kb[32], tb[32], pb[32], db[32], ly[32];
@@ -378,11 +384,13 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
     if (dp)
         fprintf(out,
                 "  attention DP %d: sequences (sequence i on TP rank i mod %d, with its whole "
-                "KV); attention and the shared expert are whole on every rank\n",
+                "KV); attention, the shared expert, the embedding and the head are whole on every "
+                "rank\n",
                 p->tp, p->tp);
     else if (p->tp > 1)
         fprintf(out,
-                "  TP %d: attention heads (%d query, %d KV per rank) and FFN columns "
+                "  TP %d: attention heads (%d query, %d KV per rank), FFN columns "
+                "(%d per rank%s) and the vocabulary rows of the embedding and output head "
                 "(%d per rank%s); KV cache by head\n",
                 p->tp, c->n_head / p->tp, kv_heads_local(c, p->tp),
                 (plan->n_expert == 0 ? c->n_ff
@@ -391,7 +399,8 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
                     p->tp,
                 plan->n_expert == 0 ? ""
                 : p->ep > 1         ? " of the shared expert"
-                                    : " of every expert");
+                                    : " of every expert",
+                (c->n_vocab + p->tp - 1) / p->tp, c->n_vocab % p->tp ? ", fewer on the last" : "");
     if (p->pp > 1) fprintf(out, "  PP %d: layers by stage; KV cache by layer\n", p->pp);
     if (p->cp > 1)
         fprintf(out,
@@ -406,13 +415,14 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
     if (world == 1) fprintf(out, "  nothing: one rank holds everything\n");
     fprintf(out, "what is replicated:\n");
     if (dp)
-        fprintf(out, "  attention, shared-expert and head weights on every rank of the TP group\n");
+        fprintf(out,
+                "  attention, shared-expert, embedding and head weights on every rank of the TP "
+                "group\n");
     else if (p->tp > c->n_head_kv)
         fprintf(out, "  KV heads: %d ranks share each of the %d KV heads\n", p->tp / c->n_head_kv,
                 c->n_head_kv);
     if (p->cp > 1) fprintf(out, "  all weights across the %d CP ranks of a stage\n", p->cp);
-    fprintf(out, "  norms%s\n",
-            p->tp > 1 ? " and the embedding / output head on every TP rank" : "");
+    fprintf(out, "  norms%s\n", p->tp > 1 ? " on every TP rank" : "");
     if (plan->n_expert > 0)
         fprintf(out, "  the MoE router on every rank%s\n",
                 p->tp > p->ep && p->ep > 1 ? "; the experts on each of the tp/ep EP groups" : "");
@@ -423,8 +433,9 @@ td_status td_plan_report(const td_plan *plan, const char *model_path, FILE *out)
     else if (p->tp > 1)
         fprintf(out,
                 "  TP: all-reduce of the hidden state (%d floats a token), twice per layer, "
-                "every step\n",
-                c->n_embd);
+                "every step; on the first stage one more for the vocab-parallel embedding; on "
+                "the last an all-gather of the logits (%d floats per logit row)\n",
+                c->n_embd, c->n_vocab);
     if (p->pp > 1)
         fprintf(out,
                 "  PP: the hidden state at each of %d stage boundaries, once per "

@@ -88,6 +88,9 @@ typedef struct {
     double dcp_per_token;      /* decode: partial attention (out, max, sum) per layer */
     double ep_per_token;       /* MoE: hidden states of the 1/tp of the rows this rank routes
                                   to the experts' ranks, and the outputs back */
+    double embd_per_token;     /* TP, first stage: the vocab-parallel embedding all-reduce */
+    double head_per_row;       /* TP, last stage: this rank's logits all-gathered, per logit
+                                  row (every decode token; once per prompt in prefill) */
     double kv_bytes_per_token; /* KV this rank holds per token of context (f32) */
 } td_rank_traffic;
 td_rank_traffic td_plan_traffic(const td_plan *plan, int r);

@@ -101,7 +101,7 @@ typedef struct seq {
 
 struct td_sched {
     td_sched_params p;
-    td_engine *engine;
+    td_exec *exec;
     td_kv_pool *kv;
     const td_tokenizer *tok;
     td_metrics *metrics;
@@ -836,10 +836,21 @@ static bool step(td_sched *s) {
     int32_t n_tok = 0;
     for (int32_t i = 0; i < n; i++) n_tok += s->chunks[i].n_tokens;
     double t0 = td_time_s();
-    td_status st = td_engine_forward(s->engine, s->chunks, n, s->logits);
+    td_status st = td_exec_forward(s->exec, s->chunks, n, s->logits);
     double dt = td_time_s() - t0;
     s->steps++;
-    if (s->metrics) td_metrics_iteration(s->metrics, n_tok);
+    if (s->metrics) {
+        td_metrics_iteration(s->metrics, n_tok);
+        td_rank_time rt[TD_METRICS_MAX_RANKS];
+        int nr =
+            TD_MIN(td_exec_last_times(s->exec, rt, TD_METRICS_MAX_RANKS), TD_METRICS_MAX_RANKS);
+        double cs[TD_METRICS_MAX_RANKS], ms[TD_METRICS_MAX_RANKS];
+        for (int r = 0; r < nr; r++) {
+            cs[r] = rt[r].compute_s;
+            ms[r] = rt[r].comm_s;
+        }
+        if (st == TD_OK) td_metrics_rank_step(s->metrics, nr, cs, ms);
+    }
     double now = td_time_s();
     int32_t row = 0;
     for (int32_t i = 0; i < n; i++) {
@@ -905,9 +916,9 @@ static void *sched_main(void *arg) {
     return NULL;
 }
 
-td_status td_sched_create(const td_sched_params *p, td_engine *engine, td_kv_pool *kv,
+td_status td_sched_create(const td_sched_params *p, td_exec *exec, td_kv_pool *kv,
                           const td_tokenizer *tok, td_metrics *metrics, td_sched **s_p) {
-    if (!p || !engine || !kv || !tok || !s_p || p->max_running < 1 || p->max_batch_tokens < 1 ||
+    if (!p || !exec || !kv || !tok || !s_p || p->max_running < 1 || p->max_batch_tokens < 1 ||
         p->max_waiting < 0 || p->reserve_output_tokens < 0 || p->max_ctx < 2) {
         TD_LOG_ERROR("invalid scheduler parameters");
         return TD_ERR_INVALID;
@@ -927,7 +938,7 @@ td_status td_sched_create(const td_sched_params *p, td_engine *engine, td_kv_poo
     td_sched *s = calloc(1, sizeof *s);
     if (!s) return TD_ERR_NOMEM;
     s->p = *p;
-    s->engine = engine;
+    s->exec = exec;
     s->kv = kv;
     s->tok = tok;
     s->metrics = metrics;

@@ -38,6 +38,7 @@
 #include "../kv/kv.h"
 #include "../model/forward.h"
 #include "../obs/metrics.h"
+#include "../parallel/exec.h"
 #include "../tokenizer/tokenizer.h"
 #include "sampler.h"
 
@@ -100,14 +101,15 @@ typedef struct {
 
 typedef struct td_sched td_sched;
 
-/* Starts the scheduler thread. engine, kv, tok and metrics (may be NULL)
+/* Starts the scheduler thread. exec (the instance's ranks: each step runs
+ * through td_exec_forward), kv (rank 0's pool), tok and metrics (may be NULL)
  * are borrowed and must outlive the scheduler. TD_ERR_INVALID (logged)
  * when the pool cannot hold one sequence of max_ctx tokens, or
  * max_batch_tokens < max_running. Free with td_sched_destroy(), which
  * finishes everything still queued or running with TD_FINISH_ABORT and
  * joins the thread. Release every stream first (the HTTP and gRPC servers
  * are stopped before the scheduler). */
-td_status td_sched_create(const td_sched_params *p, td_engine *engine, td_kv_pool *kv,
+td_status td_sched_create(const td_sched_params *p, td_exec *exec, td_kv_pool *kv,
                           const td_tokenizer *tok, td_metrics *metrics, td_sched **s_p);
 void td_sched_destroy(td_sched *s); /* accepts NULL */
 

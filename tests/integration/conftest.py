@@ -121,9 +121,10 @@ def run_tandem(*args, timeout=60, input=None, env=None, check=True, binary=None)
 
 
 def tandem_eval_raw(model, sequences, threads=None, chunk=None, batch=False, isa=None,
-                    timeout=120, check=True, binary=None, workdir=None):
+                    timeout=120, check=True, binary=None, workdir=None, extra=()):
     """Runs `tandem eval` (contract in tools/cmd-eval.c) and returns
-    (TandemResult, list of float32 arrays (len(seq), n_vocab) or None on failure)."""
+    (TandemResult, list of float32 arrays (len(seq), n_vocab) or None on failure).
+    extra: more arguments (e.g. plan flags)."""
     with tempfile.TemporaryDirectory(dir=workdir) as td:
         tin = os.path.join(td, "in.json")
         tout = os.path.join(td, "out.bin")
@@ -138,6 +139,7 @@ def tandem_eval_raw(model, sequences, threads=None, chunk=None, batch=False, isa
             args += ["--batch"]
         if isa is not None:
             args += ["--isa", isa]
+        args += list(extra)
         r = run_tandem(*args, timeout=timeout, check=check, binary=binary)
         if r.returncode != 0:
             return r, None

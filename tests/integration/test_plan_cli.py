@@ -1,8 +1,7 @@
-"""Parallel-plan flags on the CLI (issue 4, partial): --plan-dry-run prints
-the plan validated against the model's real shape; a plan the model does not
-allow is a clear error; a valid multi-rank plan without --plan-dry-run is
-refused with a clear message (the rank launcher is not built yet), never
-silently run on one rank."""
+"""Parallel-plan flags on the CLI (issue 4): --plan-dry-run prints the plan
+validated against the model's real shape; a plan the model does not allow is
+a clear error; a valid multi-rank plan runs on rank processes and generates
+what one rank generates."""
 import os
 
 from conftest import run_tandem
@@ -41,14 +40,17 @@ def test_plans_the_model_does_not_allow():
     assert r.returncode == 2 and "bad value 'two' for --tp" in r.stderr, r.describe()
 
 
-def test_multi_rank_without_dry_run_is_refused():
-    r = run_tandem("generate", "--model", MODEL, "--tp", "2", "--prompt", "hi", check=False)
-    assert r.returncode == 2, r.describe()
-    assert "(the rank launcher) is not built yet" in r.stderr, r.describe()
-    # One rank through the plan flags runs as before.
-    r = run_tandem("generate", "--model", MODEL, "--tp", "1", "--prompt", "hi",
-                   "--max-tokens", "2", check=False)
-    assert r.returncode == 0, r.describe()
+def test_multi_rank_generate_matches_one_rank():
+    args = ("--prompt", "hello there", "--max-tokens", "12", "--temperature", "0")
+    one = run_tandem("generate", "--model", MODEL, *args, check=False)
+    assert one.returncode == 0, one.describe()
+    assert one.stdout.strip(), one.describe()
+    for plan in (["--tp", "1"], ["--pp", "2"], ["--tp", "2", "--pp", "2"]):
+        r = run_tandem("generate", "--model", MODEL, *plan, *args, check=False)
+        assert r.returncode == 0, r.describe()
+        assert r.stdout == one.stdout, (plan, r.describe())
+        if plan != ["--tp", "1"]:
+            assert "plan: " in r.stderr and "ranks" in r.stderr, r.describe()
 
 
 def test_moe_plans():
@@ -62,3 +64,12 @@ def test_moe_plans():
                    "--plan-dry-run", check=False)
     assert r.returncode == 2, r.describe()
     assert "--ep 3 does not divide the 8 experts" in r.stderr, r.describe()
+
+
+def test_plan_memory_is_checked_against_the_host():
+    # 2 ranks with a 4 TiB KV pool each: more than any test machine has.
+    r = run_tandem("serve", "--model", MODEL, "--tp", "2", "--kv-memory", "4096G", "--port", "0",
+                   check=False, timeout=60)
+    assert r.returncode != 0, r.describe()
+    assert "GiB available" in r.stderr and "2 ranks need about" in r.stderr, r.describe()
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tandem-exec-")]

@@ -52,8 +52,17 @@ Mixture-of-experts models (MOE_VARIANTS) go to DIR/gguf/<variant>-<wtype>.gguf
   Routers and the shared-expert gate stay F32 in quantized files (llama.cpp's
   quantizer leaves ffn_gate_inp alone).
 
+Padded-vocabulary models (VOCAB_VARIANTS) go to DIR/hf/<variant>-f32/ and
+DIR/hf/<variant>-f32-passthrough/, listed under "vocab_models": config.json
+declares vocab_size past the tokenizer's 512 tokens (as Qwen2's configs do),
+so the embedding and head have rows no token text reaches and a count that
+TP splits unevenly. The passthrough directory holds the same weights with
+o_proj and down_proj zero: every layer adds exactly 0 to the residual
+stream, so the logits are the head applied to the normed embedding and
+agree bit for bit across TP splits (the embedding and head isolated).
+
 MANIFEST (models.json): {"version": VERSION, "models": [entry...],
-  "moe_models": [entry...]}, entry =
+  "moe_models": [entry...], "vocab_models": [entry...]}, entry =
   name, path (relative to DIR), format ("gguf"|"hf"), arch ("llama"|"qwen2"),
   variant (llama2, llama3, mistral, qwen2, smollm2, tinyllama), wtype (F32 F16
   BF16 Q8_0 Q4_0 Q4_1 MIXED), tensor_types ({tensor role: type}), tol_class
@@ -74,7 +83,7 @@ import time
 
 import numpy as np
 
-VERSION = "tandem-test-models-v7"
+VERSION = "tandem-test-models-v8"
 
 N_VOCAB = 512
 N_CTX = 256
@@ -138,6 +147,14 @@ MOE_GGUF_WTYPES = ["F32", "Q8_0"]
 MOE_HF_DTYPES = ["F32"]
 PER_EXPERT_GGUF = ("mixtral", "Q8_0")  # the one GGUF file with per-expert tensors
 ROUTER_SCALE = 3.0
+
+# Padded vocabulary: 515 rows (neither 2 nor 3 divides it); 6 heads, 6 KV
+# heads and n_ff 192 allow TP 2 and 3.
+VOCAB_VARIANTS = {
+    "vocab515": dict(arch="llama", hf_arch="LlamaForCausalLM", n_embd=96, n_head=6,
+                     n_head_kv=6, n_ff=192, n_layer=2, rope_theta=10000.0, rms_eps=1e-5,
+                     tied=False, rope_scaling=None, n_vocab=515),
+}
 
 GGUF_WTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "MIXED"]
 HF_DTYPES = ["F32", "F16", "BF16"]
@@ -223,6 +240,7 @@ def make_weights(variant, v):
     rng = np.random.default_rng(seed)
     E, H, KV, F, L = v["n_embd"], v["n_head"], v["n_head_kv"], v["n_ff"], v["n_layer"]
     D = E // H
+    V = v.get("n_vocab", N_VOCAB)
 
     def mat(rows, cols, scale=1.0):
         return (rng.standard_normal((rows, cols)) * (scale / np.sqrt(cols))).astype(np.float32)
@@ -237,7 +255,7 @@ def make_weights(variant, v):
     # just echoes its input; small rows (EMBD_TIED) keep the residual stream
     # dominated by the layers, and the final norm carries the head's scale.
     embd_scale = EMBD_TIED if v["tied"] else 1.0
-    w["model.embed_tokens.weight"] = (embd_scale * rng.standard_normal((N_VOCAB, E))).astype(np.float32)
+    w["model.embed_tokens.weight"] = (embd_scale * rng.standard_normal((V, E))).astype(np.float32)
     for l in range(L):
         p = f"model.layers.{l}."
         w[p + "input_layernorm.weight"] = gain(E)
@@ -278,7 +296,7 @@ def make_weights(variant, v):
         w["model.norm.weight"] = (gain(E) * OUTPUT_SCALE / (EMBD_TIED * np.sqrt(E))).astype(np.float32)
     else:
         w["model.norm.weight"] = gain(E)
-        w["lm_head.weight"] = mat(N_VOCAB, E, OUTPUT_SCALE)
+        w["lm_head.weight"] = mat(V, E, OUTPUT_SCALE)
     return w
 
 
@@ -492,7 +510,7 @@ def write_hf(dirpath, variant, v, w, dtype, tok, sharded):
         "rope_theta": v["rope_theta"],
         "rope_scaling": None,
         "tie_word_embeddings": v["tied"],
-        "vocab_size": N_VOCAB,
+        "vocab_size": v.get("n_vocab", N_VOCAB),
         "max_position_embeddings": N_CTX,
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
@@ -552,7 +570,7 @@ def write_hf(dirpath, variant, v, w, dtype, tok, sharded):
 def config_entry(v, rope_mode):
     E, H = v["n_embd"], v["n_head"]
     return {
-        "n_vocab": N_VOCAB, "n_embd": E, "n_layer": v["n_layer"], "n_head": H,
+        "n_vocab": v.get("n_vocab", N_VOCAB), "n_embd": E, "n_layer": v["n_layer"], "n_head": H,
         "n_head_kv": v["n_head_kv"], "head_dim": E // H, "n_ff": v["n_ff"],
         "n_ctx_train": N_CTX, "rope_theta": v["rope_theta"], "rms_eps": v["rms_eps"],
         "rope_mode": rope_mode, "rope_scaling": v["rope_scaling"],
@@ -612,8 +630,22 @@ def generate(out):
                                "tensor_types": {"all": dt}, "tol_class": TOL_CLASS[dt],
                                "sharded": False, "tied": v["tied"], "expert_layout": "hf",
                                "config": config_entry(v, "neox")})
+    vocab_models = []
+    for variant, v in VOCAB_VARIANTS.items():
+        w = make_weights(variant, v)
+        zero = {n: (np.zeros_like(a) if n.endswith(("o_proj.weight", "down_proj.weight")) else a)
+                for n, a in w.items()}
+        for suffix, weights in (("", w), ("-passthrough", zero)):
+            rel = f"hf/{variant}-f32{suffix}"
+            write_hf(os.path.join(tmp, rel), variant, v, weights, "F32", tok, False)
+            vocab_models.append({"name": f"{variant}-f32-hf{suffix}", "path": rel, "format": "hf",
+                                 "arch": v["arch"], "variant": variant, "wtype": "F32",
+                                 "tensor_types": {"all": "F32"}, "tol_class": "f32",
+                                 "sharded": False, "tied": v["tied"],
+                                 "passthrough": bool(suffix), "config": config_entry(v, "neox")})
     with open(os.path.join(tmp, "models.json"), "w") as f:
-        json.dump({"version": VERSION, "models": models, "moe_models": moe_models}, f, indent=1)
+        json.dump({"version": VERSION, "models": models, "moe_models": moe_models,
+                   "vocab_models": vocab_models}, f, indent=1)
     # Move into place, then stamp last: an interrupted run leaves no stamp.
     for sub in ("gguf", "hf", "models.json"):
         dst = os.path.join(out, sub)
@@ -625,7 +657,7 @@ def generate(out):
     shutil.rmtree(tmp, ignore_errors=True)
     with open(os.path.join(out, ".stamp"), "w") as f:
         f.write(VERSION + "\n")
-    return len(models) + len(moe_models)
+    return len(models) + len(moe_models) + len(vocab_models)
 
 
 def main():

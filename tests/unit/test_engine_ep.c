@@ -632,7 +632,13 @@ static void test_shard(void **state) {
     assert_int_equal(try_load("gguf/mixtral-q8_0.gguf", 1, 2, 1, 2, &m), TD_OK);
     assert_int_equal(td_model_ep_rank(m), 1);
     assert_int_equal(td_model_ep_size(m), 2);
-    const char *bf = td_model_tok_embd(full)->data, *bm = td_model_tok_embd(m)->data;
+    /* Two mappings of one file: offsets from each one's embedding (the TP
+     * shard's starts at its vocabulary slice). */
+    int32_t v0, v1;
+    td_model_vocab_range(m, &v0, &v1);
+    const char *bf = td_model_tok_embd(full)->data;
+    const char *bm =
+        (const char *)td_model_tok_embd(m)->data - (size_t)v0 * td_model_tok_embd(m)->stride;
     for (int l = 0; l < N_LAYER; l++) {
         const td_layer_weights *a = td_model_layer(full, l), *b = td_model_layer(m, l);
         assert_int_equal(b->n_experts_local, 2);

@@ -151,8 +151,14 @@ static void test_tp_shard(void **state) {
     (void)state;
     td_model *full = load("gguf/mixtral-q8_0.gguf", 0, 1);
     td_model *half = load("gguf/mixtral-q8_0.gguf", 1, 2);
-    /* Two mappings of one file: compare offsets from each one's embedding. */
-    const char *bf = td_model_tok_embd(full)->data, *bh = td_model_tok_embd(half)->data;
+    /* Two mappings of one file: compare offsets from each one's embedding
+     * (the shard holds its vocabulary rows from v0 on). */
+    int32_t v0, v1;
+    td_model_vocab_range(half, &v0, &v1);
+    assert_int_equal(v0, 256);
+    const char *bf = td_model_tok_embd(full)->data;
+    const char *bh = (const char *)td_model_tok_embd(half)->data -
+                     (ptrdiff_t)v0 * (ptrdiff_t)td_model_tok_embd(half)->stride;
 #define OFF_F(p) ((const char *)(p)-bf)
 #define OFF_H(p) ((const char *)(p)-bh)
     for (int x = 0; x < 4; x++) {

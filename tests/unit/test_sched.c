@@ -36,6 +36,7 @@ typedef struct {
     td_threadpool *tp;
     td_comm *comm;
     td_engine *e;
+    td_exec *x;
     td_sched *s;
     int32_t V;
 } harness;
@@ -72,7 +73,8 @@ static void h_open(harness *h, int32_t n_blocks, int32_t max_running, int32_t ba
     sp.max_ctx = MAX_CTX;
     sp.prefix_cache = prefix_cache;
     sp.compat.lo = 42;
-    assert_int_equal(td_sched_create(&sp, h->e, h->kv, td_model_tokenizer(h->m), NULL, &h->s),
+    assert_int_equal(td_exec_wrap(h->e, h->kv, h->m, &h->x), TD_OK);
+    assert_int_equal(td_sched_create(&sp, h->x, h->kv, td_model_tokenizer(h->m), NULL, &h->s),
                      TD_OK);
 }
 
@@ -93,6 +95,7 @@ static void assert_idle(harness *h) {
 static void h_close(harness *h) {
     assert_idle(h);
     td_sched_destroy(h->s);
+    td_exec_destroy(h->x);
     td_engine_destroy(h->e);
     td_comm_destroy(h->comm);
     td_threadpool_destroy(h->tp);

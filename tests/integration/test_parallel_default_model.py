@@ -1,0 +1,40 @@
+"""The default model (SmolLM2-135M-Instruct Q4_1: 9 heads, 3 KV heads, 30
+layers) under TP 3 and TP 3 x PP 2 against one rank (issue 4, "Equivalence"),
+through `tandem eval` with the plan flags; tolerances and the teacher-forcing
+check as in test_parallel.py: logits within rel 1e-4 at every position, and
+at every forced step whose single-rank top-1/top-2 margin exceeds
+2e-3 * max|logits| the argmax agrees (and at least 8 of the 32 steps per
+sequence clear that margin). PP 2 alone is bit-identical."""
+import os
+import pathlib
+import random
+
+import numpy as np
+
+import test_parallel as P
+from conftest import tandem_eval_raw
+
+
+def default_model():
+    env = os.environ.get("TANDEM_MODEL")
+    if env:
+        return pathlib.Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.environ["HOME"], ".cache")
+    return pathlib.Path(base) / "tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_default_model_tp3_and_pp():
+    model = default_model()
+    assert model.exists(), model
+    rng = random.Random(11)
+    seqs = [[rng.randrange(100, 49000) for _ in range(P.N_PROMPT + P.N_FORCED)] for _ in range(2)]
+    for mode, kw in (("decode", dict(chunk=1)), ("batch", dict(chunk=8, batch=True))):
+        r, one = tandem_eval_raw(str(model), seqs, timeout=600, **kw)
+        assert one is not None, r.describe()
+        for plan, exact in ((["--tp", "3"], False), (["--pp", "2"], True),
+                            (["--tp", "3", "--pp", "2"], False)):
+            r, many = tandem_eval_raw(str(model), seqs, timeout=600, extra=plan, **kw)
+            assert many is not None, r.describe()
+            checked = P.compare(one, many, exact, f"default model {plan} {mode}")
+            if mode == "decode":
+                assert checked >= P.MIN_CHECKED * len(seqs), (plan, checked)

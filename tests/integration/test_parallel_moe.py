@@ -1,0 +1,40 @@
+"""Expert parallelism through the real rank processes (issue 4 item 7):
+`tandem eval` on the tiny MoE models of tests/models/make_models.py with EP
+plans, against the single-rank run, with the checks of test_parallel.py.
+
+  EP inside TP (--tp N, EP defaulting to the TP group; --tp 4 --ep 2):
+      attention and the shared expert are TP-split, so the TP tolerance and
+      argmax-under-teacher-forcing rules apply.
+  --attn-dp (attention data-parallel over the EP group, experts whole):
+      bit-identical to one rank, with and without pipeline stages (no
+      row's value depends on another rank's partial sums).
+"""
+import os
+import pathlib
+
+from test_parallel import MIN_CHECKED, compare, run, sequences
+
+MODELS = pathlib.Path(os.environ.get("TANDEM_TEST_MODELS", ""))
+
+
+def check(model, plans, modes=("decode", "batch")):
+    seqs = sequences(512)
+    for mode in modes:
+        one = run(model, seqs, [], mode)
+        for plan in plans:
+            exact = "--attn-dp" in plan
+            many = run(model, seqs, plan, mode)
+            checked = compare(one, many, exact, f"{model.name} {' '.join(plan)} {mode}")
+            if mode == "decode":
+                assert checked >= MIN_CHECKED * len(seqs), (plan, checked)
+
+
+def test_ep_inside_tp():
+    check(MODELS / "gguf/qwen2moe-f32.gguf", [["--tp", "2"], ["--tp", "4", "--ep", "2"]])
+    check(MODELS / "gguf/mixtral-q8_0.gguf", [["--tp", "4", "--pp", "2"]], modes=("batch",))
+
+
+def test_attn_dp_is_bit_identical():
+    check(MODELS / "hf/qwen2moe-f32", [["--tp", "2", "--attn-dp"],
+                                       ["--tp", "4", "--attn-dp", "--pp", "2"]])
+    check(MODELS / "gguf/mixtral-f32.gguf", [["--tp", "4", "--attn-dp"]], modes=("batch",))

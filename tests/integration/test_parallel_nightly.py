@@ -1,0 +1,52 @@
+"""The whole equivalence matrix of issue 4 (label nightly; CI runs the
+subset in test_parallel.py): every tiny random dense model family x weight
+type that has one x {tp 1,2,3,4} x {pp 1,2} x {cp 1, 2 allgather, 2 ring}
+that the model's shape allows, against the single-rank run, with the
+tolerances and the teacher-forcing check of test_parallel.py.
+
+Run it with:  ctest -L nightly --output-on-failure   (in a build tree)."""
+import json
+import os
+import pathlib
+
+import pytest
+
+import test_parallel as P
+
+MODELS = pathlib.Path(os.environ.get("TANDEM_TEST_MODELS", ""))
+QBLOCK = {"f32": 1, "f16": 1, "bf16": 1, "q8": 32, "q4": 32}
+
+
+def allowed(cfg, tol_class, tp):
+    heads, kv, ff, hd = cfg["n_head"], cfg["n_head_kv"], cfg["n_ff"], cfg["head_dim"]
+    if heads % tp or ff % tp or (kv % tp and tp % kv):
+        return False
+    be = QBLOCK[tol_class]
+    return tp == 1 or ((heads // tp) * hd % be == 0 and (ff // tp) % be == 0)
+
+
+def plans(cfg, tol_class):
+    out = []
+    for tp in (1, 2, 3, 4):
+        if not allowed(cfg, tol_class, tp):
+            continue
+        for pp in (1, 2):
+            for cp in ([], ["--cp", "2", "--cp-mode", "allgather", "--cp-min-tokens", "4"],
+                       ["--cp", "2", "--cp-mode", "ring", "--cp-min-tokens", "4"]):
+                if tp == 1 and pp == 1 and not cp:
+                    continue
+                out.append(["--tp", str(tp), "--pp", str(pp)] + cp)
+    return out
+
+
+def cases():
+    man = json.loads((MODELS / "models.json").read_text()) if (MODELS / "models.json").exists() \
+        else {"models": []}
+    for m in man["models"]:
+        if m["format"] == "gguf" or m["name"].endswith("f32-hf"):
+            yield pytest.param(m, id=m["name"])
+
+
+@pytest.mark.parametrize("m", list(cases()))
+def test_matrix(m):
+    P.check_plans(MODELS / m["path"], plans(m["config"], m["tol_class"]))
