@@ -87,7 +87,15 @@ int32_t td_engine_n_logit_rows(const td_seq_chunk *seqs, int32_t n_seqs);
  * limits (too many tokens, a block table too short, a position past max_ctx,
  * a token id out of the vocabulary). With CP or attention-DP every rank of
  * those groups gets the whole batch and the complete logits are written on
- * their rank 0 only (logits may be NULL on the others). */
+ * their rank 0 only (logits may be NULL on the others).
+ * With CP the ranks check first that they run the same batch: when any of
+ * them refuses its call or their batches differ, every one returns an
+ * error (TD_ERR_INVALID, or its own) and nothing is computed. CP changes
+ * the summation order of attention for DCP rows (partials merged) and, in
+ * ring mode, for PCP rows; allgather-mode PCP rows attend exactly as one
+ * rank does. Whether a chunk is split (n_tokens >= cp_min_tokens) can
+ * therefore change its bits: the invariance above holds under CP for a
+ * given chunking, not across chunkings. */
 td_status td_engine_forward(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs, float *logits);
 
 /* The same for a pipeline stage (a model loaded with a layer range).
@@ -117,6 +125,11 @@ typedef struct {
     double comm_s;
     uint64_t comm_calls;
     uint64_t comm_bytes;
+    /* Bytes this rank sent to the other ranks of the CP group (cp_comm): an
+     * all-gather block counts once per other rank; the ring's K/V chunks,
+     * the DCP attention partials, the hidden states of logit rows for CP
+     * rank 0 and the batch check. 0 without CP. */
+    uint64_t cp_bytes;
 } td_engine_timing;
 
 td_engine_timing td_engine_last_timing(const td_engine *e);
