@@ -25,6 +25,7 @@
 #include <stdatomic.h>
 #include <string.h>
 
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 
 #include "../parallel/plan.h"
@@ -816,26 +817,19 @@ static td_status cp_all_gather(td_engine *e, const void *send, void *recv, size_
 static td_status cp_agree(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs, td_status local) {
     uint64_t mine[2] = {0, (uint64_t)(int64_t)local}, all[2 * TD_COMM_MAX_RANKS];
     if (!local) {
-        XXH3_state_t *h = XXH3_createState();
-        if (!h) {
-            TD_LOG_ERROR("out of memory");
-            local = TD_ERR_NOMEM;
-            mine[1] = (uint64_t)(int64_t)local;
-        } else {
-            XXH3_64bits_reset(h);
-            XXH3_64bits_update(h, &n_seqs, sizeof n_seqs);
-            for (int32_t i = 0; i < n_seqs; i++) {
-                const td_seq_chunk *s = &seqs[i];
-                int32_t hdr[4] = {s->n_tokens, s->pos0,
-                                  (s->logits_all ? 1 : 0) | (s->no_logits ? 2 : 0),
-                                  (s->pos0 + s->n_tokens + e->cp_bs - 1) / e->cp_bs};
-                XXH3_64bits_update(h, hdr, sizeof hdr);
-                XXH3_64bits_update(h, s->tokens, (size_t)s->n_tokens * sizeof(int32_t));
-                XXH3_64bits_update(h, s->block_table, (size_t)hdr[3] * sizeof(int32_t));
-            }
-            mine[0] = XXH3_64bits_digest(h);
-            XXH3_freeState(h);
+        XXH3_state_t h;
+        XXH3_64bits_reset(&h);
+        XXH3_64bits_update(&h, &n_seqs, sizeof n_seqs);
+        for (int32_t i = 0; i < n_seqs; i++) {
+            const td_seq_chunk *s = &seqs[i];
+            int32_t hdr[4] = {s->n_tokens, s->pos0,
+                              (s->logits_all ? 1 : 0) | (s->no_logits ? 2 : 0),
+                              (s->pos0 + s->n_tokens + e->cp_bs - 1) / e->cp_bs};
+            XXH3_64bits_update(&h, hdr, sizeof hdr);
+            XXH3_64bits_update(&h, s->tokens, (size_t)s->n_tokens * sizeof(int32_t));
+            XXH3_64bits_update(&h, s->block_table, (size_t)hdr[3] * sizeof(int32_t));
         }
+        mine[0] = XXH3_64bits_digest(&h);
     }
     td_status st = cp_all_gather(e, mine, all, sizeof mine);
     if (st) return st;

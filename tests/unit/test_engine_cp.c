@@ -23,12 +23,18 @@
  *   - teacher forcing: at every decode step where the single-rank top-1 /
  *     top-2 margin exceeds DELTA, the argmax agrees;
  *   - the decode rows are not bit-identical to single-rank (the DCP path
- *     ran), and the engine counted the bytes it sent over the CP group
- *     (exactly, for a decode-only step).
- * Plus: cp_comm of size 1 is bit-identical to no CP; TP 2 x CP 2 and PP 2 x
- * CP 2 plans; ranks given different batches, a batch only one rank
- * refuses, and a missing logits buffer on rank 0 all fail on every rank
- * with TD_ERR_INVALID, after which the group still works; bad CP
+ *     ran).
+ * With cp_min_tokens 1 (every chunk split, decode tokens included) the
+ * allgather run is bit-identical to single-rank in every row.
+ * Plus: cp_comm of size 1 is bit-identical to no CP; TP 2 x CP 2 and
+ * PP 2 x CP 2 plans; 2 threads per rank give the bits of 1; only a block's
+ * owner ever writes it (the pools start as NaN, so a read of a block a rank
+ * never wrote would also show in the logits); td_engine_stage_rows and the
+ * bytes sent over the CP group, exactly, for a PCP + DCP batch in both
+ * modes; ranks given different batches (a token, a block id, the number of
+ * sequences), a batch only one rank refuses, and a missing logits buffer
+ * on rank 0 all fail on every rank with TD_ERR_INVALID, after which the
+ * group still works and computes what it did before; bad CP
  * parameters are refused at creation. */
 #include <math.h>
 #include <pthread.h>
@@ -160,7 +166,8 @@ typedef struct {
 typedef struct {
     const char *path;
     int tp, cp, pp, mode, n_threads;
-    bool cp_null; /* cp 1 without a CP comm at all */
+    int32_t cp_min; /* cp_min_tokens */
+    bool cp_null;   /* cp 1 without a CP comm at all */
     td_comm_group *g;
     rank_t r[MAX_RANKS];
     int32_t V, E;
@@ -219,7 +226,7 @@ static void *rank_setup(void *arg) {
     ep.max_ctx = MAX_CTX;
     ep.cp_comm = c->cp_null ? NULL : r->cpc;
     ep.cp_mode = c->mode;
-    ep.cp_min_tokens = CP_MIN;
+    ep.cp_min_tokens = c->cp_min;
     if ((r->st = td_engine_create(r->m, r->kv, r->th, r->tpc, &ep, &r->e))) return NULL;
     r->xout = malloc((size_t)MAX_TOK * (size_t)cfg->n_embd * sizeof(float));
     r->logits = malloc((size_t)MAX_TOK * (size_t)cfg->n_vocab * sizeof(float));
@@ -240,8 +247,8 @@ static void run_ranks(cluster *c, void *(*fn)(void *), int pp_r) {
     for (int i = 0; i < n; i++) pthread_join(th[i], NULL);
 }
 
-static void cluster_open_threads(cluster *c, const char *path, int tp, int cp, int pp, int mode,
-                                 bool cp_null, int n_threads) {
+static void cluster_open_full(cluster *c, const char *path, int tp, int cp, int pp, int mode,
+                              bool cp_null, int n_threads, int32_t cp_min) {
     memset(c, 0, sizeof *c);
     c->path = path;
     c->cp_null = cp_null;
@@ -250,6 +257,7 @@ static void cluster_open_threads(cluster *c, const char *path, int tp, int cp, i
     c->pp = pp;
     c->mode = mode;
     c->n_threads = n_threads;
+    c->cp_min = cp_min;
     assert_true(world(c) <= MAX_RANKS);
     assert_int_equal(td_comm_group_create(world(c), &c->g), TD_OK);
     run_ranks(c, rank_setup, -1);
@@ -261,7 +269,7 @@ static void cluster_open_threads(cluster *c, const char *path, int tp, int cp, i
 
 static void cluster_open(cluster *c, const char *path, int tp, int cp, int pp, int mode,
                          bool cp_null) {
-    cluster_open_threads(c, path, tp, cp, pp, mode, cp_null, 1);
+    cluster_open_full(c, path, tp, cp, pp, mode, cp_null, 1, CP_MIN);
 }
 
 static void cluster_close(cluster *c) {
@@ -437,8 +445,10 @@ static bool model_path(const char *rel, char *buf, size_t cap) {
     return stat(buf, &sb) == 0;
 }
 
-/* Compares a CP run with the reference; see the file comment. */
-static void compare(const cluster *c, const reference *ref, const run_logits *got, bool exact_pcp,
+/* Compares a CP run with the reference; see the file comment. exact: 0,
+ * or 1 (the PCP rows marked exact are bit-identical), or 2 (every row is:
+ * allgather with every chunk split). */
+static void compare(const cluster *c, const reference *ref, const run_logits *got, int exact,
                     const char *what) {
     step st[N_STEPS];
     build_script(st);
@@ -463,7 +473,7 @@ static void compare(const cluster *c, const reference *ref, const run_logits *go
                 }
                 worst = fmax(worst, d / mx);
                 if (k >= 2 && o->n == 1) worst_dec = fmax(worst_dec, d);
-                if (exact_pcp && o->exact) {
+                if ((exact == 1 && o->exact) || exact == 2) {
                     assert_memory_equal(a, b, (size_t)V * sizeof(float));
                     exact_rows++;
                 }
@@ -480,11 +490,14 @@ static void compare(const cluster *c, const reference *ref, const run_logits *go
         }
     }
     print_message("    %s: max relative logit difference %.2e, decode steps compared %d/%d%s\n",
-                  what, worst, agreed, compared, exact_pcp ? ", PCP rows bit-identical" : "");
+                  what, worst, agreed, compared,
+                  exact == 2   ? ", every row bit-identical"
+                  : exact == 1 ? ", PCP rows bit-identical"
+                               : "");
     assert_true(worst <= TOL);
-    assert_true(worst_dec > 0); /* the DCP merge did change the summation order */
+    if (exact < 2) assert_true(worst_dec > 0); /* the merges did change the summation order */
     assert_true(compared >= 3 * N_DEC * 3 / 4);
-    if (exact_pcp) assert_int_equal(exact_rows, 20 + 1 + (k_prompt[2] - C_SHARED));
+    if (exact == 1) assert_int_equal(exact_rows, 20 + 1 + (k_prompt[2] - C_SHARED));
 }
 
 /* KV block j of a sequence is written only on CP rank j % cp: every other
@@ -518,7 +531,8 @@ static void check_block_owners(cluster *c, const seqs_state *s) {
     }
 }
 
-static void cp_case_threads(const char *rel, int tp, int cp, int pp, int mode, int n_threads) {
+static void cp_case_full(const char *rel, int tp, int cp, int pp, int mode, int n_threads,
+                         int32_t cp_min) {
     char path[4096];
     if (!model_path(rel, path, sizeof path)) {
         print_message("TANDEM_TEST_MODELS not set or %s missing\n", rel);
@@ -526,18 +540,19 @@ static void cp_case_threads(const char *rel, int tp, int cp, int pp, int mode, i
     }
     const reference *ref = get_reference(path);
     cluster c;
-    cluster_open_threads(&c, path, tp, cp, pp, mode, false, n_threads);
+    cluster_open_full(&c, path, tp, cp, pp, mode, false, n_threads, cp_min);
     seqs_state s = ref->tokens;
     run_logits got;
     run_script(&c, &s, &got);
     check_block_owners(&c, &s);
     char what[256];
-    snprintf(what, sizeof what, "%s tp %d cp %d pp %d %s, %d thread(s) per rank", rel, tp, cp, pp,
-             mode == TD_CP_RING ? "ring" : "allgather", n_threads);
-    compare(&c, ref, &got, mode == TD_CP_ALLGATHER && tp == 1, what);
+    snprintf(what, sizeof what, "%s tp %d cp %d pp %d %s, %d thread(s) per rank, min %d", rel, tp,
+             cp, pp, mode == TD_CP_RING ? "ring" : "allgather", n_threads, cp_min);
+    int exact = mode == TD_CP_ALLGATHER && tp == 1 ? (cp_min == 1 ? 2 : 1) : 0;
+    compare(&c, ref, &got, exact, what);
     cluster_close(&c);
     if (n_threads > 1) { /* the same plan on one thread per rank: the same bits */
-        cluster_open(&c, path, tp, cp, pp, mode, false);
+        cluster_open_full(&c, path, tp, cp, pp, mode, false, 1, cp_min);
         seqs_state s1 = ref->tokens;
         run_logits one;
         run_script(&c, &s1, &one);
@@ -551,7 +566,7 @@ static void cp_case_threads(const char *rel, int tp, int cp, int pp, int mode, i
 }
 
 static void cp_case(const char *rel, int tp, int cp, int pp, int mode) {
-    cp_case_threads(rel, tp, cp, pp, mode, 1);
+    cp_case_full(rel, tp, cp, pp, mode, 1, CP_MIN);
 }
 
 static void test_cp2_allgather(void **state) {
@@ -559,14 +574,16 @@ static void test_cp2_allgather(void **state) {
     cp_case("gguf/tinyllama-f32.gguf", 1, 2, 1, TD_CP_ALLGATHER);
     cp_case("gguf/qwen2-f32.gguf", 1, 2, 1, TD_CP_ALLGATHER); /* Q/K/V biases */
     /* attention items shared by 2 threads per rank */
-    cp_case_threads("gguf/qwen2-f32.gguf", 1, 2, 1, TD_CP_ALLGATHER, 2);
+    cp_case_full("gguf/qwen2-f32.gguf", 1, 2, 1, TD_CP_ALLGATHER, 2, CP_MIN);
 }
 
 static void test_cp2_ring(void **state) {
     (void)state;
     cp_case("gguf/tinyllama-f32.gguf", 1, 2, 1, TD_CP_RING);
     cp_case("gguf/qwen2-f32.gguf", 1, 2, 1, TD_CP_RING);
-    cp_case_threads("gguf/qwen2-f32.gguf", 1, 2, 1, TD_CP_RING, 2);
+    cp_case_full("gguf/qwen2-f32.gguf", 1, 2, 1, TD_CP_RING, 2, CP_MIN);
+    /* Q8_0 weights (activations stay f32), 6 heads over 2 KV heads, 3 layers */
+    cp_case("gguf/smollm2-q8_0.gguf", 1, 2, 1, TD_CP_RING);
 }
 
 static void test_cp3_cp4(void **state) {
@@ -576,6 +593,15 @@ static void test_cp3_cp4(void **state) {
     cp_case("gguf/tinyllama-f32.gguf", 1, 3, 1, TD_CP_ALLGATHER);
     cp_case("hf/llama3-f32", 1, 4, 1, TD_CP_RING); /* HF, NeoX RoPE */
     cp_case("hf/llama3-f32", 1, 4, 1, TD_CP_ALLGATHER);
+}
+
+/* cp_min_tokens 1: every chunk is split over CP, decode tokens included
+ * (each computed by its block's owner alone); in allgather mode every
+ * logit row is then bit-identical to single-rank. */
+static void test_all_split(void **state) {
+    (void)state;
+    cp_case_full("gguf/tinyllama-f32.gguf", 1, 2, 1, TD_CP_ALLGATHER, 1, 1);
+    cp_case_full("gguf/tinyllama-f32.gguf", 1, 3, 1, TD_CP_RING, 1, 1);
 }
 
 static void test_tp2_cp2(void **state) {
@@ -795,11 +821,11 @@ static int teardown(void **state) {
 int main(void) {
     td_cpu_select(td_cpu_isa_best());
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_cp2_allgather),  cmocka_unit_test(test_cp2_ring),
-        cmocka_unit_test(test_cp3_cp4),        cmocka_unit_test(test_tp2_cp2),
-        cmocka_unit_test(test_pp2_cp2),        cmocka_unit_test(test_cp1_is_no_cp),
-        cmocka_unit_test(test_rows_and_bytes), cmocka_unit_test(test_bad_input),
-        cmocka_unit_test(test_bad_params),
+        cmocka_unit_test(test_cp2_allgather), cmocka_unit_test(test_cp2_ring),
+        cmocka_unit_test(test_cp3_cp4),       cmocka_unit_test(test_tp2_cp2),
+        cmocka_unit_test(test_all_split),     cmocka_unit_test(test_pp2_cp2),
+        cmocka_unit_test(test_cp1_is_no_cp),  cmocka_unit_test(test_rows_and_bytes),
+        cmocka_unit_test(test_bad_input),     cmocka_unit_test(test_bad_params),
     };
     return cmocka_run_group_tests(tests, NULL, teardown);
 }
