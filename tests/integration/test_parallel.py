@@ -35,7 +35,7 @@ import random
 import numpy as np
 import pytest
 
-from conftest import tandem_eval_raw
+from conftest import tandem_eval_raw, stale_exec_segments
 
 MODELS = pathlib.Path(os.environ.get("TANDEM_TEST_MODELS", ""))
 TOL = 1e-4
@@ -138,4 +138,4 @@ def test_plan_errors_are_clear():
                              extra=["--pp", "2"], check=False)
     assert out is None and r.returncode != 0
     assert "out of the vocabulary" in r.stderr, r.describe()
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tandem-exec-")]
+    assert not stale_exec_segments()
