@@ -139,3 +139,16 @@ def test_plan_errors_are_clear():
     assert out is None and r.returncode != 0
     assert "out of the vocabulary" in r.stderr, r.describe()
     assert not stale_exec_segments()
+
+
+def test_a_dead_drivers_segment_is_removed():
+    # A driver killed before its ranks attached leaves its segment behind;
+    # the next plan started on the host removes it.
+    pid = next(p for p in range(4000000, 4100000) if not os.path.exists(f"/proc/{p}"))
+    stale = pathlib.Path(f"/dev/shm/tandem-exec-{pid}-0")
+    stale.write_bytes(b"\0" * 64)
+    try:
+        run(MODELS / "gguf/llama2-f32.gguf", sequences(512, n=1), ["--pp", "2"], "prefill")
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
