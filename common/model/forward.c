@@ -25,6 +25,11 @@
 #include <stdatomic.h>
 #include <string.h>
 
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
+
+#include "../parallel/plan.h"
+#include "kernels/cpu/attn-cp.h"
 #include "kernels/cpu/qmatmul.h"
 
 #define N_MM         3  /* most weights sharing one input in a matmul step */
@@ -102,6 +107,30 @@ struct td_engine {
     uint64_t comm_ns; /* time inside comm calls during the running call */
     uint64_t comm_t0; /* start of the running comm call */
     bool comm_timed;  /* the running comm call is timed (communicator of > 1 rank) */
+
+    /* Context parallelism (cp_comm of more than one rank; DESIGN.md §3).
+     * T as above, S = max_seqs, B = cp_maxb blocks, blk = block_size * kv_dim. */
+    td_comm *cp;                     /* NULL: no CP (cp_n 1) */
+    int cp_n, cp_r;                  /* CP group size and this rank's place in it */
+    int cp_bs;                       /* KV block size */
+    int32_t cp_maxb;                 /* most blocks of one sequence a CP rank holds */
+    int32_t cp_n_seqs;               /* sequences of the running call */
+    uint8_t *cp_split;               /* (S) chunk split over CP by block owner (PCP), else DCP */
+    int32_t *cp_row0;                /* (S) first local row of each sequence */
+    int32_t *cp_nrow;                /* (S) local rows of each sequence */
+    int32_t *cp_ltab;                /* (S, B) each sequence's blocks held by this rank, in order */
+    int32_t *cp_gtab;                /* (cp_n * B) block table of gathered / received K/V */
+    int32_t *cp_dcp_row;             /* (T) local rows computed by every CP rank */
+    int32_t n_dcp;                   /* how many */
+    int64_t cp_dcp_cost;             /* positions those rows attend */
+    int32_t *cp_lsrc;                /* (T) CP rank computing each logit row (rank 0 only) */
+    int32_t *cp_send_row;            /* (T) local rows of this rank's logit rows rank 0 needs */
+    int32_t cp_k[TD_COMM_MAX_RANKS]; /* logit rows each rank sends to rank 0 */
+    float *cp_part; /* (cp_n, T, nh, head_dim + 2) DCP partials: out, max, exp-sum */
+    float *cp_kv;   /* allgather: (cp_n, 2, B, blk) K then V of each rank; ring: two
+                     * (2, B, blk) chunk buffers */
+    float *cp_ms;   /* (T, nh, 2) ring: running max and exp-sum of each query */
+    float *cp_tmp;  /* (nth, head_dim) one partial's output per thread */
 };
 
 /* Every td_comm_* call of the forward pass goes through ENGINE_COMM, which
@@ -150,7 +179,75 @@ static void *scratch_alloc(size_t n, size_t elem, bool *fail) {
     return p;
 }
 
+/* Context parallelism: parameters checked before anything is allocated. */
+static td_status cp_check(const td_engine_params *ep, const td_model_config *c) {
+    if (!ep->cp_comm || td_comm_size(ep->cp_comm) == 1) return TD_OK;
+    if (ep->cp_mode != TD_CP_ALLGATHER && ep->cp_mode != TD_CP_RING) {
+        TD_LOG_ERROR("unknown context-parallel mode %d", ep->cp_mode);
+        return TD_ERR_INVALID;
+    }
+    if (ep->cp_min_tokens < 1) {
+        TD_LOG_ERROR("context-parallel minimum chunk of %d tokens (at least 1)", ep->cp_min_tokens);
+        return TD_ERR_INVALID;
+    }
+    if (c->head_dim > TD_CPU_ATTN_MERGE_MAX_HEAD_DIM) {
+        TD_LOG_ERROR("head size %d too large for context parallelism (at most %d)", c->head_dim,
+                     TD_CPU_ATTN_MERGE_MAX_HEAD_DIM);
+        return TD_ERR_UNSUPPORTED;
+    }
+    return TD_OK;
+}
+
+/* Every CP rank keeps a KV pool of the whole block-id space and touches only
+ * its own blocks, so KV memory per rank is not reduced yet: what CP splits
+ * here is the attention work and (PCP) the token rows. */
+static void cp_alloc(td_engine *e, const td_kv_params *kp, bool *fail) {
+    e->cp_n = 1;
+    if (!e->p.cp_comm || td_comm_size(e->p.cp_comm) == 1) return;
+    e->cp = e->p.cp_comm;
+    e->cp_n = td_comm_size(e->cp);
+    e->cp_r = td_comm_rank(e->cp);
+    e->cp_bs = kp->block_size;
+    int64_t max_blocks = ((int64_t)e->p.max_ctx + kp->block_size - 1) / kp->block_size;
+    e->cp_maxb = (int32_t)((max_blocks + e->cp_n - 1) / e->cp_n);
+    size_t T = (size_t)e->p.max_batch_tokens, S = (size_t)e->p.max_seqs, C = (size_t)e->cp_n;
+    size_t B = (size_t)e->cp_maxb, blk = (size_t)kp->block_size * (size_t)e->kv_dim;
+    size_t nhd = (size_t)e->nh * ((size_t)e->head_dim + 2);
+    e->cp_split = scratch_alloc(S, sizeof(uint8_t), fail);
+    e->cp_row0 = scratch_alloc(S, sizeof(int32_t), fail);
+    e->cp_nrow = scratch_alloc(S, sizeof(int32_t), fail);
+    e->cp_ltab = scratch_alloc(S * B, sizeof(int32_t), fail);
+    e->cp_gtab = scratch_alloc(C * B, sizeof(int32_t), fail);
+    e->cp_dcp_row = scratch_alloc(T, sizeof(int32_t), fail);
+    e->cp_lsrc = scratch_alloc(T, sizeof(int32_t), fail);
+    e->cp_send_row = scratch_alloc(T, sizeof(int32_t), fail);
+    e->cp_part = scratch_alloc(C * T, nhd * sizeof(float), fail);
+    e->cp_kv =
+        scratch_alloc((e->p.cp_mode == TD_CP_RING ? 2 : C) * 2 * B, blk * sizeof(float), fail);
+    e->cp_ms = scratch_alloc(T * (size_t)e->nh * 2, sizeof(float), fail);
+    e->cp_tmp = scratch_alloc((size_t)e->nth * (size_t)e->head_dim, sizeof(float), fail);
+    /* allgather pads each rank's blocks: no uninitialised bytes go to the comm */
+    if (e->cp_kv)
+        memset(e->cp_kv, 0, (e->p.cp_mode == TD_CP_RING ? 2 : C) * 2 * B * blk * sizeof(float));
+}
+
+static void cp_free(td_engine *e) {
+    free(e->cp_split);
+    free(e->cp_row0);
+    free(e->cp_nrow);
+    free(e->cp_ltab);
+    free(e->cp_gtab);
+    free(e->cp_dcp_row);
+    free(e->cp_lsrc);
+    free(e->cp_send_row);
+    free(e->cp_part);
+    free(e->cp_kv);
+    free(e->cp_ms);
+    free(e->cp_tmp);
+}
+
 static void engine_free_scratch(td_engine *e) {
+    cp_free(e);
     free(e->x);
     free(e->xn);
     free(e->q);
@@ -295,6 +392,8 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
                      td_comm_size(comm));
         return TD_ERR_INVALID;
     }
+    td_status cst = cp_check(&ep, c);
+    if (cst) return cst;
     td_engine *e = calloc(1, sizeof *e);
     if (!e) {
         TD_LOG_ERROR("out of memory");
@@ -378,6 +477,7 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
          * initialised once, so no uninitialised bytes go to the comm. */
         if (e->head_buf) memset(e->head_buf, 0, (size_t)e->head_rows * per_row * sizeof(float));
     }
+    cp_alloc(e, kp, &fail);
     if (fail) {
         TD_LOG_ERROR("out of memory for engine scratch (%d tokens)", ep.max_batch_tokens);
         engine_free_scratch(e);
@@ -394,7 +494,27 @@ void td_engine_destroy(td_engine *e) {
     free(e);
 }
 
+/* PCP: positions of [s->pos0, s->pos0 + s->n_tokens) in this CP rank's
+ * blocks (block j on rank j % cp). */
+static int32_t cp_owned(const td_engine *e, const td_seq_chunk *s) {
+    const int64_t bs = e->cp_bs, C = e->cp_n, b = s->pos0, end = (int64_t)s->pos0 + s->n_tokens;
+    int64_t j = b / bs, n = 0;
+    j += ((e->cp_r - j % C) + C) % C; /* first block of this rank */
+    for (; j * bs < end; j += C) n += TD_MIN(end, (j + 1) * bs) - TD_MAX(b, j * bs);
+    return (int32_t)n;
+}
+
+static bool cp_is_split(const td_engine *e, const td_seq_chunk *s) {
+    return s->n_tokens >= e->p.cp_min_tokens;
+}
+
 int32_t td_engine_stage_rows(const td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs) {
+    if (e && e->cp_n > 1) {
+        int32_t n = 0;
+        for (int32_t i = 0; i < n_seqs; i++)
+            n += cp_is_split(e, &seqs[i]) ? cp_owned(e, &seqs[i]) : seqs[i].n_tokens;
+        return n;
+    }
     int32_t n = 0;
     for (int32_t i = 0; i < n_seqs; i++)
         if (seq_mine(e, i)) n += seqs[i].n_tokens;
@@ -540,6 +660,7 @@ static void task_qkv(void *ctx, int ith, int nth) {
             int32_t pos = e->tok_pos[r];
             td_cpu_rope(q, e->nh, e->head_dim, e->n_rot, pos, e->inv_freq, e->rope_mode);
             td_cpu_rope(k, e->nkv, e->head_dim, e->n_rot, pos, e->inv_freq, e->rope_mode);
+            if (e->cp_n > 1 && (pos / bs) % e->cp_n != e->cp_r) continue; /* CP: not our block */
             const td_seq_chunk *s = &e->seqs[e->tok_seq[r]];
             size_t cell = (size_t)s->block_table[pos / bs] * (size_t)bs + (size_t)(pos % bs);
             memcpy(t->kc + cell * (size_t)e->kv_dim, k, (size_t)e->kv_dim * sizeof(float));
@@ -965,6 +1086,366 @@ static void task_embd(void *ctx, int ith, int nth) {
         }
 }
 
+/* ---------------------------------------------------- context parallelism */
+
+/* Collectives over the CP group, counting the bytes this rank sends (an
+ * all-gather sends its block to each of the other ranks). */
+static td_status cp_all_gather(td_engine *e, const void *send, void *recv, size_t bytes) {
+    e->timing.cp_bytes += bytes * (size_t)(e->cp_n - 1);
+    return ENGINE_COMM(e, e->cp, bytes, td_comm_all_gather(e->cp, send, recv, bytes));
+}
+
+/* Every CP rank must run the same batch, or their collectives would pair
+ * unrelated data. The ranks exchange a hash of the batch and the outcome of
+ * their own checks; every rank then fails together (TD_ERR_INVALID) when
+ * any rank refused the call or the batches differ. */
+static td_status cp_agree(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs, td_status local) {
+    uint64_t mine[2] = {0, (uint64_t)(int64_t)local}, all[2 * TD_COMM_MAX_RANKS];
+    if (!local) {
+        XXH3_state_t h;
+        XXH3_64bits_reset(&h);
+        XXH3_64bits_update(&h, &n_seqs, sizeof n_seqs);
+        for (int32_t i = 0; i < n_seqs; i++) {
+            const td_seq_chunk *s = &seqs[i];
+            int32_t hdr[4] = {s->n_tokens, s->pos0,
+                              (s->logits_all ? 1 : 0) | (s->no_logits ? 2 : 0),
+                              (s->pos0 + s->n_tokens + e->cp_bs - 1) / e->cp_bs};
+            XXH3_64bits_update(&h, hdr, sizeof hdr);
+            XXH3_64bits_update(&h, s->tokens, (size_t)s->n_tokens * sizeof(int32_t));
+            XXH3_64bits_update(&h, s->block_table, (size_t)hdr[3] * sizeof(int32_t));
+        }
+        mine[0] = XXH3_64bits_digest(&h);
+    }
+    td_status st = cp_all_gather(e, mine, all, sizeof mine);
+    if (st) return st;
+    for (int r = 0; r < e->cp_n; r++) {
+        if (all[2 * r + 1] != 0) {
+            if (!local) TD_LOG_ERROR("context-parallel rank %d refused the batch", r);
+            return local ? local : TD_ERR_INVALID;
+        }
+    }
+    for (int r = 0; r < e->cp_n; r++) {
+        if (all[2 * r] != mine[0]) {
+            TD_LOG_ERROR("context-parallel ranks %d and %d were given different batches", e->cp_r,
+                         r);
+            return TD_ERR_INVALID;
+        }
+    }
+    return TD_OK;
+}
+
+/* This rank's rows of the (validated) batch, replacing the whole-batch rows:
+ * every token of a DCP chunk, the tokens of its own blocks for a PCP chunk,
+ * in batch order. Also each sequence's held blocks, and for the logits,
+ * which rank computes each logit row: a DCP row is taken from rank 0, a
+ * PCP row from its block's owner, whose rows rank 0 receives after its own
+ * local rows (rank by rank, in batch order). *n_logit_p: logit rows on
+ * rank 0, 0 on the others. Returns the positions attended by the rows. */
+static int64_t cp_plan(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs, int32_t *n_logit_p) {
+    const int C = e->cp_n, me = e->cp_r, bs = e->cp_bs;
+    int32_t T = 0, n_logit = 0, n_dcp = 0;
+    int64_t cost = 0, dcp_cost = 0;
+    memset(e->cp_k, 0, sizeof e->cp_k);
+    for (int32_t i = 0; i < n_seqs; i++) {
+        const td_seq_chunk *s = &seqs[i];
+        bool split = cp_is_split(e, s);
+        e->cp_split[i] = split;
+        e->cp_row0[i] = T;
+        int32_t nb = (s->pos0 + s->n_tokens + bs - 1) / bs;
+        int32_t *lt = e->cp_ltab + (size_t)i * (size_t)e->cp_maxb;
+        for (int32_t j = me, x = 0; j < nb; j += C) lt[x++] = s->block_table[j];
+        for (int32_t j = 0; j < s->n_tokens; j++) {
+            int32_t p = s->pos0 + j;
+            int o = (p / bs) % C;
+            bool mine = !split || o == me;
+            if (!s->no_logits && (s->logits_all || j == s->n_tokens - 1)) {
+                if (!split || o == 0) {
+                    if (me == 0) {
+                        e->cp_lsrc[n_logit] = 0;
+                        e->logit_tok[n_logit++] = T;
+                    }
+                } else {
+                    if (me == 0) {
+                        e->cp_lsrc[n_logit] = o;
+                        e->logit_tok[n_logit++] = e->cp_k[o];
+                    } else if (o == me) {
+                        e->cp_send_row[e->cp_k[o]] = T;
+                    }
+                    e->cp_k[o]++;
+                }
+            }
+            if (!mine) continue;
+            e->tok_seq[T] = i;
+            e->tok_pos[T] = p;
+            cost += p + 1;
+            if (!split) {
+                e->cp_dcp_row[n_dcp++] = T;
+                dcp_cost += p + 1;
+            }
+            T++;
+        }
+        e->cp_nrow[i] = T - e->cp_row0[i];
+    }
+    if (me == 0) { /* rows from rank r land after the local rows and ranks 1..r-1 */
+        int32_t off[TD_COMM_MAX_RANKS];
+        off[1] = T;
+        for (int r = 2; r < C; r++) off[r] = off[r - 1] + e->cp_k[r - 1];
+        for (int32_t i = 0; i < n_logit; i++)
+            if (e->cp_lsrc[i] > 0) e->logit_tok[i] += off[e->cp_lsrc[i]];
+    }
+    e->n_tok = T;
+    e->n_dcp = n_dcp;
+    e->cp_dcp_cost = dcp_cost;
+    e->cp_n_seqs = n_seqs;
+    *n_logit_p = n_logit;
+    return cost;
+}
+
+typedef enum {
+    CP_DCP_PART,  /* DCP row: partial over this rank's blocks into its slot of cp_part */
+    CP_DCP_MERGE, /* DCP row: merge the cp_n partials in rank order into att */
+    CP_PCP_FULL,  /* PCP row, allgather: attention over the gathered context */
+    CP_PCP_OWN,   /* PCP row, ring: partial over this rank's blocks into att, cp_ms */
+    CP_PCP_MERGE, /* PCP row, ring: partial over a received chunk, merged into att, cp_ms */
+} cp_attn_kind;
+
+typedef struct {
+    td_engine *e;
+    cp_attn_kind kind;
+    td_cpu_kv_layer kvl;   /* this rank's layer, or the gathered / received K/V */
+    const int32_t *table;  /* PCP: block table of kvl */
+    int offset;            /* CP_PCP_MERGE: rank whose blocks kvl holds */
+    int32_t row0, n_items; /* PCP: first local row; items are rows (x heads) */
+} cp_attn_task;
+
+static void task_cp_attn(void *ctx, int ith, int nth) {
+    (void)nth;
+    const cp_attn_task *t = ctx;
+    td_engine *e = t->e;
+    float *scratch = e->attn_scratch + (size_t)ith * (size_t)e->p.max_ctx;
+    const int nh = e->nh, hd = e->head_dim, group = e->nh / e->nkv, C = e->cp_n;
+    const size_t slot = (size_t)hd + 2;
+    int64_t i0, i1;
+    while (claim(e, (int64_t)t->n_items * nh, 1, &i0, &i1)) {
+        int32_t item = (int32_t)(i0 / nh);
+        int h = (int)(i0 % nh);
+        bool dcp = t->kind == CP_DCP_PART || t->kind == CP_DCP_MERGE;
+        int32_t r = dcp ? e->cp_dcp_row[item] : t->row0 + item;
+        int32_t seq = e->tok_seq[r];
+        int n_ctx = e->tok_pos[r] + 1; /* causal: positions [0, pos] */
+        size_t off = (size_t)r * (size_t)e->q_dim + (size_t)h * (size_t)hd;
+        const float *q = e->q + off;
+        const int32_t *ltab = e->cp_ltab + (size_t)seq * (size_t)e->cp_maxb;
+        float *ms = e->cp_ms + ((size_t)r * (size_t)nh + (size_t)h) * 2;
+        td_cpu_attn_part part;
+        switch (t->kind) {
+        case CP_DCP_PART: {
+            float *sl =
+                e->cp_part +
+                (((size_t)e->cp_r * (size_t)e->n_dcp + (size_t)item) * (size_t)nh + (size_t)h) *
+                    slot;
+            part.out = sl;
+            td_cpu_attn_partial(q, &t->kvl, h / group, ltab, n_ctx, C, e->cp_r, e->attn_scale,
+                                &part, scratch);
+            sl[hd] = part.m;
+            sl[hd + 1] = part.s;
+            break;
+        }
+        case CP_DCP_MERGE: {
+            td_cpu_attn_part parts[TD_COMM_MAX_RANKS];
+            for (int k = 0; k < C; k++) {
+                float *sl =
+                    e->cp_part +
+                    (((size_t)k * (size_t)e->n_dcp + (size_t)item) * (size_t)nh + (size_t)h) * slot;
+                parts[k] = (td_cpu_attn_part){.out = sl, .m = sl[hd], .s = sl[hd + 1]};
+            }
+            td_cpu_attn_merge(parts, C, hd, e->att + off, NULL);
+            break;
+        }
+        case CP_PCP_FULL:
+            td_cpu_attn_paged(q, &t->kvl, h / group, t->table, n_ctx, e->attn_scale, e->att + off,
+                              scratch);
+            break;
+        case CP_PCP_OWN:
+            part.out = e->att + off;
+            td_cpu_attn_partial(q, &t->kvl, h / group, ltab, n_ctx, C, e->cp_r, e->attn_scale,
+                                &part, scratch);
+            ms[0] = part.m;
+            ms[1] = part.s;
+            break;
+        case CP_PCP_MERGE: {
+            td_cpu_attn_part parts[2] = {{.out = e->att + off, .m = ms[0], .s = ms[1]},
+                                         {.out = e->cp_tmp + (size_t)ith * (size_t)hd}};
+            td_cpu_attn_partial(q, &t->kvl, h / group, t->table, n_ctx, C, t->offset, e->attn_scale,
+                                &parts[1], scratch);
+            td_cpu_attn_part merged;
+            td_cpu_attn_merge(parts, 2, hd, e->att + off, &merged);
+            ms[0] = merged.m;
+            ms[1] = merged.s;
+            break;
+        }
+        }
+    }
+}
+
+static void cp_dispatch(td_engine *e, cp_attn_task *t, int64_t cost) {
+    if (t->n_items > 0) dispatch(e, task_cp_attn, t, e->tp && e->nth > 1 && cost * e->nh >= 1024);
+}
+
+/* K and V of the blocks of [0, end) this rank holds, as n_held K blocks
+ * then n_held V blocks from dst and dst + stride_blocks blocks. */
+static void cp_pack(const td_engine *e, const td_cpu_kv_layer *own, int32_t seq, int32_t end,
+                    float *dst, int32_t stride_blocks) {
+    const size_t blk = (size_t)e->cp_bs * (size_t)e->kv_dim;
+    const int32_t *lt = e->cp_ltab + (size_t)seq * (size_t)e->cp_maxb;
+    for (int32_t j = e->cp_r, x = 0; (int64_t)j * e->cp_bs < end; j += e->cp_n, x++) {
+        memcpy(dst + (size_t)x * blk, own->k + (size_t)lt[x] * blk, blk * sizeof(float));
+        memcpy(dst + ((size_t)stride_blocks + (size_t)x) * blk, own->v + (size_t)lt[x] * blk,
+               blk * sizeof(float));
+    }
+}
+
+/* Blocks of [0, end) that CP rank r holds. */
+static int32_t cp_held(const td_engine *e, int32_t end, int r) {
+    int32_t nb = (end + e->cp_bs - 1) / e->cp_bs;
+    return nb > r ? (nb - r + e->cp_n - 1) / e->cp_n : 0;
+}
+
+/* PCP, allgather mode: every rank gathers the whole context [0, end) of the
+ * sequence (each rank's blocks, padded to the same count) and attends over
+ * it in position order with the single-rank kernel, so the attention of a
+ * row is bit-identical to the single-rank engine's. */
+static td_status cp_pcp_allgather(td_engine *e, const td_cpu_kv_layer *own, int32_t seq) {
+    const td_seq_chunk *s = &e->seqs[seq];
+    const int C = e->cp_n;
+    const int32_t end = s->pos0 + s->n_tokens, nb = (end + e->cp_bs - 1) / e->cp_bs;
+    const int32_t maxb = cp_held(e, end, 0);
+    const size_t blk = (size_t)e->cp_bs * (size_t)e->kv_dim, chunk = 2 * (size_t)maxb * blk;
+    float *mine = e->cp_kv + (size_t)e->cp_r * chunk;
+    cp_pack(e, own, seq, end, mine, maxb);
+    td_status st = cp_all_gather(e, mine, e->cp_kv, chunk * sizeof(float));
+    if (st) return st;
+    for (int32_t j = 0; j < nb; j++) e->cp_gtab[j] = (j % C) * 2 * maxb + j / C;
+    cp_attn_task t = {.e = e,
+                      .kind = CP_PCP_FULL,
+                      .kvl = {.k = e->cp_kv,
+                              .v = e->cp_kv + (size_t)maxb * blk,
+                              .block_size = e->cp_bs,
+                              .n_kv_heads = e->nkv,
+                              .head_dim = e->head_dim},
+                      .table = e->cp_gtab,
+                      .row0 = e->cp_row0[seq],
+                      .n_items = e->cp_nrow[seq]};
+    cp_dispatch(e, &t, (int64_t)t.n_items * end);
+    return TD_OK;
+}
+
+/* PCP, ring mode: each rank starts with the partial over its own blocks;
+ * then the ranks' K/V chunks travel around the ring (to rank + 1, from
+ * rank - 1) for cp - 1 steps, and each chunk that arrives adds its partial
+ * by the online-softmax merge. Sends are rendezvous: even ranks send first
+ * and odd ranks receive first, so every send meets a posted receive. */
+static td_status cp_pcp_ring(td_engine *e, const td_cpu_kv_layer *own, int32_t seq) {
+    const td_seq_chunk *s = &e->seqs[seq];
+    const int C = e->cp_n, me = e->cp_r, next = (me + 1) % C, prev = (me + C - 1) % C;
+    const int32_t end = s->pos0 + s->n_tokens;
+    const size_t blk = (size_t)e->cp_bs * (size_t)e->kv_dim;
+    float *buf[2] = {e->cp_kv, e->cp_kv + 2 * (size_t)e->cp_maxb * blk};
+    cp_attn_task t = {.e = e,
+                      .kind = CP_PCP_OWN,
+                      .kvl = *own,
+                      .row0 = e->cp_row0[seq],
+                      .n_items = e->cp_nrow[seq]};
+    const int64_t cost = (int64_t)t.n_items * end / C;
+    cp_dispatch(e, &t, cost);
+    int32_t held = cp_held(e, end, me);
+    cp_pack(e, own, seq, end, buf[0], held);
+    for (int32_t x = 0; x < e->cp_maxb; x++) e->cp_gtab[x] = x;
+    for (int step = 1; step < C; step++) {
+        int origin = (me - step + C) % C;
+        int32_t in_held = cp_held(e, end, origin);
+        size_t out_bytes = 2 * (size_t)held * blk * sizeof(float);
+        size_t in_bytes = 2 * (size_t)in_held * blk * sizeof(float);
+        td_status st;
+        if (me % 2 == 0) {
+            if ((st = ENGINE_COMM(e, e->cp, out_bytes,
+                                  td_comm_send(e->cp, buf[0], out_bytes, next))) ||
+                (st = ENGINE_COMM(e, e->cp, 0, td_comm_recv(e->cp, buf[1], in_bytes, prev))))
+                return st;
+        } else {
+            if ((st = ENGINE_COMM(e, e->cp, 0, td_comm_recv(e->cp, buf[1], in_bytes, prev))) ||
+                (st = ENGINE_COMM(e, e->cp, out_bytes,
+                                  td_comm_send(e->cp, buf[0], out_bytes, next))))
+                return st;
+        }
+        e->timing.cp_bytes += out_bytes;
+        if (in_held > 0) {
+            t.kind = CP_PCP_MERGE;
+            t.kvl.k = buf[1];
+            t.kvl.v = buf[1] + (size_t)in_held * blk;
+            t.table = e->cp_gtab;
+            t.offset = origin;
+            cp_dispatch(e, &t, cost);
+        }
+        float *tmp = buf[0];
+        buf[0] = buf[1];
+        buf[1] = tmp;
+        held = in_held;
+    }
+    return TD_OK;
+}
+
+/* Attention of this rank's rows for one layer (own: this rank's cache
+ * layer, where the rows' K/V were just written on their blocks' owners). */
+static td_status cp_attention(td_engine *e, const td_cpu_kv_layer *own) {
+    td_status st;
+    if (e->n_dcp > 0) {
+        /* DCP: partials over each rank's positions, gathered and merged in
+         * rank order, so every rank gets the same bits. */
+        cp_attn_task t = {.e = e, .kind = CP_DCP_PART, .kvl = *own, .n_items = e->n_dcp};
+        cp_dispatch(e, &t, e->cp_dcp_cost / e->cp_n);
+        size_t bytes = (size_t)e->n_dcp * (size_t)e->nh * ((size_t)e->head_dim + 2) * sizeof(float);
+        if ((st = cp_all_gather(e, (uint8_t *)e->cp_part + (size_t)e->cp_r * bytes, e->cp_part,
+                                bytes)))
+            return st;
+        t.kind = CP_DCP_MERGE;
+        cp_dispatch(e, &t, e->n_dcp * (int64_t)e->cp_n * 8);
+    }
+    for (int32_t i = 0; i < e->cp_n_seqs; i++) {
+        if (!e->cp_split[i]) continue;
+        st = e->p.cp_mode == TD_CP_RING ? cp_pcp_ring(e, own, i) : cp_pcp_allgather(e, own, i);
+        if (st) return st;
+    }
+    return TD_OK;
+}
+
+/* Rank 0 receives the final hidden state of the logit rows other ranks
+ * computed (PCP rows), after its own rows in x, as cp_plan laid out. */
+static td_status cp_gather_logit_rows(td_engine *e) {
+    const int C = e->cp_n, me = e->cp_r;
+    const size_t row = (size_t)e->n_embd * sizeof(float);
+    size_t sb[TD_COMM_MAX_RANKS] = {0}, sd[TD_COMM_MAX_RANKS] = {0};
+    size_t rb[TD_COMM_MAX_RANKS] = {0}, rd[TD_COMM_MAX_RANKS] = {0};
+    int32_t total = 0;
+    for (int r = 1; r < C; r++) total += e->cp_k[r];
+    if (total == 0) return TD_OK;
+    if (me == 0) {
+        size_t off = (size_t)e->n_tok * row;
+        for (int r = 1; r < C; r++) {
+            rb[r] = (size_t)e->cp_k[r] * row;
+            rd[r] = off;
+            off += rb[r];
+        }
+    } else {
+        for (int32_t i = 0; i < e->cp_k[me]; i++)
+            memcpy(e->xn + (size_t)i * (size_t)e->n_embd,
+                   e->x + (size_t)e->cp_send_row[i] * (size_t)e->n_embd, row);
+        sb[0] = (size_t)e->cp_k[me] * row;
+        e->timing.cp_bytes += sb[0];
+    }
+    return ENGINE_COMM(e, e->cp, sb[0], td_comm_all_to_all_v(e->cp, e->xn, sb, sd, e->x, rb, rd));
+}
+
 /* ---------------------------------------------------------------- forward */
 
 static int32_t seq_logit_rows(const td_seq_chunk *s) {
@@ -1139,19 +1620,25 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
                                    const float *x_in, float *x_out, float *logits) {
     const td_model *m = e->m;
     bool first = td_model_tok_embd(m) != NULL, last = td_model_output(m) != NULL;
+    td_status st = TD_OK;
     if (first == (x_in != NULL) || last == (x_out != NULL)) {
         TD_LOG_ERROR("stage [%d, %d): hidden-state input %s and output %s do not match the stage",
                      td_model_layer_begin(m), td_model_layer_end(m), x_in ? "given" : "missing",
                      x_out ? "given" : "missing");
-        return TD_ERR_INVALID;
+        st = TD_ERR_INVALID;
     }
-    td_status st = validate(e, seqs, n_seqs);
-    if (st) return st;
-    int32_t n_out = last ? td_engine_n_logit_rows(seqs, n_seqs) : 0;
-    if (n_out > 0 && !logits && !(e->ep_dp && e->ep_rank != 0)) {
+    if (!st) st = validate(e, seqs, n_seqs);
+    /* with CP, the logits are written on CP rank 0 only; with attention-DP
+     * on EP rank 0 only */
+    int32_t n_out = !st && last && e->cp_r == 0 && !(e->ep_dp && e->ep_rank != 0)
+                        ? td_engine_n_logit_rows(seqs, n_seqs)
+                        : 0;
+    if (n_out > 0 && !logits) {
         TD_LOG_ERROR("batch produces %d logit rows but no logits buffer was given", n_out);
-        return TD_ERR_INVALID;
+        st = TD_ERR_INVALID;
     }
+    if (e->cp_n > 1) st = cp_agree(e, seqs, n_seqs, st); /* the CP ranks fail together */
+    if (st) return st;
     e->seqs = seqs;
     int32_t T = 0, n_logit = 0;
     int64_t attn_cost = 0; /* positions attended, summed over rows */
@@ -1167,6 +1654,10 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
         }
     }
     e->n_tok = T;
+    if (e->cp_n > 1) { /* CP: this rank's rows replace the batch's */
+        attn_cost = cp_plan(e, seqs, n_seqs, &n_logit);
+        T = e->n_tok;
+    }
     const size_t E = (size_t)e->n_embd;
 
     if (first) {
@@ -1205,8 +1696,12 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
                                 .block_size = kp->block_size,
                                 .n_kv_heads = e->nkv,
                                 .head_dim = e->head_dim}};
-        /* attention cost grows with context: worth threads even for one row */
-        dispatch(e, task_attn, &at, e->tp && e->nth > 1 && attn_cost * e->nh >= 1024);
+        if (e->cp_n > 1) {
+            if ((st = cp_attention(e, &at.kvl))) return st;
+        } else {
+            /* attention cost grows with context: worth threads even for one row */
+            dispatch(e, task_attn, &at, e->tp && e->nth > 1 && attn_cost * e->nh >= 1024);
+        }
 
         const td_weight *wo[] = {&lw->wo};
         float *yo[] = {e->o};
@@ -1253,6 +1748,7 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
         memcpy(x_out, e->x, (size_t)T * E * sizeof(float));
         return TD_OK;
     }
+    if (e->cp_n > 1 && (st = cp_gather_logit_rows(e))) return st;
     if (e->ep_dp) return ep_logits(e, seqs, n_seqs, n_logit, logits);
     if (n_logit == 0) return TD_OK;
     const td_weight *wh[] = {td_model_output(m)};

@@ -95,8 +95,9 @@ td_status td_engine_validate(const td_engine *e, const td_seq_chunk *seqs, int32
  * expert in layer `layer` (a global layer index of this stage), or summed
  * over the stage's layers for layer = -1. Every token of the batch counts
  * once whichever rank routed it, so the counts are the same on every rank
- * of a TP / EP group and equal the single-rank engine's; the sum over
- * experts is tokens x n_expert_used per layer. Max / mean over experts is
+ * of a TP / EP group and equal the single-rank engine's (under CP: the
+ * rows this CP rank computes, td_engine_stage_rows); the sum over experts
+ * is tokens x n_expert_used per layer. Max / mean over experts is
  * the load imbalance. Zeros before the first call. TD_ERR_INVALID for a
  * dense model or a layer outside the stage. Never communicates. */
 td_status td_engine_expert_load(const td_engine *e, int layer, int64_t *counts);
@@ -117,7 +118,15 @@ int32_t td_engine_n_logit_rows(const td_seq_chunk *seqs, int32_t n_seqs);
  * limits (too many tokens, a block table too short, a position past max_ctx,
  * a token id out of the vocabulary). With CP or attention-DP every rank of
  * those groups gets the whole batch and the complete logits are written on
- * their rank 0 only (logits may be NULL on the others). */
+ * their rank 0 only (logits may be NULL on the others).
+ * With CP the ranks check first that they run the same batch: when any of
+ * them refuses its call or their batches differ, every one returns an
+ * error (TD_ERR_INVALID, or its own) and nothing is computed. CP changes
+ * the summation order of attention for DCP rows (partials merged) and, in
+ * ring mode, for PCP rows; allgather-mode PCP rows attend exactly as one
+ * rank does. Whether a chunk is split (n_tokens >= cp_min_tokens) can
+ * therefore change its bits: the invariance above holds under CP for a
+ * given chunking, not across chunkings. */
 td_status td_engine_forward(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs, float *logits);
 
 /* The same for a pipeline stage (a model loaded with a layer range).
@@ -147,6 +156,11 @@ typedef struct {
     double comm_s;
     uint64_t comm_calls;
     uint64_t comm_bytes;
+    /* Bytes this rank sent to the other ranks of the CP group (cp_comm): an
+     * all-gather block counts once per other rank; the ring's K/V chunks,
+     * the DCP attention partials, the hidden states of logit rows for CP
+     * rank 0 and the batch check. 0 without CP. */
+    uint64_t cp_bytes;
 } td_engine_timing;
 
 td_engine_timing td_engine_last_timing(const td_engine *e);

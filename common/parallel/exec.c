@@ -2,6 +2,7 @@
 #define _GNU_SOURCE
 #include "exec.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -11,6 +12,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -510,6 +512,26 @@ static void *keepalive_main(void *arg) {
     return NULL;
 }
 
+/* A driver killed before every rank attached leaves its segment in
+ * /dev/shm (it is unlinked only once all have attached): remove those whose
+ * driver is gone. Names are /tandem-exec-PID-N. */
+static void remove_stale_segments(void) {
+    DIR *d = opendir("/dev/shm");
+    if (!d) return;
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL) {
+        int pid = 0, n = 0, end = 0;
+        if (sscanf(de->d_name, "tandem-exec-%d-%d%n", &pid, &n, &end) != 2 ||
+            de->d_name[end] != '\0' || pid <= 0)
+            continue;
+        if (kill(pid, 0) == 0 || errno != ESRCH) continue; /* alive, or not ours to judge */
+        char name[300];
+        snprintf(name, sizeof name, "/%s", de->d_name);
+        if (shm_unlink(name) == 0) TD_LOG_INFO("removed %s, left by a driver that died", name);
+    }
+    closedir(d);
+}
+
 static td_status spawn_ranks(td_exec *x, const char *exe, const char *name) {
     char self[MAX_PATH];
     if (!exe) {
@@ -779,6 +801,7 @@ td_status td_exec_create(const td_exec_params *p, td_exec **x_p) {
         st = TD_ERR_IO;
         goto fail;
     }
+    remove_stale_segments();
     char name[64];
     static atomic_int n_created;
     snprintf(name, sizeof name, "/tandem-exec-%d-%d", (int)getpid(),

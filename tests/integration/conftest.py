@@ -38,6 +38,7 @@ test fails with the command line and the captured output.
 """
 
 import os
+import re
 
 # The tests' NumPy work is many small matmuls: multi-threaded BLAS only adds
 # contention (70x slower on a loaded 2-core CI machine). Must precede numpy.
@@ -118,6 +119,19 @@ def run_tandem(*args, timeout=60, input=None, env=None, check=True, binary=None)
         # Killed by a signal (crash, sanitizer abort): never acceptable.
         pytest.fail(f"tandem died with signal {-r.returncode}\n{r.describe()}")
     return r
+
+
+def stale_exec_segments():
+    """Shared-memory segments of rank executors whose driver is gone
+    (/dev/shm/tandem-exec-PID-N with no process PID): what a plan must never
+    leave behind. Segments of live drivers (tests running in parallel) are
+    not counted; the executor unlinks its own once every rank attached."""
+    out = []
+    for f in os.listdir("/dev/shm"):
+        m = re.match(r"tandem-exec-(\d+)-\d+$", f)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            out.append(f)
+    return out
 
 
 def tandem_eval_raw(model, sequences, threads=None, chunk=None, batch=False, isa=None,

@@ -11,10 +11,12 @@ sequences per step, so pipeline stages get several micro-batches).
 What must hold, against the single-rank run of the same mode:
   PP alone        bit-identical logits (stages only move hidden states; the
                   engine is batch-invariant, so micro-batches change nothing).
-  TP (and PP)     rel_t = max_v |plan - one| / max_v |one| <= TOL = 1e-4 at
+  TP, CP (and PP) rel_t = max_v |plan - one| / max_v |one| <= TOL = 1e-4 at
                   every position: the all-reduces add the ranks' partial
-                  sums in rank order instead of one dot product, an f32
-                  reordering (measured ~2e-6 on these models).
+                  sums in rank order instead of one dot product, and CP
+                  merges per-rank attention partials (DCP decode rows, ring
+                  PCP rows), f32 reorderings (measured ~2e-6 on these
+                  models).
   argmax          at every forced step where the single-rank top-1/top-2
                   margin exceeds DELTA * max_v |one| (DELTA = 2e-3, 20x TOL),
                   the plan's argmax is the single-rank argmax; at least
@@ -33,7 +35,7 @@ import random
 import numpy as np
 import pytest
 
-from conftest import tandem_eval_raw
+from conftest import tandem_eval_raw, stale_exec_segments
 
 MODELS = pathlib.Path(os.environ.get("TANDEM_TEST_MODELS", ""))
 TOL = 1e-4
@@ -77,12 +79,17 @@ def compare(one, many, exact, what):
     return checked
 
 
+def plan_size(plan, flag):
+    """The size a plan gives an axis (1 when the flag is absent)."""
+    return int(plan[plan.index(flag) + 1]) if flag in plan else 1
+
+
 def check_plans(model, plans, modes=("prefill", "decode", "batch")):
     seqs = sequences(512)
     for mode in modes:
         one = run(model, seqs, [], mode)
         for plan in plans:
-            exact = all(f not in plan for f in ("--tp", "--cp")) or plan[:2] == ["--tp", "1"]
+            exact = plan_size(plan, "--tp") == 1 and plan_size(plan, "--cp") == 1
             many = run(model, seqs, plan, mode)
             checked = compare(one, many, exact, f"{model.name} {' '.join(plan)} {mode}")
             if mode == "decode":
@@ -98,6 +105,16 @@ def test_pp_is_bit_identical():
 def test_tp_and_pp():
     check_plans(MODELS / "gguf/llama2-f32.gguf",
                 [["--tp", "2"], ["--tp", "4"], ["--tp", "2", "--pp", "2"]])
+
+
+def test_cp_prefill_and_decode():
+    # Chunks of >= 4 tokens split by block owner (PCP), single tokens on
+    # every CP rank with merged partials (DCP), both modes, with TP and PP.
+    check_plans(MODELS / "gguf/llama2-f32.gguf",
+                [["--cp", "2", "--cp-mode", "allgather", "--cp-min-tokens", "4"],
+                 ["--cp", "2", "--cp-mode", "ring", "--cp-min-tokens", "4"],
+                 ["--tp", "2", "--pp", "2", "--cp", "2", "--cp-mode", "ring",
+                  "--cp-min-tokens", "4"]])
 
 
 def test_tp_replicates_kv_heads():
@@ -121,4 +138,17 @@ def test_plan_errors_are_clear():
                              extra=["--pp", "2"], check=False)
     assert out is None and r.returncode != 0
     assert "out of the vocabulary" in r.stderr, r.describe()
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tandem-exec-")]
+    assert not stale_exec_segments()
+
+
+def test_a_dead_drivers_segment_is_removed():
+    # A driver killed before its ranks attached leaves its segment behind;
+    # the next plan started on the host removes it.
+    pid = next(p for p in range(4000000, 4100000) if not os.path.exists(f"/proc/{p}"))
+    stale = pathlib.Path(f"/dev/shm/tandem-exec-{pid}-0")
+    stale.write_bytes(b"\0" * 64)
+    try:
+        run(MODELS / "gguf/llama2-f32.gguf", sequences(512, n=1), ["--pp", "2"], "prefill")
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)

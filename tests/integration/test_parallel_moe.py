@@ -2,7 +2,8 @@
 `tandem eval` on the tiny MoE models of tests/models/make_models.py with EP
 plans, against the single-rank run, with the checks of test_parallel.py.
 
-  EP inside TP (--tp N, EP defaulting to the TP group; --tp 4 --ep 2):
+  EP inside TP (--tp N, EP defaulting to the TP group; --tp 4 --ep 2; with
+  PP, and with CP, each CP rank's TP group its own EP group):
       attention and the shared expert are TP-split, so the TP tolerance and
       argmax-under-teacher-forcing rules apply.
   --attn-dp (attention data-parallel over the EP group, experts whole):
@@ -32,6 +33,9 @@ def check(model, plans, modes=("decode", "batch")):
 def test_ep_inside_tp():
     check(MODELS / "gguf/qwen2moe-f32.gguf", [["--tp", "2"], ["--tp", "4", "--ep", "2"]])
     check(MODELS / "gguf/mixtral-q8_0.gguf", [["--tp", "4", "--pp", "2"]], modes=("batch",))
+    # EP inside each CP rank's TP group (PCP splits every prompt chunk).
+    check(MODELS / "gguf/qwen2moe-f32.gguf",
+          [["--tp", "2", "--cp", "2", "--cp-min-tokens", "1"]], modes=("prefill", "decode"))
 
 
 def test_attn_dp_is_bit_identical():

@@ -8,6 +8,7 @@ import pathlib
 import signal
 import time
 
+from conftest import stale_exec_segments
 from serve_util import metric, serve  # noqa: F401  (fixture)
 
 MODELS = pathlib.Path(os.environ.get("TANDEM_TEST_MODELS", ""))
@@ -56,7 +57,7 @@ def test_mixed_load_matches_one_rank(serve):
     srv.wait_idle()
     assert srv.stop() == 0
     # the ranks are gone with the instance, and so is the shared memory
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tandem-exec-")]
+    assert not stale_exec_segments()
 
 
 def test_a_dead_rank_fails_the_instance_fast(serve):
@@ -88,4 +89,4 @@ def test_a_dead_rank_fails_the_instance_fast(serve):
     log = srv.err_path.read_text()
     assert "was killed by signal 9" in log, log[-3000:]
     assert "a rank of the parallel plan failed" in log, log[-3000:]
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tandem-exec-")]
+    assert not stale_exec_segments()

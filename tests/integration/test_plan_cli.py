@@ -4,7 +4,7 @@ a clear error; a valid multi-rank plan runs on rank processes and generates
 what one rank generates."""
 import os
 
-from conftest import run_tandem
+from conftest import run_tandem, stale_exec_segments
 
 MODEL = os.path.join(os.environ.get("TANDEM_TEST_MODELS", ""), "gguf/llama2-f32.gguf")
 # Its shape (tests/models/make_models.py): 2 layers, 4 heads, 4 KV heads, FFN 192.
@@ -72,4 +72,4 @@ def test_plan_memory_is_checked_against_the_host():
                    check=False, timeout=60)
     assert r.returncode != 0, r.describe()
     assert "GiB available" in r.stderr and "2 ranks need about" in r.stderr, r.describe()
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tandem-exec-")]
+    assert not stale_exec_segments()
