@@ -72,6 +72,10 @@ struct td_exec {
     td_comm *comm; /* the world */
     td_comm *tp_comm, *cp_comm, *ep_comm;
     int32_t n_vocab, n_embd;
+    int32_t n_expert;       /* MoE: routed experts; 0 for dense models */
+    int64_t *expert_counts; /* (n_expert) this rank's, then (driver) the model's last step */
+    float *expert_sum;      /* (n_expert) reduction buffer */
+    bool have_expert_load;  /* driver: expert_counts hold a step's totals */
     /* step scratch */
     int32_t *payload;
     size_t payload_cap; /* int32 elements */
@@ -174,6 +178,7 @@ static td_status load_shard(td_exec *x) {
     if (!x->model && (st = td_model_load(&mp, &x->model))) return st;
     const td_model_config *mc = td_model_get_config(x->model);
     x->n_vocab = mc->n_vocab;
+    x->n_expert = mc->n_expert;
     x->n_embd = mc->n_embd;
     td_kv_params kp = td_kv_default_params();
     kp.n_layers = mp.layer_end - mp.layer_begin;
@@ -196,7 +201,12 @@ static td_status load_shard(td_exec *x) {
     x->x_in = malloc(xe * sizeof(float));
     x->x_out = malloc(xe * sizeof(float));
     x->chunks = malloc((size_t)c->max_seqs * sizeof *x->chunks);
-    if (!x->x_in || !x->x_out || !x->chunks) {
+    if (x->n_expert > 0) {
+        x->expert_counts = calloc((size_t)x->n_expert, sizeof *x->expert_counts);
+        x->expert_sum = calloc((size_t)x->n_expert, sizeof *x->expert_sum);
+    }
+    if (!x->x_in || !x->x_out || !x->chunks ||
+        (x->n_expert > 0 && (!x->expert_counts || !x->expert_sum))) {
         TD_LOG_ERROR("rank %d: out of memory for step buffers", x->rank);
         return TD_ERR_NOMEM;
     }
@@ -225,6 +235,8 @@ static void release_shard(td_exec *x) {
     free(x->x_in);
     free(x->x_out);
     free(x->logits);
+    free(x->expert_counts);
+    free(x->expert_sum);
 }
 
 /* ------------------------------------------------------------- the step */
@@ -364,7 +376,26 @@ static td_status report(td_exec *x, double t0, td_status step_st) {
     rank_report r = {.compute_s = 0, .comm_s = x->comm_s, .status = (int32_t)step_st};
     r.compute_s = td_time_s() - t0 - x->comm_s;
     if (r.compute_s < 0) r.compute_s = 0;
-    return td_comm_gather(x->comm, &r, x->reports, sizeof r, 0);
+    td_status st = td_comm_gather(x->comm, &r, x->reports, sizeof r, 0);
+    if (st || x->n_expert == 0) return st;
+    /* MoE: tokens per expert over the whole model. Every rank of a stage's
+     * TP / EP group counts the same tokens (td_engine_expert_load), so one
+     * rank per stage (TP 0, CP 0: under CP, CP rank 0's rows) adds its
+     * stage's layers; counts are exact in float up to 2^24 per step. */
+    bool mine = x->tp_rank == 0 && x->cp_rank == 0 &&
+                td_engine_expert_load(x->engine, -1, x->expert_counts) == TD_OK;
+    for (int32_t i = 0; i < x->n_expert; i++)
+        x->expert_sum[i] = mine ? (float)x->expert_counts[i] : 0.0f;
+    if ((st = td_comm_reduce(x->comm, x->expert_sum, x->expert_sum, (size_t)x->n_expert,
+                             TD_COMM_SUM, 0)))
+        return st;
+    if (x->rank == 0) {
+        pthread_mutex_lock(&x->times_mu);
+        for (int32_t i = 0; i < x->n_expert; i++) x->expert_counts[i] = (int64_t)x->expert_sum[i];
+        x->have_expert_load = true;
+        pthread_mutex_unlock(&x->times_mu);
+    }
+    return TD_OK;
 }
 
 /* ------------------------------------------------------------- workers */
@@ -884,6 +915,19 @@ int td_exec_threads_per_rank(const td_exec *x) { return x->pool ? td_threadpool_
 int32_t td_exec_max_ctx(const td_exec *x) { return x->cfg.max_ctx; }
 size_t td_exec_weight_bytes(const td_exec *x) { return (size_t)x->cfg.weight_bytes; }
 bool td_exec_failed(const td_exec *x) { return atomic_load(&x->failed); }
+
+int td_exec_expert_load(const td_exec *x, int64_t *counts, int cap) {
+    if (x->world == 1) {
+        const td_model_config *mc = td_model_get_config(x->model);
+        if (mc->n_expert == 0 || cap < mc->n_expert) return 0;
+        return td_engine_expert_load(x->engine, -1, counts) == TD_OK ? mc->n_expert : 0;
+    }
+    pthread_mutex_lock((pthread_mutex_t *)&x->times_mu);
+    int n = x->have_expert_load ? TD_MIN(x->n_expert, cap) : 0;
+    for (int i = 0; i < n; i++) counts[i] = x->expert_counts[i];
+    pthread_mutex_unlock((pthread_mutex_t *)&x->times_mu);
+    return n;
+}
 
 int td_exec_last_times(const td_exec *x, td_rank_time *out, int cap) {
     pthread_mutex_lock((pthread_mutex_t *)&x->times_mu);

@@ -108,6 +108,13 @@ typedef struct {
 /* Copies min(world, cap) entries; returns world. Thread-safe. */
 int td_exec_last_times(const td_exec *x, td_rank_time *out, int cap);
 
+/* MoE: tokens routed to each expert in the last step, summed over every
+ * layer of every stage (with CP: CP rank 0's rows). Returns the number of
+ * counts copied: min(n_expert, cap) — 0 for a dense model, before the
+ * first step, and in a world of one when cap < n_expert. Thread-safe with
+ * more than one rank; with one, call it from the stepping thread. */
+int td_exec_expert_load(const td_exec *x, int64_t *counts, int cap);
+
 /* Entry point of a spawned rank process: argv = {"rank", NAME, WORLD,
  * RANK, PPID}. Returns the process exit code. */
 int td_exec_rank_main(int argc, char **argv);

@@ -850,6 +850,9 @@ static bool step(td_sched *s) {
             ms[r] = rt[r].comm_s;
         }
         if (st == TD_OK) td_metrics_rank_step(s->metrics, nr, cs, ms);
+        int64_t load[TD_METRICS_MAX_EXPERTS];
+        int ne = td_exec_expert_load(s->exec, load, TD_METRICS_MAX_EXPERTS);
+        if (st == TD_OK && ne > 0) td_metrics_expert_load(s->metrics, ne, load);
     }
     double now = td_time_s();
     int32_t row = 0;

@@ -90,3 +90,25 @@ def test_a_dead_rank_fails_the_instance_fast(serve):
     assert "was killed by signal 9" in log, log[-3000:]
     assert "a rank of the parallel plan failed" in log, log[-3000:]
     assert not stale_exec_segments()
+
+
+def test_moe_expert_load_in_metrics(serve):
+    # Qwen2-MoE tiny model: 2 layers, 8 experts, top-2. Under --tp 2 the
+    # experts are EP-sharded over the TP group; every computed token is
+    # routed to 2 experts in each of the 2 layers, whichever rank routed it.
+    srv = serve(MODELS / "gguf/qwen2moe-f32.gguf", "--tp", "2", "--served-model-name", "m",
+                "--no-prefix-cache")
+    fed = 0
+    for i in range(4):
+        st, js = srv.post_json("/v1/completions", {"model": "m", "prompt": f"moe {i} " * (i + 1),
+                                                   "max_tokens": 6, "temperature": 0})
+        assert st == 200, js
+        u = js["usage"]
+        fed += u["prompt_tokens"] + u["completion_tokens"] - 1  # the last token is not fed back
+    m = srv.metrics()
+    per_expert = [metric(m, "tandem:expert_tokens_total", expert=str(e)) for e in range(8)]
+    assert sum(per_expert) == fed * 2 * 2, (per_expert, fed)
+    imb = metric(m, "tandem:expert_load_imbalance")
+    # max / mean of the last routed step: at least 1, at most the expert count
+    assert 1.0 <= imb <= 8.0, imb
+    assert srv.stop() == 0
