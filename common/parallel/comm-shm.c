@@ -440,16 +440,20 @@ td_status td_comm_seg_all_gather(td_comm *c, const void *send, void *recv, size_
     return gather(c, send, recv, bpr, 0, true);
 }
 
-/* Combines element j of (float) area p of every member, in rank order. */
+/* Combines element j of (float) area p of every member, in rank order:
+ * out = ((x0 op x1) op x2) ..., one pass per member over the elements so
+ * the sum loop vectorises (the same operations on each element as an
+ * element-by-element loop, so the same bits). */
 static void combine(const td_comm *c, int h, size_t p_off, size_t j0, size_t j1, td_comm_op op,
-                    float *out) {
-    for (size_t j = j0; j < j1; j++) {
-        float s = ((const float *)(stage(c, 0, h) + p_off))[j];
-        for (int k = 1; k < c->size; k++) {
-            float x = ((const float *)(stage(c, k, h) + p_off))[j];
-            s = op == TD_COMM_SUM ? s + x : fmaxf(s, x);
-        }
-        out[j - j0] = s;
+                    float *restrict out) {
+    size_t n = j1 - j0;
+    memcpy(out, (const float *)(stage(c, 0, h) + p_off) + j0, n * sizeof(float));
+    for (int k = 1; k < c->size; k++) {
+        const float *restrict x = (const float *)(stage(c, k, h) + p_off) + j0;
+        if (op == TD_COMM_SUM)
+            for (size_t j = 0; j < n; j++) out[j] += x[j];
+        else
+            for (size_t j = 0; j < n; j++) out[j] = fmaxf(out[j], x[j]);
     }
 }
 
