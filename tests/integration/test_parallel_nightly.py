@@ -1,8 +1,10 @@
 """The whole equivalence matrix of issue 4 (label nightly; CI runs the
-subset in test_parallel.py): every tiny random dense model family x weight
-type that has one x {tp 1,2,3,4} x {pp 1,2} x {cp 1, 2 allgather, 2 ring}
-that the model's shape allows, against the single-rank run, with the
-tolerances and the teacher-forcing check of test_parallel.py.
+subset in test_parallel.py and test_parallel_moe.py): every tiny random
+dense model family x weight type that has one x {tp 1,2,3,4} x {pp 1,2} x
+{cp 1, 2 allgather, 2 ring} that the model's shape allows, and every tiny
+MoE model with EP 2 and 4 (inside TP), attention-DP, PP and CP, against the
+single-rank run, with the tolerances and the teacher-forcing check of
+test_parallel.py.
 
 Run it with:  ctest -L nightly --output-on-failure   (in a build tree)."""
 import json
@@ -50,3 +52,24 @@ def cases():
 @pytest.mark.parametrize("m", list(cases()))
 def test_matrix(m):
     P.check_plans(MODELS / m["path"], plans(m["config"], m["tol_class"]))
+
+
+def moe_cases():
+    man = json.loads((MODELS / "models.json").read_text()) if (MODELS / "models.json").exists() \
+        else {"moe_models": []}
+    for m in man.get("moe_models", []):
+        yield pytest.param(m, id=m["name"])
+
+
+@pytest.mark.parametrize("m", list(moe_cases()))
+def test_moe_matrix(m):
+    # 4 heads, 8 experts top-2 (tests/models/make_models.py). EP defaults to
+    # the TP group; --ep 2 inside TP 4; attention-DP (bit-identical); with
+    # PP, and with CP inside each CP rank's TP group.
+    import test_parallel_moe as M
+    plans = [["--tp", "2"], ["--tp", "4"], ["--tp", "4", "--ep", "2"], ["--pp", "2"],
+             ["--tp", "2", "--pp", "2"], ["--tp", "2", "--attn-dp"], ["--tp", "4", "--attn-dp"],
+             ["--tp", "2", "--attn-dp", "--pp", "2"],
+             ["--tp", "2", "--cp", "2", "--cp-min-tokens", "4"],
+             ["--cp", "2", "--cp-mode", "ring", "--cp-min-tokens", "4"]]
+    M.check(MODELS / m["path"], plans, modes=("prefill", "decode", "batch"))
