@@ -352,9 +352,18 @@ static void ep_setup(td_engine *e) {
     e->ep_base = e->rg_rank - e->ep_rank;
 }
 
-/* Attention-DP: sequence i of a batch is computed by EP rank i % ep. */
-static bool seq_mine(const td_engine *e, int32_t i) {
-    return !e->ep_dp || i % e->ep_size == e->ep_rank;
+/* Attention-DP: the EP rank that computes a sequence, fixed for its whole
+ * life whatever its place in a batch: its first block's id mod ep (a
+ * sequence's first block never changes, and sequences that share cached
+ * prefix blocks share the first one, so they share the rank holding their
+ * K/V). */
+static int seq_owner(const td_engine *e, const td_seq_chunk *s) {
+    if (s->n_blocks < 1 || !s->block_table) return 0;
+    return (int)((uint32_t)s->block_table[0] % (uint32_t)e->ep_size);
+}
+
+static bool seq_mine(const td_engine *e, const td_seq_chunk *s) {
+    return !e->ep_dp || seq_owner(e, s) == e->ep_rank;
 }
 
 td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp, td_comm *comm,
@@ -517,7 +526,7 @@ int32_t td_engine_stage_rows(const td_engine *e, const td_seq_chunk *seqs, int32
     }
     int32_t n = 0;
     for (int32_t i = 0; i < n_seqs; i++)
-        if (seq_mine(e, i)) n += seqs[i].n_tokens;
+        if (seq_mine(e, &seqs[i])) n += seqs[i].n_tokens;
     return n;
 }
 
@@ -1465,7 +1474,8 @@ static td_status ep_logits(td_engine *e, const td_seq_chunk *seqs, int32_t n_seq
     size_t n_all = 0;
     for (int k = 0; k < P; k++) {
         size_t n = 0;
-        for (int32_t i = k; i < n_seqs; i += P) n += (size_t)seq_logit_rows(&seqs[i]);
+        for (int32_t i = 0; i < n_seqs; i++)
+            if (seq_owner(e, &seqs[i]) == k) n += (size_t)seq_logit_rows(&seqs[i]);
         sb[k] = k == 0 ? (size_t)n_logit * row : 0;
         sd[k] = 0;
         rb[k] = e->ep_rank == 0 ? n * row : 0;
@@ -1481,8 +1491,9 @@ static td_status ep_logits(td_engine *e, const td_seq_chunk *seqs, int32_t n_seq
     size_t out = 0;
     for (int32_t i = 0; i < n_seqs; i++) {
         size_t n = (size_t)seq_logit_rows(&seqs[i]);
-        memcpy(e->x + out * E, e->o + rd[i % P] * E, n * row);
-        rd[i % P] += n;
+        int k = seq_owner(e, &seqs[i]);
+        memcpy(e->x + out * E, e->o + rd[k] * E, n * row);
+        rd[k] += n;
         out += n;
     }
     norm_task nh = {
@@ -1644,7 +1655,7 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
     int64_t attn_cost = 0; /* positions attended, summed over rows */
     for (int32_t i = 0; i < n_seqs; i++) {
         const td_seq_chunk *s = &seqs[i];
-        if (!seq_mine(e, i)) continue;
+        if (!seq_mine(e, s)) continue;
         for (int32_t j = 0; j < s->n_tokens; j++, T++) {
             e->tok_seq[T] = i;
             e->tok_pos[T] = s->pos0 + j;

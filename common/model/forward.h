@@ -61,8 +61,11 @@ typedef struct {
     td_comm *ep_comm;
     /* Attention data-parallel over the EP group (needs ep_comm of size >= 2,
      * a TP comm of size 1, a shard loaded with tp_size 1 and no CP): every
-     * rank gets the whole batch and computes sequence i on EP rank i % ep
-     * (embedding, whole attention, KV writes for its own sequences only;
+     * rank gets the whole batch and computes each sequence on EP rank
+     * block_table[0] % ep — the same rank for the sequence's whole life,
+     * whatever its place in the batch, and the same for sequences sharing
+     * cached prefix blocks — (embedding, whole attention, KV writes for its
+     * own sequences only;
      * td_engine_stage_rows counts their tokens); the MoE all-to-all mixes the
      * rows of all ranks; the logit rows' hidden states go to EP rank 0,
      * which alone writes the logits. Bit-identical to the single-rank engine

@@ -11,6 +11,8 @@ plans, against the single-rank run, with the checks of test_parallel.py.
       row's value depends on another rank's partial sums).
 """
 import os
+
+import numpy as np
 import pathlib
 
 from test_parallel import MIN_CHECKED, compare, run, sequences
@@ -42,3 +44,22 @@ def test_attn_dp_is_bit_identical():
     check(MODELS / "hf/qwen2moe-f32", [["--tp", "2", "--attn-dp"],
                                        ["--tp", "4", "--attn-dp", "--pp", "2"]])
     check(MODELS / "gguf/mixtral-f32.gguf", [["--tp", "4", "--attn-dp"]], modes=("batch",))
+
+
+def test_attn_dp_sequences_keep_their_rank_as_the_batch_changes():
+    # Sequences of different lengths in one batch: when the short one ends,
+    # the others move up in the batch; each must stay on the EP rank that
+    # holds its K/V (a rank chosen by batch position read K/V it never wrote).
+    import random
+
+    from conftest import tandem_eval_raw
+    rng = random.Random(3)
+    seqs = [[rng.randrange(3, 512) for _ in range(n)] for n in (10, 40, 23, 40)]
+    model = str(MODELS / "gguf/qwen2moe-f32.gguf")
+    r, one = tandem_eval_raw(model, seqs, chunk=5, batch=True)
+    assert one is not None, r.describe()
+    for plan in (["--tp", "2", "--attn-dp"], ["--tp", "4", "--attn-dp"]):
+        r, many = tandem_eval_raw(model, seqs, chunk=5, batch=True, extra=plan)
+        assert many is not None, r.describe()
+        for a, b in zip(one, many):
+            assert np.array_equal(a, b), (plan, float(np.abs(a - b).max()))

@@ -11,7 +11,7 @@
  *   (as the TP-only MoE runs of test_moe_load.c) and, under teacher forcing
  *   over 32 decode steps of two sequences, the argmax agrees wherever the
  *   single-rank top-1/top-2 margin exceeds DELTA;
- * - attention data-parallel (sequence i on EP rank i % ep, logits on rank 0
+ * - attention data-parallel (a sequence on EP rank block_table[0] % ep, logits on rank 0
  *   only, td_engine_stage_rows = the own sequences' tokens): bit-identical
  *   to the single-rank run, as no row depends on another rank's sums;
  * - per-expert token counts (td_engine_expert_load) equal on every rank and
@@ -111,11 +111,11 @@ static td_status record_load(const job *j, td_engine *e, int64_t *out) {
 }
 
 /* Rows this rank computes: every token, or under attention-DP the tokens of
- * the sequences i with i % ep == EP rank. */
+ * the sequences whose first block id mod ep is the EP rank. */
 static td_status check_rows(const job *j, const td_engine *e, const td_seq_chunk *ch, int n) {
     int32_t want = 0;
     for (int i = 0; i < n; i++)
-        if (!j->attn_dp || i % j->ep_size == j->ep_rank) want += ch[i].n_tokens;
+        if (!j->attn_dp || ch[i].block_table[0] % j->ep_size == j->ep_rank) want += ch[i].n_tokens;
     return td_engine_stage_rows(e, ch, n) == want ? TD_OK : TD_ERR_INTERNAL;
 }
 
