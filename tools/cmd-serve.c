@@ -381,6 +381,11 @@ int td_cmd_serve(int argc, char **argv) {
         struct timespec ts = {0, 10 * 1000000L};
         nanosleep(&ts, NULL);
     }
+    /* a rank that died during the drain failed requests too */
+    if (!failed && td_exec_failed(rt->exec)) {
+        TD_LOG_ERROR("a rank of the parallel plan failed during the drain");
+        failed = true;
+    }
     exit_code = failed ? 1 : 0;
 
     td_grpc_server_stop(grpc);

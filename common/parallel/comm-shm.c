@@ -103,6 +103,7 @@ struct td_comm_seg {
     int n;
     size_t chunk;
     double timeout_s;
+    const _Atomic int *cancel; /* td_comm_params.cancel */
     seg_hdr *hdr;
     seg_group *groups; /* (MAX_GROUPS) */
     seg_chan *chans;   /* (n, n) [src][dst] */
@@ -152,6 +153,7 @@ static void seg_bind(td_comm_seg *s, uint8_t *base, size_t bytes, int n, const t
     s->n = n;
     s->chunk = p->chunk_bytes;
     s->timeout_s = p->timeout_s;
+    s->cancel = p->cancel;
     s->hdr = (seg_hdr *)base;
     s->groups = (seg_group *)(base + off[0]);
     s->chans = (seg_chan *)(base + off[1]);
@@ -249,7 +251,7 @@ static td_status wait_change(td_comm_seg *s, _Atomic uint32_t *w, _Atomic uint32
     uint64_t t0 = td_time_ns(), limit = (uint64_t)(s->timeout_s * 1e9);
     for (;;) {
         if (atomic_load(w) != val) return TD_OK;
-        if (atomic_load(&s->hdr->broken)) {
+        if (atomic_load(&s->hdr->broken) || (s->cancel && atomic_load(s->cancel))) {
             *timed_out = false;
             return TD_ERR_IO;
         }

@@ -54,6 +54,12 @@ typedef struct {
     /* Deadline of every wait (a barrier, a send, a receive, attaching to
      * the segment), in seconds. Default 60. */
     double timeout_s;
+    /* Optional (NULL by default): a flag of this process that another
+     * thread may set to non-zero; every wait of this world on this rank
+     * then fails with TD_ERR_IO within a wait slice and breaks the world —
+     * also the wait for the other ranks to attach, before any communicator
+     * exists that td_comm_abort could be called on. Must outlive the world. */
+    const _Atomic int *cancel;
 } td_comm_params;
 
 td_comm_params td_comm_default_params(void);

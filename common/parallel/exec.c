@@ -14,8 +14,10 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "../base/threadpool.h"
@@ -72,10 +74,12 @@ struct td_exec {
     td_comm *comm; /* the world */
     td_comm *tp_comm, *cp_comm, *ep_comm;
     int32_t n_vocab, n_embd;
-    int32_t n_expert;       /* MoE: routed experts; 0 for dense models */
-    int64_t *expert_counts; /* (n_expert) this rank's, then (driver) the model's last step */
-    float *expert_sum;      /* (n_expert) reduction buffer */
-    bool have_expert_load;  /* driver: expert_counts hold a step's totals */
+    int32_t n_expert;      /* MoE: routed experts; 0 for dense models */
+    int64_t *expert_step;  /* (n_expert) this rank's counts of the step, all micro-batches */
+    int64_t *expert_tmp;   /* (n_expert) one micro-batch's */
+    int64_t *expert_pub;   /* (n_expert) driver: the model's counts of the last step (times_mu) */
+    float *expert_sum;     /* (n_expert) reduction buffer */
+    bool have_expert_load; /* driver: expert_counts hold a step's totals */
     /* step scratch */
     int32_t *payload;
     size_t payload_cap; /* int32 elements */
@@ -95,6 +99,9 @@ struct td_exec {
     atomic_bool stopping; /* written under mu, read by the monitor without it */
     double last_use;
     atomic_bool failed;
+    _Atomic int cancel;     /* set by the monitor: rank 0's waits fail (td_comm_params.cancel) */
+    atomic_bool comm_ready; /* x->comm exists: the monitor may abort it */
+    td_comm_params comm_params;
     pthread_mutex_t times_mu;
     td_rank_time *times; /* (world) */
     rank_report *reports;
@@ -107,6 +114,7 @@ td_exec_params td_exec_default_params(void) {
     p.engine = td_engine_default_params();
     p.block_size = 16;
     p.isa = td_cpu_isa_best();
+    p.comm = td_comm_default_params();
     return p;
 }
 
@@ -202,11 +210,14 @@ static td_status load_shard(td_exec *x) {
     x->x_out = malloc(xe * sizeof(float));
     x->chunks = malloc((size_t)c->max_seqs * sizeof *x->chunks);
     if (x->n_expert > 0) {
-        x->expert_counts = calloc((size_t)x->n_expert, sizeof *x->expert_counts);
+        x->expert_step = calloc((size_t)x->n_expert, sizeof *x->expert_step);
+        x->expert_tmp = calloc((size_t)x->n_expert, sizeof *x->expert_tmp);
+        x->expert_pub = calloc((size_t)x->n_expert, sizeof *x->expert_pub);
         x->expert_sum = calloc((size_t)x->n_expert, sizeof *x->expert_sum);
     }
     if (!x->x_in || !x->x_out || !x->chunks ||
-        (x->n_expert > 0 && (!x->expert_counts || !x->expert_sum))) {
+        (x->n_expert > 0 &&
+         (!x->expert_step || !x->expert_tmp || !x->expert_pub || !x->expert_sum))) {
         TD_LOG_ERROR("rank %d: out of memory for step buffers", x->rank);
         return TD_ERR_NOMEM;
     }
@@ -215,7 +226,7 @@ static td_status load_shard(td_exec *x) {
 
 /* Every rank learns whether every rank is up (collective). */
 static td_status agree(td_exec *x, td_status mine) {
-    float v = (float)mine;
+    float v = mine != TD_OK ? 1.0f : 0.0f; /* statuses are negative: agree on failed or not */
     td_status st = td_comm_all_reduce(x->comm, &v, 1, TD_COMM_MAX);
     if (st) return st;
     return v > 0 ? TD_ERR_IO : TD_OK;
@@ -235,7 +246,9 @@ static void release_shard(td_exec *x) {
     free(x->x_in);
     free(x->x_out);
     free(x->logits);
-    free(x->expert_counts);
+    free(x->expert_step);
+    free(x->expert_tmp);
+    free(x->expert_pub);
     free(x->expert_sum);
 }
 
@@ -298,7 +311,10 @@ static td_status run_step(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, 
     int32_t n_rows = td_engine_n_logit_rows(seqs, n_seqs);
     float *out = NULL;
     td_status st;
-    if (last) {
+    /* Who writes logits on the last stage: every TP rank (the vocab-parallel
+     * head all-gathers), only CP rank 0, only EP rank 0 under attention-DP. */
+    bool writes = last && x->cp_rank == 0 && !(x->cfg.plan.attn_dp && x->tp_rank != 0);
+    if (writes) {
         if (x->rank == 0) {
             out = logits;
         } else {
@@ -308,6 +324,7 @@ static td_status run_step(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, 
     }
     int32_t bounds[TD_PLAN_MAX_PP + 1];
     int n_mb = micro_batches(x, seqs, n_seqs, bounds);
+    if (x->n_expert > 0) memset(x->expert_step, 0, (size_t)x->n_expert * sizeof *x->expert_step);
     int32_t row = 0;
     for (int mb = 0; mb < n_mb; mb++) {
         const td_seq_chunk *ms = seqs + bounds[mb];
@@ -318,6 +335,8 @@ static td_status run_step(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, 
                                      last ? NULL : x->x_out, out ? out + (size_t)row * V : NULL);
         x->comm_s += td_engine_last_timing(x->engine).comm_s; /* TP / CP / EP collectives */
         if (st) return st;
+        if (x->n_expert > 0 && td_engine_expert_load(x->engine, -1, x->expert_tmp) == TD_OK)
+            for (int32_t i = 0; i < x->n_expert; i++) x->expert_step[i] += x->expert_tmp[i];
         if (!last && (st = timed_send(x, x->x_out, rows * E * sizeof(float), next))) return st;
         row += td_engine_n_logit_rows(ms, mn);
     }
@@ -381,17 +400,17 @@ static td_status report(td_exec *x, double t0, td_status step_st) {
     /* MoE: tokens per expert over the whole model. Every rank of a stage's
      * TP / EP group counts the same tokens (td_engine_expert_load), so one
      * rank per stage (TP 0, CP 0: under CP, CP rank 0's rows) adds its
-     * stage's layers; counts are exact in float up to 2^24 per step. */
-    bool mine = x->tp_rank == 0 && x->cp_rank == 0 &&
-                td_engine_expert_load(x->engine, -1, x->expert_counts) == TD_OK;
+     * stage's layers, summed over the micro-batches in run_step; counts
+     * are exact in float up to 2^24 per step. */
+    bool mine = x->tp_rank == 0 && x->cp_rank == 0;
     for (int32_t i = 0; i < x->n_expert; i++)
-        x->expert_sum[i] = mine ? (float)x->expert_counts[i] : 0.0f;
+        x->expert_sum[i] = mine ? (float)x->expert_step[i] : 0.0f;
     if ((st = td_comm_reduce(x->comm, x->expert_sum, x->expert_sum, (size_t)x->n_expert,
                              TD_COMM_SUM, 0)))
         return st;
     if (x->rank == 0) {
         pthread_mutex_lock(&x->times_mu);
-        for (int32_t i = 0; i < x->n_expert; i++) x->expert_counts[i] = (int64_t)x->expert_sum[i];
+        for (int32_t i = 0; i < x->n_expert; i++) x->expert_pub[i] = (int64_t)x->expert_sum[i];
         x->have_expert_load = true;
         pthread_mutex_unlock(&x->times_mu);
     }
@@ -411,8 +430,10 @@ static int worker_loop(td_exec *x) {
         if (st) return 1;
         if (h.op == OP_STOP) return 0;
         if (h.op == OP_NOOP) continue;
+        int64_t max_ids =
+            (int64_t)x->cfg.max_seqs * ((int64_t)x->cfg.max_ctx / x->cfg.block_size + 1);
         if (h.op != OP_STEP || h.n_seqs < 1 || h.n_seqs > x->cfg.max_seqs || h.n_tokens < 1 ||
-            h.n_block_ids < 0) {
+            h.n_tokens > x->cfg.max_batch_tokens || h.n_block_ids < 0 || h.n_block_ids > max_ids) {
             TD_LOG_ERROR("rank %d: bad step header (op %d, %d sequences)", x->rank, h.op, h.n_seqs);
             return 1;
         }
@@ -442,26 +463,41 @@ static bool parse_int_arg(const char *s, long lo, long hi, long *out) {
 }
 
 int td_exec_rank_main(int argc, char **argv) {
-    long world, rank, ppid;
-    if (argc != 5 || !parse_int_arg(argv[2], 2, TD_COMM_MAX_RANKS, &world) ||
+    long world, rank, ppid, chunk, timeout_ms;
+    if (argc != 7 || !parse_int_arg(argv[2], 2, TD_COMM_MAX_RANKS, &world) ||
         !parse_int_arg(argv[3], 1, world - 1, &rank) ||
-        !parse_int_arg(argv[4], 1, INT32_MAX, &ppid)) {
+        !parse_int_arg(argv[4], 1, INT32_MAX, &ppid) ||
+        !parse_int_arg(argv[5], 4096, 1L << 30, &chunk) ||
+        !parse_int_arg(argv[6], 1, 1L << 40, &timeout_ms)) {
         fprintf(stderr, "tandem rank: internal command, started by the rank launcher\n");
         return 2;
     }
     /* Die with the driver; it may already be gone. */
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != (pid_t)ppid) return 1;
-    signal(SIGINT, SIG_IGN); /* the driver stops the ranks */
+    /* The driver stops the ranks (OP_STOP) and they die with it
+     * (PDEATHSIG): a signal to the whole process group (Ctrl-C, a service
+     * manager's SIGTERM) is the driver's to handle, drain included. */
+    signal(SIGINT, SIG_IGN);
+    signal(SIGTERM, SIG_IGN);
     td_exec *x = calloc(1, sizeof *x);
     if (!x) return 1;
     x->world = (int)world;
     x->rank = (int)rank;
-    td_comm_params cp = td_comm_default_params(); /* the driver uses the same */
+    td_comm_params cp = td_comm_default_params(); /* the driver's, from argv */
+    cp.chunk_bytes = (size_t)chunk;
+    cp.timeout_s = (double)timeout_ms / 1e3;
     int rc = 1;
     if (td_comm_shm_create(argv[1], x->world, x->rank, &cp, &x->comm)) goto done;
     if (td_comm_broadcast(x->comm, &x->cfg, sizeof x->cfg, 0)) goto done;
-    if (x->cfg.magic != CFG_MAGIC) {
+    const td_plan_params *pl = &x->cfg.plan;
+    bool ok = x->cfg.magic == CFG_MAGIC && pl->tp >= 1 && pl->cp >= 1 && pl->pp >= 1 &&
+              pl->pp <= TD_PLAN_MAX_PP && (long)pl->tp * pl->cp * pl->pp == world && pl->ep >= 1 &&
+              (pl->tp * pl->cp) % pl->ep == 0 && x->cfg.max_seqs >= 1 &&
+              x->cfg.max_batch_tokens >= 1 && x->cfg.block_size >= 1 && x->cfg.n_blocks >= 1;
+    for (int s = 0; ok && s < pl->pp; s++)
+        ok = x->cfg.stage_begin[s] >= 0 && x->cfg.stage_begin[s] < x->cfg.stage_begin[s + 1];
+    if (!ok) {
         TD_LOG_ERROR("rank %d: bad configuration from the driver", x->rank);
         goto done;
     }
@@ -509,7 +545,8 @@ static void *monitor_main(void *arg) {
                 TD_LOG_ERROR("rank %d (pid %d) exited with status %d: the instance fails", r,
                              (int)w, WEXITSTATUS(status));
             atomic_store(&x->failed, true);
-            td_comm_abort(x->comm);
+            atomic_store(&x->cancel, 1); /* rank 0 may still wait for the others to attach */
+            if (atomic_load(&x->comm_ready)) td_comm_abort(x->comm);
         }
     }
     free(fds);
@@ -518,7 +555,7 @@ static void *monitor_main(void *arg) {
 
 static void *keepalive_main(void *arg) {
     td_exec *x = arg;
-    const double interval = td_comm_default_params().timeout_s / 4;
+    const double interval = x->comm_params.timeout_s / 4;
     pthread_mutex_lock(&x->mu);
     while (!atomic_load(&x->stopping)) {
         double now = td_time_s();
@@ -532,8 +569,8 @@ static void *keepalive_main(void *arg) {
             continue;
         }
         double wait = x->last_use + interval - now;
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
+        struct timespec ts; /* the condition variable waits on CLOCK_MONOTONIC */
+        clock_gettime(CLOCK_MONOTONIC, &ts);
         double t = (double)ts.tv_sec + ts.tv_nsec * 1e-9 + (wait > 0 ? wait : 0.01);
         ts.tv_sec = (time_t)t;
         ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
@@ -546,7 +583,7 @@ static void *keepalive_main(void *arg) {
 /* A driver killed before every rank attached leaves its segment in
  * /dev/shm (it is unlinked only once all have attached): remove those whose
  * driver is gone. Names are /tandem-exec-PID-N. */
-static void remove_stale_segments(void) {
+static void remove_stale_segments(double max_wait_s) {
     DIR *d = opendir("/dev/shm");
     if (!d) return;
     struct dirent *de;
@@ -556,8 +593,15 @@ static void remove_stale_segments(void) {
             de->d_name[end] != '\0' || pid <= 0)
             continue;
         if (kill(pid, 0) == 0 || errno != ESRCH) continue; /* alive, or not ours to judge */
-        char name[300];
+        /* A live driver's segment exists only while its ranks attach (within
+         * the attach deadline); an older one is stale even if its pid is in
+         * another pid namespace that shares /dev/shm. */
+        char name[300], path[320];
         snprintf(name, sizeof name, "/%s", de->d_name);
+        snprintf(path, sizeof path, "/dev/shm/%s", de->d_name);
+        struct stat sb;
+        if (stat(path, &sb) != 0 || time(NULL) - sb.st_mtime < (time_t)(2 * max_wait_s) + 1)
+            continue;
         if (shm_unlink(name) == 0) TD_LOG_INFO("removed %s, left by a driver that died", name);
     }
     closedir(d);
@@ -574,9 +618,11 @@ static td_status spawn_ranks(td_exec *x, const char *exe, const char *name) {
         self[n] = '\0';
         exe = self;
     }
-    char world[16], ppid[16], rank[16];
+    char world[16], ppid[16], rank[16], chunk[32], tmo[32];
     snprintf(world, sizeof world, "%d", x->world);
     snprintf(ppid, sizeof ppid, "%d", (int)getpid());
+    snprintf(chunk, sizeof chunk, "%zu", x->comm_params.chunk_bytes);
+    snprintf(tmo, sizeof tmo, "%.0f", x->comm_params.timeout_s * 1e3);
     /* The ranks start with no blocked signal (the driver may block the ones
      * it takes with sigwait). */
     posix_spawnattr_t attr;
@@ -590,7 +636,7 @@ static td_status spawn_ranks(td_exec *x, const char *exe, const char *name) {
     td_status st = TD_OK;
     for (int r = 1; r < x->world && !st; r++) {
         snprintf(rank, sizeof rank, "%d", r);
-        char *argv[] = {(char *)exe, "rank", (char *)name, world, rank, ppid, NULL};
+        char *argv[] = {(char *)exe, "rank", (char *)name, world, rank, ppid, chunk, tmo, NULL};
         int e = posix_spawn(&x->pids[r], exe, NULL, &attr, argv, environ);
         if (e) {
             x->pids[r] = 0;
@@ -711,6 +757,12 @@ static td_status check_memory(const exec_config *c, const td_plan *plan, const t
  * fills x->cfg and x->world; a world of one keeps the model in x->model. */
 static td_status make_config(const td_exec_params *p, td_exec *x) {
     exec_config *c = &x->cfg;
+    if (p->comm.chunk_bytes < 4096 || p->comm.chunk_bytes > ((size_t)1 << 30) ||
+        !(p->comm.timeout_s >= 0.001) || p->comm.timeout_s > 1e9) {
+        TD_LOG_ERROR("executor: comm chunk %zu bytes (4 KiB .. 1 GiB) or timeout %g s out of range",
+                     p->comm.chunk_bytes, p->comm.timeout_s);
+        return TD_ERR_INVALID;
+    }
     if (!p->model_path || strlen(p->model_path) >= MAX_PATH || p->block_size < 1) {
         TD_LOG_ERROR("executor: model path (at most %d bytes) and block size are required",
                      MAX_PATH - 1);
@@ -757,12 +809,18 @@ static td_status make_config(const td_exec_params *p, td_exec *x) {
     return st;
 }
 
+/* Stops the monitor thread (idempotent): after this only the caller
+ * waits for the rank processes. */
+static void stop_monitor(td_exec *x) {
+    if (!x->monitor_started) return;
+    ssize_t w = write(x->stop_fd[1], "x", 1);
+    (void)w;
+    pthread_join(x->monitor, NULL);
+    x->monitor_started = false;
+}
+
 static void exec_free(td_exec *x) {
-    if (x->monitor_started) {
-        ssize_t w = write(x->stop_fd[1], "x", 1);
-        (void)w;
-        pthread_join(x->monitor, NULL);
-    }
+    stop_monitor(x);
     for (int r = 1; x->pidfds && r < x->world; r++)
         if (x->pidfds[r] >= 0) close(x->pidfds[r]);
     if (x->stop_fd[0] >= 0) close(x->stop_fd[0]);
@@ -784,7 +842,11 @@ static td_exec *exec_alloc(int world) {
     x->world = world;
     x->stop_fd[0] = x->stop_fd[1] = -1;
     pthread_mutex_init(&x->mu, NULL);
-    pthread_cond_init(&x->cv, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&x->cv, &ca);
+    pthread_condattr_destroy(&ca);
     pthread_mutex_init(&x->times_mu, NULL);
     x->pids = calloc((size_t)world, sizeof *x->pids);
     x->pidfds = malloc((size_t)world * sizeof *x->pidfds);
@@ -811,6 +873,7 @@ td_status td_exec_create(const td_exec_params *p, td_exec **x_p) {
         return TD_ERR_NOMEM;
     }
     x->cfg = probe.cfg;
+    x->comm_params = p->comm;
     x->model = probe.model;
     x->rank = 0;
     rank_coords(x);
@@ -832,7 +895,7 @@ td_status td_exec_create(const td_exec_params *p, td_exec **x_p) {
         st = TD_ERR_IO;
         goto fail;
     }
-    remove_stale_segments();
+    remove_stale_segments(x->comm_params.timeout_s);
     char name[64];
     static atomic_int n_created;
     snprintf(name, sizeof name, "/tandem-exec-%d-%d", (int)getpid(),
@@ -844,8 +907,10 @@ td_status td_exec_create(const td_exec_params *p, td_exec **x_p) {
         goto fail;
     }
     x->monitor_started = true;
-    td_comm_params cp = td_comm_default_params(); /* the ranks use the same */
+    td_comm_params cp = x->comm_params; /* the ranks get it through argv */
+    cp.cancel = &x->cancel;
     if ((st = td_comm_shm_create(name, x->world, 0, &cp, &x->comm))) goto fail;
+    atomic_store(&x->comm_ready, true);
     if ((st = td_comm_broadcast(x->comm, &x->cfg, sizeof x->cfg, 0))) goto fail;
     td_status mine = split_groups(x);
     if (!mine) mine = load_shard(x);
@@ -869,6 +934,7 @@ fail:
     atomic_store(&x->stopping, true);
     pthread_mutex_unlock(&x->mu);
     if (x->comm) td_comm_abort(x->comm);
+    stop_monitor(x);
     reap_ranks(x, false);
     exec_free(x);
     return st;
@@ -902,6 +968,7 @@ void td_exec_destroy(td_exec *x) {
         pthread_mutex_unlock(&x->mu);
         if (x->keepalive_started) pthread_join(x->keepalive, NULL);
         if (!ok) td_comm_abort(x->comm);
+        stop_monitor(x);
         reap_ranks(x, ok);
     }
     exec_free(x);
@@ -924,7 +991,7 @@ int td_exec_expert_load(const td_exec *x, int64_t *counts, int cap) {
     }
     pthread_mutex_lock((pthread_mutex_t *)&x->times_mu);
     int n = x->have_expert_load ? TD_MIN(x->n_expert, cap) : 0;
-    for (int i = 0; i < n; i++) counts[i] = x->expert_counts[i];
+    for (int i = 0; i < n; i++) counts[i] = x->expert_pub[i];
     pthread_mutex_unlock((pthread_mutex_t *)&x->times_mu);
     return n;
 }

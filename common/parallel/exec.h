@@ -59,6 +59,9 @@ typedef struct {
     int32_t kv_seqs;
     int n_threads; /* per rank; <= 0: online cores / world, at least 1 */
     td_isa isa;    /* the kernel set every rank selects (already selected here) */
+    /* The world's communicator (chunk_bytes, timeout_s: every wait's
+     * deadline, a step's included; ranks get them on their command line).
+     * Default td_comm_default_params(); cancel is the executor's. */
     td_comm_params comm;
     const char *exe; /* binary that has the "rank" command; NULL: /proc/self/exe */
 } td_exec_params;

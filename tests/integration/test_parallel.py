@@ -31,6 +31,7 @@ import json
 import os
 import pathlib
 import random
+import time
 
 import numpy as np
 import pytest
@@ -147,8 +148,16 @@ def test_a_dead_drivers_segment_is_removed():
     pid = next(p for p in range(4000000, 4100000) if not os.path.exists(f"/proc/{p}"))
     stale = pathlib.Path(f"/dev/shm/tandem-exec-{pid}-0")
     stale.write_bytes(b"\0" * 64)
+    # older than twice the attach deadline: a live driver's segment never is
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    fresh = pathlib.Path(f"/dev/shm/tandem-exec-{pid}-1")
+    fresh.write_bytes(b"\0" * 64)
     try:
         run(MODELS / "gguf/llama2-f32.gguf", sequences(512, n=1), ["--pp", "2"], "prefill")
         assert not stale.exists()
+        # a recent one may belong to a driver in another pid namespace
+        assert fresh.exists()
     finally:
         stale.unlink(missing_ok=True)
+        fresh.unlink(missing_ok=True)
