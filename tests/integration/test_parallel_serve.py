@@ -8,6 +8,8 @@ import pathlib
 import signal
 import time
 
+import pytest
+
 from conftest import stale_exec_segments
 from serve_util import metric, serve  # noqa: F401  (fixture)
 
@@ -92,20 +94,26 @@ def test_a_dead_rank_fails_the_instance_fast(serve):
     assert not stale_exec_segments()
 
 
-def test_moe_expert_load_in_metrics(serve):
+@pytest.mark.parametrize("plan", [["--tp", "2"], ["--pp", "2"]])
+def test_moe_expert_load_in_metrics(serve, plan):
     # Qwen2-MoE tiny model: 2 layers, 8 experts, top-2. Under --tp 2 the
-    # experts are EP-sharded over the TP group; every computed token is
-    # routed to 2 experts in each of the 2 layers, whichever rank routed it.
-    srv = serve(MODELS / "gguf/qwen2moe-f32.gguf", "--tp", "2", "--served-model-name", "m",
-                "--no-prefix-cache")
-    fed = 0
-    for i in range(4):
+    # experts are EP-sharded over the TP group; under --pp 2 each stage
+    # counts its layer and concurrent requests make several micro-batches
+    # per step. Every computed token is routed to 2 experts in each of the
+    # 2 layers, whichever rank routed it.
+    srv = serve(MODELS / "gguf/qwen2moe-f32.gguf", *plan, "--served-model-name", "m",
+                "--no-prefix-cache", "--max-running", "8")
+
+    def one(i):
         st, js = srv.post_json("/v1/completions", {"model": "m", "prompt": f"moe {i} " * (i + 1),
                                                    "max_tokens": 6, "temperature": 0})
         assert st == 200, js
         u = js["usage"]
-        fed += u["prompt_tokens"] + u["completion_tokens"] - 1  # the last token is not fed back
+        return u["prompt_tokens"] + u["completion_tokens"] - 1  # the last token is not fed back
+    with cf.ThreadPoolExecutor(6) as ex:
+        fed = sum(ex.map(one, range(6)))
     m = srv.metrics()
+    assert metric(m, "vllm:num_preemptions_total") == 0
     per_expert = [metric(m, "tandem:expert_tokens_total", expert=str(e)) for e in range(8)]
     assert sum(per_expert) == fed * 2 * 2, (per_expert, fed)
     imb = metric(m, "tandem:expert_load_imbalance")
