@@ -3,47 +3,36 @@
 #include <math.h>
 #include <string.h>
 
+#include "qmatmul.h"
+
+/* The rank's positions, in order, form a virtual sequence over local_table
+ * (every owned block is full except perhaps the last), so the vectorised
+ * kernels of this ISA do the work: the matmul kernel scores each owned
+ * block's rows against q (for the max and the exp-sum), and the paged
+ * attention kernel gives the normalised weighted V over the same
+ * positions. */
 void td_cpu_attn_partial(const float *q, const td_cpu_kv_layer *kv, int kv_head,
                          const int32_t *local_table, int n_ctx, int stride, int offset, float scale,
                          td_cpu_attn_part *part, float *scratch) {
     const int bs = kv->block_size, hd = kv->head_dim;
     const size_t row = (size_t)kv->n_kv_heads * (size_t)hd;
-    float m = -INFINITY;
-    int n = 0;
-    /* Logits of the visited positions, in position order. */
-    for (int j = offset; (int64_t)j * bs < n_ctx; j += stride) {
-        int32_t blk = local_table[j / stride];
+    int n = 0, nb = 0;
+    for (int j = offset; (int64_t)j * bs < n_ctx; j += stride, nb++) {
         int end = (j + 1) * bs < n_ctx ? bs : n_ctx - j * bs;
-        for (int t = 0; t < end; t++) {
-            const float *k =
-                kv->k + ((size_t)blk * (size_t)bs + (size_t)t) * row + (size_t)kv_head * (size_t)hd;
-            float dot = 0.0f;
-            for (int d = 0; d < hd; d++) dot += q[d] * k[d];
-            float l = dot * scale;
-            scratch[n++] = l;
-            if (l > m) m = l;
-        }
+        const float *k = kv->k + (size_t)local_table[nb] * (size_t)bs * row + (size_t)kv_head * hd;
+        td_cpu_matmul_f32act(TD_TYPE_F32, k, row * sizeof(float), q, (size_t)hd, 1, hd, scratch + n,
+                             1, 0, end);
+        n += end;
     }
     memset(part->out, 0, (size_t)hd * sizeof(float));
-    part->m = m;
+    part->m = -INFINITY;
     part->s = 0.0f;
     if (n == 0) return;
-    float s = 0.0f;
-    for (int i = 0; i < n; i++) {
-        scratch[i] = expf(scratch[i] - m);
-        s += scratch[i];
-    }
-    int i = 0;
-    for (int j = offset; (int64_t)j * bs < n_ctx; j += stride) {
-        int32_t blk = local_table[j / stride];
-        int end = (j + 1) * bs < n_ctx ? bs : n_ctx - j * bs;
-        for (int t = 0; t < end; t++, i++) {
-            const float *v =
-                kv->v + ((size_t)blk * (size_t)bs + (size_t)t) * row + (size_t)kv_head * (size_t)hd;
-            float w = scratch[i] / s;
-            for (int d = 0; d < hd; d++) part->out[d] += w * v[d];
-        }
-    }
+    float m = -INFINITY, s = 0.0f;
+    for (int i = 0; i < n; i++) m = fmaxf(m, scratch[i] * scale);
+    for (int i = 0; i < n; i++) s += expf(scratch[i] * scale - m);
+    td_cpu_attn_paged(q, kv, kv_head, local_table, n, scale, part->out, scratch);
+    part->m = m;
     part->s = s;
 }
 

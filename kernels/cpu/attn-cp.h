@@ -5,7 +5,8 @@
  * merge is the online-softmax step of ring prefill, where the K/V chunks
  * of the other ranks arrive one at a time.
  *
- * Scalar reference implementations; pure compute, no allocation. */
+ * Pure compute, no allocation; the partial uses this ISA's matmul and
+ * paged-attention kernels (cpu.h), the merge is scalar (head_dim values). */
 #ifndef TD_KERNELS_ATTN_CP_H
 #define TD_KERNELS_ATTN_CP_H
 
