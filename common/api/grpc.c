@@ -471,18 +471,8 @@ static bool auth_ok(const td_grpc_server *srv, const grpc_metadata_array *md) {
         if (n < 7 || strncasecmp(v, "Bearer ", 7) != 0) return false;
         v += 7, n -= 7;
         bool ok = false;
-        for (int k = 0; k < srv->n_api_keys; k++) {
-            /* Constant time in the key's content: every byte of the longer
-             * of the two is looked at. */
-            size_t kl = srv->api_key_lens[k], m = TD_MAX(kl, n);
-            unsigned char diff = (unsigned char)(kl != n);
-            for (size_t j = 0; j < m; j++) {
-                unsigned char a = j < n ? (unsigned char)v[j] : 0;
-                unsigned char b = j < kl ? (unsigned char)srv->api_keys[k][j] : 0;
-                diff |= a ^ b;
-            }
-            ok |= diff == 0;
-        }
+        for (int k = 0; k < srv->n_api_keys; k++)
+            ok |= td_secret_eq(srv->api_keys[k], srv->api_key_lens[k], v, n);
         return ok;
     }
     return false;

@@ -1041,15 +1041,6 @@ static enum MHD_Result handle_state(td_http_server *srv, struct MHD_Connection *
 
 /* ------------------------------------------------------------- dispatch */
 
-/* Constant time in the content of both strings (the loop runs over the
- * configured key's length whatever the client sent). */
-static unsigned key_eq(const char *key, size_t kn, const char *got, size_t gn) {
-    unsigned diff = kn != gn;
-    for (size_t i = 0; i < kn; i++)
-        diff |= (unsigned)((unsigned char)key[i] ^ (unsigned char)(i < gn ? got[i] : 0));
-    return diff == 0;
-}
-
 static bool authorized(const td_http_server *srv, struct MHD_Connection *c) {
     if (srv->n_keys == 0) return true;
     const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
@@ -1059,7 +1050,7 @@ static bool authorized(const td_http_server *srv, struct MHD_Connection *c) {
     size_t n = strlen(k);
     while (n && k[n - 1] == ' ') n--;
     unsigned ok = 0;
-    for (int i = 0; i < srv->n_keys; i++) ok |= key_eq(srv->keys[i], srv->key_len[i], k, n);
+    for (int i = 0; i < srv->n_keys; i++) ok |= td_secret_eq(srv->keys[i], srv->key_len[i], k, n);
     return ok != 0;
 }
 

@@ -72,3 +72,11 @@ uint64_t td_time_ns(void) {
 }
 
 double td_time_s(void) { return (double)td_time_ns() * 1e-9; }
+
+bool td_secret_eq(const void *secret, size_t sn, const void *got, size_t gn) {
+    const unsigned char *a = secret, *b = got;
+    size_t m = TD_MAX(sn, gn);
+    unsigned diff = sn != gn;
+    for (size_t i = 0; i < m; i++) diff |= (unsigned)((i < sn ? a[i] : 0) ^ (i < gn ? b[i] : 0));
+    return diff == 0;
+}

@@ -7,6 +7,7 @@
 #define TD_BASE_H
 
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -80,6 +81,11 @@ static inline int td_mul_overflow(size_t a, size_t b, size_t *out) {
 static inline int td_add_overflow(size_t a, size_t b, size_t *out) {
     return __builtin_add_overflow(a, b, out);
 }
+
+/* Whether secret (sn bytes) equals got (gn bytes), in time that depends
+ * only on the lengths, never on where the contents differ (API keys, the
+ * cluster token). */
+bool td_secret_eq(const void *secret, size_t sn, const void *got, size_t gn);
 
 /* Monotonic clock in seconds / nanoseconds. */
 double td_time_s(void);
