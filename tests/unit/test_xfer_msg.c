@@ -249,9 +249,10 @@ static void test_exchange(void **state) {
     r.ep[3].kv_rkey.len = 0;
     check(&r.m, "rkey of");
     r.ep[3].kv_rkey.len = 8;
-    r.ep[3].worker_address.len = 5000;
+    static uint8_t big_address[5000];
+    r.ep[3].worker_address = (ProtobufCBinaryData){sizeof big_address, big_address};
     check(&r.m, "worker address or rkey");
-    r.ep[3].worker_address.len = 16;
+    r.ep[3].worker_address = (ProtobufCBinaryData){16, r.addr[3]};
     check(&r.m, NULL);
     r.x.n_ranks = 3;
     check(&r.m, "exchange lists 3 ranks, the plan has 4");
