@@ -140,9 +140,10 @@ static void test_prefill_request(void **state) {
     make_request(&r);
     check(&r.m, NULL);
 
-    const char *bad_ids[] = {"", "has space",
-                             "0123456789012345678901234567890123456789012345678901"
-                             "234567890123"};
+    char long_id[65];
+    memset(long_id, 'a', 64); /* one over the 63-character limit */
+    long_id[64] = '\0';
+    const char *bad_ids[] = {"", "has space", long_id};
     for (int i = 0; i < 3; i++) {
         make_request(&r);
         r.q.request_id = (char *)bad_ids[i];
