@@ -142,6 +142,22 @@ static void shape_str(const src_tensor *t, char *buf, size_t cap) {
 }
 
 /* Checks that t is (rows, cols) (ne = [cols, rows], trailing dims 1). */
+/* The data of t is exactly n_rows rows of cols elements of its type. */
+static td_status check_bytes(const loader *ld, const src_tensor *t, int64_t n_rows, int64_t cols) {
+    size_t row_bytes = td_dtype_row_bytes((td_dtype)t->type, cols), total;
+    if (row_bytes == 0) {
+        TD_LOG_ERROR("%s: tensor '%s': row of %lld elements is not a whole number of %s blocks",
+                     ld->path, t->name, (long long)cols, t->type_name);
+        return TD_ERR_FORMAT;
+    }
+    if (td_mul_overflow(row_bytes, (size_t)n_rows, &total) || total != t->nbytes) {
+        TD_LOG_ERROR("%s: tensor '%s': %zu bytes of data, expected %lld rows of %zu", ld->path,
+                     t->name, t->nbytes, (long long)n_rows, row_bytes);
+        return TD_ERR_FORMAT;
+    }
+    return TD_OK;
+}
+
 static td_status check_shape2(const loader *ld, const src_tensor *t, int64_t rows, int64_t cols) {
     bool ok = t->n_dims >= 1 && t->ne[0] == cols && (t->n_dims >= 2 ? t->ne[1] : 1) == rows;
     for (int i = 2; i < t->n_dims && i < 4; i++) ok = ok && t->ne[i] == 1;
@@ -152,18 +168,7 @@ static td_status check_shape2(const loader *ld, const src_tensor *t, int64_t row
                      (long long)cols, (long long)rows);
         return TD_ERR_FORMAT;
     }
-    size_t row_bytes = td_dtype_row_bytes((td_dtype)t->type, cols), total;
-    if (row_bytes == 0) {
-        TD_LOG_ERROR("%s: tensor '%s': row of %lld elements is not a whole number of %s blocks",
-                     ld->path, t->name, (long long)cols, t->type_name);
-        return TD_ERR_FORMAT;
-    }
-    if (td_mul_overflow(row_bytes, (size_t)rows, &total) || total != t->nbytes) {
-        TD_LOG_ERROR("%s: tensor '%s': %zu bytes of data, expected %lld rows of %zu", ld->path,
-                     t->name, t->nbytes, (long long)rows, row_bytes);
-        return TD_ERR_FORMAT;
-    }
-    return TD_OK;
+    return check_bytes(ld, t, rows, cols);
 }
 
 static size_t elem_align(td_dtype t) {
@@ -235,18 +240,7 @@ static td_status check_shape3(const loader *ld, const src_tensor *t, int64_t n_e
                      got, (long long)cols, (long long)rows, (long long)n_exp);
         return TD_ERR_FORMAT;
     }
-    size_t row_bytes = td_dtype_row_bytes((td_dtype)t->type, cols), total;
-    if (row_bytes == 0) {
-        TD_LOG_ERROR("%s: tensor '%s': row of %lld elements is not a whole number of %s blocks",
-                     ld->path, t->name, (long long)cols, t->type_name);
-        return TD_ERR_FORMAT;
-    }
-    if (td_mul_overflow(row_bytes, (size_t)(rows * n_exp), &total) || total != t->nbytes) {
-        TD_LOG_ERROR("%s: tensor '%s': %zu bytes of data, expected %lld rows of %zu", ld->path,
-                     t->name, t->nbytes, (long long)(rows * n_exp), row_bytes);
-        return TD_ERR_FORMAT;
-    }
-    return TD_OK;
+    return check_bytes(ld, t, rows * n_exp, cols);
 }
 
 /* Owned F32 copy of elements [off, off + count) of a vector of n elements. */
