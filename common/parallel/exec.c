@@ -120,10 +120,6 @@ td_exec_params td_exec_default_params(void) {
 
 /* ------------------------------------------------------------ the shard */
 
-static int kv_heads_local(const td_model_config *c, int tp) {
-    return c->n_head_kv >= tp ? c->n_head_kv / tp : 1;
-}
-
 static void rank_coords(td_exec *x) {
     const td_plan_params *p = &x->cfg.plan;
     x->tp = p->tp;
@@ -348,9 +344,11 @@ static td_status run_step(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, 
     return TD_OK;
 }
 
-/* Rebuilds the chunks from a received payload, checking it against the
- * header (the driver built it, but a rank trusts nothing it did not check). */
-static td_status unpack(td_exec *x, const step_hdr *h) {
+/* Rebuilds the chunks from a payload, checking it against the header and,
+ * on a rank that received it, against the engine's limits (the driver
+ * built it, but a rank trusts nothing it did not check; the driver
+ * validated the batch before packing it). */
+static td_status unpack(td_exec *x, const step_hdr *h, bool validate) {
     const int32_t *d = x->payload;
     const int32_t *tok = d + (size_t)h->n_seqs * 4;
     const int32_t *blk = tok + h->n_tokens;
@@ -371,7 +369,7 @@ static td_status unpack(td_exec *x, const step_hdr *h) {
         nt += q[0];
         nb += q[2];
     }
-    return td_engine_validate(x->engine, x->chunks, h->n_seqs);
+    return validate ? td_engine_validate(x->engine, x->chunks, h->n_seqs) : TD_OK;
 }
 
 static td_status grow_payload(td_exec *x, size_t n) {
@@ -442,7 +440,7 @@ static int worker_loop(td_exec *x) {
             return 1;
         double t0 = td_time_s();
         x->comm_s = 0;
-        td_status step_st = unpack(x, &h);
+        td_status step_st = unpack(x, &h, true);
         if (!step_st) step_st = run_step(x, x->chunks, h.n_seqs, NULL);
         if (step_st) {
             /* the caller aborts the world: peers may be waiting for a send */
@@ -677,6 +675,18 @@ static void reap_ranks(td_exec *x, bool graceful) {
 
 /* Blocks for the pool: kv_blocks, or kv_memory on the rank with the largest
  * blocks, or kv_seqs sequences of the context limit. */
+/* Bytes of one KV block on rank r of plan: its stage's layers, its KV heads. */
+static size_t rank_block_bytes(const td_plan *plan, const td_model_config *mc, int r,
+                               int32_t block_size) {
+    td_rank_coord rc = td_plan_rank(plan, r);
+    td_kv_params kp = td_kv_default_params();
+    kp.n_layers = rc.layer_end - rc.layer_begin;
+    kp.n_kv_heads = td_plan_kv_heads_local(plan);
+    kp.head_dim = mc->head_dim;
+    kp.block_size = block_size;
+    return td_kv_block_bytes(&kp);
+}
+
 static td_status size_pool(const td_exec_params *p, const td_plan *plan, const td_model_config *mc,
                            int32_t *n_blocks) {
     int64_t blocks;
@@ -684,15 +694,8 @@ static td_status size_pool(const td_exec_params *p, const td_plan *plan, const t
         blocks = p->kv_blocks;
     } else if (p->kv_memory > 0) {
         size_t per = 0;
-        for (int r = 0; r < td_plan_world(plan); r++) {
-            td_rank_coord rc = td_plan_rank(plan, r);
-            td_kv_params kp = td_kv_default_params();
-            kp.n_layers = rc.layer_end - rc.layer_begin;
-            kp.n_kv_heads = kv_heads_local(mc, p->plan.attn_dp ? 1 : p->plan.tp);
-            kp.head_dim = mc->head_dim;
-            kp.block_size = p->block_size;
-            per = TD_MAX(per, td_kv_block_bytes(&kp));
-        }
+        for (int r = 0; r < td_plan_world(plan); r++)
+            per = TD_MAX(per, rank_block_bytes(plan, mc, r, p->block_size));
         blocks = per ? (int64_t)(p->kv_memory / per) : 0;
         if (blocks < 1) {
             TD_LOG_ERROR("--kv-memory %zu bytes holds no KV block (%zu bytes each)", p->kv_memory,
@@ -732,15 +735,9 @@ static td_status check_memory(const exec_config *c, const td_plan *plan, const t
     double total = (double)weight_bytes;
     double rows = c->max_batch_tokens;
     double per_row = 4.0 * (8.0 * mc->n_embd + 2.0 * mc->n_ff + 3.0 * mc->n_head * mc->head_dim);
-    for (int r = 0; r < td_plan_world(plan); r++) {
-        td_rank_coord rc = td_plan_rank(plan, r);
-        td_kv_params kp = td_kv_default_params();
-        kp.n_layers = rc.layer_end - rc.layer_begin;
-        kp.n_kv_heads = kv_heads_local(mc, c->plan.attn_dp ? 1 : c->plan.tp);
-        kp.head_dim = mc->head_dim;
-        kp.block_size = c->block_size;
-        total += (double)td_kv_block_bytes(&kp) * c->n_blocks + rows * per_row;
-    }
+    for (int r = 0; r < td_plan_world(plan); r++)
+        total +=
+            (double)rank_block_bytes(plan, mc, r, c->block_size) * c->n_blocks + rows * per_row;
     uint64_t avail = mem_available();
     if (avail > 0 && total > (double)avail) {
         TD_LOG_ERROR("plan: %d ranks need about %.2f GiB (weights %.2f GiB once, KV pool of %d "
@@ -1054,7 +1051,7 @@ td_status td_exec_forward(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, 
         st = td_comm_broadcast(x->comm, x->payload, payload_words(&h) * sizeof(int32_t), 0);
     x->comm_s += td_time_s() - t0;
     /* Run the step on the driver from the same payload the ranks got. */
-    if (!st && !(st = unpack(x, &h))) st = run_step(x, x->chunks, n_seqs, logits);
+    if (!st && !(st = unpack(x, &h, false))) st = run_step(x, x->chunks, n_seqs, logits);
     /* After a failure some ranks may still wait for a send: abort, never
      * meet them in the report. */
     td_status rst = st ? st : report(x, t0, TD_OK);

@@ -247,8 +247,13 @@ td_rank_coord td_plan_rank(const td_plan *plan, int r) {
 }
 
 /* Ranks attention (and the shared expert) is split over: 1 under --attn-dp. */
+
 static int attn_tp(const td_plan *plan) {
     return plan->p.attn_dp && plan->n_expert > 0 ? 1 : plan->p.tp;
+}
+
+int td_plan_kv_heads_local(const td_plan *plan) {
+    return kv_heads_local(&plan->cfg, attn_tp(plan));
 }
 
 td_rank_traffic td_plan_traffic(const td_plan *plan, int r) {
@@ -258,7 +263,7 @@ td_rank_traffic td_plan_traffic(const td_plan *plan, int r) {
     double layers = rc.layer_end - rc.layer_begin;
     double f = sizeof(float);
     double hidden = (double)c->n_embd * f;
-    int kvh = kv_heads_local(c, attn_tp(plan));
+    int kvh = td_plan_kv_heads_local(plan);
     td_rank_traffic t;
     memset(&t, 0, sizeof t);
     int atp = attn_tp(plan);

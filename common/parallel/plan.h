@@ -77,6 +77,10 @@ const td_plan_params *td_plan_params_get(const td_plan *plan);
 /* Coordinates of rank r (0 <= r < world): TP innermost, then CP, then PP. */
 td_rank_coord td_plan_rank(const td_plan *plan, int r);
 
+/* KV heads each rank's shard holds: n_head_kv / tp, or 1 when TP exceeds
+ * the KV heads (then replicated), or all of them under attention-DP. */
+int td_plan_kv_heads_local(const td_plan *plan);
+
 /* Bytes one rank sends per token (TP all-reduces, the PP hand-off, the PCP
  * K/V exchange, the DCP partial-attention merge, the EP dispatch and
  * combine), ring algorithms assumed: an all-reduce of S bytes over n ranks

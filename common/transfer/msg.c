@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "../parallel/comm.h"
+#include "map.h"
 
 #define DEFAULT_MAX_BYTES ((size_t)16 << 20)
 #define MAX_ID            63
@@ -64,8 +65,6 @@ static bool compat_ok(const ProtobufCBinaryData *b, td_kv_hash want) {
     return lo == want.lo && hi == want.hi;
 }
 
-static uint32_t heads_local(uint32_t tp, uint32_t n_kv) { return n_kv >= tp ? n_kv / tp : 1; }
-
 uint64_t td_xfer_rank_kv_bytes(const Tandem__Internal__V1__Plan *plan,
                                const Tandem__Internal__V1__KvGeometry *kv, uint32_t rank) {
     if (!plan || !kv || plan->tp < 1 || plan->cp < 1 || plan->pp < 1 || plan->tp > 4096 ||
@@ -76,9 +75,12 @@ uint64_t td_xfer_rank_kv_bytes(const Tandem__Internal__V1__Plan *plan,
     if (rank >= world) return 0;
     uint32_t stage = (uint32_t)(rank / ((uint64_t)plan->tp * plan->cp));
     if (plan->stage_begin[stage + 1] <= plan->stage_begin[stage]) return 0;
+    if (kv->n_head_kv > INT32_MAX) return 0;
+    int32_t h0, h1;
+    td_xfer_rank_heads((int)plan->tp, 0, (int32_t)kv->n_head_kv, &h0, &h1);
     uint64_t v = plan->stage_begin[stage + 1] - plan->stage_begin[stage], r;
-    uint64_t f[] = {heads_local(plan->tp, kv->n_head_kv), kv->head_dim, kv->block_size,
-                    kv->n_blocks, 2u * sizeof(float)};
+    uint64_t f[] = {(uint64_t)(h1 - h0), kv->head_dim, kv->block_size, kv->n_blocks,
+                    2u * sizeof(float)};
     for (size_t i = 0; i < TD_ARRAY_SIZE(f); i++) {
         if (__builtin_mul_overflow(v, f[i], &r)) return 0;
         v = r;
