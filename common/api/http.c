@@ -35,6 +35,7 @@ struct td_http_server {
     struct MHD_Daemon *d;
     int port;
     char *host, *instance_id, *model_name;
+    char *cluster_token; /* NULL: internal paths use the API keys */
     char **keys;
     size_t *key_len;
     int n_keys;
@@ -70,6 +71,7 @@ typedef enum {
     R_READY,
     R_METRICS,
     R_STATE,
+    R_EXCHANGE,
 } route;
 
 static const struct {
@@ -86,6 +88,7 @@ static const struct {
     {"/ready", R_READY, false},
     {"/metrics", R_METRICS, false},
     {"/internal/v1/state", R_STATE, false},
+    {"/internal/v1/kv/exchange", R_EXCHANGE, false},
 };
 
 /* Per-request state kept by libmicrohttpd between handler calls. */
@@ -1036,12 +1039,45 @@ static enum MHD_Result handle_state(td_http_server *srv, struct MHD_Connection *
         (json_int_t)stats.queued_prefill_tokens, "kv", "total", (int)k->total, "empty",
         (int)k->empty, "cached", (int)k->cached, "used", (int)k->used, "reserved", (int)k->reserved,
         "free", (int)(k->empty + k->cached - k->reserved), "block_size", (int)srv->p.kv_block_size);
+    char *extra = srv->p.state_transfer ? srv->p.state_transfer(srv->p.internal_ctx) : NULL;
+    if (root && extra) {
+        json_t *x = json_loads(extra, 0, NULL);
+        if (x) json_object_set_new(root, "transfer", x);
+    }
+    free(extra);
     return queue_json(c, MHD_HTTP_OK, root);
+}
+
+static enum MHD_Result handle_exchange(td_http_server *srv, struct MHD_Connection *c,
+                                       const char *method, const char *url) {
+    if (!srv->p.kv_exchange) {
+        td_api_error e;
+        td_api_error_set(&e, 404, "not_found_error", "", "",
+                         "this instance does not export KV (not a prefill instance)");
+        return send_error(srv, c, method, url, &e, NULL);
+    }
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    td_status st = srv->p.kv_exchange(srv->p.internal_ctx, &buf, &len);
+    if (st != TD_OK) return send_status(srv, c, method, url, st, "kv exchange");
+    struct MHD_Response *resp = MHD_create_response_from_buffer(len, buf, MHD_RESPMEM_MUST_FREE);
+    if (!resp) {
+        free(buf);
+        return MHD_NO;
+    }
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/x-protobuf");
+    enum MHD_Result r = MHD_queue_response(c, MHD_HTTP_OK, resp);
+    MHD_destroy_response(resp);
+    return r;
 }
 
 /* ------------------------------------------------------------- dispatch */
 
-static bool authorized(const td_http_server *srv, struct MHD_Connection *c) {
+static bool authorized(const td_http_server *srv, struct MHD_Connection *c, route r) {
+    if ((r == R_STATE || r == R_EXCHANGE) && srv->cluster_token) {
+        const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "X-Tandem-Cluster-Token");
+        return h && td_secret_eq(srv->cluster_token, strlen(srv->cluster_token), h, strlen(h));
+    }
     if (srv->n_keys == 0) return true;
     const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
     if (!h || strncasecmp(h, "Bearer ", 7) != 0) return false;
@@ -1060,7 +1096,7 @@ static enum MHD_Result dispatch(td_http_server *srv, struct MHD_Connection *c, c
     memset(&e, 0, sizeof(e));
     bool open =
         cs->r == R_HEALTH || cs->r == R_READY || (cs->r == R_METRICS && !srv->p.metrics_need_key);
-    if (!open && !authorized(srv, c)) {
+    if (!open && !authorized(srv, c, cs->r)) {
         td_api_error_set(&e, 401, "authentication_error", "invalid_api_key", "",
                          "missing or invalid API key (send \"Authorization: Bearer KEY\")");
         return send_error(srv, c, method, url, &e, NULL);
@@ -1103,6 +1139,7 @@ static enum MHD_Result dispatch(td_http_server *srv, struct MHD_Connection *c, c
         return queue_json(c, MHD_HTTP_OK, json_pack("{s:s}", "status", "ready"));
     case R_METRICS: return handle_metrics(srv, c, method, url);
     case R_STATE: return handle_state(srv, c, method, url);
+    case R_EXCHANGE: return handle_exchange(srv, c, method, url);
     case R_NONE: break;
     }
     return MHD_NO;
@@ -1127,7 +1164,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
          * is read and dropped (bounded) rather than stored. */
         bool open = cs->r == R_HEALTH || cs->r == R_READY ||
                     (cs->r == R_METRICS && !srv->p.metrics_need_key);
-        cs->unauthorized = !open && !authorized(srv, c);
+        cs->unauthorized = !open && !authorized(srv, c, cs->r);
         /* A body announced larger than the limit is refused before it is
          * read when the client waits for "100 Continue" (nothing is in
          * flight) or when reading it would be absurd; otherwise it is read
@@ -1218,6 +1255,7 @@ static void server_free(td_http_server *srv) {
     free(srv->key_len);
     free(srv->host);
     free(srv->instance_id);
+    free(srv->cluster_token);
     free(srv->model_name);
     free(srv);
 }
@@ -1236,11 +1274,13 @@ td_status td_http_server_start(const td_http_params *p, td_http_server **srv_p) 
     if (srv->p.max_header_bytes == 0) srv->p.max_header_bytes = 16 << 10;
     if (srv->p.kv_block_size <= 0) srv->p.kv_block_size = 16;
     srv->host = strdup(p->host ? p->host : "127.0.0.1");
+    srv->cluster_token = p->cluster_token ? strdup(p->cluster_token) : NULL;
+    srv->p.cluster_token = srv->cluster_token;
     /* The name comes from the model file: JSON needs it valid UTF-8. */
     const char *mn = p->model.model_name ? p->model.model_name : "model";
     size_t mn_len = 0;
     srv->model_name = td_api_utf8_fix(mn, strlen(mn), &mn_len);
-    if (!srv->host || !srv->model_name) goto fail;
+    if (!srv->host || !srv->model_name || (p->cluster_token && !srv->cluster_token)) goto fail;
     srv->p.host = srv->host;
     srv->p.model.model_name = srv->model_name;
     srv->n_vocab = td_tokenizer_n_vocab(p->model.tok);

@@ -15,7 +15,8 @@
  *    "load": {"running", "waiting", "queued_prefill_tokens",
  *             "kv": {"total", "empty", "cached", "used", "reserved",
  *                    "free" (empty + cached - reserved), "block_size"}}}
- * since absent is 0; since that is not a decimal number is 400.
+ * since absent is 0; since that is not a decimal number is 400. A
+ * disaggregated instance adds "transfer": {...} (state_transfer).
  *
  * Request threads parse into C structs and hand the work to the scheduler
  * through td_gen_stream (the only hand-off). A client that disconnects
@@ -58,6 +59,18 @@ typedef struct {
     int retry_after_s;       /* Retry-After on 429 (default 1) */
     const char *instance_id; /* reported by /internal/v1/state (copied; default the host:port) */
     int32_t kv_block_size;   /* KV block size reported by /internal/v1/state (default 16) */
+    /* Disaggregation (issue 5). With a cluster token, every /internal/
+     * path needs "X-Tandem-Cluster-Token: TOKEN" (constant-time compare)
+     * instead of an API key. */
+    const char *cluster_token; /* copied; NULL: internal paths use the API keys */
+    /* GET /internal/v1/kv/exchange (a prefill instance's UCX endpoints, a
+     * packed tandem.internal.v1.ControlMessage): fills a malloc'd buffer;
+     * NULL: 404. */
+    td_status (*kv_exchange)(void *ctx, uint8_t **buf, size_t *len);
+    /* Extra members of /internal/v1/state's "transfer" object: a malloc'd
+     * JSON object text, or NULL. */
+    char *(*state_transfer)(void *ctx);
+    void *internal_ctx;
 } td_http_params;
 
 td_http_params td_http_default_params(void);

@@ -458,3 +458,8 @@ float *td_kv_layer_v(td_kv_pool *pool, int l) {
     TD_ASSERT(l >= 0 && l < pool->p.n_layers);
     return pool->storage + ((size_t)l * 2u + 1u) * pool->layer_floats;
 }
+
+void td_kv_pool_storage(td_kv_pool *pool, void **base, size_t *bytes) {
+    *base = pool->storage;
+    *bytes = pool->storage_bytes;
+}

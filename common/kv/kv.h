@@ -106,6 +106,11 @@ int32_t td_kv_cache_probe(const td_kv_pool *pool, const td_kv_hash *hashes, int3
  * "removed" events. Used blocks keep their hashes. */
 void td_kv_cache_clear(td_kv_pool *pool);
 
+/* The whole KV storage, one contiguous mapping of
+ * (n_layers, 2, n_blocks, block_size, n_kv_heads, head_dim) floats (K then V
+ * per layer): what a KV transfer registers with the network once. */
+void td_kv_pool_storage(td_kv_pool *pool, void **base, size_t *bytes);
+
 /* Layer l's K / V region: (n_blocks, block_size, n_kv_heads, head_dim). */
 float *td_kv_layer_k(td_kv_pool *pool, int l);
 float *td_kv_layer_v(td_kv_pool *pool, int l);

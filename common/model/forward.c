@@ -1627,6 +1627,11 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
 
 td_engine_timing td_engine_last_timing(const td_engine *e) { return e->timing; }
 
+void td_engine_set_layer_hook(td_engine *e, void (*fn)(void *ctx, int32_t layer), void *ctx) {
+    e->p.layer_done = fn;
+    e->p.layer_done_ctx = ctx;
+}
+
 static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs,
                                    const float *x_in, float *x_out, float *logits) {
     const td_model *m = e->m;
@@ -1713,6 +1718,7 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
             /* attention cost grows with context: worth threads even for one row */
             dispatch(e, task_attn, &at, e->tp && e->nth > 1 && attn_cost * e->nh >= 1024);
         }
+        if (e->p.layer_done) e->p.layer_done(e->p.layer_done_ctx, l - lb);
 
         const td_weight *wo[] = {&lw->wo};
         float *yo[] = {e->o};

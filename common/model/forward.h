@@ -71,9 +71,17 @@ typedef struct {
      * which alone writes the logits. Bit-identical to the single-rank engine
      * (no row's value depends on another rank's sums). */
     bool attn_dp;
+    /* Layer-wise KV streaming (disaggregation, issue 5): called on the
+     * forward thread after layer `layer` (the pool's local index) has
+     * written its K/V for every sequence of the batch and before the next
+     * layer starts (NULL: none). */
+    void (*layer_done)(void *ctx, int32_t layer);
+    void *layer_done_ctx;
 } td_engine_params;
 
 td_engine_params td_engine_default_params(void);
+/* Sets (or with fn NULL clears) the layer_done hook of a created engine. */
+void td_engine_set_layer_hook(td_engine *e, void (*fn)(void *ctx, int32_t layer), void *ctx);
 
 /* The engine borrows m, kv, tp and comm (they must outlive it) and allocates
  * its scratch once. tp may be NULL (everything runs on the calling thread);

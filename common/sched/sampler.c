@@ -508,3 +508,18 @@ td_status td_sampler_probs(td_sampler *s, const float *logits, float *probs) {
     for (int32_t i = 0; i < n; i++) probs[s->cand[i].id] = (float)(s->cand[i].p / z);
     return TD_OK;
 }
+
+void td_sampler_state_get(const td_sampler *s, uint8_t out[TD_SAMPLER_STATE_BYTES]) {
+    for (int i = 0; i < 4; i++)
+        for (int b = 0; b < 8; b++) out[i * 8 + b] = (uint8_t)(s->rng[i] >> (8 * b));
+}
+
+td_status td_sampler_state_set(td_sampler *s, const uint8_t *state, size_t len) {
+    if (!state || len != TD_SAMPLER_STATE_BYTES) return TD_ERR_INVALID;
+    uint64_t r[4] = {0};
+    for (int i = 0; i < 4; i++)
+        for (int b = 0; b < 8; b++) r[i] |= (uint64_t)state[i * 8 + b] << (8 * b);
+    if ((r[0] | r[1] | r[2] | r[3]) == 0) return TD_ERR_INVALID; /* xoshiro's one bad state */
+    memcpy(s->rng, r, sizeof r);
+    return TD_OK;
+}

@@ -110,6 +110,14 @@ td_status td_sampler_accept(td_sampler *s, int32_t token);
  * result_p is written only on success. */
 td_status td_sampler_sample(td_sampler *s, const float *logits, td_sample_result *result_p);
 
+/* The PRNG state (xoshiro256**, 32 bytes little-endian), so that a
+ * sequence whose first token was drawn elsewhere (a prefill instance)
+ * continues with the same draws. set: TD_ERR_INVALID unless len == 32 and
+ * the state is not all zero. */
+#define TD_SAMPLER_STATE_BYTES 32
+void td_sampler_state_get(const td_sampler *s, uint8_t out[TD_SAMPLER_STATE_BYTES]);
+td_status td_sampler_state_set(td_sampler *s, const uint8_t *state, size_t len);
+
 /* The distribution step 9 draws from: probs[v] for every v (n_vocab floats,
  * zero for the tokens steps 6-8 removed; one-hot for greedy). Uses the same
  * code as td_sampler_sample() and draws nothing from the PRNG; for tests and

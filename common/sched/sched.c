@@ -43,6 +43,7 @@ struct td_gen_stream {
     char *r_text; /* reader's copy of the new text */
     size_t r_text_cap;
     struct td_sched *sched; /* to wake on cancel */
+    td_sched_ticket ticket;
 };
 
 static void stream_unref(td_gen_stream *st) {
@@ -97,7 +98,38 @@ typedef struct seq {
     double prefill_compute; /* forward time of the steps that carried it before its first token */
     uint64_t admit_order;
     int32_t chunk; /* tokens fed in the current step (0: not in the batch) */
+    /* Disaggregation (issue 5). */
+    td_sched_ticket ticket;
+    td_kv_export ex;
+    td_kv_import im;
+    bool remote_wait;        /* import: admitted, waiting for the remote prefill */
+    bool local_only;         /* import: prefill here (threshold or fallback) */
+    bool have_first;         /* export: first holds the sampled first token */
+    td_sample_result first;  /* export */
+    struct parked *park_rec; /* export / import: the record its blocks are parked in */
 } seq;
+
+/* Blocks kept past their sequence: an export's sources until the puts are
+ * flushed, an import's destinations until the peer is fenced. */
+typedef struct parked {
+    struct parked *next;
+    td_sched_ticket ticket;
+    int32_t *blocks;
+    int32_t n_blocks;
+    bool quarantine;
+} parked;
+
+/* What other threads tell the scheduler about remote prefills. */
+typedef enum { EV_DONE, EV_FAILED, EV_RELEASE } rev_kind;
+typedef struct rev {
+    struct rev *next;
+    rev_kind kind;
+    td_sched_ticket ticket;
+    td_sample_result first;
+    uint8_t state[TD_SAMPLER_STATE_BYTES];
+    bool has_state, quarantine, local;
+    td_status err;
+} rev;
 
 struct td_sched {
     td_sched_params p;
@@ -138,6 +170,11 @@ struct td_sched {
     pthread_cond_t stats_cv;
     td_sched_stats stats;
     int32_t stats_active; /* n_active when stats were taken */
+    /* Disaggregation (issue 5). */
+    atomic_uint_fast64_t next_ticket;
+    rev *ev_head, *ev_tail; /* under mu */
+    parked *parked;         /* scheduler thread */
+    int32_t n_batch;        /* sequences of the step running now (layer hook) */
 };
 
 td_sched_params td_sched_default_params(void) {
@@ -160,6 +197,10 @@ void td_gen_request_init(td_gen_request *r) {
 
 static void seq_free(seq *s) {
     if (!s) return;
+    if (s->park_rec) {
+        free(s->park_rec->blocks);
+        free(s->park_rec);
+    }
     td_sampler_destroy(s->sampler);
     td_stop_destroy(s->stop);
     free(s->tokens);
@@ -221,6 +262,23 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
     q->hashes = malloc((size_t)q->blk_cap * sizeof *q->hashes);
     if (!q->tokens || !q->blocks || !q->hashes) goto fail;
     memcpy(q->tokens, r->prompt, (size_t)r->n_prompt * sizeof *q->tokens);
+    q->ex = r->kv_export;
+    q->im = r->kv_import;
+    if (q->ex.layer || q->im.start) {
+        if (td_exec_world(s->exec) != 1) {
+            TD_LOG_ERROR("request %s: KV export / import needs a world of one rank (this plan has "
+                         "%d)",
+                         r->id ? r->id : "-", td_exec_world(s->exec));
+            st = TD_ERR_UNSUPPORTED;
+            goto fail;
+        }
+        /* Allocated now so that parking the blocks later cannot fail. */
+        q->park_rec = calloc(1, sizeof *q->park_rec);
+        if (!q->park_rec) goto fail;
+        q->park_rec->blocks = malloc((size_t)q->blk_cap * sizeof(int32_t));
+        if (!q->park_rec->blocks) goto fail;
+    }
+    q->ticket = atomic_fetch_add(&s->next_ticket, 1) + 1;
     q->n_prompt = q->n_tokens = r->n_prompt;
     snprintf(q->id, sizeof q->id, "%s", r->id ? r->id : "-");
 
@@ -278,6 +336,7 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
     gs->stop_index = -1;
     gs->stop_token = -1;
     gs->sched = s;
+    gs->ticket = q->ticket;
     atomic_init(&gs->refs, 2); /* reader + scheduler */
     atomic_init(&gs->cancel, false);
     q->st = gs;
@@ -396,6 +455,8 @@ td_status td_gen_stream_read(td_gen_stream *st, int timeout_ms, td_gen_delta *d)
 
 int td_gen_stream_fd(const td_gen_stream *st) { return st->efd; }
 
+td_sched_ticket td_gen_stream_ticket(const td_gen_stream *st) { return st->ticket; }
+
 void td_gen_stream_cancel(td_gen_stream *st) {
     if (!st) return;
     /* A finished stream may outlive its scheduler: touch nothing else. */
@@ -445,7 +506,18 @@ static void publish_stats(td_sched *s) {
     }
     for (int32_t i = 0; i < s->n_running; i++) {
         seq *q = s->running[i];
+        if (q->remote_wait) {
+            x.remote_waiting++;
+            continue; /* its prefill runs elsewhere */
+        }
         if (q->n_tokens - q->n_computed > 1) queued += q->n_tokens - q->n_computed;
+    }
+    for (const parked *pk = s->parked; pk; pk = pk->next) {
+        x.n_parked++;
+        if (pk->quarantine)
+            x.quarantined_blocks += pk->n_blocks;
+        else
+            x.held_blocks += pk->n_blocks;
     }
     pthread_mutex_lock(&s->mu);
     n_wait += s->n_inbox;
@@ -471,6 +543,21 @@ static void pending_drop(td_sched *s, seq *q) {
     for (int32_t b = q->n_published; b < q->n_pend_end; b++)
         td_kv_hmap_del(&s->pending, q->hashes[b]);
     q->n_pend_end = 0;
+}
+
+/* Moves q's blocks (and their references) to its parking record, kept
+ * until td_sched_release names its ticket. */
+static void park_blocks(td_sched *s, seq *q, bool quarantine) {
+    parked *pk = q->park_rec;
+    TD_ASSERT(pk && q->n_blocks <= q->blk_cap);
+    memcpy(pk->blocks, q->blocks, (size_t)q->n_blocks * sizeof(int32_t));
+    pk->n_blocks = q->n_blocks;
+    pk->ticket = q->ticket;
+    pk->quarantine = quarantine;
+    pk->next = s->parked;
+    s->parked = pk;
+    q->park_rec = NULL;
+    q->n_blocks = 0;
 }
 
 /* Ends a sequence: publishes the end, records metrics, frees its blocks
@@ -513,9 +600,20 @@ static void seq_finish(td_sched *s, seq *q, td_finish_reason why, td_status err,
         td_metrics_request_finished(s->metrics, &rec);
     }
     pending_drop(s, q);
+    bool was_remote = q->remote_wait;
+    if (q->n_blocks && (was_remote || q->ex.layer))
+        park_blocks(s, q, was_remote); /* puts may be in flight into or out of them */
     if (q->n_blocks) td_kv_block_free(s->kv, q->blocks, q->n_blocks);
     if (q->n_reserved) td_kv_unreserve(s->kv, q->n_reserved);
     q->n_blocks = q->n_reserved = 0;
+    q->remote_wait = false;
+    if (was_remote && q->im.cancelled) q->im.cancelled(q->im.ctx, q->ticket);
+    if (q->ex.ended) {
+        uint8_t state[TD_SAMPLER_STATE_BYTES];
+        td_sampler_state_get(q->sampler, state);
+        q->ex.ended(q->ex.ctx, q->ticket, q->have_first ? &q->first : NULL,
+                    q->have_first ? state : NULL);
+    }
     if (q->state == SEQ_WAITING) atomic_fetch_sub(&s->n_waiting_total, 1);
     atomic_fetch_sub(&s->n_active, 1);
     stream_unref(st);
@@ -652,6 +750,9 @@ static void admit(td_sched *s) {
         q->next = NULL;
         atomic_fetch_sub(&s->n_waiting_total, 1);
         s->running[s->n_running++] = q;
+        if (q->im.start && !q->local_only && q->n_computed < q->n_tokens - 1 &&
+            q->im.start(q->im.ctx, q->ticket, q->blocks, q->n_blocks, q->n_computed))
+            q->remote_wait = true;
     }
 }
 
@@ -697,6 +798,10 @@ static bool grow_blocks(td_sched *s, seq *q, int32_t upto) {
         /* Last resort: recompute the most recently admitted sequence (the
          * running list is in admission order, so it is the last one). */
         int32_t victim = s->n_running - 1;
+        /* Never one whose blocks a peer writes or reads (remote prefill,
+         * export): q itself always qualifies (it is computing). */
+        while (victim >= 0 && (s->running[victim]->remote_wait || s->running[victim]->ex.layer))
+            victim--;
         TD_ASSERT(victim >= 0);
         bool self = s->running[victim] == q;
         preempt(s, victim);
@@ -727,7 +832,7 @@ static int32_t build_batch(td_sched *s) {
             seq *q = s->running[i];
             int32_t left = q->n_tokens - q->n_computed;
             bool decode = left == 1;
-            if ((pass == 0) != decode || q->chunk > 0) {
+            if ((pass == 0) != decode || q->chunk > 0 || q->remote_wait) {
                 i++;
                 continue;
             }
@@ -765,6 +870,8 @@ static int32_t build_batch(td_sched *s) {
     return n;
 }
 
+static bool take_token(td_sched *s, seq *q, const td_sample_result *rp, double now);
+
 /* Samples q's next token from its logits row and applies the stop rules.
  * Returns true when q ended (and was freed). */
 static bool sample_one(td_sched *s, seq *q, float *logits, double now) {
@@ -776,6 +883,18 @@ static bool sample_one(td_sched *s, seq *q, float *logits, double now) {
     if (st != TD_OK) {
         seq_finish(s, q, TD_FINISH_ERROR, st, -1, -1);
         return true;
+    }
+    return take_token(s, q, &r, now);
+}
+
+/* Appends token r (sampled here, or by a prefill instance) to q, streams it
+ * and applies the stop rules. Returns true when q ended (and was freed). */
+static bool take_token(td_sched *s, seq *q, const td_sample_result *rp, double now) {
+    td_sample_result r = *rp;
+    int32_t n_out = q->n_tokens - q->n_prompt;
+    if (q->ex.layer && !q->have_first) {
+        q->first = r;
+        q->have_first = true;
     }
     td_sampler_accept(q->sampler, r.token);
     q->tokens[q->n_tokens++] = r.token;
@@ -827,16 +946,165 @@ static bool sample_one(td_sched *s, seq *q, float *logits, double now) {
     return true;
 }
 
+/* ---- remote prefill events ---- */
+
+static int32_t running_find(const td_sched *s, td_sched_ticket t) {
+    for (int32_t i = 0; i < s->n_running; i++)
+        if (s->running[i]->ticket == t) return i;
+    return -1;
+}
+
+static void remote_done(td_sched *s, rev *e) {
+    int32_t i = running_find(s, e->ticket);
+    if (i < 0 || !s->running[i]->remote_wait) return; /* cancelled or failed meanwhile */
+    seq *q = s->running[i];
+    if (e->first.token < 0 || e->first.token >= s->n_vocab) {
+        TD_LOG_ERROR("request %s: remote first token %d outside the vocabulary", q->id,
+                     e->first.token);
+        e->kind = EV_FAILED;
+        e->quarantine = true;
+        e->local = true;
+        return;
+    }
+    q->remote_wait = false;
+    q->n_computed = q->n_tokens;
+    publish_blocks(s, q);
+    if (e->has_state && td_sampler_state_set(q->sampler, e->state, sizeof e->state) != TD_OK)
+        TD_LOG_INFO("request %s: remote sampler state ignored", q->id);
+    if (atomic_load(&q->st->cancel)) return; /* the cancel pass ends it */
+    if (take_token(s, q, &e->first, td_time_s())) running_remove(s, i);
+}
+
+static void remote_failed(td_sched *s, const rev *e) {
+    int32_t i = running_find(s, e->ticket);
+    if (i < 0 || !s->running[i]->remote_wait) return;
+    seq *q = s->running[i];
+    pending_drop(s, q);
+    q->remote_wait = false;
+    q->local_only = true;
+    if (e->quarantine && q->n_blocks) {
+        /* The blocks stay held until the peer is fenced; a local prefill
+         * starts over in fresh ones, from the head of the queue. */
+        park_blocks(s, q, true);
+        if (q->n_reserved) td_kv_unreserve(s->kv, q->n_reserved);
+        q->n_reserved = 0;
+        q->n_computed = 0;
+        q->n_published = 0;
+        running_remove(s, i);
+        if (!e->local) {
+            seq_finish(s, q, TD_FINISH_ERROR, e->err, -1, -1);
+            return;
+        }
+        q->state = SEQ_WAITING;
+        q->next = s->waiting;
+        s->waiting = q;
+        atomic_fetch_add(&s->n_waiting_total, 1);
+        return;
+    }
+    if (!e->local) {
+        running_remove(s, i);
+        seq_finish(s, q, TD_FINISH_ERROR, e->err, -1, -1);
+    }
+    /* else: the blocks are safe; the next batch prefills it here. */
+}
+
+static void release_parked(td_sched *s, td_sched_ticket t) {
+    for (parked **pp = &s->parked; *pp; pp = &(*pp)->next) {
+        parked *pk = *pp;
+        if (pk->ticket != t) continue;
+        *pp = pk->next;
+        td_kv_block_free(s->kv, pk->blocks, pk->n_blocks);
+        free(pk->blocks);
+        free(pk);
+        return;
+    }
+}
+
+static void take_events(td_sched *s) {
+    pthread_mutex_lock(&s->mu);
+    rev *e = s->ev_head;
+    s->ev_head = s->ev_tail = NULL;
+    pthread_mutex_unlock(&s->mu);
+    while (e) {
+        rev *next = e->next;
+        if (e->kind == EV_DONE) remote_done(s, e); /* may turn into a failure */
+        if (e->kind == EV_FAILED) remote_failed(s, e);
+        if (e->kind == EV_RELEASE) release_parked(s, e->ticket);
+        free(e);
+        e = next;
+    }
+}
+
+static void post_event(td_sched *s, rev *e) {
+    pthread_mutex_lock(&s->mu);
+    if (s->ev_tail)
+        s->ev_tail->next = e;
+    else
+        s->ev_head = e;
+    s->ev_tail = e;
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static rev *event_new(rev_kind kind, td_sched_ticket t) {
+    rev *e = calloc(1, sizeof *e);
+    if (!e) {
+        /* A lost event would strand a sequence or its blocks: there is no
+         * way to go on correctly without memory for 200 bytes. */
+        TD_LOG_ERROR("out of memory posting a scheduler event");
+        abort();
+    }
+    e->kind = kind;
+    e->ticket = t;
+    return e;
+}
+
+void td_sched_remote_done(td_sched *s, td_sched_ticket t, const td_sample_result *first,
+                          const uint8_t *state, size_t state_len) {
+    rev *e = event_new(EV_DONE, t);
+    e->first = *first;
+    if (state && state_len == sizeof e->state) {
+        memcpy(e->state, state, sizeof e->state);
+        e->has_state = true;
+    }
+    post_event(s, e);
+}
+
+void td_sched_remote_failed(td_sched *s, td_sched_ticket t, bool quarantine, bool local,
+                            td_status err) {
+    rev *e = event_new(EV_FAILED, t);
+    e->quarantine = quarantine;
+    e->local = local;
+    e->err = err;
+    post_event(s, e);
+}
+
+void td_sched_release(td_sched *s, td_sched_ticket t) { post_event(s, event_new(EV_RELEASE, t)); }
+
+/* Layer-wise KV streaming: the engine's per-layer hook, on the scheduler
+ * thread inside td_exec_forward. */
+static void layer_hook(void *ctx, int32_t layer) {
+    td_sched *s = ctx;
+    for (int32_t i = 0; i < s->n_batch; i++) {
+        seq *q = s->batch[i];
+        const td_seq_chunk *c = &s->chunks[i];
+        if (q->ex.layer) q->ex.layer(q->ex.ctx, layer, q->blocks, c->pos0, c->pos0 + c->n_tokens);
+    }
+}
+
 /* One scheduling step. Returns false when there was nothing to run. */
 static bool step(td_sched *s) {
     take_inbox_and_cancels(s);
+    take_events(s);
     admit(s);
     int32_t n = build_batch(s);
     if (n == 0) return false;
     int32_t n_tok = 0;
     for (int32_t i = 0; i < n; i++) n_tok += s->chunks[i].n_tokens;
     double t0 = td_time_s();
+    s->n_batch = n;
     td_status st = td_exec_forward(s->exec, s->chunks, n, s->logits);
+    s->n_batch = 0;
     double dt = td_time_s() - t0;
     s->steps++;
     if (s->metrics) {
@@ -900,7 +1168,7 @@ static void *sched_main(void *arg) {
         /* Sleep until a submission, a cancel or stop; cancels of queued or
          * running work signal the same condition. The timeout bounds the
          * latency of a cancel racing with this check. */
-        if (!s->stop && !s->inbox_head && !atomic_load(&s->abort_all)) {
+        if (!s->stop && !s->inbox_head && !s->ev_head && !atomic_load(&s->abort_all)) {
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
             ts.tv_nsec += 100 * 1000000L;
@@ -915,6 +1183,7 @@ static void *sched_main(void *arg) {
     /* Shutting down: end everything still queued or running. */
     atomic_store(&s->abort_all, true);
     take_inbox_and_cancels(s);
+    take_events(s);
     publish_stats(s);
     return NULL;
 }
@@ -960,6 +1229,8 @@ td_status td_sched_create(const td_sched_params *p, td_exec *exec, td_kv_pool *k
     pthread_cond_init(&s->cv, NULL);
     pthread_mutex_init(&s->stats_mu, NULL);
     pthread_cond_init(&s->stats_cv, NULL);
+    if (td_exec_world(exec) == 1 && td_exec_engine(exec))
+        td_engine_set_layer_hook(td_exec_engine(exec), layer_hook, s);
     publish_stats(s);
     int rc = pthread_create(&s->thread, NULL, sched_main, s);
     if (rc != 0) {
@@ -990,6 +1261,20 @@ void td_sched_destroy(td_sched *s) {
     pthread_cond_signal(&s->cv);
     pthread_mutex_unlock(&s->mu);
     pthread_join(s->thread, NULL);
+    if (td_exec_world(s->exec) == 1 && td_exec_engine(s->exec))
+        td_engine_set_layer_hook(td_exec_engine(s->exec), NULL, NULL);
+    while (s->parked) { /* held past the end: the pool goes with the instance */
+        parked *pk = s->parked;
+        s->parked = pk->next;
+        td_kv_block_free(s->kv, pk->blocks, pk->n_blocks);
+        free(pk->blocks);
+        free(pk);
+    }
+    for (rev *e = s->ev_head; e;) {
+        rev *next = e->next;
+        free(e);
+        e = next;
+    }
     pthread_cond_destroy(&s->stats_cv);
     pthread_mutex_destroy(&s->stats_mu);
     pthread_cond_destroy(&s->cv);

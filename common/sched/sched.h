@@ -57,6 +57,45 @@ typedef struct {
 td_sched_params td_sched_default_params(void);
 
 /* One generation request. Everything is copied by td_sched_submit. */
+/* ---- Disaggregation hooks (DESIGN.md §2, issue 5) ----
+ * A ticket names one submitted sequence in the calls below (unique per
+ * scheduler, never 0). */
+typedef uint64_t td_sched_ticket;
+
+/* Prefill side: push the sequence's KV to a peer as it is computed. The
+ * callbacks run on the scheduler thread; keep them short. */
+typedef struct {
+    void *ctx; /* NULL with layer NULL: no export */
+    /* Inside the forward pass, after layer `layer` (the pool's local
+     * index) wrote the K/V of positions [pos0, pos1) of this sequence
+     * (blocks: its block table, valid during the call). Positions below the
+     * first call's pos0 were already in the cache (a prefix hit). */
+    void (*layer)(void *ctx, int32_t layer, const int32_t *blocks, int32_t pos0, int32_t pos1);
+    /* The sequence ended: after its first token (published in its stream;
+     * first points to it, sampler_state to the PRNG state after its draw,
+     * TD_SAMPLER_STATE_BYTES) or with an error / cancel (both NULL). Its
+     * blocks are held, never freed or reused, until td_sched_release(t):
+     * puts from them may still be in flight. */
+    void (*ended)(void *ctx, td_sched_ticket t, const td_sample_result *first,
+                  const uint8_t *sampler_state);
+} td_kv_export;
+
+/* Decode side: the prompt's KV comes from a prefill instance. */
+typedef struct {
+    void *ctx; /* NULL with start NULL: no import */
+    /* At admission, once blocks[0..n_blocks) cover the prompt and the KV of
+     * the first n_cached tokens is there (the local prefix cache). Return
+     * true when a remote prefill was started: the sequence then waits,
+     * computing nothing and never preempted, until td_sched_remote_done or
+     * td_sched_remote_failed; false: prefill locally. */
+    bool (*start)(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t n_blocks,
+                  int32_t n_cached);
+    /* The sequence was cancelled (client gone, abort, shutdown) while it
+     * waited: its blocks are quarantined until td_sched_release(t), which
+     * the caller calls once nothing can write into them any more. */
+    void (*cancelled)(void *ctx, td_sched_ticket t);
+} td_kv_import;
+
 typedef struct {
     const char *id;        /* request id for logs and metrics (copied; may be NULL) */
     const int32_t *prompt; /* (n_prompt) token ids, every one in the vocabulary */
@@ -68,10 +107,12 @@ typedef struct {
     int32_t n_stop_ids;
     const char *const *stop; /* stop strings, non-empty */
     int32_t n_stop;
-    bool include_stop_str; /* keep a matched stop string in the text */
-    bool ignore_eos;       /* do not stop on EOG tokens */
-    bool skip_special;     /* leave special tokens out of the text (default true) */
-    double t_arrival;      /* td_time_s() when the request arrived; 0: now */
+    bool include_stop_str;  /* keep a matched stop string in the text */
+    bool ignore_eos;        /* do not stop on EOG tokens */
+    bool skip_special;      /* leave special tokens out of the text (default true) */
+    double t_arrival;       /* td_time_s() when the request arrived; 0: now */
+    td_kv_export kv_export; /* prefill instance (copied) */
+    td_kv_import kv_import; /* decode instance (copied) */
 } td_gen_request;
 
 void td_gen_request_init(td_gen_request *r); /* defaults; prompt NULL */
@@ -138,9 +179,34 @@ void td_gen_stream_cancel(td_gen_stream *st);
  * td_sched_destroy (the count of live streams lives in the scheduler). */
 void td_gen_stream_release(td_gen_stream *st);
 
+/* The ticket of a submitted sequence. */
+td_sched_ticket td_gen_stream_ticket(const td_gen_stream *st);
+
+/* A remote prefill finished: first is the first token as the prefill
+ * instance sampled it (with its logprobs when asked), state that
+ * sampler's PRNG state after the draw (TD_SAMPLER_STATE_BYTES; NULL:
+ * keep ours). The sequence publishes its full blocks to the prefix cache,
+ * takes the token as if sampled here and decodes on. A ticket that is not
+ * waiting any more (cancelled, failed) is ignored. */
+void td_sched_remote_done(td_sched *s, td_sched_ticket t, const td_sample_result *first,
+                          const uint8_t *state, size_t state_len);
+/* A remote prefill failed. quarantine: the peer may have written (or may
+ * still write) into the blocks, so they are held until
+ * td_sched_release(t); else they are safe to reuse. local: prefill locally
+ * (in fresh blocks when quarantined); else the request ends with err. */
+void td_sched_remote_failed(td_sched *s, td_sched_ticket t, bool quarantine, bool local,
+                            td_status err);
+/* Frees the blocks held for t (an export's held blocks, an import's
+ * quarantined ones); unknown tickets are ignored. */
+void td_sched_release(td_sched *s, td_sched_ticket t);
+
 /* Instantaneous load and block figures (also the metrics gauges). */
 typedef struct {
     int32_t running;
+    int32_t remote_waiting;     /* admitted, waiting for a remote prefill */
+    int32_t held_blocks;        /* export: held until released */
+    int32_t quarantined_blocks; /* import: fenced, not yet released */
+    int32_t n_parked;           /* tickets with held or quarantined blocks */
     int32_t waiting;
     int64_t queued_prefill_tokens; /* prompt tokens admitted or waiting, not yet computed */
     td_kv_counts kv;
