@@ -18,6 +18,7 @@ const char *td_status_str(td_status st) {
     case TD_ERR_INTERNAL: return "internal error";
     case TD_ERR_UNAVAILABLE: return "unavailable";
     case TD_ERR_CANCELLED: return "cancelled";
+    case TD_ERR_TIMEOUT: return "timed out";
     case TD_AGAIN: return "try again";
     case TD_NO_KV_BLOCK: return "no free KV block";
     default: return "unknown status";

@@ -33,6 +33,7 @@ enum {
     TD_ERR_INTERNAL = -8,
     TD_ERR_UNAVAILABLE = -9, /* not ready, draining or shutting down */
     TD_ERR_CANCELLED = -10,  /* the request was cancelled */
+    TD_ERR_TIMEOUT = -11,    /* a bounded wait ran out */
     TD_AGAIN = 1,            /* transient: retry later */
     TD_NO_KV_BLOCK = 2,      /* no free KV block right now */
 };
