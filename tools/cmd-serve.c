@@ -1,7 +1,15 @@
 /* tandem serve: one colocated instance (prefill and decode in one process)
- * behind the OpenAI HTTP API and the gRPC service. SIGTERM drains. */
+ * behind the OpenAI HTTP API and the gRPC service. SIGTERM drains.
+ *
+ * The same server runs tandem-prefill (prefill only: KV exported to decode
+ * instances over UCX, internal HTTP endpoints only) and tandem-decode (the
+ * public API, with the prompt's KV imported from prefill instances); see
+ * common/transfer/xfer.h. */
+#include <arpa/inet.h>
 #include <errno.h>
+#include <ifaddrs.h>
 #include <math.h>
+#include <net/if.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -17,21 +25,75 @@
 #include "../common/obs/metrics.h"
 #include "../common/sched/sched.h"
 #include "../common/tokenizer/chat.h"
+#include "../common/transfer/xfer.h"
 #include "runtime.h"
 #include "tools.h"
 
-#define SERVE_MAX_KEYS 16
+#define SERVE_MAX_KEYS    16
+#define SERVE_MAX_PREFILL 16
 
-static void serve_usage(FILE *f) {
+static const char *role_name(td_serve_role role) {
+    return role == TD_ROLE_PREFILL  ? "tandem-prefill"
+           : role == TD_ROLE_DECODE ? "tandem-decode"
+                                    : "tandem serve";
+}
+
+static void serve_usage(FILE *f, td_serve_role role) {
+    if (role == TD_ROLE_PREFILL)
+        fprintf(
+            f, "usage: tandem-prefill --cluster-token[-file] T [--model PATH] [--kv-listen "
+               "HOST[:PORT]] [options]\n"
+               "\n"
+               "A prefill instance: takes prefill jobs from decode instances (UCX active\n"
+               "messages), batches them with chunked prefill and its own prefix cache, and\n"
+               "puts each layer's KV into the decode instance's blocks as soon as it is\n"
+               "computed. Its HTTP port serves /health, /ready, /metrics,\n"
+               "/internal/v1/state and /internal/v1/kv/exchange (the cluster token is\n"
+               "required on /internal/). Prints 'tandem-prefill: listening http=HOST:PORT'.\n"
+               "SIGTERM drains: new jobs are rejected, the process exits once the KV it\n"
+               "produced has been consumed (or the drain timeout).\n"
+               "\n"
+               "  --kv-listen HOST[:PORT]    the network interface UCX uses for KV (the one that\n"
+               "                             holds HOST; sets UCX_NET_DEVICES unless set; the\n"
+               "                             port is not used: peers connect by worker address)\n"
+               "  --no-layerwise             push the KV after the last layer, not layer by layer\n"
+               "                             (for measurements)\n");
+    else if (role == TD_ROLE_DECODE)
+        fprintf(f,
+                "usage: tandem-decode --prefill HOST:PORT[,...] --cluster-token[-file] T "
+                "[--model PATH] [options]\n"
+                "\n"
+                "A decode instance: the public OpenAI HTTP API and gRPC, like tandem serve, with\n"
+                "each prompt prefilled on a prefill instance (round-robin) that writes the KV\n"
+                "into this instance's blocks over UCX; local prefill below\n"
+                "--local-prefill-threshold uncached tokens, when no prefill instance is\n"
+                "reachable, and as the fallback when one fails or misses its deadline.\n"
+                "\n"
+                "  --prefill HOST:PORT[,...]  prefill instances' HTTP ports (repeatable)\n"
+                "  --local-prefill-threshold N  prefill here when fewer than N prompt tokens are\n"
+                "                             uncached (default 0: always remote)\n"
+                "  --transfer-deadline-ms N   deadline of one remote prefill (default 30000)\n"
+                "  --lease-ms N               lease renewed with the prefill instance while it\n"
+                "                             works (default 3000)\n");
+    if (role != TD_ROLE_SERVE)
+        fprintf(f, "  --cluster-token T          the cluster's shared secret (internal endpoints\n"
+                   "                             and every control message)\n"
+                   "  --cluster-token-file PATH  the same, read from a file (first line)\n"
+                   "  --instance-id NAME         name given to peers (default HOST:PORT)\n"
+                   "UCX: UCX_POSIX_ERROR_HANDLING=y and UCX_SYSV_ERROR_HANDLING=y are set unless\n"
+                   "given (shared-memory transports with peer error handling); UCX_TLS and the\n"
+                   "other UCX variables apply.\n\n");
+    fprintf(f,
+            "%s"
+            "Serves the model over the OpenAI HTTP API and gRPC, prefill and decode in one\n"
+            "process. Prints 'tandem serve: listening http=HOST:PORT grpc=HOST:PORT' when ready.\n"
+            "SIGTERM drains: /ready answers 503, new requests get 503, running ones finish\n"
+            "within the drain timeout, then the process exits 0.\n"
+            "\n",
+            role == TD_ROLE_SERVE ? "usage: tandem serve [--model PATH] [options]\n\n"
+                                  : "Common options (as tandem serve):\n");
     fprintf(
         f,
-        "usage: tandem serve [--model PATH] [options]\n"
-        "\n"
-        "Serves the model over the OpenAI HTTP API and gRPC, prefill and decode in one\n"
-        "process. Prints 'tandem serve: listening http=HOST:PORT grpc=HOST:PORT' when ready.\n"
-        "SIGTERM drains: /ready answers 503, new requests get 503, running ones finish\n"
-        "within the drain timeout, then the process exits 0.\n"
-        "\n"
         "  --model PATH               GGUF file or Hugging Face directory (default: %s)\n"
         "  --host ADDR                address to bind (default 127.0.0.1)\n"
         "  --port N                   HTTP port (default 8000; 0 = ephemeral)\n"
@@ -55,6 +117,7 @@ static void serve_usage(FILE *f) {
         "  --ping-interval S          SSE ': ping' comment interval (default 5)\n"
         "  --isa NAME                 kernel set: scalar, avx2, avx512 (default: best)\n",
         td_default_model_path(), SERVE_MAX_KEYS);
+    TD_UNUSED(role);
     fprintf(f, "\nparallel plan (validated against the model; --plan-dry-run shows it):\n%s",
             td_plan_flags_help());
 }
@@ -114,15 +177,42 @@ typedef struct {
     bool no_prefix_cache;
     double drain_timeout, ping_interval;
     td_cli_plan plan;
+    /* prefill / decode */
+    td_serve_role role;
+    const char *cluster_token, *cluster_token_file, *instance_id, *kv_listen;
+    char *prefill[SERVE_MAX_PREFILL];
+    int n_prefill;
+    long local_threshold, deadline_ms, lease_ms;
+    bool no_layerwise;
 } serve_args;
+
+/* "a:1,b:2" appended to a->prefill (copies). */
+static bool add_prefill(serve_args *a, const char *val) {
+    const char *p = val;
+    while (*p) {
+        const char *e = strchr(p, ',');
+        size_t n = e ? (size_t)(e - p) : strlen(p);
+        if (n == 0 || n > 255 || a->n_prefill == SERVE_MAX_PREFILL || !memchr(p, ':', n))
+            return false;
+        a->prefill[a->n_prefill] = strndup(p, n);
+        if (!a->prefill[a->n_prefill]) return false;
+        a->n_prefill++;
+        p = e ? e + 1 : p + n;
+    }
+    return true;
+}
 
 /* 0 to go on, -1 after --help, else the exit status. */
 static int parse_args(int argc, char **argv, serve_args *a) {
     for (int i = 1; i < argc; i++) {
         const char *opt = argv[i];
         if (!strcmp(opt, "--help") || !strcmp(opt, "-h")) {
-            serve_usage(stdout);
+            serve_usage(stdout, a->role);
             return -1;
+        }
+        if (a->role == TD_ROLE_PREFILL && !strcmp(opt, "--no-layerwise")) {
+            a->no_layerwise = true;
+            continue;
         }
         if (!strcmp(opt, "--metrics-need-key")) {
             a->metrics_need_key = true;
@@ -136,7 +226,7 @@ static int parse_args(int argc, char **argv, serve_args *a) {
         if (pf < 0) return 2;
         if (pf > 0) continue;
         if (i + 1 >= argc) {
-            fprintf(stderr, "tandem serve: %s needs a value (or is unknown)\n", opt);
+            fprintf(stderr, "%s: %s needs a value (or is unknown)\n", role_name(a->role), opt);
             return 2;
         }
         const char *val = argv[++i];
@@ -184,22 +274,112 @@ static int parse_args(int argc, char **argv, serve_args *a) {
             ok = parse_seconds(val, &a->drain_timeout);
         else if (!strcmp(opt, "--ping-interval"))
             ok = parse_seconds(val, &a->ping_interval) && a->ping_interval >= 0.05;
+        else if (a->role != TD_ROLE_SERVE && !strcmp(opt, "--cluster-token"))
+            a->cluster_token = val;
+        else if (a->role != TD_ROLE_SERVE && !strcmp(opt, "--cluster-token-file"))
+            a->cluster_token_file = val;
+        else if (a->role != TD_ROLE_SERVE && !strcmp(opt, "--instance-id"))
+            a->instance_id = val;
+        else if (a->role == TD_ROLE_PREFILL && !strcmp(opt, "--kv-listen"))
+            a->kv_listen = val;
+        else if (a->role == TD_ROLE_DECODE && !strcmp(opt, "--prefill"))
+            ok = add_prefill(a, val);
+        else if (a->role == TD_ROLE_DECODE && !strcmp(opt, "--local-prefill-threshold"))
+            ok = td_cli_parse_long(val, 0, 1 << 24, &a->local_threshold);
+        else if (a->role == TD_ROLE_DECODE && !strcmp(opt, "--transfer-deadline-ms"))
+            ok = td_cli_parse_long(val, 1, 600000, &a->deadline_ms);
+        else if (a->role == TD_ROLE_DECODE && !strcmp(opt, "--lease-ms"))
+            ok = td_cli_parse_long(val, 3, 600000, &a->lease_ms);
         else {
-            fprintf(stderr, "tandem serve: unknown option '%s' (see --help)\n", opt);
+            fprintf(stderr, "%s: unknown option '%s' (see --help)\n", role_name(a->role), opt);
             return 2;
         }
         if (!ok) {
-            fprintf(stderr, "tandem serve: bad value '%s' for %s\n", val, opt);
+            fprintf(stderr, "%s: bad value '%s' for %s\n", role_name(a->role), val, opt);
             return 2;
         }
     }
     if (a->max_batch_tokens < a->max_running) {
-        fprintf(stderr,
-                "tandem serve: --max-batch-tokens (%ld) must be at least --max-running (%ld)\n",
-                a->max_batch_tokens, a->max_running);
+        fprintf(stderr, "%s: --max-batch-tokens (%ld) must be at least --max-running (%ld)\n",
+                role_name(a->role), a->max_batch_tokens, a->max_running);
+        return 2;
+    }
+    if (a->role != TD_ROLE_SERVE && !a->cluster_token == !a->cluster_token_file) {
+        fprintf(stderr, "%s: give the cluster token: --cluster-token or --cluster-token-file\n",
+                role_name(a->role));
+        return 2;
+    }
+    if (a->role == TD_ROLE_DECODE && a->n_prefill == 0) {
+        fprintf(stderr, "tandem-decode: --prefill HOST:PORT is required\n");
         return 2;
     }
     return 0;
+}
+
+/* The cluster token from --cluster-token or the first line of the file. */
+static char *read_token(const serve_args *a) {
+    if (a->cluster_token) return strdup(a->cluster_token);
+    FILE *f = fopen(a->cluster_token_file, "r");
+    if (!f) {
+        TD_LOG_ERROR("cannot read the cluster token file %s: %s", a->cluster_token_file,
+                     strerror(errno));
+        return NULL;
+    }
+    char buf[1024];
+    char *line = fgets(buf, sizeof buf, f);
+    fclose(f);
+    size_t n = line ? strcspn(buf, "\r\n") : 0;
+    if (n == 0) {
+        TD_LOG_ERROR("the cluster token file %s is empty", a->cluster_token_file);
+        return NULL;
+    }
+    buf[n] = 0;
+    return strdup(buf);
+}
+
+/* --kv-listen HOST: UCX's network device is the interface holding HOST. */
+static bool kv_listen_device(const char *spec) {
+    char host[256];
+    snprintf(host, sizeof host, "%s", spec);
+    if (host[0] == '[') { /* [v6]:port */
+        char *e = strchr(host, ']');
+        if (!e) return false;
+        *e = 0;
+        memmove(host, host + 1, strlen(host));
+    } else {
+        char *c = strchr(host, ':');
+        if (c && !strchr(c + 1, ':')) *c = 0; /* v4:port */
+    }
+    unsigned char want[16];
+    int fam = inet_pton(AF_INET, host, want) == 1    ? AF_INET
+              : inet_pton(AF_INET6, host, want) == 1 ? AF_INET6
+                                                     : 0;
+    if (!fam) {
+        TD_LOG_ERROR("--kv-listen: '%s' is not an IP address", host);
+        return false;
+    }
+    struct ifaddrs *ifs = NULL;
+    if (getifaddrs(&ifs) != 0) return false;
+    char dev[IF_NAMESIZE + 1] = "";
+    for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
+        if (!i->ifa_addr || i->ifa_addr->sa_family != fam) continue;
+        const void *a = fam == AF_INET
+                            ? (const void *)&((struct sockaddr_in *)i->ifa_addr)->sin_addr
+                            : (const void *)&((struct sockaddr_in6 *)i->ifa_addr)->sin6_addr;
+        if (memcmp(a, want, fam == AF_INET ? 4 : 16) == 0) {
+            snprintf(dev, sizeof dev, "%s", i->ifa_name);
+            break;
+        }
+    }
+    freeifaddrs(ifs);
+    if (!dev[0]) {
+        TD_LOG_ERROR("--kv-listen: no interface holds %s", host);
+        return false;
+    }
+    if (!getenv("UCX_NET_DEVICES")) setenv("UCX_NET_DEVICES", dev, 1);
+    TD_LOG_INFO("KV transfers on interface %s (UCX_NET_DEVICES=%s)", dev,
+                getenv("UCX_NET_DEVICES"));
+    return true;
 }
 
 /* Compatibility hash of this instance's blocks (DESIGN.md §4). */
@@ -228,10 +408,20 @@ static td_chat_template pick_template(const serve_args *a, const td_tokenizer *t
     return t;
 }
 
-int td_cmd_serve(int argc, char **argv) {
+int td_cmd_serve(int argc, char **argv) { return td_serve_main(argc, argv, TD_ROLE_SERVE); }
+
+static void free_args(serve_args *a) {
+    for (int i = 0; i < a->n_prefill; i++) free(a->prefill[i]);
+    a->n_prefill = 0;
+}
+
+int td_serve_main(int argc, char **argv, td_serve_role role) {
     serve_args a = {.host = "127.0.0.1",
+                    .role = role,
                     .port = 8000,
-                    .grpc_port = 50051,
+                    .grpc_port = role == TD_ROLE_PREFILL ? -1 : 50051,
+                    .deadline_ms = 30000,
+                    .lease_ms = 3000,
                     .block_size = 16,
                     .max_running = 16,
                     .max_batch_tokens = 512,
@@ -242,9 +432,25 @@ int td_cmd_serve(int argc, char **argv) {
                     .ping_interval = 5,
                     .plan = {.p = td_plan_default_params()}};
     int rc = parse_args(argc, argv, &a);
-    if (rc) return rc < 0 ? 0 : rc;
+    if (rc) {
+        free_args(&a);
+        return rc < 0 ? 0 : rc;
+    }
     rc = td_cli_plan_check("serve", &a.plan, a.model ? a.model : td_default_model_path());
-    if (rc >= 0) return rc;
+    if (rc >= 0) {
+        free_args(&a);
+        return rc;
+    }
+    char *token = NULL;
+    if (role != TD_ROLE_SERVE && !(token = read_token(&a))) {
+        free_args(&a);
+        return 2;
+    }
+    if (role == TD_ROLE_PREFILL && !kv_listen_device(a.kv_listen ? a.kv_listen : a.host)) {
+        free(token);
+        free_args(&a);
+        return 2;
+    }
 
     /* Signals are taken by sigwait in this thread; every thread started
      * from here on inherits the mask. A peer that hangs up must not kill
@@ -268,13 +474,18 @@ int td_cmd_serve(int argc, char **argv) {
     rp.max_batch_tokens = (int32_t)a.max_batch_tokens;
     rp.max_seqs = (int32_t)a.max_running;
     td_runtime *rt = NULL;
-    if (td_runtime_open(&rp, &rt) != TD_OK) return 1;
+    if (td_runtime_open(&rp, &rt) != TD_OK) {
+        free(token);
+        free_args(&a);
+        return 1;
+    }
 
     int exit_code = 1;
     td_metrics *metrics = NULL;
     td_sched *sched = NULL;
     td_http_server *http = NULL;
     td_grpc_server *grpc = NULL;
+    td_xfer *xfer = NULL;
     const char *model_path = a.model ? a.model : td_default_model_path();
     const char *served = a.served_name ? a.served_name : rt->cfg->name;
     if (!served[0]) served = "model";
@@ -304,6 +515,31 @@ int td_cmd_serve(int argc, char **argv) {
     sp.compat = compat_hash(rt, model_path);
     if (td_sched_create(&sp, rt->exec, rt->kv, rt->tok, metrics, &sched) != TD_OK)
         goto free_metrics;
+    char inst[300];
+    const char *br0 = strchr(a.host, ':') ? "[" : "", *bl0 = strchr(a.host, ':') ? "]" : "";
+    if (a.instance_id)
+        snprintf(inst, sizeof inst, "%s", a.instance_id);
+    else
+        snprintf(inst, sizeof inst, "%s-%s%s%s:%ld", role == TD_ROLE_PREFILL ? "prefill" : "decode",
+                 br0, a.host, bl0, a.port);
+    if (role != TD_ROLE_SERVE) {
+        td_xfer_params xp = td_xfer_default_params();
+        xp.role = role == TD_ROLE_PREFILL ? TD_XFER_PREFILL : TD_XFER_DECODE;
+        xp.instance_id = inst;
+        xp.cluster_token = token;
+        xp.sched = sched;
+        xp.exec = rt->exec;
+        xp.metrics = metrics;
+        xp.compat = sp.compat;
+        xp.max_ctx = max_ctx;
+        xp.deadline_ms = (int)a.deadline_ms;
+        xp.lease_ms = (int)a.lease_ms;
+        xp.prefill = (const char *const *)a.prefill;
+        xp.n_prefill = a.n_prefill;
+        xp.local_prefill_threshold = (int32_t)a.local_threshold;
+        xp.layerwise = !a.no_layerwise;
+        if (td_xfer_create(&xp, &xfer) != TD_OK) goto free_sched;
+    }
 
     td_api_model mdl = {.tok = rt->tok,
                         .chat_template = pick_template(&a, rt->tok),
@@ -320,6 +556,19 @@ int td_cmd_serve(int argc, char **argv) {
     hp.metrics_need_key = a.metrics_need_key;
     hp.ping_interval_s = a.ping_interval;
     hp.kv_block_size = kp->block_size;
+    if (xfer) {
+        hp.cluster_token = token;
+        hp.instance_id = inst;
+        hp.internal_ctx = xfer;
+        hp.state_transfer = td_xfer_state_json;
+        hp.gauges = (void (*)(void *, td_metrics_gauges *))td_xfer_gauges;
+        if (role == TD_ROLE_PREFILL) {
+            hp.kv_exchange = td_xfer_exchange;
+            hp.internal_only = true;
+        } else {
+            hp.submit_hook = (td_api_submit_hook){td_xfer_submit_hook, xfer};
+        }
+    }
     if (td_http_server_start(&hp, &http) != TD_OK) goto free_sched;
     if (a.grpc_port >= 0) {
         td_grpc_params gp = td_grpc_default_params();
@@ -330,6 +579,8 @@ int td_cmd_serve(int argc, char **argv) {
         gp.model = mdl;
         gp.api_keys = a.keys;
         gp.n_api_keys = a.n_keys;
+        if (xfer && role == TD_ROLE_DECODE)
+            gp.submit_hook = (td_api_submit_hook){td_xfer_submit_hook, xfer};
         if (td_grpc_server_start(&gp, &grpc) != TD_OK) goto stop_http;
     }
     const char *br = strchr(a.host, ':') ? "[" : "", *bl = strchr(a.host, ':') ? "]" : "";
@@ -342,7 +593,7 @@ int td_cmd_serve(int argc, char **argv) {
             "batch %ld tokens, prefix cache %s\n",
             served, max_ctx, kp->n_blocks, kp->block_size, a.max_running, a.max_batch_tokens,
             a.no_prefix_cache ? "off" : "on");
-    printf("tandem serve: listening http=%s%s%s:%d grpc=%s\n", br, a.host, bl,
+    printf("%s: listening http=%s%s%s:%d grpc=%s\n", role_name(role), br, a.host, bl,
            td_http_server_port(http), grpc_addr);
     fflush(stdout);
 
@@ -370,10 +621,19 @@ int td_cmd_serve(int argc, char **argv) {
                     a.drain_timeout);
         td_sched_drain(sched);
     }
+    double drain_end = td_time_s() + a.drain_timeout;
     if (!failed && !td_sched_wait_idle(sched, a.drain_timeout)) {
         TD_LOG_WARN("drain timeout: aborting the requests still running");
         td_sched_abort_all(sched);
         td_sched_wait_idle(sched, 5.0);
+    }
+    /* A prefill instance stays until the KV it produced has been consumed. */
+    while (!failed && xfer && role == TD_ROLE_PREFILL && td_time_s() < drain_end) {
+        td_xfer_stats xs;
+        td_xfer_stats_get(xfer, &xs);
+        if (xs.in_flight == 0 && xs.awaiting_consume == 0) break;
+        struct timespec ts = {0, 20 * 1000000L};
+        nanosleep(&ts, NULL);
     }
     /* Let the front ends write the last bytes of every finished stream. */
     double t_end = td_time_s() + 2.0;
@@ -392,11 +652,15 @@ int td_cmd_serve(int argc, char **argv) {
 stop_http:
     td_http_server_stop(http);
 free_sched:
+    td_xfer_stop(xfer); /* no put touches the KV from here on */
     td_sched_destroy(sched);
+    td_xfer_destroy(xfer);
 free_metrics:
     td_metrics_destroy(metrics);
 close_rt:
     td_runtime_close(rt);
+    free(token);
+    free_args(&a);
     if (exit_code == 0) TD_LOG_INFO("stopped");
     return exit_code;
 }

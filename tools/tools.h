@@ -7,6 +7,10 @@ int td_cmd_generate(int argc, char **argv);
 int td_cmd_bench_engine(int argc, char **argv);
 int td_cmd_eval(int argc, char **argv);
 int td_cmd_serve(int argc, char **argv);
+
+/* The server behind tandem serve, tandem-prefill and tandem-decode. */
+typedef enum { TD_ROLE_SERVE, TD_ROLE_PREFILL, TD_ROLE_DECODE } td_serve_role;
+int td_serve_main(int argc, char **argv, td_serve_role role);
 int td_cmd_bench(int argc, char **argv);
 
 /* Path of the default model (SmolLM2-135M-Instruct Q4_1 in the cache

@@ -117,6 +117,7 @@ struct gcall {
 
 struct td_grpc_server {
     td_sched *sched;
+    td_api_submit_hook submit_hook;
     td_metrics *metrics;
     td_api_model model;
     char *model_name;
@@ -764,7 +765,7 @@ static void handle_generate(gcall *c, const uint8_t *data, size_t len) {
                          "a request with id '%s' is running", c->request_id);
         goto fail;
     }
-    td_status st = td_sched_submit(srv->sched, &g, &stream);
+    td_status st = td_api_submit(srv->sched, &srv->submit_hook, &g, &stream);
     if (st == TD_OK) {
         /* Listed with its stream at once, so Abort and a stop find it. */
         pthread_mutex_lock(&c->mu);
@@ -1272,6 +1273,7 @@ td_status td_grpc_server_start(const td_grpc_params *p, td_grpc_server **srv_p) 
     srv->live.next = srv->live.prev = &srv->live;
     srv->epfd = srv->wakefd = -1;
     srv->sched = p->sched;
+    srv->submit_hook = p->submit_hook;
     srv->metrics = p->metrics;
     srv->model = p->model;
     srv->limits = p->limits;

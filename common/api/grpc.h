@@ -26,7 +26,8 @@ typedef struct {
     const char *host; /* default "127.0.0.1" */
     int port;         /* 0: ephemeral */
     td_sched *sched;
-    td_metrics *metrics; /* may be NULL */
+    td_api_submit_hook submit_hook; /* decode instance: attaches remote prefill */
+    td_metrics *metrics;            /* may be NULL */
     td_api_model model;
     td_api_limits limits;
     const char *const *api_keys; /* (n_api_keys) copied */

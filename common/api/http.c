@@ -745,7 +745,7 @@ static enum MHD_Result handle_generate(td_http_server *srv, struct MHD_Connectio
         snprintf(sid, sizeof(sid), "%s-%d", j->id, (int)i);
         g.id = sid;
         g.t_arrival = t_arrival;
-        st = td_sched_submit(srv->p.sched, &g, &ch->st);
+        st = td_api_submit(srv->p.sched, &srv->p.submit_hook, &g, &ch->st);
         if (st != TD_OK) {
             free(max_tokens);
             td_api_error_from_status(&err, st, "submit");
@@ -972,6 +972,7 @@ static enum MHD_Result handle_metrics(td_http_server *srv, struct MHD_Connection
     td_metrics_gauges g;
     memset(&g, 0, sizeof(g));
     if (srv->p.sched) td_sched_metrics_gauges(srv->p.sched, &g);
+    if (srv->p.gauges) srv->p.gauges(srv->p.internal_ctx, &g);
     char *text = NULL;
     size_t len = 0;
     td_status st = td_metrics_render(srv->p.metrics, &g, &text, &len);
@@ -1090,6 +1091,11 @@ static bool authorized(const td_http_server *srv, struct MHD_Connection *c, rout
     return ok != 0;
 }
 
+static bool is_public(route r) {
+    return r == R_COMPLETIONS || r == R_CHAT || r == R_MODELS || r == R_TOKENIZE ||
+           r == R_DETOKENIZE;
+}
+
 static enum MHD_Result dispatch(td_http_server *srv, struct MHD_Connection *c, const char *method,
                                 const char *url, conn_state *cs) {
     td_api_error e;
@@ -1111,7 +1117,7 @@ static enum MHD_Result dispatch(td_http_server *srv, struct MHD_Connection *c, c
         td_api_error_set(&e, 500, "server_error", "", "", "out of memory");
         return send_error(srv, c, method, url, &e, NULL);
     }
-    if (cs->r == R_NONE) {
+    if (cs->r == R_NONE || (srv->p.internal_only && is_public(cs->r))) {
         td_api_error_set(&e, 404, "not_found_error", "", "", "no such endpoint: %s %.200s", method,
                          url);
         return send_error(srv, c, method, url, &e, NULL);

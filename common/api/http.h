@@ -46,7 +46,8 @@ typedef struct {
     const char *host; /* address to bind (default "127.0.0.1"; "::1" and "0.0.0.0" work) */
     int port;         /* 0: an ephemeral port (see td_http_server_port) */
     td_sched *sched;
-    td_metrics *metrics; /* may be NULL */
+    td_api_submit_hook submit_hook; /* decode instance: attaches remote prefill */
+    td_metrics *metrics;            /* may be NULL */
     td_api_model model;
     td_api_limits limits;
     const char *const *api_keys; /* (n_api_keys) copied; none: no auth */
@@ -70,7 +71,10 @@ typedef struct {
     /* Extra members of /internal/v1/state's "transfer" object: a malloc'd
      * JSON object text, or NULL. */
     char *(*state_transfer)(void *ctx);
+    /* Adds the transfer gauges to /metrics. */
+    void (*gauges)(void *ctx, td_metrics_gauges *g);
     void *internal_ctx;
+    bool internal_only; /* a prefill instance: the public API paths answer 404 */
 } td_http_params;
 
 td_http_params td_http_default_params(void);

@@ -965,3 +965,11 @@ void td_api_request_to_gen(const td_api_request *req, const int32_t *tokens, int
     g->ignore_eos = req->ignore_eos;
     g->skip_special = req->skip_special_tokens;
 }
+
+td_status td_api_submit(td_sched *s, const td_api_submit_hook *h, td_gen_request *g,
+                        td_gen_stream **st_p) {
+    if (h && h->fn) h->fn(h->ctx, g);
+    td_status st = td_sched_submit(s, g, st_p);
+    if (st != TD_OK && g->kv_import.release) g->kv_import.release(g->kv_import.ctx);
+    return st;
+}

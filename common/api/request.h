@@ -131,4 +131,16 @@ td_status td_api_request_tokens(const td_api_model *mdl, const td_api_request *r
 void td_api_request_to_gen(const td_api_request *req, const int32_t *tokens, int32_t n_tokens,
                            int32_t max_tokens, int32_t choice, td_gen_request *g);
 
+/* A decode instance's hook on every generation request the front ends
+ * submit (it attaches the KV import of remote prefill; fn NULL: none). */
+typedef struct {
+    void (*fn)(void *ctx, td_gen_request *g);
+    void *ctx;
+} td_api_submit_hook;
+
+/* Runs the hook on g, then td_sched_submit; when the submit fails, gives
+ * the hook's import context back (its release). */
+td_status td_api_submit(td_sched *s, const td_api_submit_hook *h, td_gen_request *g,
+                        td_gen_stream **st_p);
+
 #endif

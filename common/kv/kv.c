@@ -38,6 +38,7 @@ struct td_kv_pool {
     size_t layer_floats; /* floats of one K (or V) region */
     float *storage;      /* (n_layers, 2, n_blocks, block_size, n_kv_heads, head_dim) */
     size_t storage_bytes;
+    bool adopted; /* storage is the caller's (td_kv_pool_adopt_storage) */
 };
 
 td_kv_params td_kv_default_params(void) {
@@ -164,7 +165,7 @@ free_arrays:
 
 void td_kv_pool_destroy(td_kv_pool *pool) {
     if (!pool) return;
-    if (pool->storage) munmap(pool->storage, pool->storage_bytes);
+    if (pool->storage && !pool->adopted) munmap(pool->storage, pool->storage_bytes);
     td_kv_events_destroy(pool->events);
     td_kv_hmap_free(&pool->map);
     free(pool->lru_next);
@@ -462,4 +463,17 @@ float *td_kv_layer_v(td_kv_pool *pool, int l) {
 void td_kv_pool_storage(td_kv_pool *pool, void **base, size_t *bytes) {
     *base = pool->storage;
     *bytes = pool->storage_bytes;
+}
+
+td_status td_kv_pool_adopt_storage(td_kv_pool *pool, void *base, size_t bytes) {
+    if (!pool || !base || bytes < pool->storage_bytes || pool->n_empty != pool->p.n_blocks) {
+        TD_LOG_ERROR("KV storage can be replaced only on an empty pool, by one of at least %zu "
+                     "bytes",
+                     pool ? pool->storage_bytes : 0);
+        return TD_ERR_INVALID;
+    }
+    if (!pool->adopted) munmap(pool->storage, pool->storage_bytes);
+    pool->storage = base;
+    pool->adopted = true;
+    return TD_OK;
 }

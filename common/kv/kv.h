@@ -110,6 +110,13 @@ void td_kv_cache_clear(td_kv_pool *pool);
  * (n_layers, 2, n_blocks, block_size, n_kv_heads, head_dim) floats (K then V
  * per layer): what a KV transfer registers with the network once. */
 void td_kv_pool_storage(td_kv_pool *pool, void **base, size_t *bytes);
+/* Moves the pool onto storage the caller allocated (e.g. memory a network
+ * library allocated so that peers can write into it directly): at least
+ * the pool's storage bytes, its contents irrelevant. Only while the pool
+ * holds no data (nothing used or cached): TD_ERR_INVALID otherwise. The
+ * pool releases its own mapping and never frees the adopted one, which
+ * must outlive every use of the pool. */
+td_status td_kv_pool_adopt_storage(td_kv_pool *pool, void *base, size_t bytes);
 
 /* Layer l's K / V region: (n_blocks, block_size, n_kv_heads, head_dim). */
 float *td_kv_layer_k(td_kv_pool *pool, int l);

@@ -53,6 +53,7 @@ enum {
     H_PROMPT_TOKENS,
     H_GEN_TOKENS,
     H_ITER_TOKENS,
+    H_KV_XFER,
     H_COUNT
 };
 
@@ -86,7 +87,43 @@ struct td_metrics {
     int n_experts;
     uint64_t expert_tokens[TD_METRICS_MAX_EXPERTS];
     double expert_imbalance;
+    /* disaggregation */
+    uint64_t xfer_bytes, remote_prefills;
+    uint64_t xfer_failures[TD_XFER_FAIL_COUNT];
+    uint64_t local_prefills[TD_LOCAL_PREFILL_COUNT];
 };
+
+static void hist_observe(td_hist *h, double v);
+
+static const char *const k_xfer_fail[TD_XFER_FAIL_COUNT] = {"deadline", "peer_error", "rejected",
+                                                            "failed",   "aborted",    "invalid"};
+static const char *const k_local_prefill[TD_LOCAL_PREFILL_COUNT] = {"threshold", "no_peer",
+                                                                    "fallback", "router"};
+
+void td_metrics_kv_transfer(td_metrics *m, uint64_t bytes, double seconds) {
+    if (!m) return;
+    pthread_mutex_lock(&m->mu);
+    m->xfer_bytes += bytes;
+    if (seconds >= 0) hist_observe(&m->hist[H_KV_XFER], seconds);
+    pthread_mutex_unlock(&m->mu);
+}
+
+void td_metrics_kv_transfer_failure(td_metrics *m, td_xfer_fail why) {
+    if (!m || (int)why < 0 || why >= TD_XFER_FAIL_COUNT) return;
+    pthread_mutex_lock(&m->mu);
+    m->xfer_failures[why]++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void td_metrics_prefill_route(td_metrics *m, bool remote, td_local_prefill why) {
+    if (!m) return;
+    pthread_mutex_lock(&m->mu);
+    if (remote)
+        m->remote_prefills++;
+    else if ((int)why >= 0 && why < TD_LOCAL_PREFILL_COUNT)
+        m->local_prefills[why]++;
+    pthread_mutex_unlock(&m->mu);
+}
 
 const char *td_finish_reason_str(td_finish_reason r) {
     switch (r) {
@@ -171,6 +208,10 @@ td_status td_metrics_create(const char *model_name, td_metrics **m_p) {
               "Number of generation tokens processed.", true);
     hist_init(&m->hist[H_ITER_TOKENS], "vllm:iteration_tokens_total",
               "Histogram of number of tokens per engine step.", true);
+    hist_init(&m->hist[H_KV_XFER], "tandem:kv_transfer_seconds",
+              "Per remote prefill: first KV push to PrefillDone (prefill side: job received to "
+              "PrefillDone sent), in seconds.",
+              false);
     *m_p = m;
     return TD_OK;
 
@@ -427,6 +468,33 @@ static void render_gauges(td_sbuf *b, const td_metrics *m, const td_metrics_gaug
           (double)g->queued_prefill_tokens);
     gauge(b, m, "tandem:draining", "1 while the instance drains after SIGTERM.",
           g->draining ? 1.0 : 0.0);
+    if (!g->disagg) return;
+    gauge(b, m, "tandem:prefill_queue_tokens",
+          "Prompt tokens queued for prefill on this instance (what a prefill pool autoscales on).",
+          (double)g->queued_prefill_tokens);
+    gauge(b, m, "tandem:kv_leased_blocks",
+          "KV blocks leased to remote prefills in flight (decode: destinations; prefill: sources "
+          "held until their puts are flushed).",
+          g->kv_leased);
+    gauge(b, m, "tandem:kv_quarantined_blocks",
+          "KV blocks fenced after a failed transfer, held until the peer's endpoints are closed.",
+          g->kv_quarantined);
+    gauge(b, m, "tandem:kv_transfers_in_flight", "Remote prefills in flight.", g->xfer_in_flight);
+}
+
+static void render_xfer(td_sbuf *b, const td_metrics *m) {
+    counter(b, m, "tandem:kv_transfer_bytes", "KV bytes moved by remote prefills.", m->xfer_bytes);
+    counter(b, m, "tandem:remote_prefill", "Prefills run on a prefill instance.",
+            m->remote_prefills);
+    family(b, "tandem:local_prefill_total", "counter",
+           "Prefills run here on a decode instance, by reason.");
+    for (int i = 0; i < TD_LOCAL_PREFILL_COUNT; i++)
+        sb_printf(b, "tandem:local_prefill_total{model_name=\"%s\",reason=\"%s\"} %llu\n", m->label,
+                  k_local_prefill[i], (unsigned long long)m->local_prefills[i]);
+    family(b, "tandem:kv_transfer_failures_total", "counter", "Failed KV transfers, by reason.");
+    for (int i = 0; i < TD_XFER_FAIL_COUNT; i++)
+        sb_printf(b, "tandem:kv_transfer_failures_total{model_name=\"%s\",reason=\"%s\"} %llu\n",
+                  m->label, k_xfer_fail[i], (unsigned long long)m->xfer_failures[i]);
 }
 
 /* One labelled sample per rank or expert. Caller holds the lock. */
@@ -512,6 +580,7 @@ td_status td_metrics_render(td_metrics *m, const td_metrics_gauges *g, char **te
     }
     for (int i = 0; i < H_COUNT; i++) histogram(&b, m, &m->hist[i]);
     render_plan(&b, m);
+    if (g && g->disagg) render_xfer(&b, m);
     pthread_mutex_unlock(&m->mu);
 
     if (b.oom) {

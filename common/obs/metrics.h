@@ -64,6 +64,30 @@ typedef struct {
                                * its batch-mates'); TTFT minus this is serving overhead */
 } td_request_record;
 
+/* Disaggregation (issue 5). */
+typedef enum {
+    TD_XFER_FAIL_DEADLINE,   /* the transfer's deadline fired */
+    TD_XFER_FAIL_PEER_ERROR, /* the UCX endpoint reported an error */
+    TD_XFER_FAIL_REJECTED,   /* PrefillRejected */
+    TD_XFER_FAIL_FAILED,     /* TransferFailed */
+    TD_XFER_FAIL_ABORTED,    /* client gone / Abort */
+    TD_XFER_FAIL_INVALID,    /* a message failed validation */
+    TD_XFER_FAIL_COUNT
+} td_xfer_fail;
+typedef enum {
+    TD_LOCAL_PREFILL_THRESHOLD, /* uncached prompt below --local-prefill-threshold */
+    TD_LOCAL_PREFILL_NO_PEER,   /* no prefill instance reachable */
+    TD_LOCAL_PREFILL_FALLBACK,  /* the remote prefill failed */
+    TD_LOCAL_PREFILL_ROUTER,    /* the router asked for it */
+    TD_LOCAL_PREFILL_COUNT
+} td_local_prefill;
+typedef struct td_metrics td_metrics;
+/* Bytes moved and one transfer's time (seconds < 0: bytes only). */
+void td_metrics_kv_transfer(td_metrics *m, uint64_t bytes, double seconds);
+void td_metrics_kv_transfer_failure(td_metrics *m, td_xfer_fail why);
+/* A prefill on a decode instance: remote, or local for reason why. */
+void td_metrics_prefill_route(td_metrics *m, bool remote, td_local_prefill why);
+
 /* Instantaneous figures the renderer asks for (from the scheduler). */
 typedef struct {
     int32_t running, waiting;
@@ -72,6 +96,9 @@ typedef struct {
     double kv_fragmentation;
     uint64_t kv_evictions;
     bool draining;
+    /* a prefill or decode instance (issue 5): the transfer families */
+    bool disagg;
+    int32_t kv_leased, kv_quarantined, xfer_in_flight;
 } td_metrics_gauges;
 
 typedef struct td_metrics td_metrics;

@@ -197,6 +197,7 @@ void td_gen_request_init(td_gen_request *r) {
 
 static void seq_free(seq *s) {
     if (!s) return;
+    if (s->im.release) s->im.release(s->im.ctx);
     if (s->park_rec) {
         free(s->park_rec->blocks);
         free(s->park_rec);
@@ -351,6 +352,7 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
         atomic_store(&gs->refs, 1);
         stream_unref(gs);
         q->st = NULL;
+        q->im.release = NULL; /* the caller keeps its context */
         seq_free(q);
         return refused;
     }
@@ -376,6 +378,7 @@ fail:
         free(gs->text);
         free(gs);
     }
+    if (q) q->im.release = NULL; /* the caller keeps its context */
     seq_free(q);
     return st;
 }

@@ -94,6 +94,10 @@ typedef struct {
      * waited: its blocks are quarantined until td_sched_release(t), which
      * the caller calls once nothing can write into them any more. */
     void (*cancelled)(void *ctx, td_sched_ticket t);
+    /* The scheduler lets go of ctx: once td_sched_submit returned TD_OK,
+     * called exactly once, last (when submit fails the caller keeps ctx).
+     * NULL: nothing. */
+    void (*release)(void *ctx);
 } td_kv_import;
 
 typedef struct {

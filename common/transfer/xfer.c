@@ -1,0 +1,1527 @@
+/* KV migration between a prefill and a decode instance (see xfer.h).
+ *
+ * Locking: one mutex (x->mu) guards the peer and job tables and every
+ * endpoint's lifetime; it is never taken inside a UCX callback (callbacks
+ * only set atomics and wake the service thread, or queue a message under
+ * x->in_mu), so holding it across td_ucx_* calls cannot deadlock with the
+ * progress thread. The scheduler's hooks take x->mu; the scheduler never
+ * holds its own lock while calling them. */
+#include "xfer.h"
+
+#include <curl/curl.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "../kv/kv.h"
+#include "../model/model.h"
+#include "msg.h"
+#include "ucx.h"
+
+#define XF_MAX_MSG        (16u << 20)
+#define XF_EXCHANGE_LIMIT (1u << 20) /* bytes read from a peer's exchange endpoint */
+#define XF_ID_LEN         64
+
+typedef Tandem__Internal__V1__ControlMessage cmsg;
+typedef Tandem__Internal__V1__Exchange exchange_t;
+
+/* ------------------------------------------------------------ peers, jobs */
+
+/* P's view of one D incarnation. */
+typedef struct dpeer {
+    struct dpeer *next;
+    char instance[XF_ID_LEN];
+    uint64_t epoch;
+    uint64_t exchange_id;
+    td_xfer_msg *ex_msg; /* the message that carried the exchange (owned) */
+    const exchange_t *ex;
+    td_ucx_ep *ep; /* to D's rank 0 (x->mu) */
+    td_ucx_rkey *rk;
+    atomic_bool failed; /* the endpoint reported an error */
+    bool closed;
+} dpeer;
+
+/* A prefill job on P. */
+typedef struct pjob {
+    struct pjob *next;
+    struct td_xfer *x;
+    dpeer *peer;
+    char id[XF_ID_LEN];
+    td_gen_stream *st;
+    td_sched_ticket ticket;
+    int32_t *dest; /* D's block ids covering the prompt */
+    int32_t n_prompt, d_cached, p_cached;
+    int32_t *pushed; /* (n_layer) tokens of each layer already put */
+    double t_recv, deadline, lease_until;
+    td_ucx_ops ops;
+    atomic_bool flushed;
+    atomic_int flush_status;
+    bool ended, have_first, failed, cancelled, replied, consumed, first_layer_seen;
+    td_sample_result first;
+    uint8_t sstate[TD_SAMPLER_STATE_BYTES];
+    uint64_t bytes;
+} pjob;
+
+/* D's view of one P instance (named by its HTTP address). */
+typedef struct ppeer {
+    char addr[256];
+    char instance[XF_ID_LEN];
+    uint64_t epoch;
+    td_ucx_ep *ep; /* to P's rank 0 (x->mu) */
+    bool ready, need_exchange, fence, closing;
+    atomic_bool err;        /* the endpoint reported an error */
+    atomic_bool close_done; /* the fencing close completed */
+    double next_link;
+    double avg_ms; /* moving average of request sent -> PrefillDone */
+    char last_err[700];
+} ppeer;
+
+typedef enum { DJ_NEW, DJ_SENT, DJ_CANCELLED, DJ_QUARANTINED } dj_state;
+
+/* A request on D with a KV import. */
+typedef struct djob {
+    struct djob *next; /* x->djobs while in flight */
+    atomic_int refs;   /* the scheduler's + the table's */
+    struct td_xfer *x;
+    char id[XF_ID_LEN];
+    int32_t *tokens;
+    int32_t n_tokens;
+    td_sampler_params sp;
+    td_logit_bias *bias;
+    int32_t min_tokens;
+    bool ignore_eos;
+    int32_t *stop_ids;
+    int32_t n_stop_ids;
+    td_sched_ticket ticket;
+    ppeer *peer;
+    dj_state state;
+    int32_t n_blocks, n_cached;
+    double t_sent, deadline;
+    bool abort_pending;
+} djob;
+
+struct td_xfer {
+    td_xfer_params p;
+    char *instance_id;
+    char *token;
+    size_t token_len;
+    uint64_t epoch;
+    td_ucx *ucx;
+    td_ucx_mem *mem;
+    uint8_t *addr, *rkey;
+    size_t addr_len, rkey_len;
+    td_kv_pool *kv;
+    void *kv_base;
+    size_t kv_bytes;
+    int32_t n_layer, n_head_kv, head_dim, block_size, n_blocks, n_vocab;
+    size_t row_bytes; /* one token's K (or V) in one layer */
+    td_xfer_limits lim;
+    uint64_t exchange_id;
+    pthread_mutex_t mu;
+    pthread_mutex_t in_mu; /* the inbox of decoded messages */
+    td_xfer_msg **inbox;
+    int n_inbox, cap_inbox;
+    int wake_fd;
+    pthread_t thread;
+    bool thread_started, stopped;
+    atomic_bool stop;
+    /* prefill */
+    dpeer *dpeers;
+    pjob *pjobs;
+    atomic_uint_fast64_t bytes_put;
+    /* decode */
+    ppeer *ppeers;
+    int n_ppeers;
+    unsigned rr;
+    djob *djobs;
+    double next_lease;
+};
+
+td_xfer_params td_xfer_default_params(void) {
+    td_xfer_params p = {.role = TD_XFER_DECODE,
+                        .deadline_ms = 30000,
+                        .lease_ms = 3000,
+                        .local_prefill_threshold = 0,
+                        .link_interval_ms = 500,
+                        .layerwise = true};
+    return p;
+}
+
+static void wake(td_xfer *x) {
+    uint64_t one = 1;
+    ssize_t r = write(x->wake_fd, &one, sizeof one);
+    TD_UNUSED(r); /* EAGAIN only when the counter is saturated: still readable */
+}
+
+static uint64_t random_u64(void) {
+    uint64_t v = 0;
+    FILE *f = fopen("/dev/urandom", "rb");
+    if (f) {
+        if (fread(&v, sizeof v, 1, f) != 1) v = 0;
+        fclose(f);
+    }
+    if (v == 0) v = ((uint64_t)getpid() << 32) ^ (uint64_t)(td_time_s() * 1e9);
+    return v ? v : 1;
+}
+
+/* --------------------------------------------------------------- messages */
+
+/* Packs m (token and sender filled in here) and sends it on ep. */
+static td_status send_msg(td_xfer *x, td_ucx_ep *ep, cmsg *m) {
+    if (!ep) return TD_ERR_IO;
+    Tandem__Internal__V1__Peer from = TANDEM__INTERNAL__V1__PEER__INIT;
+    from.instance_id = x->instance_id;
+    from.epoch = x->epoch;
+    m->from = &from;
+    m->cluster_token.data = (uint8_t *)x->token;
+    m->cluster_token.len = x->token_len;
+    size_t n = protobuf_c_message_get_packed_size(&m->base);
+    uint8_t *buf = malloc(n ? n : 1);
+    if (!buf) return TD_ERR_NOMEM;
+    protobuf_c_message_pack(&m->base, buf);
+    td_status st = td_ucx_send(ep, buf, n);
+    free(buf);
+    return st;
+}
+
+/* This instance's exchange: plan (one rank), geometry, rank 0's endpoint. */
+typedef struct {
+    exchange_t ex;
+    Tandem__Internal__V1__Plan plan;
+    Tandem__Internal__V1__KvGeometry kv;
+    Tandem__Internal__V1__RankEndpoint rank;
+    Tandem__Internal__V1__RankEndpoint *ranks[1];
+    uint32_t stage[2];
+    uint8_t compat[16];
+} own_exchange;
+
+static void build_exchange(td_xfer *x, own_exchange *o) {
+    tandem__internal__v1__exchange__init(&o->ex);
+    tandem__internal__v1__plan__init(&o->plan);
+    tandem__internal__v1__kv_geometry__init(&o->kv);
+    tandem__internal__v1__rank_endpoint__init(&o->rank);
+    o->plan.tp = o->plan.pp = o->plan.cp = 1;
+    o->stage[0] = 0;
+    o->stage[1] = (uint32_t)x->n_layer;
+    o->plan.n_stage_begin = 2;
+    o->plan.stage_begin = o->stage;
+    o->kv.n_layer = (uint32_t)x->n_layer;
+    o->kv.n_head_kv = (uint32_t)x->n_head_kv;
+    o->kv.head_dim = (uint32_t)x->head_dim;
+    o->kv.block_size = (uint32_t)x->block_size;
+    o->kv.n_blocks = (uint32_t)x->n_blocks;
+    o->rank.rank = 0;
+    o->rank.worker_address.data = x->addr;
+    o->rank.worker_address.len = x->addr_len;
+    o->rank.kv_rkey.data = x->rkey;
+    o->rank.kv_rkey.len = x->rkey_len;
+    o->rank.kv_base = (uint64_t)(uintptr_t)x->kv_base;
+    o->rank.kv_bytes = (uint64_t)x->kv_bytes;
+    o->ranks[0] = &o->rank;
+    o->ex.exchange_id = x->exchange_id;
+    o->ex.plan = &o->plan;
+    o->ex.kv = &o->kv;
+    o->ex.n_ranks = 1;
+    o->ex.ranks = o->ranks;
+    memcpy(o->compat, &x->p.compat.lo, 8);
+    memcpy(o->compat + 8, &x->p.compat.hi, 8);
+    o->ex.compat.data = o->compat;
+    o->ex.compat.len = 16;
+}
+
+static bool plan_is_single(const exchange_t *ex) {
+    return ex->plan->tp == 1 && ex->plan->pp == 1 && ex->plan->cp == 1 && ex->n_ranks == 1;
+}
+
+/* --------------------------------------------------------- UCX callbacks */
+
+static void on_msg(void *ctx, const uint8_t *data, size_t len) {
+    td_xfer *x = ctx;
+    char err[256];
+    td_xfer_msg *m = NULL;
+    if (td_xfer_msg_decode(&x->lim, data, len, &m, err, sizeof err) != TD_OK) {
+        TD_LOG_WARN("control message rejected (%zu bytes): %s", len, err);
+        td_metrics_kv_transfer_failure(x->p.metrics, TD_XFER_FAIL_INVALID);
+        return;
+    }
+    pthread_mutex_lock(&x->in_mu);
+    if (x->n_inbox == x->cap_inbox) {
+        int cap = x->cap_inbox ? 2 * x->cap_inbox : 64;
+        td_xfer_msg **v = realloc(x->inbox, (size_t)cap * sizeof *v);
+        if (!v) {
+            pthread_mutex_unlock(&x->in_mu);
+            TD_LOG_ERROR("out of memory queueing a control message: dropped");
+            td_xfer_msg_free(m);
+            return;
+        }
+        x->inbox = v;
+        x->cap_inbox = cap;
+    }
+    x->inbox[x->n_inbox++] = m;
+    pthread_mutex_unlock(&x->in_mu);
+    wake(x);
+}
+
+static void on_error(void *ctx, td_ucx_ep *ep, td_status why) {
+    td_xfer *x = ctx;
+    void *u = td_ucx_ep_user(ep);
+    TD_LOG_WARN("transfer endpoint error (%s)", td_status_str(why));
+    if (!u) return;
+    if (x->p.role == TD_XFER_PREFILL)
+        atomic_store(&((dpeer *)u)->failed, true);
+    else
+        atomic_store(&((ppeer *)u)->err, true);
+    wake(x);
+}
+
+static void on_ops_done(td_ucx_ops *ops, td_status st) {
+    pjob *j = ops->ctx;
+    atomic_store(&j->flush_status, (int)st);
+    atomic_store(&j->flushed, true);
+    wake(j->x);
+}
+
+static void on_peer_closed(void *ctx) {
+    ppeer *pp = ctx;
+    atomic_store(&pp->close_done, true);
+}
+
+/* ================================================================ prefill */
+
+static void dpeer_close(dpeer *d) {
+    td_ucx_rkey_destroy(d->rk);
+    d->rk = NULL;
+    if (d->ep) td_ucx_ep_close(d->ep, NULL, NULL);
+    d->ep = NULL;
+    d->closed = true;
+}
+
+/* Puts layer l's rows [j->pushed[l], upto) into D's blocks: one put per
+ * run of positions whose blocks are consecutive on both sides, for K and
+ * for V. Caller holds x->mu. */
+static void push_layer(pjob *j, int32_t l, const int32_t *blocks, int32_t upto) {
+    td_xfer *x = j->x;
+    int32_t a = j->pushed[l];
+    if (a >= upto || j->failed) return;
+    dpeer *d = j->peer;
+    if (!d->ep || !d->rk || atomic_load(&d->failed)) {
+        j->failed = true;
+        return;
+    }
+    const int32_t bs = x->block_size;
+    const size_t row = x->row_bytes;
+    const uint64_t d_layer = (uint64_t)d->ex->kv->n_blocks * (uint64_t)bs * row;
+    const char *k_base = (const char *)td_kv_layer_k(x->kv, l);
+    const char *v_base = (const char *)td_kv_layer_v(x->kv, l);
+    while (a < upto) {
+        int32_t b0 = a / bs;
+        int32_t e = TD_MIN(upto, (b0 + 1) * bs);
+        while (e < upto) {
+            int32_t b = e / bs;
+            if (blocks[b] != blocks[b - 1] + 1 || j->dest[b] != j->dest[b - 1] + 1) break;
+            e = TD_MIN(upto, (b + 1) * bs);
+        }
+        size_t len = (size_t)(e - a) * row;
+        size_t local_off = ((size_t)blocks[b0] * (size_t)bs + (size_t)(a % bs)) * row;
+        uint64_t remote_off = ((uint64_t)j->dest[b0] * (uint64_t)bs + (uint64_t)(a % bs)) * row;
+        uint64_t k_off = (uint64_t)l * 2u * d_layer + remote_off;
+        td_status st = td_ucx_put(d->ep, d->rk, k_base + local_off, len, k_off, &j->ops);
+        if (st == TD_OK)
+            st = td_ucx_put(d->ep, d->rk, v_base + local_off, len, k_off + d_layer, &j->ops);
+        if (st != TD_OK) {
+            j->failed = true;
+            return;
+        }
+        j->bytes += 2 * len;
+        atomic_fetch_add(&x->bytes_put, 2 * len);
+        a = e;
+    }
+    j->pushed[l] = upto;
+}
+
+static void p_layer(void *ctx, int32_t layer, const int32_t *blocks, int32_t pos0, int32_t pos1) {
+    pjob *j = ctx;
+    td_xfer *x = j->x;
+    pthread_mutex_lock(&x->mu);
+    if (!j->first_layer_seen) {
+        j->first_layer_seen = true;
+        j->p_cached = pos0;
+    }
+    if (!j->failed && td_time_s() > j->deadline) {
+        /* P's own deadline: no new writes into D's blocks from here on. */
+        j->failed = true;
+        wake(x);
+    }
+    if (x->p.layerwise) {
+        push_layer(j, layer, blocks, pos1);
+    } else if (layer == x->n_layer - 1 && pos1 == j->n_prompt) {
+        for (int32_t l = 0; l < x->n_layer; l++) push_layer(j, l, blocks, pos1);
+    }
+    pthread_mutex_unlock(&x->mu);
+}
+
+static void p_ended(void *ctx, td_sched_ticket t, const td_sample_result *first,
+                    const uint8_t *state) {
+    pjob *j = ctx;
+    td_xfer *x = j->x;
+    TD_UNUSED(t);
+    pthread_mutex_lock(&x->mu);
+    if (first) {
+        j->first = *first;
+        j->have_first = true;
+        memcpy(j->sstate, state, sizeof j->sstate);
+    }
+    if (j->peer->ep && !j->failed) td_ucx_flush(j->peer->ep, &j->ops);
+    j->ended = true;
+    pthread_mutex_unlock(&x->mu);
+    td_ucx_ops_seal(&j->ops); /* done may run here: it only sets atomics */
+}
+
+static void p_reject(td_xfer *x, dpeer *d, const char *id, Tandem__Internal__V1__RejectReason why,
+                     const char *msg) {
+    TD_LOG_INFO("prefill %s rejected: %s", id, msg);
+    if (!d || !d->ep) return; /* no way back: D's deadline covers it */
+    cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
+    Tandem__Internal__V1__PrefillRejected r = TANDEM__INTERNAL__V1__PREFILL_REJECTED__INIT;
+    r.request_id = (char *)id;
+    r.reason = why;
+    r.message = (char *)msg;
+    r.retry_after_ms = why == TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_BUSY ? 100 : 0;
+    m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_REJECTED;
+    m.prefill_rejected = &r;
+    send_msg(x, d->ep, &m);
+}
+
+static dpeer *dpeer_find(td_xfer *x, const char *inst, uint64_t epoch) {
+    for (dpeer *d = x->dpeers; d; d = d->next)
+        if (d->epoch == epoch && !d->closed && !atomic_load(&d->failed) &&
+            strcmp(d->instance, inst) == 0)
+            return d;
+    return NULL;
+}
+
+/* A new D incarnation (or a new exchange of a known one) from an inline
+ * exchange; takes ownership of m on success. Caller holds x->mu. */
+static dpeer *dpeer_new(td_xfer *x, td_xfer_msg *m, const exchange_t *ex) {
+    dpeer *d = calloc(1, sizeof *d);
+    if (!d) return NULL;
+    snprintf(d->instance, sizeof d->instance, "%s", m->from->instance_id);
+    d->epoch = m->from->epoch;
+    d->exchange_id = ex->exchange_id;
+    const Tandem__Internal__V1__RankEndpoint *r0 = NULL;
+    for (size_t i = 0; i < ex->n_ranks; i++)
+        if (ex->ranks[i]->rank == 0) r0 = ex->ranks[i];
+    if (!r0 ||
+        td_ucx_ep_create(x->ucx, r0->worker_address.data, r0->worker_address.len, d, &d->ep) !=
+            TD_OK ||
+        td_ucx_rkey_create(d->ep, r0->kv_rkey.data, r0->kv_rkey.len, r0->kv_base, r0->kv_bytes,
+                           &d->rk) != TD_OK) {
+        if (d->ep) td_ucx_ep_close(d->ep, NULL, NULL);
+        free(d);
+        return NULL;
+    }
+    d->ex_msg = m;
+    d->ex = ex;
+    /* An older record of the same incarnation is closed: its endpoint
+     * either failed or is replaced by this exchange. */
+    for (dpeer *o = x->dpeers; o; o = o->next)
+        if (!o->closed && o->epoch == d->epoch && strcmp(o->instance, d->instance) == 0) {
+            bool busy = false;
+            for (pjob *j = x->pjobs; j; j = j->next) busy |= j->peer == o;
+            if (!busy) dpeer_close(o);
+        }
+    d->next = x->dpeers;
+    x->dpeers = d;
+    char tl[160];
+    td_ucx_ep_transports(d->ep, tl, sizeof tl);
+    TD_LOG_INFO("linked decode instance %s (epoch %016" PRIx64 "): %s", d->instance, d->epoch, tl);
+    return d;
+}
+
+static bool sampling_from_proto(td_xfer *x, const Tandem__V1__SamplingParams *s, pjob *j,
+                                td_gen_request *g, td_logit_bias **bias_p, char *err,
+                                size_t err_len) {
+    td_sampler_params sp = td_sampler_default_params();
+    *bias_p = NULL;
+    if (s) {
+        if (s->_temperature_case == TANDEM__V1__SAMPLING_PARAMS___TEMPERATURE_TEMPERATURE)
+            sp.temperature = s->temperature;
+        if (s->_top_p_case == TANDEM__V1__SAMPLING_PARAMS___TOP_P_TOP_P) sp.top_p = s->top_p;
+        sp.top_k = s->top_k;
+        sp.min_p = s->min_p;
+        if (s->_seed_case == TANDEM__V1__SAMPLING_PARAMS___SEED_SEED) sp.seed = (uint64_t)s->seed;
+        if (s->_repetition_penalty_case ==
+            TANDEM__V1__SAMPLING_PARAMS___REPETITION_PENALTY_REPETITION_PENALTY)
+            sp.repetition_penalty = s->repetition_penalty;
+        sp.frequency_penalty = s->frequency_penalty;
+        sp.presence_penalty = s->presence_penalty;
+        sp.logprobs = s->logprobs;
+        sp.n_logprobs = s->top_logprobs;
+        if (s->n_logit_bias > (size_t)x->n_vocab || s->n_stop_token_ids > 1024) {
+            snprintf(err, err_len, "too many logit biases or stop ids");
+            return false;
+        }
+        for (size_t i = 0; i < s->n_stop_token_ids; i++)
+            if (s->stop_token_ids[i] < 0 || s->stop_token_ids[i] >= x->n_vocab) {
+                snprintf(err, err_len, "stop id %d outside the vocabulary", s->stop_token_ids[i]);
+                return false;
+            }
+        if (s->n_logit_bias > 0) {
+            td_logit_bias *b = calloc(s->n_logit_bias, sizeof *b);
+            if (!b) {
+                snprintf(err, err_len, "out of memory");
+                return false;
+            }
+            for (size_t i = 0; i < s->n_logit_bias; i++) {
+                b[i].token = s->logit_bias[i]->key;
+                b[i].bias = s->logit_bias[i]->value;
+            }
+            sp.logit_bias = b;
+            sp.n_logit_bias = (int32_t)s->n_logit_bias;
+            *bias_p = b;
+        }
+        g->min_tokens = s->min_tokens > 0 ? 1 : 0; /* only the first token is drawn here */
+        g->stop_ids = s->stop_token_ids;
+        g->n_stop_ids = (int32_t)s->n_stop_token_ids;
+        g->ignore_eos = s->ignore_eos;
+    }
+    TD_UNUSED(j);
+    g->sampling = sp;
+    return true;
+}
+
+static void pjob_free(pjob *j) {
+    if (!j) return;
+    if (j->st) td_gen_stream_release(j->st);
+    free(j->dest);
+    free(j->pushed);
+    free(j);
+}
+
+/* PrefillRequest from D. Takes ownership of m. Caller holds x->mu. */
+static void p_on_request(td_xfer *x, td_xfer_msg *m) {
+    const Tandem__Internal__V1__PrefillRequest *req = m->prefill_request;
+    const char *id = req->request_id;
+    dpeer *d = dpeer_find(x, m->from->instance_id, m->from->epoch);
+    bool kept = false;
+    if (req->peer_case == TANDEM__INTERNAL__V1__PREFILL_REQUEST__PEER_EXCHANGE) {
+        const exchange_t *ex = req->exchange;
+        if (!plan_is_single(ex)) {
+            p_reject(x, d, id, TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_INCOMPATIBLE,
+                     "this prefill instance pairs only with one-rank decode plans");
+            td_xfer_msg_free(m);
+            return;
+        }
+        if (!d || d->exchange_id != ex->exchange_id) {
+            dpeer *n = dpeer_new(x, m, ex);
+            if (!n) {
+                TD_LOG_WARN("prefill %s: cannot reach decode instance %s", id,
+                            m->from->instance_id);
+                td_xfer_msg_free(m);
+                return;
+            }
+            d = n;
+            kept = true;
+        }
+    } else if (!d || d->exchange_id != req->exchange_id) {
+        p_reject(x, d, id, TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_UNKNOWN_EXCHANGE,
+                 "unknown exchange: send it inline");
+        td_xfer_msg_free(m);
+        return;
+    }
+    char err[256];
+    if (td_xfer_check_dest(req, d->ex, err, sizeof err) != TD_OK) {
+        p_reject(x, d, id, TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_INVALID, err);
+        if (!kept) td_xfer_msg_free(m);
+        return;
+    }
+    if (td_sched_draining(x->p.sched)) {
+        p_reject(x, d, id, TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_DRAINING, "draining");
+        if (!kept) td_xfer_msg_free(m);
+        return;
+    }
+    for (pjob *o = x->pjobs; o; o = o->next)
+        if (o->peer == d && strcmp(o->id, id) == 0) {
+            p_reject(x, d, id, TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_INVALID,
+                     "request id already in flight");
+            if (!kept) td_xfer_msg_free(m);
+            return;
+        }
+    pjob *j = calloc(1, sizeof *j);
+    int32_t n = (int32_t)req->n_tokens;
+    int32_t nb = (n + x->block_size - 1) / x->block_size;
+    if (j) {
+        j->dest = malloc((size_t)nb * sizeof *j->dest);
+        j->pushed = malloc((size_t)x->n_layer * sizeof *j->pushed);
+    }
+    if (!j || !j->dest || !j->pushed) {
+        pjob_free(j);
+        p_reject(x, d, id, TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_BUSY, "out of memory");
+        if (!kept) td_xfer_msg_free(m);
+        return;
+    }
+    j->x = x;
+    j->peer = d;
+    snprintf(j->id, sizeof j->id, "%s", id);
+    for (size_t r = 0; r < req->n_dest; r++)
+        if (req->dest[r]->rank == 0) memcpy(j->dest, req->dest[r]->block_ids, (size_t)nb * 4);
+    j->n_prompt = n;
+    j->d_cached = (int32_t)req->cached_tokens;
+    for (int32_t l = 0; l < x->n_layer; l++) j->pushed[l] = j->d_cached;
+    j->t_recv = td_time_s();
+    j->deadline = j->t_recv + req->deadline_ms / 1000.0;
+    j->lease_until = j->t_recv + x->p.lease_ms / 1000.0;
+    td_ucx_ops_init(&j->ops, on_ops_done, j);
+
+    td_gen_request g;
+    td_gen_request_init(&g);
+    g.id = id;
+    g.prompt = req->tokens;
+    g.n_prompt = n;
+    g.max_tokens = 1;
+    td_logit_bias *bias = NULL;
+    if (!sampling_from_proto(x, req->sampling, j, &g, &bias, err, sizeof err)) {
+        pjob_free(j);
+        p_reject(x, d, id, TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_INVALID, err);
+        if (!kept) td_xfer_msg_free(m);
+        return;
+    }
+    g.kv_export.ctx = j;
+    g.kv_export.layer = p_layer;
+    g.kv_export.ended = p_ended;
+    td_status st = td_sched_submit(x->p.sched, &g, &j->st);
+    free(bias); /* copied by the sampler */
+    if (st != TD_OK) {
+        j->st = NULL;
+        pjob_free(j);
+        p_reject(x, d, id,
+                 st == TD_AGAIN                ? TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_BUSY
+                 : st == TD_ERR_UNAVAILABLE    ? TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_DRAINING
+                                               : TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_INVALID,
+                 td_status_str(st));
+        if (!kept) td_xfer_msg_free(m);
+        return;
+    }
+    j->ticket = td_gen_stream_ticket(j->st);
+    j->next = x->pjobs;
+    x->pjobs = j;
+    if (!kept) td_xfer_msg_free(m);
+}
+
+static void p_on_msg(td_xfer *x, td_xfer_msg *m) {
+    switch (m->body_case) {
+    case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_REQUEST:
+        p_on_request(x, m); /* takes m */
+        return;
+    case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_ABORT:
+    case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_TRANSFER_CONSUMED: {
+        bool abort = m->body_case == TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_ABORT;
+        const char *id = abort ? m->abort->request_id : m->transfer_consumed->request_id;
+        for (pjob *j = x->pjobs; j; j = j->next) {
+            if (strcmp(j->id, id) != 0 || j->peer->epoch != m->from->epoch ||
+                strcmp(j->peer->instance, m->from->instance_id) != 0)
+                continue;
+            if (abort) {
+                j->cancelled = true;
+                if (!j->ended && j->st) td_gen_stream_cancel(j->st);
+            } else {
+                j->consumed = true;
+            }
+        }
+        break;
+    }
+    case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_LEASE_RENEWAL: {
+        const Tandem__Internal__V1__LeaseRenewal *lr = m->lease_renewal;
+        double until = td_time_s() + lr->lease_ms / 1000.0;
+        for (size_t i = 0; i < lr->n_request_ids; i++)
+            for (pjob *j = x->pjobs; j; j = j->next)
+                if (strcmp(j->id, lr->request_ids[i]) == 0 && j->peer->epoch == m->from->epoch &&
+                    strcmp(j->peer->instance, m->from->instance_id) == 0)
+                    j->lease_until = until;
+        break;
+    }
+    default:
+        TD_LOG_INFO("prefill: ignoring control message %d from %s", (int)m->body_case,
+                    m->from->instance_id);
+        break;
+    }
+    td_xfer_msg_free(m);
+}
+
+/* One pass over P's jobs and peers. Caller holds x->mu. */
+static void p_service(td_xfer *x) {
+    double now = td_time_s();
+    for (dpeer *d = x->dpeers; d; d = d->next)
+        if (atomic_load(&d->failed) && !d->closed) {
+            TD_LOG_WARN("decode instance %s (epoch %016" PRIx64 ") unreachable: closing", d->instance,
+                        d->epoch);
+            dpeer_close(d); /* puts in flight complete with an error */
+        }
+    for (pjob **pp = &x->pjobs; *pp;) {
+        pjob *j = *pp;
+        bool peer_gone = atomic_load(&j->peer->failed) || j->peer->closed;
+        if (!j->ended && !j->cancelled &&
+            (j->failed || peer_gone || now > j->deadline || now > j->lease_until)) {
+            j->cancelled = true; /* the scheduler ends it; p_ended seals */
+            td_gen_stream_cancel(j->st);
+        }
+        if (j->ended && !atomic_load(&j->flushed) && now > j->deadline + 0.2 && !j->peer->closed) {
+            /* Stuck puts (D stalled): force-close so they complete, then
+             * the sources can be freed. */
+            TD_LOG_WARN("prefill %s: puts still in flight past the deadline: closing the "
+                        "endpoint to %s",
+                        j->id, j->peer->instance);
+            dpeer_close(j->peer);
+        }
+        if (atomic_load(&j->flushed) && !j->replied) {
+            j->replied = true;
+            td_status fs = (td_status)atomic_load(&j->flush_status);
+            bool ok = fs == TD_OK && j->have_first && !j->failed && now <= j->deadline &&
+                      !j->cancelled && !peer_gone;
+            cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
+            if (ok) {
+                Tandem__Internal__V1__PrefillDone pd = TANDEM__INTERNAL__V1__PREFILL_DONE__INIT;
+                Tandem__V1__TopLogprob tl[TD_SAMPLER_MAX_LOGPROBS], *tlp[TD_SAMPLER_MAX_LOGPROBS];
+                pd.request_id = j->id;
+                pd.first_token = j->first.token;
+                pd.logprob = j->first.logprob;
+                for (int i = 0; i < j->first.n_top && i < TD_SAMPLER_MAX_LOGPROBS; i++) {
+                    tandem__v1__top_logprob__init(&tl[i]);
+                    tl[i].token_id = j->first.top[i].token;
+                    tl[i].logprob = j->first.top[i].logprob;
+                    tlp[i] = &tl[i];
+                }
+                pd.n_top_logprobs = (size_t)TD_MAX(0, TD_MIN(j->first.n_top, 20));
+                pd.top_logprobs = tlp;
+                pd.prefix_tokens_reused = (uint32_t)TD_MAX(0, j->p_cached - j->d_cached);
+                pd.sampler_state.data = j->sstate;
+                pd.sampler_state.len = sizeof j->sstate;
+                m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_DONE;
+                m.prefill_done = &pd;
+                ok = send_msg(x, j->peer->ep, &m) == TD_OK;
+                if (ok) {
+                    td_metrics_kv_transfer(x->p.metrics, j->bytes, now - j->t_recv);
+                    j->lease_until = now + x->p.lease_ms / 1000.0;
+                }
+            }
+            if (!ok) {
+                Tandem__Internal__V1__TransferFailed tf =
+                    TANDEM__INTERNAL__V1__TRANSFER_FAILED__INIT;
+                tf.request_id = j->id;
+                tf.message = j->cancelled      ? "aborted"
+                             : now > j->deadline ? "deadline"
+                             : fs != TD_OK     ? "transfer error"
+                                               : "prefill failed";
+                m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_TRANSFER_FAILED;
+                m.transfer_failed = &tf;
+                if (!peer_gone) send_msg(x, j->peer->ep, &m);
+                td_metrics_kv_transfer_failure(x->p.metrics,
+                                               j->cancelled        ? TD_XFER_FAIL_ABORTED
+                                               : now > j->deadline ? TD_XFER_FAIL_DEADLINE
+                                               : fs != TD_OK       ? TD_XFER_FAIL_PEER_ERROR
+                                                                   : TD_XFER_FAIL_FAILED);
+                j->consumed = true; /* nothing for D to consume */
+            }
+            /* Every put has completed (flushed or failed): the sources can go. */
+            td_sched_release(x->p.sched, j->ticket);
+        }
+        if (j->replied && (j->consumed || now > j->lease_until)) {
+            *pp = j->next;
+            pjob_free(j);
+            continue;
+        }
+        pp = &j->next;
+    }
+}
+
+/* ================================================================= decode */
+
+static void djob_unref(djob *j) {
+    if (atomic_fetch_sub(&j->refs, 1) != 1) return;
+    free(j->tokens);
+    free(j->bias);
+    free(j->stop_ids);
+    free(j);
+}
+
+static void d_release(void *ctx) { djob_unref(ctx); }
+
+static void table_remove(td_xfer *x, djob *j) {
+    for (djob **pp = &x->djobs; *pp; pp = &(*pp)->next)
+        if (*pp == j) {
+            *pp = j->next;
+            djob_unref(j);
+            return;
+        }
+}
+
+/* Builds and sends j's PrefillRequest to peer pp. Caller holds x->mu. */
+static td_status send_request(td_xfer *x, ppeer *pp, djob *j, const int32_t *blocks,
+                              int32_t n_blocks, int32_t n_cached) {
+    cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
+    Tandem__Internal__V1__PrefillRequest r = TANDEM__INTERNAL__V1__PREFILL_REQUEST__INIT;
+    Tandem__Internal__V1__RankBlocks rb = TANDEM__INTERNAL__V1__RANK_BLOCKS__INIT,
+                                     *rbp[1] = {&rb};
+    Tandem__V1__SamplingParams sp = TANDEM__V1__SAMPLING_PARAMS__INIT;
+    own_exchange oe;
+    r.request_id = j->id;
+    r.n_tokens = (size_t)j->n_tokens;
+    r.tokens = j->tokens;
+    r.cached_tokens = (uint32_t)n_cached;
+    rb.rank = 0;
+    rb.n_block_ids = (size_t)n_blocks;
+    rb.block_ids = (int32_t *)blocks;
+    r.n_dest = 1;
+    r.dest = rbp;
+    if (pp->need_exchange) {
+        build_exchange(x, &oe);
+        r.peer_case = TANDEM__INTERNAL__V1__PREFILL_REQUEST__PEER_EXCHANGE;
+        r.exchange = &oe.ex;
+    } else {
+        r.peer_case = TANDEM__INTERNAL__V1__PREFILL_REQUEST__PEER_EXCHANGE_ID;
+        r.exchange_id = x->exchange_id;
+    }
+    /* P's deadline ends a little before ours, so that it has stopped
+     * writing by the time we give up. */
+    int margin = TD_MAX(50, x->p.deadline_ms / 10);
+    r.deadline_ms = (uint32_t)TD_MAX(1, x->p.deadline_ms - margin);
+    uint8_t compat[16];
+    memcpy(compat, &x->p.compat.lo, 8);
+    memcpy(compat + 8, &x->p.compat.hi, 8);
+    r.compat.data = compat;
+    r.compat.len = 16;
+    sp._temperature_case = TANDEM__V1__SAMPLING_PARAMS___TEMPERATURE_TEMPERATURE;
+    sp.temperature = j->sp.temperature;
+    sp._top_p_case = TANDEM__V1__SAMPLING_PARAMS___TOP_P_TOP_P;
+    sp.top_p = j->sp.top_p;
+    sp.top_k = j->sp.top_k;
+    sp.min_p = j->sp.min_p;
+    if (j->sp.seed != TD_SAMPLER_SEED_RANDOM) {
+        sp._seed_case = TANDEM__V1__SAMPLING_PARAMS___SEED_SEED;
+        sp.seed = (int64_t)j->sp.seed;
+    }
+    sp._repetition_penalty_case =
+        TANDEM__V1__SAMPLING_PARAMS___REPETITION_PENALTY_REPETITION_PENALTY;
+    sp.repetition_penalty = j->sp.repetition_penalty;
+    sp.frequency_penalty = j->sp.frequency_penalty;
+    sp.presence_penalty = j->sp.presence_penalty;
+    sp.logprobs = j->sp.logprobs;
+    sp.top_logprobs = j->sp.n_logprobs;
+    sp.min_tokens = j->min_tokens;
+    sp.ignore_eos = j->ignore_eos;
+    sp.n_stop_token_ids = (size_t)j->n_stop_ids;
+    sp.stop_token_ids = j->stop_ids;
+    Tandem__V1__SamplingParams__LogitBiasEntry *lbe = NULL, **lbp = NULL;
+    if (j->sp.n_logit_bias > 0) {
+        lbe = calloc((size_t)j->sp.n_logit_bias, sizeof *lbe);
+        lbp = calloc((size_t)j->sp.n_logit_bias, sizeof *lbp);
+        if (!lbe || !lbp) {
+            free(lbe);
+            free(lbp);
+            return TD_ERR_NOMEM;
+        }
+        for (int32_t i = 0; i < j->sp.n_logit_bias; i++) {
+            tandem__v1__sampling_params__logit_bias_entry__init(&lbe[i]);
+            lbe[i].key = j->bias[i].token;
+            lbe[i].value = j->bias[i].bias;
+            lbp[i] = &lbe[i];
+        }
+        sp.n_logit_bias = (size_t)j->sp.n_logit_bias;
+        sp.logit_bias = lbp;
+    }
+    r.sampling = &sp;
+    m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_REQUEST;
+    m.prefill_request = &r;
+    td_status st = send_msg(x, pp->ep, &m);
+    free(lbe);
+    free(lbp);
+    return st;
+}
+
+static bool d_start(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t n_blocks,
+                    int32_t n_cached) {
+    djob *j = ctx;
+    td_xfer *x = j->x;
+    j->ticket = t;
+    if (j->n_tokens - n_cached < x->p.local_prefill_threshold) {
+        td_metrics_prefill_route(x->p.metrics, false, TD_LOCAL_PREFILL_THRESHOLD);
+        return false;
+    }
+    pthread_mutex_lock(&x->mu);
+    ppeer *pp = NULL;
+    for (int k = 0; k < x->n_ppeers && !pp; k++) {
+        ppeer *c = &x->ppeers[(x->rr + (unsigned)k) % (unsigned)x->n_ppeers];
+        if (c->ready && c->ep && !c->fence && !c->closing && !atomic_load(&c->err)) pp = c;
+    }
+    if (!pp) {
+        pthread_mutex_unlock(&x->mu);
+        td_metrics_prefill_route(x->p.metrics, false, TD_LOCAL_PREFILL_NO_PEER);
+        return false;
+    }
+    x->rr++;
+    /* In the table before the request leaves, so its answer finds it. */
+    j->peer = pp;
+    j->state = DJ_SENT;
+    j->n_blocks = n_blocks;
+    j->n_cached = n_cached;
+    j->t_sent = td_time_s();
+    j->deadline = j->t_sent + x->p.deadline_ms / 1000.0;
+    atomic_fetch_add(&j->refs, 1);
+    j->next = x->djobs;
+    x->djobs = j;
+    td_status st = send_request(x, pp, j, blocks, n_blocks, n_cached);
+    if (st != TD_OK) {
+        table_remove(x, j);
+        j->state = DJ_NEW;
+        pthread_mutex_unlock(&x->mu);
+        TD_LOG_WARN("request %s: sending the prefill request to %s failed (%s): prefilling here",
+                    j->id, pp->addr, td_status_str(st));
+        td_metrics_prefill_route(x->p.metrics, false, TD_LOCAL_PREFILL_NO_PEER);
+        return false;
+    }
+    pp->need_exchange = false;
+    pthread_mutex_unlock(&x->mu);
+    td_metrics_prefill_route(x->p.metrics, true, TD_LOCAL_PREFILL_COUNT);
+    return true;
+}
+
+static void d_cancelled(void *ctx, td_sched_ticket t) {
+    djob *j = ctx;
+    td_xfer *x = j->x;
+    TD_UNUSED(t);
+    pthread_mutex_lock(&x->mu);
+    if (j->state == DJ_SENT) {
+        j->state = DJ_CANCELLED; /* blocks quarantined until P answers or is fenced */
+        j->abort_pending = true;
+        td_metrics_kv_transfer_failure(x->p.metrics, TD_XFER_FAIL_ABORTED);
+    }
+    pthread_mutex_unlock(&x->mu);
+    wake(x);
+}
+
+void td_xfer_submit_hook(void *ctx, td_gen_request *g) {
+    td_xfer *x = ctx;
+    if (x->p.role != TD_XFER_DECODE || g->n_prompt < 1) return;
+    djob *j = calloc(1, sizeof *j);
+    if (!j) return; /* a local prefill, then */
+    j->tokens = malloc((size_t)g->n_prompt * sizeof *j->tokens);
+    if (g->sampling.n_logit_bias > 0)
+        j->bias = malloc((size_t)g->sampling.n_logit_bias * sizeof *j->bias);
+    if (g->n_stop_ids > 0) j->stop_ids = malloc((size_t)g->n_stop_ids * sizeof *j->stop_ids);
+    if (!j->tokens || (g->sampling.n_logit_bias > 0 && !j->bias) ||
+        (g->n_stop_ids > 0 && !j->stop_ids)) {
+        free(j->tokens);
+        free(j->bias);
+        free(j->stop_ids);
+        free(j);
+        return;
+    }
+    atomic_init(&j->refs, 1);
+    j->x = x;
+    snprintf(j->id, sizeof j->id, "%s", g->id ? g->id : "-");
+    /* printable ASCII only: the id travels in the control messages */
+    for (char *c = j->id; *c; c++)
+        if (*c < 0x21 || *c > 0x7e) *c = '_';
+    memcpy(j->tokens, g->prompt, (size_t)g->n_prompt * sizeof *j->tokens);
+    j->n_tokens = g->n_prompt;
+    j->sp = g->sampling;
+    if (j->bias)
+        memcpy(j->bias, g->sampling.logit_bias, (size_t)g->sampling.n_logit_bias * sizeof *j->bias);
+    j->sp.logit_bias = NULL;
+    j->min_tokens = g->min_tokens;
+    j->ignore_eos = g->ignore_eos;
+    if (j->stop_ids) memcpy(j->stop_ids, g->stop_ids, (size_t)g->n_stop_ids * sizeof *j->stop_ids);
+    j->n_stop_ids = g->n_stop_ids;
+    g->kv_import.ctx = j;
+    g->kv_import.start = d_start;
+    g->kv_import.cancelled = d_cancelled;
+    g->kv_import.release = d_release;
+}
+
+static djob *djob_find(td_xfer *x, const char *id, const Tandem__Internal__V1__Peer *from) {
+    for (djob *j = x->djobs; j; j = j->next)
+        if (strcmp(j->id, id) == 0 && j->peer && j->peer->epoch == from->epoch &&
+            strcmp(j->peer->instance, from->instance_id) == 0)
+            return j;
+    return NULL;
+}
+
+/* Sends a body-only message (TransferConsumed, Abort) about j. */
+static void d_notify(td_xfer *x, djob *j, bool abort) {
+    cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
+    Tandem__Internal__V1__TransferConsumed tc = TANDEM__INTERNAL__V1__TRANSFER_CONSUMED__INIT;
+    Tandem__Internal__V1__Abort ab = TANDEM__INTERNAL__V1__ABORT__INIT;
+    if (abort) {
+        ab.request_id = j->id;
+        ab.message = "cancelled";
+        m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_ABORT;
+        m.abort = &ab;
+    } else {
+        tc.request_id = j->id;
+        m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_TRANSFER_CONSUMED;
+        m.transfer_consumed = &tc;
+    }
+    send_msg(x, j->peer->ep, &m);
+}
+
+static void d_on_msg(td_xfer *x, td_xfer_msg *m) {
+    const char *id = NULL;
+    switch (m->body_case) {
+    case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_DONE:
+        id = m->prefill_done->request_id;
+        break;
+    case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_REJECTED:
+        id = m->prefill_rejected->request_id;
+        break;
+    case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_TRANSFER_FAILED:
+        id = m->transfer_failed->request_id;
+        break;
+    default:
+        TD_LOG_INFO("decode: ignoring control message %d from %s", (int)m->body_case,
+                    m->from->instance_id);
+        td_xfer_msg_free(m);
+        return;
+    }
+    djob *j = djob_find(x, id, m->from);
+    if (!j || (j->state != DJ_SENT && j->state != DJ_CANCELLED)) {
+        /* late (after our deadline, fenced) or unknown: nothing to do */
+        TD_LOG_INFO("decode: answer for %s from %s ignored (not in flight)", id,
+                    m->from->instance_id);
+        td_xfer_msg_free(m);
+        return;
+    }
+    double now = td_time_s();
+    bool cancelled = j->state == DJ_CANCELLED;
+    if (m->body_case == TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_DONE) {
+        const Tandem__Internal__V1__PrefillDone *pd = m->prefill_done;
+        d_notify(x, j, false);
+        if (cancelled) {
+            td_sched_release(x->p.sched, j->ticket); /* P flushed: the blocks are safe */
+        } else {
+            td_sample_result r;
+            memset(&r, 0, sizeof r);
+            r.token = pd->first_token;
+            r.logprob = pd->logprob;
+            r.n_top = (int32_t)TD_MIN(pd->n_top_logprobs, (size_t)TD_SAMPLER_MAX_LOGPROBS);
+            for (int32_t i = 0; i < r.n_top; i++) {
+                r.top[i].token = pd->top_logprobs[i]->token_id;
+                r.top[i].logprob = pd->top_logprobs[i]->logprob;
+            }
+            td_sched_remote_done(x->p.sched, j->ticket, &r, pd->sampler_state.data,
+                                 pd->sampler_state.len);
+            uint64_t bytes = (uint64_t)(j->n_tokens - j->n_cached) * x->row_bytes * 2u *
+                             (uint64_t)x->n_layer;
+            td_metrics_kv_transfer(x->p.metrics, bytes, now - j->t_sent);
+            double ms = (now - j->t_sent) * 1e3;
+            j->peer->avg_ms = j->peer->avg_ms > 0 ? 0.8 * j->peer->avg_ms + 0.2 * ms : ms;
+        }
+    } else {
+        bool rej = m->body_case == TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_REJECTED;
+        if (rej && m->prefill_rejected->reason ==
+                       TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_UNKNOWN_EXCHANGE)
+            j->peer->need_exchange = true;
+        TD_LOG_INFO("request %s: prefill instance %s %s: %s", j->id, j->peer->addr,
+                    rej ? "rejected it" : "failed it",
+                    rej ? m->prefill_rejected->message : m->transfer_failed->message);
+        /* Rejected: nothing was written. TransferFailed: P flushed and
+         * stopped. Either way the blocks are safe to reuse. */
+        if (cancelled) {
+            td_sched_release(x->p.sched, j->ticket);
+        } else {
+            td_metrics_kv_transfer_failure(x->p.metrics,
+                                           rej ? TD_XFER_FAIL_REJECTED : TD_XFER_FAIL_FAILED);
+            td_metrics_prefill_route(x->p.metrics, false, TD_LOCAL_PREFILL_FALLBACK);
+            td_sched_remote_failed(x->p.sched, j->ticket, false, true, TD_ERR_UNAVAILABLE);
+        }
+    }
+    table_remove(x, j);
+    td_xfer_msg_free(m);
+}
+
+/* Reads P's exchange from its HTTP endpoint and links to its rank 0. Runs
+ * without x->mu (the fetch blocks up to its timeout). */
+typedef struct {
+    uint8_t *buf;
+    size_t len;
+    bool over;
+} fetch_buf;
+
+static size_t fetch_write(char *p, size_t sz, size_t n, void *ud) {
+    fetch_buf *b = ud;
+    size_t k = sz * n;
+    if (b->len + k > XF_EXCHANGE_LIMIT) {
+        b->over = true;
+        return 0;
+    }
+    uint8_t *nb = realloc(b->buf, b->len + k);
+    if (!nb) return 0;
+    memcpy(nb + b->len, p, k);
+    b->buf = nb;
+    b->len += k;
+    return k;
+}
+
+static td_status fetch_exchange(td_xfer *x, const char *addr, td_xfer_msg **m_p, char *err,
+                                size_t err_len) {
+    CURL *c = curl_easy_init();
+    if (!c) {
+        snprintf(err, err_len, "curl_easy_init failed");
+        return TD_ERR_NOMEM;
+    }
+    char url[400], hdr[600];
+    snprintf(url, sizeof url, "http://%s/internal/v1/kv/exchange", addr);
+    snprintf(hdr, sizeof hdr, "X-Tandem-Cluster-Token: %s", x->token);
+    struct curl_slist *h = curl_slist_append(NULL, hdr);
+    fetch_buf b = {0};
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, fetch_write);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 1000L);
+    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, 500L);
+    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http");
+    CURLcode rc = curl_easy_perform(c);
+    long code = 0;
+    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+    curl_slist_free_all(h);
+    curl_easy_cleanup(c);
+    td_status st = TD_OK;
+    if (rc != CURLE_OK) {
+        snprintf(err, err_len, "GET %s: %s", url, b.over ? "reply too large" : curl_easy_strerror(rc));
+        st = TD_ERR_IO;
+    } else if (code != 200) {
+        snprintf(err, err_len, "GET %s: HTTP %ld", url, code);
+        st = TD_ERR_IO;
+    } else if ((st = td_xfer_msg_decode(&x->lim, b.buf, b.len, m_p, err, err_len)) == TD_OK &&
+               (*m_p)->body_case != TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_EXCHANGE) {
+        snprintf(err, err_len, "GET %s: not an exchange", url);
+        td_xfer_msg_free(*m_p);
+        *m_p = NULL;
+        st = TD_ERR_INVALID;
+    }
+    free(b.buf);
+    return st;
+}
+
+static void d_link(td_xfer *x, ppeer *pp) {
+    char err[700] = "";
+    td_xfer_msg *m = NULL;
+    td_ucx_ep *ep = NULL;
+    td_status st = fetch_exchange(x, pp->addr, &m, err, sizeof err);
+    if (st == TD_OK && !plan_is_single(m->exchange)) {
+        snprintf(err, sizeof err, "%s runs a plan of more than one rank (not supported yet)",
+                 pp->addr);
+        st = TD_ERR_UNSUPPORTED;
+    }
+    if (st == TD_OK) {
+        const Tandem__Internal__V1__RankEndpoint *r0 = m->exchange->ranks[0];
+        st = td_ucx_ep_create(x->ucx, r0->worker_address.data, r0->worker_address.len, pp, &ep);
+        if (st != TD_OK) snprintf(err, sizeof err, "%s: bad worker address", pp->addr);
+    }
+    pthread_mutex_lock(&x->mu);
+    if (st == TD_OK) {
+        snprintf(pp->instance, sizeof pp->instance, "%s", m->from->instance_id);
+        pp->epoch = m->from->epoch;
+        pp->ep = ep;
+        atomic_store(&pp->err, false);
+        pp->ready = true;
+        pp->need_exchange = true;
+        pp->last_err[0] = 0;
+        char tl[160];
+        td_ucx_ep_transports(ep, tl, sizeof tl);
+        TD_LOG_INFO("linked prefill instance %s (%s, epoch %016" PRIx64 "): %s", pp->addr,
+                    pp->instance, pp->epoch, tl);
+    } else {
+        if (strcmp(pp->last_err, err) != 0) TD_LOG_WARN("prefill instance unavailable: %s", err);
+        snprintf(pp->last_err, sizeof pp->last_err, "%s", err);
+        pp->next_link = td_time_s() + x->p.link_interval_ms / 1000.0;
+    }
+    pthread_mutex_unlock(&x->mu);
+    td_xfer_msg_free(m);
+}
+
+/* One pass over D's jobs and peers. Caller holds x->mu. */
+static void d_service(td_xfer *x) {
+    double now = td_time_s();
+    for (djob *j = x->djobs; j; j = j->next) {
+        if (j->abort_pending) {
+            j->abort_pending = false;
+            d_notify(x, j, true);
+        }
+        if ((j->state == DJ_SENT || j->state == DJ_CANCELLED) && now > j->deadline) {
+            TD_LOG_WARN("request %s: prefill instance %s missed the deadline (%d ms): fencing it",
+                        j->id, j->peer->addr, x->p.deadline_ms);
+            td_metrics_kv_transfer_failure(x->p.metrics, TD_XFER_FAIL_DEADLINE);
+            j->peer->fence = true;
+        }
+    }
+    for (int k = 0; k < x->n_ppeers; k++) {
+        ppeer *pp = &x->ppeers[k];
+        if (atomic_load(&pp->err) && pp->ep && !pp->fence) {
+            TD_LOG_WARN("prefill instance %s: endpoint error: fencing it", pp->addr);
+            td_metrics_kv_transfer_failure(x->p.metrics, TD_XFER_FAIL_PEER_ERROR);
+            pp->fence = true;
+        }
+        if (pp->fence && !pp->closing) {
+            /* Every job still waiting on this P is quarantined; the blocks
+             * are freed once our endpoint to it is closed. */
+            for (djob *j = x->djobs; j; j = j->next) {
+                if (j->peer != pp) continue;
+                if (j->state == DJ_SENT) {
+                    td_metrics_prefill_route(x->p.metrics, false, TD_LOCAL_PREFILL_FALLBACK);
+                    td_sched_remote_failed(x->p.sched, j->ticket, true, true, TD_ERR_UNAVAILABLE);
+                }
+                j->state = DJ_QUARANTINED;
+            }
+            pp->ready = false;
+            pp->closing = true;
+            atomic_store(&pp->close_done, false);
+            td_ucx_ep *ep = pp->ep;
+            pp->ep = NULL;
+            if (ep)
+                td_ucx_ep_close(ep, on_peer_closed, pp);
+            else
+                atomic_store(&pp->close_done, true);
+        }
+        if (pp->closing && atomic_load(&pp->close_done)) {
+            for (djob *j = x->djobs; j;) {
+                djob *next = j->next;
+                if (j->peer == pp && j->state == DJ_QUARANTINED) {
+                    td_sched_release(x->p.sched, j->ticket);
+                    table_remove(x, j);
+                }
+                j = next;
+            }
+            pp->closing = false;
+            pp->fence = false;
+            pp->next_link = now; /* relink: a new endpoint, the exchange inline again */
+            TD_LOG_INFO("prefill instance %s fenced: quarantined blocks released", pp->addr);
+        }
+    }
+    if (now >= x->next_lease) {
+        x->next_lease = now + x->p.lease_ms / 3000.0;
+        for (int k = 0; k < x->n_ppeers; k++) {
+            ppeer *pp = &x->ppeers[k];
+            if (!pp->ready || !pp->ep) continue;
+            char *ids[256];
+            size_t n = 0;
+            for (djob *j = x->djobs; j && n < 256; j = j->next)
+                if (j->peer == pp && j->state == DJ_SENT) ids[n++] = j->id;
+            if (n == 0) continue;
+            cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
+            Tandem__Internal__V1__LeaseRenewal lr = TANDEM__INTERNAL__V1__LEASE_RENEWAL__INIT;
+            lr.n_request_ids = n;
+            lr.request_ids = ids;
+            lr.lease_ms = (uint32_t)x->p.lease_ms;
+            m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_LEASE_RENEWAL;
+            m.lease_renewal = &lr;
+            send_msg(x, pp->ep, &m);
+        }
+    }
+}
+
+/* ========================================================= service thread */
+
+static void *service_main(void *arg) {
+    td_xfer *x = arg;
+    while (!atomic_load(&x->stop)) {
+        struct pollfd pfd = {.fd = x->wake_fd, .events = POLLIN};
+        poll(&pfd, 1, 20);
+        uint64_t v;
+        ssize_t r = read(x->wake_fd, &v, sizeof v);
+        TD_UNUSED(r);
+        pthread_mutex_lock(&x->in_mu);
+        td_xfer_msg **in = x->inbox;
+        int n = x->n_inbox;
+        x->inbox = NULL;
+        x->n_inbox = x->cap_inbox = 0;
+        pthread_mutex_unlock(&x->in_mu);
+        pthread_mutex_lock(&x->mu);
+        for (int i = 0; i < n; i++) {
+            if (x->p.role == TD_XFER_PREFILL)
+                p_on_msg(x, in[i]);
+            else
+                d_on_msg(x, in[i]);
+        }
+        if (x->p.role == TD_XFER_PREFILL)
+            p_service(x);
+        else
+            d_service(x);
+        pthread_mutex_unlock(&x->mu);
+        free(in);
+        if (x->p.role == TD_XFER_DECODE) {
+            double now = td_time_s();
+            for (int k = 0; k < x->n_ppeers && !atomic_load(&x->stop); k++) {
+                ppeer *pp = &x->ppeers[k];
+                pthread_mutex_lock(&x->mu);
+                bool due = !pp->ready && !pp->closing && !pp->fence && now >= pp->next_link;
+                pthread_mutex_unlock(&x->mu);
+                if (due) d_link(x, pp);
+            }
+        }
+    }
+    return NULL;
+}
+
+/* ================================================================ lifetime */
+
+td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
+    if (!p || !x_p || !p->sched || !p->exec || !p->cluster_token || !*p->cluster_token ||
+        !p->instance_id || p->deadline_ms < 1 || p->deadline_ms > 600000 || p->lease_ms < 3 ||
+        p->lease_ms > 600000 || (p->role == TD_XFER_DECODE && p->n_prefill < 0)) {
+        TD_LOG_ERROR("invalid transfer parameters");
+        return TD_ERR_INVALID;
+    }
+    if (td_exec_world(p->exec) != 1) {
+        TD_LOG_ERROR("KV transfer needs a plan of one rank for now (this one has %d)",
+                     td_exec_world(p->exec));
+        return TD_ERR_UNSUPPORTED;
+    }
+    td_xfer *x = calloc(1, sizeof *x);
+    if (!x) return TD_ERR_NOMEM;
+    x->p = *p;
+    x->wake_fd = -1;
+    td_status st = TD_ERR_NOMEM;
+    x->instance_id = strdup(p->instance_id);
+    x->token = strdup(p->cluster_token);
+    if (!x->instance_id || !x->token) goto fail;
+    x->token_len = strlen(x->token);
+    x->p.instance_id = x->instance_id;
+    x->p.cluster_token = x->token;
+    x->p.prefill = NULL;
+    pthread_mutex_init(&x->mu, NULL);
+    pthread_mutex_init(&x->in_mu, NULL);
+    x->kv = td_exec_kv(p->exec);
+    x->epoch = td_kv_events_epoch(td_kv_pool_events(x->kv));
+    if (x->epoch == 0) x->epoch = random_u64();
+    x->exchange_id = random_u64();
+    const td_model_config *cfg = td_model_get_config(td_exec_model(p->exec));
+    const td_kv_params *kp = td_kv_pool_params(x->kv);
+    x->n_layer = cfg->n_layer;
+    x->n_head_kv = cfg->n_head_kv;
+    x->head_dim = cfg->head_dim;
+    x->n_vocab = cfg->n_vocab;
+    x->block_size = kp->block_size;
+    x->n_blocks = kp->n_blocks;
+    if (kp->n_layers != cfg->n_layer || kp->n_kv_heads != cfg->n_head_kv) {
+        TD_LOG_ERROR("KV pool of %d layers x %d heads is not the whole model's %d x %d",
+                     kp->n_layers, kp->n_kv_heads, cfg->n_layer, cfg->n_head_kv);
+        st = TD_ERR_UNSUPPORTED;
+        goto fail;
+    }
+    x->row_bytes = (size_t)x->n_head_kv * (size_t)x->head_dim * sizeof(float);
+    x->lim = (td_xfer_limits){.cluster_token = (const uint8_t *)x->token,
+                              .cluster_token_len = x->token_len,
+                              .max_bytes = XF_MAX_MSG,
+                              .n_vocab = x->n_vocab,
+                              .max_ctx = p->max_ctx,
+                              .n_layer = x->n_layer,
+                              .n_head_kv = x->n_head_kv,
+                              .head_dim = x->head_dim,
+                              .block_size = x->block_size,
+                              .compat = p->compat};
+    if (p->role == TD_XFER_DECODE) {
+        if (curl_global_init(CURL_GLOBAL_NOTHING) != CURLE_OK) {
+            TD_LOG_ERROR("curl_global_init failed");
+            st = TD_ERR_IO;
+            goto fail;
+        }
+        x->n_ppeers = p->n_prefill;
+        x->ppeers = calloc((size_t)TD_MAX(1, p->n_prefill), sizeof *x->ppeers);
+        if (!x->ppeers) goto fail;
+        for (int i = 0; i < p->n_prefill; i++)
+            snprintf(x->ppeers[i].addr, sizeof x->ppeers[i].addr, "%s", p->prefill[i]);
+    }
+    x->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (x->wake_fd < 0) {
+        TD_LOG_ERROR("eventfd: %s", strerror(errno));
+        st = TD_ERR_IO;
+        goto fail;
+    }
+    td_ucx_params up = {.name = p->role == TD_XFER_PREFILL ? "prefill" : "decode",
+                        .on_msg = on_msg,
+                        .on_error = on_error,
+                        .ctx = x,
+                        .max_msg_bytes = XF_MAX_MSG};
+    if ((st = td_ucx_create(&up, &x->ucx)) != TD_OK) goto fail;
+    /* The pool moves into memory UCX allocates (a shared-memory segment
+     * where it can make one), so that a peer on this host puts into it with
+     * one memcpy instead of through our worker (see ucx.h). */
+    td_kv_pool_storage(x->kv, &x->kv_base, &x->kv_bytes);
+    if ((st = td_ucx_mem_alloc(x->ucx, x->kv_bytes, &x->mem)) != TD_OK) goto fail;
+    x->kv_base = td_ucx_mem_base(x->mem);
+    if ((st = td_kv_pool_adopt_storage(x->kv, x->kv_base, x->kv_bytes)) != TD_OK) goto fail;
+    if ((st = td_ucx_mem_rkey(x->mem, &x->rkey, &x->rkey_len)) != TD_OK) goto fail;
+    if ((st = td_ucx_address(x->ucx, &x->addr, &x->addr_len)) != TD_OK) goto fail;
+    if (pthread_create(&x->thread, NULL, service_main, x) != 0) {
+        st = TD_ERR_IO;
+        goto fail;
+    }
+    x->thread_started = true;
+    *x_p = x;
+    return TD_OK;
+fail:
+    td_xfer_destroy(x);
+    return st;
+}
+
+void td_xfer_stop(td_xfer *x) {
+    if (!x || x->stopped) return;
+    x->stopped = true;
+    atomic_store(&x->stop, true);
+    if (x->thread_started) {
+        wake(x);
+        pthread_join(x->thread, NULL);
+    }
+    /* Close every endpoint: puts in flight complete (with an error), so
+     * nothing touches the KV memory any more. */
+    pthread_mutex_lock(&x->mu);
+    td_ucx_ep *eps[64];
+    int n = 0;
+    for (int k = 0; k < x->n_ppeers; k++) {
+        if (x->ppeers[k].ep && n < 64) eps[n++] = x->ppeers[k].ep;
+        x->ppeers[k].ep = NULL;
+        x->ppeers[k].ready = false;
+    }
+    for (dpeer *d = x->dpeers; d; d = d->next) {
+        td_ucx_rkey_destroy(d->rk);
+        d->rk = NULL;
+        if (d->ep && n < 64)
+            eps[n++] = d->ep;
+        else if (d->ep)
+            td_ucx_ep_close(d->ep, NULL, NULL);
+        d->ep = NULL;
+        d->closed = true;
+    }
+    pthread_mutex_unlock(&x->mu);
+    for (int i = 0; i < n; i++) td_ucx_ep_close_wait(eps[i], 2000);
+}
+
+void td_xfer_destroy(td_xfer *x) {
+    if (!x) return;
+    td_xfer_stop(x);
+    /* The scheduler is gone: it freed every held and quarantined block. */
+    for (djob *j = x->djobs; j;) {
+        djob *next = j->next;
+        djob_unref(j);
+        j = next;
+    }
+    for (pjob *j = x->pjobs; j;) {
+        pjob *next = j->next;
+        pjob_free(j);
+        j = next;
+    }
+    for (dpeer *d = x->dpeers; d;) {
+        dpeer *next = d->next;
+        td_xfer_msg_free(d->ex_msg);
+        free(d);
+        d = next;
+    }
+    free(x->addr);
+    free(x->rkey);
+    td_ucx_mem_unmap(x->mem);
+    td_ucx_destroy(x->ucx);
+    for (int i = 0; i < x->n_inbox; i++) td_xfer_msg_free(x->inbox[i]);
+    free(x->inbox);
+    if (x->wake_fd >= 0) close(x->wake_fd);
+    if (x->p.role == TD_XFER_DECODE && x->ppeers) curl_global_cleanup();
+    free(x->ppeers);
+    pthread_mutex_destroy(&x->mu);
+    pthread_mutex_destroy(&x->in_mu);
+    free(x->instance_id);
+    free(x->token);
+    free(x);
+}
+
+/* ================================================================= state */
+
+td_status td_xfer_exchange(void *ctx, uint8_t **buf, size_t *len) {
+    td_xfer *x = ctx;
+    own_exchange oe;
+    build_exchange(x, &oe);
+    cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
+    Tandem__Internal__V1__Peer from = TANDEM__INTERNAL__V1__PEER__INIT;
+    from.instance_id = x->instance_id;
+    from.epoch = x->epoch;
+    m.from = &from;
+    m.cluster_token.data = (uint8_t *)x->token;
+    m.cluster_token.len = x->token_len;
+    m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_EXCHANGE;
+    m.exchange = &oe.ex;
+    size_t n = protobuf_c_message_get_packed_size(&m.base);
+    *buf = malloc(n ? n : 1);
+    if (!*buf) return TD_ERR_NOMEM;
+    protobuf_c_message_pack(&m.base, *buf);
+    *len = n;
+    return TD_OK;
+}
+
+void td_xfer_stats_get(td_xfer *x, td_xfer_stats *st) {
+    memset(st, 0, sizeof *st);
+    td_sched_stats ss;
+    td_sched_stats_get(x->p.sched, &ss);
+    st->quarantined_blocks = ss.quarantined_blocks;
+    pthread_mutex_lock(&x->mu);
+    if (x->p.role == TD_XFER_PREFILL) {
+        for (pjob *j = x->pjobs; j; j = j->next) {
+            if (!j->replied) st->in_flight++;
+            if (j->replied && !j->consumed) st->awaiting_consume++;
+        }
+        st->leased_blocks = ss.held_blocks;
+    } else {
+        for (djob *j = x->djobs; j; j = j->next)
+            if (j->state == DJ_SENT) {
+                st->in_flight++;
+                st->leased_blocks += j->n_blocks;
+            }
+        for (int k = 0; k < x->n_ppeers; k++) st->linked_peers += x->ppeers[k].ready;
+    }
+    pthread_mutex_unlock(&x->mu);
+    st->bytes_put = atomic_load(&x->bytes_put);
+}
+
+void td_xfer_gauges(td_xfer *x, td_metrics_gauges *g) {
+    td_xfer_stats st;
+    td_xfer_stats_get(x, &st);
+    g->disagg = true;
+    g->kv_leased = st.leased_blocks;
+    g->kv_quarantined = st.quarantined_blocks;
+    g->xfer_in_flight = st.in_flight;
+}
+
+char *td_xfer_state_json(void *ctx) {
+    td_xfer *x = ctx;
+    td_xfer_stats st;
+    td_xfer_stats_get(x, &st);
+    td_sched_stats ss;
+    td_sched_stats_get(x->p.sched, &ss);
+    json_t *peers = json_array();
+    pthread_mutex_lock(&x->mu);
+    for (int k = 0; peers && k < x->n_ppeers; k++) {
+        const ppeer *pp = &x->ppeers[k];
+        char ep[24];
+        snprintf(ep, sizeof ep, "%016" PRIx64, pp->epoch);
+        json_array_append_new(peers, json_pack("{s:s,s:s,s:s,s:b,s:f}", "address", pp->addr,
+                                               "instance_id", pp->instance, "epoch", ep, "ready",
+                                               (int)pp->ready, "transfer_ms_avg", pp->avg_ms));
+    }
+    pthread_mutex_unlock(&x->mu);
+    json_t *o = json_pack("{s:s,s:i,s:i,s:i,s:i,s:i,s:I,s:o}", "role",
+                          x->p.role == TD_XFER_PREFILL ? "prefill" : "decode", "in_flight",
+                          st.in_flight, "leased_blocks", st.leased_blocks, "quarantined_blocks",
+                          st.quarantined_blocks, "held_blocks", ss.held_blocks, "awaiting_consume",
+                          st.awaiting_consume, "bytes_put", (json_int_t)st.bytes_put, "peers",
+                          peers ? peers : json_array());
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    return s;
+}

@@ -1,0 +1,105 @@
+/* KV migration between a prefill instance (P) and a decode instance (D):
+ * the ownership protocol of DESIGN.md §2 on the UCX channel of §4.
+ *
+ * D (role decode) attaches a KV import to every request its front ends
+ * submit (td_xfer_submit_hook). At admission the scheduler hands it the
+ * prompt's destination blocks; unless the uncached prompt is below the
+ * local-prefill threshold or no P is linked, D sends a PrefillRequest (the
+ * tokens, its block ids, its endpoints and rkey the first time, a
+ * deadline) to the next linked P, round-robin, and the sequence waits.
+ * P queues the job in its own scheduler (batched with other D's jobs,
+ * reusing its prefix cache) with a KV export: as each layer of each chunk
+ * is computed, P puts that layer's new K/V rows into D's blocks
+ * (ucp_put_nbx of contiguous block runs, range-checked against D's
+ * region); after the first token it flushes, then sends PrefillDone (first
+ * token, logprobs, sampler state). D then decodes.
+ *
+ * Every wait is bounded: D's deadline (and P's, slightly shorter) and the
+ * leases D renews while it waits; every failure is explicit
+ * (PrefillRejected: nothing was written, the blocks are reused at once;
+ * TransferFailed: P flushed and stopped writing; Abort from D when the
+ * client goes). When D gives up without P's word (deadline, endpoint
+ * error), it fences that P epoch: the destination blocks stay quarantined
+ * until D has force-closed its endpoint to P and the close completed, and
+ * only then are they freed; the request falls back to a local prefill in
+ * fresh blocks. P never frees source blocks while its puts are in flight:
+ * it waits for the flush, and on its own deadline force-closes the
+ * endpoint so that they complete.
+ *
+ * Threads: UCX callbacks only record what happened and wake this module's
+ * service thread, which does the follow-up (messages, fencing, releases,
+ * links to P: its exchange is fetched from P's internal HTTP endpoint).
+ * Both sides run with a world of one rank (TP = PP = CP = 1) for now: a
+ * peer with another plan is refused as incompatible. */
+#ifndef TD_TRANSFER_XFER_H
+#define TD_TRANSFER_XFER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "../api/request.h"
+#include "../base/base.h"
+#include "../kv/hash.h"
+#include "../obs/metrics.h"
+#include "../parallel/exec.h"
+#include "../sched/sched.h"
+
+typedef enum { TD_XFER_PREFILL, TD_XFER_DECODE } td_xfer_role;
+
+typedef struct {
+    td_xfer_role role;
+    const char *instance_id;   /* this instance's name for peers (copied; 1..63 printable) */
+    const char *cluster_token; /* shared secret of the cluster (copied; required) */
+    td_sched *sched;           /* borrowed: the instance's scheduler */
+    td_exec *exec;             /* borrowed: its ranks (a world of one) */
+    td_metrics *metrics;       /* borrowed; may be NULL */
+    td_kv_hash compat;         /* the instance's compatibility hash */
+    int32_t max_ctx;           /* longest sequence */
+    int deadline_ms;           /* D: per remote prefill (default 30000) */
+    int lease_ms;              /* lease D asks for and renews every lease/3 (default 3000) */
+    /* decode */
+    const char *const *prefill; /* HOST:PORT of each P's HTTP endpoint (copied) */
+    int n_prefill;
+    int32_t local_prefill_threshold; /* uncached prompt tokens below which D prefills
+                                      * itself (default 0: always remote) */
+    int link_interval_ms;            /* retry period for unlinked P (default 500) */
+    /* prefill */
+    bool layerwise; /* push each layer as it is computed (default true); false: all
+                     * layers after the last chunk, for the benchmark */
+} td_xfer_params;
+
+td_xfer_params td_xfer_default_params(void);
+
+typedef struct td_xfer td_xfer;
+
+/* Creates the UCX worker, maps the KV pool, starts the service thread. */
+td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p);
+/* Shutdown, in this order: td_xfer_stop (stops the service thread, closes
+ * every endpoint and waits for the closes, so no put touches the KV any
+ * more), then td_sched_destroy (which ends every sequence and frees every
+ * held or quarantined block; the hooks it calls stay valid), then
+ * td_xfer_destroy (frees the KV memory UCX allocated: the pool is unused
+ * from then on and must only be destroyed). Both accept NULL. */
+void td_xfer_stop(td_xfer *x);
+void td_xfer_destroy(td_xfer *x);
+
+/* D: the front ends' hook (td_api_submit_hook with ctx = x). */
+void td_xfer_submit_hook(void *x, td_gen_request *g);
+/* P: GET /internal/v1/kv/exchange (http.h's kv_exchange, ctx = x). */
+td_status td_xfer_exchange(void *x, uint8_t **buf, size_t *len);
+/* The "transfer" object of /internal/v1/state (http.h's state_transfer). */
+char *td_xfer_state_json(void *x);
+
+typedef struct {
+    int32_t in_flight;      /* remote prefills / export jobs not yet finished */
+    int32_t leased_blocks;  /* D: destinations of in-flight jobs; P: sources held */
+    int32_t quarantined_blocks;
+    int32_t awaiting_consume; /* P: PrefillDone sent, TransferConsumed not yet seen */
+    int32_t linked_peers;     /* D: P instances ready */
+    uint64_t bytes_put;       /* P */
+} td_xfer_stats;
+void td_xfer_stats_get(td_xfer *x, td_xfer_stats *st);
+/* Adds the transfer gauges to g (g->disagg set). */
+void td_xfer_gauges(td_xfer *x, td_metrics_gauges *g);
+
+#endif
