@@ -62,7 +62,8 @@ import pytest
 
 from conftest import scaled
 
-READY_RE = re.compile(r"^tandem serve: listening http=(\S+) grpc=(\S+)\s*$")
+READY_RE = re.compile(
+    r"^(?:tandem serve|tandem-prefill|tandem-decode): listening http=(\S+) grpc=(\S+)\s*$")
 
 
 def ready_line_ports(line):
@@ -225,17 +226,24 @@ class Server:
         self.base_url = None
         self.out_path = self.err_path = None
         self.argv = None
+        self.internal_headers = {}
 
     @classmethod
-    def start(cls, binary, model, args, log_dir, env=None, ready_timeout=60):
+    def start(cls, binary, model, args, log_dir, env=None, ready_timeout=60, cmd=None,
+              cluster_token=None):
+        """cmd: the argv before --model (default [binary, "serve"]), e.g.
+        [build/"tandem-prefill"]; cluster_token: sent on /internal/ paths."""
         s = cls()
+        if cluster_token:
+            s.internal_headers = {"X-Tandem-Cluster-Token": cluster_token}
         log_dir = pathlib.Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         n = len(list(log_dir.glob("serve-*.out")))
         s.out_path = log_dir / f"serve-{n}.out"
         s.err_path = log_dir / f"serve-{n}.err"
         args = [str(a) for a in args]
-        s.argv = [str(binary), "serve", "--model", str(model), "--port", "0"]
+        s.argv = [str(c) for c in (cmd or [binary, "serve"])] + ["--model", str(model),
+                                                                  "--port", "0"]
         if "--grpc-port" not in args:
             s.argv += ["--grpc-port", "-1"]
         s.argv += args
@@ -296,8 +304,8 @@ class Server:
         except ValueError:
             return status, None
 
-    def get_json(self, path, timeout=30):
-        status, _, data = self.request("GET", path, timeout=timeout)
+    def get_json(self, path, timeout=30, headers=None):
+        status, _, data = self.request("GET", path, headers=headers, timeout=timeout)
         try:
             return status, json.loads(data)
         except ValueError:
@@ -315,7 +323,7 @@ class Server:
 
     def state(self, since=None):
         path = "/internal/v1/state" + ("" if since is None else f"?since={since}")
-        status, body = self.get_json(path)
+        status, body = self.get_json(path, headers=self.internal_headers)
         if status != 200 or not isinstance(body, dict):
             pytest.fail(f"GET {path}: {status} {body!r}")
         return body
@@ -335,13 +343,17 @@ class Server:
         last = None
         while True:
             b = self.blocks()
-            ld = state_load(self.state())
-            last = (b, ld)
+            st = self.state()
+            ld = state_load(st)
+            xf = st.get("transfer", {})
+            last = (b, ld, xf)
             ok = (b["used"] == 0 and b["reserved"] == 0 and b["running"] == 0
                   and b["waiting"] == 0
                   and b["empty"] + b["cached"] == b["total"]
                   and ld.get("kv_used", -1) == 0 and ld.get("kv_reserved", -1) == 0
-                  and ld.get("running", -1) == 0 and ld.get("waiting", -1) == 0)
+                  and ld.get("running", -1) == 0 and ld.get("waiting", -1) == 0
+                  and all(xf.get(k, 0) == 0 for k in ("in_flight", "leased_blocks",
+                                                      "quarantined_blocks", "held_blocks")))
             if ok:
                 return b
             if self.proc.poll() is not None:
@@ -349,7 +361,7 @@ class Server:
                             f"{self.log_tail()}")
             if time.monotonic() > deadline:
                 pytest.fail(f"not idle after {scaled(timeout):.0f} s: metrics {last[0]}, "
-                            f"state {last[1]}")
+                            f"state {last[1]}, transfer {last[2]}")
             time.sleep(0.05)
 
     # -- lifetime

@@ -1,0 +1,226 @@
+"""tandem-prefill + tandem-decode on loopback (tiny models): outputs through
+P+D equal `tandem serve`'s bit for bit (greedy, logprobs, seeded sampling,
+single and 16 concurrent requests, prompts over several prefill chunks and
+prefix hits on either side), the routing counters, the cluster token on the
+internal endpoints, and every block count back at idle afterwards."""
+
+import concurrent.futures as cf
+import random
+
+import pytest
+
+from conftest import wait_until
+from serve_util import Server, metric
+
+TOKEN = "tiny-cluster-secret"
+MODELS = ["llama2-f32-gguf", "qwen2-q8_0-gguf"]
+
+
+def model_path(manifest, test_models, name):
+    for m in manifest:
+        if m["name"] == name:
+            return test_models / m["path"]
+    pytest.fail(f"no test model {name}")
+
+
+class Pair:
+    """One prefill and one decode instance wired together."""
+
+    def __init__(self, tandem_bin, log_dir, model, p_args=(), d_args=(), env=None):
+        bin_dir = tandem_bin.parent
+        self.p = Server.start(tandem_bin, model, ["--cluster-token", TOKEN, "--threads", "1",
+                                                  *p_args],
+                              log_dir / "prefill", env=env, cmd=[bin_dir / "tandem-prefill"],
+                              cluster_token=TOKEN)
+        try:
+            self.d = Server.start(tandem_bin, model,
+                                  ["--prefill", f"127.0.0.1:{self.p.port}", "--cluster-token",
+                                   TOKEN, "--threads", "1", *d_args],
+                                  log_dir / "decode", env=env, cmd=[bin_dir / "tandem-decode"],
+                                  cluster_token=TOKEN)
+        except BaseException:
+            self.p.close()
+            raise
+        self.wait_linked()
+
+    def wait_linked(self):
+        wait_until(lambda: all(pp["ready"] for pp in self.d.state()["transfer"]["peers"]),
+                   timeout=20, what="decode linked to prefill", proc=self.d.proc)
+
+    def close(self):
+        self.d.close()
+        self.p.close()
+
+
+@pytest.fixture
+def pair(tandem_bin, tmp_path):
+    made = []
+
+    def start(model, p_args=(), d_args=(), env=None):
+        pr = Pair(tandem_bin, tmp_path / f"pair{len(made)}", model, p_args, d_args, env)
+        made.append(pr)
+        return pr
+
+    yield start
+    for pr in reversed(made):
+        pr.close()
+
+
+@pytest.fixture
+def colocated(tandem_bin, tmp_path):
+    made = []
+
+    def start(model, *args):
+        s = Server.start(tandem_bin, model, ["--threads", "1", *args], tmp_path / "serve")
+        made.append(s)
+        return s
+
+    yield start
+    for s in reversed(made):
+        s.close()
+
+
+def complete(srv, body):
+    status, out = srv.post_json("/v1/completions", body, timeout=120)
+    assert status == 200, (status, out, srv.log_tail())
+    return out
+
+
+def answer(out):
+    """What must match: text, tokens with their logprobs, finish reason."""
+    ch = out["choices"][0]
+    return ch["text"], ch["logprobs"], ch["finish_reason"], out["usage"]["completion_tokens"]
+
+
+def prompts(n, vocab=512, seed=1):
+    rng = random.Random(seed)
+    lengths = [3, 15, 16, 17, 40, 100, 150, 33]
+    return [[rng.randrange(3, vocab) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+BODIES = [
+    {"max_tokens": 12, "temperature": 0, "logprobs": 3},
+    {"max_tokens": 10, "temperature": 0.9, "top_k": 40, "seed": 7, "logprobs": 2},
+    {"max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "seed": 1234,
+     "repetition_penalty": 1.2, "min_tokens": 2},
+]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_outputs_equal_serve(name, manifest, test_models, pair, colocated):
+    """Single requests, sequentially: prompts of one to ten blocks, greedy and
+    seeded sampling (the first token is drawn on P, the rest on D with P's
+    sampler state), P prefilling in chunks of 32 tokens."""
+    model = model_path(manifest, test_models, name)
+    s = colocated(model)
+    pr = pair(model, p_args=["--max-batch-tokens", "32"])
+    for i, toks in enumerate(prompts(8)):
+        body = dict(BODIES[i % len(BODIES)], prompt=toks)
+        assert answer(complete(pr.d, body)) == answer(complete(s, body)), (name, i)
+    m = pr.d.metrics()
+    assert metric(m, "tandem:remote_prefill_total") == 8
+    assert metric(m, "tandem:local_prefill_total") == 0
+    assert metric(m, "tandem:kv_transfer_bytes_total") > 0
+    pm = pr.p.metrics()
+    assert metric(pm, "tandem:kv_transfer_bytes_total") > 0
+    assert metric(pm, "tandem:kv_transfer_seconds_count") == 8
+    pr.d.wait_idle()
+    pr.p.wait_idle()
+
+
+def test_sixteen_concurrent(manifest, test_models, pair, colocated):
+    """16 requests at once through one P+D: P batches the jobs, D decodes
+    them together; every answer equals serve's (batch invariance)."""
+    model = model_path(manifest, test_models, "llama3-f32-gguf")
+    s = colocated(model)
+    pr = pair(model, d_args=["--max-running", "16"], p_args=["--max-batch-tokens", "256"])
+    bodies = [dict(BODIES[i % 2], prompt=toks, max_tokens=16)
+              for i, toks in enumerate(prompts(16, seed=5))]
+    want = [answer(complete(s, b)) for b in bodies]
+    with cf.ThreadPoolExecutor(16) as ex:
+        got = list(ex.map(lambda b: answer(complete(pr.d, b)), bodies))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, i
+    assert metric(pr.d.metrics(), "tandem:remote_prefill_total") == 16
+    pr.d.wait_idle()
+    pr.p.wait_idle()
+
+
+def test_prefix_hits_on_both_sides(manifest, test_models, pair, colocated):
+    """A prompt D already holds is only partly prefilled remotely
+    (cached_tokens in the usage), and a prefix P holds but D does not (D
+    without a prefix cache) is pushed from P's cache, not recomputed."""
+    model = model_path(manifest, test_models, "llama2-f32-gguf")
+    s = colocated(model)
+    toks = prompts(1, seed=9)[0] * 1 + list(range(10, 90))
+    body = {"prompt": toks, "max_tokens": 8, "temperature": 0}
+    ref = answer(complete(s, body))
+    pr = pair(model)
+    assert answer(complete(pr.d, body)) == ref
+    out = complete(pr.d, dict(body, prompt=toks + [5]))
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+    assert answer(out) == answer(complete(s, dict(body, prompt=toks + [5])))
+
+    pr2 = pair(model, d_args=["--no-prefix-cache"])
+    assert answer(complete(pr2.d, body)) == ref
+    hits0 = metric(pr2.p.metrics(), "vllm:prefix_cache_hits_total")
+    assert answer(complete(pr2.d, body)) == ref
+    assert metric(pr2.p.metrics(), "vllm:prefix_cache_hits_total") > hits0
+    for x in (pr.d, pr.p, pr2.d, pr2.p):
+        x.wait_idle()
+
+
+def test_local_prefill_threshold(manifest, test_models, pair, colocated):
+    model = model_path(manifest, test_models, "llama2-f32-gguf")
+    s = colocated(model)
+    pr = pair(model, d_args=["--local-prefill-threshold", "50"])
+    short, long_ = prompts(1, seed=3)[0][:20], prompts(7, seed=3)[5]
+    for toks in (short, long_):
+        body = {"prompt": toks, "max_tokens": 6, "temperature": 0}
+        assert answer(complete(pr.d, body)) == answer(complete(s, body))
+    m = pr.d.metrics()
+    assert metric(m, "tandem:local_prefill_total", reason="threshold") == 1
+    assert metric(m, "tandem:remote_prefill_total") == 1
+    pr.d.wait_idle()
+
+
+def test_internal_endpoints_need_the_cluster_token(manifest, test_models, pair):
+    model = model_path(manifest, test_models, "llama2-f32-gguf")
+    pr = pair(model)
+    for srv in (pr.p, pr.d):
+        for hdr in ({}, {"X-Tandem-Cluster-Token": "wrong"},
+                    {"X-Tandem-Cluster-Token": TOKEN + "x"}):
+            st, _, _ = srv.request("GET", "/internal/v1/state", headers=hdr)
+            assert st == 401, (srv.argv[0], hdr)
+    st, _, _ = pr.p.request("GET", "/internal/v1/kv/exchange")
+    assert st == 401
+    st, hdrs, body = pr.p.request("GET", "/internal/v1/kv/exchange", headers=pr.p.internal_headers)
+    assert st == 200 and hdrs["content-type"] == "application/x-protobuf" and len(body) > 64
+    # a prefill instance does not serve the public API; a decode instance has
+    # no exchange to give
+    st, _ = pr.p.post_json("/v1/completions", {"prompt": [5, 6], "max_tokens": 2})
+    assert st == 404
+    st, _, _ = pr.d.request("GET", "/internal/v1/kv/exchange", headers=pr.d.internal_headers)
+    assert st == 404
+    for srv in (pr.p, pr.d):
+        assert srv.request("GET", "/health")[0] == 200
+        assert srv.request("GET", "/ready")[0] == 200
+
+
+def test_flags_are_checked(tandem_bin, manifest, test_models, tmp_path):
+    import subprocess
+    model = model_path(manifest, test_models, "llama2-f32-gguf")
+    d = tandem_bin.parent / "tandem-decode"
+    p = tandem_bin.parent / "tandem-prefill"
+    cases = [
+        ([d, "--model", model, "--cluster-token", "t"], "--prefill"),
+        ([d, "--model", model, "--prefill", "127.0.0.1:1"], "cluster token"),
+        ([d, "--model", model, "--prefill", "nocolon", "--cluster-token", "t"], "bad value"),
+        ([p, "--model", model, "--cluster-token", "t", "--kv-listen", "10.254.254.254"],
+         "no interface"),
+        ([p, "--model", model, "--cluster-token-file", tmp_path / "absent"], "cluster token"),
+    ]
+    for argv, msg in cases:
+        r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2, (argv, r.stderr)
+        assert msg in r.stderr, (argv, r.stderr)
