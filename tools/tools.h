@@ -8,6 +8,7 @@ int td_cmd_bench_engine(int argc, char **argv);
 int td_cmd_eval(int argc, char **argv);
 int td_cmd_serve(int argc, char **argv);
 int td_cmd_bench(int argc, char **argv);
+int td_cmd_bench_transfer(int argc, char **argv);
 
 /* Path of the default model (SmolLM2-135M-Instruct Q4_1 in the cache
  * directory the setup script fills): $TANDEM_MODEL, else
