@@ -214,19 +214,23 @@ static pid_t bt_spawn_server(size_t bytes, bool map, int *to_server, int *from_s
     return pid;
 }
 
-/* Waits for the server to exit after its input closed; kills it after 10 s. */
-static void bt_reap(pid_t pid) {
+/* Waits for the server to exit after its input closed (killed after 10 s);
+ * whether it exited with status 0. */
+static bool bt_reap(pid_t pid) {
     double t0 = td_time_s();
-    int wst;
+    int wst = 0;
     while (waitpid(pid, &wst, WNOHANG) == 0) {
         if (td_time_s() - t0 > 10) {
             fprintf(stderr, "tandem bench-transfer: the server did not exit; killing it\n");
             kill(pid, SIGKILL);
             waitpid(pid, &wst, 0);
-            return;
+            return false;
         }
         usleep(2000);
     }
+    if (WIFEXITED(wst) && WEXITSTATUS(wst) == 0) return true;
+    fprintf(stderr, "tandem bench-transfer: the server failed (wait status %#x)\n", wst);
+    return false;
 }
 
 int td_cmd_bench_transfer(int argc, char **argv) {
@@ -378,7 +382,7 @@ out:
     td_ucx_destroy(u);
     if (to_server >= 0) close(to_server);
     if (from_server >= 0) close(from_server);
-    if (pid > 0) bt_reap(pid);
+    if (pid > 0 && !bt_reap(pid)) rc = 1;
     free(raddr);
     free(rrkey);
     free(src);
