@@ -16,6 +16,8 @@ static const struct {
     {"eval", td_cmd_eval, "dump logits for token sequences (used by the numerics tests)"},
     {"serve", td_cmd_serve, "serve the model over the OpenAI HTTP API and gRPC"},
     {"bench", td_cmd_bench, "load-test an OpenAI-compatible endpoint"},
+    {"bench-transfer", td_cmd_bench_transfer,
+     "KV transfer channel put throughput (ucx_perftest ucp_put_bw style)"},
 };
 
 static void usage(FILE *f) {

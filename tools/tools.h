@@ -12,6 +12,7 @@ int td_cmd_serve(int argc, char **argv);
 typedef enum { TD_ROLE_SERVE, TD_ROLE_PREFILL, TD_ROLE_DECODE } td_serve_role;
 int td_serve_main(int argc, char **argv, td_serve_role role);
 int td_cmd_bench(int argc, char **argv);
+int td_cmd_bench_transfer(int argc, char **argv);
 
 /* Path of the default model (SmolLM2-135M-Instruct Q4_1 in the cache
  * directory the setup script fills): $TANDEM_MODEL, else

@@ -185,6 +185,7 @@ static void after_post(td_ucx *u) {
 static void *progress_main(void *arg) {
     td_ucx *u = arg;
     uint64_t last_work = td_time_ns();
+    bool arm_failed = false;
     while (!atomic_load(&u->stop)) {
         uint_fast64_t seen = atomic_load(&u->posted);
         unsigned n = 0, k;
@@ -202,19 +203,22 @@ static void *progress_main(void *arg) {
             continue;
         }
         ucs_status_t s = ucp_worker_arm(u->worker);
-        if (s == UCS_OK) {
-            struct pollfd pf[2] = {{.fd = u->worker_fd, .events = POLLIN},
-                                   {.fd = u->stop_fd, .events = POLLIN}};
-            int r = poll(pf, 2, inflight > 0 ? TD_UCX_BUSY_POLL_MS : -1);
-            if (r < 0 && errno != EINTR) {
-                TD_LOG_ERROR("%s: poll: %s", u->name, strerror(errno));
-                atomic_store(&u->sleeping, false);
-                break;
-            }
-        } else if (s != UCS_ERR_BUSY) {
-            TD_LOG_ERROR("%s: ucp_worker_arm: %s", u->name, ucs_status_string(s));
+        if (s == UCS_ERR_BUSY) {
             atomic_store(&u->sleeping, false);
-            break;
+            continue;
+        }
+        /* An arm that fails (never seen) degrades to polling every
+         * millisecond rather than stopping the channel. */
+        if (s != UCS_OK && !arm_failed) {
+            TD_LOG_ERROR("%s: ucp_worker_arm: %s; polling instead", u->name, ucs_status_string(s));
+            arm_failed = true;
+        }
+        struct pollfd pf[2] = {{.fd = u->worker_fd, .events = POLLIN},
+                               {.fd = u->stop_fd, .events = POLLIN}};
+        int timeout = s != UCS_OK || inflight > 0 ? TD_UCX_BUSY_POLL_MS : -1;
+        if (poll(pf, 2, timeout) < 0 && errno != EINTR) {
+            TD_LOG_ERROR("%s: poll: %s", u->name, strerror(errno));
+            usleep(1000);
         }
         atomic_store(&u->sleeping, false);
     }
