@@ -17,6 +17,7 @@
 #include <string.h>
 #include <strings.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../common/api/grpc.h"
 #include "../common/api/http.h"
@@ -519,9 +520,12 @@ int td_serve_main(int argc, char **argv, td_serve_role role) {
     const char *br0 = strchr(a.host, ':') ? "[" : "", *bl0 = strchr(a.host, ':') ? "]" : "";
     if (a.instance_id)
         snprintf(inst, sizeof inst, "%s", a.instance_id);
-    else
+    else if (a.port != 0)
         snprintf(inst, sizeof inst, "%s-%s%s%s:%ld", role == TD_ROLE_PREFILL ? "prefill" : "decode",
                  br0, a.host, bl0, a.port);
+    else /* an ephemeral port is not known yet: the process id tells instances apart */
+        snprintf(inst, sizeof inst, "%s-%s%s%s-pid%ld",
+                 role == TD_ROLE_PREFILL ? "prefill" : "decode", br0, a.host, bl0, (long)getpid());
     if (role != TD_ROLE_SERVE) {
         td_xfer_params xp = td_xfer_default_params();
         xp.role = role == TD_ROLE_PREFILL ? TD_XFER_PREFILL : TD_XFER_DECODE;

@@ -80,7 +80,8 @@ typedef struct ppeer {
     atomic_bool err;        /* the endpoint reported an error */
     atomic_bool close_done; /* the fencing close completed */
     double next_link;
-    double avg_ms; /* moving average of request sent -> PrefillDone */
+    double next_probe; /* when the linked P's exchange is read again */
+    double avg_ms;     /* moving average of request sent -> PrefillDone */
     char last_err[700];
 } ppeer;
 
@@ -603,9 +604,9 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
         j->st = NULL;
         pjob_free(j);
         p_reject(x, d, id,
-                 st == TD_AGAIN                ? TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_BUSY
-                 : st == TD_ERR_UNAVAILABLE    ? TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_DRAINING
-                                               : TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_INVALID,
+                 st == TD_AGAIN             ? TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_BUSY
+                 : st == TD_ERR_UNAVAILABLE ? TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_DRAINING
+                                            : TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_INVALID,
                  td_status_str(st));
         if (!kept) td_xfer_msg_free(m);
         return;
@@ -661,8 +662,8 @@ static void p_service(td_xfer *x) {
     double now = td_time_s();
     for (dpeer *d = x->dpeers; d; d = d->next)
         if (atomic_load(&d->failed) && !d->closed) {
-            TD_LOG_WARN("decode instance %s (epoch %016" PRIx64 ") unreachable: closing", d->instance,
-                        d->epoch);
+            TD_LOG_WARN("decode instance %s (epoch %016" PRIx64 ") unreachable: closing",
+                        d->instance, d->epoch);
             dpeer_close(d); /* puts in flight complete with an error */
         }
     for (pjob **pp = &x->pjobs; *pp;) {
@@ -716,18 +717,19 @@ static void p_service(td_xfer *x) {
                 Tandem__Internal__V1__TransferFailed tf =
                     TANDEM__INTERNAL__V1__TRANSFER_FAILED__INIT;
                 tf.request_id = j->id;
-                tf.message = j->cancelled      ? "aborted"
+                tf.message = j->cancelled        ? "aborted"
                              : now > j->deadline ? "deadline"
-                             : fs != TD_OK     ? "transfer error"
-                                               : "prefill failed";
+                             : fs != TD_OK       ? "transfer error"
+                                                 : "prefill failed";
                 m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_TRANSFER_FAILED;
                 m.transfer_failed = &tf;
+                TD_LOG_INFO("prefill %s for %s failed: %s", j->id, j->peer->instance, tf.message);
                 if (!peer_gone) send_msg(x, j->peer->ep, &m);
-                td_metrics_kv_transfer_failure(x->p.metrics,
-                                               j->cancelled        ? TD_XFER_FAIL_ABORTED
-                                               : now > j->deadline ? TD_XFER_FAIL_DEADLINE
-                                               : fs != TD_OK       ? TD_XFER_FAIL_PEER_ERROR
-                                                                   : TD_XFER_FAIL_FAILED);
+                td_metrics_kv_transfer_failure(x->p.metrics, j->cancelled ? TD_XFER_FAIL_ABORTED
+                                                             : now > j->deadline
+                                                                 ? TD_XFER_FAIL_DEADLINE
+                                                             : fs != TD_OK ? TD_XFER_FAIL_PEER_ERROR
+                                                                           : TD_XFER_FAIL_FAILED);
                 j->consumed = true; /* nothing for D to consume */
             }
             /* Every put has completed (flushed or failed): the sources can go. */
@@ -768,8 +770,7 @@ static td_status send_request(td_xfer *x, ppeer *pp, djob *j, const int32_t *blo
                               int32_t n_blocks, int32_t n_cached) {
     cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
     Tandem__Internal__V1__PrefillRequest r = TANDEM__INTERNAL__V1__PREFILL_REQUEST__INIT;
-    Tandem__Internal__V1__RankBlocks rb = TANDEM__INTERNAL__V1__RANK_BLOCKS__INIT,
-                                     *rbp[1] = {&rb};
+    Tandem__Internal__V1__RankBlocks rb = TANDEM__INTERNAL__V1__RANK_BLOCKS__INIT, *rbp[1] = {&rb};
     Tandem__V1__SamplingParams sp = TANDEM__V1__SAMPLING_PARAMS__INIT;
     own_exchange oe;
     r.request_id = j->id;
@@ -1017,8 +1018,8 @@ static void d_on_msg(td_xfer *x, td_xfer_msg *m) {
             }
             td_sched_remote_done(x->p.sched, j->ticket, &r, pd->sampler_state.data,
                                  pd->sampler_state.len);
-            uint64_t bytes = (uint64_t)(j->n_tokens - j->n_cached) * x->row_bytes * 2u *
-                             (uint64_t)x->n_layer;
+            uint64_t bytes =
+                (uint64_t)(j->n_tokens - j->n_cached) * x->row_bytes * 2u * (uint64_t)x->n_layer;
             td_metrics_kv_transfer(x->p.metrics, bytes, now - j->t_sent);
             double ms = (now - j->t_sent) * 1e3;
             j->peer->avg_ms = j->peer->avg_ms > 0 ? 0.8 * j->peer->avg_ms + 0.2 * ms : ms;
@@ -1070,7 +1071,7 @@ static size_t fetch_write(char *p, size_t sz, size_t n, void *ud) {
 }
 
 static td_status fetch_exchange(td_xfer *x, const char *addr, td_xfer_msg **m_p, char *err,
-                                size_t err_len) {
+                                size_t err_len, bool *refused) {
     CURL *c = curl_easy_init();
     if (!c) {
         snprintf(err, err_len, "curl_easy_init failed");
@@ -1095,8 +1096,10 @@ static td_status fetch_exchange(td_xfer *x, const char *addr, td_xfer_msg **m_p,
     curl_slist_free_all(h);
     curl_easy_cleanup(c);
     td_status st = TD_OK;
+    if (refused) *refused = rc == CURLE_COULDNT_CONNECT;
     if (rc != CURLE_OK) {
-        snprintf(err, err_len, "GET %s: %s", url, b.over ? "reply too large" : curl_easy_strerror(rc));
+        snprintf(err, err_len, "GET %s: %s", url,
+                 b.over ? "reply too large" : curl_easy_strerror(rc));
         st = TD_ERR_IO;
     } else if (code != 200) {
         snprintf(err, err_len, "GET %s: HTTP %ld", url, code);
@@ -1112,11 +1115,40 @@ static td_status fetch_exchange(td_xfer *x, const char *addr, td_xfer_msg **m_p,
     return st;
 }
 
+/* A linked P is read again now and then: UCX may take tens of seconds to
+ * notice a dead peer over shared memory, a refused connection or another
+ * epoch is immediate. A probe that merely times out changes nothing (the
+ * deadlines cover a slow P). Runs without x->mu. */
+static void d_probe(td_xfer *x, ppeer *pp) {
+    char err[700] = "";
+    td_xfer_msg *m = NULL;
+    bool refused = false;
+    td_status st = fetch_exchange(x, pp->addr, &m, err, sizeof err, &refused);
+    pthread_mutex_lock(&x->mu);
+    pp->next_probe = td_time_s() + 4 * x->p.link_interval_ms / 1000.0;
+    bool fenced = false;
+    if (pp->ready && !pp->fence) {
+        if (st == TD_OK &&
+            (m->from->epoch != pp->epoch || strcmp(m->from->instance_id, pp->instance) != 0)) {
+            TD_LOG_WARN("prefill instance %s restarted (epoch %016" PRIx64 " -> %016" PRIx64
+                        "): fencing the old one",
+                        pp->addr, pp->epoch, m->from->epoch);
+            pp->fence = fenced = true;
+        } else if (st != TD_OK && refused) {
+            TD_LOG_WARN("prefill instance %s is gone (%s): fencing it", pp->addr, err);
+            pp->fence = fenced = true;
+        }
+    }
+    pthread_mutex_unlock(&x->mu);
+    td_xfer_msg_free(m);
+    if (fenced) wake(x);
+}
+
 static void d_link(td_xfer *x, ppeer *pp) {
     char err[700] = "";
     td_xfer_msg *m = NULL;
     td_ucx_ep *ep = NULL;
-    td_status st = fetch_exchange(x, pp->addr, &m, err, sizeof err);
+    td_status st = fetch_exchange(x, pp->addr, &m, err, sizeof err, NULL);
     if (st == TD_OK && !plan_is_single(m->exchange)) {
         snprintf(err, sizeof err, "%s runs a plan of more than one rank (not supported yet)",
                  pp->addr);
@@ -1135,6 +1167,7 @@ static void d_link(td_xfer *x, ppeer *pp) {
         atomic_store(&pp->err, false);
         pp->ready = true;
         pp->need_exchange = true;
+        pp->next_probe = td_time_s() + 4 * x->p.link_interval_ms / 1000.0;
         pp->last_err[0] = 0;
         char tl[160];
         td_ucx_ep_transports(ep, tl, sizeof tl);
@@ -1264,8 +1297,10 @@ static void *service_main(void *arg) {
                 ppeer *pp = &x->ppeers[k];
                 pthread_mutex_lock(&x->mu);
                 bool due = !pp->ready && !pp->closing && !pp->fence && now >= pp->next_link;
+                bool probe = pp->ready && !pp->fence && now >= pp->next_probe;
                 pthread_mutex_unlock(&x->mu);
                 if (due) d_link(x, pp);
+                if (probe) d_probe(x, pp);
             }
         }
     }
@@ -1515,12 +1550,12 @@ char *td_xfer_state_json(void *ctx) {
                                                (int)pp->ready, "transfer_ms_avg", pp->avg_ms));
     }
     pthread_mutex_unlock(&x->mu);
-    json_t *o = json_pack("{s:s,s:i,s:i,s:i,s:i,s:i,s:I,s:o}", "role",
-                          x->p.role == TD_XFER_PREFILL ? "prefill" : "decode", "in_flight",
-                          st.in_flight, "leased_blocks", st.leased_blocks, "quarantined_blocks",
-                          st.quarantined_blocks, "held_blocks", ss.held_blocks, "awaiting_consume",
-                          st.awaiting_consume, "bytes_put", (json_int_t)st.bytes_put, "peers",
-                          peers ? peers : json_array());
+    json_t *o =
+        json_pack("{s:s,s:i,s:i,s:i,s:i,s:i,s:I,s:o}", "role",
+                  x->p.role == TD_XFER_PREFILL ? "prefill" : "decode", "in_flight", st.in_flight,
+                  "leased_blocks", st.leased_blocks, "quarantined_blocks", st.quarantined_blocks,
+                  "held_blocks", ss.held_blocks, "awaiting_consume", st.awaiting_consume,
+                  "bytes_put", (json_int_t)st.bytes_put, "peers", peers ? peers : json_array());
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     return s;

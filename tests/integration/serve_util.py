@@ -44,6 +44,10 @@ API (kept small on purpose):
   state_load(state) -> the load figures of a /internal/v1/state JSON as a flat
                         dict (running, waiting, kv_used, kv_reserved, ...).
   ready_line_ports(line) -> (host, http_port, grpc_port or None).
+  Pair(tandem_bin, log_dir, model, p_args, d_args, env, d_model=None)
+                        a tandem-prefill and a tandem-decode wired together
+                        (cluster token TOKEN, one thread each); .p, .d
+                        (Servers), .wait_linked(), .close().
 
 Timeouts go through conftest.scaled() (TANDEM_TEST_TIMEOUT_SCALE).
 """
@@ -60,7 +64,7 @@ import time
 
 import pytest
 
-from conftest import scaled
+from conftest import scaled, wait_until
 
 READY_RE = re.compile(
     r"^(?:tandem serve|tandem-prefill|tandem-decode): listening http=(\S+) grpc=(\S+)\s*$")
@@ -407,3 +411,48 @@ def serve(tandem_bin, tmp_path):
     yield start
     for s in reversed(servers):
         s.close()
+
+
+TOKEN = "test-cluster-secret"
+
+
+class Pair:
+    """One prefill and one decode instance wired together."""
+
+    def __init__(self, tandem_bin, log_dir, model, p_args=(), d_args=(), env=None,
+                 threads=1, ready_timeout=60):
+        self.bin_dir = tandem_bin.parent
+        self.tandem_bin, self.log_dir, self.model = tandem_bin, log_dir, model
+        self.p_args, self.env, self.threads = list(p_args), env, threads
+        self.ready_timeout = ready_timeout
+        self.p = self.start_prefill()
+        try:
+            self.d = Server.start(tandem_bin, model,
+                                  ["--prefill", f"127.0.0.1:{self.p.port}", "--cluster-token",
+                                   TOKEN, "--threads", threads, *d_args],
+                                  log_dir / "decode", env=env,
+                                  cmd=[self.bin_dir / "tandem-decode"], cluster_token=TOKEN,
+                                  ready_timeout=ready_timeout)
+        except BaseException:
+            self.p.close()
+            raise
+        self.wait_linked()
+
+    def start_prefill(self, port=None):
+        """A prefill instance (port: a fixed HTTP port, for a restart)."""
+        args = ["--cluster-token", TOKEN, "--threads", self.threads, *self.p_args]
+        s = Server.start(self.tandem_bin, self.model, args, self.log_dir / "prefill",
+                         env=self.env, cmd=[self.bin_dir / "tandem-prefill"],
+                         cluster_token=TOKEN, ready_timeout=self.ready_timeout)
+        if port is not None and s.port != port:
+            s.close()
+            pytest.fail("start_prefill(port) needs --port in p_args")
+        return s
+
+    def wait_linked(self, timeout=20):
+        wait_until(lambda: all(pp["ready"] for pp in self.d.state()["transfer"]["peers"]),
+                   timeout=timeout, what="decode linked to prefill", proc=self.d.proc)
+
+    def close(self):
+        self.d.close()
+        self.p.close()

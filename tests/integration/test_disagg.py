@@ -9,10 +9,8 @@ import random
 
 import pytest
 
-from conftest import wait_until
-from serve_util import Server, metric
+from serve_util import TOKEN, Pair, Server, metric
 
-TOKEN = "tiny-cluster-secret"
 MODELS = ["llama2-f32-gguf", "qwen2-q8_0-gguf"]
 
 
@@ -21,35 +19,6 @@ def model_path(manifest, test_models, name):
         if m["name"] == name:
             return test_models / m["path"]
     pytest.fail(f"no test model {name}")
-
-
-class Pair:
-    """One prefill and one decode instance wired together."""
-
-    def __init__(self, tandem_bin, log_dir, model, p_args=(), d_args=(), env=None):
-        bin_dir = tandem_bin.parent
-        self.p = Server.start(tandem_bin, model, ["--cluster-token", TOKEN, "--threads", "1",
-                                                  *p_args],
-                              log_dir / "prefill", env=env, cmd=[bin_dir / "tandem-prefill"],
-                              cluster_token=TOKEN)
-        try:
-            self.d = Server.start(tandem_bin, model,
-                                  ["--prefill", f"127.0.0.1:{self.p.port}", "--cluster-token",
-                                   TOKEN, "--threads", "1", *d_args],
-                                  log_dir / "decode", env=env, cmd=[bin_dir / "tandem-decode"],
-                                  cluster_token=TOKEN)
-        except BaseException:
-            self.p.close()
-            raise
-        self.wait_linked()
-
-    def wait_linked(self):
-        wait_until(lambda: all(pp["ready"] for pp in self.d.state()["transfer"]["peers"]),
-                   timeout=20, what="decode linked to prefill", proc=self.d.proc)
-
-    def close(self):
-        self.d.close()
-        self.p.close()
 
 
 @pytest.fixture
