@@ -54,6 +54,7 @@ enum {
     H_GEN_TOKENS,
     H_ITER_TOKENS,
     H_KV_XFER,
+    H_KV_TAIL,
     H_COUNT
 };
 
@@ -105,6 +106,13 @@ void td_metrics_kv_transfer(td_metrics *m, uint64_t bytes, double seconds) {
     pthread_mutex_lock(&m->mu);
     m->xfer_bytes += bytes;
     if (seconds >= 0) hist_observe(&m->hist[H_KV_XFER], seconds);
+    pthread_mutex_unlock(&m->mu);
+}
+
+void td_metrics_kv_transfer_tail(td_metrics *m, double seconds) {
+    if (!m) return;
+    pthread_mutex_lock(&m->mu);
+    hist_observe(&m->hist[H_KV_TAIL], seconds);
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -211,6 +219,11 @@ td_status td_metrics_create(const char *model_name, td_metrics **m_p) {
     hist_init(&m->hist[H_KV_XFER], "tandem:kv_transfer_seconds",
               "Per remote prefill: first KV push to PrefillDone (prefill side: job received to "
               "PrefillDone sent), in seconds.",
+              false);
+    hist_init(&m->hist[H_KV_TAIL], "tandem:kv_transfer_tail_seconds",
+              "Exposed transfer tail: PrefillDone's arrival at the decode instance minus the end "
+              "of the prefill's last layer, in seconds (clocks of two hosts: meaningful when "
+              "synchronised).",
               false);
     *m_p = m;
     return TD_OK;

@@ -85,6 +85,8 @@ typedef struct td_metrics td_metrics;
 /* Bytes moved and one transfer's time (seconds < 0: bytes only). */
 void td_metrics_kv_transfer(td_metrics *m, uint64_t bytes, double seconds);
 void td_metrics_kv_transfer_failure(td_metrics *m, td_xfer_fail why);
+/* The exposed transfer tail of one remote prefill (decode side). */
+void td_metrics_kv_transfer_tail(td_metrics *m, double seconds);
 /* A prefill on a decode instance: remote, or local for reason why. */
 void td_metrics_prefill_route(td_metrics *m, bool remote, td_local_prefill why);
 

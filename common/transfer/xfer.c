@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "../kv/kv.h"
@@ -68,6 +69,7 @@ typedef struct pjob {
     td_sample_result first;
     uint8_t sstate[TD_SAMPLER_STATE_BYTES];
     uint64_t bytes;
+    uint64_t last_layer_unix_ns; /* when the last layer of the last chunk finished */
 } pjob;
 
 /* D's view of one P instance (named by its HTTP address). */
@@ -160,6 +162,12 @@ static void wake(td_xfer *x) {
     uint64_t one = 1;
     ssize_t r = write(x->wake_fd, &one, sizeof one);
     TD_UNUSED(r); /* EAGAIN only when the counter is saturated: still readable */
+}
+
+static uint64_t unix_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
 static uint64_t random_u64(void) {
@@ -361,6 +369,7 @@ static void p_layer(void *ctx, int32_t layer, const int32_t *blocks, int32_t pos
         j->failed = true;
         wake(x);
     }
+    if (layer == x->n_layer - 1 && pos1 == j->n_prompt) j->last_layer_unix_ns = unix_ns();
     if (x->p.layerwise) {
         push_layer(j, layer, blocks, pos1);
     } else if (layer == x->n_layer - 1 && pos1 == j->n_prompt) {
@@ -705,6 +714,7 @@ static void p_service(td_xfer *x) {
                 pd.prefix_tokens_reused = (uint32_t)TD_MAX(0, j->p_cached - j->d_cached);
                 pd.sampler_state.data = j->sstate;
                 pd.sampler_state.len = sizeof j->sstate;
+                pd.last_layer_unix_ns = j->last_layer_unix_ns;
                 m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_DONE;
                 m.prefill_done = &pd;
                 ok = send_msg(x, j->peer->ep, &m) == TD_OK;
@@ -1021,6 +1031,10 @@ static void d_on_msg(td_xfer *x, td_xfer_msg *m) {
             uint64_t bytes =
                 (uint64_t)(j->n_tokens - j->n_cached) * x->row_bytes * 2u * (uint64_t)x->n_layer;
             td_metrics_kv_transfer(x->p.metrics, bytes, now - j->t_sent);
+            uint64_t arrival = unix_ns();
+            if (pd->last_layer_unix_ns > 0 && pd->last_layer_unix_ns <= arrival)
+                td_metrics_kv_transfer_tail(x->p.metrics,
+                                            (double)(arrival - pd->last_layer_unix_ns) * 1e-9);
             double ms = (now - j->t_sent) * 1e3;
             j->peer->avg_ms = j->peer->avg_ms > 0 ? 0.8 * j->peer->avg_ms + 0.2 * ms : ms;
         }
