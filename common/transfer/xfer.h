@@ -91,8 +91,8 @@ td_status td_xfer_exchange(void *x, uint8_t **buf, size_t *len);
 char *td_xfer_state_json(void *x);
 
 typedef struct {
-    int32_t in_flight;      /* remote prefills / export jobs not yet finished */
-    int32_t leased_blocks;  /* D: destinations of in-flight jobs; P: sources held */
+    int32_t in_flight;     /* remote prefills / export jobs not yet finished */
+    int32_t leased_blocks; /* D: destinations of in-flight jobs; P: sources held */
     int32_t quarantined_blocks;
     int32_t awaiting_consume; /* P: PrefillDone sent, TransferConsumed not yet seen */
     int32_t linked_peers;     /* D: P instances ready */
