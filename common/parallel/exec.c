@@ -2,6 +2,8 @@
 #define _GNU_SOURCE
 #include "exec.h"
 
+#include "../transfer/xrank.h"
+
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -27,7 +29,7 @@ extern char **environ;
 #define CFG_MAGIC 0x31474643584554ull /* "TEXCFG1" */
 #define MAX_PATH  4096
 
-enum { OP_STEP = 1, OP_NOOP = 2, OP_STOP = 3 };
+enum { OP_STEP = 1, OP_NOOP = 2, OP_STOP = 3, OP_XFER_SETUP = 4, OP_XFER = 5 };
 
 /* What the driver broadcasts once after attaching. Plain data only. */
 typedef struct {
@@ -43,12 +45,17 @@ typedef struct {
 } exec_config;
 
 /* Step header; the payload follows in a second broadcast: per sequence
- * {n_tokens, pos0, n_blocks, flags}, then every token, then every block id. */
+ * {n_tokens, pos0, n_blocks, flags}, then every token, then every block id,
+ * then (has_slots) every sequence's KV-transfer job slot, then n_dir_words
+ * of transfer directives (transfer/xrank.h). OP_XFER carries directives
+ * only. */
 typedef struct {
     int32_t op;
     int32_t n_seqs;
     int32_t n_tokens;
     int32_t n_block_ids;
+    int32_t has_slots;
+    int32_t n_dir_words;
 } step_hdr;
 
 enum { SEQ_LOGITS_ALL = 1, SEQ_NO_LOGITS = 2 };
@@ -58,6 +65,7 @@ typedef struct {
     double compute_s, comm_s;
     int32_t status;
     int32_t pad;
+    uint64_t xfer_failed[TD_XRANK_MAX_JOBS / 64]; /* job slots this rank could not deliver */
 } rank_report;
 
 struct td_exec {
@@ -105,6 +113,14 @@ struct td_exec {
     pthread_mutex_t times_mu;
     td_rank_time *times; /* (world) */
     rank_report *reports;
+    /* KV transfer (transfer/xrank.h) */
+    td_xrank *xr;            /* this rank's; NULL until td_exec_xfer_setup */
+    td_ucx *xr_ucx;          /* driver: the channel rank 0's xrank borrows */
+    const int32_t *slots;    /* the step's job slots (payload), or NULL */
+    pthread_mutex_t xfer_mu; /* driver: pending directives and failures */
+    td_xdir_buf pending;     /* driver: directives for the next step */
+    uint8_t *blobs;          /* driver: (world) x (u64 length + TD_XRANK_BLOB_MAX) endpoints */
+    uint64_t xfer_failed[TD_XRANK_MAX_JOBS / 64]; /* driver: OR of the ranks' reports */
 };
 
 td_exec_params td_exec_default_params(void) {
@@ -230,6 +246,8 @@ static td_status agree(td_exec *x, td_status mine) {
 
 static void release_shard(td_exec *x) {
     td_engine_destroy(x->engine);
+    td_xrank_destroy(x->xr); /* frees the KV memory the pool adopted */
+    x->xr = NULL;
     td_kv_pool_destroy(x->kv);
     td_model_free(x->model);
     td_threadpool_destroy(x->pool);
@@ -326,6 +344,7 @@ static td_status run_step(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, 
         const td_seq_chunk *ms = seqs + bounds[mb];
         int32_t mn = bounds[mb + 1] - bounds[mb];
         size_t rows = (size_t)td_engine_stage_rows(x->engine, ms, mn);
+        if (x->xr) td_xrank_batch(x->xr, ms, x->slots ? x->slots + bounds[mb] : NULL, mn);
         if (!first && (st = timed_recv(x, x->x_in, rows * E * sizeof(float), prev))) return st;
         st = td_engine_forward_stage(x->engine, ms, mn, first ? NULL : x->x_in,
                                      last ? NULL : x->x_out, out ? out + (size_t)row * V : NULL);
@@ -369,6 +388,7 @@ static td_status unpack(td_exec *x, const step_hdr *h, bool validate) {
         nt += q[0];
         nb += q[2];
     }
+    x->slots = h->has_slots ? blk + h->n_block_ids : NULL;
     return validate ? td_engine_validate(x->engine, x->chunks, h->n_seqs) : TD_OK;
 }
 
@@ -385,12 +405,30 @@ static td_status grow_payload(td_exec *x, size_t n) {
 }
 
 static size_t payload_words(const step_hdr *h) {
-    return (size_t)h->n_seqs * 4 + (size_t)h->n_tokens + (size_t)h->n_block_ids;
+    return (size_t)h->n_seqs * 4 + (size_t)h->n_tokens + (size_t)h->n_block_ids +
+           (h->has_slots ? (size_t)h->n_seqs : 0) + (size_t)h->n_dir_words;
+}
+
+static const int32_t *payload_dirs(const td_exec *x, const step_hdr *h) {
+    return x->payload + payload_words(h) - (size_t)h->n_dir_words;
+}
+
+/* The step's directives, before its forward pass (every rank, driver too). */
+static td_status xfer_before(td_exec *x, const step_hdr *h) {
+    if (h->n_dir_words == 0) return TD_OK;
+    if (!x->xr) {
+        TD_LOG_ERROR("rank %d: transfer directives without a transfer setup", x->rank);
+        return TD_ERR_INVALID;
+    }
+    return td_xrank_apply(x->xr, payload_dirs(x, h), (size_t)h->n_dir_words);
 }
 
 /* After the step: every rank's figures to the driver (collective). */
 static td_status report(td_exec *x, double t0, td_status step_st) {
     rank_report r = {.compute_s = 0, .comm_s = x->comm_s, .status = (int32_t)step_st};
+    /* the transfer jobs this rank finished are flushed before the step ends */
+    if (x->xr) td_xrank_finish(x->xr, r.xfer_failed);
+    x->slots = NULL;
     r.compute_s = td_time_s() - t0 - x->comm_s;
     if (r.compute_s < 0) r.compute_s = 0;
     td_status st = td_comm_gather(x->comm, &r, x->reports, sizeof r, 0);
@@ -421,6 +459,8 @@ static td_status broadcast_hdr(td_exec *x, step_hdr *h) {
     return td_comm_broadcast(x->comm, h, sizeof *h, 0);
 }
 
+static td_status xfer_setup_rank(td_exec *x, td_ucx *ucx, bool layerwise);
+
 static int worker_loop(td_exec *x) {
     for (;;) {
         step_hdr h;
@@ -428,10 +468,27 @@ static int worker_loop(td_exec *x) {
         if (st) return 1;
         if (h.op == OP_STOP) return 0;
         if (h.op == OP_NOOP) continue;
+        if (h.op == OP_XFER_SETUP) {
+            if (xfer_setup_rank(x, NULL, h.n_seqs != 0)) return 1;
+            continue;
+        }
+        if (h.op == OP_XFER) {
+            if (h.n_dir_words < 0 || h.n_dir_words > (1 << 24)) return 1;
+            step_hdr d = {.n_dir_words = h.n_dir_words};
+            if ((st = grow_payload(x, payload_words(&d)))) return 1;
+            if ((st = td_comm_broadcast(x->comm, x->payload, payload_words(&d) * sizeof(int32_t),
+                                        0)))
+                return 1;
+            double t0 = td_time_s();
+            x->comm_s = 0;
+            if (xfer_before(x, &d) || report(x, t0, TD_OK)) return 1;
+            continue;
+        }
         int64_t max_ids =
             (int64_t)x->cfg.max_seqs * ((int64_t)x->cfg.max_ctx / x->cfg.block_size + 1);
         if (h.op != OP_STEP || h.n_seqs < 1 || h.n_seqs > x->cfg.max_seqs || h.n_tokens < 1 ||
-            h.n_tokens > x->cfg.max_batch_tokens || h.n_block_ids < 0 || h.n_block_ids > max_ids) {
+            h.n_tokens > x->cfg.max_batch_tokens || h.n_block_ids < 0 || h.n_block_ids > max_ids ||
+            h.n_dir_words < 0 || h.n_dir_words > (1 << 24)) {
             TD_LOG_ERROR("rank %d: bad step header (op %d, %d sequences)", x->rank, h.op, h.n_seqs);
             return 1;
         }
@@ -441,6 +498,7 @@ static int worker_loop(td_exec *x) {
         double t0 = td_time_s();
         x->comm_s = 0;
         td_status step_st = unpack(x, &h, true);
+        if (!step_st) step_st = xfer_before(x, &h);
         if (!step_st) step_st = run_step(x, x->chunks, h.n_seqs, NULL);
         if (step_st) {
             /* the caller aborts the world: peers may be waiting for a send */
@@ -826,6 +884,9 @@ static void exec_free(td_exec *x) {
     pthread_mutex_destroy(&x->mu);
     pthread_cond_destroy(&x->cv);
     pthread_mutex_destroy(&x->times_mu);
+    pthread_mutex_destroy(&x->xfer_mu);
+    td_xdir_free(&x->pending);
+    free(x->blobs);
     free(x->pids);
     free(x->pidfds);
     free(x->times);
@@ -845,6 +906,7 @@ static td_exec *exec_alloc(int world) {
     pthread_cond_init(&x->cv, &ca);
     pthread_condattr_destroy(&ca);
     pthread_mutex_init(&x->times_mu, NULL);
+    pthread_mutex_init(&x->xfer_mu, NULL);
     x->pids = calloc((size_t)world, sizeof *x->pids);
     x->pidfds = malloc((size_t)world * sizeof *x->pidfds);
     x->times = calloc((size_t)world, sizeof *x->times);
@@ -1000,17 +1062,46 @@ int td_exec_last_times(const td_exec *x, td_rank_time *out, int cap) {
     return x->world;
 }
 
-static td_status pack(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, step_hdr *h) {
+/* Appends the step's job slots and the pending directives (taken) to a
+ * payload whose header counts them. Driver, under x->mu. */
+static void pack_xfer(td_exec *x, const int32_t *slots, int32_t n_seqs, step_hdr *h,
+                      td_xdir_buf *dirs) {
+    int32_t *end = x->payload + payload_words(h) - (size_t)h->n_dir_words;
+    if (h->has_slots) memcpy(end - n_seqs, slots, (size_t)n_seqs * sizeof(int32_t));
+    if (h->n_dir_words) memcpy(end, dirs->w, (size_t)h->n_dir_words * sizeof(int32_t));
+}
+
+/* Takes the pending directives (driver). */
+static void take_pending(td_exec *x, td_xdir_buf *out) {
+    pthread_mutex_lock(&x->xfer_mu);
+    *out = x->pending;
+    memset(&x->pending, 0, sizeof x->pending);
+    pthread_mutex_unlock(&x->xfer_mu);
+}
+
+static void merge_failed(td_exec *x, const uint64_t *bits) {
+    pthread_mutex_lock(&x->xfer_mu);
+    for (int i = 0; i < TD_XRANK_MAX_JOBS / 64; i++) x->xfer_failed[i] |= bits[i];
+    pthread_mutex_unlock(&x->xfer_mu);
+}
+
+static td_status pack(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, step_hdr *h,
+                      const int32_t *slots, td_xdir_buf *dirs) {
     int64_t nt = 0, nb = 0;
     int32_t bs = x->cfg.block_size;
     for (int32_t i = 0; i < n_seqs; i++) {
         nt += seqs[i].n_tokens;
         nb += ((int64_t)seqs[i].pos0 + seqs[i].n_tokens + bs - 1) / bs;
     }
-    *h = (step_hdr){
-        .op = OP_STEP, .n_seqs = n_seqs, .n_tokens = (int32_t)nt, .n_block_ids = (int32_t)nb};
+    *h = (step_hdr){.op = OP_STEP,
+                    .n_seqs = n_seqs,
+                    .n_tokens = (int32_t)nt,
+                    .n_block_ids = (int32_t)nb,
+                    .has_slots = slots != NULL,
+                    .n_dir_words = (int32_t)dirs->n};
     td_status st = grow_payload(x, payload_words(h));
     if (st) return st;
+    pack_xfer(x, slots, n_seqs, h, dirs);
     int32_t *d = x->payload, *tok = d + (size_t)n_seqs * 4, *blk = tok + nt;
     for (int32_t i = 0; i < n_seqs; i++) {
         const td_seq_chunk *s = &seqs[i];
@@ -1028,20 +1119,50 @@ static td_status pack(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, step
 }
 
 td_status td_exec_forward(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, float *logits) {
-    if (x->world == 1) {
-        double t0 = td_time_s();
-        td_status st = td_engine_forward(x->engine, seqs, n_seqs, logits);
+    return td_exec_forward_slots(x, seqs, n_seqs, NULL, logits);
+}
+
+/* A world of one: the directives and the transfer hooks run in-process. */
+static td_status forward_single(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs,
+                                const int32_t *slots, float *logits) {
+    pthread_mutex_lock(&x->mu);
+    td_xdir_buf dirs;
+    take_pending(x, &dirs);
+    td_status st = TD_OK;
+    if (dirs.n && x->xr) st = td_xrank_apply(x->xr, dirs.w, dirs.n);
+    td_xdir_free(&dirs);
+    double t0 = td_time_s();
+    if (!st && n_seqs > 0) {
+        if (x->xr) td_xrank_batch(x->xr, seqs, slots, n_seqs);
+        st = td_engine_forward(x->engine, seqs, n_seqs, logits);
+    }
+    if (x->xr) {
+        uint64_t failed[TD_XRANK_MAX_JOBS / 64] = {0};
+        td_xrank_finish(x->xr, failed);
+        merge_failed(x, failed);
+    }
+    if (n_seqs > 0) {
         pthread_mutex_lock(&x->times_mu);
         x->times[0] = (td_rank_time){.compute_s = td_time_s() - t0, .comm_s = 0};
         pthread_mutex_unlock(&x->times_mu);
-        return st;
     }
+    pthread_mutex_unlock(&x->mu);
+    return st;
+}
+
+td_status td_exec_forward_slots(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs,
+                                const int32_t *slots, float *logits) {
+    if (x->world == 1) return forward_single(x, seqs, n_seqs, slots, logits);
     if (atomic_load(&x->failed)) return TD_ERR_IO;
     td_status st = td_engine_validate(x->engine, seqs, n_seqs);
     if (st) return st;
     pthread_mutex_lock(&x->mu);
     step_hdr h;
-    if ((st = pack(x, seqs, n_seqs, &h))) {
+    td_xdir_buf dirs;
+    take_pending(x, &dirs);
+    st = pack(x, seqs, n_seqs, &h, slots, &dirs);
+    td_xdir_free(&dirs);
+    if (st) {
         pthread_mutex_unlock(&x->mu);
         return st;
     }
@@ -1051,7 +1172,8 @@ td_status td_exec_forward(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, 
         st = td_comm_broadcast(x->comm, x->payload, payload_words(&h) * sizeof(int32_t), 0);
     x->comm_s += td_time_s() - t0;
     /* Run the step on the driver from the same payload the ranks got. */
-    if (!st && !(st = unpack(x, &h, false))) st = run_step(x, x->chunks, n_seqs, logits);
+    if (!st && !(st = unpack(x, &h, false)) && !(st = xfer_before(x, &h)))
+        st = run_step(x, x->chunks, n_seqs, logits);
     /* After a failure some ranks may still wait for a send: abort, never
      * meet them in the report. */
     td_status rst = st ? st : report(x, t0, TD_OK);
@@ -1063,6 +1185,7 @@ td_status td_exec_forward(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, 
             if (x->reports[r].status && !st) st = (td_status)x->reports[r].status;
         }
         pthread_mutex_unlock(&x->times_mu);
+        for (int r = 0; r < x->world; r++) merge_failed(x, x->reports[r].xfer_failed);
     }
     if (rst && !st) st = rst;
     x->last_use = td_time_s();
@@ -1074,4 +1197,184 @@ td_status td_exec_forward(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, 
     }
     pthread_mutex_unlock(&x->mu);
     return st;
+}
+
+/* ---------------------------------------------------------- KV transfer */
+
+/* Creates this rank's transfer state and hooks it into its engine. */
+static td_status xfer_setup_rank(td_exec *x, td_ucx *ucx, bool layerwise) {
+    td_status st = TD_OK;
+    if (!x->xr) {
+        const td_model_config *mc = td_model_get_config(x->model);
+        td_xrank_params xp = {.plan = {.tp = x->tp, .pp = x->pp, .cp = x->cp},
+                              .rank = x->rank,
+                              .n_layer = mc->n_layer,
+                              .n_head_kv = mc->n_head_kv,
+                              .head_dim = mc->head_dim,
+                              .kv = x->kv,
+                              .ucx = ucx,
+                              .layerwise = layerwise};
+        for (int s = 0; s <= x->pp; s++) xp.plan.stage_begin[s] = x->cfg.stage_begin[s];
+        if (x->cfg.plan.attn_dp) {
+            TD_LOG_ERROR("KV transfer does not support attention-DP plans");
+            st = TD_ERR_UNSUPPORTED;
+        } else if (!(st = td_xrank_create(&xp, &x->xr))) {
+            td_engine_set_layer_hook(x->engine, td_xrank_layer, x->xr);
+        }
+    }
+    if (x->world == 1) return st;
+    /* every rank's endpoint to the driver; an empty one says it failed */
+    uint8_t *mine = calloc(1, TD_XRANK_BLOB_MAX + 8);
+    uint8_t *all = x->rank == 0 ? calloc((size_t)x->world, TD_XRANK_BLOB_MAX + 8) : NULL;
+    if (!mine || (x->rank == 0 && !all)) {
+        free(mine);
+        free(all);
+        return TD_ERR_NOMEM;
+    }
+    size_t n = 0;
+    if (!st && td_xrank_blob(x->xr, mine + 8, TD_XRANK_BLOB_MAX, &n) != TD_OK) st = TD_ERR_RANGE;
+    uint64_t n64 = st ? 0 : (uint64_t)n;
+    memcpy(mine, &n64, 8);
+    td_status gst = td_comm_gather(x->comm, mine, all, TD_XRANK_BLOB_MAX + 8, 0);
+    free(mine);
+    if (x->rank == 0) {
+        free(x->blobs);
+        x->blobs = all;
+    }
+    return gst ? gst : st;
+}
+
+td_status td_exec_xfer_setup(td_exec *x, td_ucx *ucx0, bool layerwise) {
+    if (x->wrapped) return TD_ERR_UNSUPPORTED;
+    pthread_mutex_lock(&x->mu);
+    td_status st = TD_OK;
+    if (x->world > 1) {
+        if (atomic_load(&x->failed)) {
+            pthread_mutex_unlock(&x->mu);
+            return TD_ERR_IO;
+        }
+        step_hdr h = {.op = OP_XFER_SETUP, .n_seqs = layerwise};
+        if ((st = broadcast_hdr(x, &h))) {
+            atomic_store(&x->failed, true);
+            td_comm_abort(x->comm);
+            pthread_mutex_unlock(&x->mu);
+            return TD_ERR_IO;
+        }
+    }
+    st = xfer_setup_rank(x, ucx0, layerwise);
+    if (!st && x->world > 1)
+        for (int r = 0; r < x->world; r++) {
+            uint64_t n;
+            memcpy(&n, x->blobs + (size_t)r * (TD_XRANK_BLOB_MAX + 8), 8);
+            if (n == 0) {
+                TD_LOG_ERROR("rank %d could not set up its KV transfer endpoint", r);
+                st = TD_ERR_IO;
+            }
+        }
+    x->last_use = td_time_s();
+    pthread_mutex_unlock(&x->mu);
+    return st;
+}
+
+td_status td_exec_xfer_endpoint(const td_exec *x, int rank, const uint8_t **blob, size_t *len) {
+    if (!x->xr || rank < 0 || rank >= x->world) return TD_ERR_INVALID;
+    if (x->world == 1) {
+        static _Thread_local uint8_t one[TD_XRANK_BLOB_MAX];
+        td_status st = td_xrank_blob(x->xr, one, sizeof one, len);
+        *blob = one;
+        return st;
+    }
+    uint64_t n;
+    const uint8_t *b = x->blobs + (size_t)rank * (TD_XRANK_BLOB_MAX + 8);
+    memcpy(&n, b, 8);
+    *blob = b + 8;
+    *len = (size_t)n;
+    return n ? TD_OK : TD_ERR_IO;
+}
+
+td_xfer_plan td_exec_xfer_plan(const td_exec *x) {
+    td_xfer_plan p = {.tp = x->tp, .pp = x->pp, .cp = x->cp};
+    for (int s = 0; s <= x->pp; s++) p.stage_begin[s] = x->cfg.stage_begin[s];
+    if (x->wrapped) p.stage_begin[1] = td_model_get_config(x->model)->n_layer;
+    return p;
+}
+
+void td_exec_xfer_post(td_exec *x, const td_xdir_buf *dirs) {
+    pthread_mutex_lock(&x->xfer_mu);
+    if (dirs->n) {
+        /* a job slot reused from now on starts with no failure */
+        for (size_t i = 0; i + 2 < dirs->n;) {
+            int32_t type = dirs->w[i], words = dirs->w[i + 1];
+            if (type == TD_XDIR_JOB && words >= 1) {
+                int32_t s = dirs->w[i + 2];
+                if (s >= 0 && s < TD_XRANK_MAX_JOBS) x->xfer_failed[s / 64] &= ~(1ull << (s % 64));
+            }
+            i += 2 + (size_t)(words > 0 ? words : 0);
+        }
+        size_t need = x->pending.n + dirs->n;
+        if (need > x->pending.cap) {
+            size_t cap = x->pending.cap ? x->pending.cap : 256;
+            while (cap < need) cap *= 2;
+            int32_t *w = realloc(x->pending.w, cap * sizeof *w);
+            if (!w) {
+                TD_LOG_ERROR("out of memory queueing transfer directives");
+                x->pending.oom = true;
+                pthread_mutex_unlock(&x->xfer_mu);
+                return;
+            }
+            x->pending.w = w;
+            x->pending.cap = cap;
+        }
+        memcpy(x->pending.w + x->pending.n, dirs->w, dirs->n * sizeof(int32_t));
+        x->pending.n = need;
+    }
+    pthread_mutex_unlock(&x->xfer_mu);
+}
+
+td_status td_exec_xfer_sync(td_exec *x) {
+    if (x->world == 1) return forward_single(x, NULL, 0, NULL, NULL);
+    if (atomic_load(&x->failed)) return TD_ERR_IO;
+    pthread_mutex_lock(&x->mu);
+    td_xdir_buf dirs;
+    take_pending(x, &dirs);
+    step_hdr h = {.op = OP_XFER, .n_dir_words = (int32_t)dirs.n};
+    td_status st = grow_payload(x, payload_words(&h));
+    if (!st) {
+        memcpy(x->payload, dirs.w, dirs.n * sizeof(int32_t));
+        double t0 = td_time_s();
+        x->comm_s = 0;
+        if (!(st = broadcast_hdr(x, &h)))
+            st = td_comm_broadcast(x->comm, x->payload, payload_words(&h) * sizeof(int32_t), 0);
+        if (!st) st = xfer_before(x, &h);
+        if (!st) st = report(x, t0, TD_OK);
+        if (!st)
+            for (int r = 0; r < x->world; r++) merge_failed(x, x->reports[r].xfer_failed);
+    }
+    td_xdir_free(&dirs);
+    x->last_use = td_time_s();
+    if (st) {
+        if (!atomic_exchange(&x->failed, true))
+            TD_LOG_ERROR("transfer step failed on the ranks (%s): the instance fails",
+                         td_status_str(st));
+        td_comm_abort(x->comm);
+        st = TD_ERR_IO;
+    }
+    pthread_mutex_unlock(&x->mu);
+    return st;
+}
+
+bool td_exec_xfer_failed(td_exec *x, int32_t slot) {
+    if (slot < 0 || slot >= TD_XRANK_MAX_JOBS) return true;
+    pthread_mutex_lock(&x->xfer_mu);
+    bool f = (x->xfer_failed[slot / 64] >> (slot % 64)) & 1u;
+    pthread_mutex_unlock(&x->xfer_mu);
+    return f;
+}
+
+void td_exec_xfer_teardown(td_exec *x) {
+    pthread_mutex_lock(&x->mu);
+    if (x->engine) td_engine_set_layer_hook(x->engine, NULL, NULL);
+    td_xrank_destroy(x->xr);
+    x->xr = NULL;
+    pthread_mutex_unlock(&x->mu);
 }

@@ -118,6 +118,30 @@ int td_exec_last_times(const td_exec *x, td_rank_time *out, int cap);
  * more than one rank; with one, call it from the stepping thread. */
 int td_exec_expert_load(const td_exec *x, int64_t *counts, int cap);
 
+/* ---- KV transfer (transfer/xrank.h, transfer/xfer.h) ----
+ * td_exec_xfer_setup gives every rank its transfer state (a UCP worker, the
+ * KV pool moved into UCX memory, the engine's layer hook; layerwise: puts
+ * as each layer is computed, else after the last); rank 0 uses ucx0 (the
+ * instance's control channel). td_exec_xfer_endpoint: rank r's
+ * endpoint blob for the Exchange. td_exec_forward_slots: a step whose
+ * sequences carry their transfer job slots (-1: none). td_exec_xfer_post
+ * queues directives for the next step (any thread); td_exec_xfer_sync runs
+ * them now in a step of their own (the dropped jobs' puts are flushed on
+ * every rank when it returns). td_exec_xfer_failed: a rank could not
+ * deliver the job in slot (cleared when a JOB directive reuses the slot).
+ * td_exec_xfer_teardown: before ucx0 is destroyed (the pool is unusable
+ * afterwards). Not with td_exec_wrap. */
+#include "../transfer/xrank.h"
+td_status td_exec_xfer_setup(td_exec *x, td_ucx *ucx0, bool layerwise);
+td_status td_exec_xfer_endpoint(const td_exec *x, int rank, const uint8_t **blob, size_t *len);
+td_xfer_plan td_exec_xfer_plan(const td_exec *x);
+td_status td_exec_forward_slots(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs,
+                                const int32_t *slots, float *logits);
+void td_exec_xfer_post(td_exec *x, const td_xdir_buf *dirs);
+td_status td_exec_xfer_sync(td_exec *x);
+bool td_exec_xfer_failed(td_exec *x, int32_t slot);
+void td_exec_xfer_teardown(td_exec *x);
+
 /* Entry point of a spawned rank process: argv = {"rank", NAME, WORLD,
  * RANK, PPID}. Returns the process exit code. */
 int td_exec_rank_main(int argc, char **argv);

@@ -174,7 +174,7 @@ struct td_sched {
     atomic_uint_fast64_t next_ticket;
     rev *ev_head, *ev_tail; /* under mu */
     parked *parked;         /* scheduler thread */
-    int32_t n_batch;        /* sequences of the step running now (layer hook) */
+    int32_t *slots;         /* (max_running) the step's transfer job slots */
 };
 
 td_sched_params td_sched_default_params(void) {
@@ -265,14 +265,7 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
     memcpy(q->tokens, r->prompt, (size_t)r->n_prompt * sizeof *q->tokens);
     q->ex = r->kv_export;
     q->im = r->kv_import;
-    if (q->ex.layer || q->im.start) {
-        if (td_exec_world(s->exec) != 1) {
-            TD_LOG_ERROR("request %s: KV export / import needs a world of one rank (this plan has "
-                         "%d)",
-                         r->id ? r->id : "-", td_exec_world(s->exec));
-            st = TD_ERR_UNSUPPORTED;
-            goto fail;
-        }
+    if (q->ex.ended || q->im.start) {
         /* Allocated now so that parking the blocks later cannot fail. */
         q->park_rec = calloc(1, sizeof *q->park_rec);
         if (!q->park_rec) goto fail;
@@ -604,7 +597,7 @@ static void seq_finish(td_sched *s, seq *q, td_finish_reason why, td_status err,
     }
     pending_drop(s, q);
     bool was_remote = q->remote_wait;
-    if (q->n_blocks && (was_remote || q->ex.layer))
+    if (q->n_blocks && (was_remote || q->ex.ended))
         park_blocks(s, q, was_remote); /* puts may be in flight into or out of them */
     if (q->n_blocks) td_kv_block_free(s->kv, q->blocks, q->n_blocks);
     if (q->n_reserved) td_kv_unreserve(s->kv, q->n_reserved);
@@ -803,7 +796,7 @@ static bool grow_blocks(td_sched *s, seq *q, int32_t upto) {
         int32_t victim = s->n_running - 1;
         /* Never one whose blocks a peer writes or reads (remote prefill,
          * export): q itself always qualifies (it is computing). */
-        while (victim >= 0 && (s->running[victim]->remote_wait || s->running[victim]->ex.layer))
+        while (victim >= 0 && (s->running[victim]->remote_wait || s->running[victim]->ex.ended))
             victim--;
         TD_ASSERT(victim >= 0);
         bool self = s->running[victim] == q;
@@ -895,7 +888,7 @@ static bool sample_one(td_sched *s, seq *q, float *logits, double now) {
 static bool take_token(td_sched *s, seq *q, const td_sample_result *rp, double now) {
     td_sample_result r = *rp;
     int32_t n_out = q->n_tokens - q->n_prompt;
-    if (q->ex.layer && !q->have_first) {
+    if (q->ex.ended && !q->have_first) {
         q->first = r;
         q->have_first = true;
     }
@@ -1084,17 +1077,6 @@ void td_sched_remote_failed(td_sched *s, td_sched_ticket t, bool quarantine, boo
 
 void td_sched_release(td_sched *s, td_sched_ticket t) { post_event(s, event_new(EV_RELEASE, t)); }
 
-/* Layer-wise KV streaming: the engine's per-layer hook, on the scheduler
- * thread inside td_exec_forward. */
-static void layer_hook(void *ctx, int32_t layer) {
-    td_sched *s = ctx;
-    for (int32_t i = 0; i < s->n_batch; i++) {
-        seq *q = s->batch[i];
-        const td_seq_chunk *c = &s->chunks[i];
-        if (q->ex.layer) q->ex.layer(q->ex.ctx, layer, q->blocks, c->pos0, c->pos0 + c->n_tokens);
-    }
-}
-
 /* One scheduling step. Returns false when there was nothing to run. */
 static bool step(td_sched *s) {
     take_inbox_and_cancels(s);
@@ -1105,9 +1087,13 @@ static bool step(td_sched *s) {
     int32_t n_tok = 0;
     for (int32_t i = 0; i < n; i++) n_tok += s->chunks[i].n_tokens;
     double t0 = td_time_s();
-    s->n_batch = n;
-    td_status st = td_exec_forward(s->exec, s->chunks, n, s->logits);
-    s->n_batch = 0;
+    bool any_slot = false;
+    for (int32_t i = 0; i < n; i++) {
+        s->slots[i] = s->batch[i]->ex.ended ? s->batch[i]->ex.slot : -1;
+        any_slot |= s->slots[i] >= 0;
+    }
+    td_status st =
+        td_exec_forward_slots(s->exec, s->chunks, n, any_slot ? s->slots : NULL, s->logits);
     double dt = td_time_s() - t0;
     s->steps++;
     if (s->metrics) {
@@ -1222,8 +1208,9 @@ td_status td_sched_create(const td_sched_params *p, td_exec *exec, td_kv_pool *k
     s->running = calloc((size_t)p->max_running, sizeof *s->running);
     s->batch = calloc((size_t)p->max_running, sizeof *s->batch);
     s->chunks = calloc((size_t)p->max_running, sizeof *s->chunks);
+    s->slots = calloc((size_t)p->max_running, sizeof *s->slots);
     s->logits = malloc((size_t)p->max_running * (size_t)s->n_vocab * sizeof(float));
-    if (!s->running || !s->batch || !s->chunks || !s->logits ||
+    if (!s->running || !s->batch || !s->chunks || !s->slots || !s->logits ||
         td_kv_hmap_init(&s->pending, 1024) != TD_OK) {
         TD_LOG_ERROR("out of memory");
         goto free_s;
@@ -1232,8 +1219,6 @@ td_status td_sched_create(const td_sched_params *p, td_exec *exec, td_kv_pool *k
     pthread_cond_init(&s->cv, NULL);
     pthread_mutex_init(&s->stats_mu, NULL);
     pthread_cond_init(&s->stats_cv, NULL);
-    if (td_exec_world(exec) == 1 && td_exec_engine(exec))
-        td_engine_set_layer_hook(td_exec_engine(exec), layer_hook, s);
     publish_stats(s);
     int rc = pthread_create(&s->thread, NULL, sched_main, s);
     if (rc != 0) {
@@ -1251,6 +1236,7 @@ free_s:
     td_kv_hmap_free(&s->pending);
     free(s->logits);
     free(s->chunks);
+    free(s->slots);
     free(s->batch);
     free(s->running);
     free(s);
@@ -1264,8 +1250,6 @@ void td_sched_destroy(td_sched *s) {
     pthread_cond_signal(&s->cv);
     pthread_mutex_unlock(&s->mu);
     pthread_join(s->thread, NULL);
-    if (td_exec_world(s->exec) == 1 && td_exec_engine(s->exec))
-        td_engine_set_layer_hook(td_exec_engine(s->exec), NULL, NULL);
     while (s->parked) { /* held past the end: the pool goes with the instance */
         parked *pk = s->parked;
         s->parked = pk->next;
@@ -1285,6 +1269,7 @@ void td_sched_destroy(td_sched *s) {
     td_kv_hmap_free(&s->pending);
     free(s->logits);
     free(s->chunks);
+    free(s->slots);
     free(s->batch);
     free(s->running);
     free(s);

@@ -62,15 +62,13 @@ td_sched_params td_sched_default_params(void);
  * scheduler, never 0). */
 typedef uint64_t td_sched_ticket;
 
-/* Prefill side: push the sequence's KV to a peer as it is computed. The
- * callbacks run on the scheduler thread; keep them short. */
+/* Prefill side: the sequence's KV goes to a peer as it is computed: its
+ * steps carry `slot` to the ranks (td_exec_forward_slots), whose transfer
+ * state (transfer/xrank.h) puts each layer's rows. The callback runs on
+ * the scheduler thread; keep it short. */
 typedef struct {
-    void *ctx; /* NULL with layer NULL: no export */
-    /* Inside the forward pass, after layer `layer` (the pool's local
-     * index) wrote the K/V of positions [pos0, pos1) of this sequence
-     * (blocks: its block table, valid during the call). Positions below the
-     * first call's pos0 were already in the cache (a prefix hit). */
-    void (*layer)(void *ctx, int32_t layer, const int32_t *blocks, int32_t pos0, int32_t pos1);
+    void *ctx;    /* NULL with ended NULL: no export */
+    int32_t slot; /* the transfer job slot the ranks know the job by */
     /* The sequence ended: after its first token (published in its stream;
      * first points to it, sampler_state to the PRNG state after its draw,
      * TD_SAMPLER_STATE_BYTES) or with an error / cancel (both NULL). Its

@@ -44,13 +44,14 @@ typedef struct dpeer {
     uint64_t exchange_id;
     td_xfer_msg *ex_msg; /* the message that carried the exchange (owned) */
     const exchange_t *ex;
-    td_ucx_ep *ep; /* to D's rank 0 (x->mu) */
-    td_ucx_rkey *rk;
+    td_ucx_ep *ep;      /* control messages to D's rank 0 (x->mu) */
+    int32_t slot;       /* the ranks know its endpoints by this slot */
     atomic_bool failed; /* the endpoint reported an error */
     bool closed;
 } dpeer;
 
-/* A prefill job on P. */
+/* A prefill job on P: its KV goes out from every rank (xrank.h), the
+ * driver answers. */
 typedef struct pjob {
     struct pjob *next;
     struct td_xfer *x;
@@ -58,18 +59,12 @@ typedef struct pjob {
     char id[XF_ID_LEN];
     td_gen_stream *st;
     td_sched_ticket ticket;
-    int32_t *dest; /* D's block ids covering the prompt */
-    int32_t n_prompt, d_cached, p_cached;
-    int32_t *pushed; /* (n_layer) tokens of each layer already put */
+    int32_t slot; /* job slot on the ranks */
+    int32_t n_prompt, d_cached;
     double t_recv, deadline, lease_until;
-    td_ucx_ops ops;
-    atomic_bool flushed;
-    atomic_int flush_status;
-    bool ended, have_first, failed, cancelled, replied, consumed, first_layer_seen;
+    bool ended, have_first, cancelled, replied, dropped, ok, consumed;
     td_sample_result first;
     uint8_t sstate[TD_SAMPLER_STATE_BYTES];
-    uint64_t bytes;
-    uint64_t last_layer_unix_ns; /* when the last layer of the last chunk finished */
 } pjob;
 
 /* D's view of one P instance (named by its HTTP address). */
@@ -118,12 +113,9 @@ struct td_xfer {
     size_t token_len;
     uint64_t epoch;
     td_ucx *ucx;
-    td_ucx_mem *mem;
-    uint8_t *addr, *rkey;
-    size_t addr_len, rkey_len;
-    td_kv_pool *kv;
-    void *kv_base;
-    size_t kv_bytes;
+    bool xfer_ready;   /* td_exec_xfer_setup done: teardown owed */
+    td_xfer_plan plan; /* this instance's */
+    int world;
     int32_t n_layer, n_head_kv, head_dim, block_size, n_blocks, n_vocab;
     size_t row_bytes; /* one token's K (or V) in one layer */
     td_xfer_limits lim;
@@ -140,6 +132,8 @@ struct td_xfer {
     dpeer *dpeers;
     pjob *pjobs;
     atomic_uint_fast64_t bytes_put;
+    bool job_slot_used[TD_XRANK_MAX_JOBS];
+    bool peer_slot_used[TD_XRANK_MAX_PEERS];
     /* decode */
     ppeer *ppeers;
     int n_ppeers;
@@ -201,53 +195,68 @@ static td_status send_msg(td_xfer *x, td_ucx_ep *ep, cmsg *m) {
     return st;
 }
 
-/* This instance's exchange: plan (one rank), geometry, rank 0's endpoint. */
+/* This instance's exchange: its plan, the KV geometry, every rank's
+ * endpoint (gathered by td_exec_xfer_setup). */
 typedef struct {
     exchange_t ex;
     Tandem__Internal__V1__Plan plan;
     Tandem__Internal__V1__KvGeometry kv;
-    Tandem__Internal__V1__RankEndpoint rank;
-    Tandem__Internal__V1__RankEndpoint *ranks[1];
-    uint32_t stage[2];
+    Tandem__Internal__V1__RankEndpoint rank[TD_COMM_MAX_RANKS];
+    Tandem__Internal__V1__RankEndpoint *ranks[TD_COMM_MAX_RANKS];
+    uint32_t stage[TD_PLAN_MAX_PP + 1];
     uint8_t compat[16];
 } own_exchange;
 
-static void build_exchange(td_xfer *x, own_exchange *o) {
+static td_status build_exchange(td_xfer *x, own_exchange *o) {
     tandem__internal__v1__exchange__init(&o->ex);
     tandem__internal__v1__plan__init(&o->plan);
     tandem__internal__v1__kv_geometry__init(&o->kv);
-    tandem__internal__v1__rank_endpoint__init(&o->rank);
-    o->plan.tp = o->plan.pp = o->plan.cp = 1;
-    o->stage[0] = 0;
-    o->stage[1] = (uint32_t)x->n_layer;
-    o->plan.n_stage_begin = 2;
+    o->plan.tp = (uint32_t)x->plan.tp;
+    o->plan.pp = (uint32_t)x->plan.pp;
+    o->plan.cp = (uint32_t)x->plan.cp;
+    for (int s = 0; s <= x->plan.pp; s++) o->stage[s] = (uint32_t)x->plan.stage_begin[s];
+    o->plan.n_stage_begin = (size_t)x->plan.pp + 1;
     o->plan.stage_begin = o->stage;
     o->kv.n_layer = (uint32_t)x->n_layer;
     o->kv.n_head_kv = (uint32_t)x->n_head_kv;
     o->kv.head_dim = (uint32_t)x->head_dim;
     o->kv.block_size = (uint32_t)x->block_size;
     o->kv.n_blocks = (uint32_t)x->n_blocks;
-    o->rank.rank = 0;
-    o->rank.worker_address.data = x->addr;
-    o->rank.worker_address.len = x->addr_len;
-    o->rank.kv_rkey.data = x->rkey;
-    o->rank.kv_rkey.len = x->rkey_len;
-    o->rank.kv_base = (uint64_t)(uintptr_t)x->kv_base;
-    o->rank.kv_bytes = (uint64_t)x->kv_bytes;
-    o->ranks[0] = &o->rank;
+    for (int r = 0; r < x->world; r++) {
+        Tandem__Internal__V1__RankEndpoint *e = &o->rank[r];
+        tandem__internal__v1__rank_endpoint__init(e);
+        const uint8_t *blob, *addr, *rkey;
+        size_t len, al, rl;
+        uint64_t base, bytes;
+        td_status st = td_exec_xfer_endpoint(x->p.exec, r, &blob, &len);
+        if (!st) st = td_xrank_blob_parse(blob, len, &addr, &al, &rkey, &rl, &base, &bytes);
+        if (st) return st;
+        e->rank = (uint32_t)r;
+        e->worker_address.data = (uint8_t *)addr;
+        e->worker_address.len = al;
+        e->kv_rkey.data = (uint8_t *)rkey;
+        e->kv_rkey.len = rl;
+        e->kv_base = base;
+        e->kv_bytes = bytes;
+        o->ranks[r] = e;
+    }
     o->ex.exchange_id = x->exchange_id;
     o->ex.plan = &o->plan;
     o->ex.kv = &o->kv;
-    o->ex.n_ranks = 1;
+    o->ex.n_ranks = (size_t)x->world;
     o->ex.ranks = o->ranks;
     memcpy(o->compat, &x->p.compat.lo, 8);
     memcpy(o->compat + 8, &x->p.compat.hi, 8);
     o->ex.compat.data = o->compat;
     o->ex.compat.len = 16;
+    return TD_OK;
 }
 
-static bool plan_is_single(const exchange_t *ex) {
-    return ex->plan->tp == 1 && ex->plan->pp == 1 && ex->plan->cp == 1 && ex->n_ranks == 1;
+static td_xfer_plan plan_of(const exchange_t *ex) {
+    td_xfer_plan p = {.tp = (int)ex->plan->tp, .pp = (int)ex->plan->pp, .cp = (int)ex->plan->cp};
+    for (uint32_t s = 0; s <= ex->plan->pp && s <= TD_PLAN_MAX_PP; s++)
+        p.stage_begin[s] = (int32_t)ex->plan->stage_begin[s];
+    return p;
 }
 
 /* --------------------------------------------------------- UCX callbacks */
@@ -291,13 +300,6 @@ static void on_error(void *ctx, td_ucx_ep *ep, td_status why) {
     wake(x);
 }
 
-static void on_ops_done(td_ucx_ops *ops, td_status st) {
-    pjob *j = ops->ctx;
-    atomic_store(&j->flush_status, (int)st);
-    atomic_store(&j->flushed, true);
-    wake(j->x);
-}
-
 static void on_peer_closed(void *ctx) {
     ppeer *pp = ctx;
     atomic_store(&pp->close_done, true);
@@ -305,77 +307,29 @@ static void on_peer_closed(void *ctx) {
 
 /* ================================================================ prefill */
 
-static void dpeer_close(dpeer *d) {
-    td_ucx_rkey_destroy(d->rk);
-    d->rk = NULL;
+static int32_t slot_take(bool *used, int n) {
+    for (int i = 0; i < n; i++)
+        if (!used[i]) {
+            used[i] = true;
+            return i;
+        }
+    return -1;
+}
+
+/* Closes the control endpoint and tells the ranks to close theirs. Caller
+ * holds x->mu. */
+static void dpeer_close(td_xfer *x, dpeer *d) {
     if (d->ep) td_ucx_ep_close(d->ep, NULL, NULL);
     d->ep = NULL;
     d->closed = true;
-}
-
-/* Puts layer l's rows [j->pushed[l], upto) into D's blocks: one put per
- * run of positions whose blocks are consecutive on both sides, for K and
- * for V. Caller holds x->mu. */
-static void push_layer(pjob *j, int32_t l, const int32_t *blocks, int32_t upto) {
-    td_xfer *x = j->x;
-    int32_t a = j->pushed[l];
-    if (a >= upto || j->failed) return;
-    dpeer *d = j->peer;
-    if (!d->ep || !d->rk || atomic_load(&d->failed)) {
-        j->failed = true;
-        return;
+    if (d->slot >= 0) {
+        td_xdir_buf b = {0};
+        td_xdir_unpeer(&b, d->slot);
+        td_exec_xfer_post(x->p.exec, &b);
+        td_xdir_free(&b);
+        x->peer_slot_used[d->slot] = false;
+        d->slot = -1;
     }
-    const int32_t bs = x->block_size;
-    const size_t row = x->row_bytes;
-    const uint64_t d_layer = (uint64_t)d->ex->kv->n_blocks * (uint64_t)bs * row;
-    const char *k_base = (const char *)td_kv_layer_k(x->kv, l);
-    const char *v_base = (const char *)td_kv_layer_v(x->kv, l);
-    while (a < upto) {
-        int32_t b0 = a / bs;
-        int32_t e = TD_MIN(upto, (b0 + 1) * bs);
-        while (e < upto) {
-            int32_t b = e / bs;
-            if (blocks[b] != blocks[b - 1] + 1 || j->dest[b] != j->dest[b - 1] + 1) break;
-            e = TD_MIN(upto, (b + 1) * bs);
-        }
-        size_t len = (size_t)(e - a) * row;
-        size_t local_off = ((size_t)blocks[b0] * (size_t)bs + (size_t)(a % bs)) * row;
-        uint64_t remote_off = ((uint64_t)j->dest[b0] * (uint64_t)bs + (uint64_t)(a % bs)) * row;
-        uint64_t k_off = (uint64_t)l * 2u * d_layer + remote_off;
-        td_status st = td_ucx_put(d->ep, d->rk, k_base + local_off, len, k_off, &j->ops);
-        if (st == TD_OK)
-            st = td_ucx_put(d->ep, d->rk, v_base + local_off, len, k_off + d_layer, &j->ops);
-        if (st != TD_OK) {
-            j->failed = true;
-            return;
-        }
-        j->bytes += 2 * len;
-        atomic_fetch_add(&x->bytes_put, 2 * len);
-        a = e;
-    }
-    j->pushed[l] = upto;
-}
-
-static void p_layer(void *ctx, int32_t layer, const int32_t *blocks, int32_t pos0, int32_t pos1) {
-    pjob *j = ctx;
-    td_xfer *x = j->x;
-    pthread_mutex_lock(&x->mu);
-    if (!j->first_layer_seen) {
-        j->first_layer_seen = true;
-        j->p_cached = pos0;
-    }
-    if (!j->failed && td_time_s() > j->deadline) {
-        /* P's own deadline: no new writes into D's blocks from here on. */
-        j->failed = true;
-        wake(x);
-    }
-    if (layer == x->n_layer - 1 && pos1 == j->n_prompt) j->last_layer_unix_ns = unix_ns();
-    if (x->p.layerwise) {
-        push_layer(j, layer, blocks, pos1);
-    } else if (layer == x->n_layer - 1 && pos1 == j->n_prompt) {
-        for (int32_t l = 0; l < x->n_layer; l++) push_layer(j, l, blocks, pos1);
-    }
-    pthread_mutex_unlock(&x->mu);
 }
 
 static void p_ended(void *ctx, td_sched_ticket t, const td_sample_result *first,
@@ -389,10 +343,9 @@ static void p_ended(void *ctx, td_sched_ticket t, const td_sample_result *first,
         j->have_first = true;
         memcpy(j->sstate, state, sizeof j->sstate);
     }
-    if (j->peer->ep && !j->failed) td_ucx_flush(j->peer->ep, &j->ops);
     j->ended = true;
     pthread_mutex_unlock(&x->mu);
-    td_ucx_ops_seal(&j->ops); /* done may run here: it only sets atomics */
+    wake(x);
 }
 
 static void p_reject(td_xfer *x, dpeer *d, const char *id, Tandem__Internal__V1__RejectReason why,
@@ -419,25 +372,52 @@ static dpeer *dpeer_find(td_xfer *x, const char *inst, uint64_t epoch) {
 }
 
 /* A new D incarnation (or a new exchange of a known one) from an inline
- * exchange; takes ownership of m on success. Caller holds x->mu. */
+ * exchange: the control endpoint to its rank 0, and a PEER directive that
+ * gives every rank its endpoints. Takes ownership of m on success. Caller
+ * holds x->mu. */
 static dpeer *dpeer_new(td_xfer *x, td_xfer_msg *m, const exchange_t *ex) {
+    int32_t slot = slot_take(x->peer_slot_used, TD_XRANK_MAX_PEERS);
+    if (slot < 0) {
+        /* the oldest closed-or-idle record gives its slot back */
+        for (dpeer *o = x->dpeers; o && slot < 0; o = o->next) {
+            bool busy = false;
+            for (pjob *j = x->pjobs; j; j = j->next) busy |= j->peer == o;
+            if (!busy && o->slot >= 0) {
+                dpeer_close(x, o);
+                slot = slot_take(x->peer_slot_used, TD_XRANK_MAX_PEERS);
+            }
+        }
+        if (slot < 0) return NULL;
+    }
     dpeer *d = calloc(1, sizeof *d);
-    if (!d) return NULL;
+    size_t n = protobuf_c_message_get_packed_size(&ex->base);
+    uint8_t *packed = malloc(n ? n : 1);
+    if (!d || !packed) {
+        free(d);
+        free(packed);
+        x->peer_slot_used[slot] = false;
+        return NULL;
+    }
+    d->slot = slot;
     snprintf(d->instance, sizeof d->instance, "%s", m->from->instance_id);
     d->epoch = m->from->epoch;
     d->exchange_id = ex->exchange_id;
     const Tandem__Internal__V1__RankEndpoint *r0 = NULL;
     for (size_t i = 0; i < ex->n_ranks; i++)
         if (ex->ranks[i]->rank == 0) r0 = ex->ranks[i];
-    if (!r0 ||
-        td_ucx_ep_create(x->ucx, r0->worker_address.data, r0->worker_address.len, d, &d->ep) !=
-            TD_OK ||
-        td_ucx_rkey_create(d->ep, r0->kv_rkey.data, r0->kv_rkey.len, r0->kv_base, r0->kv_bytes,
-                           &d->rk) != TD_OK) {
-        if (d->ep) td_ucx_ep_close(d->ep, NULL, NULL);
+    if (!r0 || td_ucx_ep_create(x->ucx, r0->worker_address.data, r0->worker_address.len, d,
+                                &d->ep) != TD_OK) {
         free(d);
+        free(packed);
+        x->peer_slot_used[slot] = false;
         return NULL;
     }
+    protobuf_c_message_pack(&ex->base, packed);
+    td_xdir_buf b = {0};
+    td_xdir_peer(&b, slot, packed, n);
+    td_exec_xfer_post(x->p.exec, &b);
+    td_xdir_free(&b);
+    free(packed);
     d->ex_msg = m;
     d->ex = ex;
     /* An older record of the same incarnation is closed: its endpoint
@@ -446,19 +426,20 @@ static dpeer *dpeer_new(td_xfer *x, td_xfer_msg *m, const exchange_t *ex) {
         if (!o->closed && o->epoch == d->epoch && strcmp(o->instance, d->instance) == 0) {
             bool busy = false;
             for (pjob *j = x->pjobs; j; j = j->next) busy |= j->peer == o;
-            if (!busy) dpeer_close(o);
+            if (!busy) dpeer_close(x, o);
         }
     d->next = x->dpeers;
     x->dpeers = d;
     char tl[160];
     td_ucx_ep_transports(d->ep, tl, sizeof tl);
-    TD_LOG_INFO("linked decode instance %s (epoch %016" PRIx64 "): %s", d->instance, d->epoch, tl);
+    TD_LOG_INFO("linked decode instance %s (epoch %016" PRIx64 ", %zu ranks, tp %u pp %u cp %u): "
+                "%s",
+                d->instance, d->epoch, ex->n_ranks, ex->plan->tp, ex->plan->pp, ex->plan->cp, tl);
     return d;
 }
 
-static bool sampling_from_proto(td_xfer *x, const Tandem__V1__SamplingParams *s, pjob *j,
-                                td_gen_request *g, td_logit_bias **bias_p, char *err,
-                                size_t err_len) {
+static bool sampling_from_proto(td_xfer *x, const Tandem__V1__SamplingParams *s, td_gen_request *g,
+                                td_logit_bias **bias_p, char *err, size_t err_len) {
     td_sampler_params sp = td_sampler_default_params();
     *bias_p = NULL;
     if (s) {
@@ -503,17 +484,26 @@ static bool sampling_from_proto(td_xfer *x, const Tandem__V1__SamplingParams *s,
         g->n_stop_ids = (int32_t)s->n_stop_token_ids;
         g->ignore_eos = s->ignore_eos;
     }
-    TD_UNUSED(j);
     g->sampling = sp;
     return true;
 }
 
-static void pjob_free(pjob *j) {
+static void pjob_free(td_xfer *x, pjob *j) {
     if (!j) return;
     if (j->st) td_gen_stream_release(j->st);
-    free(j->dest);
-    free(j->pushed);
+    if (j->slot >= 0) x->job_slot_used[j->slot] = false;
     free(j);
+}
+
+/* The request's destination, every decode rank the same block ids (the
+ * ranks of an instance share one block numbering). */
+static bool dest_uniform(const Tandem__Internal__V1__PrefillRequest *req) {
+    for (size_t r = 1; r < req->n_dest; r++)
+        if (req->dest[r]->n_block_ids != req->dest[0]->n_block_ids ||
+            memcmp(req->dest[r]->block_ids, req->dest[0]->block_ids,
+                   req->dest[0]->n_block_ids * sizeof(int32_t)) != 0)
+            return false;
+    return req->n_dest > 0;
 }
 
 /* PrefillRequest from D. Takes ownership of m. Caller holds x->mu. */
@@ -522,11 +512,17 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
     const char *id = req->request_id;
     dpeer *d = dpeer_find(x, m->from->instance_id, m->from->epoch);
     bool kept = false;
+    const char *why = NULL;
+    Tandem__Internal__V1__RejectReason reason = TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_INVALID;
+    char err[256];
     if (req->peer_case == TANDEM__INTERNAL__V1__PREFILL_REQUEST__PEER_EXCHANGE) {
         const exchange_t *ex = req->exchange;
-        if (!plan_is_single(ex)) {
+        td_xfer_plan dp = plan_of(ex);
+        int n_routes = 0;
+        td_status mst = td_xfer_map(&x->plan, &dp, x->n_layer, x->n_head_kv, NULL, 0, &n_routes);
+        if (mst != TD_OK && mst != TD_ERR_RANGE) {
             p_reject(x, d, id, TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_INCOMPATIBLE,
-                     "this prefill instance pairs only with one-rank decode plans");
+                     "no transfer mapping between the two plans");
             td_xfer_msg_free(m);
             return;
         }
@@ -547,71 +543,75 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
         td_xfer_msg_free(m);
         return;
     }
-    char err[256];
+    pjob *j = NULL;
+    td_logit_bias *bias = NULL;
     if (td_xfer_check_dest(req, d->ex, err, sizeof err) != TD_OK) {
-        p_reject(x, d, id, TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_INVALID, err);
-        if (!kept) td_xfer_msg_free(m);
-        return;
+        why = err;
+    } else if (!dest_uniform(req)) {
+        why = "destination blocks differ between decode ranks";
+    } else if (td_sched_draining(x->p.sched)) {
+        why = "draining";
+        reason = TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_DRAINING;
+    } else {
+        for (pjob *o = x->pjobs; o && !why; o = o->next)
+            if (o->peer == d && strcmp(o->id, id) == 0) why = "request id already in flight";
     }
-    if (td_sched_draining(x->p.sched)) {
-        p_reject(x, d, id, TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_DRAINING, "draining");
-        if (!kept) td_xfer_msg_free(m);
-        return;
+    int32_t slot = why ? -1 : slot_take(x->job_slot_used, TD_XRANK_MAX_JOBS);
+    if (!why && slot < 0) {
+        why = "every job slot is busy";
+        reason = TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_BUSY;
     }
-    for (pjob *o = x->pjobs; o; o = o->next)
-        if (o->peer == d && strcmp(o->id, id) == 0) {
-            p_reject(x, d, id, TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_INVALID,
-                     "request id already in flight");
-            if (!kept) td_xfer_msg_free(m);
-            return;
-        }
-    pjob *j = calloc(1, sizeof *j);
-    int32_t n = (int32_t)req->n_tokens;
-    int32_t nb = (n + x->block_size - 1) / x->block_size;
-    if (j) {
-        j->dest = malloc((size_t)nb * sizeof *j->dest);
-        j->pushed = malloc((size_t)x->n_layer * sizeof *j->pushed);
+    if (!why && !(j = calloc(1, sizeof *j))) {
+        x->job_slot_used[slot] = false;
+        why = "out of memory";
+        reason = TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_BUSY;
     }
-    if (!j || !j->dest || !j->pushed) {
-        pjob_free(j);
-        p_reject(x, d, id, TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_BUSY, "out of memory");
+    td_gen_request g;
+    td_gen_request_init(&g);
+    if (!why && !sampling_from_proto(x, req->sampling, &g, &bias, err, sizeof err)) {
+        why = err;
+        pjob_free(x, j);
+        j = NULL;
+        x->job_slot_used[slot] = false;
+    }
+    if (why) {
+        p_reject(x, d, id, reason, why);
         if (!kept) td_xfer_msg_free(m);
         return;
     }
     j->x = x;
     j->peer = d;
+    j->slot = slot;
     snprintf(j->id, sizeof j->id, "%s", id);
-    for (size_t r = 0; r < req->n_dest; r++)
-        if (req->dest[r]->rank == 0) memcpy(j->dest, req->dest[r]->block_ids, (size_t)nb * 4);
-    j->n_prompt = n;
+    j->n_prompt = (int32_t)req->n_tokens;
     j->d_cached = (int32_t)req->cached_tokens;
-    for (int32_t l = 0; l < x->n_layer; l++) j->pushed[l] = j->d_cached;
     j->t_recv = td_time_s();
     j->deadline = j->t_recv + req->deadline_ms / 1000.0;
     j->lease_until = j->t_recv + x->p.lease_ms / 1000.0;
-    td_ucx_ops_init(&j->ops, on_ops_done, j);
+    /* The ranks learn the job before its first chunk runs. */
+    td_xdir_buf b = {0};
+    td_xdir_job(&b, slot, d->slot, j->n_prompt, j->d_cached,
+                td_time_ns() + (uint64_t)req->deadline_ms * 1000000ull, req->dest[0]->block_ids,
+                (int32_t)req->dest[0]->n_block_ids);
+    td_exec_xfer_post(x->p.exec, &b);
+    td_xdir_free(&b);
 
-    td_gen_request g;
-    td_gen_request_init(&g);
     g.id = id;
     g.prompt = req->tokens;
-    g.n_prompt = n;
+    g.n_prompt = j->n_prompt;
     g.max_tokens = 1;
-    td_logit_bias *bias = NULL;
-    if (!sampling_from_proto(x, req->sampling, j, &g, &bias, err, sizeof err)) {
-        pjob_free(j);
-        p_reject(x, d, id, TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_INVALID, err);
-        if (!kept) td_xfer_msg_free(m);
-        return;
-    }
     g.kv_export.ctx = j;
-    g.kv_export.layer = p_layer;
+    g.kv_export.slot = slot;
     g.kv_export.ended = p_ended;
     td_status st = td_sched_submit(x->p.sched, &g, &j->st);
     free(bias); /* copied by the sampler */
     if (st != TD_OK) {
         j->st = NULL;
-        pjob_free(j);
+        td_xdir_buf db = {0};
+        td_xdir_drop(&db, slot);
+        td_exec_xfer_post(x->p.exec, &db);
+        td_xdir_free(&db);
+        pjob_free(x, j);
         p_reject(x, d, id,
                  st == TD_AGAIN             ? TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_BUSY
                  : st == TD_ERR_UNAVAILABLE ? TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_DRAINING
@@ -666,88 +666,113 @@ static void p_on_msg(td_xfer *x, td_xfer_msg *m) {
     td_xfer_msg_free(m);
 }
 
-/* One pass over P's jobs and peers. Caller holds x->mu. */
-static void p_service(td_xfer *x) {
+/* PrefillDone, once every rank has flushed the job's puts (they do before
+ * the step that carried its last chunk returns). Caller holds x->mu. */
+static bool send_done(td_xfer *x, pjob *j) {
+    cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
+    Tandem__Internal__V1__PrefillDone pd = TANDEM__INTERNAL__V1__PREFILL_DONE__INIT;
+    Tandem__V1__TopLogprob tl[TD_SAMPLER_MAX_LOGPROBS], *tlp[TD_SAMPLER_MAX_LOGPROBS];
+    pd.request_id = j->id;
+    pd.first_token = j->first.token;
+    pd.logprob = j->first.logprob;
+    int32_t n_top = TD_MAX(0, TD_MIN(j->first.n_top, TD_SAMPLER_MAX_LOGPROBS));
+    for (int32_t i = 0; i < n_top; i++) {
+        tandem__v1__top_logprob__init(&tl[i]);
+        tl[i].token_id = j->first.top[i].token;
+        tl[i].logprob = j->first.top[i].logprob;
+        tlp[i] = &tl[i];
+    }
+    pd.n_top_logprobs = (size_t)n_top;
+    pd.top_logprobs = tlp;
+    pd.prefix_tokens_reused = 0;
+    pd.sampler_state.data = j->sstate;
+    pd.sampler_state.len = sizeof j->sstate;
+    pd.last_layer_unix_ns = unix_ns();
+    m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_DONE;
+    m.prefill_done = &pd;
+    return send_msg(x, j->peer->ep, &m) == TD_OK;
+}
+
+/* One pass over P's jobs and peers. Caller holds x->mu; returns true when
+ * dropped jobs wait for a transfer step (td_exec_xfer_sync, without the
+ * lock) before their blocks may go. */
+static bool p_service(td_xfer *x) {
     double now = td_time_s();
+    bool need_sync = false;
     for (dpeer *d = x->dpeers; d; d = d->next)
         if (atomic_load(&d->failed) && !d->closed) {
             TD_LOG_WARN("decode instance %s (epoch %016" PRIx64 ") unreachable: closing",
                         d->instance, d->epoch);
-            dpeer_close(d); /* puts in flight complete with an error */
+            dpeer_close(x, d); /* the ranks close theirs: puts in flight complete */
         }
-    for (pjob **pp = &x->pjobs; *pp;) {
-        pjob *j = *pp;
+    for (pjob *j = x->pjobs; j; j = j->next) {
         bool peer_gone = atomic_load(&j->peer->failed) || j->peer->closed;
         if (!j->ended && !j->cancelled &&
-            (j->failed || peer_gone || now > j->deadline || now > j->lease_until)) {
-            j->cancelled = true; /* the scheduler ends it; p_ended seals */
+            (peer_gone || now > j->deadline || now > j->lease_until)) {
+            j->cancelled = true; /* the scheduler ends it: p_ended */
             td_gen_stream_cancel(j->st);
         }
-        if (j->ended && !atomic_load(&j->flushed) && now > j->deadline + 0.2 && !j->peer->closed) {
-            /* Stuck puts (D stalled): force-close so they complete, then
-             * the sources can be freed. */
-            TD_LOG_WARN("prefill %s: puts still in flight past the deadline: closing the "
-                        "endpoint to %s",
-                        j->id, j->peer->instance);
-            dpeer_close(j->peer);
-        }
-        if (atomic_load(&j->flushed) && !j->replied) {
+        if (j->ended && !j->replied) {
             j->replied = true;
-            td_status fs = (td_status)atomic_load(&j->flush_status);
-            bool ok = fs == TD_OK && j->have_first && !j->failed && now <= j->deadline &&
-                      !j->cancelled && !peer_gone;
-            cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
-            if (ok) {
-                Tandem__Internal__V1__PrefillDone pd = TANDEM__INTERNAL__V1__PREFILL_DONE__INIT;
-                Tandem__V1__TopLogprob tl[TD_SAMPLER_MAX_LOGPROBS], *tlp[TD_SAMPLER_MAX_LOGPROBS];
-                pd.request_id = j->id;
-                pd.first_token = j->first.token;
-                pd.logprob = j->first.logprob;
-                for (int i = 0; i < j->first.n_top && i < TD_SAMPLER_MAX_LOGPROBS; i++) {
-                    tandem__v1__top_logprob__init(&tl[i]);
-                    tl[i].token_id = j->first.top[i].token;
-                    tl[i].logprob = j->first.top[i].logprob;
-                    tlp[i] = &tl[i];
-                }
-                pd.n_top_logprobs = (size_t)TD_MAX(0, TD_MIN(j->first.n_top, 20));
-                pd.top_logprobs = tlp;
-                pd.prefix_tokens_reused = (uint32_t)TD_MAX(0, j->p_cached - j->d_cached);
-                pd.sampler_state.data = j->sstate;
-                pd.sampler_state.len = sizeof j->sstate;
-                pd.last_layer_unix_ns = j->last_layer_unix_ns;
-                m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_DONE;
-                m.prefill_done = &pd;
-                ok = send_msg(x, j->peer->ep, &m) == TD_OK;
-                if (ok) {
-                    td_metrics_kv_transfer(x->p.metrics, j->bytes, now - j->t_recv);
-                    j->lease_until = now + x->p.lease_ms / 1000.0;
-                }
+            j->ok = j->have_first && !j->cancelled && !peer_gone && now <= j->deadline &&
+                    !td_exec_xfer_failed(x->p.exec, j->slot);
+            /* Every rank flushed the job in the step of its last chunk:
+             * PrefillDone may go at once. */
+            if (j->ok && !(j->ok = send_done(x, j)))
+                TD_LOG_WARN("prefill %s: PrefillDone could not be sent", j->id);
+            if (j->ok) {
+                uint64_t bytes = (uint64_t)(j->n_prompt - j->d_cached) * 2u * (uint64_t)x->n_layer *
+                                 (uint64_t)x->n_head_kv * (uint64_t)x->head_dim * sizeof(float);
+                td_metrics_kv_transfer(x->p.metrics, bytes, now - j->t_recv);
+                atomic_fetch_add(&x->bytes_put, bytes);
+                j->lease_until = now + x->p.lease_ms / 1000.0;
             }
-            if (!ok) {
+            td_xdir_buf b = {0};
+            td_xdir_drop(&b, j->slot);
+            td_exec_xfer_post(x->p.exec, &b);
+            td_xdir_free(&b);
+            need_sync = true;
+        }
+    }
+    return need_sync;
+}
+
+/* After the transfer step that dropped them: the failure messages (P has
+ * stopped writing now), the source blocks, the records. Caller holds
+ * x->mu. */
+static void p_after_sync(td_xfer *x) {
+    double now = td_time_s();
+    for (pjob **pp = &x->pjobs; *pp;) {
+        pjob *j = *pp;
+        if (j->replied && !j->dropped) {
+            j->dropped = true;
+            if (!j->ok) {
+                cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
                 Tandem__Internal__V1__TransferFailed tf =
                     TANDEM__INTERNAL__V1__TRANSFER_FAILED__INIT;
                 tf.request_id = j->id;
                 tf.message = j->cancelled        ? "aborted"
                              : now > j->deadline ? "deadline"
-                             : fs != TD_OK       ? "transfer error"
-                                                 : "prefill failed";
+                             : !j->have_first    ? "prefill failed"
+                                                 : "transfer error";
                 m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_TRANSFER_FAILED;
                 m.transfer_failed = &tf;
                 TD_LOG_INFO("prefill %s for %s failed: %s", j->id, j->peer->instance, tf.message);
-                if (!peer_gone) send_msg(x, j->peer->ep, &m);
+                if (!atomic_load(&j->peer->failed) && !j->peer->closed)
+                    send_msg(x, j->peer->ep, &m);
                 td_metrics_kv_transfer_failure(x->p.metrics, j->cancelled ? TD_XFER_FAIL_ABORTED
                                                              : now > j->deadline
                                                                  ? TD_XFER_FAIL_DEADLINE
-                                                             : fs != TD_OK ? TD_XFER_FAIL_PEER_ERROR
-                                                                           : TD_XFER_FAIL_FAILED);
+                                                                 : TD_XFER_FAIL_FAILED);
                 j->consumed = true; /* nothing for D to consume */
             }
-            /* Every put has completed (flushed or failed): the sources can go. */
             td_sched_release(x->p.sched, j->ticket);
+            x->job_slot_used[j->slot] = false;
+            j->slot = -1;
         }
-        if (j->replied && (j->consumed || now > j->lease_until)) {
+        if (j->dropped && (j->consumed || now > j->lease_until)) {
             *pp = j->next;
-            pjob_free(j);
+            pjob_free(x, j);
             continue;
         }
         pp = &j->next;
@@ -780,20 +805,26 @@ static td_status send_request(td_xfer *x, ppeer *pp, djob *j, const int32_t *blo
                               int32_t n_blocks, int32_t n_cached) {
     cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
     Tandem__Internal__V1__PrefillRequest r = TANDEM__INTERNAL__V1__PREFILL_REQUEST__INIT;
-    Tandem__Internal__V1__RankBlocks rb = TANDEM__INTERNAL__V1__RANK_BLOCKS__INIT, *rbp[1] = {&rb};
+    Tandem__Internal__V1__RankBlocks rb[TD_COMM_MAX_RANKS], *rbp[TD_COMM_MAX_RANKS];
     Tandem__V1__SamplingParams sp = TANDEM__V1__SAMPLING_PARAMS__INIT;
     own_exchange oe;
     r.request_id = j->id;
     r.n_tokens = (size_t)j->n_tokens;
     r.tokens = j->tokens;
     r.cached_tokens = (uint32_t)n_cached;
-    rb.rank = 0;
-    rb.n_block_ids = (size_t)n_blocks;
-    rb.block_ids = (int32_t *)blocks;
-    r.n_dest = 1;
+    /* every rank of this instance uses the same block ids */
+    for (int k = 0; k < x->world; k++) {
+        tandem__internal__v1__rank_blocks__init(&rb[k]);
+        rb[k].rank = (uint32_t)k;
+        rb[k].n_block_ids = (size_t)n_blocks;
+        rb[k].block_ids = (int32_t *)blocks;
+        rbp[k] = &rb[k];
+    }
+    r.n_dest = (size_t)x->world;
     r.dest = rbp;
     if (pp->need_exchange) {
-        build_exchange(x, &oe);
+        td_status est = build_exchange(x, &oe);
+        if (est) return est;
         r.peer_case = TANDEM__INTERNAL__V1__PREFILL_REQUEST__PEER_EXCHANGE;
         r.exchange = &oe.ex;
     } else {
@@ -1163,13 +1194,10 @@ static void d_link(td_xfer *x, ppeer *pp) {
     td_xfer_msg *m = NULL;
     td_ucx_ep *ep = NULL;
     td_status st = fetch_exchange(x, pp->addr, &m, err, sizeof err, NULL);
-    if (st == TD_OK && !plan_is_single(m->exchange)) {
-        snprintf(err, sizeof err, "%s runs a plan of more than one rank (not supported yet)",
-                 pp->addr);
-        st = TD_ERR_UNSUPPORTED;
-    }
+    const Tandem__Internal__V1__RankEndpoint *r0 = NULL;
+    for (size_t i = 0; st == TD_OK && i < m->exchange->n_ranks; i++)
+        if (m->exchange->ranks[i]->rank == 0) r0 = m->exchange->ranks[i];
     if (st == TD_OK) {
-        const Tandem__Internal__V1__RankEndpoint *r0 = m->exchange->ranks[0];
         st = td_ucx_ep_create(x->ucx, r0->worker_address.data, r0->worker_address.len, pp, &ep);
         if (st != TD_OK) snprintf(err, sizeof err, "%s: bad worker address", pp->addr);
     }
@@ -1299,12 +1327,20 @@ static void *service_main(void *arg) {
             else
                 d_on_msg(x, in[i]);
         }
+        bool sync = false;
         if (x->p.role == TD_XFER_PREFILL)
-            p_service(x);
+            sync = p_service(x);
         else
             d_service(x);
         pthread_mutex_unlock(&x->mu);
         free(in);
+        if (x->p.role == TD_XFER_PREFILL) {
+            /* the dropped jobs' puts are flushed on every rank after this */
+            if (sync) td_exec_xfer_sync(x->p.exec);
+            pthread_mutex_lock(&x->mu);
+            p_after_sync(x);
+            pthread_mutex_unlock(&x->mu);
+        }
         if (x->p.role == TD_XFER_DECODE) {
             double now = td_time_s();
             for (int k = 0; k < x->n_ppeers && !atomic_load(&x->stop); k++) {
@@ -1330,11 +1366,6 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
         TD_LOG_ERROR("invalid transfer parameters");
         return TD_ERR_INVALID;
     }
-    if (td_exec_world(p->exec) != 1) {
-        TD_LOG_ERROR("KV transfer needs a plan of one rank for now (this one has %d)",
-                     td_exec_world(p->exec));
-        return TD_ERR_UNSUPPORTED;
-    }
     td_xfer *x = calloc(1, sizeof *x);
     if (!x) return TD_ERR_NOMEM;
     x->p = *p;
@@ -1349,24 +1380,20 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
     x->p.prefill = NULL;
     pthread_mutex_init(&x->mu, NULL);
     pthread_mutex_init(&x->in_mu, NULL);
-    x->kv = td_exec_kv(p->exec);
-    x->epoch = td_kv_events_epoch(td_kv_pool_events(x->kv));
+    td_kv_pool *kv = td_exec_kv(p->exec);
+    x->epoch = td_kv_events_epoch(td_kv_pool_events(kv));
     if (x->epoch == 0) x->epoch = random_u64();
     x->exchange_id = random_u64();
     const td_model_config *cfg = td_model_get_config(td_exec_model(p->exec));
-    const td_kv_params *kp = td_kv_pool_params(x->kv);
+    const td_kv_params *kp = td_kv_pool_params(kv);
     x->n_layer = cfg->n_layer;
     x->n_head_kv = cfg->n_head_kv;
     x->head_dim = cfg->head_dim;
     x->n_vocab = cfg->n_vocab;
     x->block_size = kp->block_size;
     x->n_blocks = kp->n_blocks;
-    if (kp->n_layers != cfg->n_layer || kp->n_kv_heads != cfg->n_head_kv) {
-        TD_LOG_ERROR("KV pool of %d layers x %d heads is not the whole model's %d x %d",
-                     kp->n_layers, kp->n_kv_heads, cfg->n_layer, cfg->n_head_kv);
-        st = TD_ERR_UNSUPPORTED;
-        goto fail;
-    }
+    x->plan = td_exec_xfer_plan(p->exec);
+    x->world = td_exec_world(p->exec);
     x->row_bytes = (size_t)x->n_head_kv * (size_t)x->head_dim * sizeof(float);
     x->lim = (td_xfer_limits){.cluster_token = (const uint8_t *)x->token,
                               .cluster_token_len = x->token_len,
@@ -1402,15 +1429,10 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
                         .ctx = x,
                         .max_msg_bytes = XF_MAX_MSG};
     if ((st = td_ucx_create(&up, &x->ucx)) != TD_OK) goto fail;
-    /* The pool moves into memory UCX allocates (a shared-memory segment
-     * where it can make one), so that a peer on this host puts into it with
-     * one memcpy instead of through our worker (see ucx.h). */
-    td_kv_pool_storage(x->kv, &x->kv_base, &x->kv_bytes);
-    if ((st = td_ucx_mem_alloc(x->ucx, x->kv_bytes, &x->mem)) != TD_OK) goto fail;
-    x->kv_base = td_ucx_mem_base(x->mem);
-    if ((st = td_kv_pool_adopt_storage(x->kv, x->kv_base, x->kv_bytes)) != TD_OK) goto fail;
-    if ((st = td_ucx_mem_rkey(x->mem, &x->rkey, &x->rkey_len)) != TD_OK) goto fail;
-    if ((st = td_ucx_address(x->ucx, &x->addr, &x->addr_len)) != TD_OK) goto fail;
+    /* Every rank gets a worker and moves its pool into UCX memory (xrank.h);
+     * rank 0's shares this channel. */
+    x->xfer_ready = true;
+    if ((st = td_exec_xfer_setup(p->exec, x->ucx, p->layerwise)) != TD_OK) goto fail;
     if (pthread_create(&x->thread, NULL, service_main, x) != 0) {
         st = TD_ERR_IO;
         goto fail;
@@ -1442,8 +1464,6 @@ void td_xfer_stop(td_xfer *x) {
         x->ppeers[k].ready = false;
     }
     for (dpeer *d = x->dpeers; d; d = d->next) {
-        td_ucx_rkey_destroy(d->rk);
-        d->rk = NULL;
         if (d->ep && n < 64)
             eps[n++] = d->ep;
         else if (d->ep)
@@ -1466,7 +1486,7 @@ void td_xfer_destroy(td_xfer *x) {
     }
     for (pjob *j = x->pjobs; j;) {
         pjob *next = j->next;
-        pjob_free(j);
+        pjob_free(x, j);
         j = next;
     }
     for (dpeer *d = x->dpeers; d;) {
@@ -1475,9 +1495,9 @@ void td_xfer_destroy(td_xfer *x) {
         free(d);
         d = next;
     }
-    free(x->addr);
-    free(x->rkey);
-    td_ucx_mem_unmap(x->mem);
+    /* rank 0's transfer state borrows the channel: it goes first (the KV
+     * memory with it) */
+    if (x->xfer_ready) td_exec_xfer_teardown(x->p.exec);
     td_ucx_destroy(x->ucx);
     for (int i = 0; i < x->n_inbox; i++) td_xfer_msg_free(x->inbox[i]);
     free(x->inbox);
@@ -1496,7 +1516,8 @@ void td_xfer_destroy(td_xfer *x) {
 td_status td_xfer_exchange(void *ctx, uint8_t **buf, size_t *len) {
     td_xfer *x = ctx;
     own_exchange oe;
-    build_exchange(x, &oe);
+    td_status st = build_exchange(x, &oe);
+    if (st) return st;
     cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
     Tandem__Internal__V1__Peer from = TANDEM__INTERNAL__V1__PEER__INIT;
     from.instance_id = x->instance_id;

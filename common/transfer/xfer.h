@@ -26,11 +26,17 @@
  * it waits for the flush, and on its own deadline force-closes the
  * endpoint so that they complete.
  *
+ * Parallel plans: every rank of both instances has its own UCP worker and
+ * its KV pool in UCX memory; the exchange lists every rank's endpoint.
+ * On P every rank puts its own layers, KV heads and CP blocks into the
+ * decode ranks that hold them (the transfer mapping, map.h), steered by
+ * directives that travel with the step plan (xrank.h): a new decode
+ * instance (PEER), a job (JOB), its end (DROP). Any two plans the mapping
+ * accepts pair (attention-DP plans do not).
+ *
  * Threads: UCX callbacks only record what happened and wake this module's
  * service thread, which does the follow-up (messages, fencing, releases,
- * links to P: its exchange is fetched from P's internal HTTP endpoint).
- * Both sides run with a world of one rank (TP = PP = CP = 1) for now: a
- * peer with another plan is refused as incompatible. */
+ * links to P: its exchange is fetched from P's internal HTTP endpoint). */
 #ifndef TD_TRANSFER_XFER_H
 #define TD_TRANSFER_XFER_H
 

@@ -1,0 +1,543 @@
+/* The rank side of KV migration (see xrank.h). */
+#include "xrank.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../parallel/comm.h"
+#include "proto/internal.pb-c.h"
+
+#define WORDS(bytes) (((bytes) + 3u) / 4u)
+
+typedef struct {
+    bool used, failed;
+    int d_world;
+    td_xfer_plan dplan;
+    int32_t d_blocks;
+    td_ucx_ep **ep;        /* (d_world) NULL where this rank sends nothing */
+    td_ucx_rkey **rk;      /* (d_world) */
+    td_xfer_route *routes; /* this rank's */
+    int n_routes;
+} xpeer;
+
+typedef struct {
+    bool used, failed, complete, sealed, dropping;
+    int32_t peer;
+    int32_t n_prompt, d_cached;
+    uint64_t deadline_ns;
+    int32_t *dest;
+    int32_t n_dest;
+    int32_t *pushed; /* (n_layers_local) positions put so far */
+    td_ucx_ops ops;
+    atomic_bool done;
+    atomic_int status;
+} xjob;
+
+struct td_xrank {
+    td_xrank_params p;
+    td_ucx *ucx;
+    bool own_ucx;
+    td_ucx_mem *mem;
+    uint8_t *addr, *rkey;
+    size_t addr_len, rkey_len;
+    void *base;
+    size_t bytes;
+    int32_t layer0, n_layers; /* this rank's stage */
+    int32_t h0, h1;           /* its KV heads (global) */
+    int32_t block_size, n_blocks;
+    size_t row; /* bytes of one token's K (or V) in one layer on this rank */
+    xpeer peers[TD_XRANK_MAX_PEERS];
+    xjob jobs[TD_XRANK_MAX_JOBS];
+    const td_seq_chunk *seqs;
+    const int32_t *slots;
+    int32_t n_seqs;
+};
+
+/* ------------------------------------------------------------- geometry */
+
+typedef struct {
+    int32_t layer0, layer1, h0, h1;
+} rank_geo;
+
+static rank_geo geo_of(const td_xfer_plan *pl, int rank, int32_t n_head_kv) {
+    rank_geo g;
+    int tp_r = rank % pl->tp, pp_r = rank / (pl->tp * pl->cp);
+    g.layer0 = pl->stage_begin[pp_r];
+    g.layer1 = pl->stage_begin[pp_r + 1];
+    td_xfer_rank_heads(pl->tp, tp_r, n_head_kv, &g.h0, &g.h1);
+    return g;
+}
+
+/* ------------------------------------------------------------- lifetime */
+
+td_status td_xrank_create(const td_xrank_params *p, td_xrank **xr_p) {
+    if (!p || !p->kv || !xr_p || p->rank < 0 || p->rank >= p->plan.tp * p->plan.pp * p->plan.cp) {
+        TD_LOG_ERROR("invalid transfer rank parameters");
+        return TD_ERR_INVALID;
+    }
+    td_xrank *xr = calloc(1, sizeof *xr);
+    if (!xr) return TD_ERR_NOMEM;
+    xr->p = *p;
+    rank_geo g = geo_of(&p->plan, p->rank, p->n_head_kv);
+    xr->layer0 = g.layer0;
+    xr->n_layers = g.layer1 - g.layer0;
+    xr->h0 = g.h0;
+    xr->h1 = g.h1;
+    const td_kv_params *kp = td_kv_pool_params(p->kv);
+    xr->block_size = kp->block_size;
+    xr->n_blocks = kp->n_blocks;
+    xr->row = (size_t)kp->n_kv_heads * (size_t)p->head_dim * sizeof(float);
+    td_status st = TD_OK;
+    if (kp->n_layers != xr->n_layers || kp->n_kv_heads != g.h1 - g.h0) {
+        TD_LOG_ERROR("rank %d: KV pool of %d layers x %d heads, the plan gives %d x %d", p->rank,
+                     kp->n_layers, kp->n_kv_heads, xr->n_layers, g.h1 - g.h0);
+        st = TD_ERR_INVALID;
+        goto fail;
+    }
+    if (p->ucx) {
+        xr->ucx = p->ucx;
+    } else {
+        td_ucx_params up = {.name = "kv rank"};
+        if ((st = td_ucx_create(&up, &xr->ucx))) goto fail;
+        xr->own_ucx = true;
+    }
+    /* The pool moves into memory UCX allocates: a peer on this host then
+     * puts into it with one memcpy (see ucx.h). */
+    td_kv_pool_storage(p->kv, &xr->base, &xr->bytes);
+    if ((st = td_ucx_mem_alloc(xr->ucx, xr->bytes, &xr->mem))) goto fail;
+    xr->base = td_ucx_mem_base(xr->mem);
+    if ((st = td_kv_pool_adopt_storage(p->kv, xr->base, xr->bytes))) goto fail;
+    if ((st = td_ucx_mem_rkey(xr->mem, &xr->rkey, &xr->rkey_len))) goto fail;
+    if ((st = td_ucx_address(xr->ucx, &xr->addr, &xr->addr_len))) goto fail;
+    *xr_p = xr;
+    return TD_OK;
+fail:
+    td_xrank_destroy(xr);
+    return st;
+}
+
+static void job_clear(xjob *j) {
+    free(j->dest);
+    free(j->pushed);
+    memset(j, 0, sizeof *j);
+}
+
+static void peer_close(xpeer *pe, bool wait) {
+    for (int r = 0; r < pe->d_world; r++) {
+        if (pe->rk) td_ucx_rkey_destroy(pe->rk[r]);
+        if (pe->ep && pe->ep[r]) {
+            if (wait)
+                td_ucx_ep_close_wait(pe->ep[r], 2000);
+            else
+                td_ucx_ep_close(pe->ep[r], NULL, NULL);
+        }
+    }
+    free(pe->ep);
+    free(pe->rk);
+    free(pe->routes);
+    memset(pe, 0, sizeof *pe);
+}
+
+void td_xrank_destroy(td_xrank *xr) {
+    if (!xr) return;
+    for (int i = 0; i < TD_XRANK_MAX_PEERS; i++)
+        if (xr->peers[i].used) peer_close(&xr->peers[i], true);
+    for (int i = 0; i < TD_XRANK_MAX_JOBS; i++) job_clear(&xr->jobs[i]);
+    free(xr->addr);
+    free(xr->rkey);
+    td_ucx_mem_unmap(xr->mem);
+    if (xr->own_ucx) td_ucx_destroy(xr->ucx);
+    free(xr);
+}
+
+/* ------------------------------------------------------------------ blob */
+
+td_status td_xrank_blob(td_xrank *xr, uint8_t *buf, size_t cap, size_t *len) {
+    size_t n = 24 + xr->addr_len + xr->rkey_len;
+    if (n > cap || xr->addr_len > UINT32_MAX || xr->rkey_len > UINT32_MAX) return TD_ERR_RANGE;
+    uint32_t al = (uint32_t)xr->addr_len, rl = (uint32_t)xr->rkey_len;
+    uint64_t base = (uint64_t)(uintptr_t)xr->base, bytes = (uint64_t)xr->bytes;
+    memcpy(buf, &al, 4);
+    memcpy(buf + 4, &rl, 4);
+    memcpy(buf + 8, &base, 8);
+    memcpy(buf + 16, &bytes, 8);
+    memcpy(buf + 24, xr->addr, xr->addr_len);
+    memcpy(buf + 24 + xr->addr_len, xr->rkey, xr->rkey_len);
+    *len = n;
+    return TD_OK;
+}
+
+td_status td_xrank_blob_parse(const uint8_t *buf, size_t len, const uint8_t **addr,
+                              size_t *addr_len, const uint8_t **rkey, size_t *rkey_len,
+                              uint64_t *base, uint64_t *bytes) {
+    if (len < 24) return TD_ERR_INVALID;
+    uint32_t al, rl;
+    memcpy(&al, buf, 4);
+    memcpy(&rl, buf + 4, 4);
+    memcpy(base, buf + 8, 8);
+    memcpy(bytes, buf + 16, 8);
+    if (al == 0 || rl == 0 || (uint64_t)al + rl + 24 > len) return TD_ERR_INVALID;
+    *addr = buf + 24;
+    *addr_len = al;
+    *rkey = buf + 24 + al;
+    *rkey_len = rl;
+    return TD_OK;
+}
+
+/* ------------------------------------------------------------ directives */
+
+static void dir_put(td_xdir_buf *b, const int32_t *w, size_t n) {
+    if (b->oom) return;
+    if (b->n + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n) cap *= 2;
+        int32_t *nw = realloc(b->w, cap * sizeof *nw);
+        if (!nw) {
+            b->oom = true;
+            return;
+        }
+        b->w = nw;
+        b->cap = cap;
+    }
+    memcpy(b->w + b->n, w, n * sizeof *w);
+    b->n += n;
+}
+
+static void dir_head(td_xdir_buf *b, int32_t type, size_t words) {
+    int32_t h[2] = {type, (int32_t)words};
+    dir_put(b, h, 2);
+}
+
+void td_xdir_peer(td_xdir_buf *b, int32_t slot, const uint8_t *exchange, size_t len) {
+    size_t words = 2 + WORDS(len);
+    dir_head(b, TD_XDIR_PEER, words);
+    int32_t h[2] = {slot, (int32_t)len};
+    dir_put(b, h, 2);
+    size_t start = b->n;
+    int32_t zero = 0;
+    for (size_t i = 0; i < WORDS(len); i++) dir_put(b, &zero, 1);
+    if (!b->oom) memcpy(b->w + start, exchange, len);
+}
+
+void td_xdir_job(td_xdir_buf *b, int32_t slot, int32_t peer, int32_t n_prompt, int32_t d_cached,
+                 uint64_t deadline_ns, const int32_t *dest, int32_t n_dest) {
+    dir_head(b, TD_XDIR_JOB, 7 + (size_t)n_dest);
+    int32_t h[7] = {slot,
+                    peer,
+                    n_prompt,
+                    d_cached,
+                    (int32_t)(uint32_t)(deadline_ns & 0xffffffffu),
+                    (int32_t)(uint32_t)(deadline_ns >> 32),
+                    n_dest};
+    dir_put(b, h, 7);
+    dir_put(b, dest, (size_t)n_dest);
+}
+
+void td_xdir_drop(td_xdir_buf *b, int32_t slot) {
+    dir_head(b, TD_XDIR_DROP, 1);
+    dir_put(b, &slot, 1);
+}
+
+void td_xdir_unpeer(td_xdir_buf *b, int32_t slot) {
+    dir_head(b, TD_XDIR_UNPEER, 1);
+    dir_put(b, &slot, 1);
+}
+
+void td_xdir_free(td_xdir_buf *b) {
+    free(b->w);
+    memset(b, 0, sizeof *b);
+}
+
+static void on_job_done(td_ucx_ops *ops, td_status st) {
+    xjob *j = ops->ctx;
+    atomic_store(&j->status, (int)st);
+    atomic_store(&j->done, true);
+}
+
+static td_status apply_peer(td_xrank *xr, int32_t slot, const uint8_t *bytes, size_t len) {
+    if (slot < 0 || slot >= TD_XRANK_MAX_PEERS) return TD_ERR_INVALID;
+    xpeer *pe = &xr->peers[slot];
+    if (pe->used) peer_close(pe, false);
+    Tandem__Internal__V1__Exchange *ex = tandem__internal__v1__exchange__unpack(NULL, len, bytes);
+    if (!ex) return TD_ERR_INVALID;
+    td_status st = TD_ERR_INVALID;
+    const Tandem__Internal__V1__Plan *pl = ex->plan;
+    if (!pl || !ex->kv || pl->tp < 1 || pl->pp < 1 || pl->cp < 1 || pl->pp > TD_PLAN_MAX_PP ||
+        pl->n_stage_begin != pl->pp + 1 || (uint64_t)pl->tp * pl->pp * pl->cp != ex->n_ranks ||
+        ex->n_ranks > TD_COMM_MAX_RANKS)
+        goto out;
+    td_xfer_plan dp = {.tp = (int)pl->tp, .pp = (int)pl->pp, .cp = (int)pl->cp};
+    for (uint32_t s = 0; s <= pl->pp; s++) dp.stage_begin[s] = (int32_t)pl->stage_begin[s];
+    int n = 0;
+    if ((st = td_xfer_map(&xr->p.plan, &dp, xr->p.n_layer, xr->p.n_head_kv, NULL, 0, &n)) &&
+        st != TD_ERR_RANGE)
+        goto out;
+    td_xfer_route *all = malloc((size_t)TD_MAX(n, 1) * sizeof *all);
+    pe->d_world = (int)ex->n_ranks;
+    pe->ep = calloc((size_t)pe->d_world, sizeof *pe->ep);
+    pe->rk = calloc((size_t)pe->d_world, sizeof *pe->rk);
+    pe->routes = malloc((size_t)TD_MAX(n, 1) * sizeof *pe->routes);
+    if (!all || !pe->ep || !pe->rk || !pe->routes) {
+        free(all);
+        st = TD_ERR_NOMEM;
+        goto out_pe;
+    }
+    if ((st = td_xfer_map(&xr->p.plan, &dp, xr->p.n_layer, xr->p.n_head_kv, all, n, &n))) {
+        free(all);
+        goto out_pe;
+    }
+    for (int i = 0; i < n; i++)
+        if (all[i].p_rank == xr->p.rank) pe->routes[pe->n_routes++] = all[i];
+    free(all);
+    pe->dplan = dp;
+    pe->d_blocks = (int32_t)ex->kv->n_blocks;
+    for (int i = 0; i < pe->n_routes; i++) {
+        int d = pe->routes[i].d_rank;
+        if (pe->ep[d]) continue;
+        const Tandem__Internal__V1__RankEndpoint *re = NULL;
+        for (size_t k = 0; k < ex->n_ranks; k++)
+            if (ex->ranks[k]->rank == (uint32_t)d) re = ex->ranks[k];
+        st = TD_ERR_INVALID;
+        if (!re) goto out_pe;
+        if ((st = td_ucx_ep_create(xr->ucx, re->worker_address.data, re->worker_address.len, NULL,
+                                   &pe->ep[d])))
+            goto out_pe;
+        if ((st = td_ucx_rkey_create(pe->ep[d], re->kv_rkey.data, re->kv_rkey.len, re->kv_base,
+                                     re->kv_bytes, &pe->rk[d])))
+            goto out_pe;
+    }
+    pe->used = true;
+    st = TD_OK;
+    goto out;
+out_pe:
+    peer_close(pe, false);
+    pe->used = true; /* known, but failed: its jobs fail */
+    pe->failed = true;
+out:
+    tandem__internal__v1__exchange__free_unpacked(ex, NULL);
+    if (st)
+        TD_LOG_WARN("rank %d: decode instance slot %d unusable (%s)", xr->p.rank, slot,
+                    td_status_str(st));
+    return TD_OK; /* a bad peer fails its jobs, not the rank */
+}
+
+td_status td_xrank_apply(td_xrank *xr, const int32_t *w, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        if (n - i < 2) goto bad;
+        int32_t type = w[i], words = w[i + 1];
+        i += 2;
+        if (words < 1 || (size_t)words > n - i) goto bad;
+        const int32_t *a = w + i;
+        i += (size_t)words;
+        switch (type) {
+        case TD_XDIR_PEER:
+            if (words < 2 || a[1] < 0 || WORDS((size_t)a[1]) + 2 != (size_t)words) goto bad;
+            apply_peer(xr, a[0], (const uint8_t *)(a + 2), (size_t)a[1]);
+            break;
+        case TD_XDIR_JOB: {
+            if (words < 7 || a[0] < 0 || a[0] >= TD_XRANK_MAX_JOBS || a[1] < 0 ||
+                a[1] >= TD_XRANK_MAX_PEERS || a[2] < 1 || a[3] < 0 || a[3] >= a[2] || a[6] < 1 ||
+                (size_t)a[6] + 7 != (size_t)words)
+                goto bad;
+            xjob *j = &xr->jobs[a[0]];
+            job_clear(j);
+            j->used = true;
+            j->peer = a[1];
+            j->n_prompt = a[2];
+            j->d_cached = a[3];
+            j->deadline_ns = (uint64_t)(uint32_t)a[4] | ((uint64_t)(uint32_t)a[5] << 32);
+            j->n_dest = a[6];
+            j->dest = malloc((size_t)j->n_dest * sizeof *j->dest);
+            j->pushed = malloc((size_t)TD_MAX(xr->n_layers, 1) * sizeof *j->pushed);
+            if (!j->dest || !j->pushed) {
+                j->failed = true;
+                break;
+            }
+            memcpy(j->dest, a + 7, (size_t)j->n_dest * sizeof *j->dest);
+            for (int32_t l = 0; l < xr->n_layers; l++) j->pushed[l] = j->d_cached;
+            td_ucx_ops_init(&j->ops, on_job_done, j);
+            const xpeer *pe = &xr->peers[j->peer];
+            if (!pe->used || pe->failed) j->failed = true;
+            for (int32_t b = 0; b < j->n_dest && !j->failed; b++)
+                if (j->dest[b] < 0 || j->dest[b] >= pe->d_blocks) j->failed = true;
+            break;
+        }
+        case TD_XDIR_DROP:
+            if (a[0] < 0 || a[0] >= TD_XRANK_MAX_JOBS) goto bad;
+            if (xr->jobs[a[0]].used) xr->jobs[a[0]].dropping = true;
+            break;
+        case TD_XDIR_UNPEER:
+            if (a[0] < 0 || a[0] >= TD_XRANK_MAX_PEERS) goto bad;
+            if (xr->peers[a[0]].used) peer_close(&xr->peers[a[0]], false);
+            break;
+        default: goto bad;
+        }
+    }
+    return TD_OK;
+bad:
+    TD_LOG_ERROR("rank %d: malformed transfer directives", xr->p.rank);
+    return TD_ERR_INVALID;
+}
+
+/* ------------------------------------------------------------------ puts */
+
+void td_xrank_batch(td_xrank *xr, const td_seq_chunk *seqs, const int32_t *slots, int32_t n) {
+    xr->seqs = seqs;
+    xr->slots = slots;
+    xr->n_seqs = n;
+}
+
+static void put(td_xrank *xr, xjob *j, xpeer *pe, int d, const char *src, size_t len,
+                uint64_t off) {
+    if (j->failed) return;
+    if (td_ucx_put(pe->ep[d], pe->rk[d], src, len, off, &j->ops) != TD_OK) j->failed = true;
+    TD_UNUSED(xr);
+}
+
+/* Rows [a, upto) of global layer l of job j, through every route of this
+ * rank that carries layer l. */
+static void push(td_xrank *xr, xjob *j, const int32_t *blocks, int32_t l, int32_t a, int32_t upto) {
+    xpeer *pe = &xr->peers[j->peer];
+    const int32_t bs = xr->block_size;
+    const int32_t hd = xr->p.head_dim;
+    const int32_t lp = l - xr->layer0;
+    const char *kp = (const char *)td_kv_layer_k(xr->p.kv, lp);
+    const char *vp = (const char *)td_kv_layer_v(xr->p.kv, lp);
+    for (int ri = 0; ri < pe->n_routes && !j->failed; ri++) {
+        const td_xfer_route *rt = &pe->routes[ri];
+        if (l < rt->layer_begin || l >= rt->layer_end) continue;
+        int d = rt->d_rank;
+        rank_geo dg = geo_of(&pe->dplan, d, xr->p.n_head_kv);
+        size_t d_row = (size_t)(dg.h1 - dg.h0) * (size_t)hd * sizeof(float);
+        uint64_t d_layer = (uint64_t)pe->d_blocks * (uint64_t)bs * d_row;
+        uint64_t k_base = (uint64_t)(l - dg.layer0) * 2u * d_layer, v_base = k_base + d_layer;
+        size_t seg = (size_t)(rt->head_end - rt->head_begin) * (size_t)hd * sizeof(float);
+        size_t p_head = (size_t)(rt->head_begin - xr->h0) * (size_t)hd * sizeof(float);
+        size_t d_head = (size_t)(rt->head_begin - dg.h0) * (size_t)hd * sizeof(float);
+        bool whole = seg == xr->row && seg == d_row;
+        for (int32_t b = a / bs; b * bs < upto && !j->failed; b++) {
+            if (b % rt->block_mod != rt->block_res) continue;
+            int32_t t0 = TD_MAX(a, b * bs), t1 = TD_MIN(upto, (b + 1) * bs);
+            if (whole) {
+                /* extend over following blocks consecutive on both sides */
+                int32_t b1 = b;
+                while (rt->block_mod == 1 && t1 < upto && blocks[b1 + 1] == blocks[b1] + 1 &&
+                       j->dest[b1 + 1] == j->dest[b1] + 1) {
+                    b1++;
+                    t1 = TD_MIN(upto, (b1 + 1) * bs);
+                }
+                size_t len = (size_t)(t1 - t0) * xr->row;
+                size_t lo = ((size_t)blocks[b] * (size_t)bs + (size_t)(t0 % bs)) * xr->row;
+                uint64_t ro = ((uint64_t)j->dest[b] * (uint64_t)bs + (uint64_t)(t0 % bs)) * d_row;
+                put(xr, j, pe, d, kp + lo, len, k_base + ro);
+                put(xr, j, pe, d, vp + lo, len, v_base + ro);
+                b = b1;
+                continue;
+            }
+            for (int32_t t = t0; t < t1; t++) {
+                size_t lo = ((size_t)blocks[b] * (size_t)bs + (size_t)(t % bs)) * xr->row + p_head;
+                uint64_t ro =
+                    ((uint64_t)j->dest[b] * (uint64_t)bs + (uint64_t)(t % bs)) * d_row + d_head;
+                put(xr, j, pe, d, kp + lo, seg, k_base + ro);
+                put(xr, j, pe, d, vp + lo, seg, v_base + ro);
+            }
+        }
+    }
+}
+
+void td_xrank_layer(void *ctx, int32_t layer) {
+    td_xrank *xr = ctx;
+    if (!xr->slots) return;
+    uint64_t now = td_time_ns();
+    for (int32_t i = 0; i < xr->n_seqs; i++) {
+        int32_t s = xr->slots[i];
+        if (s < 0 || s >= TD_XRANK_MAX_JOBS || !xr->jobs[s].used) continue;
+        xjob *j = &xr->jobs[s];
+        if (j->failed || j->dropping || j->sealed) continue;
+        if (now > j->deadline_ns) { /* no new writes into D's blocks after the deadline */
+            j->failed = true;
+            continue;
+        }
+        const td_seq_chunk *c = &xr->seqs[i];
+        int32_t upto = TD_MIN(c->pos0 + c->n_tokens, j->n_prompt);
+        if (upto > j->n_dest * xr->block_size) {
+            j->failed = true;
+            continue;
+        }
+        if (xr->p.layerwise) {
+            if (j->pushed[layer] < upto) {
+                push(xr, j, c->block_table, xr->layer0 + layer, j->pushed[layer], upto);
+                j->pushed[layer] = upto;
+            }
+        } else if (layer == xr->n_layers - 1 && upto == j->n_prompt) {
+            for (int32_t l = 0; l < xr->n_layers; l++) {
+                push(xr, j, c->block_table, xr->layer0 + l, j->pushed[l], upto);
+                j->pushed[l] = upto;
+            }
+        }
+        if (layer == xr->n_layers - 1) {
+            bool all = true;
+            for (int32_t l = 0; l < xr->n_layers; l++) all &= j->pushed[l] >= j->n_prompt;
+            j->complete = all;
+        }
+    }
+}
+
+/* Flushes j's endpoints and seals its group (once). */
+static void seal(td_xrank *xr, xjob *j) {
+    if (j->sealed) return;
+    j->sealed = true;
+    xpeer *pe = &xr->peers[j->peer];
+    if (pe->ep && !j->failed)
+        for (int d = 0; d < pe->d_world; d++)
+            if (pe->ep[d] && td_ucx_flush(pe->ep[d], &j->ops) != TD_OK) j->failed = true;
+    td_ucx_ops_seal(&j->ops);
+}
+
+static void sleep_us(long us) {
+    struct timespec ts = {0, us * 1000L};
+    nanosleep(&ts, NULL);
+}
+
+void td_xrank_finish(td_xrank *xr, uint64_t failed[TD_XRANK_MAX_JOBS / 64]) {
+    xr->seqs = NULL;
+    xr->slots = NULL;
+    xr->n_seqs = 0;
+    for (int s = 0; s < TD_XRANK_MAX_JOBS; s++) {
+        xjob *j = &xr->jobs[s];
+        if (!j->used || (!j->complete && !j->dropping && !j->failed)) continue;
+        seal(xr, j);
+        /* Wait for every put of the job: bounded by its deadline, then the
+         * endpoints are force-closed so that the puts complete. */
+        long spin = 0;
+        while (!atomic_load(&j->done) && td_time_ns() < j->deadline_ns)
+            sleep_us(spin++ < 100 ? 20 : 200);
+        if (!atomic_load(&j->done)) {
+            TD_LOG_WARN("rank %d: job %d still has puts in flight at its deadline: closing its "
+                        "endpoints",
+                        xr->p.rank, s);
+            xpeer *pe = &xr->peers[j->peer];
+            peer_close(pe, false);
+            pe->used = pe->failed = true;
+            uint64_t end = td_time_ns() + 5000000000ull;
+            while (!atomic_load(&j->done) && td_time_ns() < end) sleep_us(200);
+            j->failed = true;
+        }
+        if (atomic_load(&j->status) != TD_OK) j->failed = true;
+        if (j->failed) failed[s / 64] |= 1ull << (s % 64);
+        if (j->dropping) {
+            if (!atomic_load(&j->done)) {
+                /* the group never completed: its memory must stay valid */
+                TD_LOG_ERROR("rank %d: job %d: puts did not complete after a forced close",
+                             xr->p.rank, s);
+                continue;
+            }
+            job_clear(j);
+        } else {
+            j->complete = false; /* reported; dropped later by the driver */
+        }
+    }
+}
