@@ -583,8 +583,10 @@ int td_serve_main(int argc, char **argv, td_serve_role role) {
         gp.model = mdl;
         gp.api_keys = a.keys;
         gp.n_api_keys = a.n_keys;
-        if (xfer && role == TD_ROLE_DECODE)
+        if (xfer && role == TD_ROLE_DECODE) {
             gp.submit_hook = (td_api_submit_hook){td_xfer_submit_hook, xfer};
+            gp.cluster_token = token; /* the router's internal Generate */
+        }
         if (td_grpc_server_start(&gp, &grpc) != TD_OK) goto stop_http;
     }
     const char *br = strchr(a.host, ':') ? "[" : "", *bl = strchr(a.host, ':') ? "]" : "";

@@ -39,6 +39,7 @@
 #include <unistd.h>
 
 #include "proto/health.pb-c.h"
+#include "proto/internal.pb-c.h"
 #include "proto/tandem.pb-c.h"
 #include "request-impl.h"
 
@@ -100,6 +101,9 @@ struct gcall {
     td_api_request req; /* kept for the stop strings the Complete message names */
     td_gen_stream *stream;
     char request_id[128];
+    bool internal;           /* tandem.internal.v1.Decode/Generate (the router's) */
+    char route_prefill[256]; /* its choice of prefill instance, or "" */
+    bool route_local;
     bool registered;    /* request_id is in the table (the live list) */
     bool stream_done;   /* the stream reported finished */
     char utf8_carry[8]; /* an incomplete UTF-8 character held for the next chunk */
@@ -125,6 +129,7 @@ struct td_grpc_server {
     char **api_keys;
     size_t *api_key_lens;
     int n_api_keys;
+    char *cluster_token; /* NULL: no internal Generate */
     int32_t n_vocab;
 
     grpc_server *server;
@@ -698,17 +703,59 @@ static void handle_generate(gcall *c, const uint8_t *data, size_t len) {
     td_api_error err;
     memset(&err, 0, sizeof(err));
     Tandem__V1__GenerateRequest *r = NULL;
+    Tandem__Internal__V1__InternalGenerate *ig = NULL;
     char *body = NULL;
     int32_t *tokens = NULL;
     td_gen_stream *stream = NULL;
     double t_arrival = td_time_s();
 
-    if (!auth_ok(srv, &c->md)) {
+    if (c->internal) {
+        /* the router's request: the cluster token travels in the message */
+        ig = tandem__internal__v1__internal_generate__unpack(NULL, len, data);
+        if (!ig || !ig->request) {
+            td_api_error_set(&err, 400, "invalid_request_error", NULL, NULL,
+                             "malformed InternalGenerate message");
+            goto fail;
+        }
+        if (!td_secret_eq(srv->cluster_token, strlen(srv->cluster_token),
+                          (const char *)ig->cluster_token.data, ig->cluster_token.len)) {
+            td_api_error_set(&err, 401, "authentication_error", "invalid_cluster_token", NULL,
+                             "missing or invalid cluster token");
+            goto fail;
+        }
+        if (ig->prefill_case == TANDEM__INTERNAL__V1__INTERNAL_GENERATE__PREFILL_LOCAL_PREFILL)
+            c->route_local = ig->local_prefill;
+        if (ig->prefill_case == TANDEM__INTERNAL__V1__INTERNAL_GENERATE__PREFILL_PREFILL_INSTANCE) {
+            const char *pi = ig->prefill_instance;
+            size_t n_pi = strlen(pi);
+            bool ok = n_pi > 0 && n_pi < sizeof c->route_prefill && strchr(pi, ':');
+            for (size_t i = 0; ok && i < n_pi; i++) ok = pi[i] > 0x20 && pi[i] < 0x7f;
+            if (!ok) {
+                td_api_error_set(&err, 400, "invalid_request_error", NULL, "prefill_instance",
+                                 "prefill_instance must be HOST:PORT");
+                goto fail;
+            }
+            snprintf(c->route_prefill, sizeof c->route_prefill, "%s", pi);
+        }
+    } else if (!auth_ok(srv, &c->md)) {
         td_api_error_set(&err, 401, "authentication_error", "invalid_api_key", NULL,
                          "missing or invalid API key");
         goto fail;
     }
-    r = tandem__v1__generate_request__unpack(NULL, len, data);
+    if (ig) {
+        /* the inner request, re-read as a message of its own */
+        size_t n = protobuf_c_message_get_packed_size(&ig->request->base);
+        uint8_t *buf = malloc(n ? n : 1);
+        if (buf) {
+            protobuf_c_message_pack(&ig->request->base, buf);
+            r = tandem__v1__generate_request__unpack(NULL, n, buf);
+        }
+        free(buf);
+        tandem__internal__v1__internal_generate__free_unpacked(ig, NULL);
+        ig = NULL;
+    } else {
+        r = tandem__v1__generate_request__unpack(NULL, len, data);
+    }
     if (!r) {
         td_api_error_set(&err, 400, "invalid_request_error", NULL, NULL,
                          "malformed GenerateRequest message");
@@ -749,6 +796,8 @@ static void handle_generate(gcall *c, const uint8_t *data, size_t len) {
     td_api_request_to_gen(&c->req, tokens, n_tokens, max_tokens, 0, &g);
     g.id = c->request_id;
     g.t_arrival = t_arrival;
+    g.route_local = c->route_local;
+    g.route_prefill = c->route_prefill[0] ? c->route_prefill : NULL;
 
     /* Check the id and register the call in one step under the server
      * mutex, so two calls cannot both take an id. */
@@ -791,6 +840,7 @@ static void handle_generate(gcall *c, const uint8_t *data, size_t len) {
 fail:
     free(tokens);
     free(body);
+    if (ig) tandem__internal__v1__internal_generate__free_unpacked(ig, NULL);
     if (r) tandem__v1__generate_request__free_unpacked(r, NULL);
     pthread_mutex_lock(&c->mu);
     reply_error_locked(c, &err);
@@ -1023,8 +1073,10 @@ static void call_free(gcall *c) {
     free(c);
 }
 
-static call_kind method_kind(grpc_slice method) {
+static call_kind method_kind(const td_grpc_server *srv, grpc_slice method) {
     if (slice_eq(method, "/tandem.v1.Generate/Generate")) return CALL_GENERATE;
+    if (srv->cluster_token && slice_eq(method, "/tandem.internal.v1.Decode/Generate"))
+        return CALL_GENERATE;
     if (slice_eq(method, "/tandem.v1.Generate/Abort")) return CALL_ABORT;
     if (slice_eq(method, "/grpc.health.v1.Health/Check")) return CALL_HEALTH_CHECK;
     if (slice_eq(method, "/grpc.health.v1.Health/Watch")) return CALL_HEALTH_WATCH;
@@ -1042,7 +1094,8 @@ static void on_new(gcall *c, bool ok) {
 
     /* Set before the call is listed: other threads read it under the server
      * mutex only. */
-    c->kind = method_kind(c->details.method);
+    c->kind = method_kind(srv, c->details.method);
+    c->internal = slice_eq(c->details.method, "/tandem.internal.v1.Decode/Generate");
     pthread_mutex_lock(&srv->mu);
     c->next = srv->live.next;
     c->prev = &srv->live;
@@ -1245,6 +1298,7 @@ static void server_free(td_grpc_server *srv) {
     for (int i = 0; i < srv->n_api_keys; i++) free(srv->api_keys[i]);
     free(srv->api_keys);
     free(srv->api_key_lens);
+    free(srv->cluster_token);
     free(srv->model_name);
     pthread_cond_destroy(&srv->prep_cv);
     pthread_mutex_destroy(&srv->prep_mu);
@@ -1284,6 +1338,7 @@ td_status td_grpc_server_start(const td_grpc_params *p, td_grpc_server **srv_p) 
         if (!srv->model_name) goto fail;
         srv->model.model_name = srv->model_name;
     }
+    if (p->cluster_token && !(srv->cluster_token = strdup(p->cluster_token))) goto fail;
     if (p->n_api_keys > 0) {
         srv->api_keys = calloc((size_t)p->n_api_keys, sizeof(char *));
         srv->api_key_lens = calloc((size_t)p->n_api_keys, sizeof(size_t));

@@ -32,6 +32,10 @@ typedef struct {
     td_api_limits limits;
     const char *const *api_keys; /* (n_api_keys) copied */
     int n_api_keys;
+    /* A decode instance: also serves tandem.internal.v1.Decode/Generate
+     * (the router's requests), which carries this token in the message
+     * (compared in constant time) instead of an API key. NULL: not served. */
+    const char *cluster_token; /* copied */
 } td_grpc_params;
 
 td_grpc_params td_grpc_default_params(void);

@@ -115,6 +115,11 @@ typedef struct {
     double t_arrival;       /* td_time_s() when the request arrived; 0: now */
     td_kv_export kv_export; /* prefill instance (copied) */
     td_kv_import kv_import; /* decode instance (copied) */
+    /* The router's choice of prefill (internal Generate), read by a decode
+     * instance's submit hook (api/request.h): local, or the prefill
+     * instance at HOST:PORT; neither: the instance decides. */
+    bool route_local;
+    const char *route_prefill;
 } td_gen_request;
 
 void td_gen_request_init(td_gen_request *r); /* defaults; prompt NULL */

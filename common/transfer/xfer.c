@@ -104,6 +104,7 @@ typedef struct djob {
     int32_t n_blocks, n_cached;
     double t_sent, deadline;
     bool abort_pending;
+    char want_peer[256]; /* the router's choice of prefill instance, or "" */
 } djob;
 
 struct td_xfer {
@@ -893,12 +894,19 @@ static bool d_start(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t
     djob *j = ctx;
     td_xfer *x = j->x;
     j->ticket = t;
-    if (j->n_tokens - n_cached < x->p.local_prefill_threshold) {
+    /* the router's choice overrides the threshold */
+    if (!j->want_peer[0] && j->n_tokens - n_cached < x->p.local_prefill_threshold) {
         td_metrics_prefill_route(x->p.metrics, false, TD_LOCAL_PREFILL_THRESHOLD);
         return false;
     }
     pthread_mutex_lock(&x->mu);
     ppeer *pp = NULL;
+    for (int k = 0; k < x->n_ppeers && j->want_peer[0]; k++) {
+        ppeer *c = &x->ppeers[k];
+        if (strcmp(c->addr, j->want_peer) == 0 && c->ready && c->ep && !c->fence && !c->closing &&
+            !atomic_load(&c->err))
+            pp = c;
+    }
     for (int k = 0; k < x->n_ppeers && !pp; k++) {
         ppeer *c = &x->ppeers[(x->rr + (unsigned)k) % (unsigned)x->n_ppeers];
         if (c->ready && c->ep && !c->fence && !c->closing && !atomic_load(&c->err)) pp = c;
@@ -949,9 +957,30 @@ static void d_cancelled(void *ctx, td_sched_ticket t) {
     wake(x);
 }
 
+/* A prefill instance the router named: linked from now on (bounded). */
+static void want_peer(td_xfer *x, const char *addr) {
+    pthread_mutex_lock(&x->mu);
+    bool known = false;
+    for (int k = 0; k < x->n_ppeers; k++) known |= strcmp(x->ppeers[k].addr, addr) == 0;
+    if (!known && x->n_ppeers < TD_XRANK_MAX_PEERS) {
+        ppeer *pp = &x->ppeers[x->n_ppeers];
+        memset(pp, 0, sizeof *pp);
+        snprintf(pp->addr, sizeof pp->addr, "%s", addr);
+        x->n_ppeers++;
+        TD_LOG_INFO("prefill instance %s (named by the router) added", addr);
+    }
+    pthread_mutex_unlock(&x->mu);
+    if (!known) wake(x);
+}
+
 void td_xfer_submit_hook(void *ctx, td_gen_request *g) {
     td_xfer *x = ctx;
     if (x->p.role != TD_XFER_DECODE || g->n_prompt < 1) return;
+    if (g->route_local) { /* the router chose a local prefill */
+        td_metrics_prefill_route(x->p.metrics, false, TD_LOCAL_PREFILL_ROUTER);
+        return;
+    }
+    if (g->route_prefill) want_peer(x, g->route_prefill);
     djob *j = calloc(1, sizeof *j);
     if (!j) return; /* a local prefill, then */
     j->tokens = malloc((size_t)g->n_prompt * sizeof *j->tokens);
@@ -982,6 +1011,7 @@ void td_xfer_submit_hook(void *ctx, td_gen_request *g) {
     j->ignore_eos = g->ignore_eos;
     if (j->stop_ids) memcpy(j->stop_ids, g->stop_ids, (size_t)g->n_stop_ids * sizeof *j->stop_ids);
     j->n_stop_ids = g->n_stop_ids;
+    if (g->route_prefill) snprintf(j->want_peer, sizeof j->want_peer, "%s", g->route_prefill);
     g->kv_import.ctx = j;
     g->kv_import.start = d_start;
     g->kv_import.cancelled = d_cancelled;
@@ -1343,7 +1373,10 @@ static void *service_main(void *arg) {
         }
         if (x->p.role == TD_XFER_DECODE) {
             double now = td_time_s();
-            for (int k = 0; k < x->n_ppeers && !atomic_load(&x->stop); k++) {
+            pthread_mutex_lock(&x->mu);
+            int n_peers = x->n_ppeers; /* grows with the router's choices */
+            pthread_mutex_unlock(&x->mu);
+            for (int k = 0; k < n_peers && !atomic_load(&x->stop); k++) {
                 ppeer *pp = &x->ppeers[k];
                 pthread_mutex_lock(&x->mu);
                 bool due = !pp->ready && !pp->closing && !pp->fence && now >= pp->next_link;
@@ -1412,7 +1445,12 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
             goto fail;
         }
         x->n_ppeers = p->n_prefill;
-        x->ppeers = calloc((size_t)TD_MAX(1, p->n_prefill), sizeof *x->ppeers);
+        x->ppeers = calloc(TD_XRANK_MAX_PEERS, sizeof *x->ppeers); /* room for the router's */
+        if (p->n_prefill > TD_XRANK_MAX_PEERS) {
+            TD_LOG_ERROR("at most %d prefill instances", TD_XRANK_MAX_PEERS);
+            st = TD_ERR_INVALID;
+            goto fail;
+        }
         if (!x->ppeers) goto fail;
         for (int i = 0; i < p->n_prefill; i++)
             snprintf(x->ppeers[i].addr, sizeof x->ppeers[i].addr, "%s", p->prefill[i]);
