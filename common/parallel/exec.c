@@ -65,7 +65,7 @@ typedef struct {
     double compute_s, comm_s;
     int32_t status;
     int32_t pad;
-    uint64_t xfer_failed[TD_XRANK_MAX_JOBS / 64]; /* job slots this rank could not deliver */
+    td_xrank_report xfer; /* the transfer jobs' outcome on this rank */
 } rank_report;
 
 struct td_exec {
@@ -121,6 +121,8 @@ struct td_exec {
     td_xdir_buf pending;     /* driver: directives for the next step */
     uint8_t *blobs;          /* driver: (world) x (u64 length + TD_XRANK_BLOB_MAX) endpoints */
     uint64_t xfer_failed[TD_XRANK_MAX_JOBS / 64]; /* driver: OR of the ranks' reports */
+    uint64_t xfer_busy[TD_XRANK_MAX_JOBS / 64];   /* driver: as of the last report */
+    uint64_t xfer_peer_failed;                    /* driver: OR of the ranks' reports */
 };
 
 td_exec_params td_exec_default_params(void) {
@@ -427,7 +429,7 @@ static td_status xfer_before(td_exec *x, const step_hdr *h) {
 static td_status report(td_exec *x, double t0, td_status step_st) {
     rank_report r = {.compute_s = 0, .comm_s = x->comm_s, .status = (int32_t)step_st};
     /* the transfer jobs this rank finished are flushed before the step ends */
-    if (x->xr) td_xrank_finish(x->xr, r.xfer_failed);
+    if (x->xr) td_xrank_finish(x->xr, &r.xfer);
     x->slots = NULL;
     r.compute_s = td_time_s() - t0 - x->comm_s;
     if (r.compute_s < 0) r.compute_s = 0;
@@ -1079,10 +1081,24 @@ static void take_pending(td_exec *x, td_xdir_buf *out) {
     pthread_mutex_unlock(&x->xfer_mu);
 }
 
-static void merge_failed(td_exec *x, const uint64_t *bits) {
+/* The ranks' transfer reports of one step (n of them). */
+static void merge_reports(td_exec *x, const td_xrank_report *const *reps, int n) {
     pthread_mutex_lock(&x->xfer_mu);
-    for (int i = 0; i < TD_XRANK_MAX_JOBS / 64; i++) x->xfer_failed[i] |= bits[i];
+    memset(x->xfer_busy, 0, sizeof x->xfer_busy);
+    for (int r = 0; r < n; r++) {
+        for (int i = 0; i < TD_XRANK_MAX_JOBS / 64; i++) {
+            x->xfer_failed[i] |= reps[r]->failed[i];
+            x->xfer_busy[i] |= reps[r]->busy[i];
+        }
+        x->xfer_peer_failed |= reps[r]->peer_failed;
+    }
     pthread_mutex_unlock(&x->xfer_mu);
+}
+
+static void merge_rank_reports(td_exec *x) {
+    const td_xrank_report *reps[TD_COMM_MAX_RANKS] = {0};
+    for (int r = 0; r < x->world; r++) reps[r] = &x->reports[r].xfer;
+    merge_reports(x, reps, x->world);
 }
 
 static td_status pack(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, step_hdr *h,
@@ -1137,9 +1153,11 @@ static td_status forward_single(td_exec *x, const td_seq_chunk *seqs, int32_t n_
         st = td_engine_forward(x->engine, seqs, n_seqs, logits);
     }
     if (x->xr) {
-        uint64_t failed[TD_XRANK_MAX_JOBS / 64] = {0};
-        td_xrank_finish(x->xr, failed);
-        merge_failed(x, failed);
+        td_xrank_report rep;
+        memset(&rep, 0, sizeof rep);
+        td_xrank_finish(x->xr, &rep);
+        const td_xrank_report *reps[1] = {&rep};
+        merge_reports(x, reps, 1);
     }
     if (n_seqs > 0) {
         pthread_mutex_lock(&x->times_mu);
@@ -1185,7 +1203,7 @@ td_status td_exec_forward_slots(td_exec *x, const td_seq_chunk *seqs, int32_t n_
             if (x->reports[r].status && !st) st = (td_status)x->reports[r].status;
         }
         pthread_mutex_unlock(&x->times_mu);
-        for (int r = 0; r < x->world; r++) merge_failed(x, x->reports[r].xfer_failed);
+        merge_rank_reports(x);
     }
     if (rst && !st) st = rst;
     x->last_use = td_time_s();
@@ -1302,13 +1320,14 @@ td_xfer_plan td_exec_xfer_plan(const td_exec *x) {
 void td_exec_xfer_post(td_exec *x, const td_xdir_buf *dirs) {
     pthread_mutex_lock(&x->xfer_mu);
     if (dirs->n) {
-        /* a job slot reused from now on starts with no failure */
+        /* a job or peer slot reused from now on starts with no failure */
         for (size_t i = 0; i + 2 < dirs->n;) {
             int32_t type = dirs->w[i], words = dirs->w[i + 1];
-            if (type == TD_XDIR_JOB && words >= 1) {
-                int32_t s = dirs->w[i + 2];
-                if (s >= 0 && s < TD_XRANK_MAX_JOBS) x->xfer_failed[s / 64] &= ~(1ull << (s % 64));
-            }
+            int32_t s = dirs->w[i + 2];
+            if (type == TD_XDIR_JOB && words >= 1 && s >= 0 && s < TD_XRANK_MAX_JOBS)
+                x->xfer_failed[s / 64] &= ~(1ull << (s % 64));
+            if (type == TD_XDIR_PEER && words >= 1 && s >= 0 && s < TD_XRANK_MAX_PEERS)
+                x->xfer_peer_failed &= ~(1ull << s);
             i += 2 + (size_t)(words > 0 ? words : 0);
         }
         size_t need = x->pending.n + dirs->n;
@@ -1347,8 +1366,7 @@ td_status td_exec_xfer_sync(td_exec *x) {
             st = td_comm_broadcast(x->comm, x->payload, payload_words(&h) * sizeof(int32_t), 0);
         if (!st) st = xfer_before(x, &h);
         if (!st) st = report(x, t0, TD_OK);
-        if (!st)
-            for (int r = 0; r < x->world; r++) merge_failed(x, x->reports[r].xfer_failed);
+        if (!st) merge_rank_reports(x);
     }
     td_xdir_free(&dirs);
     x->last_use = td_time_s();
@@ -1361,6 +1379,22 @@ td_status td_exec_xfer_sync(td_exec *x) {
     }
     pthread_mutex_unlock(&x->mu);
     return st;
+}
+
+bool td_exec_xfer_busy(td_exec *x, int32_t slot) {
+    if (slot < 0 || slot >= TD_XRANK_MAX_JOBS) return false;
+    pthread_mutex_lock(&x->xfer_mu);
+    bool b = (x->xfer_busy[slot / 64] >> (slot % 64)) & 1u;
+    pthread_mutex_unlock(&x->xfer_mu);
+    return b;
+}
+
+bool td_exec_xfer_peer_failed(td_exec *x, int32_t peer) {
+    if (peer < 0 || peer >= TD_XRANK_MAX_PEERS) return false;
+    pthread_mutex_lock(&x->xfer_mu);
+    bool b = (x->xfer_peer_failed >> peer) & 1u;
+    pthread_mutex_unlock(&x->xfer_mu);
+    return b;
 }
 
 bool td_exec_xfer_failed(td_exec *x, int32_t slot) {

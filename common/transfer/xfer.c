@@ -46,7 +46,8 @@ typedef struct dpeer {
     const exchange_t *ex;
     td_ucx_ep *ep;      /* control messages to D's rank 0 (x->mu) */
     int32_t slot;       /* the ranks know its endpoints by this slot */
-    atomic_bool failed; /* the endpoint reported an error */
+    atomic_bool failed; /* an endpoint (here or on a rank) reported an error */
+    bool superseded;    /* the same incarnation sent a new exchange (it fenced us) */
     bool closed;
 } dpeer;
 
@@ -76,13 +77,19 @@ typedef struct ppeer {
     bool ready, need_exchange, fence, closing;
     atomic_bool err;        /* the endpoint reported an error */
     atomic_bool close_done; /* the fencing close completed */
+    uint64_t exchange_id;   /* ours, as this P knows it: a new one after each fence, so that P
+                             * drops whatever it still had from before */
     double next_link;
     double next_probe; /* when the linked P's exchange is read again */
     double avg_ms;     /* moving average of request sent -> PrefillDone */
     char last_err[700];
 } ppeer;
 
-typedef enum { DJ_NEW, DJ_SENT, DJ_CANCELLED, DJ_QUARANTINED } dj_state;
+/* NEW: not sent; SENT: waiting for P; CANCELLED: the client went while
+ * it waited (blocks quarantined until P answers or is fenced); QUARANTINED:
+ * D gave up (deadline, endpoint error), fencing; ANSWERED: P answered (no
+ * more writes), out of the table. */
+typedef enum { DJ_NEW, DJ_SENT, DJ_CANCELLED, DJ_QUARANTINED, DJ_ANSWERED } dj_state;
 
 /* A request on D with a KV import. */
 typedef struct djob {
@@ -103,6 +110,7 @@ typedef struct djob {
     dj_state state;
     int32_t n_blocks, n_cached;
     double t_sent, deadline;
+    double q_until; /* quarantined blocks stay at least until then (P's deadline has passed) */
     bool abort_pending;
     char want_peer[256]; /* the router's choice of prefill instance, or "" */
 } djob;
@@ -208,7 +216,7 @@ typedef struct {
     uint8_t compat[16];
 } own_exchange;
 
-static td_status build_exchange(td_xfer *x, own_exchange *o) {
+static td_status build_exchange(td_xfer *x, own_exchange *o, uint64_t exchange_id) {
     tandem__internal__v1__exchange__init(&o->ex);
     tandem__internal__v1__plan__init(&o->plan);
     tandem__internal__v1__kv_geometry__init(&o->kv);
@@ -241,7 +249,7 @@ static td_status build_exchange(td_xfer *x, own_exchange *o) {
         e->kv_bytes = bytes;
         o->ranks[r] = e;
     }
-    o->ex.exchange_id = x->exchange_id;
+    o->ex.exchange_id = exchange_id;
     o->ex.plan = &o->plan;
     o->ex.kv = &o->kv;
     o->ex.n_ranks = (size_t)x->world;
@@ -366,7 +374,7 @@ static void p_reject(td_xfer *x, dpeer *d, const char *id, Tandem__Internal__V1_
 
 static dpeer *dpeer_find(td_xfer *x, const char *inst, uint64_t epoch) {
     for (dpeer *d = x->dpeers; d; d = d->next)
-        if (d->epoch == epoch && !d->closed && !atomic_load(&d->failed) &&
+        if (d->epoch == epoch && !d->closed && !d->superseded && !atomic_load(&d->failed) &&
             strcmp(d->instance, inst) == 0)
             return d;
     return NULL;
@@ -421,14 +429,13 @@ static dpeer *dpeer_new(td_xfer *x, td_xfer_msg *m, const exchange_t *ex) {
     free(packed);
     d->ex_msg = m;
     d->ex = ex;
-    /* An older record of the same incarnation is closed: its endpoint
-     * either failed or is replaced by this exchange. */
+    /* An older record of the same incarnation is superseded: D sends a new
+     * exchange after it fenced us, so the jobs of the old one are stale
+     * (D gave up on them and may have reused their blocks): they stop, and
+     * the record closes once they are gone (p_service). */
     for (dpeer *o = x->dpeers; o; o = o->next)
-        if (!o->closed && o->epoch == d->epoch && strcmp(o->instance, d->instance) == 0) {
-            bool busy = false;
-            for (pjob *j = x->pjobs; j; j = j->next) busy |= j->peer == o;
-            if (!busy) dpeer_close(x, o);
-        }
+        if (!o->closed && o->epoch == d->epoch && strcmp(o->instance, d->instance) == 0)
+            o->superseded = true;
     d->next = x->dpeers;
     x->dpeers = d;
     char tl[160];
@@ -546,7 +553,17 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
     }
     pjob *j = NULL;
     td_logit_bias *bias = NULL;
-    if (td_xfer_check_dest(req, d->ex, err, sizeof err) != TD_OK) {
+    /* The earlier of the relative deadline and D's point in time (a request
+     * that waited in our queue gets what is left of it, not a fresh one). */
+    double deadline_s = req->deadline_ms / 1000.0;
+    if (req->deadline_unix_ns) {
+        double left = ((double)req->deadline_unix_ns - (double)unix_ns()) * 1e-9;
+        deadline_s = TD_MIN(deadline_s, left);
+    }
+    if (deadline_s <= 0) {
+        why = "past its deadline on arrival";
+        reason = TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_BUSY;
+    } else if (td_xfer_check_dest(req, d->ex, err, sizeof err) != TD_OK) {
         why = err;
     } else if (!dest_uniform(req)) {
         why = "destination blocks differ between decode ranks";
@@ -587,12 +604,12 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
     j->n_prompt = (int32_t)req->n_tokens;
     j->d_cached = (int32_t)req->cached_tokens;
     j->t_recv = td_time_s();
-    j->deadline = j->t_recv + req->deadline_ms / 1000.0;
-    j->lease_until = j->t_recv + x->p.lease_ms / 1000.0;
+    j->deadline = j->t_recv + deadline_s;
+    j->lease_until = j->t_recv + (req->lease_ms ? req->lease_ms : (uint32_t)x->p.lease_ms) / 1000.0;
     /* The ranks learn the job before its first chunk runs. */
     td_xdir_buf b = {0};
     td_xdir_job(&b, slot, d->slot, j->n_prompt, j->d_cached,
-                td_time_ns() + (uint64_t)req->deadline_ms * 1000000ull, req->dest[0]->block_ids,
+                td_time_ns() + (uint64_t)(deadline_s * 1e9), req->dest[0]->block_ids,
                 (int32_t)req->dest[0]->n_block_ids);
     td_exec_xfer_post(x->p.exec, &b);
     td_xdir_free(&b);
@@ -700,14 +717,37 @@ static bool send_done(td_xfer *x, pjob *j) {
 static bool p_service(td_xfer *x) {
     double now = td_time_s();
     bool need_sync = false;
-    for (dpeer *d = x->dpeers; d; d = d->next)
-        if (atomic_load(&d->failed) && !d->closed) {
-            TD_LOG_WARN("decode instance %s (epoch %016" PRIx64 ") unreachable: closing",
+    for (dpeer *d = x->dpeers; d; d = d->next) {
+        if (d->closed) continue;
+        if (!atomic_load(&d->failed) && td_exec_xfer_peer_failed(x->p.exec, d->slot)) {
+            TD_LOG_WARN("decode instance %s (epoch %016" PRIx64 "): a rank closed its endpoints",
                         d->instance, d->epoch);
-            dpeer_close(x, d); /* the ranks close theirs: puts in flight complete */
+            atomic_store(&d->failed, true);
         }
+        if (atomic_load(&d->failed) || d->superseded) {
+            bool busy = false;
+            for (pjob *j = x->pjobs; j; j = j->next) busy |= j->peer == d && j->slot >= 0;
+            if (atomic_load(&d->failed) && !busy)
+                TD_LOG_WARN("decode instance %s (epoch %016" PRIx64 ") unreachable: closing",
+                            d->instance, d->epoch);
+            if (!busy) dpeer_close(x, d); /* the ranks close theirs too */
+        }
+    }
+    /* closed records nobody refers to any more */
+    for (dpeer **dp = &x->dpeers; *dp;) {
+        dpeer *d = *dp;
+        bool used = false;
+        for (pjob *j = x->pjobs; j; j = j->next) used |= j->peer == d;
+        if (d->closed && !used) {
+            *dp = d->next;
+            td_xfer_msg_free(d->ex_msg);
+            free(d);
+            continue;
+        }
+        dp = &d->next;
+    }
     for (pjob *j = x->pjobs; j; j = j->next) {
-        bool peer_gone = atomic_load(&j->peer->failed) || j->peer->closed;
+        bool peer_gone = atomic_load(&j->peer->failed) || j->peer->closed || j->peer->superseded;
         if (!j->ended && !j->cancelled &&
             (peer_gone || now > j->deadline || now > j->lease_until)) {
             j->cancelled = true; /* the scheduler ends it: p_ended */
@@ -734,6 +774,8 @@ static bool p_service(td_xfer *x) {
             td_xdir_free(&b);
             need_sync = true;
         }
+        /* a dropped job some rank still has puts in flight for */
+        if (j->replied && !j->dropped) need_sync = true;
     }
     return need_sync;
 }
@@ -745,6 +787,12 @@ static void p_after_sync(td_xfer *x) {
     double now = td_time_s();
     for (pjob **pp = &x->pjobs; *pp;) {
         pjob *j = *pp;
+        if (j->replied && !j->dropped && td_exec_xfer_busy(x->p.exec, j->slot)) {
+            /* a rank could not complete its puts even after closing its
+             * endpoints: the sources (and the slot) stay until it can */
+            pp = &j->next;
+            continue;
+        }
         if (j->replied && !j->dropped) {
             j->dropped = true;
             if (!j->ok) {
@@ -824,18 +872,20 @@ static td_status send_request(td_xfer *x, ppeer *pp, djob *j, const int32_t *blo
     r.n_dest = (size_t)x->world;
     r.dest = rbp;
     if (pp->need_exchange) {
-        td_status est = build_exchange(x, &oe);
+        td_status est = build_exchange(x, &oe, pp->exchange_id);
         if (est) return est;
         r.peer_case = TANDEM__INTERNAL__V1__PREFILL_REQUEST__PEER_EXCHANGE;
         r.exchange = &oe.ex;
     } else {
         r.peer_case = TANDEM__INTERNAL__V1__PREFILL_REQUEST__PEER_EXCHANGE_ID;
-        r.exchange_id = x->exchange_id;
+        r.exchange_id = pp->exchange_id;
     }
     /* P's deadline ends a little before ours, so that it has stopped
      * writing by the time we give up. */
     int margin = TD_MAX(50, x->p.deadline_ms / 10);
     r.deadline_ms = (uint32_t)TD_MAX(1, x->p.deadline_ms - margin);
+    r.deadline_unix_ns = unix_ns() + (uint64_t)r.deadline_ms * 1000000ull;
+    r.lease_ms = (uint32_t)x->p.lease_ms;
     uint8_t compat[16];
     memcpy(compat, &x->p.compat.lo, 8);
     memcpy(compat + 8, &x->p.compat.hi, 8);
@@ -894,6 +944,11 @@ static bool d_start(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t
     djob *j = ctx;
     td_xfer *x = j->x;
     j->ticket = t;
+    /* unique per D epoch whatever ids clients choose: the ticket is */
+    char cid[41];
+    memcpy(cid, j->id, sizeof cid - 1);
+    cid[sizeof cid - 1] = 0; /* at most 40 characters of the client's id */
+    snprintf(j->id, sizeof j->id, "%s.%" PRIx64, cid, (uint64_t)t);
     /* the router's choice overrides the threshold */
     if (!j->want_peer[0] && j->n_tokens - n_cached < x->p.local_prefill_threshold) {
         td_metrics_prefill_route(x->p.metrics, false, TD_LOCAL_PREFILL_THRESHOLD);
@@ -924,6 +979,9 @@ static bool d_start(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t
     j->n_cached = n_cached;
     j->t_sent = td_time_s();
     j->deadline = j->t_sent + x->p.deadline_ms / 1000.0;
+    /* P stops writing at its own deadline, which ends before ours; the
+     * second beyond it covers the check-to-put window and clock steps */
+    j->q_until = j->deadline + 1.0;
     atomic_fetch_add(&j->refs, 1);
     j->next = x->djobs;
     x->djobs = j;
@@ -946,12 +1004,15 @@ static bool d_start(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t
 static void d_cancelled(void *ctx, td_sched_ticket t) {
     djob *j = ctx;
     td_xfer *x = j->x;
-    TD_UNUSED(t);
     pthread_mutex_lock(&x->mu);
     if (j->state == DJ_SENT) {
         j->state = DJ_CANCELLED; /* blocks quarantined until P answers or is fenced */
         j->abort_pending = true;
         td_metrics_kv_transfer_failure(x->p.metrics, TD_XFER_FAIL_ABORTED);
+    } else if (j->state == DJ_ANSWERED) {
+        /* P's answer came first (its event was still queued): nothing
+         * writes into the blocks any more */
+        td_sched_release(x->p.sched, t);
     }
     pthread_mutex_unlock(&x->mu);
     wake(x);
@@ -1118,6 +1179,7 @@ static void d_on_msg(td_xfer *x, td_xfer_msg *m) {
             td_sched_remote_failed(x->p.sched, j->ticket, false, true, TD_ERR_UNAVAILABLE);
         }
     }
+    j->state = DJ_ANSWERED;
     table_remove(x, j);
     td_xfer_msg_free(m);
 }
@@ -1239,6 +1301,7 @@ static void d_link(td_xfer *x, ppeer *pp) {
         atomic_store(&pp->err, false);
         pp->ready = true;
         pp->need_exchange = true;
+        pp->exchange_id = random_u64();
         pp->next_probe = td_time_s() + 4 * x->p.link_interval_ms / 1000.0;
         pp->last_err[0] = 0;
         char tl[160];
@@ -1298,19 +1361,23 @@ static void d_service(td_xfer *x) {
                 atomic_store(&pp->close_done, true);
         }
         if (pp->closing && atomic_load(&pp->close_done)) {
-            for (djob *j = x->djobs; j;) {
-                djob *next = j->next;
-                if (j->peer == pp && j->state == DJ_QUARANTINED) {
-                    td_sched_release(x->p.sched, j->ticket);
-                    table_remove(x, j);
-                }
-                j = next;
-            }
+            /* The endpoint is closed: relink (a new endpoint, a new exchange
+             * id inline, so P drops whatever it still has from before). The
+             * blocks stay until P's deadline has surely passed too. */
             pp->closing = false;
             pp->fence = false;
-            pp->next_link = now; /* relink: a new endpoint, the exchange inline again */
-            TD_LOG_INFO("prefill instance %s fenced: quarantined blocks released", pp->addr);
+            pp->next_link = now;
+            TD_LOG_INFO("prefill instance %s fenced", pp->addr);
         }
+    }
+    for (djob *j = x->djobs; j;) {
+        djob *next = j->next;
+        if (j->state == DJ_QUARANTINED && !j->peer->closing && !j->peer->fence &&
+            now >= j->q_until) {
+            td_sched_release(x->p.sched, j->ticket);
+            table_remove(x, j);
+        }
+        j = next;
     }
     if (now >= x->next_lease) {
         x->next_lease = now + x->p.lease_ms / 3000.0;
@@ -1319,17 +1386,22 @@ static void d_service(td_xfer *x) {
             if (!pp->ready || !pp->ep) continue;
             char *ids[256];
             size_t n = 0;
-            for (djob *j = x->djobs; j && n < 256; j = j->next)
-                if (j->peer == pp && j->state == DJ_SENT) ids[n++] = j->id;
-            if (n == 0) continue;
-            cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
-            Tandem__Internal__V1__LeaseRenewal lr = TANDEM__INTERNAL__V1__LEASE_RENEWAL__INIT;
-            lr.n_request_ids = n;
-            lr.request_ids = ids;
-            lr.lease_ms = (uint32_t)x->p.lease_ms;
-            m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_LEASE_RENEWAL;
-            m.lease_renewal = &lr;
-            send_msg(x, pp->ep, &m);
+            for (djob *j = x->djobs;; j = j->next) {
+                if (j && j->peer == pp && j->state == DJ_SENT) ids[n++] = j->id;
+                if ((!j && n > 0) || n == 256) { /* a message per 256 ids */
+                    cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
+                    Tandem__Internal__V1__LeaseRenewal lr =
+                        TANDEM__INTERNAL__V1__LEASE_RENEWAL__INIT;
+                    lr.n_request_ids = n;
+                    lr.request_ids = ids;
+                    lr.lease_ms = (uint32_t)x->p.lease_ms;
+                    m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_LEASE_RENEWAL;
+                    m.lease_renewal = &lr;
+                    send_msg(x, pp->ep, &m);
+                    n = 0;
+                }
+                if (!j) break;
+            }
         }
     }
 }
@@ -1554,7 +1626,7 @@ void td_xfer_destroy(td_xfer *x) {
 td_status td_xfer_exchange(void *ctx, uint8_t **buf, size_t *len) {
     td_xfer *x = ctx;
     own_exchange oe;
-    td_status st = build_exchange(x, &oe);
+    td_status st = build_exchange(x, &oe, x->exchange_id);
     if (st) return st;
     cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
     Tandem__Internal__V1__Peer from = TANDEM__INTERNAL__V1__PEER__INIT;

@@ -24,6 +24,7 @@ typedef struct {
 
 typedef struct {
     bool used, failed, complete, sealed, dropping;
+    bool stuck; /* dropped, its puts did not complete even after a forced close */
     int32_t peer;
     int32_t n_prompt, d_cached;
     uint64_t deadline_ns;
@@ -338,6 +339,12 @@ td_status td_xrank_apply(td_xrank *xr, const int32_t *w, size_t n) {
             apply_peer(xr, a[0], (const uint8_t *)(a + 2), (size_t)a[1]);
             break;
         case TD_XDIR_JOB: {
+            if (words >= 1 && a[0] >= 0 && a[0] < TD_XRANK_MAX_JOBS && xr->jobs[a[0]].stuck) {
+                /* the driver never reuses a busy slot */
+                TD_LOG_ERROR("rank %d: job slot %d reused while its puts are in flight", xr->p.rank,
+                             a[0]);
+                goto bad;
+            }
             if (words < 7 || a[0] < 0 || a[0] >= TD_XRANK_MAX_JOBS || a[1] < 0 ||
                 a[1] >= TD_XRANK_MAX_PEERS || a[2] < 1 || a[3] < 0 || a[3] >= a[2] || a[6] < 1 ||
                 (size_t)a[6] + 7 != (size_t)words)
@@ -393,6 +400,13 @@ void td_xrank_batch(td_xrank *xr, const td_seq_chunk *seqs, const int32_t *slots
 static void put(td_xrank *xr, xjob *j, xpeer *pe, int d, const char *src, size_t len,
                 uint64_t off) {
     if (j->failed) return;
+    /* Checked at every put: a rank that was stopped (or starved) past the
+     * deadline writes nothing more into blocks the decode side may have
+     * given to another sequence by now. */
+    if (td_time_ns() > j->deadline_ns) {
+        j->failed = true;
+        return;
+    }
     if (td_ucx_put(pe->ep[d], pe->rk[d], src, len, off, &j->ops) != TD_OK) j->failed = true;
     TD_UNUSED(xr);
 }
@@ -502,12 +516,23 @@ static void sleep_us(long us) {
     nanosleep(&ts, NULL);
 }
 
-void td_xrank_finish(td_xrank *xr, uint64_t failed[TD_XRANK_MAX_JOBS / 64]) {
+void td_xrank_finish(td_xrank *xr, td_xrank_report *rep) {
     xr->seqs = NULL;
     xr->slots = NULL;
     xr->n_seqs = 0;
     for (int s = 0; s < TD_XRANK_MAX_JOBS; s++) {
         xjob *j = &xr->jobs[s];
+        uint64_t bit = 1ull << (s % 64);
+        if (j->stuck) { /* not waited for again: checked once per step */
+            if (atomic_load(&j->done)) {
+                TD_LOG_INFO("rank %d: job %d: its last puts completed", xr->p.rank, s);
+                job_clear(j);
+            } else {
+                rep->busy[s / 64] |= bit;
+                rep->failed[s / 64] |= bit;
+            }
+            continue;
+        }
         if (!j->used || (!j->complete && !j->dropping && !j->failed)) continue;
         seal(xr, j);
         /* Wait for every put of the job: bounded by its deadline, then the
@@ -516,23 +541,27 @@ void td_xrank_finish(td_xrank *xr, uint64_t failed[TD_XRANK_MAX_JOBS / 64]) {
         while (!atomic_load(&j->done) && td_time_ns() < j->deadline_ns)
             sleep_us(spin++ < 100 ? 20 : 200);
         if (!atomic_load(&j->done)) {
-            TD_LOG_WARN("rank %d: job %d still has puts in flight at its deadline: closing its "
-                        "endpoints",
+            TD_LOG_WARN("rank %d: job %d still has puts in flight at its deadline: closing the "
+                        "endpoints to that decode instance",
                         xr->p.rank, s);
             xpeer *pe = &xr->peers[j->peer];
             peer_close(pe, false);
             pe->used = pe->failed = true;
-            uint64_t end = td_time_ns() + 5000000000ull;
+            uint64_t end = td_time_ns() + 2000000000ull;
             while (!atomic_load(&j->done) && td_time_ns() < end) sleep_us(200);
             j->failed = true;
         }
         if (atomic_load(&j->status) != TD_OK) j->failed = true;
-        if (j->failed) failed[s / 64] |= 1ull << (s % 64);
+        if (j->failed) rep->failed[s / 64] |= bit;
+        if (xr->peers[j->peer].failed) rep->peer_failed |= 1ull << j->peer;
         if (j->dropping) {
             if (!atomic_load(&j->done)) {
-                /* the group never completed: its memory must stay valid */
-                TD_LOG_ERROR("rank %d: job %d: puts did not complete after a forced close",
+                /* the group's requests still point into j: it stays, and the
+                 * driver keeps the source blocks and the slot */
+                TD_LOG_ERROR("rank %d: job %d: puts still in flight after a forced close",
                              xr->p.rank, s);
+                j->stuck = true;
+                rep->busy[s / 64] |= bit;
                 continue;
             }
             job_clear(j);
@@ -540,4 +569,6 @@ void td_xrank_finish(td_xrank *xr, uint64_t failed[TD_XRANK_MAX_JOBS / 64]) {
             j->complete = false; /* reported; dropped later by the driver */
         }
     }
+    for (int p = 0; p < TD_XRANK_MAX_PEERS; p++)
+        if (xr->peers[p].used && xr->peers[p].failed) rep->peer_failed |= 1ull << p;
 }

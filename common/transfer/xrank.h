@@ -79,10 +79,17 @@ td_status td_xrank_apply(td_xrank *xr, const int32_t *words, size_t n_words);
 void td_xrank_batch(td_xrank *xr, const td_seq_chunk *seqs, const int32_t *slots, int32_t n);
 /* The engine's layer hook (ctx = xr): puts this layer's new rows. */
 void td_xrank_layer(void *xr, int32_t layer);
+/* What a rank tells the driver after each step (bits per slot). */
+typedef struct {
+    uint64_t failed[TD_XRANK_MAX_JOBS / 64]; /* jobs it could not deliver */
+    uint64_t busy[TD_XRANK_MAX_JOBS / 64];   /* dropped jobs whose puts are still in
+                                              * flight: their sources must stay */
+    uint64_t peer_failed;                    /* peer slots whose endpoints it closed */
+} td_xrank_report;
 /* After the step's forward pass: flushes the jobs this rank finished and
- * the dropped ones, waits for them, and ORs the slots that failed into
- * failed[] (a bit per slot). */
-void td_xrank_finish(td_xrank *xr, uint64_t failed[TD_XRANK_MAX_JOBS / 64]);
+ * the dropped ones, waits for them (bounded by their deadlines; then the
+ * peer's endpoints are force-closed), and ORs its findings into *rep. */
+void td_xrank_finish(td_xrank *xr, td_xrank_report *rep);
 
 /* Directive builders (the driver): append to a growing int32 buffer. */
 typedef struct {
