@@ -113,15 +113,17 @@ class XferPeer:
                                                   timeout=timeout_ms / 1000 + 30)["msgs"]]
 
     def close(self):
+        """Quits (kills after 10 s); returns the exit status."""
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write(b"quit\n")
                 self.proc.stdin.flush()
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=scaled(10))
             except (OSError, subprocess.TimeoutExpired):
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()
         self.log.close()
+        return self.proc.returncode
 
 
 def rank_kv_bytes(n_layer, n_head_kv, head_dim, block_size, n_blocks):
@@ -306,6 +308,11 @@ def prefill_and_harness(pb, model, tandem_bin, tmp):
         c = Cluster(pb, p, h, cfg["n_vocab"], tmp)
         assert c.bs == 16 and c.n_layer == cfg["n_layer"] and c.n_head_kv == cfg["n_head_kv"]
         yield c
+        # both exit cleanly (under sanitizers: no report)
+        rc = h.close()
+        assert rc == 0, f"td-xfer-peer exited with {rc}: see {tmp / 'xfer-peer.err'}"
+        rc = p.stop()
+        assert rc == 0, f"P exited with {rc}\n{p.log_tail()}"
     finally:
         if h:
             h.close()
@@ -590,7 +597,7 @@ def test_region_size_lie_is_never_written_outside(lie, dest, pb, model, tandem_b
                            req_id=rid).SerializeToString())
         deadline = time.monotonic() + scaled(3)
         kinds = []
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not kinds:
             kinds += [c.decode(r).WhichOneof("body") for r in c.h.recv(200)]
             assert c.p.proc.poll() is None, f"P died on a lying region\n{c.p.log_tail()}"
         c.alive("region size lie")
