@@ -815,6 +815,20 @@ td_status td_ucx_ep_close_wait(td_ucx_ep *ep, int timeout_ms) {
 
 /* ---- remote keys ---- */
 
+/* True when [a, b] lies in one mapping of this process (/proc/self/maps). */
+static bool one_mapping(uintptr_t a, uintptr_t b) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    if (!f) return false;
+    char line[512];
+    bool found = false;
+    while (!found && fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        if (sscanf(line, "%lx-%lx", &lo, &hi) == 2) found = a >= lo && b < hi;
+    }
+    fclose(f);
+    return found;
+}
+
 td_status td_ucx_rkey_create(td_ucx_ep *ep, const uint8_t *rkey, size_t len, uint64_t remote_base,
                              uint64_t remote_bytes, td_ucx_rkey **rk_p) {
     if (!ep || !rk_p) return TD_ERR_INVALID;
@@ -843,6 +857,24 @@ td_status td_ucx_rkey_create(td_ucx_ep *ep, const uint8_t *rkey, size_t len, uin
     rk->ep = ep;
     rk->base = remote_base;
     rk->bytes = remote_bytes;
+    /* Where the peer's memory is mapped into this process (shared-memory
+     * transports), a put is a memcpy that UCX does not bound: the region
+     * the peer claims must lie in one mapping of ours, or a lying peer could
+     * make us write over our own memory. */
+    void *p0 = NULL, *p1 = NULL;
+    if (ucp_rkey_ptr(rk->rkey, remote_base, &p0) == UCS_OK) {
+        bool ok = ucp_rkey_ptr(rk->rkey, end - 1, &p1) == UCS_OK &&
+                  (uintptr_t)p1 - (uintptr_t)p0 == remote_bytes - 1 &&
+                  one_mapping((uintptr_t)p0, (uintptr_t)p1);
+        if (!ok) {
+            TD_LOG_WARN("%s: rejected an rkey: the region it claims [%#" PRIx64 ", +%" PRIu64
+                        ") is not one mapping here",
+                        u->name, remote_base, remote_bytes);
+            ucp_rkey_destroy(rk->rkey);
+            free(rk);
+            return TD_ERR_INVALID;
+        }
+    }
     *rk_p = rk;
     return TD_OK;
 }

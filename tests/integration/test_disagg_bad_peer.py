@@ -574,15 +574,11 @@ def test_puts_stay_inside_the_destination(cluster, colocated):
     c.p.wait_idle()
 
 
-# Bug (P, common/transfer/xfer.c + ucx.c): P range-checks its puts only
-# against the region size the peer claims (kv_bytes, which msg.c checks
-# against the claimed geometry, so a consistent lie passes). Over the
-# shared-memory transports a put is a memcpy into P's own mapping of the
-# peer's segment, which UCX does not bound (uct_sm_ep_put_short), so the
-# rows past the real segment land in P's own address space: silent
-# corruption (PrefillDone is sent) or SIGSEGV when they reach a read-only
-# mapping. Remove the xfail once P verifies the region it puts into.
-@pytest.mark.xfail(strict=True, reason="P writes past a peer's segment when its size is a lie")
+# A consistent lie about the region's size (kv_bytes matching the claimed
+# geometry) passes the message checks; over the shared-memory transports a
+# put is a memcpy into P's own mapping of the peer's segment, which UCX does
+# not bound, so P checks the claimed region against that mapping when it
+# unpacks the rkey (td_ucx_rkey_create) and refuses the peer.
 @pytest.mark.parametrize("lie,dest", [(2 * NB, [2 * NB - 3, 2 * NB - 2, 2 * NB - 1]),
                                       (4096, [4093, 4094, 4095])])
 def test_region_size_lie_is_never_written_outside(lie, dest, pb, model, tandem_bin, tmp_path):
