@@ -196,8 +196,8 @@ static bool prefill_request_ok(const Tandem__Internal__V1__PrefillRequest *q,
         return fail(e, "prefill request %s: deadline %u ms (1 .. %u)", q->request_id,
                     q->deadline_ms, MAX_MS);
     if (q->lease_ms > MAX_MS)
-        return fail(e, "prefill request %s: lease of %u ms (at most %u)", q->request_id, q->lease_ms,
-                    MAX_MS);
+        return fail(e, "prefill request %s: lease of %u ms (at most %u)", q->request_id,
+                    q->lease_ms, MAX_MS);
     if (!compat_ok(&q->compat, lim->compat))
         return fail(e, "prefill request %s: compatibility hash differs", q->request_id);
     if (q->peer_case == TANDEM__INTERNAL__V1__PREFILL_REQUEST__PEER_EXCHANGE) {

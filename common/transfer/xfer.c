@@ -702,7 +702,10 @@ static bool send_done(td_xfer *x, pjob *j) {
     }
     pd.n_top_logprobs = (size_t)n_top;
     pd.top_logprobs = tlp;
-    pd.prefix_tokens_reused = 0;
+    /* the prompt tokens P's own prefix cache served (pushed, not recomputed) */
+    td_gen_delta dl;
+    int32_t p_cached = j->st && td_gen_stream_read(j->st, 0, &dl) == TD_OK ? dl.n_cached_tokens : 0;
+    pd.prefix_tokens_reused = (uint32_t)TD_MAX(0, p_cached - j->d_cached);
     pd.sampler_state.data = j->sstate;
     pd.sampler_state.len = sizeof j->sstate;
     pd.last_layer_unix_ns = unix_ns();
