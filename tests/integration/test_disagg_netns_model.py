@@ -58,11 +58,15 @@ What the logs show (2 shared cores, heavily loaded: the long prompt took
     prefill later (~6 s). Two defects show up, collected in `bugs` and
     asserted at the end: BUG 1, that fence counts no
     tandem:kv_transfer_failures_total; BUG 2, the first request after D
-    relinked waits D's whole deadline (~24 s) before falling back: P
-    reused its endpoint to the same D instance+epoch, stuck since the cut,
-    for the new job; when the link came back D's side (force-closed) reset
-    it, P failed both jobs but had no endpoint left to send TransferFailed
-    on, so D waited on silence. The canary reads stayed correct: no stale
+    relinked waits D's whole deadline (17-24 s here) before falling back:
+    P reused its endpoint to the same D instance+epoch, stuck since the
+    cut, for the new job; that endpoint then failed under both jobs, either
+    because D's side (force-closed) reset the connection when the link came
+    back ("endpoint error: Connection reset by remote peer") or because the
+    old job's deadline force-closed it ("puts still in flight past the
+    deadline: closing the endpoint"); P failed the new job too ("failed:
+    prefill failed") but had no endpoint left to send TransferFailed on,
+    so D waited on silence. The canary reads stayed correct: no stale
     put landed in D's reused blocks.
 """
 
@@ -420,12 +424,11 @@ def test_link_cut_mid_transfer(cut, net, ref, tandem_bin, default_model, tmp_pat
         # BUG 2 (unreachable variant, as of cbd426b): D relinked (a new
         # endpoint, its exchange sent inline again) while P's abandoned job
         # still held P's endpoint to this D instance+epoch, stuck since the
-        # cut. P reused that endpoint for the new job; when the link came
-        # back, D (which had force-closed its side) reset the connection, P
-        # failed both jobs ("endpoint error: Connection reset by remote
-        # peer", "failed: prefill failed") but could not send TransferFailed
-        # (peer gone), so D waited on silence for its whole deadline and then
-        # fell back.
+        # cut. P reused that endpoint for the new job; it then failed under
+        # both jobs (D's side reset it when the link came back, or the old
+        # job's deadline force-closed it: p_service, dpeer_close), P failed
+        # the new job as well but could not send TransferFailed (peer gone),
+        # so D waited on silence for its whole deadline, then fell back.
         bugs.append(f"BUG 2: the first request after D relinked (P's abandoned job "
                     f"{'still' if p_busy else 'no longer'} in flight) was not prefilled on P: "
                     f"answered after {t_canary:.1f} s (deadline {deadline_ms} ms) by the "
