@@ -6,7 +6,8 @@ set -euo pipefail
 DEB_PACKAGES=(build-essential cmake pkg-config git clang clang-format
   libucx-dev ucx-utils libcurl4-openssl-dev libmicrohttpd-dev libprotobuf-c-dev protobuf-c-compiler
   libgrpc-dev protobuf-compiler libjansson-dev libxxhash-dev libpcre2-dev
-  libcmocka-dev libclang-rt-14-dev python3 python3-pip python3-venv)
+  libcmocka-dev libclang-rt-14-dev python3 python3-pip python3-venv
+  iproute2)
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
