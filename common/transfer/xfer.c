@@ -1278,6 +1278,7 @@ static void d_probe(td_xfer *x, ppeer *pp) {
             TD_LOG_WARN("prefill instance %s is gone (%s): fencing it", pp->addr, err);
             pp->fence = fenced = true;
         }
+        if (fenced) td_metrics_kv_transfer_failure(x->p.metrics, TD_XFER_FAIL_PEER_ERROR);
     }
     pthread_mutex_unlock(&x->mu);
     td_xfer_msg_free(m);

@@ -581,7 +581,7 @@ static void compare_alloc(const int32_t *got, const int32_t *want, int32_t n, bo
 }
 
 static void alloc_both(td_kv_pool *pool, model *m, int32_t n, int32_t *ids) {
-    int32_t want[MAXB];
+    int32_t want[MAXB] = {0}; /* filled by model_alloc (zeroed: release builds cannot see it) */
     uint64_t ev = m->evictions;
     assert_true(model_alloc(m, n, false, want));
     assert_int_equal(td_kv_block_alloc(pool, n, ids), TD_OK);
