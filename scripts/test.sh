@@ -31,10 +31,11 @@ scripts/build.sh build
 (cd build && ctest "${ctest_args[@]}" -LE "$skip")
 
 if [ "${TD_TEST_QUICK:-0}" != 1 ]; then
-  step "sanitizer build (address,undefined) + all tests"
+  # heavy: the default model's fault and load suites (tests/CMakeLists.txt)
+  step "sanitizer build (address,undefined) + all tests but the heavy ones"
   scripts/build.sh build-asan -DCMAKE_BUILD_TYPE=Debug -DTD_SANITIZE=address,undefined
   (cd build-asan && UCX_MEM_MALLOC_HOOKS=no ASAN_OPTIONS=detect_leaks=1 \
-    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ctest "${ctest_args[@]}" -LE "$skip")
+    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ctest "${ctest_args[@]}" -LE "$skip|heavy")
 
   step "fuzzers (libFuzzer + address,undefined, ${TD_FUZZ_SECONDS:-60}s each)"
   CC=clang CXX=clang++ scripts/build.sh build-fuzz -DTD_FUZZ=ON -DTD_SANITIZE=address,undefined \
