@@ -423,14 +423,19 @@ def test_link_cut_mid_transfer(cut, net, ref, tandem_bin, default_model, tmp_pat
         t_canary, remote = canary_cached(d, want["canary"])
     except AssertionError as e:
         # KNOWN BUG (open, as of this commit; reproduced in both variants on
-        # a loaded machine): after the relink, the canary's short remote
-        # tail (its first blocks come from D's prefix cache) is prefilled on
-        # P over a new endpoint to the same D worker, P's UCX then reports
-        # "Endpoint timeout" for it (TCP state left from before the cut),
-        # yet D got PrefillDone and its tokens differ from the reference:
-        # P's flush completed without every put delivered, or a put landed
-        # elsewhere. Everything before the relink (the fallback's answer,
-        # the fence, the quarantine, idle counts) held; see the issue note.
+        # a loaded machine): the canary, whose blocks D computed while the
+        # link was down (reusing the fenced job's blocks after the
+        # quarantine), decodes differently from the reference once the link
+        # is back. Most likely cause: the abandoned job's puts still queued
+        # in P's kernel socket buffer when P force-closed its endpoint are
+        # retransmitted when the link returns, and D's worker, whose side of
+        # that TCP connection D cannot close (UCX gives D no handle on the
+        # connection P opened), applies them (UCX's emulated puts are not
+        # checked against a registration). Closing D's own endpoint is no
+        # fence over TCP; a real one needs D to drop the connection (a new
+        # worker) or per-peer memory it can revoke. Everything before the
+        # relink (the fallback's answer, the fence, the quarantine, idle
+        # counts) held; see the issue note.
         pytest.xfail(f"post-relink transfer over TCP after a link cut: {e}"[:600])
     if not remote:
         # BUG 2 (unreachable variant, as of cbd426b): D relinked (a new
