@@ -73,5 +73,6 @@ def test_mixed(source_dir, tandem_bin, test_models, tmp_path):
         assert m["long_ttft_p50_ms"] > 0 and m["streams_ttft_p50_ms"] > 0, w
     # every long prompt and every stream went through the prefill instance
     assert rep["repeats"]["pd"][0]["remote_prefills"] == 3 + 6
+    assert rep["repeats"]["pd"][0]["local_prefills"] == 0
     assert rep["tpot_p99_ratio"] is not None
     assert "| streams_tpot_p99_ms |" in table

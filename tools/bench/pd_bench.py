@@ -192,7 +192,8 @@ def start_pair(args, log_dir, name, layerwise=True):
         d = Proc(name + "-decode",
                  [args.build / "tandem-decode", "--model", args.model, "--port", "0",
                   "--grpc-port", "-1", "--prefill", f"127.0.0.1:{p.port}", "--cluster-token",
-                  TOKEN, "--threads", "1", "--ctx", args.ctx, *args.extra], log_dir)
+                  TOKEN, "--threads", "1", "--ctx", args.ctx, *args.extra, *args.d_extra],
+                 log_dir)
         procs.append(d)
         deadline = time.monotonic() + 60
         hdr = {"X-Tandem-Cluster-Token": TOKEN}
@@ -498,6 +499,7 @@ def summarize(reps, pair_front=None):
     return {
         "streams_tpot_p50_ms": s["tpot_ms"]["p50"],
         "streams_tpot_p99_ms": s["tpot_ms"]["p99"],
+        "streams_itl_p99_ms": s["itl_ms"]["p99"],
         "streams_ttft_p50_ms": s["ttft_ms"]["p50"],
         "streams_ttft_p99_ms": s["ttft_ms"]["p99"],
         "long_ttft_p50_ms": lg["ttft_ms"]["p50"],
@@ -544,6 +546,8 @@ def cmd_mixed(args, log_dir):
                     after = setup.front.metrics()
                     row["remote_prefills"] = (after.get("tandem:remote_prefill_total", 0)
                                               - before.get("tandem:remote_prefill_total", 0))
+                    row["local_prefills"] = (after.get("tandem:local_prefill_total", 0)
+                                             - before.get("tandem:local_prefill_total", 0))
                 results[which].append(row)
                 commands[which] = {"servers": [" ".join(p.argv) for p in setup.procs],
                                    "bench": cmds}
@@ -567,7 +571,7 @@ def cmd_mixed(args, log_dir):
     print("|---|---:|---:|---:|")
     for k in keys:
         a, b = medians["serve"][k], medians["pd"][k]
-        if isinstance(a, bool) or k == "remote_prefills":
+        if isinstance(a, bool) or k in ("remote_prefills", "local_prefills"):
             continue
         ratio = "-" if a in (None, 0) or b is None else f"{b / a:.2f}"
         print(f"| {k} | {fmt(a)} | {fmt(b)} | {ratio} |")
@@ -620,6 +624,8 @@ def main(argv):
                         help="longest wait for a quiet machine, in seconds (900)")
         sp.add_argument("--extra", action="append", default=[],
                         help="one more argument for every server (repeatable)")
+        sp.add_argument("--d-extra", action="append", default=[],
+                        help="one more argument for tandem-decode only (repeatable)")
         if name == "tail":
             sp.add_argument("--prompt-len", type=int, default=2048)
             sp.add_argument("--reps", type=int, default=5, help="measured rounds (5)")
