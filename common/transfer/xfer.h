@@ -34,6 +34,13 @@
  * instance (PEER), a job (JOB), its end (DROP). Any two plans the mapping
  * accepts pair (attention-DP plans do not).
  *
+ * Limits of the fence (open): D closes its own endpoint to P and waits
+ * past P's deadline; P stops writing at its deadline (checked before every
+ * put). Over TCP that is not airtight: puts P had queued in its socket
+ * before a cut link can reach D when the link returns, and D's worker
+ * applies them (D has no handle on the connection P opened). Over shared
+ * memory only a put already in progress when P was stopped can land late.
+ *
  * Threads: UCX callbacks only record what happened and wake this module's
  * service thread, which does the follow-up (messages, fencing, releases,
  * links to P: its exchange is fetched from P's internal HTTP endpoint). */
