@@ -474,8 +474,10 @@ def test_link_cut_mid_transfer(cut, net, ref, tandem_bin, default_model, tmp_pat
         pytest.fail("no remote prefill after the link came back\n" + d.log_tail())
     # and once every put of P's has completed or failed, the canary still holds
     canary_cached(d, want["canary"])
-    d.wait_idle()
-    p.wait_idle()
+    # a fence after the relink (the stale connection's reset) keeps its
+    # blocks quarantined until that job's deadline has passed on P as well
+    d.wait_idle(timeout=deadline_ms / 1000 + 15)
+    p.wait_idle(timeout=deadline_ms / 1000 + 15)
     assert transfer_idle(d) and transfer_idle(p)
 
     print(f"\n{cut}: deadline {deadline_ms} ms, fenced by D's {fenced_by}, answer "
