@@ -399,8 +399,9 @@ def test_link_cut_mid_transfer(cut, net, ref, tandem_bin, default_model, tmp_pat
         bugs.append(f"BUG 1: the transfer abandoned when D's {fenced_by} fenced P is counted in "
                     "tandem:local_prefill_total{reason=fallback} but in no reason of "
                     "tandem:kv_transfer_failures_total")
-    # D: the fence completed and released the quarantined blocks, link still down
-    d.wait_idle(timeout=15)
+    # D: the fence completed and released the quarantined blocks (they stay
+    # until the job's deadline has passed on P as well), link still down
+    d.wait_idle(timeout=deadline_ms / 1000 + 15)
     assert transfer_idle(d)
     # a canary reuses the released blocks (local prefill: P is not linked);
     # its full blocks stay in D's prefix cache
