@@ -145,13 +145,13 @@ def test_prefill_killed_mid_transfer(ref, pair, deadline_ms):
     assert res["elapsed"] < scaled(deadline_ms / 1000 + 60)
     m = pr.d.metrics()
     assert metric(m, "tandem:local_prefill_total", reason="fallback") == 1
-    pr.d.wait_idle(timeout=15)
+    pr.d.wait_idle(timeout=deadline_ms / 1000 + 15)
     # with P gone, D keeps serving (local prefill, no peer)
     assert answer(complete(pr.d, b)) == want
     pr.d.wait_idle()
 
 
-def test_prefill_stopped_past_deadline_then_canary(ref, pair):
+def test_prefill_stopped_past_deadline_then_canary(ref, pair, deadline_ms):
     pr = pair()
     b = body("Summarise: " + LONG)
     canary = body("Canary: " + LONG[::-1][:1500], n=12)
@@ -167,7 +167,7 @@ def test_prefill_stopped_past_deadline_then_canary(ref, pair):
                       reason="deadline") >= 1
         # the fence completed and released the quarantined blocks; the canary
         # reuses them (local prefill: P is not reachable)
-        pr.d.wait_idle(timeout=15)
+        pr.d.wait_idle(timeout=deadline_ms / 1000 + 15)
         th2, res2 = start_long(pr.d, canary)
         time.sleep(0.3)
     finally:
@@ -178,7 +178,7 @@ def test_prefill_stopped_past_deadline_then_canary(ref, pair):
     # the resumed P wrote nothing into D's reused blocks: its job ended on
     # its own deadline; both sides return to idle and work together again
     pr.p.wait_idle(timeout=30)
-    pr.d.wait_idle(timeout=15)
+    pr.d.wait_idle(timeout=deadline_ms / 1000 + 15)
     assert answer(complete(pr.d, canary)) == want_canary
     pr.wait_linked(timeout=30)
     assert_remote_ok(pr, b, want)
@@ -213,21 +213,21 @@ def test_decode_killed_mid_transfer(ref, pair, tandem_bin, default_model, tmp_pa
         d2.close()
 
 
-def test_client_gone_during_remote_prefill(ref, pair):
+def test_client_gone_during_remote_prefill(ref, pair, deadline_ms):
     pr = pair()
     b = dict(body("Summarise: " + LONG), stream=True)
     s = pr.d.open_stream("/v1/completions", b)
     wait_in_flight(pr)
     s.abort()
     # D aborts, P stops and says so, D releases the blocks; both idle
-    pr.d.wait_idle(timeout=15)
-    pr.p.wait_idle(timeout=15)
+    pr.d.wait_idle(timeout=deadline_ms / 1000 + 15)
+    pr.p.wait_idle(timeout=deadline_ms / 1000 + 15)
     assert metric(pr.d.metrics(), "tandem:kv_transfer_failures_total", reason="aborted") == 1
     b2 = body("Hello there, " + LONG[:300])
     assert answer(complete(pr.d, b2)) == answer(complete(ref, b2))
 
 
-def test_prefill_restarted_new_epoch(ref, pair):
+def test_prefill_restarted_new_epoch(ref, pair, deadline_ms):
     pr = pair(p_args=["--port", "0"])
     b = body("First: " + LONG[:800])
     want = answer(complete(ref, b))
@@ -247,5 +247,6 @@ def test_prefill_restarted_new_epoch(ref, pair):
                timeout=30, what="relinked to the new prefill epoch")
     b3 = body("Third: " + LONG[:700])
     assert_remote_ok(pr, b3, answer(complete(ref, b3)))
-    pr.d.wait_idle()
+    # a job b2 sent to the old incarnation stays quarantined until its deadline
+    pr.d.wait_idle(timeout=deadline_ms / 1000 + 15)
     pr.p.wait_idle()
