@@ -59,14 +59,15 @@ def test_mixed(source_dir, tandem_bin, test_models, tmp_path):
                               "--long-len", "64", "--long-rate", "20", "--long-num", "3",
                               "--long-out", "4", "--streams", "3", "--stream-len", "16",
                               "--stream-out", "12", "--stream-num", "6", "--repeats", "1",
-                              "--save-dir", str(save))
+                              "--save-dir", str(save), "--compact")
     for setup in ("serve-t2", "pd"):
         for cls, n, out_len in (("long", 3, 4), ("streams", 6, 12)):
-            with open(save / f"mixed-{setup}-{cls}-0.json") as f:
+            with open(save / f"pd-mixed-{setup}-{cls}-0.json") as f:
                 b = json.load(f)
             assert b["completed"] == n and b["failed"] == 0, (setup, cls)
             assert b["total_output_tokens"] == n * out_len, (setup, cls)
             assert b["ttft_ms"]["p50"] > 0, (setup, cls)
+            assert all("itl_ms" not in q for q in b["requests"]), (setup, cls)  # --compact
     for w in ("serve", "pd"):
         m = rep["medians"][w]
         assert m["streams_tpot_p99_ms"] is not None and m["streams_tpot_p99_ms"] >= 0, w

@@ -36,13 +36,22 @@ mixed: two request classes at once, each driven by its own `tandem bench`
   tokens, --stream-num in all). Both classes use the same prompt files for
   both setups (random words fitted with /tokenize, all different, so no
   prefix is shared). Prints, per setup, the medians over the repeats of the
-  streams' TPOT P50/P99, TTFT of both classes and goodput (requests meeting
-  their class's SLO per second of the streams' run), and the ratio
-  disaggregated / colocated. --save-dir keeps every `tandem bench` JSON
-  (mixed-<setup>-<class>-<repeat>.json).
+  streams' TPOT P50/P99 and ITL P99, the TTFT of both classes and each
+  class's goodput (`tandem bench`'s: requests meeting the class's --slo-*
+  bounds per second of that class's run), and the ratio disaggregated /
+  colocated. Every prefill goes to P (tandem-decode's default
+  --local-prefill-threshold 0); --d-extra passes flags to D only. --save-dir keeps every `tandem bench` JSON
+  (pd-mixed-<setup>-<class>-<repeat>.json; --compact leaves out the
+  per-request ITL lists).
 
-Every figure is measured with nothing else of this script running; the
-machine should be otherwise quiet (check `uptime`).
+Noise: the machines this runs on are shared. Before every measured request
+(tail) and every run (mixed) the script waits until other processes use
+less than --max-foreign of the CPUs over 2 s (at most --quiet-timeout s),
+and records the share they used during the measurement ("others' CPU": the
+machine's busy time from /proc/stat, steal included, minus the CPU time of
+this script's own processes). tail redoes a request during which others
+used more than --max-foreign (up to --retries times, each with a fresh
+prompt). --no-wait measures at once (tests).
 """
 import argparse
 import http.client
@@ -458,7 +467,7 @@ def run_classes(args, setup, files, tag, save_dir, log_dir):
               "--no-progress", "--timeout", "600"]
     slo_s = f"tpot:{args.slo_tpot:g},ttft:{args.slo_ttft_stream:g}"
     slo_l = f"ttft:{args.slo_ttft_long:g}"
-    outs = {c: save_dir / f"mixed-{setup.name}-{c}-{tag}.json" for c in ("long", "streams")}
+    outs = {c: save_dir / f"pd-mixed-{setup.name}-{c}-{tag}.json" for c in ("long", "streams")}
     cmds = {
         "long": common + ["--dataset", str(files["long"]), "--request-rate", f"{args.long_rate:g}",
                           "--seed", str(args.seed), "--slo", slo_l, "--json", str(outs["long"])],
@@ -484,13 +493,25 @@ def run_classes(args, setup, files, tag, save_dir, log_dir):
     for c in ("long", "streams"):
         with open(outs[c]) as f:
             reps[c] = json.load(f)
+        if args.compact:
+            with open(outs[c], "w", encoding="utf-8") as f:
+                json.dump(compact(reps[c]), f, indent=1)
+                f.write("\n")
         if reps[c]["failed"]:
             raise BenchError(f"{setup.name} {c}: {reps[c]['failed']} failed requests: "
                              f"{reps[c]['errors']}")
     return reps, {c: " ".join(cmds[c]) for c in cmds}
 
 
-def summarize(reps, pair_front=None):
+def compact(rep):
+    """A `tandem bench` report without the per-request ITL lists (every
+    summary, and every request's TTFT, TPOT and E2E, stay)."""
+    out = dict(rep)
+    out["requests"] = [{k: v for k, v in r.items() if k != "itl_ms"} for r in rep["requests"]]
+    return out
+
+
+def summarize(reps):
     s, lg = reps["streams"], reps["long"]
     t_end = s["duration_s"]
     # The long class must cover the streams' run, or the streams' tail ran alone.
@@ -599,7 +620,12 @@ def fmt(v):
 # ---------------------------------------------------------------- main
 
 
+def on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop the servers
+
+
 def main(argv):
+    signal.signal(signal.SIGTERM, on_sigterm)
     ap = argparse.ArgumentParser(prog="pd_bench.py", description=__doc__.split("\n\n")[0],
                                  epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -649,6 +675,8 @@ def main(argv):
             sp.add_argument("--slo-ttft-stream", type=float, default=2000.0)
             sp.add_argument("--slo-ttft-long", type=float, default=15000.0)
             sp.add_argument("--save-dir", help="keep every `tandem bench` JSON here")
+            sp.add_argument("--compact", action="store_true",
+                            help="--save-dir: leave out the per-request ITL lists")
     args = ap.parse_args(argv)
     args.build = args.build.resolve()
     if args.cmd == "tail":
