@@ -115,6 +115,15 @@ typedef struct djob {
     char want_peer[256]; /* the router's choice of prefill instance, or "" */
 } djob;
 
+/* A decoded control message and when it arrived (the exposed transfer
+ * tail and the transfer time are measured at arrival, not after the hop to
+ * the service thread). */
+typedef struct {
+    td_xfer_msg *m;
+    uint64_t arrival_unix_ns;
+    double arrival_s;
+} inbox_msg;
+
 struct td_xfer {
     td_xfer_params p;
     char *instance_id;
@@ -131,7 +140,7 @@ struct td_xfer {
     uint64_t exchange_id;
     pthread_mutex_t mu;
     pthread_mutex_t in_mu; /* the inbox of decoded messages */
-    td_xfer_msg **inbox;
+    inbox_msg *inbox;
     int n_inbox, cap_inbox;
     int wake_fd;
     pthread_t thread;
@@ -272,6 +281,7 @@ static td_xfer_plan plan_of(const exchange_t *ex) {
 
 static void on_msg(void *ctx, const uint8_t *data, size_t len) {
     td_xfer *x = ctx;
+    inbox_msg im = {.arrival_unix_ns = unix_ns(), .arrival_s = td_time_s()};
     char err[256];
     td_xfer_msg *m = NULL;
     if (td_xfer_msg_decode(&x->lim, data, len, &m, err, sizeof err) != TD_OK) {
@@ -282,7 +292,7 @@ static void on_msg(void *ctx, const uint8_t *data, size_t len) {
     pthread_mutex_lock(&x->in_mu);
     if (x->n_inbox == x->cap_inbox) {
         int cap = x->cap_inbox ? 2 * x->cap_inbox : 64;
-        td_xfer_msg **v = realloc(x->inbox, (size_t)cap * sizeof *v);
+        inbox_msg *v = realloc(x->inbox, (size_t)cap * sizeof *v);
         if (!v) {
             pthread_mutex_unlock(&x->in_mu);
             TD_LOG_ERROR("out of memory queueing a control message: dropped");
@@ -292,7 +302,8 @@ static void on_msg(void *ctx, const uint8_t *data, size_t len) {
         x->inbox = v;
         x->cap_inbox = cap;
     }
-    x->inbox[x->n_inbox++] = m;
+    im.m = m;
+    x->inbox[x->n_inbox++] = im;
     pthread_mutex_unlock(&x->in_mu);
     wake(x);
 }
@@ -1108,7 +1119,8 @@ static void d_notify(td_xfer *x, djob *j, bool abort) {
     send_msg(x, j->peer->ep, &m);
 }
 
-static void d_on_msg(td_xfer *x, td_xfer_msg *m) {
+static void d_on_msg(td_xfer *x, const inbox_msg *im) {
+    td_xfer_msg *m = im->m;
     const char *id = NULL;
     switch (m->body_case) {
     case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_DONE:
@@ -1134,11 +1146,10 @@ static void d_on_msg(td_xfer *x, td_xfer_msg *m) {
         td_xfer_msg_free(m);
         return;
     }
-    double now = td_time_s();
+    double now = im->arrival_s;
     bool cancelled = j->state == DJ_CANCELLED;
     if (m->body_case == TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_DONE) {
         const Tandem__Internal__V1__PrefillDone *pd = m->prefill_done;
-        d_notify(x, j, false);
         if (cancelled) {
             td_sched_release(x->p.sched, j->ticket); /* P flushed: the blocks are safe */
         } else {
@@ -1151,18 +1162,20 @@ static void d_on_msg(td_xfer *x, td_xfer_msg *m) {
                 r.top[i].token = pd->top_logprobs[i]->token_id;
                 r.top[i].logprob = pd->top_logprobs[i]->logprob;
             }
+            /* the first token goes to the scheduler before anything else */
             td_sched_remote_done(x->p.sched, j->ticket, &r, pd->sampler_state.data,
                                  pd->sampler_state.len);
             uint64_t bytes =
                 (uint64_t)(j->n_tokens - j->n_cached) * x->row_bytes * 2u * (uint64_t)x->n_layer;
             td_metrics_kv_transfer(x->p.metrics, bytes, now - j->t_sent);
-            uint64_t arrival = unix_ns();
+            uint64_t arrival = im->arrival_unix_ns;
             if (pd->last_layer_unix_ns > 0 && pd->last_layer_unix_ns <= arrival)
                 td_metrics_kv_transfer_tail(x->p.metrics,
                                             (double)(arrival - pd->last_layer_unix_ns) * 1e-9);
             double ms = (now - j->t_sent) * 1e3;
             j->peer->avg_ms = j->peer->avg_ms > 0 ? 0.8 * j->peer->avg_ms + 0.2 * ms : ms;
         }
+        d_notify(x, j, false); /* TransferConsumed: P may release its side */
     } else {
         bool rej = m->body_case == TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_REJECTED;
         if (rej && m->prefill_rejected->reason ==
@@ -1421,7 +1434,7 @@ static void *service_main(void *arg) {
         ssize_t r = read(x->wake_fd, &v, sizeof v);
         TD_UNUSED(r);
         pthread_mutex_lock(&x->in_mu);
-        td_xfer_msg **in = x->inbox;
+        inbox_msg *in = x->inbox;
         int n = x->n_inbox;
         x->inbox = NULL;
         x->n_inbox = x->cap_inbox = 0;
@@ -1429,9 +1442,9 @@ static void *service_main(void *arg) {
         pthread_mutex_lock(&x->mu);
         for (int i = 0; i < n; i++) {
             if (x->p.role == TD_XFER_PREFILL)
-                p_on_msg(x, in[i]);
+                p_on_msg(x, in[i].m);
             else
-                d_on_msg(x, in[i]);
+                d_on_msg(x, &in[i]);
         }
         bool sync = false;
         if (x->p.role == TD_XFER_PREFILL)
@@ -1613,7 +1626,7 @@ void td_xfer_destroy(td_xfer *x) {
      * memory with it) */
     if (x->xfer_ready) td_exec_xfer_teardown(x->p.exec);
     td_ucx_destroy(x->ucx);
-    for (int i = 0; i < x->n_inbox; i++) td_xfer_msg_free(x->inbox[i]);
+    for (int i = 0; i < x->n_inbox; i++) td_xfer_msg_free(x->inbox[i].m);
     free(x->inbox);
     if (x->wake_fd >= 0) close(x->wake_fd);
     if (x->p.role == TD_XFER_DECODE && x->ppeers) curl_global_cleanup();
