@@ -3,6 +3,7 @@
 #include <stdatomic.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/random.h>
 #include <time.h>
 
 const char *td_status_str(td_status st) {
@@ -73,6 +74,23 @@ uint64_t td_time_ns(void) {
 }
 
 double td_time_s(void) { return (double)td_time_ns() * 1e-9; }
+
+uint64_t td_random_u64(void) {
+    uint64_t x = 0;
+    if (getrandom(&x, sizeof x, GRND_NONBLOCK) != (ssize_t)sizeof x) {
+        static atomic_uint_fast64_t calls;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        x = (uint64_t)ts.tv_sec * 1000000007ull ^ (uint64_t)ts.tv_nsec ^
+            (atomic_fetch_add(&calls, 1) << 32);
+        /* splitmix64 finaliser */
+        x += 0x9E3779B97F4A7C15ull;
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+        x ^= x >> 31;
+    }
+    return x ? x : 1;
+}
 
 bool td_secret_eq(const void *secret, size_t sn, const void *got, size_t gn) {
     const unsigned char *a = secret, *b = got;

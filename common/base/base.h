@@ -88,6 +88,10 @@ static inline int td_add_overflow(size_t a, size_t b, size_t *out) {
  * cluster token). */
 bool td_secret_eq(const void *secret, size_t sn, const void *got, size_t gn);
 
+/* A random non-zero 64-bit value (the OS's entropy; the clock mixed by
+ * splitmix64 where none is available): instance epochs, exchange ids. */
+uint64_t td_random_u64(void);
+
 /* Monotonic clock in seconds / nanoseconds. */
 double td_time_s(void);
 uint64_t td_time_ns(void);

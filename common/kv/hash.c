@@ -92,6 +92,18 @@ void td_kv_hash_hex(td_kv_hash h, char buf[33]) {
     buf[32] = '\0';
 }
 
+void td_kv_hash_bytes(td_kv_hash h, uint8_t out[16]) {
+    memcpy(out, &h.lo, 8);
+    memcpy(out + 8, &h.hi, 8);
+}
+
+td_kv_hash td_kv_hash_from_bytes(const uint8_t in[16]) {
+    td_kv_hash h;
+    memcpy(&h.lo, in, 8);
+    memcpy(&h.hi, in + 8, 8);
+    return h;
+}
+
 static int hex_val(char c) {
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;

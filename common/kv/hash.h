@@ -53,6 +53,10 @@ td_kv_hash td_kv_compat_hash(const td_kv_compat *c);
 
 /* 32 lowercase hex digits (hi then lo, big-endian reading) + NUL into buf[33]. */
 void td_kv_hash_hex(td_kv_hash h, char buf[33]);
+/* The 16 bytes that carry a hash on the wire (lo then hi, each in host
+ * order: the protocol's compatibility field), and back. */
+void td_kv_hash_bytes(td_kv_hash h, uint8_t out[16]);
+td_kv_hash td_kv_hash_from_bytes(const uint8_t in[16]);
 /* Parses 32 hex digits; false on anything else. */
 bool td_kv_hash_parse(const char *s, td_kv_hash *h_p);
 

@@ -78,19 +78,6 @@ size_t td_kv_block_bytes(const td_kv_params *p) {
     return n;
 }
 
-static uint64_t random_epoch(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    uint64_t x = (uint64_t)ts.tv_sec * 1000000007ull ^ (uint64_t)ts.tv_nsec ^
-                 ((uint64_t)(uintptr_t)&ts << 17);
-    /* splitmix64 finaliser */
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    x ^= x >> 31;
-    return x ? x : 1;
-}
-
 td_status td_kv_pool_create(const td_kv_params *p, td_kv_pool **pool_p) {
     if (!params_ok(p) || !pool_p) {
         TD_LOG_ERROR("invalid KV pool parameters");
@@ -109,7 +96,7 @@ td_status td_kv_pool_create(const td_kv_params *p, td_kv_pool **pool_p) {
     }
     pool->p = *p;
     if (pool->p.event_capacity == 0) pool->p.event_capacity = 65536;
-    if (pool->p.epoch == 0) pool->p.epoch = random_epoch();
+    if (pool->p.epoch == 0) pool->p.epoch = td_random_u64();
     pool->layer_floats = lf;
     size_t nb = (size_t)p->n_blocks, n_words = (nb + 63) / 64;
     pool->empty_bits = calloc(n_words, sizeof(uint64_t));

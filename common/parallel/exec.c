@@ -1240,7 +1240,6 @@ static td_status xfer_setup_rank(td_exec *x, td_ucx *ucx, bool layerwise) {
             td_engine_set_layer_hook(x->engine, td_xrank_layer, x->xr);
         }
     }
-    if (x->world == 1) return st;
     /* every rank's endpoint to the driver; an empty one says it failed */
     uint8_t *mine = calloc(1, TD_XRANK_BLOB_MAX + 8);
     uint8_t *all = x->rank == 0 ? calloc((size_t)x->world, TD_XRANK_BLOB_MAX + 8) : NULL;
@@ -1253,7 +1252,9 @@ static td_status xfer_setup_rank(td_exec *x, td_ucx *ucx, bool layerwise) {
     if (!st && td_xrank_blob(x->xr, mine + 8, TD_XRANK_BLOB_MAX, &n) != TD_OK) st = TD_ERR_RANGE;
     uint64_t n64 = st ? 0 : (uint64_t)n;
     memcpy(mine, &n64, 8);
-    td_status gst = td_comm_gather(x->comm, mine, all, TD_XRANK_BLOB_MAX + 8, 0);
+    td_status gst =
+        x->world == 1 ? TD_OK : td_comm_gather(x->comm, mine, all, TD_XRANK_BLOB_MAX + 8, 0);
+    if (x->world == 1) memcpy(all, mine, TD_XRANK_BLOB_MAX + 8);
     free(mine);
     if (x->rank == 0) {
         free(x->blobs);
@@ -1280,7 +1281,7 @@ td_status td_exec_xfer_setup(td_exec *x, td_ucx *ucx0, bool layerwise) {
         }
     }
     st = xfer_setup_rank(x, ucx0, layerwise);
-    if (!st && x->world > 1)
+    if (!st)
         for (int r = 0; r < x->world; r++) {
             uint64_t n;
             memcpy(&n, x->blobs + (size_t)r * (TD_XRANK_BLOB_MAX + 8), 8);
@@ -1295,13 +1296,7 @@ td_status td_exec_xfer_setup(td_exec *x, td_ucx *ucx0, bool layerwise) {
 }
 
 td_status td_exec_xfer_endpoint(const td_exec *x, int rank, const uint8_t **blob, size_t *len) {
-    if (!x->xr || rank < 0 || rank >= x->world) return TD_ERR_INVALID;
-    if (x->world == 1) {
-        static _Thread_local uint8_t one[TD_XRANK_BLOB_MAX];
-        td_status st = td_xrank_blob(x->xr, one, sizeof one, len);
-        *blob = one;
-        return st;
-    }
+    if (!x->xr || !x->blobs || rank < 0 || rank >= x->world) return TD_ERR_INVALID;
     uint64_t n;
     const uint8_t *b = x->blobs + (size_t)rank * (TD_XRANK_BLOB_MAX + 8);
     memcpy(&n, b, 8);

@@ -59,10 +59,8 @@ static bool text_ok(const char *s) {
 
 static bool compat_ok(const ProtobufCBinaryData *b, td_kv_hash want) {
     if (b->len != 16) return false;
-    uint64_t lo, hi;
-    memcpy(&lo, b->data, 8);
-    memcpy(&hi, b->data + 8, 8);
-    return lo == want.lo && hi == want.hi;
+    td_kv_hash got = td_kv_hash_from_bytes(b->data);
+    return got.lo == want.lo && got.hi == want.hi;
 }
 
 uint64_t td_xfer_rank_kv_bytes(const Tandem__Internal__V1__Plan *plan,

@@ -182,17 +182,6 @@ static uint64_t unix_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static uint64_t random_u64(void) {
-    uint64_t v = 0;
-    FILE *f = fopen("/dev/urandom", "rb");
-    if (f) {
-        if (fread(&v, sizeof v, 1, f) != 1) v = 0;
-        fclose(f);
-    }
-    if (v == 0) v = ((uint64_t)getpid() << 32) ^ (uint64_t)(td_time_s() * 1e9);
-    return v ? v : 1;
-}
-
 /* --------------------------------------------------------------- messages */
 
 /* Packs m (token and sender filled in here) and sends it on ep. */
@@ -263,8 +252,7 @@ static td_status build_exchange(td_xfer *x, own_exchange *o, uint64_t exchange_i
     o->ex.kv = &o->kv;
     o->ex.n_ranks = (size_t)x->world;
     o->ex.ranks = o->ranks;
-    memcpy(o->compat, &x->p.compat.lo, 8);
-    memcpy(o->compat + 8, &x->p.compat.hi, 8);
+    td_kv_hash_bytes(x->p.compat, o->compat);
     o->ex.compat.data = o->compat;
     o->ex.compat.len = 16;
     return TD_OK;
@@ -901,8 +889,7 @@ static td_status send_request(td_xfer *x, ppeer *pp, djob *j, const int32_t *blo
     r.deadline_unix_ns = unix_ns() + (uint64_t)r.deadline_ms * 1000000ull;
     r.lease_ms = (uint32_t)x->p.lease_ms;
     uint8_t compat[16];
-    memcpy(compat, &x->p.compat.lo, 8);
-    memcpy(compat + 8, &x->p.compat.hi, 8);
+    td_kv_hash_bytes(x->p.compat, compat);
     r.compat.data = compat;
     r.compat.len = 16;
     sp._temperature_case = TANDEM__V1__SAMPLING_PARAMS___TEMPERATURE_TEMPERATURE;
@@ -1318,7 +1305,7 @@ static void d_link(td_xfer *x, ppeer *pp) {
         atomic_store(&pp->err, false);
         pp->ready = true;
         pp->need_exchange = true;
-        pp->exchange_id = random_u64();
+        pp->exchange_id = td_random_u64();
         pp->next_probe = td_time_s() + 4 * x->p.link_interval_ms / 1000.0;
         pp->last_err[0] = 0;
         char tl[160];
@@ -1504,8 +1491,8 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
     pthread_mutex_init(&x->in_mu, NULL);
     td_kv_pool *kv = td_exec_kv(p->exec);
     x->epoch = td_kv_events_epoch(td_kv_pool_events(kv));
-    if (x->epoch == 0) x->epoch = random_u64();
-    x->exchange_id = random_u64();
+
+    x->exchange_id = td_random_u64();
     const td_model_config *cfg = td_model_get_config(td_exec_model(p->exec));
     const td_kv_params *kp = td_kv_pool_params(kv);
     x->n_layer = cfg->n_layer;

@@ -397,8 +397,7 @@ void td_xrank_batch(td_xrank *xr, const td_seq_chunk *seqs, const int32_t *slots
     xr->n_seqs = n;
 }
 
-static void put(td_xrank *xr, xjob *j, xpeer *pe, int d, const char *src, size_t len,
-                uint64_t off) {
+static void put(xjob *j, xpeer *pe, int d, const char *src, size_t len, uint64_t off) {
     if (j->failed) return;
     /* Checked at every put: a rank that was stopped (or starved) past the
      * deadline writes nothing more into blocks the decode side may have
@@ -408,7 +407,6 @@ static void put(td_xrank *xr, xjob *j, xpeer *pe, int d, const char *src, size_t
         return;
     }
     if (td_ucx_put(pe->ep[d], pe->rk[d], src, len, off, &j->ops) != TD_OK) j->failed = true;
-    TD_UNUSED(xr);
 }
 
 /* Rows [a, upto) of global layer l of job j, through every route of this
@@ -446,8 +444,8 @@ static void push(td_xrank *xr, xjob *j, const int32_t *blocks, int32_t l, int32_
                 size_t len = (size_t)(t1 - t0) * xr->row;
                 size_t lo = ((size_t)blocks[b] * (size_t)bs + (size_t)(t0 % bs)) * xr->row;
                 uint64_t ro = ((uint64_t)j->dest[b] * (uint64_t)bs + (uint64_t)(t0 % bs)) * d_row;
-                put(xr, j, pe, d, kp + lo, len, k_base + ro);
-                put(xr, j, pe, d, vp + lo, len, v_base + ro);
+                put(j, pe, d, kp + lo, len, k_base + ro);
+                put(j, pe, d, vp + lo, len, v_base + ro);
                 b = b1;
                 continue;
             }
@@ -455,8 +453,8 @@ static void push(td_xrank *xr, xjob *j, const int32_t *blocks, int32_t l, int32_
                 size_t lo = ((size_t)blocks[b] * (size_t)bs + (size_t)(t % bs)) * xr->row + p_head;
                 uint64_t ro =
                     ((uint64_t)j->dest[b] * (uint64_t)bs + (uint64_t)(t % bs)) * d_row + d_head;
-                put(xr, j, pe, d, kp + lo, seg, k_base + ro);
-                put(xr, j, pe, d, vp + lo, seg, v_base + ro);
+                put(j, pe, d, kp + lo, seg, k_base + ro);
+                put(j, pe, d, vp + lo, seg, v_base + ro);
             }
         }
     }

@@ -250,6 +250,14 @@ def load_manifest(models_dir):
         return json.load(f)["models"]
 
 
+def manifest_model(manifest, test_models, name):
+    """The path of the test model called name (fails the test if absent)."""
+    for m in manifest:
+        if m["name"] == name:
+            return test_models / m["path"]
+    pytest.fail(f"no test model {name}")
+
+
 @pytest.fixture(scope="session")
 def test_models(source_dir):
     try:

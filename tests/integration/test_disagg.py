@@ -9,16 +9,12 @@ import random
 
 import pytest
 
+from conftest import manifest_model
 from serve_util import TOKEN, Pair, Server, metric
 
 MODELS = ["llama2-f32-gguf", "qwen2-q8_0-gguf"]
 
 
-def model_path(manifest, test_models, name):
-    for m in manifest:
-        if m["name"] == name:
-            return test_models / m["path"]
-    pytest.fail(f"no test model {name}")
 
 
 @pytest.fixture
@@ -80,7 +76,7 @@ def test_outputs_equal_serve(name, manifest, test_models, pair, colocated):
     """Single requests, sequentially: prompts of one to ten blocks, greedy and
     seeded sampling (the first token is drawn on P, the rest on D with P's
     sampler state), P prefilling in chunks of 32 tokens."""
-    model = model_path(manifest, test_models, name)
+    model = manifest_model(manifest, test_models, name)
     s = colocated(model)
     pr = pair(model, p_args=["--max-batch-tokens", "32"])
     for i, toks in enumerate(prompts(8)):
@@ -100,7 +96,7 @@ def test_outputs_equal_serve(name, manifest, test_models, pair, colocated):
 def test_sixteen_concurrent(manifest, test_models, pair, colocated):
     """16 requests at once through one P+D: P batches the jobs, D decodes
     them together; every answer equals serve's (batch invariance)."""
-    model = model_path(manifest, test_models, "llama3-f32-gguf")
+    model = manifest_model(manifest, test_models, "llama3-f32-gguf")
     s = colocated(model)
     pr = pair(model, d_args=["--max-running", "16"], p_args=["--max-batch-tokens", "256"])
     bodies = [dict(BODIES[i % 2], prompt=toks, max_tokens=16)
@@ -119,7 +115,7 @@ def test_prefix_hits_on_both_sides(manifest, test_models, pair, colocated):
     """A prompt D already holds is only partly prefilled remotely
     (cached_tokens in the usage), and a prefix P holds but D does not (D
     without a prefix cache) is pushed from P's cache, not recomputed."""
-    model = model_path(manifest, test_models, "llama2-f32-gguf")
+    model = manifest_model(manifest, test_models, "llama2-f32-gguf")
     s = colocated(model)
     toks = prompts(1, seed=9)[0] * 1 + list(range(10, 90))
     body = {"prompt": toks, "max_tokens": 8, "temperature": 0}
@@ -140,7 +136,7 @@ def test_prefix_hits_on_both_sides(manifest, test_models, pair, colocated):
 
 
 def test_local_prefill_threshold(manifest, test_models, pair, colocated):
-    model = model_path(manifest, test_models, "llama2-f32-gguf")
+    model = manifest_model(manifest, test_models, "llama2-f32-gguf")
     s = colocated(model)
     pr = pair(model, d_args=["--local-prefill-threshold", "50"])
     short, long_ = prompts(1, seed=3)[0][:20], prompts(7, seed=3)[5]
@@ -154,7 +150,7 @@ def test_local_prefill_threshold(manifest, test_models, pair, colocated):
 
 
 def test_internal_endpoints_need_the_cluster_token(manifest, test_models, pair):
-    model = model_path(manifest, test_models, "llama2-f32-gguf")
+    model = manifest_model(manifest, test_models, "llama2-f32-gguf")
     pr = pair(model)
     for srv in (pr.p, pr.d):
         for hdr in ({}, {"X-Tandem-Cluster-Token": "wrong"},
@@ -178,7 +174,7 @@ def test_internal_endpoints_need_the_cluster_token(manifest, test_models, pair):
 
 def test_flags_are_checked(tandem_bin, manifest, test_models, tmp_path):
     import subprocess
-    model = model_path(manifest, test_models, "llama2-f32-gguf")
+    model = manifest_model(manifest, test_models, "llama2-f32-gguf")
     d = tandem_bin.parent / "tandem-decode"
     p = tandem_bin.parent / "tandem-prefill"
     cases = [

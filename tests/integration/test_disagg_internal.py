@@ -8,7 +8,7 @@ is linked on first use. The responses are the public Generate's and equal
 import grpc
 import pytest
 
-from conftest import scaled, wait_until
+from conftest import manifest_model, scaled, wait_until
 from grpc_stubs import load_stubs
 from serve_util import TOKEN, Pair, Server, metric
 
@@ -47,11 +47,6 @@ def stubs(source_dir, tmp_path_factory):
     return load_stubs(source_dir, tmp_path_factory.mktemp("grpc-stubs"))
 
 
-def model_path(manifest, test_models, name="llama2-f32-gguf"):
-    for m in manifest:
-        if m["name"] == name:
-            return test_models / m["path"]
-    pytest.fail(f"no test model {name}")
 
 
 def call(stubs, srv, body, timeout=60):
@@ -84,7 +79,7 @@ def public(stubs, srv, request):
 
 
 def test_router_choice(stubs, manifest, test_models, tandem_bin, tmp_path):
-    model = model_path(manifest, test_models)
+    model = manifest_model(manifest, test_models, "llama2-f32-gguf")
     pb = stubs.tandem
     reqs = [pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7 + i, 99, 3, 250] * (5 + i)),
                                sampling=pb.SamplingParams(temperature=0, max_tokens=10))

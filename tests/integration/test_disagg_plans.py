@@ -11,16 +11,12 @@ import random
 
 import pytest
 
+from conftest import manifest_model
 from serve_util import Pair, Server, metric
 
 LOGPROB_TOL = 2e-3
 
 
-def model_path(manifest, test_models, name):
-    for m in manifest:
-        if m["name"] == name:
-            return test_models / m["path"]
-    pytest.fail(f"no test model {name}")
 
 
 def prompts(n, vocab=512, seed=11):
@@ -59,7 +55,7 @@ PAIRINGS = [
 @pytest.mark.parametrize("p_plan,d_plan", PAIRINGS,
                          ids=["p-tp2", "d-tp2", "p-pp2_d-tp2", "p-cp2", "d-cp2", "p-tp2pp2_d-pp2"])
 def test_pairing_matches_serve(p_plan, d_plan, manifest, test_models, tandem_bin, tmp_path):
-    model = model_path(manifest, test_models, "llama2-f32-gguf")
+    model = manifest_model(manifest, test_models, "llama2-f32-gguf")
     ref = Server.start(tandem_bin, model, ["--threads", "1", *d_plan], tmp_path / "ref")
     try:
         want = [run(ref, t) for t in prompts(8)]
