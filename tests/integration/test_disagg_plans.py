@@ -15,6 +15,7 @@ from conftest import manifest_model
 from serve_util import Pair, Server, metric
 
 LOGPROB_TOL = 2e-3
+QUARANTINE_S = 30 + 15  # D's default transfer deadline, and slack
 
 
 
@@ -84,8 +85,10 @@ def test_pairing_matches_serve(p_plan, d_plan, manifest, test_models, tandem_bin
         fell_back = metric(m, "tandem:local_prefill_total")
         assert done + fell_back == 16 and done >= 8, (done, fell_back,
                                                       pr.d.log_tail(3000), pr.p.log_tail(3000))
-        pr.d.wait_idle()
-        pr.p.wait_idle()
+        # a transfer that fell back after a fence keeps its blocks
+        # quarantined until its deadline (D's default, 30 s) has passed
+        pr.d.wait_idle(timeout=QUARANTINE_S)
+        pr.p.wait_idle(timeout=QUARANTINE_S)
     finally:
         pr.close()
 
@@ -108,7 +111,7 @@ def test_replicated_kv_heads(manifest, test_models, tandem_bin, tmp_path):
         try:
             for i, t in enumerate(prompts(4, seed=3)):
                 assert_close(run(pr.d, t), want[i], (p_plan, d_plan, i))
-            pr.d.wait_idle()
-            pr.p.wait_idle()
+            pr.d.wait_idle(timeout=QUARANTINE_S)
+            pr.p.wait_idle(timeout=QUARANTINE_S)
         finally:
             pr.close()
