@@ -1354,7 +1354,7 @@ td_status td_exec_xfer_sync(td_exec *x) {
     step_hdr h = {.op = OP_XFER, .n_dir_words = (int32_t)dirs.n};
     td_status st = grow_payload(x, payload_words(&h));
     if (!st) {
-        memcpy(x->payload, dirs.w, dirs.n * sizeof(int32_t));
+        if (dirs.n) memcpy(x->payload, dirs.w, dirs.n * sizeof(int32_t));
         double t0 = td_time_s();
         x->comm_s = 0;
         if (!(st = broadcast_hdr(x, &h)))

@@ -66,14 +66,26 @@ def test_a_dead_rank_fails_the_instance_fast(serve):
     srv = serve(MODEL, "--pp", "2", "--max-running", "4", "--served-model-name", "m")
     ranks = children(srv.proc.pid)
     assert len(ranks) == 1, ranks
-    body = {"model": "m", "prompt": "a long one", "max_tokens": 200, "min_tokens": 200,
-            "temperature": 0, "stream": True}
-    stream = srv.open_stream("/v1/completions", body, timeout=60)
-    assert stream.status == 200
-    events = stream.events()
-    for _ in range(3):  # the request is running: tokens are flowing
-        ev = next(events)
+    # The tiny model can finish 200 tokens before the client has read a
+    # few events (the server then coalesces them), so freeze the rank once
+    # tokens flow and check that the request is still running before the
+    # kill; if it had already finished, thaw and try another one.
+    for attempt in range(5):
+        body = {"model": "m", "prompt": f"a long one {attempt}", "max_tokens": 200,
+                "min_tokens": 200, "temperature": 0, "stream": True}
+        stream = srv.open_stream("/v1/completions", body, timeout=60)
+        assert stream.status == 200
+        events = stream.events()
+        ev = next(events)  # the request is running: tokens are flowing
         assert isinstance(ev, dict) and "choices" in ev, ev
+        os.kill(ranks[0], signal.SIGSTOP)
+        if metric(srv.metrics(), "vllm:num_requests_running") == 1:
+            break
+        os.kill(ranks[0], signal.SIGCONT)
+        list(events)
+        stream.close()
+    else:
+        pytest.fail("every 200-token request finished before the rank was frozen")
     t0 = time.monotonic()
     os.kill(ranks[0], signal.SIGKILL)
     rest = list(events)
