@@ -29,7 +29,7 @@ extern char **environ;
 #define CFG_MAGIC 0x31474643584554ull /* "TEXCFG1" */
 #define MAX_PATH  4096
 
-enum { OP_STEP = 1, OP_NOOP = 2, OP_STOP = 3, OP_XFER_SETUP = 4, OP_XFER = 5 };
+enum { OP_STEP = 1, OP_NOOP = 2, OP_STOP = 3, OP_XFER_SETUP = 4, OP_XFER = 5, OP_XFER_LINK = 6 };
 
 /* What the driver broadcasts once after attaching. Plain data only. */
 typedef struct {
@@ -48,7 +48,8 @@ typedef struct {
  * {n_tokens, pos0, n_blocks, flags}, then every token, then every block id,
  * then (has_slots) every sequence's KV-transfer job slot, then n_dir_words
  * of transfer directives (transfer/xrank.h). OP_XFER carries directives
- * only. */
+ * only. OP_XFER_LINK opens (n_tokens 1) or closes (0) the link workers of
+ * slot n_seqs, with no payload. */
 typedef struct {
     int32_t op;
     int32_t n_seqs;
@@ -120,6 +121,7 @@ struct td_exec {
     pthread_mutex_t xfer_mu; /* driver: pending directives and failures */
     td_xdir_buf pending;     /* driver: directives for the next step */
     uint8_t *blobs;          /* driver: (world) x (u64 length + TD_XRANK_BLOB_MAX) endpoints */
+    uint8_t *link_blobs[TD_XRANK_MAX_PEERS];      /* driver: the same, per open link */
     uint64_t xfer_failed[TD_XRANK_MAX_JOBS / 64]; /* driver: OR of the ranks' reports */
     uint64_t xfer_busy[TD_XRANK_MAX_JOBS / 64];   /* driver: as of the last report */
     uint64_t xfer_peer_failed;                    /* driver: OR of the ranks' reports */
@@ -462,6 +464,7 @@ static td_status broadcast_hdr(td_exec *x, step_hdr *h) {
 }
 
 static td_status xfer_setup_rank(td_exec *x, td_ucx *ucx, bool layerwise);
+static td_status xfer_link_rank(td_exec *x, int slot, bool open, bool *comm_failed);
 
 static int worker_loop(td_exec *x) {
     for (;;) {
@@ -472,6 +475,12 @@ static int worker_loop(td_exec *x) {
         if (h.op == OP_NOOP) continue;
         if (h.op == OP_XFER_SETUP) {
             if (xfer_setup_rank(x, NULL, h.n_seqs != 0)) return 1;
+            continue;
+        }
+        if (h.op == OP_XFER_LINK) {
+            bool comm_failed = false;
+            xfer_link_rank(x, h.n_seqs, h.n_tokens != 0, &comm_failed);
+            if (comm_failed) return 1;
             continue;
         }
         if (h.op == OP_XFER) {
@@ -889,6 +898,7 @@ static void exec_free(td_exec *x) {
     pthread_mutex_destroy(&x->xfer_mu);
     td_xdir_free(&x->pending);
     free(x->blobs);
+    for (int i = 0; i < TD_XRANK_MAX_PEERS; i++) free(x->link_blobs[i]);
     free(x->pids);
     free(x->pidfds);
     free(x->times);
@@ -1219,6 +1229,33 @@ td_status td_exec_forward_slots(td_exec *x, const td_seq_chunk *seqs, int32_t n_
 
 /* ---------------------------------------------------------- KV transfer */
 
+/* Every rank's endpoint blob (td_xrank_blob of link, -1: its worker) to
+ * the driver, into a new table that replaces *keep there; an empty blob
+ * says that rank failed (st, or no blob). Returns the gather's status. */
+static td_status gather_blobs(td_exec *x, td_status st, int link, uint8_t **keep) {
+    uint8_t *mine = calloc(1, TD_XRANK_BLOB_MAX + 8);
+    uint8_t *all = x->rank == 0 ? calloc((size_t)x->world, TD_XRANK_BLOB_MAX + 8) : NULL;
+    if (!mine || (x->rank == 0 && !all)) {
+        free(mine);
+        free(all);
+        return TD_ERR_NOMEM;
+    }
+    size_t n = 0;
+    if (!st && td_xrank_blob(x->xr, link, mine + 8, TD_XRANK_BLOB_MAX, &n) != TD_OK)
+        st = TD_ERR_RANGE;
+    uint64_t n64 = st ? 0 : (uint64_t)n;
+    memcpy(mine, &n64, 8);
+    td_status gst =
+        x->world == 1 ? TD_OK : td_comm_gather(x->comm, mine, all, TD_XRANK_BLOB_MAX + 8, 0);
+    if (x->world == 1) memcpy(all, mine, TD_XRANK_BLOB_MAX + 8);
+    free(mine);
+    if (x->rank == 0) {
+        free(*keep);
+        *keep = all;
+    }
+    return gst;
+}
+
 /* Creates this rank's transfer state and hooks it into its engine. */
 static td_status xfer_setup_rank(td_exec *x, td_ucx *ucx, bool layerwise) {
     td_status st = TD_OK;
@@ -1240,27 +1277,25 @@ static td_status xfer_setup_rank(td_exec *x, td_ucx *ucx, bool layerwise) {
             td_engine_set_layer_hook(x->engine, td_xrank_layer, x->xr);
         }
     }
-    /* every rank's endpoint to the driver; an empty one says it failed */
-    uint8_t *mine = calloc(1, TD_XRANK_BLOB_MAX + 8);
-    uint8_t *all = x->rank == 0 ? calloc((size_t)x->world, TD_XRANK_BLOB_MAX + 8) : NULL;
-    if (!mine || (x->rank == 0 && !all)) {
-        free(mine);
-        free(all);
-        return TD_ERR_NOMEM;
-    }
-    size_t n = 0;
-    if (!st && td_xrank_blob(x->xr, mine + 8, TD_XRANK_BLOB_MAX, &n) != TD_OK) st = TD_ERR_RANGE;
-    uint64_t n64 = st ? 0 : (uint64_t)n;
-    memcpy(mine, &n64, 8);
-    td_status gst =
-        x->world == 1 ? TD_OK : td_comm_gather(x->comm, mine, all, TD_XRANK_BLOB_MAX + 8, 0);
-    if (x->world == 1) memcpy(all, mine, TD_XRANK_BLOB_MAX + 8);
-    free(mine);
-    if (x->rank == 0) {
-        free(x->blobs);
-        x->blobs = all;
-    }
+    td_status gst = gather_blobs(x, st, -1, &x->blobs);
     return gst ? gst : st;
+}
+
+/* Decode side: this rank's link worker of slot opened or closed, then its
+ * endpoint on the link (an open) or its own (a close: it only says the
+ * close is done) to the driver, kept in link_blobs[slot] there.
+ * *comm_failed: the world's communication failed. */
+static td_status xfer_link_rank(td_exec *x, int slot, bool open, bool *comm_failed) {
+    bool ok_slot = slot >= 0 && slot < TD_XRANK_MAX_PEERS;
+    td_status st = x->xr && ok_slot ? td_xrank_link(x->xr, slot, open) : TD_ERR_INVALID;
+    if (st)
+        TD_LOG_ERROR("rank %d: KV link %d could not be %s", x->rank, slot,
+                     open ? "opened" : "closed");
+    uint8_t *tmp = NULL, **keep = ok_slot ? &x->link_blobs[slot] : &tmp;
+    td_status gst = gather_blobs(x, st, open ? slot : -1, keep);
+    free(tmp);
+    *comm_failed = gst != TD_OK;
+    return st ? st : gst;
 }
 
 td_status td_exec_xfer_setup(td_exec *x, td_ucx *ucx0, bool layerwise) {
@@ -1295,14 +1330,59 @@ td_status td_exec_xfer_setup(td_exec *x, td_ucx *ucx0, bool layerwise) {
     return st;
 }
 
-td_status td_exec_xfer_endpoint(const td_exec *x, int rank, const uint8_t **blob, size_t *len) {
-    if (!x->xr || !x->blobs || rank < 0 || rank >= x->world) return TD_ERR_INVALID;
+static td_status blob_of(const td_exec *x, const uint8_t *table, int rank, const uint8_t **blob,
+                         size_t *len) {
+    if (!x->xr || !table || rank < 0 || rank >= x->world) return TD_ERR_INVALID;
     uint64_t n;
-    const uint8_t *b = x->blobs + (size_t)rank * (TD_XRANK_BLOB_MAX + 8);
+    const uint8_t *b = table + (size_t)rank * (TD_XRANK_BLOB_MAX + 8);
     memcpy(&n, b, 8);
     *blob = b + 8;
     *len = (size_t)n;
     return n ? TD_OK : TD_ERR_IO;
+}
+
+td_status td_exec_xfer_endpoint(const td_exec *x, int rank, const uint8_t **blob, size_t *len) {
+    return blob_of(x, x->blobs, rank, blob, len);
+}
+
+td_status td_exec_xfer_link(td_exec *x, int slot, bool open) {
+    if (x->wrapped || slot < 0 || slot >= TD_XRANK_MAX_PEERS) return TD_ERR_INVALID;
+    pthread_mutex_lock(&x->mu);
+    if (!x->xr || atomic_load(&x->failed)) {
+        pthread_mutex_unlock(&x->mu);
+        return x->xr ? TD_ERR_IO : TD_ERR_INVALID;
+    }
+    td_status st = TD_OK;
+    if (x->world > 1) {
+        step_hdr h = {.op = OP_XFER_LINK, .n_seqs = slot, .n_tokens = open};
+        if ((st = broadcast_hdr(x, &h))) {
+            atomic_store(&x->failed, true);
+            td_comm_abort(x->comm);
+            pthread_mutex_unlock(&x->mu);
+            return TD_ERR_IO;
+        }
+    }
+    bool comm_failed = false;
+    st = xfer_link_rank(x, slot, open, &comm_failed);
+    for (int r = 0; !st && r < x->world; r++) {
+        const uint8_t *b;
+        size_t n;
+        if (blob_of(x, x->link_blobs[slot], r, &b, &n)) {
+            TD_LOG_ERROR("rank %d could not %s its KV link %d", r, open ? "open" : "close", slot);
+            st = TD_ERR_IO;
+        }
+    }
+    if (comm_failed && !atomic_exchange(&x->failed, true))
+        TD_LOG_ERROR("a KV link step failed on the ranks: the instance fails");
+    x->last_use = td_time_s();
+    pthread_mutex_unlock(&x->mu);
+    return st;
+}
+
+td_status td_exec_xfer_link_endpoint(const td_exec *x, int slot, int rank, const uint8_t **blob,
+                                     size_t *len) {
+    if (slot < 0 || slot >= TD_XRANK_MAX_PEERS) return TD_ERR_INVALID;
+    return blob_of(x, x->link_blobs[slot], rank, blob, len);
 }
 
 td_xfer_plan td_exec_xfer_plan(const td_exec *x) {

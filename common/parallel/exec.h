@@ -146,6 +146,16 @@ bool td_exec_xfer_busy(td_exec *x, int32_t slot);
 /* A rank closed its endpoints to the decode instance in peer slot (cleared
  * when a PEER directive reuses the slot). */
 bool td_exec_xfer_peer_failed(td_exec *x, int32_t peer);
+/* Decode side: opens (open) or closes the link workers of slot (one per
+ * prefill instance, 0 <= slot < TD_XRANK_MAX_PEERS) on every rank
+ * (td_xrank_link). Synchronous: when a close returns, every rank has
+ * destroyed its link worker. td_exec_xfer_link_endpoint: rank r's
+ * endpoint on the link for the Exchange (valid until the next
+ * td_exec_xfer_link of slot). Not while a step runs on another thread
+ * holds those blobs: one caller (the transfer service) at a time. */
+td_status td_exec_xfer_link(td_exec *x, int slot, bool open);
+td_status td_exec_xfer_link_endpoint(const td_exec *x, int slot, int rank, const uint8_t **blob,
+                                     size_t *len);
 void td_exec_xfer_teardown(td_exec *x);
 
 /* Entry point of a spawned rank process: argv = {"rank", NAME, WORLD,

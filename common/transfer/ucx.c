@@ -1,5 +1,5 @@
 /* The UCX channel (ucx.h): one context, one worker and one progress thread
- * per td_ucx.
+ * per td_ucx, plus the link workers (td_ucx_link) the same thread drives.
  *
  * Progress thread: progresses the worker until it has no more work, then
  * arms it (ucp_worker_arm) and sleeps in poll() on the worker's event fd and
@@ -12,6 +12,12 @@
  * the transport does not signal (UCX's keepalive runs only in progress)
  * cannot stall a transfer. Threads that post while it sleeps wake it with
  * ucp_worker_signal (only then: posting is otherwise syscall-free).
+ *
+ * Link workers: the thread keeps its own array of the workers it drives
+ * and rebuilds it from u->links when links_gen changes (a link created or
+ * dying; the creator or destroyer writes the wake eventfd). A dying link
+ * is marked detached once the thread has dropped it; only then does its
+ * destroyer touch the worker, on its own thread.
  *
  * Locking: UCX serializes the worker itself (UCS_THREAD_MODE_MULTI, a
  * recursive lock, so callbacks may post). u->lock guards only the lists
@@ -46,6 +52,7 @@
 #define TD_UCX_SPIN_NS        2000000ull  /* keep spinning this long after progress */
 #define TD_UCX_BUSY_POLL_MS   1           /* sleep bound while requests are in flight */
 #define TD_UCX_DESTROY_WAIT_S 5.0
+#define TD_UCX_MAX_LINKS      128
 
 struct td_ucx_mem {
     td_ucx *u;
@@ -72,6 +79,21 @@ struct td_ucx_rkey {
     uint64_t base, bytes;
 };
 
+/* One worker of the context: the channel's own or a link's. */
+typedef struct {
+    td_ucx *u;
+    ucp_worker_h worker;
+    int fd;          /* ucp_worker_get_efd */
+    atomic_int rndv; /* rendezvous receives in flight on it */
+} td_ucx_wk;
+
+struct td_ucx_link {
+    td_ucx_wk wk;
+    bool dying;    /* u->lock: its destroyer waits for the progress thread */
+    bool detached; /* u->lock: the progress thread no longer drives it */
+    td_ucx_link *prev, *next;
+};
+
 struct td_ucx {
     char name[64];
     void (*on_msg)(void *ctx, const uint8_t *data, size_t len);
@@ -80,25 +102,28 @@ struct td_ucx {
     size_t max_msg;
 
     ucp_context_h context;
-    ucp_worker_h worker;
-    int worker_fd; /* ucp_worker_get_efd */
-    int stop_fd;   /* eventfd: stops the progress thread */
+    td_ucx_wk main; /* the worker of the endpoints */
+    int stop_fd;    /* eventfd: wakes the progress thread (to stop, or for links) */
     pthread_t thread;
     atomic_bool stop;
     atomic_bool sleeping;        /* the progress thread is in (or about to enter) poll */
     atomic_uint_fast64_t posted; /* bumped after every post, see progress_main */
     atomic_int inflight;         /* requests of ours UCX has not completed yet */
 
-    pthread_mutex_t lock; /* the two lists below */
-    td_ucx_ep *eps;       /* open and closing endpoints */
+    pthread_mutex_t lock;    /* the three lists below */
+    pthread_cond_t links_cv; /* a dying link was detached */
+    td_ucx_ep *eps;          /* open and closing endpoints */
     td_ucx_mem *mems;
+    td_ucx_link *links;
+    int n_links;
+    atomic_uint_fast64_t links_gen; /* bumped when links change */
 
     atomic_uint_fast64_t put_bytes, puts, msgs_sent, msgs_received, msgs_dropped, ep_errors;
 };
 
 /* A receive of a rendezvous active message in flight. */
 typedef struct {
-    td_ucx *u;
+    td_ucx_wk *wk;
     size_t len;
     uint8_t data[];
 } td_ucx_rndv;
@@ -179,17 +204,52 @@ static const uint8_t *blob_unwrap(uint32_t magic, const uint8_t *b, size_t len, 
  * (a signal before ucp_worker_arm makes the arm return busy). */
 static void after_post(td_ucx *u) {
     atomic_fetch_add(&u->posted, 1);
-    if (atomic_load(&u->sleeping)) ucp_worker_signal(u->worker);
+    if (atomic_load(&u->sleeping)) ucp_worker_signal(u->main.worker);
+}
+
+static void wake_progress(td_ucx *u) {
+    uint64_t one = 1;
+    if (write(u->stop_fd, &one, sizeof one) != (ssize_t)sizeof one && errno != EAGAIN)
+        TD_LOG_ERROR("%s: eventfd write: %s", u->name, strerror(errno));
+}
+
+/* The workers the progress thread drives: the main one, then every live
+ * link; dying links are detached (their destroyers wake). */
+static int links_snapshot(td_ucx *u, td_ucx_wk **wks) {
+    int n = 0;
+    wks[n++] = &u->main;
+    pthread_mutex_lock(&u->lock);
+    bool detached = false;
+    for (td_ucx_link *l = u->links; l; l = l->next) {
+        if (l->dying) {
+            detached |= !l->detached;
+            l->detached = true;
+        } else if (n < 1 + TD_UCX_MAX_LINKS) {
+            wks[n++] = &l->wk;
+        }
+    }
+    if (detached) pthread_cond_broadcast(&u->links_cv);
+    pthread_mutex_unlock(&u->lock);
+    return n;
 }
 
 static void *progress_main(void *arg) {
     td_ucx *u = arg;
     uint64_t last_work = td_time_ns();
     bool arm_failed = false;
+    td_ucx_wk *wks[1 + TD_UCX_MAX_LINKS];
+    struct pollfd pf[2 + TD_UCX_MAX_LINKS];
+    uint_fast64_t gen = atomic_load(&u->links_gen);
+    int n_wk = links_snapshot(u, wks);
     while (!atomic_load(&u->stop)) {
+        if (atomic_load(&u->links_gen) != gen) {
+            gen = atomic_load(&u->links_gen);
+            n_wk = links_snapshot(u, wks);
+        }
         uint_fast64_t seen = atomic_load(&u->posted);
         unsigned n = 0, k;
-        while ((k = ucp_worker_progress(u->worker)) != 0) n += k;
+        for (int w = 0; w < n_wk; w++)
+            while ((k = ucp_worker_progress(wks[w]->worker)) != 0) n += k;
         uint64_t now = td_time_ns();
         if (n) last_work = now;
         int inflight = atomic_load(&u->inflight);
@@ -198,11 +258,13 @@ static void *progress_main(void *arg) {
             continue;
         }
         atomic_store(&u->sleeping, true);
-        if (atomic_load(&u->posted) != seen || atomic_load(&u->stop)) {
+        if (atomic_load(&u->posted) != seen || atomic_load(&u->stop) ||
+            atomic_load(&u->links_gen) != gen) {
             atomic_store(&u->sleeping, false);
             continue;
         }
-        ucs_status_t s = ucp_worker_arm(u->worker);
+        ucs_status_t s = UCS_OK;
+        for (int w = 0; w < n_wk && s == UCS_OK; w++) s = ucp_worker_arm(wks[w]->worker);
         if (s == UCS_ERR_BUSY) {
             atomic_store(&u->sleeping, false);
             continue;
@@ -213,12 +275,18 @@ static void *progress_main(void *arg) {
             TD_LOG_ERROR("%s: ucp_worker_arm: %s; polling instead", u->name, ucs_status_string(s));
             arm_failed = true;
         }
-        struct pollfd pf[2] = {{.fd = u->worker_fd, .events = POLLIN},
-                               {.fd = u->stop_fd, .events = POLLIN}};
+        pf[0] = (struct pollfd){.fd = u->stop_fd, .events = POLLIN};
+        for (int w = 0; w < n_wk; w++)
+            pf[1 + w] = (struct pollfd){.fd = wks[w]->fd, .events = POLLIN};
         int timeout = s != UCS_OK || inflight > 0 ? TD_UCX_BUSY_POLL_MS : -1;
-        if (poll(pf, 2, timeout) < 0 && errno != EINTR) {
+        if (poll(pf, (nfds_t)(1 + n_wk), timeout) < 0 && errno != EINTR) {
             TD_LOG_ERROR("%s: poll: %s", u->name, strerror(errno));
             usleep(1000);
+        }
+        if (pf[0].revents & POLLIN) {
+            uint64_t v;
+            if (read(u->stop_fd, &v, sizeof v) < 0 && errno != EAGAIN)
+                TD_LOG_ERROR("%s: eventfd read: %s", u->name, strerror(errno));
         }
         atomic_store(&u->sleeping, false);
     }
@@ -234,7 +302,8 @@ static void deliver(td_ucx *u, const uint8_t *data, size_t len) {
 
 static void rndv_recv_cb(void *request, ucs_status_t status, size_t length, void *user_data) {
     td_ucx_rndv *r = user_data;
-    td_ucx *u = r->u;
+    td_ucx_wk *wk = r->wk;
+    td_ucx *u = wk->u;
     if (status == UCS_OK && length == r->len) {
         deliver(u, r->data, r->len);
     } else {
@@ -244,12 +313,14 @@ static void rndv_recv_cb(void *request, ucs_status_t status, size_t length, void
     }
     free(r);
     ucp_request_free(request);
+    atomic_fetch_sub(&wk->rndv, 1);
     atomic_fetch_sub(&u->inflight, 1);
 }
 
 static ucs_status_t am_recv_cb(void *arg, const void *header, size_t header_length, void *data,
                                size_t length, const ucp_am_recv_param_t *param) {
-    td_ucx *u = arg;
+    td_ucx_wk *wk = arg;
+    td_ucx *u = wk->u;
     TD_UNUSED(header);
     TD_UNUSED(header_length);
     if (length > u->max_msg) {
@@ -269,7 +340,7 @@ static ucs_status_t am_recv_cb(void *arg, const void *header, size_t header_leng
         atomic_fetch_add(&u->msgs_dropped, 1);
         return UCS_OK;
     }
-    r->u = u;
+    r->wk = wk;
     r->len = length;
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
                                                UCP_OP_ATTR_FIELD_USER_DATA |
@@ -278,14 +349,17 @@ static ucs_status_t am_recv_cb(void *arg, const void *header, size_t header_leng
                                .user_data = r,
                                .datatype = ucp_dt_make_contig(1)};
     atomic_fetch_add(&u->inflight, 1);
-    ucs_status_ptr_t req = ucp_am_recv_data_nbx(u->worker, data, r->data, length, &prm);
+    atomic_fetch_add(&wk->rndv, 1);
+    ucs_status_ptr_t req = ucp_am_recv_data_nbx(wk->worker, data, r->data, length, &prm);
     if (req == NULL) {
+        atomic_fetch_sub(&wk->rndv, 1);
         atomic_fetch_sub(&u->inflight, 1);
         deliver(u, r->data, length);
         free(r);
         return UCS_OK;
     }
     if (UCS_PTR_IS_ERR(req)) {
+        atomic_fetch_sub(&wk->rndv, 1);
         atomic_fetch_sub(&u->inflight, 1);
         TD_LOG_WARN("%s: ucp_am_recv_data_nbx: %s", u->name,
                     ucs_status_string(UCS_PTR_STATUS(req)));
@@ -323,6 +397,51 @@ static bool shm_may_load(void) {
     return false;
 }
 
+/* A worker of u's context for wk (multi-threaded, with wakeup and the
+ * control-message handler). */
+static td_status wk_init(td_ucx *u, td_ucx_wk *wk) {
+    wk->u = u;
+    wk->fd = -1;
+    atomic_init(&wk->rndv, 0);
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_MULTI};
+    ucs_status_t s = ucp_worker_create(u->context, &wp, &wk->worker);
+    if (s != UCS_OK) {
+        TD_LOG_ERROR("%s: ucp_worker_create: %s", u->name, ucs_status_string(s));
+        return status_from_ucs(s);
+    }
+    td_status st = TD_ERR_IO;
+    ucp_worker_attr_t wa = {.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE};
+    s = ucp_worker_query(wk->worker, &wa);
+    if (s != UCS_OK || wa.thread_mode != UCS_THREAD_MODE_MULTI) {
+        TD_LOG_ERROR("%s: UCX gave no multi-threaded worker (a UCX built without threads?)",
+                     u->name);
+        st = TD_ERR_UNSUPPORTED;
+        goto fail;
+    }
+    s = ucp_worker_get_efd(wk->worker, &wk->fd);
+    if (s != UCS_OK) {
+        TD_LOG_ERROR("%s: ucp_worker_get_efd: %s", u->name, ucs_status_string(s));
+        goto fail;
+    }
+    ucp_am_handler_param_t ap = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                                               UCP_AM_HANDLER_PARAM_FIELD_CB |
+                                               UCP_AM_HANDLER_PARAM_FIELD_ARG,
+                                 .id = TD_UCX_AM_ID,
+                                 .cb = am_recv_cb,
+                                 .arg = wk};
+    s = ucp_worker_set_am_recv_handler(wk->worker, &ap);
+    if (s != UCS_OK) {
+        TD_LOG_ERROR("%s: ucp_worker_set_am_recv_handler: %s", u->name, ucs_status_string(s));
+        goto fail;
+    }
+    return TD_OK;
+fail:
+    ucp_worker_destroy(wk->worker);
+    wk->worker = NULL;
+    return st;
+}
+
 td_status td_ucx_create(const td_ucx_params *p, td_ucx **u_p) {
     if (!p || !u_p) return TD_ERR_INVALID;
     /* DESIGN.md §4: without these, endpoints with peer error handling do not
@@ -339,9 +458,9 @@ td_status td_ucx_create(const td_ucx_params *p, td_ucx **u_p) {
     u->on_error = p->on_error;
     u->ctx = p->ctx;
     u->max_msg = p->max_msg_bytes ? p->max_msg_bytes : TD_UCX_MAX_MSG;
-    u->worker_fd = -1;
     u->stop_fd = -1;
     pthread_mutex_init(&u->lock, NULL);
+    pthread_cond_init(&u->links_cv, NULL);
     td_status st = TD_ERR_IO;
     ucs_status_t s;
 
@@ -354,7 +473,7 @@ td_status td_ucx_create(const td_ucx_params *p, td_ucx **u_p) {
     ucp_params_t cp = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
                                      UCP_PARAM_FIELD_NAME,
                        .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
-                       .mt_workers_shared = 0,
+                       .mt_workers_shared = 1, /* link workers: td_ucx_link_create */
                        .name = u->name};
     s = ucp_init(&cp, cfg, &u->context);
     ucp_config_release(cfg);
@@ -362,37 +481,8 @@ td_status td_ucx_create(const td_ucx_params *p, td_ucx **u_p) {
         TD_LOG_ERROR("%s: ucp_init: %s", u->name, ucs_status_string(s));
         goto fail_free;
     }
-    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
-                              .thread_mode = UCS_THREAD_MODE_MULTI};
-    s = ucp_worker_create(u->context, &wp, &u->worker);
-    if (s != UCS_OK) {
-        TD_LOG_ERROR("%s: ucp_worker_create: %s", u->name, ucs_status_string(s));
-        goto fail_context;
-    }
-    ucp_worker_attr_t wa = {.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE};
-    s = ucp_worker_query(u->worker, &wa);
-    if (s != UCS_OK || wa.thread_mode != UCS_THREAD_MODE_MULTI) {
-        TD_LOG_ERROR("%s: UCX gave no multi-threaded worker (a UCX built without threads?)",
-                     u->name);
-        st = TD_ERR_UNSUPPORTED;
-        goto fail_worker;
-    }
-    s = ucp_worker_get_efd(u->worker, &u->worker_fd);
-    if (s != UCS_OK) {
-        TD_LOG_ERROR("%s: ucp_worker_get_efd: %s", u->name, ucs_status_string(s));
-        goto fail_worker;
-    }
-    ucp_am_handler_param_t ap = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
-                                               UCP_AM_HANDLER_PARAM_FIELD_CB |
-                                               UCP_AM_HANDLER_PARAM_FIELD_ARG,
-                                 .id = TD_UCX_AM_ID,
-                                 .cb = am_recv_cb,
-                                 .arg = u};
-    s = ucp_worker_set_am_recv_handler(u->worker, &ap);
-    if (s != UCS_OK) {
-        TD_LOG_ERROR("%s: ucp_worker_set_am_recv_handler: %s", u->name, ucs_status_string(s));
-        goto fail_worker;
-    }
+    if ((st = wk_init(u, &u->main))) goto fail_context;
+    st = TD_ERR_IO;
     u->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (u->stop_fd < 0) {
         TD_LOG_ERROR("%s: eventfd: %s", u->name, strerror(errno));
@@ -409,10 +499,11 @@ td_status td_ucx_create(const td_ucx_params *p, td_ucx **u_p) {
 fail_stopfd:
     close(u->stop_fd);
 fail_worker:
-    ucp_worker_destroy(u->worker);
+    ucp_worker_destroy(u->main.worker);
 fail_context:
     ucp_cleanup(u->context);
 fail_free:
+    pthread_cond_destroy(&u->links_cv);
     pthread_mutex_destroy(&u->lock);
     free(u);
     return st;
@@ -438,6 +529,14 @@ static void ep_unlink(td_ucx_ep *ep) {
 
 void td_ucx_destroy(td_ucx *u) {
     if (!u) return;
+    for (;;) {
+        pthread_mutex_lock(&u->lock);
+        td_ucx_link *l = u->links;
+        while (l && l->dying) l = l->next;
+        pthread_mutex_unlock(&u->lock);
+        if (!l) break;
+        td_ucx_link_destroy(l);
+    }
     /* Close the endpoints the owner left open, one at a time (the list
      * lock cannot be held across the close). */
     for (;;) {
@@ -455,13 +554,11 @@ void td_ucx_destroy(td_ucx *u) {
     double t0 = td_time_s();
     while ((!eps_empty(u) || atomic_load(&u->inflight) > 0) &&
            td_time_s() - t0 < TD_UCX_DESTROY_WAIT_S) {
-        ucp_worker_signal(u->worker);
+        ucp_worker_signal(u->main.worker);
         usleep(1000);
     }
     atomic_store(&u->stop, true);
-    uint64_t one = 1;
-    if (write(u->stop_fd, &one, sizeof one) != (ssize_t)sizeof one)
-        TD_LOG_ERROR("%s: eventfd write: %s", u->name, strerror(errno));
+    wake_progress(u);
     pthread_join(u->thread, NULL);
 
     if (!eps_empty(u) || atomic_load(&u->inflight) > 0)
@@ -480,25 +577,101 @@ void td_ucx_destroy(td_ucx *u) {
         ucp_mem_unmap(u->context, m->memh);
         free(m);
     }
-    ucp_worker_destroy(u->worker);
+    ucp_worker_destroy(u->main.worker);
     ucp_cleanup(u->context);
     close(u->stop_fd);
+    pthread_cond_destroy(&u->links_cv);
     pthread_mutex_destroy(&u->lock);
     free(u);
 }
 
-td_status td_ucx_address(td_ucx *u, uint8_t **addr_p, size_t *len_p) {
-    if (!u || !addr_p || !len_p) return TD_ERR_INVALID;
+static td_status wk_address(td_ucx_wk *wk, uint8_t **addr_p, size_t *len_p) {
+    if (!addr_p || !len_p) return TD_ERR_INVALID;
     ucp_address_t *a;
     size_t n;
-    ucs_status_t s = ucp_worker_get_address(u->worker, &a, &n);
+    ucs_status_t s = ucp_worker_get_address(wk->worker, &a, &n);
     if (s != UCS_OK) {
-        TD_LOG_ERROR("%s: ucp_worker_get_address: %s", u->name, ucs_status_string(s));
+        TD_LOG_ERROR("%s: ucp_worker_get_address: %s", wk->u->name, ucs_status_string(s));
         return status_from_ucs(s);
     }
     td_status st = blob_wrap(TD_UCX_MAGIC_ADDR, a, n, addr_p, len_p);
-    ucp_worker_release_address(u->worker, a);
+    ucp_worker_release_address(wk->worker, a);
     return st;
+}
+
+td_status td_ucx_address(td_ucx *u, uint8_t **addr_p, size_t *len_p) {
+    if (!u) return TD_ERR_INVALID;
+    return wk_address(&u->main, addr_p, len_p);
+}
+
+/* ---- link workers ---- */
+
+td_status td_ucx_link_create(td_ucx *u, td_ucx_link **l_p) {
+    if (!u || !l_p) return TD_ERR_INVALID;
+    td_ucx_link *l = calloc(1, sizeof *l);
+    if (!l) return TD_ERR_NOMEM;
+    pthread_mutex_lock(&u->lock);
+    bool full = u->n_links >= TD_UCX_MAX_LINKS;
+    if (!full) u->n_links++; /* reserved */
+    pthread_mutex_unlock(&u->lock);
+    if (full) {
+        TD_LOG_ERROR("%s: more than %d link workers", u->name, TD_UCX_MAX_LINKS);
+        free(l);
+        return TD_ERR_RANGE;
+    }
+    td_status st = wk_init(u, &l->wk);
+    pthread_mutex_lock(&u->lock);
+    if (st) {
+        u->n_links--;
+    } else {
+        l->next = u->links;
+        if (u->links) u->links->prev = l;
+        u->links = l;
+        atomic_fetch_add(&u->links_gen, 1);
+    }
+    pthread_mutex_unlock(&u->lock);
+    if (st) {
+        free(l);
+        return st;
+    }
+    wake_progress(u);
+    *l_p = l;
+    return TD_OK;
+}
+
+td_status td_ucx_link_address(td_ucx_link *l, uint8_t **addr_p, size_t *len_p) {
+    if (!l) return TD_ERR_INVALID;
+    return wk_address(&l->wk, addr_p, len_p);
+}
+
+void td_ucx_link_destroy(td_ucx_link *l) {
+    if (!l) return;
+    td_ucx *u = l->wk.u;
+    pthread_mutex_lock(&u->lock);
+    TD_ASSERT(!l->dying);
+    l->dying = true;
+    atomic_fetch_add(&u->links_gen, 1);
+    pthread_mutex_unlock(&u->lock);
+    wake_progress(u);
+    pthread_mutex_lock(&u->lock);
+    while (!l->detached) pthread_cond_wait(&u->links_cv, &u->lock);
+    if (l->prev)
+        l->prev->next = l->next;
+    else
+        u->links = l->next;
+    if (l->next) l->next->prev = l->prev;
+    u->n_links--;
+    pthread_mutex_unlock(&u->lock);
+    /* Ours alone now: finish the control messages it is receiving (bounded),
+     * then destroy it, which closes every connection a peer made to it. */
+    double t0 = td_time_s();
+    while (atomic_load(&l->wk.rndv) > 0 && td_time_s() - t0 < 1.0)
+        if (!ucp_worker_progress(l->wk.worker)) usleep(100);
+    if (atomic_load(&l->wk.rndv) > 0)
+        TD_LOG_WARN("%s: a link worker goes with %d control messages still arriving", u->name,
+                    atomic_load(&l->wk.rndv));
+    ucp_worker_destroy(l->wk.worker);
+    free(l);
 }
 
 /* ---- memory ---- */
@@ -630,7 +803,7 @@ td_status td_ucx_ep_create(td_ucx *u, const uint8_t *addr, size_t len, void *use
                                  .address = (const ucp_address_t *)payload,
                                  .err_mode = UCP_ERR_HANDLING_MODE_PEER,
                                  .err_handler = {.cb = ep_err_cb, .arg = ep}};
-    ucs_status_t s = ucp_ep_create(u->worker, &ep_params, &ep->ep);
+    ucs_status_t s = ucp_ep_create(u->main.worker, &ep_params, &ep->ep);
     if (s != UCS_OK) {
         TD_LOG_WARN("%s: ucp_ep_create: %s", u->name, ucs_status_string(s));
         free(ep);

@@ -46,6 +46,7 @@ typedef struct td_ucx td_ucx;
 typedef struct td_ucx_ep td_ucx_ep;
 typedef struct td_ucx_mem td_ucx_mem;
 typedef struct td_ucx_rkey td_ucx_rkey;
+typedef struct td_ucx_link td_ucx_link;
 
 typedef struct {
     const char *name; /* for log lines, e.g. "prefill rank 0" (copied) */
@@ -70,6 +71,23 @@ void td_ucx_destroy(td_ucx *u);
 /* This worker's address (ucp_worker_get_address), copied into a malloc'd
  * buffer the caller frees. */
 td_status td_ucx_address(td_ucx *u, uint8_t **addr_p, size_t *len_p);
+
+/* A link worker: another worker of this channel's context, driven by the
+ * same progress thread, whose address a receiver gives to one peer only
+ * (a decode instance gives one to each prefill instance it links to).
+ * Control messages arriving on it go to on_msg; regions mapped here accept
+ * puts arriving on it. td_ucx_link_destroy destroys the worker, which
+ * closes every connection peers made to it: once it returns nothing
+ * arriving over those connections (TCP puts still in a socket, emulated
+ * puts, messages) is applied any more. This is what fences a peer over
+ * transports where a put is carried out by the target's worker; puts a
+ * peer makes itself into a mapped shared-memory segment are not stopped by
+ * it (the sender's own deadline checks bound those). At most 128 per
+ * channel; destroy is synchronous, not from a callback. */
+td_status td_ucx_link_create(td_ucx *u, td_ucx_link **l_p);
+/* The link worker's address (framed like td_ucx_address). */
+td_status td_ucx_link_address(td_ucx_link *l, uint8_t **addr_p, size_t *len_p);
+void td_ucx_link_destroy(td_ucx_link *l); /* accepts NULL */
 
 /* Registers [base, base + bytes) for remote access (puts into it) and as a
  * source of puts. Unmap before freeing the memory. */

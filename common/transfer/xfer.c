@@ -75,8 +75,11 @@ typedef struct ppeer {
     uint64_t epoch;
     td_ucx_ep *ep; /* to P's rank 0 (x->mu) */
     bool ready, need_exchange, fence, closing;
+    bool link_open;         /* our ranks' link workers for this P (its slot: its index) */
+    bool link_close_owed;   /* fencing: the service thread destroys them */
+    double next_link_close; /* when a failed destroy is tried again */
     atomic_bool err;        /* the endpoint reported an error */
-    atomic_bool close_done; /* the fencing close completed */
+    atomic_bool close_done; /* the fencing close of our endpoint completed */
     uint64_t exchange_id;   /* ours, as this P knows it: a new one after each fence, so that P
                              * drops whatever it still had from before */
     double next_link;
@@ -214,7 +217,9 @@ typedef struct {
     uint8_t compat[16];
 } own_exchange;
 
-static td_status build_exchange(td_xfer *x, own_exchange *o, uint64_t exchange_id) {
+/* link: the slot whose link workers' addresses go in (the decode side's
+ * exchange for one prefill instance), -1: the ranks' own workers. */
+static td_status build_exchange(td_xfer *x, own_exchange *o, uint64_t exchange_id, int link) {
     tandem__internal__v1__exchange__init(&o->ex);
     tandem__internal__v1__plan__init(&o->plan);
     tandem__internal__v1__kv_geometry__init(&o->kv);
@@ -235,7 +240,8 @@ static td_status build_exchange(td_xfer *x, own_exchange *o, uint64_t exchange_i
         const uint8_t *blob, *addr, *rkey;
         size_t len, al, rl;
         uint64_t base, bytes;
-        td_status st = td_exec_xfer_endpoint(x->p.exec, r, &blob, &len);
+        td_status st = link >= 0 ? td_exec_xfer_link_endpoint(x->p.exec, link, r, &blob, &len)
+                                 : td_exec_xfer_endpoint(x->p.exec, r, &blob, &len);
         if (!st) st = td_xrank_blob_parse(blob, len, &addr, &al, &rkey, &rl, &base, &bytes);
         if (st) return st;
         e->rank = (uint32_t)r;
@@ -874,7 +880,7 @@ static td_status send_request(td_xfer *x, ppeer *pp, djob *j, const int32_t *blo
     r.n_dest = (size_t)x->world;
     r.dest = rbp;
     if (pp->need_exchange) {
-        td_status est = build_exchange(x, &oe, pp->exchange_id);
+        td_status est = build_exchange(x, &oe, pp->exchange_id, (int)(pp - x->ppeers));
         if (est) return est;
         r.peer_case = TANDEM__INTERNAL__V1__PREFILL_REQUEST__PEER_EXCHANGE;
         r.exchange = &oe.ex;
@@ -1297,11 +1303,19 @@ static void d_link(td_xfer *x, ppeer *pp) {
         st = td_ucx_ep_create(x->ucx, r0->worker_address.data, r0->worker_address.len, pp, &ep);
         if (st != TD_OK) snprintf(err, sizeof err, "%s: bad worker address", pp->addr);
     }
+    /* Our ranks' link workers for this P: everything it sends us arrives on
+     * them, and destroying them is the fence (d_fence_links). */
+    if (st == TD_OK && (st = td_exec_xfer_link(x->p.exec, (int)(pp - x->ppeers), true))) {
+        snprintf(err, sizeof err, "%s: our KV link workers could not be opened", pp->addr);
+        td_ucx_ep_close(ep, NULL, NULL);
+        ep = NULL;
+    }
     pthread_mutex_lock(&x->mu);
     if (st == TD_OK) {
         snprintf(pp->instance, sizeof pp->instance, "%s", m->from->instance_id);
         pp->epoch = m->from->epoch;
         pp->ep = ep;
+        pp->link_open = true;
         atomic_store(&pp->err, false);
         pp->ready = true;
         pp->need_exchange = true;
@@ -1356,6 +1370,8 @@ static void d_service(td_xfer *x) {
             }
             pp->ready = false;
             pp->closing = true;
+            pp->link_close_owed = pp->link_open;
+            pp->next_link_close = now;
             atomic_store(&pp->close_done, false);
             td_ucx_ep *ep = pp->ep;
             pp->ep = NULL;
@@ -1364,10 +1380,12 @@ static void d_service(td_xfer *x) {
             else
                 atomic_store(&pp->close_done, true);
         }
-        if (pp->closing && atomic_load(&pp->close_done)) {
-            /* The endpoint is closed: relink (a new endpoint, a new exchange
-             * id inline, so P drops whatever it still has from before). The
-             * blocks stay until P's deadline has surely passed too. */
+        if (pp->closing && atomic_load(&pp->close_done) && !pp->link_close_owed) {
+            /* Our endpoint is closed and the link workers P put into are
+             * destroyed: relink (new link workers, a new endpoint, a new
+             * exchange id inline, so P drops whatever it still has from
+             * before). The blocks stay until P's deadline has surely passed
+             * too (P's own puts into shared memory are bounded by it). */
             pp->closing = false;
             pp->fence = false;
             pp->next_link = now;
@@ -1410,6 +1428,37 @@ static void d_service(td_xfer *x) {
     }
 }
 
+/* The fence's second half, on the service thread without x->mu (the
+ * ranks' step may be running): destroys our ranks' link workers of every
+ * P being fenced. Over TCP (and wherever our worker carries out a put) the
+ * P's puts still in flight, queued in its socket or in the network, are
+ * dropped with the connections from then on. */
+static void d_fence_links(td_xfer *x) {
+    pthread_mutex_lock(&x->mu);
+    int n_peers = x->n_ppeers;
+    pthread_mutex_unlock(&x->mu);
+    for (int k = 0; k < n_peers; k++) {
+        ppeer *pp = &x->ppeers[k];
+        pthread_mutex_lock(&x->mu);
+        bool owed = pp->link_close_owed && td_time_s() >= pp->next_link_close;
+        pthread_mutex_unlock(&x->mu);
+        if (!owed) continue;
+        td_status st = td_exec_xfer_link(x->p.exec, k, false);
+        pthread_mutex_lock(&x->mu);
+        if (st) {
+            TD_LOG_ERROR("prefill instance %s: our KV link workers could not be destroyed (%s); "
+                         "its blocks stay quarantined, trying again",
+                         pp->addr, td_status_str(st));
+            pp->next_link_close = td_time_s() + 1.0;
+        } else {
+            pp->link_close_owed = false;
+            pp->link_open = false;
+        }
+        pthread_mutex_unlock(&x->mu);
+        if (!st) wake(x);
+    }
+}
+
 /* ========================================================= service thread */
 
 static void *service_main(void *arg) {
@@ -1448,6 +1497,7 @@ static void *service_main(void *arg) {
             pthread_mutex_unlock(&x->mu);
         }
         if (x->p.role == TD_XFER_DECODE) {
+            d_fence_links(x);
             double now = td_time_s();
             pthread_mutex_lock(&x->mu);
             int n_peers = x->n_ppeers; /* grows with the router's choices */
@@ -1630,7 +1680,7 @@ void td_xfer_destroy(td_xfer *x) {
 td_status td_xfer_exchange(void *ctx, uint8_t **buf, size_t *len) {
     td_xfer *x = ctx;
     own_exchange oe;
-    td_status st = build_exchange(x, &oe, x->exchange_id);
+    td_status st = build_exchange(x, &oe, x->exchange_id, -1);
     if (st) return st;
     cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
     Tandem__Internal__V1__Peer from = TANDEM__INTERNAL__V1__PEER__INIT;

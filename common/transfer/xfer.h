@@ -20,10 +20,10 @@
  * TransferFailed: P flushed and stopped writing; Abort from D when the
  * client goes). When D gives up without P's word (deadline, endpoint
  * error), it fences that P epoch: the destination blocks stay quarantined
- * until D has force-closed its endpoint to P and the close completed, and
- * only then are they freed; the request falls back to a local prefill in
- * fresh blocks. P never frees source blocks while its puts are in flight:
- * it waits for the flush, and on its own deadline force-closes the
+ * until D has force-closed its endpoint to P, destroyed the link workers
+ * P puts into (below) and P's deadline has passed, and only then are they
+ * freed; the request falls back to a local prefill in fresh blocks. P never frees source blocks
+ * while its puts are in flight: it waits for the flush, and on its own deadline force-closes the
  * endpoint so that they complete.
  *
  * Parallel plans: every rank of both instances has its own UCP worker and
@@ -34,12 +34,17 @@
  * instance (PEER), a job (JOB), its end (DROP). Any two plans the mapping
  * accepts pair (attention-DP plans do not).
  *
- * Limits of the fence (open): D closes its own endpoint to P and waits
- * past P's deadline; P stops writing at its deadline (checked before every
- * put). Over TCP that is not airtight: puts P had queued in its socket
- * before a cut link can reach D when the link returns, and D's worker
- * applies them (D has no handle on the connection P opened). Over shared
- * memory only a put already in progress when P was stopped can land late.
+ * Link workers (the fence's teeth): D gives each P its own UCP worker on
+ * every D rank (td_ucx_link_create; the exchange D sends that P carries
+ * their addresses), so everything a P sends D (puts, control messages)
+ * arrives on workers of that P's link alone. Fencing destroys them, which
+ * closes every connection the P made: over TCP, puts still queued in P's
+ * socket or in the network when a link was cut are dropped when they
+ * arrive, instead of being applied by D's worker into blocks that now
+ * belong to another sequence (closing D's own endpoint does not close the
+ * connection P opened). A relink opens new ones. Over shared memory P
+ * writes D's segment itself; there P's deadline, checked before every put,
+ * bounds it, and D's quarantine outlasts that deadline by a second.
  *
  * Threads: UCX callbacks only record what happened and wake this module's
  * service thread, which does the follow-up (messages, fencing, releases,

@@ -50,6 +50,9 @@ struct td_xrank {
     int32_t block_size, n_blocks;
     size_t row; /* bytes of one token's K (or V) in one layer on this rank */
     xpeer peers[TD_XRANK_MAX_PEERS];
+    td_ucx_link *links[TD_XRANK_MAX_PEERS]; /* decode side: one per prefill instance */
+    uint8_t *link_addr[TD_XRANK_MAX_PEERS];
+    size_t link_addr_len[TD_XRANK_MAX_PEERS];
     xjob jobs[TD_XRANK_MAX_JOBS];
     const td_seq_chunk *seqs;
     const int32_t *slots;
@@ -146,6 +149,7 @@ void td_xrank_destroy(td_xrank *xr) {
     for (int i = 0; i < TD_XRANK_MAX_PEERS; i++)
         if (xr->peers[i].used) peer_close(&xr->peers[i], true);
     for (int i = 0; i < TD_XRANK_MAX_JOBS; i++) job_clear(&xr->jobs[i]);
+    for (int i = 0; i < TD_XRANK_MAX_PEERS; i++) td_xrank_link(xr, i, false);
     free(xr->addr);
     free(xr->rkey);
     td_ucx_mem_unmap(xr->mem);
@@ -155,17 +159,42 @@ void td_xrank_destroy(td_xrank *xr) {
 
 /* ------------------------------------------------------------------ blob */
 
-td_status td_xrank_blob(td_xrank *xr, uint8_t *buf, size_t cap, size_t *len) {
-    size_t n = 24 + xr->addr_len + xr->rkey_len;
-    if (n > cap || xr->addr_len > UINT32_MAX || xr->rkey_len > UINT32_MAX) return TD_ERR_RANGE;
-    uint32_t al = (uint32_t)xr->addr_len, rl = (uint32_t)xr->rkey_len;
+td_status td_xrank_link(td_xrank *xr, int slot, bool open) {
+    if (!xr || slot < 0 || slot >= TD_XRANK_MAX_PEERS) return TD_ERR_INVALID;
+    td_ucx_link_destroy(xr->links[slot]);
+    xr->links[slot] = NULL;
+    free(xr->link_addr[slot]);
+    xr->link_addr[slot] = NULL;
+    xr->link_addr_len[slot] = 0;
+    if (!open) return TD_OK;
+    td_status st = td_ucx_link_create(xr->ucx, &xr->links[slot]);
+    if (!st)
+        st = td_ucx_link_address(xr->links[slot], &xr->link_addr[slot], &xr->link_addr_len[slot]);
+    if (st) {
+        td_ucx_link_destroy(xr->links[slot]);
+        xr->links[slot] = NULL;
+    }
+    return st;
+}
+
+td_status td_xrank_blob(td_xrank *xr, int link, uint8_t *buf, size_t cap, size_t *len) {
+    const uint8_t *addr = xr->addr;
+    size_t addr_len = xr->addr_len;
+    if (link >= 0) {
+        if (link >= TD_XRANK_MAX_PEERS || !xr->links[link]) return TD_ERR_INVALID;
+        addr = xr->link_addr[link];
+        addr_len = xr->link_addr_len[link];
+    }
+    size_t n = 24 + addr_len + xr->rkey_len;
+    if (n > cap || addr_len > UINT32_MAX || xr->rkey_len > UINT32_MAX) return TD_ERR_RANGE;
+    uint32_t al = (uint32_t)addr_len, rl = (uint32_t)xr->rkey_len;
     uint64_t base = (uint64_t)(uintptr_t)xr->base, bytes = (uint64_t)xr->bytes;
     memcpy(buf, &al, 4);
     memcpy(buf + 4, &rl, 4);
     memcpy(buf + 8, &base, 8);
     memcpy(buf + 16, &bytes, 8);
-    memcpy(buf + 24, xr->addr, xr->addr_len);
-    memcpy(buf + 24 + xr->addr_len, xr->rkey, xr->rkey_len);
+    memcpy(buf + 24, addr, addr_len);
+    memcpy(buf + 24 + addr_len, xr->rkey, xr->rkey_len);
     *len = n;
     return TD_OK;
 }

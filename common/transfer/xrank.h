@@ -62,10 +62,16 @@ td_status td_xrank_create(const td_xrank_params *p, td_xrank **xr_p);
  * the pool must not be used afterwards. Accepts NULL. */
 void td_xrank_destroy(td_xrank *xr);
 
-/* This rank's endpoint for the Exchange: its worker address and the rkey,
- * base and size of its KV region, framed as
- * u32 addr_len, u32 rkey_len, u64 base, u64 bytes, addr, rkey. */
-td_status td_xrank_blob(td_xrank *xr, uint8_t *buf, size_t cap, size_t *len);
+/* Decode side: opens (closing any earlier one) or closes the link worker of
+ * slot (0 <= slot < TD_XRANK_MAX_PEERS), the worker one prefill instance
+ * puts into (td_ucx_link_create). Closing destroys it: nothing that
+ * prefill instance still sends over it is applied afterwards. */
+td_status td_xrank_link(td_xrank *xr, int slot, bool open);
+/* This rank's endpoint for the Exchange: the address of its worker (link
+ * < 0) or of an open link worker, and the rkey, base and size of its KV
+ * region, framed as u32 addr_len, u32 rkey_len, u64 base, u64 bytes, addr,
+ * rkey. */
+td_status td_xrank_blob(td_xrank *xr, int link, uint8_t *buf, size_t cap, size_t *len);
 /* Parses a blob (from another process: checked). */
 td_status td_xrank_blob_parse(const uint8_t *buf, size_t len, const uint8_t **addr,
                               size_t *addr_len, const uint8_t **rkey, size_t *rkey_len,

@@ -60,10 +60,10 @@ What the logs show (2 shared cores, heavily loaded: the long prompt took
     peer (the review fixes); the first request is answered within its
     deadline, remotely or, when the TCP connection left from before the cut
     resets the new one, through the fallback; within a few requests remote
-    prefills work again. Open bug (see the xfail below and the issue note):
-    sometimes a canary decodes differently after the relink, most likely
-    puts queued in P's socket before the cut being applied by D's worker
-    when the link returns.
+    prefills work again. The canary decodes the reference's tokens every
+    time: the fence destroyed D's link workers for P, and with them the
+    TCP connections P's queued puts would have arrived on (before the link
+    workers, those puts were applied when the link returned).
 """
 
 import contextlib
@@ -416,28 +416,16 @@ def test_link_cut_mid_transfer(cut, net, ref, tandem_bin, default_model, tmp_pat
     # blocks now that the link is back (in the unreachable variant P's job is
     # still waiting for its deadline here): the canary again, its prompt's
     # full blocks read from D's prefix cache, decodes the reference's tokens
-    try:
-        t_canary, remote = canary_cached(d, want["canary"])
-    except AssertionError as e:
-        # KNOWN BUG (open, as of this commit; reproduced in both variants on
-        # a loaded machine): the canary, whose blocks D computed while the
-        # link was down (reusing the fenced job's blocks after the
-        # quarantine), decodes differently from the reference once the link
-        # is back. Most likely cause: the abandoned job's puts still queued
-        # in P's kernel socket buffer when P force-closed its endpoint are
-        # retransmitted when the link returns, and D's worker, whose side of
-        # that TCP connection D cannot close (UCX gives D no handle on the
-        # connection P opened), applies them (UCX's emulated puts are not
-        # checked against a registration). Closing D's own endpoint is no
-        # fence over TCP; a real one needs D to drop the connection (a new
-        # worker) or per-peer memory it can revoke. Everything before the
-        # relink (the fallback's answer, the fence, the quarantine, idle
-        # counts) held; see the issue note.
-        pytest.xfail(f"post-relink transfer over TCP after a link cut: {e}"[:600])
+    # (This failed before D had a link worker per P: the abandoned job's
+    # puts still queued in P's kernel socket buffer were retransmitted when
+    # the link returned and applied by D's worker, since closing D's own
+    # endpoint does not close the connection P opened. The fence now
+    # destroys the link workers, and the connections with them.)
+    t_canary, remote = canary_cached(d, want["canary"])
     # The first request after the relink must not wait on silence: it is
-    # answered correctly within its deadline, remotely or (known weakness,
-    # see the open bug above: a stale TCP connection from before the cut
-    # may reset the new one) through a fast fallback. Before the review
+    # answered correctly within its deadline, remotely or (known weakness: a
+    # stale TCP connection from before the cut may reset the new one)
+    # through a fast fallback. Before the review
     # fixes it waited D's whole deadline (P answered nothing on a reused,
     # stuck endpoint); now P takes the new exchange as a new peer.
     assert t_canary < scaled(deadline_ms / 1000 + 15), (t_canary, deadline_ms)

@@ -213,6 +213,27 @@ static void pair_free(pair *p) {
     side_free(&p->b);
 }
 
+/* a's new endpoint to b's own worker: one put lands. */
+static void pair_check_main(side *a, side *b) {
+    td_ucx_ep *ep;
+    assert_int_equal(td_ucx_ep_create(a->u, b->addr, b->addr_len, NULL, &ep), TD_OK);
+    td_ucx_rkey *rk;
+    assert_int_equal(
+        td_ucx_rkey_create(ep, b->rkey, b->rkey_len, (uint64_t)(uintptr_t)b->buf, REGION, &rk),
+        TD_OK);
+    group g;
+    group_init(&g);
+    fill(a->buf, 4096, 77);
+    assert_int_equal(td_ucx_put(ep, rk, a->buf, 4096, 0, &g.ops), TD_OK);
+    assert_int_equal(td_ucx_flush(ep, &g.ops), TD_OK);
+    td_ucx_ops_seal(&g.ops);
+    assert_int_equal(group_wait(&g, 20), TD_OK);
+    assert_memory_equal(b->buf, a->buf, 4096);
+    group_free(&g);
+    td_ucx_rkey_destroy(rk);
+    assert_int_equal(td_ucx_ep_close_wait(ep, 5000), TD_OK);
+}
+
 static const size_t k_sizes[] = {1, 7, 4096, 65536 + 3, (size_t)1 << 20, (size_t)4 << 20};
 
 /* Puts of every size at distinct offsets, flushed; b's bytes must equal a's. */
@@ -481,6 +502,112 @@ static void test_tcp(void **state) {
     unsetenv("UCX_TLS");
 }
 
+/* ---- link workers: the receiver's fence ---- */
+
+/* a puts into b's region through b's link worker; b destroys the link
+ * while a's puts are in flight. fenced: the puts are carried out by b's
+ * worker (over TCP), so from the moment td_ucx_link_destroy returns b's
+ * region does not change any more. Otherwise (shared memory into a
+ * UCX-allocated region: a writes the segment itself) the destroy is only
+ * checked to be clean. Either way a's group completes once and b's own
+ * worker, and a new link, still work. (Not tested: shared memory into
+ * ordinary registered memory, where UCX emulates the puts with active
+ * messages; UCX 1.13 can crash in ucp_worker_destroy purging the replies
+ * still queued to the sender. The KV pool is always UCX-allocated.) */
+static void link_fence(const char *tls, bool b_alloc, bool fenced) {
+    if (tls) setenv("UCX_TLS", tls, 1);
+    side a, b;
+    side_init(&a, "link a", 0, false);
+    side_init(&b, "link b", 0, b_alloc);
+    td_ucx_link *l;
+    assert_int_equal(td_ucx_link_create(b.u, &l), TD_OK);
+    uint8_t *laddr;
+    size_t llen;
+    assert_int_equal(td_ucx_link_address(l, &laddr, &llen), TD_OK);
+    assert_false(llen == b.addr_len && memcmp(laddr, b.addr, llen) == 0);
+    td_ucx_ep *ep;
+    assert_int_equal(td_ucx_ep_create(a.u, laddr, llen, NULL, &ep), TD_OK);
+    td_ucx_rkey *rk;
+    assert_int_equal(
+        td_ucx_rkey_create(ep, b.rkey, b.rkey_len, (uint64_t)(uintptr_t)b.buf, REGION, &rk), TD_OK);
+    /* it works: a put, a message */
+    group g;
+    group_init(&g);
+    fill(a.buf, 1 << 20, 3);
+    assert_int_equal(td_ucx_put(ep, rk, a.buf, 1 << 20, 0, &g.ops), TD_OK);
+    assert_int_equal(td_ucx_flush(ep, &g.ops), TD_OK);
+    td_ucx_ops_seal(&g.ops);
+    assert_int_equal(group_wait(&g, 20), TD_OK);
+    group_free(&g);
+    assert_memory_equal(b.buf, a.buf, 1 << 20);
+    assert_int_equal(td_ucx_send(ep, (const uint8_t *)"hello", 5), TD_OK);
+    assert_true(side_wait(&b, &b.msgs, 1, 10));
+    /* many puts in flight, then the fence */
+    group_init(&g);
+    fill(a.buf, REGION, 4);
+    const size_t chunk = (size_t)1 << 20;
+    for (int rep = 0; rep < 4; rep++)
+        for (size_t off = 0; off + chunk <= REGION; off += chunk)
+            assert_int_equal(td_ucx_put(ep, rk, a.buf + off, chunk, off, &g.ops), TD_OK);
+    assert_int_equal(td_ucx_flush(ep, &g.ops), TD_OK);
+    td_ucx_ops_seal(&g.ops);
+    /* the fence falls in the middle: once the first chunk has landed */
+    double t0 = td_time_s();
+    while (memcmp(b.buf, a.buf, chunk) != 0 && td_time_s() - t0 < 20) usleep(200);
+    td_ucx_link_destroy(l);
+    uint8_t *snap = malloc(REGION);
+    assert_non_null(snap);
+    memcpy(snap, b.buf, REGION);
+    size_t landed = 0;
+    for (size_t i = 0; i < REGION; i++) landed += b.buf[i] == a.buf[i];
+    fprintf(stderr, "%s: %.0f%% of the region written when the link went\n", tls ? tls : "any",
+            100.0 * (double)landed / (double)REGION);
+    if (!fenced) memcpy(snap, a.buf, REGION); /* a's direct puts may go on */
+    /* Whatever a still sends is not applied. (Over shared memory a's puts
+     * now wait for a worker that is gone; its owner ends them with a
+     * forced close, as P does at its deadline.) */
+    group h;
+    group_init(&h);
+    fill(a.buf, chunk, 5);
+    if (td_ucx_put(ep, rk, a.buf, chunk, 0, &h.ops) == TD_OK) td_ucx_flush(ep, &h.ops);
+    td_ucx_ops_seal(&h.ops);
+    usleep(500000);
+    if (fenced) assert_memory_equal(b.buf, snap, REGION);
+    free(snap);
+    td_ucx_rkey_destroy(rk);
+    assert_int_equal(td_ucx_ep_close_wait(ep, 5000), TD_OK);
+    td_status st = group_wait(&g, 10);
+    assert_true(st == TD_OK || st == TD_ERR_IO);
+    st = group_wait(&h, 10);
+    assert_true(st == TD_OK || st == TD_ERR_IO);
+    usleep(20000);
+    assert_int_equal(g.calls, 1);
+    assert_int_equal(h.calls, 1);
+    group_free(&g);
+    group_free(&h);
+    /* b's own worker is unaffected, and a second link works */
+    pair_check_main(&a, &b);
+    assert_int_equal(td_ucx_link_create(b.u, &l), TD_OK);
+    free(laddr);
+    assert_int_equal(td_ucx_link_address(l, &laddr, &llen), TD_OK);
+    assert_int_equal(td_ucx_ep_create(a.u, laddr, llen, NULL, &ep), TD_OK);
+    int before = b.msgs;
+    assert_int_equal(td_ucx_send(ep, (const uint8_t *)"again", 5), TD_OK);
+    assert_true(side_wait(&b, &b.msgs, before + 1, 10));
+    assert_int_equal(td_ucx_ep_close_wait(ep, 5000), TD_OK);
+    free(laddr);
+    side_free(&a); /* b's link is left to td_ucx_destroy */
+    side_free(&b);
+    if (tls) unsetenv("UCX_TLS");
+}
+
+static void test_link_fence(void **state) {
+    TD_UNUSED(state);
+    link_fence("tcp", false, true);
+    link_fence("tcp", true, true);
+    link_fence(NULL, true, false);
+}
+
 /* ---- a real peer process that dies ---- */
 
 static bool write_all(int fd, const void *p, size_t n) {
@@ -658,6 +785,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_close_callback),
         cmocka_unit_test(test_idle_sleeps),
         cmocka_unit_test(test_tcp),
+        cmocka_unit_test(test_link_fence),
         cmocka_unit_test(test_peer_killed),
         cmocka_unit_test(test_peer_killed_tcp),
     };
