@@ -7,7 +7,10 @@ logprobs of the tokens agree within the TP tolerance (the prefill's KV
 comes from a different reduction order, a few ulp apart)."""
 
 import concurrent.futures as cf
+import os
+import pathlib
 import random
+import signal
 
 import pytest
 
@@ -115,3 +118,63 @@ def test_replicated_kv_heads(manifest, test_models, tandem_bin, tmp_path):
             pr.p.wait_idle(timeout=QUARANTINE_S)
         finally:
             pr.close()
+
+
+def fds(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def rank_pids(pid):
+    out = []
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        out += [int(k) for k in (task / "children").read_text().split()]
+    return sorted(out)
+
+
+def test_fence_reaches_every_decode_rank(manifest, test_models, tandem_bin, tmp_path):
+    """D with TP 2 over TCP: a stopped P misses D's deadline, D fences it
+    (each of its ranks destroys the link worker that P put into: D rank 1
+    holds fewer descriptors until the relink opens a new one, and no more
+    than before afterwards), the request is answered by a local prefill,
+    and once P resumes D relinks and prefills remotely again."""
+    model = manifest_model(manifest, test_models, "llama2-f32-gguf")
+    d_plan = ["--tp", "2"]
+    ref = Server.start(tandem_bin, model, ["--threads", "1", *d_plan], tmp_path / "ref")
+    try:
+        want = [run(ref, t) for t in prompts(3, seed=21)]
+    finally:
+        ref.close()
+    env = {"UCX_TLS": "tcp"}
+    pr = Pair(tandem_bin, tmp_path / "pair", model, [], [*d_plan, "--transfer-deadline-ms", "1500"],
+              env=env)
+    try:
+        ranks = rank_pids(pr.d.proc.pid)
+        assert len(ranks) == 1, ranks  # rank 1 (rank 0 is the instance's process)
+        pr.wait_linked()
+        t = prompts(3, seed=21)
+        assert_close(run(pr.d, t[0]), want[0], "before")
+        assert metric(pr.d.metrics(), "tandem:kv_transfer_seconds_count") == 1
+        pr.d.wait_idle()
+        n_fds = fds(ranks[0])
+        os.killpg(pr.p.proc.pid, signal.SIGSTOP)
+        try:
+            assert_close(run(pr.d, t[1]), want[1], "fallback")  # after the deadline
+            m = pr.d.metrics()
+            assert metric(m, "tandem:local_prefill_total", reason="fallback") == 1
+            assert "fenced" in pr.d.log_tail(20000)
+            pr.d.wait_idle(timeout=15)  # the quarantine ended (P's deadline + 1 s)
+            # rank 1 destroyed its link worker for P (P is still stopped, so
+            # no relink has opened another): its sockets and fds are gone
+            assert fds(ranks[0]) < n_fds, (fds(ranks[0]), n_fds)
+        finally:
+            os.killpg(pr.p.proc.pid, signal.SIGCONT)
+        pr.wait_linked(timeout=30)
+        assert_close(run(pr.d, t[2]), want[2], "after")
+        assert metric(pr.d.metrics(), "tandem:kv_transfer_seconds_count") == 2
+        pr.d.wait_idle()
+        pr.p.wait_idle(timeout=15)
+        # one link worker per rank again, the fenced one gone (a leak would
+        # keep its sockets, event fds and shared-memory descriptors)
+        assert fds(ranks[0]) <= n_fds, (fds(ranks[0]), n_fds)
+    finally:
+        pr.close()
