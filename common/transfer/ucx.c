@@ -79,6 +79,24 @@ struct td_ucx_rkey {
     uint64_t base, bytes;
 };
 
+/* The channel's doubly linked lists (eps, mems, links); caller holds
+ * u->lock. */
+#define LIST_PUSH(head, e)                                                                         \
+    do {                                                                                           \
+        (e)->prev = NULL;                                                                          \
+        (e)->next = (head);                                                                        \
+        if (head) (head)->prev = (e);                                                              \
+        (head) = (e);                                                                              \
+    } while (0)
+#define LIST_UNLINK(head, e)                                                                       \
+    do {                                                                                           \
+        if ((e)->prev)                                                                             \
+            (e)->prev->next = (e)->next;                                                           \
+        else                                                                                       \
+            (head) = (e)->next;                                                                    \
+        if ((e)->next) (e)->next->prev = (e)->prev;                                                \
+    } while (0)
+
 /* One worker of the context: the channel's own or a link's. */
 typedef struct {
     td_ucx *u;
@@ -519,11 +537,7 @@ static bool eps_empty(td_ucx *u) {
 static void ep_unlink(td_ucx_ep *ep) {
     td_ucx *u = ep->u;
     pthread_mutex_lock(&u->lock);
-    if (ep->prev)
-        ep->prev->next = ep->next;
-    else
-        u->eps = ep->next;
-    if (ep->next) ep->next->prev = ep->prev;
+    LIST_UNLINK(u->eps, ep);
     pthread_mutex_unlock(&u->lock);
 }
 
@@ -624,9 +638,7 @@ td_status td_ucx_link_create(td_ucx *u, td_ucx_link **l_p) {
     if (st) {
         u->n_links--;
     } else {
-        l->next = u->links;
-        if (u->links) u->links->prev = l;
-        u->links = l;
+        LIST_PUSH(u->links, l);
         atomic_fetch_add(&u->links_gen, 1);
     }
     pthread_mutex_unlock(&u->lock);
@@ -655,11 +667,7 @@ void td_ucx_link_destroy(td_ucx_link *l) {
     wake_progress(u);
     pthread_mutex_lock(&u->lock);
     while (!l->detached) pthread_cond_wait(&u->links_cv, &u->lock);
-    if (l->prev)
-        l->prev->next = l->next;
-    else
-        u->links = l->next;
-    if (l->next) l->next->prev = l->prev;
+    LIST_UNLINK(u->links, l);
     u->n_links--;
     pthread_mutex_unlock(&u->lock);
     /* Ours alone now: finish the control messages it is receiving (bounded),
@@ -694,9 +702,7 @@ td_status td_ucx_mem_map(td_ucx *u, void *base, size_t bytes, td_ucx_mem **m_p) 
     m->base = base;
     m->bytes = bytes;
     pthread_mutex_lock(&u->lock);
-    m->next = u->mems;
-    if (u->mems) u->mems->prev = m;
-    u->mems = m;
+    LIST_PUSH(u->mems, m);
     pthread_mutex_unlock(&u->lock);
     *m_p = m;
     return TD_OK;
@@ -731,9 +737,7 @@ td_status td_ucx_mem_alloc(td_ucx *u, size_t bytes, td_ucx_mem **m_p) {
     m->base = ma.address;
     m->bytes = bytes;
     pthread_mutex_lock(&u->lock);
-    m->next = u->mems;
-    if (u->mems) u->mems->prev = m;
-    u->mems = m;
+    LIST_PUSH(u->mems, m);
     pthread_mutex_unlock(&u->lock);
     *m_p = m;
     return TD_OK;
@@ -759,11 +763,7 @@ void td_ucx_mem_unmap(td_ucx_mem *m) {
     if (!m) return;
     td_ucx *u = m->u;
     pthread_mutex_lock(&u->lock);
-    if (m->prev)
-        m->prev->next = m->next;
-    else
-        u->mems = m->next;
-    if (m->next) m->next->prev = m->prev;
+    LIST_UNLINK(u->mems, m);
     pthread_mutex_unlock(&u->lock);
     ucs_status_t s = ucp_mem_unmap(u->context, m->memh);
     if (s != UCS_OK) TD_LOG_ERROR("%s: ucp_mem_unmap: %s", u->name, ucs_status_string(s));
@@ -810,9 +810,7 @@ td_status td_ucx_ep_create(td_ucx *u, const uint8_t *addr, size_t len, void *use
         return s == UCS_ERR_UNREACHABLE ? TD_ERR_IO : TD_ERR_INVALID;
     }
     pthread_mutex_lock(&u->lock);
-    ep->next = u->eps;
-    if (u->eps) u->eps->prev = ep;
-    u->eps = ep;
+    LIST_PUSH(u->eps, ep);
     pthread_mutex_unlock(&u->lock);
     after_post(u); /* wireup messages to progress */
     *ep_p = ep;
