@@ -140,8 +140,9 @@ td_status td_exec_forward_slots(td_exec *x, const td_seq_chunk *seqs, int32_t n_
 void td_exec_xfer_post(td_exec *x, const td_xdir_buf *dirs);
 td_status td_exec_xfer_sync(td_exec *x);
 bool td_exec_xfer_failed(td_exec *x, int32_t slot);
-/* A dropped job whose puts a rank could not complete even after closing
- * its endpoints (as of the last step): its source blocks and slot stay. */
+/* A finished or dropped job whose puts some rank has still in flight (as
+ * of the last step): its source blocks and slot stay; D is not answered
+ * yet. */
 bool td_exec_xfer_busy(td_exec *x, int32_t slot);
 /* A rank closed its endpoints to the decode instance in peer slot (cleared
  * when a PEER directive reuses the slot). */

@@ -689,8 +689,8 @@ static void p_on_msg(td_xfer *x, td_xfer_msg *m) {
     td_xfer_msg_free(m);
 }
 
-/* PrefillDone, once every rank has flushed the job's puts (they do before
- * the step that carried its last chunk returns). Caller holds x->mu. */
+/* PrefillDone, once every rank has flushed the job's puts (no rank reports
+ * it busy). Caller holds x->mu. */
 static bool send_done(td_xfer *x, pjob *j) {
     cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
     Tandem__Internal__V1__PrefillDone pd = TANDEM__INTERNAL__V1__PREFILL_DONE__INIT;
@@ -720,8 +720,9 @@ static bool send_done(td_xfer *x, pjob *j) {
 }
 
 /* One pass over P's jobs and peers. Caller holds x->mu; returns true when
- * dropped jobs wait for a transfer step (td_exec_xfer_sync, without the
- * lock) before their blocks may go. */
+ * jobs wait for a transfer step (td_exec_xfer_sync, without the lock):
+ * dropped ones before their blocks may go, finished ones whose flush is
+ * still in flight on some rank before D is answered. */
 static bool p_service(td_xfer *x) {
     double now = td_time_s();
     bool need_sync = false;
@@ -761,12 +762,16 @@ static bool p_service(td_xfer *x) {
             j->cancelled = true; /* the scheduler ends it: p_ended */
             td_gen_stream_cancel(j->st);
         }
+        if (j->ended && !j->replied && !j->cancelled && now <= j->deadline &&
+            td_exec_xfer_busy(x->p.exec, j->slot)) {
+            need_sync = true; /* a rank is still flushing it: ask again */
+            continue;
+        }
         if (j->ended && !j->replied) {
             j->replied = true;
             j->ok = j->have_first && !j->cancelled && !peer_gone && now <= j->deadline &&
                     !td_exec_xfer_failed(x->p.exec, j->slot);
-            /* Every rank flushed the job in the step of its last chunk:
-             * PrefillDone may go at once. */
+            /* Every rank has flushed the job: PrefillDone may go. */
             if (j->ok && !(j->ok = send_done(x, j)))
                 TD_LOG_WARN("prefill %s: PrefillDone could not be sent", j->id);
             if (j->ok) {
@@ -1463,9 +1468,10 @@ static void d_fence_links(td_xfer *x) {
 
 static void *service_main(void *arg) {
     td_xfer *x = arg;
+    bool synced = false; /* jobs wait on a rank's flush: look again sooner */
     while (!atomic_load(&x->stop)) {
         struct pollfd pfd = {.fd = x->wake_fd, .events = POLLIN};
-        poll(&pfd, 1, 20);
+        poll(&pfd, 1, synced ? 5 : 20);
         uint64_t v;
         ssize_t r = read(x->wake_fd, &v, sizeof v);
         TD_UNUSED(r);
@@ -1492,6 +1498,7 @@ static void *service_main(void *arg) {
         if (x->p.role == TD_XFER_PREFILL) {
             /* the dropped jobs' puts are flushed on every rank after this */
             if (sync) td_exec_xfer_sync(x->p.exec);
+            synced = sync;
             pthread_mutex_lock(&x->mu);
             p_after_sync(x);
             pthread_mutex_unlock(&x->mu);

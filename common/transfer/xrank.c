@@ -10,6 +10,9 @@
 #include "proto/internal.pb-c.h"
 
 #define WORDS(bytes) (((bytes) + 3u) / 4u)
+/* How long a step waits for a finished job's flush before it reports the
+ * job busy and moves on (checking it again at every later step). */
+#define FLUSH_WAIT_NS 20000000ull
 
 typedef struct {
     bool used, failed;
@@ -24,7 +27,8 @@ typedef struct {
 
 typedef struct {
     bool used, failed, complete, sealed, dropping;
-    bool stuck; /* dropped, its puts did not complete even after a forced close */
+    bool waiting; /* finished or dropped, sealed, its puts still in flight: reported busy */
+    bool stuck;   /* dropped, its puts did not complete even after a forced close */
     int32_t peer;
     int32_t n_prompt, d_cached;
     uint64_t deadline_ns;
@@ -560,13 +564,26 @@ void td_xrank_finish(td_xrank *xr, td_xrank_report *rep) {
             }
             continue;
         }
-        if (!j->used || (!j->complete && !j->dropping && !j->failed)) continue;
-        seal(xr, j);
-        /* Wait for every put of the job: bounded by its deadline, then the
-         * endpoints are force-closed so that the puts complete. */
-        long spin = 0;
-        while (!atomic_load(&j->done) && td_time_ns() < j->deadline_ns)
-            sleep_us(spin++ < 100 ? 20 : 200);
+        if (!j->used || (!j->waiting && !j->complete && !j->dropping && !j->failed)) continue;
+        if (!j->waiting) {
+            /* The flush usually completes at once; wait a little for it. */
+            seal(xr, j);
+            uint64_t until = TD_MIN(j->deadline_ns, td_time_ns() + FLUSH_WAIT_NS);
+            long spin = 0;
+            while (!atomic_load(&j->done) && td_time_ns() < until)
+                sleep_us(spin++ < 100 ? 20 : 200);
+        }
+        /* Still in flight: busy (its sources stay, the driver answers D
+         * later) and checked again at the next step, so that one slow or
+         * unreachable decode instance does not hold up the others' jobs;
+         * at the deadline the endpoints are force-closed so that the puts
+         * complete. */
+        if (!atomic_load(&j->done) && td_time_ns() < j->deadline_ns) {
+            j->waiting = true;
+            rep->busy[s / 64] |= bit;
+            continue;
+        }
+        j->waiting = false;
         if (!atomic_load(&j->done)) {
             TD_LOG_WARN("rank %d: job %d still has puts in flight at its deadline: closing the "
                         "endpoints to that decode instance",

@@ -14,15 +14,19 @@
  *         holds, deadline, the destination block ids (the same on every
  *         decode rank);
  *   DROP  slot: the job is over; its puts are flushed (or, past the
- *         deadline, its endpoints force-closed) before the directive's step
- *         returns, so the driver may then free the source blocks;
+ *         deadline, its endpoints force-closed); once no rank reports it
+ *         busy the driver may free the source blocks;
  *   UNPEER slot: close the endpoints to that decode instance.
  * A job's sequence carries its slot in the step (td_exec_forward_slots);
  * once a rank has put every position of the prompt for all of its layers it
- * flushes the job's endpoints and waits (bounded by the job's deadline)
- * before the step ends, so when a step returns on the driver every rank has
- * flushed every job whose last chunk it carried. A rank that could not
- * deliver (an endpoint error, the deadline) reports the job failed.
+ * flushes the job's endpoints and waits for the flush a little (20 ms at
+ * most) before the step ends. A flush still in flight then is reported
+ * busy, at that step and every later one until it completes, and the job's
+ * deadline force-closes its endpoints: a slow or unreachable decode
+ * instance holds up no other job. So once a step returns on the driver
+ * without a job reported busy, every rank has flushed it. A rank that
+ * could not deliver (an endpoint error, the deadline) reports the job
+ * failed.
  *
  * Not thread-safe: one rank's step thread drives it (the engine's layer
  * hook runs on that thread). */
@@ -88,13 +92,14 @@ void td_xrank_layer(void *xr, int32_t layer);
 /* What a rank tells the driver after each step (bits per slot). */
 typedef struct {
     uint64_t failed[TD_XRANK_MAX_JOBS / 64]; /* jobs it could not deliver */
-    uint64_t busy[TD_XRANK_MAX_JOBS / 64];   /* dropped jobs whose puts are still in
-                                              * flight: their sources must stay */
+    uint64_t busy[TD_XRANK_MAX_JOBS / 64];   /* finished or dropped jobs whose puts are
+                                              * still in flight: their sources must stay */
     uint64_t peer_failed;                    /* peer slots whose endpoints it closed */
 } td_xrank_report;
 /* After the step's forward pass: flushes the jobs this rank finished and
- * the dropped ones, waits for them (bounded by their deadlines; then the
- * peer's endpoints are force-closed), and ORs its findings into *rep. */
+ * the dropped ones, waits for them a little, checks the ones still in
+ * flight from earlier steps (past its deadline a job's peer endpoints are
+ * force-closed), and ORs its findings into *rep. */
 void td_xrank_finish(td_xrank *xr, td_xrank_report *rep);
 
 /* Directive builders (the driver): append to a growing int32 buffer. */

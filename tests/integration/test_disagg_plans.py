@@ -11,11 +11,12 @@ import os
 import pathlib
 import random
 import signal
+import time
 
 import pytest
 
 from conftest import manifest_model
-from serve_util import Pair, Server, metric
+from serve_util import TOKEN, Pair, Server, metric
 
 LOGPROB_TOL = 2e-3
 QUARANTINE_S = 30 + 15  # D's default transfer deadline, and slack
@@ -177,4 +178,63 @@ def test_fence_reaches_every_decode_rank(manifest, test_models, tandem_bin, tmp_
         # keep its sockets, event fds and shared-memory descriptors)
         assert fds(ranks[0]) <= n_fds, (fds(ranks[0]), n_fds)
     finally:
+        pr.close()
+
+
+def test_a_stalled_decode_instance_holds_up_no_other(manifest, test_models, tandem_bin,
+                                                     tmp_path):
+    """One P, two D over TCP. D1 (TP 2) has its rank 1 stopped (SIGSTOP)
+    while a request's KV is on its way there: P's flush to that rank cannot
+    complete. D2's request meanwhile is prefilled on P and answered at once,
+    not after the stalled job's deadline (P's step used to wait for that
+    flush until then, holding up every other job). D1's rank resumed, its
+    request is answered and every count returns to idle."""
+    model = manifest_model(manifest, test_models, "llama2-f32-gguf")
+    t = prompts(3, seed=31)
+    want = {}
+    for plan in ((), ("--tp", "2")):
+        ref = Server.start(tandem_bin, model, ["--threads", "1", *plan], tmp_path / f"ref{len(plan)}")
+        try:
+            want[plan] = [run(ref, p) for p in t]
+        finally:
+            ref.close()
+    env = {"UCX_TLS": "tcp"}
+    d1_plan = ("--tp", "2")
+    pr = Pair(tandem_bin, tmp_path / "pair", model, [],
+              [*d1_plan, "--transfer-deadline-ms", "20000"], env=env)
+    d2 = None
+    try:
+        d2 = Server.start(tandem_bin, model,
+                          ["--prefill", f"127.0.0.1:{pr.p.port}", "--cluster-token", TOKEN,
+                           "--threads", "1"],
+                          tmp_path / "d2", env=env, cmd=[tandem_bin.parent / "tandem-decode"],
+                          cluster_token=TOKEN)
+        assert_close(run(pr.d, t[0]), want[d1_plan][0], "d1 first")
+        assert_close(run(d2, t[0]), want[()][0], "d2 first")
+        assert metric(d2.metrics(), "tandem:kv_transfer_seconds_count") == 1
+        rank1 = rank_pids(pr.d.proc.pid)[0]
+        os.kill(rank1, signal.SIGSTOP)
+        with cf.ThreadPoolExecutor(1) as ex:
+            try:
+                f1 = ex.submit(run, pr.d, t[1])
+                # P has the job, and its flush to D1's rank 1 cannot complete
+                deadline = time.monotonic() + 15
+                while pr.p.state()["transfer"]["in_flight"] < 1:
+                    assert time.monotonic() < deadline, pr.p.log_tail()
+                    time.sleep(0.05)
+                time.sleep(0.5)
+                t0 = time.monotonic()
+                assert_close(run(d2, t[2]), want[()][2], "d2 while d1 stalls")
+                took = time.monotonic() - t0
+                assert metric(d2.metrics(), "tandem:kv_transfer_seconds_count") == 2
+                assert took < 5, (took, pr.p.log_tail())
+                assert pr.p.state()["transfer"]["in_flight"] >= 1  # still stalled
+            finally:
+                os.kill(rank1, signal.SIGCONT)
+            assert_close(f1.result(timeout=120), want[d1_plan][1], "d1 after the stall")
+        for srv in (pr.d, d2, pr.p):
+            srv.wait_idle(timeout=QUARANTINE_S)
+    finally:
+        if d2:
+            d2.close()
         pr.close()
