@@ -1291,7 +1291,7 @@ static td_status xfer_link_rank(td_exec *x, int slot, bool open, bool *comm_fail
     if (st)
         TD_LOG_ERROR("rank %d: KV link %d could not be %s", x->rank, slot,
                      open ? "opened" : "closed");
-    uint8_t *tmp = NULL, **keep = ok_slot ? &x->link_blobs[slot] : &tmp;
+    uint8_t *tmp = NULL, **keep = ok_slot && x->rank == 0 ? &x->link_blobs[slot] : &tmp;
     td_status gst = gather_blobs(x, st, open ? slot : -1, keep);
     free(tmp);
     *comm_failed = gst != TD_OK;
@@ -1372,8 +1372,17 @@ td_status td_exec_xfer_link(td_exec *x, int slot, bool open) {
             st = TD_ERR_IO;
         }
     }
-    if (comm_failed && !atomic_exchange(&x->failed, true))
-        TD_LOG_ERROR("a KV link step failed on the ranks: the instance fails");
+    if (comm_failed) {
+        if (!atomic_exchange(&x->failed, true))
+            TD_LOG_ERROR("a KV link step failed on the ranks: the instance fails");
+        td_comm_abort(x->comm); /* no rank waits on a collective that will not come */
+    }
+    if (!open) {
+        /* a closed slot has no endpoints (its table only said the ranks
+         * closed it) */
+        free(x->link_blobs[slot]);
+        x->link_blobs[slot] = NULL;
+    }
     x->last_use = td_time_s();
     pthread_mutex_unlock(&x->mu);
     return st;

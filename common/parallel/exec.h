@@ -149,11 +149,12 @@ bool td_exec_xfer_busy(td_exec *x, int32_t slot);
 bool td_exec_xfer_peer_failed(td_exec *x, int32_t peer);
 /* Decode side: opens (open) or closes the link workers of slot (one per
  * prefill instance, 0 <= slot < TD_XRANK_MAX_PEERS) on every rank
- * (td_xrank_link). Synchronous: when a close returns, every rank has
- * destroyed its link worker. td_exec_xfer_link_endpoint: rank r's
- * endpoint on the link for the Exchange (valid until the next
- * td_exec_xfer_link of slot). Not while a step runs on another thread
- * holds those blobs: one caller (the transfer service) at a time. */
+ * (td_xrank_link). Synchronous: it takes the executor's lock, so it waits
+ * for a running step to end, and when a close returns every rank has
+ * destroyed its link worker. td_exec_xfer_link_endpoint: rank r's endpoint
+ * on an open link, for the Exchange (TD_ERR_INVALID once closed); valid
+ * until the next td_exec_xfer_link of that slot, which the caller must not
+ * run meanwhile. */
 td_status td_exec_xfer_link(td_exec *x, int slot, bool open);
 td_status td_exec_xfer_link_endpoint(const td_exec *x, int slot, int rank, const uint8_t **blob,
                                      size_t *len);

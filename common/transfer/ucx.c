@@ -53,6 +53,7 @@
 #define TD_UCX_BUSY_POLL_MS   1           /* sleep bound while requests are in flight */
 #define TD_UCX_DESTROY_WAIT_S 5.0
 #define TD_UCX_MAX_LINKS      128
+#define TD_UCX_EAGER_MAX      ((size_t)64 << 10) /* messages sent eagerly, always */
 
 struct td_ucx_mem {
     td_ucx *u;
@@ -101,8 +102,8 @@ struct td_ucx_rkey {
 typedef struct {
     td_ucx *u;
     ucp_worker_h worker;
-    int fd;          /* ucp_worker_get_efd */
-    atomic_int rndv; /* rendezvous receives in flight on it */
+    int fd;       /* ucp_worker_get_efd */
+    bool is_link; /* a link worker: eager messages only (see am_recv_cb) */
 } td_ucx_wk;
 
 struct td_ucx_link {
@@ -265,9 +266,14 @@ static void *progress_main(void *arg) {
             n_wk = links_snapshot(u, wks);
         }
         uint_fast64_t seen = atomic_load(&u->posted);
+        /* one progress call per worker per pass, so that a busy link (a
+         * stream of TCP puts) does not starve the others */
         unsigned n = 0, k;
-        for (int w = 0; w < n_wk; w++)
-            while ((k = ucp_worker_progress(wks[w]->worker)) != 0) n += k;
+        do {
+            k = 0;
+            for (int w = 0; w < n_wk; w++) k += ucp_worker_progress(wks[w]->worker);
+            n += k;
+        } while (k != 0 && !atomic_load(&u->stop) && atomic_load(&u->links_gen) == gen);
         uint64_t now = td_time_ns();
         if (n) last_work = now;
         int inflight = atomic_load(&u->inflight);
@@ -331,7 +337,6 @@ static void rndv_recv_cb(void *request, ucs_status_t status, size_t length, void
     }
     free(r);
     ucp_request_free(request);
-    atomic_fetch_sub(&wk->rndv, 1);
     atomic_fetch_sub(&u->inflight, 1);
 }
 
@@ -352,6 +357,15 @@ static ucs_status_t am_recv_cb(void *arg, const void *header, size_t header_leng
         deliver(u, data, length);
         return UCS_OK;
     }
+    if (wk->is_link) {
+        /* A link worker may be destroyed at any time (a fence), and UCX
+         * 1.13 cannot destroy a worker with a rendezvous receive in flight
+         * (it asserts, or leaks it): links take eager messages only. The
+         * protocol's messages to a link are a few hundred bytes. */
+        TD_LOG_WARN("%s: dropped a %zu-byte rendezvous message on a link worker", u->name, length);
+        atomic_fetch_add(&u->msgs_dropped, 1);
+        return UCS_OK;
+    }
     td_ucx_rndv *r = malloc(sizeof *r + (length ? length : 1));
     if (!r) {
         TD_LOG_ERROR("%s: no memory for a %zu-byte message", u->name, length);
@@ -367,17 +381,14 @@ static ucs_status_t am_recv_cb(void *arg, const void *header, size_t header_leng
                                .user_data = r,
                                .datatype = ucp_dt_make_contig(1)};
     atomic_fetch_add(&u->inflight, 1);
-    atomic_fetch_add(&wk->rndv, 1);
     ucs_status_ptr_t req = ucp_am_recv_data_nbx(wk->worker, data, r->data, length, &prm);
     if (req == NULL) {
-        atomic_fetch_sub(&wk->rndv, 1);
         atomic_fetch_sub(&u->inflight, 1);
         deliver(u, r->data, length);
         free(r);
         return UCS_OK;
     }
     if (UCS_PTR_IS_ERR(req)) {
-        atomic_fetch_sub(&wk->rndv, 1);
         atomic_fetch_sub(&u->inflight, 1);
         TD_LOG_WARN("%s: ucp_am_recv_data_nbx: %s", u->name,
                     ucs_status_string(UCS_PTR_STATUS(req)));
@@ -417,10 +428,10 @@ static bool shm_may_load(void) {
 
 /* A worker of u's context for wk (multi-threaded, with wakeup and the
  * control-message handler). */
-static td_status wk_init(td_ucx *u, td_ucx_wk *wk) {
+static td_status wk_init(td_ucx *u, td_ucx_wk *wk, bool is_link) {
     wk->u = u;
     wk->fd = -1;
-    atomic_init(&wk->rndv, 0);
+    wk->is_link = is_link;
     ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
                               .thread_mode = UCS_THREAD_MODE_MULTI};
     ucs_status_t s = ucp_worker_create(u->context, &wp, &wk->worker);
@@ -499,7 +510,7 @@ td_status td_ucx_create(const td_ucx_params *p, td_ucx **u_p) {
         TD_LOG_ERROR("%s: ucp_init: %s", u->name, ucs_status_string(s));
         goto fail_free;
     }
-    if ((st = wk_init(u, &u->main))) goto fail_context;
+    if ((st = wk_init(u, &u->main, false))) goto fail_context;
     st = TD_ERR_IO;
     u->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (u->stop_fd < 0) {
@@ -633,7 +644,7 @@ td_status td_ucx_link_create(td_ucx *u, td_ucx_link **l_p) {
         free(l);
         return TD_ERR_RANGE;
     }
-    td_status st = wk_init(u, &l->wk);
+    td_status st = wk_init(u, &l->wk, true);
     pthread_mutex_lock(&u->lock);
     if (st) {
         u->n_links--;
@@ -670,14 +681,9 @@ void td_ucx_link_destroy(td_ucx_link *l) {
     LIST_UNLINK(u->links, l);
     u->n_links--;
     pthread_mutex_unlock(&u->lock);
-    /* Ours alone now: finish the control messages it is receiving (bounded),
-     * then destroy it, which closes every connection a peer made to it. */
-    double t0 = td_time_s();
-    while (atomic_load(&l->wk.rndv) > 0 && td_time_s() - t0 < 1.0)
-        if (!ucp_worker_progress(l->wk.worker)) usleep(100);
-    if (atomic_load(&l->wk.rndv) > 0)
-        TD_LOG_WARN("%s: a link worker goes with %d control messages still arriving", u->name,
-                    atomic_load(&l->wk.rndv));
+    /* Ours alone now (and no receive of ours is in flight on it: links take
+     * eager messages only): destroying it closes every connection a peer
+     * made to it. */
     ucp_worker_destroy(l->wk.worker);
     free(l);
 }
@@ -1164,9 +1170,11 @@ td_status td_ucx_send(td_ucx_ep *ep, const void *data, size_t len) {
     slot[0] = u;
     uint8_t *copy = (uint8_t *)(slot + 1);
     if (len) memcpy(copy, data, len);
+    /* eager up to TD_UCX_EAGER_MAX: a link worker takes nothing else */
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
                                                UCP_OP_ATTR_FIELD_USER_DATA |
-                                               UCP_OP_ATTR_FIELD_DATATYPE,
+                                               UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_FLAGS,
+                               .flags = len <= TD_UCX_EAGER_MAX ? UCP_AM_SEND_FLAG_EAGER : 0,
                                .cb.send = am_send_cb,
                                .user_data = slot,
                                .datatype = ucp_dt_make_contig(1)};

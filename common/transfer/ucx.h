@@ -82,8 +82,11 @@ td_status td_ucx_address(td_ucx *u, uint8_t **addr_p, size_t *len_p);
  * puts, messages) is applied any more. This is what fences a peer over
  * transports where a put is carried out by the target's worker; puts a
  * peer makes itself into a mapped shared-memory segment are not stopped by
- * it (the sender's own deadline checks bound those). At most 128 per
- * channel; destroy is synchronous, not from a callback. */
+ * it (the sender's own deadline checks bound those). A link takes control
+ * messages of up to 64 KiB only (td_ucx_send sends those eagerly; UCX
+ * cannot destroy a worker while a rendezvous receive is in flight on it):
+ * larger ones are dropped. At most 128 per channel; destroy is
+ * synchronous, not from a callback. */
 td_status td_ucx_link_create(td_ucx *u, td_ucx_link **l_p);
 /* The link worker's address (framed like td_ucx_address). */
 td_status td_ucx_link_address(td_ucx_link *l, uint8_t **addr_p, size_t *len_p);

@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
+#include <math.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -148,6 +149,11 @@ struct td_xfer {
     int wake_fd;
     pthread_t thread;
     bool thread_started, stopped;
+    /* decode: the link thread (links to P, probes, the fences' link-worker
+     * destruction: the calls that wait on HTTP or on the ranks' step) */
+    int link_fd;
+    pthread_t link_thread;
+    bool link_started;
     atomic_bool stop;
     /* prefill */
     dpeer *dpeers;
@@ -177,6 +183,13 @@ static void wake(td_xfer *x) {
     uint64_t one = 1;
     ssize_t r = write(x->wake_fd, &one, sizeof one);
     TD_UNUSED(r); /* EAGAIN only when the counter is saturated: still readable */
+}
+
+static void wake_link(td_xfer *x) {
+    if (x->link_fd < 0) return;
+    uint64_t one = 1;
+    ssize_t r = write(x->link_fd, &one, sizeof one);
+    TD_UNUSED(r);
 }
 
 static uint64_t unix_ns(void) {
@@ -1043,7 +1056,7 @@ static void want_peer(td_xfer *x, const char *addr) {
         TD_LOG_INFO("prefill instance %s (named by the router) added", addr);
     }
     pthread_mutex_unlock(&x->mu);
-    if (!known) wake(x);
+    if (!known) wake_link(x);
 }
 
 void td_xfer_submit_hook(void *ctx, td_gen_request *g) {
@@ -1312,6 +1325,7 @@ static void d_link(td_xfer *x, ppeer *pp) {
      * them, and destroying them is the fence (d_fence_links). */
     if (st == TD_OK && (st = td_exec_xfer_link(x->p.exec, (int)(pp - x->ppeers), true))) {
         snprintf(err, sizeof err, "%s: our KV link workers could not be opened", pp->addr);
+        td_exec_xfer_link(x->p.exec, (int)(pp - x->ppeers), false); /* the ranks that did */
         td_ucx_ep_close(ep, NULL, NULL);
         ep = NULL;
     }
@@ -1377,6 +1391,7 @@ static void d_service(td_xfer *x) {
             pp->closing = true;
             pp->link_close_owed = pp->link_open;
             pp->next_link_close = now;
+            if (pp->link_close_owed) wake_link(x);
             atomic_store(&pp->close_done, false);
             td_ucx_ep *ep = pp->ep;
             pp->ep = NULL;
@@ -1433,9 +1448,9 @@ static void d_service(td_xfer *x) {
     }
 }
 
-/* The fence's second half, on the service thread without x->mu (the
- * ranks' step may be running): destroys our ranks' link workers of every
- * P being fenced. Over TCP (and wherever our worker carries out a put) the
+/* The fence's second half, on the link thread (without x->mu: it waits for
+ * the ranks' step): destroys our ranks' link workers of every P being
+ * fenced. Over TCP (and wherever our worker carries out a put) the
  * P's puts still in flight, queued in its socket or in the network, are
  * dropped with the connections from then on. */
 static void d_fence_links(td_xfer *x) {
@@ -1450,7 +1465,14 @@ static void d_fence_links(td_xfer *x) {
         if (!owed) continue;
         td_status st = td_exec_xfer_link(x->p.exec, k, false);
         pthread_mutex_lock(&x->mu);
-        if (st) {
+        if (st && td_exec_failed(x->p.exec)) {
+            /* the instance is failing: its ranks are gone, and the blocks
+             * stay quarantined until it stops */
+            TD_LOG_ERROR("prefill instance %s: our KV link workers could not be destroyed (the "
+                         "parallel plan failed)",
+                         pp->addr);
+            pp->next_link_close = INFINITY;
+        } else if (st) {
             TD_LOG_ERROR("prefill instance %s: our KV link workers could not be destroyed (%s); "
                          "its blocks stay quarantined, trying again",
                          pp->addr, td_status_str(st));
@@ -1503,21 +1525,38 @@ static void *service_main(void *arg) {
             p_after_sync(x);
             pthread_mutex_unlock(&x->mu);
         }
-        if (x->p.role == TD_XFER_DECODE) {
-            d_fence_links(x);
-            double now = td_time_s();
+    }
+    return NULL;
+}
+
+/* Decode: the link thread. Links to P (HTTP, then opening our ranks'
+ * link workers), probes of linked P, and the fences' destruction of link
+ * workers all wait (on a peer's HTTP endpoint, on the ranks' step), so
+ * they run here and the service thread keeps answering messages, checking
+ * deadlines and renewing leases meanwhile. */
+static void *link_main(void *arg) {
+    td_xfer *x = arg;
+    for (bool first = true; !atomic_load(&x->stop); first = false) {
+        if (!first) {
+            struct pollfd pfd = {.fd = x->link_fd, .events = POLLIN};
+            poll(&pfd, 1, 50);
+            uint64_t v;
+            ssize_t r = read(x->link_fd, &v, sizeof v);
+            TD_UNUSED(r);
+        }
+        d_fence_links(x);
+        double now = td_time_s();
+        pthread_mutex_lock(&x->mu);
+        int n_peers = x->n_ppeers; /* grows with the router's choices */
+        pthread_mutex_unlock(&x->mu);
+        for (int k = 0; k < n_peers && !atomic_load(&x->stop); k++) {
+            ppeer *pp = &x->ppeers[k];
             pthread_mutex_lock(&x->mu);
-            int n_peers = x->n_ppeers; /* grows with the router's choices */
+            bool due = !pp->ready && !pp->closing && !pp->fence && now >= pp->next_link;
+            bool probe = pp->ready && !pp->fence && now >= pp->next_probe;
             pthread_mutex_unlock(&x->mu);
-            for (int k = 0; k < n_peers && !atomic_load(&x->stop); k++) {
-                ppeer *pp = &x->ppeers[k];
-                pthread_mutex_lock(&x->mu);
-                bool due = !pp->ready && !pp->closing && !pp->fence && now >= pp->next_link;
-                bool probe = pp->ready && !pp->fence && now >= pp->next_probe;
-                pthread_mutex_unlock(&x->mu);
-                if (due) d_link(x, pp);
-                if (probe) d_probe(x, pp);
-            }
+            if (due) d_link(x, pp);
+            if (probe) d_probe(x, pp);
         }
     }
     return NULL;
@@ -1536,6 +1575,7 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
     if (!x) return TD_ERR_NOMEM;
     x->p = *p;
     x->wake_fd = -1;
+    x->link_fd = -1;
     td_status st = TD_ERR_NOMEM;
     x->instance_id = strdup(p->instance_id);
     x->token = strdup(p->cluster_token);
@@ -1589,7 +1629,8 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
             snprintf(x->ppeers[i].addr, sizeof x->ppeers[i].addr, "%s", p->prefill[i]);
     }
     x->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (x->wake_fd < 0) {
+    x->link_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (x->wake_fd < 0 || x->link_fd < 0) {
         TD_LOG_ERROR("eventfd: %s", strerror(errno));
         st = TD_ERR_IO;
         goto fail;
@@ -1609,6 +1650,13 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
         goto fail;
     }
     x->thread_started = true;
+    if (p->role == TD_XFER_DECODE) {
+        if (pthread_create(&x->link_thread, NULL, link_main, x) != 0) {
+            st = TD_ERR_IO;
+            goto fail;
+        }
+        x->link_started = true;
+    }
     *x_p = x;
     return TD_OK;
 fail:
@@ -1623,6 +1671,10 @@ void td_xfer_stop(td_xfer *x) {
     if (x->thread_started) {
         wake(x);
         pthread_join(x->thread, NULL);
+    }
+    if (x->link_started) {
+        wake_link(x);
+        pthread_join(x->link_thread, NULL);
     }
     /* Close every endpoint: puts in flight complete (with an error), so
      * nothing touches the KV memory any more. */
@@ -1673,6 +1725,7 @@ void td_xfer_destroy(td_xfer *x) {
     for (int i = 0; i < x->n_inbox; i++) td_xfer_msg_free(x->inbox[i].m);
     free(x->inbox);
     if (x->wake_fd >= 0) close(x->wake_fd);
+    if (x->link_fd >= 0) close(x->link_fd);
     if (x->p.role == TD_XFER_DECODE && x->ppeers) curl_global_cleanup();
     free(x->ppeers);
     pthread_mutex_destroy(&x->mu);

@@ -209,6 +209,10 @@ def test_a_stalled_decode_instance_holds_up_no_other(manifest, test_models, tand
                            "--threads", "1"],
                           tmp_path / "d2", env=env, cmd=[tandem_bin.parent / "tandem-decode"],
                           cluster_token=TOKEN)
+        deadline = time.monotonic() + 20
+        while not d2.state()["transfer"]["peers"][0]["ready"]:
+            assert time.monotonic() < deadline, d2.log_tail()
+            time.sleep(0.05)
         assert_close(run(pr.d, t[0]), want[d1_plan][0], "d1 first")
         assert_close(run(d2, t[0]), want[()][0], "d2 first")
         assert metric(d2.metrics(), "tandem:kv_transfer_seconds_count") == 1
