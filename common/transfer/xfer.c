@@ -735,10 +735,12 @@ static bool send_done(td_xfer *x, pjob *j) {
 /* One pass over P's jobs and peers. Caller holds x->mu; returns true when
  * jobs wait for a transfer step (td_exec_xfer_sync, without the lock):
  * dropped ones before their blocks may go, finished ones whose flush is
- * still in flight on some rank before D is answered. */
-static bool p_service(td_xfer *x) {
+ * still in flight on some rank before D is answered (*answer_waits: the
+ * service thread then looks again sooner). */
+static bool p_service(td_xfer *x, bool *answer_waits) {
     double now = td_time_s();
     bool need_sync = false;
+    *answer_waits = false;
     for (dpeer *d = x->dpeers; d; d = d->next) {
         if (d->closed) continue;
         if (!atomic_load(&d->failed) && td_exec_xfer_peer_failed(x->p.exec, d->slot)) {
@@ -778,6 +780,7 @@ static bool p_service(td_xfer *x) {
         if (j->ended && !j->replied && !j->cancelled && now <= j->deadline &&
             td_exec_xfer_busy(x->p.exec, j->slot)) {
             need_sync = true; /* a rank is still flushing it: ask again */
+            *answer_waits = true;
             continue;
         }
         if (j->ended && !j->replied) {
@@ -1318,6 +1321,9 @@ static void d_link(td_xfer *x, ppeer *pp) {
     for (size_t i = 0; st == TD_OK && i < m->exchange->n_ranks; i++)
         if (m->exchange->ranks[i]->rank == 0) r0 = m->exchange->ranks[i];
     if (st == TD_OK) {
+        /* an error of the new endpoint from now on counts (the old one's
+         * close has completed) */
+        atomic_store(&pp->err, false);
         st = td_ucx_ep_create(x->ucx, r0->worker_address.data, r0->worker_address.len, pp, &ep);
         if (st != TD_OK) snprintf(err, sizeof err, "%s: bad worker address", pp->addr);
     }
@@ -1335,7 +1341,6 @@ static void d_link(td_xfer *x, ppeer *pp) {
         pp->epoch = m->from->epoch;
         pp->ep = ep;
         pp->link_open = true;
-        atomic_store(&pp->err, false);
         pp->ready = true;
         pp->need_exchange = true;
         pp->exchange_id = td_random_u64();
@@ -1490,10 +1495,10 @@ static void d_fence_links(td_xfer *x) {
 
 static void *service_main(void *arg) {
     td_xfer *x = arg;
-    bool synced = false; /* jobs wait on a rank's flush: look again sooner */
+    bool answer_waits = false; /* D waits on a rank's flush: look again sooner */
     while (!atomic_load(&x->stop)) {
         struct pollfd pfd = {.fd = x->wake_fd, .events = POLLIN};
-        poll(&pfd, 1, synced ? 5 : 20);
+        poll(&pfd, 1, answer_waits ? 5 : 20);
         uint64_t v;
         ssize_t r = read(x->wake_fd, &v, sizeof v);
         TD_UNUSED(r);
@@ -1512,18 +1517,22 @@ static void *service_main(void *arg) {
         }
         bool sync = false;
         if (x->p.role == TD_XFER_PREFILL)
-            sync = p_service(x);
+            sync = p_service(x, &answer_waits);
         else
             d_service(x);
         pthread_mutex_unlock(&x->mu);
         free(in);
         if (x->p.role == TD_XFER_PREFILL) {
-            /* the dropped jobs' puts are flushed on every rank after this */
-            if (sync) td_exec_xfer_sync(x->p.exec);
-            synced = sync;
-            pthread_mutex_lock(&x->mu);
-            p_after_sync(x);
-            pthread_mutex_unlock(&x->mu);
+            /* the dropped jobs' puts are flushed on every rank after this;
+             * a failed executor's busy bits are stale: nothing is released
+             * on them (the instance is failing, D's deadline and fence
+             * cover its jobs) */
+            td_status sst = sync ? td_exec_xfer_sync(x->p.exec) : TD_OK;
+            if (sst == TD_OK && !td_exec_failed(x->p.exec)) {
+                pthread_mutex_lock(&x->mu);
+                p_after_sync(x);
+                pthread_mutex_unlock(&x->mu);
+            }
         }
     }
     return NULL;
@@ -1557,6 +1566,7 @@ static void *link_main(void *arg) {
             pthread_mutex_unlock(&x->mu);
             if (due) d_link(x, pp);
             if (probe) d_probe(x, pp);
+            if (due || probe) d_fence_links(x); /* a fence does not wait behind the others */
         }
     }
     return NULL;

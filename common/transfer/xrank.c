@@ -372,7 +372,8 @@ td_status td_xrank_apply(td_xrank *xr, const int32_t *w, size_t n) {
             apply_peer(xr, a[0], (const uint8_t *)(a + 2), (size_t)a[1]);
             break;
         case TD_XDIR_JOB: {
-            if (words >= 1 && a[0] >= 0 && a[0] < TD_XRANK_MAX_JOBS && xr->jobs[a[0]].stuck) {
+            if (words >= 1 && a[0] >= 0 && a[0] < TD_XRANK_MAX_JOBS &&
+                (xr->jobs[a[0]].stuck || xr->jobs[a[0]].waiting)) {
                 /* the driver never reuses a busy slot */
                 TD_LOG_ERROR("rank %d: job slot %d reused while its puts are in flight", xr->p.rank,
                              a[0]);
@@ -551,6 +552,26 @@ void td_xrank_finish(td_xrank *xr, td_xrank_report *rep) {
     xr->seqs = NULL;
     xr->slots = NULL;
     xr->n_seqs = 0;
+    /* The jobs this step finished or dropped: sealed (their flushes
+     * posted) together, then waited for together, a little. */
+    uint64_t fresh[TD_XRANK_MAX_JOBS / 64] = {0};
+    bool any = false;
+    for (int s = 0; s < TD_XRANK_MAX_JOBS; s++) {
+        xjob *j = &xr->jobs[s];
+        if (!j->used || j->stuck || j->waiting || (!j->complete && !j->dropping && !j->failed))
+            continue;
+        seal(xr, j);
+        fresh[s / 64] |= 1ull << (s % 64);
+        any = true;
+    }
+    uint64_t until = td_time_ns() + FLUSH_WAIT_NS;
+    for (long spin = 0; any && td_time_ns() < until; spin++) {
+        bool all = true;
+        for (int s = 0; s < TD_XRANK_MAX_JOBS && all; s++)
+            if ((fresh[s / 64] >> (s % 64)) & 1u) all = atomic_load(&xr->jobs[s].done);
+        if (all) break;
+        sleep_us(spin < 100 ? 20 : 200);
+    }
     for (int s = 0; s < TD_XRANK_MAX_JOBS; s++) {
         xjob *j = &xr->jobs[s];
         uint64_t bit = 1ull << (s % 64);
@@ -564,15 +585,7 @@ void td_xrank_finish(td_xrank *xr, td_xrank_report *rep) {
             }
             continue;
         }
-        if (!j->used || (!j->waiting && !j->complete && !j->dropping && !j->failed)) continue;
-        if (!j->waiting) {
-            /* The flush usually completes at once; wait a little for it. */
-            seal(xr, j);
-            uint64_t until = TD_MIN(j->deadline_ns, td_time_ns() + FLUSH_WAIT_NS);
-            long spin = 0;
-            while (!atomic_load(&j->done) && td_time_ns() < until)
-                sleep_us(spin++ < 100 ? 20 : 200);
-        }
+        if (!j->used || (!j->waiting && !((fresh[s / 64] >> (s % 64)) & 1u))) continue;
         /* Still in flight: busy (its sources stay, the driver answers D
          * later) and checked again at the next step, so that one slow or
          * unreachable decode instance does not hold up the others' jobs;
