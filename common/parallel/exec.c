@@ -124,6 +124,7 @@ struct td_exec {
     uint8_t *link_blobs[TD_XRANK_MAX_PEERS];      /* driver: the same, per open link */
     uint64_t xfer_failed[TD_XRANK_MAX_JOBS / 64]; /* driver: OR of the ranks' reports */
     uint64_t xfer_busy[TD_XRANK_MAX_JOBS / 64];   /* driver: as of the last report */
+    uint64_t xfer_last_layer[TD_XRANK_MAX_JOBS];  /* driver: latest last-layer stamp per job */
     uint64_t xfer_peer_failed;                    /* driver: OR of the ranks' reports */
 };
 
@@ -1101,6 +1102,11 @@ static void merge_reports(td_exec *x, const td_xrank_report *const *reps, int n)
             x->xfer_busy[i] |= reps[r]->busy[i];
         }
         x->xfer_peer_failed |= reps[r]->peer_failed;
+        for (int32_t k = 0; k < reps[r]->n_ended && k < TD_XRANK_MAX_ENDED; k++) {
+            int32_t s = reps[r]->ended[k].slot;
+            if (s >= 0 && s < TD_XRANK_MAX_JOBS)
+                x->xfer_last_layer[s] = TD_MAX(x->xfer_last_layer[s], reps[r]->ended[k].unix_ns);
+        }
     }
     pthread_mutex_unlock(&x->xfer_mu);
 }
@@ -1408,8 +1414,10 @@ void td_exec_xfer_post(td_exec *x, const td_xdir_buf *dirs) {
         for (size_t i = 0; i + 2 < dirs->n;) {
             int32_t type = dirs->w[i], words = dirs->w[i + 1];
             int32_t s = dirs->w[i + 2];
-            if (type == TD_XDIR_JOB && words >= 1 && s >= 0 && s < TD_XRANK_MAX_JOBS)
+            if (type == TD_XDIR_JOB && words >= 1 && s >= 0 && s < TD_XRANK_MAX_JOBS) {
                 x->xfer_failed[s / 64] &= ~(1ull << (s % 64));
+                x->xfer_last_layer[s] = 0;
+            }
             if (type == TD_XDIR_PEER && words >= 1 && s >= 0 && s < TD_XRANK_MAX_PEERS)
                 x->xfer_peer_failed &= ~(1ull << s);
             i += 2 + (size_t)(words > 0 ? words : 0);
@@ -1463,6 +1471,14 @@ td_status td_exec_xfer_sync(td_exec *x) {
     }
     pthread_mutex_unlock(&x->mu);
     return st;
+}
+
+uint64_t td_exec_xfer_last_layer_ns(td_exec *x, int32_t slot) {
+    if (slot < 0 || slot >= TD_XRANK_MAX_JOBS) return 0;
+    pthread_mutex_lock(&x->xfer_mu);
+    uint64_t t = x->xfer_last_layer[slot];
+    pthread_mutex_unlock(&x->xfer_mu);
+    return t;
 }
 
 bool td_exec_xfer_busy(td_exec *x, int32_t slot) {

@@ -144,6 +144,9 @@ bool td_exec_xfer_failed(td_exec *x, int32_t slot);
  * of the last step): its source blocks and slot stay; D is not answered
  * yet. */
 bool td_exec_xfer_busy(td_exec *x, int32_t slot);
+/* When the model's last layer of the job's last chunk finished (the latest
+ * over the ranks that computed it; CLOCK_REALTIME ns), 0 if unknown. */
+uint64_t td_exec_xfer_last_layer_ns(td_exec *x, int32_t slot);
 /* A rank closed its endpoints to the decode instance in peer slot (cleared
  * when a PEER directive reuses the slot). */
 bool td_exec_xfer_peer_failed(td_exec *x, int32_t peer);

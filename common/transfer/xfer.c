@@ -726,7 +726,8 @@ static bool send_done(td_xfer *x, pjob *j) {
     pd.prefix_tokens_reused = (uint32_t)TD_MAX(0, p_cached - j->d_cached);
     pd.sampler_state.data = j->sstate;
     pd.sampler_state.len = sizeof j->sstate;
-    pd.last_layer_unix_ns = unix_ns();
+    uint64_t last_layer = td_exec_xfer_last_layer_ns(x->p.exec, j->slot);
+    pd.last_layer_unix_ns = last_layer ? last_layer : unix_ns();
     m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_DONE;
     m.prefill_done = &pd;
     return send_msg(x, j->peer->ep, &m) == TD_OK;

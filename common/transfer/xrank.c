@@ -34,7 +34,9 @@ typedef struct {
     uint64_t deadline_ns;
     int32_t *dest;
     int32_t n_dest;
-    int32_t *pushed; /* (n_layers_local) positions put so far */
+    int32_t *pushed;          /* (n_layers_local) positions put so far */
+    uint64_t last_layer_unix; /* when this rank computed the model's last layer of the last
+                               * chunk (0: not here, or not yet) */
     td_ucx_ops ops;
     atomic_bool done;
     atomic_int status;
@@ -513,6 +515,13 @@ void td_xrank_layer(void *ctx, int32_t layer) {
             j->failed = true;
             continue;
         }
+        /* the hook runs once the layer is computed: before its puts */
+        if (layer == xr->n_layers - 1 && xr->layer0 + layer == xr->p.n_layer - 1 &&
+            upto == j->n_prompt) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            j->last_layer_unix = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+        }
         if (xr->p.layerwise) {
             if (j->pushed[layer] < upto) {
                 push(xr, j, c->block_table, xr->layer0 + layer, j->pushed[layer], upto);
@@ -563,6 +572,11 @@ void td_xrank_finish(td_xrank *xr, td_xrank_report *rep) {
         seal(xr, j);
         fresh[s / 64] |= 1ull << (s % 64);
         any = true;
+        if (j->complete && j->last_layer_unix && rep->n_ended < TD_XRANK_MAX_ENDED) {
+            rep->ended[rep->n_ended].slot = s;
+            rep->ended[rep->n_ended].unix_ns = j->last_layer_unix;
+            rep->n_ended++;
+        }
     }
     uint64_t until = td_time_ns() + FLUSH_WAIT_NS;
     for (long spin = 0; any && td_time_ns() < until; spin++) {

@@ -46,6 +46,7 @@
 #define TD_XRANK_MAX_JOBS  256 /* job slots per instance */
 #define TD_XRANK_MAX_PEERS 64  /* decode instances known at once */
 #define TD_XRANK_BLOB_MAX  8192
+#define TD_XRANK_MAX_ENDED 16 /* last-layer stamps reported per step */
 
 enum { TD_XDIR_PEER = 1, TD_XDIR_JOB = 2, TD_XDIR_DROP = 3, TD_XDIR_UNPEER = 4 };
 
@@ -95,6 +96,15 @@ typedef struct {
     uint64_t busy[TD_XRANK_MAX_JOBS / 64];   /* finished or dropped jobs whose puts are
                                               * still in flight: their sources must stay */
     uint64_t peer_failed;                    /* peer slots whose endpoints it closed */
+    /* Jobs whose model's last layer this rank computed for the prompt's
+     * last chunk in this step, and when it finished (CLOCK_REALTIME, for
+     * the exposed transfer tail D measures); at most TD_XRANK_MAX_ENDED a
+     * step (the rest go unstamped). */
+    int32_t n_ended;
+    struct {
+        int32_t slot;
+        uint64_t unix_ns;
+    } ended[TD_XRANK_MAX_ENDED];
 } td_xrank_report;
 /* After the step's forward pass: flushes the jobs this rank finished and
  * the dropped ones, waits for them a little, checks the ones still in

@@ -45,6 +45,9 @@ def test_tail(source_dir, tandem_bin, test_models, tmp_path):
                 # one PrefillDone per request, its tail recorded by D
                 assert q["tail_ms"] is not None and q["tail_ms"] >= 0, (name, q)
                 assert q["transfer_ms"] is not None and q["transfer_ms"] > 0, (name, q)
+                # the tail starts at P's last layer, inside the transfer
+                # (request sent to PrefillDone arrived)
+                assert q["tail_ms"] <= q["transfer_ms"], (name, q)
             else:
                 assert q["tail_ms"] is None, (name, q)
         # the printed table carries every setup
