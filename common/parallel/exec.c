@@ -1304,33 +1304,49 @@ static td_status xfer_link_rank(td_exec *x, int slot, bool open, bool *comm_fail
     return st ? st : gst;
 }
 
+/* A transfer operation's header to the other ranks (a world of one has
+ * none); a failed broadcast fails the world. Caller holds x->mu. */
+static td_status broadcast_op(td_exec *x, step_hdr *h) {
+    if (x->world == 1) return TD_OK;
+    if (broadcast_hdr(x, h)) {
+        atomic_store(&x->failed, true);
+        td_comm_abort(x->comm);
+        return TD_ERR_IO;
+    }
+    return TD_OK;
+}
+
+/* TD_ERR_IO (each logged) when a rank's blob in table is empty: it could
+ * not do what (its failure is in its own log). */
+static td_status blobs_present(const td_exec *x, const uint8_t *table, const char *what) {
+    if (!table) return TD_ERR_INVALID;
+    td_status st = TD_OK;
+    for (int r = 0; r < x->world; r++) {
+        uint64_t n;
+        memcpy(&n, table + (size_t)r * (TD_XRANK_BLOB_MAX + 8), 8);
+        if (n == 0) {
+            TD_LOG_ERROR("rank %d could not %s", r, what);
+            st = TD_ERR_IO;
+        }
+    }
+    return st;
+}
+
 td_status td_exec_xfer_setup(td_exec *x, td_ucx *ucx0, bool layerwise) {
     if (x->wrapped) return TD_ERR_UNSUPPORTED;
     pthread_mutex_lock(&x->mu);
-    td_status st = TD_OK;
-    if (x->world > 1) {
-        if (atomic_load(&x->failed)) {
-            pthread_mutex_unlock(&x->mu);
-            return TD_ERR_IO;
-        }
-        step_hdr h = {.op = OP_XFER_SETUP, .n_seqs = layerwise};
-        if ((st = broadcast_hdr(x, &h))) {
-            atomic_store(&x->failed, true);
-            td_comm_abort(x->comm);
-            pthread_mutex_unlock(&x->mu);
-            return TD_ERR_IO;
-        }
+    if (x->world > 1 && atomic_load(&x->failed)) {
+        pthread_mutex_unlock(&x->mu);
+        return TD_ERR_IO;
+    }
+    step_hdr h = {.op = OP_XFER_SETUP, .n_seqs = layerwise};
+    td_status st = broadcast_op(x, &h);
+    if (st) {
+        pthread_mutex_unlock(&x->mu);
+        return st;
     }
     st = xfer_setup_rank(x, ucx0, layerwise);
-    if (!st)
-        for (int r = 0; r < x->world; r++) {
-            uint64_t n;
-            memcpy(&n, x->blobs + (size_t)r * (TD_XRANK_BLOB_MAX + 8), 8);
-            if (n == 0) {
-                TD_LOG_ERROR("rank %d could not set up its KV transfer endpoint", r);
-                st = TD_ERR_IO;
-            }
-        }
+    if (!st) st = blobs_present(x, x->blobs, "set up its KV transfer endpoint");
     x->last_use = td_time_s();
     pthread_mutex_unlock(&x->mu);
     return st;
@@ -1358,25 +1374,18 @@ td_status td_exec_xfer_link(td_exec *x, int slot, bool open) {
         pthread_mutex_unlock(&x->mu);
         return x->xr ? TD_ERR_IO : TD_ERR_INVALID;
     }
-    td_status st = TD_OK;
-    if (x->world > 1) {
-        step_hdr h = {.op = OP_XFER_LINK, .n_seqs = slot, .n_tokens = open};
-        if ((st = broadcast_hdr(x, &h))) {
-            atomic_store(&x->failed, true);
-            td_comm_abort(x->comm);
-            pthread_mutex_unlock(&x->mu);
-            return TD_ERR_IO;
-        }
+    step_hdr h = {.op = OP_XFER_LINK, .n_seqs = slot, .n_tokens = open};
+    td_status st = broadcast_op(x, &h);
+    if (st) {
+        pthread_mutex_unlock(&x->mu);
+        return st;
     }
     bool comm_failed = false;
     st = xfer_link_rank(x, slot, open, &comm_failed);
-    for (int r = 0; !st && r < x->world; r++) {
-        const uint8_t *b;
-        size_t n;
-        if (blob_of(x, x->link_blobs[slot], r, &b, &n)) {
-            TD_LOG_ERROR("rank %d could not %s its KV link %d", r, open ? "open" : "close", slot);
-            st = TD_ERR_IO;
-        }
+    if (!st) {
+        char what[48];
+        snprintf(what, sizeof what, "%s its KV link %d", open ? "open" : "close", slot);
+        st = blobs_present(x, x->link_blobs[slot], what);
     }
     if (comm_failed) {
         if (!atomic_exchange(&x->failed, true))
