@@ -523,8 +523,8 @@ td_status td_rt_dcall_start(td_rt_dclient *cl, const char *target, const uint8_t
     grpc_metadata_array_init(&c->md_initial);
     grpc_metadata_array_init(&c->md_trailing);
     gpr_timespec deadline = gpr_inf_future(GPR_CLOCK_MONOTONIC);
-    if (timeout_s > 0) {
-        int64_t us = timeout_s >= 1e12 ? INT64_MAX / 2 : (int64_t)ceil(timeout_s * 1e6);
+    if (timeout_s > 0 && timeout_s < 1e9) { /* beyond 30 years: none */
+        int64_t us = (int64_t)ceil(timeout_s * 1e6);
         deadline =
             gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_micros(us, GPR_TIMESPAN));
     }

@@ -547,14 +547,18 @@ static void test_unavailable(void **state) {
     make_prompt(prompt, 5, 3);
     size_t len;
     uint8_t *msg = pack_request(TOKEN, prompt, 5, 4, &len);
-    /* twice: the first connects, the second meets the backed-off channel */
-    for (int k = 0; k < 2; k++) {
+    char target6[64];
+    snprintf(target6, sizeof target6, "[::1]:%d", dead_port());
+    /* twice: the first connects, the second meets the backed-off channel;
+     * then an IPv6 literal (refused, or unreachable without IPv6) */
+    for (int k = 0; k < 3; k++) {
         rec r;
         rec_init(&r);
         td_rt_dcall_cb cb = rec_cb(&r);
         td_rt_dcall *call = NULL;
         double t0 = td_time_s();
-        assert_int_equal(td_rt_dcall_start(cl, target, msg, len, 0, &cb, &call), TD_OK);
+        assert_int_equal(td_rt_dcall_start(cl, k < 2 ? target : target6, msg, len, 0, &cb, &call),
+                         TD_OK);
         assert_true(rec_wait(&r, 0, true, 5));
         double dt = td_time_s() - t0;
         rec_check_end(&r, GRPC_STATUS_UNAVAILABLE);
