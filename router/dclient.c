@@ -20,6 +20,7 @@
  * last call ended. */
 #include "dclient.h"
 
+#include <arpa/inet.h>
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
@@ -180,8 +181,18 @@ static grpc_channel *channel_create(const char *target) {
         args[i].value.integer = iargs[i].value;
     }
     grpc_channel_args cargs = {.num_args = TD_ARRAY_SIZE(args), .args = args};
+    /* Address literals skip the resolver; names go to DNS. */
+    char host[MAX_TARGET_LEN + 1];
+    const char *colon = strrchr(target, ':');
+    size_t n_host = (size_t)(colon - target);
+    memcpy(host, target, n_host);
+    host[n_host] = '\0';
+    struct in_addr a4;
+    const char *scheme = target[0] == '['                     ? "ipv6:"
+                         : inet_pton(AF_INET, host, &a4) == 1 ? "ipv4:"
+                                                              : "dns:///";
     char uri[MAX_TARGET_LEN + 16];
-    snprintf(uri, sizeof(uri), "dns:///%s", target);
+    snprintf(uri, sizeof(uri), "%s%s", scheme, target);
     grpc_channel_credentials *creds = grpc_insecure_credentials_create();
     grpc_channel *ch = grpc_channel_create(uri, creds, &cargs);
     grpc_channel_credentials_release(creds);

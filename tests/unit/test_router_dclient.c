@@ -429,7 +429,8 @@ static void *fake_main(void *arg) {
     return NULL;
 }
 
-static void fake_start(fake_server *fs, fake_mode mode) {
+/* On addr ("127.0.0.1:0", "[::1]:0"); false when it cannot be bound. */
+static bool fake_start_on(fake_server *fs, fake_mode mode, const char *addr) {
     memset(fs, 0, sizeof *fs);
     fs->mode = mode;
     grpc_init();
@@ -437,13 +438,25 @@ static void fake_start(fake_server *fs, fake_mode mode) {
     fs->server = grpc_server_create(NULL, NULL);
     grpc_server_register_completion_queue(fs->server, fs->cq, NULL);
     grpc_server_credentials *cr = grpc_insecure_server_credentials_create();
-    fs->port = grpc_server_add_http2_port(fs->server, "127.0.0.1:0", cr);
+    fs->port = grpc_server_add_http2_port(fs->server, addr, cr);
     grpc_server_credentials_release(cr);
-    assert_true(fs->port > 0);
+    if (fs->port <= 0) {
+        grpc_server_destroy(fs->server);
+        grpc_completion_queue_shutdown(fs->cq);
+        grpc_completion_queue_destroy(fs->cq);
+        grpc_shutdown();
+        return false;
+    }
     grpc_server_start(fs->server);
-    snprintf(fs->target, sizeof fs->target, "127.0.0.1:%d", fs->port);
+    snprintf(fs->target, sizeof fs->target, "%.*s%d", (int)(strrchr(addr, ':') - addr + 1), addr,
+             fs->port);
     for (int i = 0; i < 4; i++) fake_request(fs);
     assert_int_equal(pthread_create(&fs->thread, NULL, fake_main, fs), 0);
+    return true;
+}
+
+static void fake_start(fake_server *fs, fake_mode mode) {
+    assert_true(fake_start_on(fs, mode, "127.0.0.1:0"));
 }
 
 static void fake_stop(fake_server *fs) {
@@ -454,6 +467,11 @@ static void fake_stop(fake_server *fs) {
     grpc_completion_queue_destroy(fs->cq);
     grpc_shutdown();
 }
+
+/* c-ares 1.18.1 (Debian 12), gRPC's resolver for names, leaks 10 bytes
+ * when it resolves "localhost"; only its own allocations are excused. */
+const char *__lsan_default_suppressions(void);
+const char *__lsan_default_suppressions(void) { return "leak:libcares.so\n"; }
 
 /* ---- tests ---- */
 
@@ -710,6 +728,31 @@ static void test_forget(void **state) {
     rec_free(&r[1]);
 }
 
+/* An IPv6 literal target reaches its server (when the host has IPv6). */
+static void test_ipv6_target(void **state) {
+    (void)state;
+    fake_server fs;
+    if (!fake_start_on(&fs, FAKE_STALL, "[::1]:0")) skip();
+    assert_int_equal(fs.target[0], '[');
+    td_rt_dclient *cl = NULL;
+    assert_int_equal(td_rt_dclient_create(&cl), TD_OK);
+    rec r;
+    rec_init(&r);
+    td_rt_dcall_cb cb = rec_cb(&r);
+    td_rt_dcall *call = NULL;
+    assert_int_equal(td_rt_dcall_start(cl, fs.target, (const uint8_t *)"x", 1, 5, &cb, &call),
+                     TD_OK);
+    assert_true(rec_wait(&r, 1, false, 5));
+    assert_int_equal(r.tokens[0], 7);
+    td_rt_dcall_cancel(call);
+    assert_true(rec_wait(&r, 1, true, 5));
+    rec_check_end(&r, GRPC_STATUS_CANCELLED);
+    td_rt_dcall_release(call);
+    td_rt_dclient_destroy(cl);
+    fake_stop(&fs);
+    rec_free(&r);
+}
+
 static void test_destroy_in_flight(void **state) {
     (void)state;
     fake_server fs;
@@ -795,6 +838,7 @@ int main(void) {
         cmocka_unit_test(test_cancel_mid_stream),
         cmocka_unit_test(test_release_before_end),
         cmocka_unit_test(test_forget),
+        cmocka_unit_test(test_ipv6_target),
         cmocka_unit_test(test_destroy_in_flight),
         cmocka_unit_test(test_malformed_response),
     };
