@@ -93,7 +93,6 @@ struct td_rt_dcall {
 struct td_rt_dclient {
     grpc_completion_queue *cq;
     pthread_t thread;
-    bool thread_started;
     pthread_mutex_t mu;
     pthread_cond_t idle; /* signalled when a call leaves the live list */
     chan *chans;
@@ -442,7 +441,6 @@ td_status td_rt_dclient_create(td_rt_dclient **c_p) {
         free(cl);
         return TD_ERR_INTERNAL;
     }
-    cl->thread_started = true;
     *c_p = cl;
     return TD_OK;
 }
