@@ -1,3 +1,4 @@
+#define _GNU_SOURCE /* pthread_rwlockattr_setkind_np */
 #include "index.h"
 
 #include <math.h>
@@ -113,7 +114,16 @@ td_status td_rt_index_create(size_t expected_blocks, td_rt_index **ix_p) {
     if (!ix_p) return TD_ERR_INVALID;
     td_rt_index *ix = calloc(1, sizeof *ix);
     if (!ix) goto fail;
-    if (pthread_rwlock_init(&ix->lock, NULL) != 0) goto free_ix;
+    pthread_rwlockattr_t attr;
+    if (pthread_rwlockattr_init(&attr) != 0) goto free_ix;
+#ifdef __GLIBC__
+    /* Lookups come continuously from every request thread; glibc's default
+     * (readers first) could then hold the KV-event updates off for good. */
+    pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+#endif
+    int rc = pthread_rwlock_init(&ix->lock, &attr);
+    pthread_rwlockattr_destroy(&attr);
+    if (rc != 0) goto free_ix;
     size_t hint = TD_MIN(expected_blocks, (size_t)MAX_ENTRIES / 2);
     if (td_kv_hmap_init(&ix->map, (uint32_t)hint) != TD_OK) goto free_lock;
     if (grow_entries(ix, (int32_t)TD_MAX(hint, (size_t)1024)) != TD_OK) goto free_entries;

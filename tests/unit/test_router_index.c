@@ -4,8 +4,10 @@
  * it holds, the leading overlap counted block by block) over randomized
  * operation sequences on slots spread over all four mask words. */
 #include <math.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -326,7 +328,7 @@ enum {
     CHAINS = 8, /* prompt-like sequences over them */
     CHAIN_LEN = 48,
     NSLOTS = 16,
-    OPS = 30000,
+    OPS = 100000,
 };
 
 typedef struct {
@@ -518,6 +520,64 @@ static void test_random_vs_reference(void **state) {
     td_rt_index_destroy(ix);
 }
 
+/* Lookups on two threads while a third stores, removes and clears other
+ * blocks (growing and rehashing the map): a chain that slot 5 holds all
+ * along is always seen whole, and one that nobody ever holds never. */
+enum { CONC_CHAIN = 64, CONC_CHURN = 4000 };
+
+typedef struct {
+    td_rt_index *ix;
+    const td_kv_hash *kept, *never;
+    int bad, lookups;
+} conc_reader;
+
+static _Atomic int conc_stop;
+
+static void *conc_read(void *arg) {
+    conc_reader *r = arg;
+    int slots[] = {5, 6, 250};
+    td_rt_mask among = mask_of(slots, 3);
+    int32_t ov[TD_RT_MAX_INSTANCES], pr[TD_RT_MAX_INSTANCES];
+    while (!conc_stop || r->lookups < 100) {
+        td_rt_index_match(r->ix, r->kept, CONC_CHAIN, &among, 0.0, ov, pr);
+        if (ov[5] != CONC_CHAIN || pr[5] != 0) r->bad++;
+        td_rt_index_match(r->ix, r->never, CONC_CHAIN, &among, 0.0, ov, pr);
+        if (ov[5] != 0 || ov[6] != 0 || ov[250] != 0) r->bad++;
+        r->lookups++;
+    }
+    return NULL;
+}
+
+static void test_concurrent(void **state) {
+    (void)state;
+    rng_state = 7;
+    td_rt_index *ix = NULL;
+    assert_int_equal(td_rt_index_create(1, &ix), TD_OK);
+    static td_kv_hash kept[CONC_CHAIN], never[CONC_CHAIN], churn[CONC_CHURN];
+    fill_hashes(kept, CONC_CHAIN);
+    fill_hashes(never, CONC_CHAIN);
+    fill_hashes(churn, CONC_CHURN);
+    assert_int_equal(td_rt_index_store(ix, 5, kept, CONC_CHAIN), TD_OK);
+    conc_stop = 0;
+    conc_reader rd[2] = {{ix, kept, never, 0, 0}, {ix, kept, never, 0, 0}};
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&t[i], NULL, conc_read, &rd[i]), 0);
+    for (int round = 0; round < 20; round++) {
+        int slot = round % 2 ? 6 : 250;
+        assert_int_equal(td_rt_index_store(ix, slot, churn, CONC_CHURN), TD_OK);
+        double now = 10.0 * round;
+        assert_int_equal(td_rt_index_predict(ix, slot, kept, CONC_CHAIN / 2, now, 1.0), TD_OK);
+        td_rt_index_remove(ix, slot, churn, CONC_CHURN / 2);
+        td_rt_index_clear(ix, slot);
+        td_rt_index_expire(ix, now + 5.0);
+    }
+    conc_stop = 1;
+    for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
+    assert_int_equal(rd[0].bad + rd[1].bad, 0);
+    assert_int_equal(td_rt_index_size(ix), CONC_CHAIN);
+    td_rt_index_destroy(ix);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_store_remove_clear),
@@ -526,6 +586,7 @@ int main(void) {
         cmocka_unit_test(test_bad_arguments),
         cmocka_unit_test(test_growth),
         cmocka_unit_test(test_random_vs_reference),
+        cmocka_unit_test(test_concurrent),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
