@@ -900,7 +900,7 @@ static Grpc__Health__V1__HealthCheckResponse__ServingStatus health_status(td_grp
                                                                           const char *service) {
     if (service[0] && strcmp(service, "tandem.v1.Generate") != 0)
         return GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN;
-    if (atomic_load(&srv->stopping) || td_sched_draining(srv->sched))
+    if (atomic_load(&srv->stopping) || td_api_not_ready(srv->sched, &srv->submit_hook))
         return GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING;
     return GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
 }
@@ -1308,7 +1308,7 @@ static void server_free(td_grpc_server *srv) {
 }
 
 td_status td_grpc_server_start(const td_grpc_params *p, td_grpc_server **srv_p) {
-    if (!p || !p->sched || !p->model.tok || p->n_api_keys < 0 ||
+    if (!p || (!p->sched && !p->submit_hook.submit) || !p->model.tok || p->n_api_keys < 0 ||
         (p->n_api_keys > 0 && !p->api_keys) || p->port < 0 || p->port > 65535) {
         TD_LOG_ERROR("invalid gRPC server parameters");
         return TD_ERR_INVALID;
