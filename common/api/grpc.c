@@ -404,6 +404,7 @@ static void queue_end_locked(gcall *c, const td_gen_delta *d) {
     if (d->finish == TD_FINISH_ERROR) {
         td_api_error e;
         td_api_error_from_status(&e, d->error != TD_OK ? d->error : TD_ERR_INTERNAL, "generation");
+        if (d->error_message) snprintf(e.message, sizeof e.message, "%s", d->error_message);
         Tandem__V1__Error err = TANDEM__V1__ERROR__INIT;
         err.message = e.message;
         err.type = e.type;

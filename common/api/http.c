@@ -239,6 +239,7 @@ typedef struct {
     int stop_index;
     int32_t stop_token;
     td_status error;
+    char error_message[256]; /* the producer's words for the error, or "" */
     int32_t n_prompt, n_cached, n_output;
     td_strbuf text; /* non-streaming: the whole text */
     json_t *lp;     /* non-streaming: accumulated logprobs */
@@ -509,8 +510,9 @@ static void job_fail(job *j, choice *c) {
         td_api_error_set(&j->fail, 503, "service_unavailable", "", "",
                          "the request was aborted by the server (shutting down)");
     else
-        td_api_error_set(&j->fail, 500, "server_error", "", "", "generation failed: %s",
-                         td_status_str(c->error));
+        td_api_error_from_status(&j->fail, c->error, "generation");
+    if (c->finish != TD_FINISH_ABORT && c->error_message[0])
+        snprintf(j->fail.message, sizeof j->fail.message, "%s", c->error_message);
 }
 
 /* Reads every stream with news; streaming appends events to j->out. */
@@ -540,6 +542,8 @@ static void job_collect(job *j, bool streaming) {
             c->stop_index = d.stop_index;
             c->stop_token = d.stop_token;
             c->error = d.error;
+            if (d.error_message)
+                snprintf(c->error_message, sizeof c->error_message, "%s", d.error_message);
             if (d.finish == TD_FINISH_STOP || d.finish == TD_FINISH_LENGTH)
                 ok_end = true;
             else

@@ -36,6 +36,7 @@ struct td_gen_stream {
     int stop_index;
     int32_t stop_token;
     td_status error;
+    char *error_message; /* td_gen_stream_fail's, or NULL */
     /* Reader side. */
     int32_t n_read;
     size_t text_read;
@@ -56,6 +57,7 @@ static void stream_unref(td_gen_stream *st) {
     free(st->lp);
     free(st->text);
     free(st->r_text);
+    free(st->error_message);
     free(st);
 }
 
@@ -420,6 +422,7 @@ td_status td_gen_stream_read(td_gen_stream *st, int timeout_ms, td_gen_delta *d)
                 d->finished = true;
                 d->finish = st->finish;
                 d->error = st->error;
+                d->error_message = st->error_message;
                 st->end_reported = true;
                 /* Keep the fd readable so pollers see the end every time. */
                 stream_notify(st);
@@ -569,6 +572,13 @@ void td_gen_stream_finish(td_gen_stream *st, td_finish_reason why, td_status err
     }
     pthread_mutex_unlock(&st->mu);
     if (!was) stream_notify(st);
+}
+
+void td_gen_stream_fail(td_gen_stream *st, td_status err, const char *message) {
+    pthread_mutex_lock(&st->mu);
+    if (!st->finished && message && !st->error_message) st->error_message = strdup(message);
+    pthread_mutex_unlock(&st->mu);
+    td_gen_stream_finish(st, TD_FINISH_ERROR, err, -1, -1);
 }
 
 bool td_gen_stream_cancelled(const td_gen_stream *st) { return atomic_load(&st->cancel); }

@@ -142,9 +142,10 @@ typedef struct {
     /* Set once, on the read that sees the end. */
     bool finished;
     td_finish_reason finish;
-    int stop_index;     /* index of the matched stop string, or -1 */
-    int32_t stop_token; /* the stop / EOG token that ended it, or -1 */
-    td_status error;    /* TD_OK, or why it failed (finish == TD_FINISH_ERROR / ABORT) */
+    int stop_index;            /* index of the matched stop string, or -1 */
+    int32_t stop_token;        /* the stop / EOG token that ended it, or -1 */
+    td_status error;           /* TD_OK, or why it failed (finish == TD_FINISH_ERROR / ABORT) */
+    const char *error_message; /* a producer's words for it (td_gen_stream_fail), or NULL */
 } td_gen_delta;
 
 typedef struct td_sched td_sched;
@@ -217,6 +218,9 @@ void td_gen_stream_set_prompt(td_gen_stream *st, int32_t n_prompt, int32_t n_cac
 /* Producer: the end (once; later calls change nothing). */
 void td_gen_stream_finish(td_gen_stream *st, td_finish_reason why, td_status err, int stop_index,
                           int32_t stop_token);
+/* Producer: the end with an error and the client-facing words for it
+ * (copied; the reader's delta carries them). */
+void td_gen_stream_fail(td_gen_stream *st, td_status err, const char *message);
 /* Producer: whether the reader asked to cancel. */
 bool td_gen_stream_cancelled(const td_gen_stream *st);
 /* Producer: tokens published so far. */
