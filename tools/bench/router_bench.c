@@ -16,7 +16,7 @@
  * prompt into blocks and matches them against every instance. Prints one
  * line for people and, with --json, {"instances", "blocks_per_instance",
  * "prompt_tokens", "decisions", "seconds", "decisions_per_s", "index_size",
- * "mean_best_overlap_blocks"} into FILE; the human line also gives the
+ * "mean_chosen_overlap_blocks"} into FILE; the human line also gives the
  * time of the hashing alone (the same prompts, no lookups). */
 #include <stdint.h>
 #include <stdio.h>
