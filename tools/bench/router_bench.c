@@ -13,7 +13,9 @@
  * instance topped up to B blocks with chains of its own. P prompts are
  * generated before timing (a random document's prefix of random length,
  * then random tokens up to T) and used in turn; each decision hashes its
- * prompt into blocks and matches them against every instance. Prints one
+ * prompt into blocks, matches them against every instance and scores
+ * every (prefill, decode) pair (router/score.h; the first half of the
+ * instances prefill, the rest decode, with random load figures). Prints one
  * line for people and, with --json, {"instances", "blocks_per_instance",
  * "prompt_tokens", "decisions", "seconds", "decisions_per_s", "index_size",
  * "mean_chosen_overlap_blocks"} into FILE; the human line also gives the
