@@ -74,7 +74,8 @@ import serve_bench  # noqa: E402  (the same words and prompt fitting as `tandem 
 
 TOKEN = "pd-bench-token"
 READY_RE = re.compile(
-    r"^(?:tandem serve|tandem-prefill|tandem-decode): listening http=(\S+) grpc=(\S+)\s*$")
+    r"^(?:tandem serve|tandem-prefill|tandem-decode|tandem-router): listening http=(\S+) "
+    r"grpc=(\S+)\s*$")
 DEFAULT_MODEL = (pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
                  / "tandem" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
 

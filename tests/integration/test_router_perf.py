@@ -1,0 +1,104 @@
+"""tools/bench/router_perf.py (docs/PERFORMANCE.md, "Router") stays working:
+both subcommands on a tiny model with tiny sizes. Latencies are not judged
+(a test never times anything), only their sign; the hit rates are, because
+the workload decides them:
+
+shared-prefix with 3 groups and 6 sequential requests (group i mod 3) over
+two decode instances. Round-robin sends request i to instance i mod 2, so
+instance 0 sees groups 0, 2, 1 and instance 1 sees groups 1, 0, 2: no
+prompt finds its group's prefix where it lands, and its hit rate is 0.
+kv-aware sends the second request of each group where the first one's KV
+is, so requests 3, 4 and 5 reuse their prefix there.
+
+--local-prefill-threshold 8 on the router makes prompts with an uncached
+prefix go to a prefill instance (remote) and the cached ones stay on the
+decode instance (local_cached), so both paths run."""
+
+import json
+import subprocess
+import sys
+
+from conftest import scaled
+
+MODEL = "gguf/llama2-f32.gguf"  # vocab 512, context 256
+
+
+def run_router_perf(source_dir, tandem_bin, test_models, tmp_path, *args):
+    out = tmp_path / "rp.json"
+    argv = [sys.executable, str(source_dir / "tools/bench/router_perf.py"), *args,
+            "--build", str(tandem_bin.parent), "--model", str(test_models / MODEL),
+            "--ctx", "256", "--no-wait", "--quiet", "--log-dir", str(tmp_path / "logs"),
+            "--json", str(out)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=scaled(240))
+    assert r.returncode == 0, f"$ {' '.join(argv)}\n{r.stdout}\n{r.stderr}"
+    with open(out) as f:
+        return json.load(f), r.stdout
+
+
+def test_policies(source_dir, tandem_bin, test_models, tmp_path):
+    save = tmp_path / "save"
+    rep, table = run_router_perf(
+        source_dir, tandem_bin, test_models, tmp_path, "policies", "--reps", "1",
+        "--sp-prefix-len", "96", "--sp-input-len", "16", "--sp-output-len", "4",
+        "--sp-num-groups", "3", "--sp-num-prompts", "6", "--sp-concurrency", "1",
+        "--mt-input-len", "16", "--mt-output-len", "6", "--mt-num-groups", "3",
+        "--mt-num-prompts", "6", "--mt-concurrency", "1",
+        "--r-extra=--local-prefill-threshold", "--r-extra=8", "--save-dir", str(save))
+    assert set(rep["datasets"]) == {"shared-prefix", "multi-turn"}
+    for ds, n, out_len in (("shared-prefix", 6, 4), ("multi-turn", 6, 6)):
+        d = rep["datasets"][ds]
+        assert set(d["runs"]) == {"kv-aware", "round-robin"}, ds
+        for policy, runs in d["runs"].items():
+            assert len(runs) == 1, (ds, policy)
+            r = runs[0]
+            assert r["completed"] == n and r["failed"] == 0, (ds, policy, r)
+            for k in ("hit_rate_all", "hit_rate_prefill", "router_hit_rate"):
+                assert r[k] is not None and 0.0 <= r[k] <= 1.0, (ds, policy, k, r[k])
+            for name, pi in r["per_instance"].items():
+                assert 0 <= pi["hits"] <= pi["queries"], (ds, policy, name, pi)
+            # every prompt is queried once where it is prefilled, and once more
+            # on the decode instance when that is a prefill instance
+            assert r["prefix_cache_queries_all"] >= r["prefix_cache_queries_prefill"] > 0
+            assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"], r
+            assert r["e2e_p50_ms"] >= r["ttft_p50_ms"], r
+            assert r["goodput"] is not None and r["goodput"] > 0, r
+            assert sum(r["decisions"].values()) == n, (ds, policy, r["decisions"])
+            assert r["decisions"].get("remote", 0) >= 1, (ds, policy, r["decisions"])
+            with open(save / f"router-{ds}-{policy}-0.json") as f:
+                b = json.load(f)
+            assert b["completed"] == n and b["total_output_tokens"] == n * out_len, (ds, policy)
+            # the medians of one repeat are that repeat
+            assert d["medians"][policy]["ttft_p99_ms"] == r["ttft_p99_ms"]
+        # round-robin never looks at the caches: every prompt it routes is
+        # long enough to go remote
+        assert d["runs"]["round-robin"][0]["decisions"].get("remote") == n, ds
+        assert f"{ds} (" in table
+    sp = rep["datasets"]["shared-prefix"]
+    kv, rr = sp["runs"]["kv-aware"][0], sp["runs"]["round-robin"][0]
+    assert rr["hit_rate_all"] == 0.0 and rr["router_hit_rate"] == 0.0, rr
+    # requests 3, 4, 5 reuse a prefix of 96 tokens (6 blocks; BOS + 96
+    # fitted tokens, a block may be lost at the prefix/question boundary)
+    assert kv["prefix_cache_hits_all"] >= 3 * 4 * 16, kv
+    assert kv["hit_rate_all"] > rr["hit_rate_all"], (kv, rr)
+    # kv-aware keeps the cached prompts on the decode instance that holds them
+    assert kv["decisions"].get("local_cached", 0) >= 1, kv["decisions"]
+    assert sp["ratios"]["hit_rate_all"] is None  # round-robin's rate is 0
+
+
+def test_overhead(source_dir, tandem_bin, test_models, tmp_path):
+    n = 20
+    rep, table = run_router_perf(source_dir, tandem_bin, test_models, tmp_path, "overhead",
+                                 "--n", str(n), "--chunk", "7", "--warmup", "2")
+    assert rep["prompt_tokens"] >= 3
+    for kind in ("ids", "text"):
+        for way in ("direct", "router"):
+            s = rep[kind][way]
+            assert s["n"] == n and len(rep[kind]["samples_ms"][way]) == n, (kind, way)
+            assert 0 < s["p50_ms"] <= s["p90_ms"], (kind, way, s)
+        # the router's hop is a real extra HTTP-to-gRPC round trip
+        assert rep[kind]["added_p50_ms"] > 0, (kind, rep[kind])
+        assert f"| {'token ids' if kind == 'ids' else 'text'} |" in table
+    # one decision per request through the router (warm-up included), all local
+    assert rep["decision_count"] == 2 * n, rep
+    assert rep["decisions"] == {"local_short": 2 * n}, rep["decisions"]
+    assert 0 < rep["decision_mean_us"] < 1e6, rep
