@@ -52,8 +52,10 @@ def test_policies(source_dir, tandem_bin, test_models, tmp_path):
             assert len(runs) == 1, (ds, policy)
             r = runs[0]
             assert r["completed"] == n and r["failed"] == 0, (ds, policy, r)
-            for k in ("hit_rate_all", "hit_rate_prefill", "router_hit_rate"):
+            for k in ("hit_rate_all", "hit_rate_prefill", "hit_rate_decode"):
                 assert r[k] is not None and 0.0 <= r[k] <= 1.0, (ds, policy, k, r[k])
+            # only kv-aware looks prompts up in the router's index
+            assert (r["router_hit_rate"] is None) == (policy == "round-robin"), (ds, policy)
             for name, pi in r["per_instance"].items():
                 assert 0 <= pi["hits"] <= pi["queries"], (ds, policy, name, pi)
             # every prompt is queried once where it is prefilled, and once more
@@ -75,11 +77,15 @@ def test_policies(source_dir, tandem_bin, test_models, tmp_path):
         assert f"{ds} (" in table
     sp = rep["datasets"]["shared-prefix"]
     kv, rr = sp["runs"]["kv-aware"][0], sp["runs"]["round-robin"][0]
-    assert rr["hit_rate_all"] == 0.0 and rr["router_hit_rate"] == 0.0, rr
+    assert rr["hit_rate_all"] == 0.0, rr
     # requests 3, 4, 5 reuse a prefix of 96 tokens (6 blocks; BOS + 96
     # fitted tokens, a block may be lost at the prefix/question boundary)
     assert kv["prefix_cache_hits_all"] >= 3 * 4 * 16, kv
     assert kv["hit_rate_all"] > rr["hit_rate_all"], (kv, rr)
+    assert kv["hit_rate_decode"] > rr["hit_rate_decode"] == 0.0, (kv, rr)
+    # the router's index saw the same reuse the instances report, give or
+    # take the block lost at the prefix/question boundary
+    assert kv["router_hit_rate"] > 0, kv
     # kv-aware keeps the cached prompts on the decode instance that holds them
     assert kv["decisions"].get("local_cached", 0) >= 1, kv["decisions"]
     assert sp["ratios"]["hit_rate_all"] is None  # round-robin's rate is 0

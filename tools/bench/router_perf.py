@@ -28,14 +28,17 @@ policies: for every dataset and repeat, and for each policy (kv-aware,
                         prefill side; null when no prompt went to a prefill
                         instance)
     hit rate (all)      the same over every instance, prefill and decode (a
-                        decode instance queries its cache for every prompt it
-                        prefills locally, and for the part it keeps of a
-                        remote one)
+                        decode instance queries its cache for every prompt,
+                        local or remote: it tells the prefill instance how
+                        much of the prompt it holds already; so a remote
+                        prompt counts twice, once on each side)
+    hit rate (decode)   the same over the decode instances only
     router hit rate     the router's own view: tandem:router_prefix_hit_tokens
                         {role="prefill"} (the cached prompt tokens, as its index
                         saw them, at the instance that prefills: the prefill
                         instance, or the decode instance for local prefill) /
-                        tandem:router_prompt_tokens
+                        tandem:router_prompt_tokens; kv-aware only (the other
+                        policies never look the prompt up)
   and the router's tandem:router_decisions_total by reason. Printed per
   dataset: the medians over the repeats, per policy, of both hit rates,
   TTFT P50 / P99, goodput at --slo, E2E P50, completed / failed; and the
@@ -253,9 +256,12 @@ def one_run(args, log_dir, save_dir, dataset, policy, rep):
     row = {
         "hit_rate_prefill": ratio(h_p, q_p),
         "hit_rate_all": ratio(h_a, q_a),
+        "hit_rate_decode": ratio(h_a - h_p, q_a - q_p),
+        # Only kv-aware looks the prompt up in the router's index.
         "router_hit_rate": ratio(delta(rn, "tandem:router_prefix_hit_tokens_total",
                                        role="prefill"),
-                                 delta(rn, "tandem:router_prompt_tokens_total")),
+                                 delta(rn, "tandem:router_prompt_tokens_total"))
+        if policy == "kv-aware" else None,
         "ttft_p50_ms": rep_json["ttft_ms"]["p50"],
         "ttft_p99_ms": rep_json["ttft_ms"]["p99"],
         "goodput": rep_json["goodput"],
@@ -276,7 +282,7 @@ def one_run(args, log_dir, save_dir, dataset, policy, rep):
     return row, {"servers": [" ".join(p.argv) for p in cl.procs], "bench": " ".join(cmd)}
 
 
-SUMMARY_KEYS = ("hit_rate_prefill", "hit_rate_all", "router_hit_rate", "ttft_p50_ms",
+SUMMARY_KEYS = ("hit_rate_prefill", "hit_rate_all", "hit_rate_decode", "router_hit_rate", "ttft_p50_ms",
                 "ttft_p99_ms", "goodput", "e2e_p50_ms", "tpot_p50_ms", "completed", "failed",
                 "duration_s", "foreign_cpu")
 
