@@ -44,10 +44,17 @@ policies: for every dataset and repeat, and for each policy (kv-aware,
   TTFT P50 / P99, goodput at --slo, E2E P50, completed / failed; and the
   ratio kv-aware / round-robin.
 
-  shared-prefix sends prompt i to group (i mod G): with G even and
-  round-robin over two instances, group g would always land on instance
-  g mod 2 and round-robin would get the same affinity as kv-aware; the
-  default G (15) is odd, so round-robin visits both instances in turn.
+  The default shapes: shared-prefix sends prompt i to group (i mod G), and
+  multi-turn sends turn t of conversation c as request t*G + c. With G even
+  and round-robin over two instances, group (conversation) g would always
+  land on instance g mod 2, and round-robin would get kv-aware's affinity by
+  accident; both default G (15) are odd, so round-robin alternates between
+  the instances. With 3 prompts per group (45 of them), a shared prefix is
+  reused twice: kv-aware can reuse it both times, round-robin only the
+  third time (its first visit to each instance misses). With 3 turns per
+  conversation, round-robin sends turn 2 back to turn 0's instance, so it
+  reuses turn 0; kv-aware reuses turn 1 (more turns narrow the gap:
+  round-robin always finds the history up to two turns back).
 
 overhead: one tandem-prefill, one tandem-decode (--local-prefill-threshold
   high, so a request sent to it directly prefills locally, as the router
@@ -486,8 +493,8 @@ def main(argv):
             sp.add_argument("--sp-concurrency", type=int, default=4)
             sp.add_argument("--mt-input-len", type=int, default=64)
             sp.add_argument("--mt-output-len", type=int, default=32)
-            sp.add_argument("--mt-num-groups", type=int, default=9,
-                            help="multi-turn conversations (9)")
+            sp.add_argument("--mt-num-groups", type=int, default=15,
+                            help="multi-turn conversations (15; odd, see above)")
             sp.add_argument("--mt-num-prompts", type=int, default=45)
             sp.add_argument("--mt-concurrency", type=int, default=4)
             sp.add_argument("--slo", default="ttft:2000,tpot:100",
