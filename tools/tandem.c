@@ -15,6 +15,7 @@ static const struct {
      "measure prompt and generation speed (llama-bench style)"},
     {"eval", td_cmd_eval, "dump logits for token sequences (used by the numerics tests)"},
     {"serve", td_cmd_serve, "serve the model over the OpenAI HTTP API and gRPC"},
+    {"up", td_cmd_up, "run a router, prefill and decode instances on this machine"},
     {"bench", td_cmd_bench, "load-test an OpenAI-compatible endpoint"},
     {"bench-transfer", td_cmd_bench_transfer,
      "KV transfer channel put throughput (ucx_perftest ucp_put_bw style)"},
