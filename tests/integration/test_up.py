@@ -274,3 +274,20 @@ def test_child_fails_to_start(up, tmp_path):
     assert u.out() == ""
     wait_until(lambda: not any(alive(p) for p in u.children().values()), timeout=10,
                what="no child left")
+
+
+@needs_router
+def test_ready_timeout(up, manifest, test_models):
+    """Readiness is bounded: a child is only seen listening after `up` has
+    read its output, which cannot happen within 1 ms of starting it, so
+    --ready-timeout 0.001 always runs out, in one of the pools' starts."""
+    model = manifest_model(manifest, test_models, "llama2-f32-gguf")
+    u = up("--model", model, "--port", 0, "--grpc-port", 0, "--threads", 1,
+           "--ready-timeout", "0.001")
+    assert u.wait_exit(30) == 1, u.describe()
+    err = u.err()
+    assert re.search(r"^tandem up: (prefill|decode)-0 did not print its listening line within "
+                     r"0\.001 s \(--ready-timeout\)$", err, re.M), err[-4000:]
+    assert "router" not in u.children() and u.out() == ""
+    wait_until(lambda: not any(alive(p) for p in u.children().values()), timeout=10,
+               what="no child left")
