@@ -38,7 +38,9 @@ typedef struct {
 
 /* Starts the completion-queue thread. Free with td_rt_dclient_destroy(),
  * which cancels every call still running, waits for their on_end and
- * joins the thread. TD_ERR_NOMEM / TD_ERR_INTERNAL (logged). */
+ * joins the thread (so it must not be called from a callback); calls not
+ * yet released stay valid for td_rt_dcall_release after it. TD_ERR_NOMEM /
+ * TD_ERR_INTERNAL (logged). */
 td_status td_rt_dclient_create(td_rt_dclient **c_p);
 void td_rt_dclient_destroy(td_rt_dclient *c); /* accepts NULL */
 

@@ -54,7 +54,13 @@ void td_rt_index_remove(td_rt_index *ix, int slot, const td_kv_hash *h, size_t n
 void td_rt_index_clear(td_rt_index *ix, int slot);
 
 /* Predicts that `slot` will hold h[0..n) from now (td_time_s() clock) until
- * now + ttl_s; a later prediction of the same hash extends it. */
+ * now + ttl_s; a later prediction of the same hash extends it. One expiry
+ * is kept per hash, not per slot: while several slots predict a hash, each
+ * of them holds it until the latest of those expiries (a prediction made
+ * after the hash's predictions expired, or after every slot's was
+ * cleared, starts afresh). Callers pass a non-decreasing `now` across
+ * predict, expire and match. TD_ERR_INVALID for a bad slot or a
+ * non-finite or negative time; TD_ERR_NOMEM as for store. */
 td_status td_rt_index_predict(td_rt_index *ix, int slot, const td_kv_hash *h, size_t n, double now,
                               double ttl_s);
 /* Drops predictions that expired before `now` (memory only: lookups

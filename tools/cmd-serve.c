@@ -320,22 +320,7 @@ static int parse_args(int argc, char **argv, serve_args *a) {
 /* The cluster token from --cluster-token or the first line of the file. */
 static char *read_token(const serve_args *a) {
     if (a->cluster_token) return strdup(a->cluster_token);
-    FILE *f = fopen(a->cluster_token_file, "r");
-    if (!f) {
-        TD_LOG_ERROR("cannot read the cluster token file %s: %s", a->cluster_token_file,
-                     strerror(errno));
-        return NULL;
-    }
-    char buf[1024];
-    char *line = fgets(buf, sizeof buf, f);
-    fclose(f);
-    size_t n = line ? strcspn(buf, "\r\n") : 0;
-    if (n == 0) {
-        TD_LOG_ERROR("the cluster token file %s is empty", a->cluster_token_file);
-        return NULL;
-    }
-    buf[n] = 0;
-    return strdup(buf);
+    return td_cli_read_secret(a->cluster_token_file);
 }
 
 /* --kv-listen HOST: UCX's network device is the interface holding HOST. */
@@ -560,6 +545,7 @@ int td_serve_main(int argc, char **argv, td_serve_role role) {
     hp.metrics_need_key = a.metrics_need_key;
     hp.ping_interval_s = a.ping_interval;
     hp.kv_block_size = kp->block_size;
+    hp.role = role == TD_ROLE_PREFILL ? "prefill" : role == TD_ROLE_DECODE ? "decode" : "colocated";
     if (xfer) {
         hp.cluster_token = token;
         hp.instance_id = inst;
@@ -570,7 +556,7 @@ int td_serve_main(int argc, char **argv, td_serve_role role) {
             hp.kv_exchange = td_xfer_exchange;
             hp.internal_only = true;
         } else {
-            hp.submit_hook = (td_api_submit_hook){td_xfer_submit_hook, xfer};
+            hp.submit_hook = (td_api_submit_hook){.fn = td_xfer_submit_hook, .ctx = xfer};
         }
     }
     if (td_http_server_start(&hp, &http) != TD_OK) goto free_sched;
@@ -584,10 +570,11 @@ int td_serve_main(int argc, char **argv, td_serve_role role) {
         gp.api_keys = a.keys;
         gp.n_api_keys = a.n_keys;
         if (xfer && role == TD_ROLE_DECODE) {
-            gp.submit_hook = (td_api_submit_hook){td_xfer_submit_hook, xfer};
+            gp.submit_hook = (td_api_submit_hook){.fn = td_xfer_submit_hook, .ctx = xfer};
             gp.cluster_token = token; /* the router's internal Generate */
         }
         if (td_grpc_server_start(&gp, &grpc) != TD_OK) goto stop_http;
+        td_http_server_set_grpc_port(http, td_grpc_server_port(grpc));
     }
     const char *br = strchr(a.host, ':') ? "[" : "", *bl = strchr(a.host, ':') ? "]" : "";
     char grpc_addr[300] = "off";

@@ -149,3 +149,21 @@ void td_runtime_close(td_runtime *rt) {
     td_exec_destroy(rt->exec);
     free(rt);
 }
+
+char *td_cli_read_secret(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        TD_LOG_ERROR("cannot read the cluster token file %s: %s", path, strerror(errno));
+        return NULL;
+    }
+    char buf[1024];
+    char *line = fgets(buf, sizeof buf, f);
+    fclose(f);
+    size_t n = line ? strcspn(buf, "\r\n") : 0;
+    if (n == 0) {
+        TD_LOG_ERROR("the cluster token file %s is empty", path);
+        return NULL;
+    }
+    buf[n] = 0;
+    return strdup(buf);
+}

@@ -28,6 +28,9 @@ const char *td_default_model_path(void);
 bool td_cli_parse_long(const char *s, long lo, long hi, long *out);
 bool td_cli_parse_float(const char *s, float *out);  /* finite */
 bool td_cli_parse_u64(const char *s, uint64_t *out); /* no sign */
+/* The first line of a secret file (the cluster token), malloc'd; NULL
+ * (logged) when it cannot be read or is empty. */
+char *td_cli_read_secret(const char *path);
 
 #include "../common/parallel/plan.h"
 

@@ -404,6 +404,7 @@ static void queue_end_locked(gcall *c, const td_gen_delta *d) {
     if (d->finish == TD_FINISH_ERROR) {
         td_api_error e;
         td_api_error_from_status(&e, d->error != TD_OK ? d->error : TD_ERR_INTERNAL, "generation");
+        if (d->error_message) snprintf(e.message, sizeof e.message, "%s", d->error_message);
         Tandem__V1__Error err = TANDEM__V1__ERROR__INIT;
         err.message = e.message;
         err.type = e.type;
@@ -900,7 +901,7 @@ static Grpc__Health__V1__HealthCheckResponse__ServingStatus health_status(td_grp
                                                                           const char *service) {
     if (service[0] && strcmp(service, "tandem.v1.Generate") != 0)
         return GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN;
-    if (atomic_load(&srv->stopping) || td_sched_draining(srv->sched))
+    if (atomic_load(&srv->stopping) || td_api_not_ready(srv->sched, &srv->submit_hook))
         return GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING;
     return GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
 }
@@ -1308,7 +1309,7 @@ static void server_free(td_grpc_server *srv) {
 }
 
 td_status td_grpc_server_start(const td_grpc_params *p, td_grpc_server **srv_p) {
-    if (!p || !p->sched || !p->model.tok || p->n_api_keys < 0 ||
+    if (!p || (!p->sched && !p->submit_hook.submit) || !p->model.tok || p->n_api_keys < 0 ||
         (p->n_api_keys > 0 && !p->api_keys) || p->port < 0 || p->port > 65535) {
         TD_LOG_ERROR("invalid gRPC server parameters");
         return TD_ERR_INVALID;

@@ -23,9 +23,9 @@
 #include "request.h"
 
 typedef struct {
-    const char *host; /* default "127.0.0.1" */
-    int port;         /* 0: ephemeral */
-    td_sched *sched;
+    const char *host;               /* default "127.0.0.1" */
+    int port;                       /* 0: ephemeral */
+    td_sched *sched;                /* NULL when submit_hook.submit is the back end */
     td_api_submit_hook submit_hook; /* decode instance: attaches remote prefill */
     td_metrics *metrics;            /* may be NULL */
     td_api_model model;

@@ -40,6 +40,7 @@ struct td_http_server {
     size_t *key_len;
     int n_keys;
     int32_t n_vocab;
+    atomic_int grpc_port; /* reported by /internal/v1/state */
 };
 
 td_http_params td_http_default_params(void) {
@@ -58,6 +59,10 @@ td_http_params td_http_default_params(void) {
 
 int td_http_server_port(const td_http_server *srv) { return srv ? srv->port : 0; }
 
+void td_http_server_set_grpc_port(td_http_server *srv, int port) {
+    if (srv) atomic_store(&srv->grpc_port, port);
+}
+
 /* ------------------------------------------------------------------ routes */
 
 typedef enum {
@@ -72,6 +77,7 @@ typedef enum {
     R_METRICS,
     R_STATE,
     R_EXCHANGE,
+    R_CLUSTER,
 } route;
 
 static const struct {
@@ -89,6 +95,7 @@ static const struct {
     {"/metrics", R_METRICS, false},
     {"/internal/v1/state", R_STATE, false},
     {"/internal/v1/kv/exchange", R_EXCHANGE, false},
+    {"/internal/v1/cluster", R_CLUSTER, false},
 };
 
 /* Per-request state kept by libmicrohttpd between handler calls. */
@@ -232,6 +239,7 @@ typedef struct {
     int stop_index;
     int32_t stop_token;
     td_status error;
+    char error_message[256]; /* the producer's words for the error, or "" */
     int32_t n_prompt, n_cached, n_output;
     td_strbuf text; /* non-streaming: the whole text */
     json_t *lp;     /* non-streaming: accumulated logprobs */
@@ -502,8 +510,9 @@ static void job_fail(job *j, choice *c) {
         td_api_error_set(&j->fail, 503, "service_unavailable", "", "",
                          "the request was aborted by the server (shutting down)");
     else
-        td_api_error_set(&j->fail, 500, "server_error", "", "", "generation failed: %s",
-                         td_status_str(c->error));
+        td_api_error_from_status(&j->fail, c->error, "generation");
+    if (c->finish != TD_FINISH_ABORT && c->error_message[0])
+        snprintf(j->fail.message, sizeof j->fail.message, "%s", c->error_message);
 }
 
 /* Reads every stream with news; streaming appends events to j->out. */
@@ -533,6 +542,8 @@ static void job_collect(job *j, bool streaming) {
             c->stop_index = d.stop_index;
             c->stop_token = d.stop_token;
             c->error = d.error;
+            if (d.error_message)
+                snprintf(c->error_message, sizeof c->error_message, "%s", d.error_message);
             if (d.finish == TD_FINISH_STOP || d.finish == TD_FINISH_LENGTH)
                 ok_end = true;
             else
@@ -977,6 +988,20 @@ static enum MHD_Result handle_metrics(td_http_server *srv, struct MHD_Connection
     size_t len = 0;
     td_status st = td_metrics_render(srv->p.metrics, &g, &text, &len);
     if (st != TD_OK) return send_status(srv, c, method, url, st, "metrics");
+    char *extra = srv->p.metrics_extra ? srv->p.metrics_extra(srv->p.internal_ctx) : NULL;
+    if (extra) {
+        size_t n = strlen(extra);
+        char *both = realloc(text, len + n + 1);
+        if (!both) {
+            free(text);
+            free(extra);
+            return send_status(srv, c, method, url, TD_ERR_NOMEM, "metrics");
+        }
+        memcpy(both + len, extra, n + 1);
+        text = both;
+        len += n;
+        free(extra);
+    }
     return queue_buf(c, MHD_HTTP_OK, text, len, "text/plain; version=0.0.4; charset=utf-8");
 }
 
@@ -1004,6 +1029,12 @@ static enum MHD_Result handle_state(td_http_server *srv, struct MHD_Connection *
             return send_error(srv, c, method, url, &e, NULL);
         }
         since = v;
+    }
+    if (!srv->p.sched) {
+        td_api_error e;
+        td_api_error_set(&e, 404, "not_found_error", "", "",
+                         "this server holds no KV cache (not a worker instance)");
+        return send_error(srv, c, method, url, &e, NULL);
     }
     td_kv_events *ev = td_sched_kv_events(srv->p.sched);
     bool full = false;
@@ -1040,6 +1071,12 @@ static enum MHD_Result handle_state(td_http_server *srv, struct MHD_Connection *
         (json_int_t)stats.queued_prefill_tokens, "kv", "total", (int)k->total, "empty",
         (int)k->empty, "cached", (int)k->cached, "used", (int)k->used, "reserved", (int)k->reserved,
         "free", (int)(k->empty + k->cached - k->reserved), "block_size", (int)srv->p.kv_block_size);
+    if (root) {
+        json_object_set_new(root, "role", json_string(srv->p.role ? srv->p.role : "colocated"));
+        json_object_set_new(root, "draining", json_boolean(stats.draining));
+        json_object_set_new(root, "max_ctx", json_integer(srv->p.model.max_ctx));
+        json_object_set_new(root, "grpc_port", json_integer(atomic_load(&srv->grpc_port)));
+    }
     char *extra = srv->p.state_transfer ? srv->p.state_transfer(srv->p.internal_ctx) : NULL;
     if (root && extra) {
         json_t *x = json_loads(extra, 0, NULL);
@@ -1075,7 +1112,7 @@ static enum MHD_Result handle_exchange(td_http_server *srv, struct MHD_Connectio
 /* ------------------------------------------------------------- dispatch */
 
 static bool authorized(const td_http_server *srv, struct MHD_Connection *c, route r) {
-    if ((r == R_STATE || r == R_EXCHANGE) && srv->cluster_token) {
+    if ((r == R_STATE || r == R_EXCHANGE || r == R_CLUSTER) && srv->cluster_token) {
         const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "X-Tandem-Cluster-Token");
         return h && td_secret_eq(srv->cluster_token, strlen(srv->cluster_token), h, strlen(h));
     }
@@ -1137,15 +1174,26 @@ static enum MHD_Result dispatch(td_http_server *srv, struct MHD_Connection *c, c
     case R_TOKENIZE: return handle_tokenize(srv, c, method, url, cs);
     case R_DETOKENIZE: return handle_detokenize(srv, c, method, url, cs);
     case R_HEALTH: return queue_json(c, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
-    case R_READY:
-        if (srv->p.sched && td_sched_draining(srv->p.sched)) {
-            td_api_error_set(&e, 503, "service_unavailable", "", "", "draining");
+    case R_READY: {
+        const char *why = td_api_not_ready(srv->p.sched, &srv->p.submit_hook);
+        if (why) {
+            td_api_error_set(&e, 503, "service_unavailable", "", "", "%s", why);
             return send_error(srv, c, method, url, &e, NULL);
         }
+    }
         return queue_json(c, MHD_HTTP_OK, json_pack("{s:s}", "status", "ready"));
     case R_METRICS: return handle_metrics(srv, c, method, url);
     case R_STATE: return handle_state(srv, c, method, url);
     case R_EXCHANGE: return handle_exchange(srv, c, method, url);
+    case R_CLUSTER: {
+        char *js = srv->p.cluster_json ? srv->p.cluster_json(srv->p.internal_ctx) : NULL;
+        if (!js) {
+            td_api_error_set(&e, 404, "not_found_error", "", "",
+                             "no cluster view here (not a router)");
+            return send_error(srv, c, method, url, &e, NULL);
+        }
+        return queue_buf(c, MHD_HTTP_OK, js, strlen(js), "application/json");
+    }
     case R_NONE: break;
     }
     return MHD_NO;
@@ -1267,8 +1315,10 @@ static void server_free(td_http_server *srv) {
 }
 
 td_status td_http_server_start(const td_http_params *p, td_http_server **srv_p) {
-    if (!p || !p->sched || !p->model.tok || p->model.max_ctx <= 0 || p->n_api_keys < 0) {
-        TD_LOG_ERROR("invalid parameters (sched, model.tok and model.max_ctx are required)");
+    if (!p || (!p->sched && !p->submit_hook.submit) || !p->model.tok || p->model.max_ctx <= 0 ||
+        p->n_api_keys < 0) {
+        TD_LOG_ERROR("invalid parameters (sched or submit_hook.submit, model.tok and "
+                     "model.max_ctx are required)");
         return TD_ERR_INVALID;
     }
     td_status st = TD_ERR_NOMEM;

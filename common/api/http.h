@@ -14,7 +14,9 @@
  *    "hashes": ["32 hex", ...]               (full == true: every stored hash)
  *    "load": {"running", "waiting", "queued_prefill_tokens",
  *             "kv": {"total", "empty", "cached", "used", "reserved",
- *                    "free" (empty + cached - reserved), "block_size"}}}
+ *                    "free" (empty + cached - reserved), "block_size"}},
+ *    "role": "prefill"|"decode"|"colocated", "draining": bool,
+ *    "max_ctx": N (longest sequence), "grpc_port": N (0: none)}
  * since absent is 0; since that is not a decimal number is 400. A
  * disaggregated instance adds "transfer": {...} (state_transfer).
  *
@@ -45,7 +47,7 @@
 typedef struct {
     const char *host; /* address to bind (default "127.0.0.1"; "::1" and "0.0.0.0" work) */
     int port;         /* 0: an ephemeral port (see td_http_server_port) */
-    td_sched *sched;
+    td_sched *sched;  /* NULL when submit_hook.submit is the back end */
     td_api_submit_hook submit_hook; /* decode instance: attaches remote prefill */
     td_metrics *metrics;            /* may be NULL */
     td_api_model model;
@@ -59,6 +61,8 @@ typedef struct {
     double ping_interval_s;  /* default 5 */
     int retry_after_s;       /* Retry-After on 429 (default 1) */
     const char *instance_id; /* reported by /internal/v1/state (copied; default the host:port) */
+    const char *role;        /* reported by /internal/v1/state: "prefill", "decode" or
+                              * "colocated" (NULL; a static string) */
     int32_t kv_block_size;   /* KV block size reported by /internal/v1/state (default 16) */
     /* Disaggregation (issue 5). With a cluster token, every /internal/
      * path needs "X-Tandem-Cluster-Token: TOKEN" (constant-time compare)
@@ -73,6 +77,11 @@ typedef struct {
     char *(*state_transfer)(void *ctx);
     /* Adds the transfer gauges to /metrics. */
     void (*gauges)(void *ctx, td_metrics_gauges *g);
+    /* Prometheus text appended to /metrics: malloc'd, or NULL. */
+    char *(*metrics_extra)(void *ctx);
+    /* GET /internal/v1/cluster (the router's view; cluster token like
+     * the other /internal/ paths): a malloc'd JSON text; NULL function: 404. */
+    char *(*cluster_json)(void *ctx);
     void *internal_ctx;
     bool internal_only; /* a prefill instance: the public API paths answer 404 */
 } td_http_params;
@@ -87,6 +96,9 @@ typedef struct td_http_server td_http_server;
 td_status td_http_server_start(const td_http_params *p, td_http_server **srv_p);
 /* The port actually bound. */
 int td_http_server_port(const td_http_server *srv);
+/* The instance's gRPC port, reported by /internal/v1/state as "grpc_port"
+ * (0 until set: none). */
+void td_http_server_set_grpc_port(td_http_server *srv, int port);
 /* Stops accepting, closes every connection (their requests are cancelled)
  * and frees the server. Accepts NULL. */
 void td_http_server_stop(td_http_server *srv);

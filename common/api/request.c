@@ -969,7 +969,12 @@ void td_api_request_to_gen(const td_api_request *req, const int32_t *tokens, int
 td_status td_api_submit(td_sched *s, const td_api_submit_hook *h, td_gen_request *g,
                         td_gen_stream **st_p) {
     if (h && h->fn) h->fn(h->ctx, g);
-    td_status st = td_sched_submit(s, g, st_p);
+    td_status st = h && h->submit ? h->submit(h->ctx, g, st_p) : td_sched_submit(s, g, st_p);
     if (st != TD_OK && g->kv_import.release) g->kv_import.release(g->kv_import.ctx);
     return st;
+}
+
+const char *td_api_not_ready(td_sched *s, const td_api_submit_hook *h) {
+    if (h && h->not_ready) return h->not_ready(h->ctx);
+    return s && td_sched_draining(s) ? "draining" : NULL;
 }

@@ -132,14 +132,27 @@ void td_api_request_to_gen(const td_api_request *req, const int32_t *tokens, int
                            int32_t max_tokens, int32_t choice, td_gen_request *g);
 
 /* A decode instance's hook on every generation request the front ends
- * submit (it attaches the KV import of remote prefill; fn NULL: none). */
+ * submit (it attaches the KV import of remote prefill; fn NULL: none), or
+ * the whole back end of a front end without a scheduler (the router). */
 typedef struct {
     void (*fn)(void *ctx, td_gen_request *g);
+    /* Replaces td_sched_submit (the front ends' sched is then NULL): the
+     * same contract (TD_AGAIN 429, TD_ERR_UNAVAILABLE 503, ...), the stream
+     * made with td_gen_stream_create. NULL: the scheduler's. */
+    td_status (*submit)(void *ctx, const td_gen_request *g, td_gen_stream **st_p);
+    /* NULL while serving, else why not (a static string; /ready answers 503
+     * and gRPC health NOT_SERVING with it). NULL function: the
+     * scheduler's draining flag. */
+    const char *(*not_ready)(void *ctx);
     void *ctx;
 } td_api_submit_hook;
 
-/* Runs the hook on g, then td_sched_submit; when the submit fails, gives
- * the hook's import context back (its release). */
+/* Why the front end does not serve now (h->not_ready, or "draining" when
+ * the scheduler drains), or NULL. */
+const char *td_api_not_ready(td_sched *s, const td_api_submit_hook *h);
+
+/* Runs the hook on g, then td_sched_submit (or h->submit); when the submit
+ * fails, gives the hook's import context back (its release). */
 td_status td_api_submit(td_sched *s, const td_api_submit_hook *h, td_gen_request *g,
                         td_gen_stream **st_p);
 

@@ -36,24 +36,28 @@ struct td_gen_stream {
     int stop_index;
     int32_t stop_token;
     td_status error;
+    char *error_message; /* td_gen_stream_fail's, or NULL */
     /* Reader side. */
     int32_t n_read;
     size_t text_read;
     bool end_reported;
     char *r_text; /* reader's copy of the new text */
     size_t r_text_cap;
-    struct td_sched *sched; /* to wake on cancel */
+    struct td_sched *sched; /* to wake on cancel; NULL: an owner's stream */
+    td_gen_stream_owner owner;
     td_sched_ticket ticket;
 };
 
 static void stream_unref(td_gen_stream *st) {
     if (atomic_fetch_sub(&st->refs, 1) != 1) return;
+    if (st->owner.freed) st->owner.freed(st->owner.ctx);
     close(st->efd);
     pthread_mutex_destroy(&st->mu);
     free(st->tokens);
     free(st->lp);
     free(st->text);
     free(st->r_text);
+    free(st->error_message);
     free(st);
 }
 
@@ -418,6 +422,7 @@ td_status td_gen_stream_read(td_gen_stream *st, int timeout_ms, td_gen_delta *d)
                 d->finished = true;
                 d->finish = st->finish;
                 d->error = st->error;
+                d->error_message = st->error_message;
                 st->end_reported = true;
                 /* Keep the fd readable so pollers see the end every time. */
                 stream_notify(st);
@@ -460,6 +465,10 @@ void td_gen_stream_cancel(td_gen_stream *st) {
     bool done = st->finished;
     pthread_mutex_unlock(&st->mu);
     if (done || atomic_exchange(&st->cancel, true)) return;
+    if (!st->sched) {
+        if (st->owner.cancel) st->owner.cancel(st->owner.ctx);
+        return;
+    }
     td_sched *s = st->sched;
     pthread_mutex_lock(&s->mu);
     pthread_cond_signal(&s->cv);
@@ -469,8 +478,120 @@ void td_gen_stream_cancel(td_gen_stream *st) {
 void td_gen_stream_release(td_gen_stream *st) {
     if (!st) return;
     td_gen_stream_cancel(st);
-    atomic_fetch_sub(&st->sched->n_live_streams, 1);
+    if (st->sched) atomic_fetch_sub(&st->sched->n_live_streams, 1);
     stream_unref(st);
+}
+
+td_status td_gen_stream_create(int32_t max_tokens, bool logprobs, int32_t n_prompt,
+                               const td_gen_stream_owner *owner, td_gen_stream **st_p) {
+    if (max_tokens < 1 || n_prompt < 0 || !st_p) return TD_ERR_INVALID;
+    td_gen_stream *gs = calloc(1, sizeof *gs);
+    if (!gs) goto nomem;
+    gs->cap = max_tokens;
+    gs->tokens = malloc((size_t)gs->cap * sizeof *gs->tokens);
+    gs->lp = logprobs ? malloc((size_t)gs->cap * sizeof *gs->lp) : NULL;
+    gs->text_cap = 256;
+    gs->text = malloc(gs->text_cap);
+    if (!gs->tokens || (logprobs && !gs->lp) || !gs->text) goto nomem;
+    if (pthread_mutex_init(&gs->mu, NULL) != 0) goto nomem;
+    gs->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (gs->efd < 0) {
+        TD_LOG_ERROR("eventfd: %s", strerror(errno));
+        pthread_mutex_destroy(&gs->mu);
+        free(gs->tokens);
+        free(gs->lp);
+        free(gs->text);
+        free(gs);
+        return TD_ERR_IO;
+    }
+    gs->n_prompt = n_prompt;
+    gs->stop_index = -1;
+    gs->stop_token = -1;
+    if (owner) gs->owner = *owner;
+    atomic_init(&gs->refs, 2); /* reader + producer */
+    atomic_init(&gs->cancel, false);
+    *st_p = gs;
+    return TD_OK;
+nomem:
+    TD_LOG_ERROR("out of memory");
+    if (gs) {
+        free(gs->tokens);
+        free(gs->lp);
+        free(gs->text);
+        free(gs);
+    }
+    return TD_ERR_NOMEM;
+}
+
+static bool stream_text_append(td_gen_stream *st, const char *p, size_t n);
+
+td_status td_gen_stream_push(td_gen_stream *st, const int32_t *tokens, const td_sample_result *lp,
+                             int32_t n, const char *text, size_t text_len) {
+    if (n < 0 || (n > 0 && !tokens)) return TD_ERR_INVALID;
+    pthread_mutex_lock(&st->mu);
+    td_status rc = TD_OK;
+    if (st->finished)
+        rc = TD_ERR_INVALID;
+    else if (n > st->cap - st->n_pub)
+        rc = TD_ERR_RANGE;
+    else if (!stream_text_append(st, text, text_len))
+        rc = TD_ERR_NOMEM;
+    if (rc == TD_OK && n > 0) {
+        memcpy(st->tokens + st->n_pub, tokens, (size_t)n * sizeof *tokens);
+        if (st->lp) {
+            if (lp)
+                memcpy(st->lp + st->n_pub, lp, (size_t)n * sizeof *lp);
+            else
+                for (int32_t i = 0; i < n; i++)
+                    st->lp[st->n_pub + i] = (td_sample_result){.token = tokens[i]};
+        }
+        st->n_pub += n;
+    }
+    pthread_mutex_unlock(&st->mu);
+    if (rc == TD_OK) stream_notify(st);
+    return rc;
+}
+
+void td_gen_stream_set_prompt(td_gen_stream *st, int32_t n_prompt, int32_t n_cached) {
+    pthread_mutex_lock(&st->mu);
+    st->n_prompt = n_prompt;
+    st->n_cached = n_cached;
+    pthread_mutex_unlock(&st->mu);
+}
+
+void td_gen_stream_finish(td_gen_stream *st, td_finish_reason why, td_status err, int stop_index,
+                          int32_t stop_token) {
+    pthread_mutex_lock(&st->mu);
+    bool was = st->finished;
+    if (!was) {
+        st->finished = true;
+        st->finish = why;
+        st->error = err;
+        st->stop_index = stop_index;
+        st->stop_token = stop_token;
+    }
+    pthread_mutex_unlock(&st->mu);
+    if (!was) stream_notify(st);
+}
+
+void td_gen_stream_fail(td_gen_stream *st, td_status err, const char *message) {
+    pthread_mutex_lock(&st->mu);
+    if (!st->finished && message && !st->error_message) st->error_message = strdup(message);
+    pthread_mutex_unlock(&st->mu);
+    td_gen_stream_finish(st, TD_FINISH_ERROR, err, -1, -1);
+}
+
+bool td_gen_stream_cancelled(const td_gen_stream *st) { return atomic_load(&st->cancel); }
+
+int32_t td_gen_stream_n_tokens(td_gen_stream *st) {
+    pthread_mutex_lock(&st->mu);
+    int32_t n = st->n_pub;
+    pthread_mutex_unlock(&st->mu);
+    return n;
+}
+
+void td_gen_stream_unref(td_gen_stream *st) {
+    if (st) stream_unref(st);
 }
 
 /* ---- scheduler thread ---- */

@@ -142,9 +142,10 @@ typedef struct {
     /* Set once, on the read that sees the end. */
     bool finished;
     td_finish_reason finish;
-    int stop_index;     /* index of the matched stop string, or -1 */
-    int32_t stop_token; /* the stop / EOG token that ended it, or -1 */
-    td_status error;    /* TD_OK, or why it failed (finish == TD_FINISH_ERROR / ABORT) */
+    int stop_index;            /* index of the matched stop string, or -1 */
+    int32_t stop_token;        /* the stop / EOG token that ended it, or -1 */
+    td_status error;           /* TD_OK, or why it failed (finish == TD_FINISH_ERROR / ABORT) */
+    const char *error_message; /* a producer's words for it (td_gen_stream_fail), or NULL */
 } td_gen_delta;
 
 typedef struct td_sched td_sched;
@@ -185,6 +186,47 @@ void td_gen_stream_cancel(td_gen_stream *st);
  * scheduler has let go of it too. Release every stream before
  * td_sched_destroy (the count of live streams lives in the scheduler). */
 void td_gen_stream_release(td_gen_stream *st);
+
+/* ---- Streams fed from outside a scheduler ----
+ * A front end without a scheduler of its own (the router, which proxies
+ * requests to decode instances) creates the streams its readers (the HTTP
+ * and gRPC front ends) read exactly as they read a scheduler's. */
+typedef struct {
+    /* The reader asked to cancel (td_gen_stream_cancel, or its release of
+     * an unfinished stream); any thread, at most once; it may race with
+     * the producer's finish. */
+    void (*cancel)(void *ctx);
+    /* Both the reader and the producer let go: the stream is freed and ctx
+     * is never used again. */
+    void (*freed)(void *ctx);
+    void *ctx;
+} td_gen_stream_owner;
+
+/* A stream for up to max_tokens tokens (with room for logprobs when
+ * logprobs), of a prompt of n_prompt tokens. Two references: the reader's
+ * (td_gen_stream_release) and the producer's (td_gen_stream_unref).
+ * TD_ERR_NOMEM / TD_ERR_IO (logged). */
+td_status td_gen_stream_create(int32_t max_tokens, bool logprobs, int32_t n_prompt,
+                               const td_gen_stream_owner *owner, td_gen_stream **st_p);
+/* Producer: publishes n new tokens (lp: n results, or NULL) and text bytes
+ * (final text). TD_ERR_RANGE when the tokens would exceed max_tokens,
+ * TD_ERR_NOMEM; nothing is published then. TD_ERR_INVALID once finished. */
+td_status td_gen_stream_push(td_gen_stream *st, const int32_t *tokens, const td_sample_result *lp,
+                             int32_t n, const char *text, size_t text_len);
+/* Producer: the prompt's totals (tokens, of which served from a cache). */
+void td_gen_stream_set_prompt(td_gen_stream *st, int32_t n_prompt, int32_t n_cached);
+/* Producer: the end (once; later calls change nothing). */
+void td_gen_stream_finish(td_gen_stream *st, td_finish_reason why, td_status err, int stop_index,
+                          int32_t stop_token);
+/* Producer: the end with an error and the client-facing words for it
+ * (copied; the reader's delta carries them). */
+void td_gen_stream_fail(td_gen_stream *st, td_status err, const char *message);
+/* Producer: whether the reader asked to cancel. */
+bool td_gen_stream_cancelled(const td_gen_stream *st);
+/* Producer: tokens published so far. */
+int32_t td_gen_stream_n_tokens(td_gen_stream *st);
+/* Producer: lets go of its reference. */
+void td_gen_stream_unref(td_gen_stream *st);
 
 /* The ticket of a submitted sequence. */
 td_sched_ticket td_gen_stream_ticket(const td_gen_stream *st);

@@ -48,6 +48,13 @@ API (kept small on purpose):
                         a tandem-prefill and a tandem-decode wired together
                         (cluster token TOKEN, one thread each); .p, .d
                         (Servers), .wait_linked(), .close().
+  Cluster(tandem_bin, log_dir, model, n_prefill=2, n_decode=2, p_args, d_args,
+          r_args, env, d_args_each=None)
+                        prefill and decode instances (every decode instance
+                        knows every prefill instance) behind a tandem-router;
+                        .ps, .ds, .router (Servers), .view() (the router's
+                        /internal/v1/cluster), .inst(server) (that instance in
+                        the view), .wait_ready(), .wait_idle(), .close().
 
 Timeouts go through conftest.scaled() (TANDEM_TEST_TIMEOUT_SCALE).
 """
@@ -67,7 +74,8 @@ import pytest
 from conftest import scaled, wait_until
 
 READY_RE = re.compile(
-    r"^(?:tandem serve|tandem-prefill|tandem-decode): listening http=(\S+) grpc=(\S+)\s*$")
+    r"^(?:tandem serve|tandem-prefill|tandem-decode|tandem-router): listening http=(\S+) "
+    r"grpc=(\S+)\s*$")
 
 
 def ready_line_ports(line):
@@ -77,7 +85,7 @@ def ready_line_ports(line):
         return None
     host, port = m.group(1).rsplit(":", 1)
     host = host.strip("[]")
-    grpc = None if m.group(2) == "off" else int(m.group(2).rsplit(":", 1)[1])
+    grpc = None if m.group(2) in ("off", "none") else int(m.group(2).rsplit(":", 1)[1])
     return host, int(port), grpc
 
 
@@ -456,3 +464,78 @@ class Pair:
     def close(self):
         self.d.close()
         self.p.close()
+
+
+class Cluster:
+    """Prefill and decode instances behind one tandem-router (loopback,
+    cluster token TOKEN, one thread each). d_args_each: per decode instance
+    extra arguments (a list of lists)."""
+
+    def __init__(self, tandem_bin, log_dir, model, n_prefill=2, n_decode=2, p_args=(),
+                 d_args=(), r_args=(), env=None, d_args_each=None, threads=1,
+                 ready_timeout=60, router_model=None):
+        bin_dir = tandem_bin.parent
+        self.ps, self.ds, self.router = [], [], None
+        try:
+            for i in range(n_prefill):
+                self.ps.append(Server.start(
+                    tandem_bin, model, ["--cluster-token", TOKEN, "--threads", threads, *p_args],
+                    log_dir / f"prefill{i}", env=env, cmd=[bin_dir / "tandem-prefill"],
+                    cluster_token=TOKEN, ready_timeout=ready_timeout))
+            plist = ",".join(f"127.0.0.1:{p.port}" for p in self.ps)
+            for i in range(n_decode):
+                extra = list(d_args_each[i]) if d_args_each else []
+                self.ds.append(Server.start(
+                    tandem_bin, model,
+                    ["--prefill", plist or "127.0.0.1:1", "--cluster-token", TOKEN,
+                     "--threads", threads, "--grpc-port", "0", *d_args, *extra],
+                    log_dir / f"decode{i}", env=env, cmd=[bin_dir / "tandem-decode"],
+                    cluster_token=TOKEN, ready_timeout=ready_timeout))
+            args = ["--cluster-token", TOKEN, "--grpc-port", "0", "--poll-interval-ms", 50]
+            if self.ps:
+                args += ["--prefill", plist]
+            args += ["--decode", ",".join(f"127.0.0.1:{d.port}" for d in self.ds), *r_args]
+            self.router = Server.start(tandem_bin, router_model or model, args,
+                                       log_dir / "router", env=env,
+                                       cmd=[bin_dir / "tandem-router"], cluster_token=TOKEN,
+                                       ready_timeout=ready_timeout)
+            for d in self.ds:
+                if self.ps:
+                    wait_until(lambda d=d: all(pp["ready"]
+                                               for pp in d.state()["transfer"]["peers"]),
+                               timeout=20, what="decode linked to prefill", proc=d.proc)
+            self.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def view(self):
+        status, body = self.router.get_json("/internal/v1/cluster",
+                                            headers={"X-Tandem-Cluster-Token": TOKEN})
+        if status != 200 or not isinstance(body, dict):
+            pytest.fail(f"GET /internal/v1/cluster: {status} {body!r}")
+        return body
+
+    def inst(self, srv, view=None):
+        addr = f"127.0.0.1:{srv.port}"
+        for x in (view or self.view())["instances"]:
+            if x["address"] == addr:
+                return x
+        pytest.fail(f"{addr} is not in the router's view")
+
+    def wait_ready(self, servers=None, timeout=20):
+        servers = self.ps + self.ds if servers is None else servers
+        wait_until(lambda: all(self.inst(s)["ready"] for s in servers), timeout=timeout,
+                   what="every instance ready in the router's view", proc=self.router.proc)
+
+    def wait_idle(self, timeout=10):
+        for s in self.ds + self.ps:
+            if s.proc.poll() is None:
+                s.wait_idle(timeout)
+        wait_until(lambda: (lambda v: v["running"] == 0 and v["queued"] == 0)(self.view()),
+                   timeout=timeout, what="router idle", proc=self.router.proc)
+
+    def close(self):
+        for s in [self.router] + self.ds + self.ps:
+            if s is not None:
+                s.close()
