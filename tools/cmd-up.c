@@ -109,7 +109,8 @@ static void up_usage(FILE *f) {
         "  --host ADDR                the router's address (default 127.0.0.1; the instances\n"
         "                             always bind 127.0.0.1)\n"
         "  --port N                   the router's HTTP port (default 8000; 0 = ephemeral)\n"
-        "  --grpc-port N              the router's gRPC port (default 50051; 0 = ephemeral)\n"
+        "  --grpc-port N              the router's gRPC port (default 50051; 0 = ephemeral;\n"
+        "                             -1 = none)\n"
         "  --threads T                compute threads per instance (default: online cores /\n"
         "                             (N + M), at least 1)\n"
         "  --cluster-token-file F     the cluster token (first line of F; default: a random\n"
@@ -161,7 +162,7 @@ static int parse_args(int argc, char **argv, up_args *a) {
         else if (!strcmp(opt, "--port"))
             ok = td_cli_parse_long(val, 0, 65535, &a->port);
         else if (!strcmp(opt, "--grpc-port"))
-            ok = td_cli_parse_long(val, 0, 65535, &a->grpc_port);
+            ok = td_cli_parse_long(val, -1, 65535, &a->grpc_port);
         else if (!strcmp(opt, "--threads") || !strcmp(opt, "-t"))
             ok = td_cli_parse_long(val, 1, 4096, &a->threads);
         else if (!strcmp(opt, "--cluster-token-file"))
@@ -494,9 +495,9 @@ static up_child *start_child(up_state *u, up_role role, int index, const char *c
     if (role != UP_ROUTER) {
         argv[n++] = "--threads";
         argv[n++] = threads;
-        argv[n++] = "--drain-timeout";
-        argv[n++] = drain;
     }
+    argv[n++] = "--drain-timeout";
+    argv[n++] = drain;
     if (u->a.model) {
         argv[n++] = "--model";
         argv[n++] = u->a.model;

@@ -145,7 +145,7 @@ def test_usage_errors(tandem, manifest, test_models):
     model = manifest_model(manifest, test_models, "llama2-f32-gguf")
     for args, flag in ((["--bogus"], "--bogus"), (["--prefill", "0"], "--prefill"),
                        (["--prefill", "17"], "--prefill"), (["--decode", "x"], "--decode"),
-                       (["--port", "70000"], "--port"), (["--grpc-port", "-1"], "--grpc-port"),
+                       (["--port", "70000"], "--port"), (["--grpc-port", "-2"], "--grpc-port"),
                        (["--threads", "0"], "--threads"), (["--ready-timeout", "-1"],
                                                           "--ready-timeout"),
                        (["--drain-timeout", "nan"], "--drain-timeout"), (["--decode"], "--decode"),
