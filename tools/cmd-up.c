@@ -80,6 +80,7 @@ typedef struct {
     char *token;
     int sfd;
     int n_signals; /* SIGINT/SIGTERM received */
+    bool ready;    /* the ready line was printed */
     up_child kids[UP_MAX_KIDS];
     int n_kids;
 } up_state;
@@ -529,10 +530,12 @@ static void join_addrs(const up_state *u, up_role role, char *out, size_t n) {
 typedef enum { UP_GO_ON, UP_STOP_SIGNAL, UP_STOP_FAILED } up_outcome;
 
 /* Whether to go on: no signal came and no child exited (reported). */
-static up_outcome check_going(up_state *u, const char *phase) {
+static up_outcome check_going(up_state *u) {
     up_child *dead = first_exited(u);
     if (dead) {
-        report_exit(dead, phase);
+        report_exit(dead, !dead->http[0] ? "before it was listening"
+                          : !u->ready    ? "before the cluster was ready"
+                                         : "while the cluster was serving");
         return UP_STOP_FAILED;
     }
     return u->n_signals ? UP_STOP_SIGNAL : UP_GO_ON;
@@ -541,7 +544,7 @@ static up_outcome check_going(up_state *u, const char *phase) {
 /* Waits until every child from index `from` on printed its listening line. */
 static up_outcome wait_listening(up_state *u, int from, double deadline) {
     for (;;) {
-        up_outcome o = check_going(u, "before it was listening");
+        up_outcome o = check_going(u);
         if (o != UP_GO_ON) return o;
         int missing = -1;
         for (int i = from; i < u->n_kids && missing < 0; i++)
@@ -675,7 +678,7 @@ static bool cluster_ready(up_state *u, const up_child *router, char *why, size_t
 static up_outcome wait_ready(up_state *u, const up_child *router, double deadline) {
     char why[UP_ADDR_MAX * 2] = "not checked yet";
     for (;;) {
-        up_outcome o = check_going(u, "before the cluster was ready");
+        up_outcome o = check_going(u);
         if (o != UP_GO_ON) return o;
         if (cluster_ready(u, router, why, sizeof why)) return UP_GO_ON;
         if (td_time_s() > deadline) {
@@ -822,8 +825,9 @@ static up_outcome run_cluster(up_state *u) {
     printf("tandem up: ready http=http://%s grpc=%s (prefill %ld, decode %ld)\n", router->http,
            router->grpc, u->a.n_prefill, u->a.n_decode);
     fflush(stdout);
+    u->ready = true;
     for (;;) {
-        o = check_going(u, "while the cluster was serving");
+        o = check_going(u);
         if (o != UP_GO_ON) return o;
         pump(u, 1000);
     }
