@@ -113,8 +113,11 @@ class Up:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         for name, pid in self.kids.items():  # its own process group (see cmd-up.c)
-            if alive(pid) and any(BINARY[name.split("-")[0]] in a for a in cmdline(pid)[:2]):
-                os.killpg(pid, signal.SIGKILL)
+            try:
+                if alive(pid) and any(BINARY[name.split("-")[0]] in a for a in cmdline(pid)[:2]):
+                    os.killpg(pid, signal.SIGKILL)
+            except (FileNotFoundError, ProcessLookupError):
+                pass  # gone meanwhile
 
 
 @pytest.fixture
