@@ -106,6 +106,7 @@ struct td_router {
     /* Counters (under mu). */
     uint64_t decisions[TD_RT_N_POLICIES][TD_RT_N_REASONS];
     uint64_t hit_prefill_tokens, hit_decode_tokens, prompt_tokens, retries, rejected, timeouts;
+    uint64_t failed[2]; /* requests that ended in an error, before / after their first token */
     double decide_s;
     uint64_t n_decide;
 };
@@ -213,6 +214,7 @@ static void req_end_locked(td_router *r, rt_req *q, td_finish_reason why, td_sta
                            int stop_index, int32_t stop_token) {
     if (q->finished) return;
     q->finished = true;
+    if (why == TD_FINISH_ERROR) r->failed[q->got_first]++;
     if (why == TD_FINISH_ERROR && q->client_error)
         td_gen_stream_fail(q->st, err, q->client_error);
     else
@@ -1135,6 +1137,14 @@ char *td_router_metrics_text(void *ctx) {
              "tandem:router_decision_seconds_sum %.9f\n"
              "tandem:router_decision_seconds_count %" PRIu64 "\n",
              r->retries, r->decide_s, r->n_decide);
+    td_strbuf_puts(&b, line);
+    snprintf(line, sizeof line,
+             "# HELP tandem:router_failed_total Requests that ended in an error, by whether a "
+             "token had been sent (after: the decode instance failed mid-stream).\n"
+             "# TYPE tandem:router_failed_total counter\n"
+             "tandem:router_failed_total{stage=\"before_first_token\"} %" PRIu64 "\n"
+             "tandem:router_failed_total{stage=\"after_first_token\"} %" PRIu64 "\n",
+             r->failed[0], r->failed[1]);
     td_strbuf_puts(&b, line);
     td_strbuf_puts(&b, "# HELP tandem:router_instance_ready Instance in rotation (1) or not.\n"
                        "# TYPE tandem:router_instance_ready gauge\n");
