@@ -70,6 +70,8 @@ typedef struct {
     long n_prefill, n_decode, port, grpc_port, threads;
     const char *model, *host, *token_file;
     double ready_timeout, drain_timeout;
+    const char *chat; /* --chat: one request through the router, then stop */
+    long max_tokens;
 } up_args;
 
 typedef struct {
@@ -117,7 +119,11 @@ static void up_usage(FILE *f) {
         "  --cluster-token-file F     the cluster token (first line of F; default: a random\n"
         "                             token in a 0600 temporary file removed at exit)\n"
         "  --ready-timeout S          seconds to wait for the cluster to be ready (default 300)\n"
-        "  --drain-timeout S          each instance's drain timeout after SIGTERM (default 30)\n",
+        "  --drain-timeout S          each instance's drain timeout after SIGTERM (default 30)\n"
+        "  --chat TEXT                once ready, send TEXT as a chat message through the\n"
+        "                             router (greedy), print the answer on stdout and stop\n"
+        "                             everything (exit 0 when the answer came)\n"
+        "  --max-tokens N             the --chat answer's limit (default 128)\n",
         UP_STOP_MARGIN_S, UP_MAX_POOL, UP_MAX_POOL, td_default_model_path());
 }
 
@@ -136,10 +142,20 @@ static int parse_args(int argc, char **argv, up_args *a) {
             up_usage(stdout);
             return -1;
         }
-        static const char *const k_opts[] = {
-            "--prefill",       "--decode",       "--model",   "-m", "--host",
-            "--port",          "--grpc-port",    "--threads", "-t", "--cluster-token-file",
-            "--ready-timeout", "--drain-timeout"};
+        static const char *const k_opts[] = {"--prefill",
+                                             "--decode",
+                                             "--model",
+                                             "-m",
+                                             "--host",
+                                             "--port",
+                                             "--grpc-port",
+                                             "--threads",
+                                             "-t",
+                                             "--cluster-token-file",
+                                             "--ready-timeout",
+                                             "--drain-timeout",
+                                             "--chat",
+                                             "--max-tokens"};
         bool known = false;
         for (size_t k = 0; k < TD_ARRAY_SIZE(k_opts); k++) known |= !strcmp(opt, k_opts[k]);
         if (!known) {
@@ -170,6 +186,10 @@ static int parse_args(int argc, char **argv, up_args *a) {
             ok = *(a->token_file = val) != '\0';
         else if (!strcmp(opt, "--ready-timeout"))
             ok = parse_seconds(val, 0.001, &a->ready_timeout);
+        else if (!strcmp(opt, "--chat"))
+            ok = *(a->chat = val) != '\0';
+        else if (!strcmp(opt, "--max-tokens"))
+            ok = td_cli_parse_long(val, 1, 1 << 20, &a->max_tokens);
         else
             ok = parse_seconds(val, 0, &a->drain_timeout);
         if (!ok) {
@@ -527,7 +547,7 @@ static void join_addrs(const up_state *u, up_role role, char *out, size_t n) {
     }
 }
 
-typedef enum { UP_GO_ON, UP_STOP_SIGNAL, UP_STOP_FAILED } up_outcome;
+typedef enum { UP_GO_ON, UP_STOP_SIGNAL, UP_STOP_FAILED, UP_STOP_DONE } up_outcome;
 
 /* Whether to go on: no signal came and no child exited (reported). */
 static up_outcome check_going(up_state *u) {
@@ -799,6 +819,62 @@ static void ensure_std_fds(void) {
         }
 }
 
+/* --chat: one chat completion through the router, the answer on stdout. */
+static up_outcome chat_once(up_state *u, const up_child *router) {
+    char addr[UP_ADDR_MAX + 16], url[UP_ADDR_MAX + 64];
+    router_connect_addr(router, addr, sizeof addr);
+    snprintf(url, sizeof url, "http://%s/v1/chat/completions", addr);
+    json_t *req =
+        json_pack("{s:[{s:s,s:s}],s:I,s:f}", "messages", "role", "user", "content", u->a.chat,
+                  "max_tokens", (json_int_t)u->a.max_tokens, "temperature", 0.0);
+    char *body = req ? json_dumps(req, JSON_COMPACT) : NULL;
+    json_decref(req);
+    CURL *c = curl_easy_init();
+    struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
+    up_body reply = {0};
+    long code = 0;
+    CURLcode rc = CURLE_FAILED_INIT;
+    if (body && c && h) {
+        curl_easy_setopt(c, CURLOPT_URL, url);
+        curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
+        curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
+        curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, body_write);
+        curl_easy_setopt(c, CURLOPT_WRITEDATA, &reply);
+        curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 600000L);
+        curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+        curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
+        curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http");
+        rc = curl_easy_perform(c);
+        if (rc == CURLE_OK) curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+    }
+    curl_slist_free_all(h);
+    if (c) curl_easy_cleanup(c);
+    free(body);
+    json_t *js = reply.buf ? json_loads(reply.buf, 0, NULL) : NULL;
+    const char *answer = json_string_value(json_object_get(
+        json_object_get(json_array_get(json_object_get(js, "choices"), 0), "message"), "content"));
+    up_outcome o = UP_STOP_DONE;
+    if (rc != CURLE_OK) {
+        fprintf(stderr, "tandem up: the chat request failed: %s\n", curl_easy_strerror(rc));
+        o = UP_STOP_FAILED;
+    } else if (code != 200 || !answer) {
+        fprintf(stderr, "tandem up: the chat request got HTTP %ld: %.500s\n", code,
+                reply.buf ? reply.buf : "");
+        o = UP_STOP_FAILED;
+    } else {
+        json_t *usage = json_object_get(js, "usage");
+        printf("%s\n", answer);
+        fflush(stdout);
+        fprintf(stderr,
+                "tandem up: answered through the router (%lld prompt, %lld output tokens)\n",
+                (long long)json_integer_value(json_object_get(usage, "prompt_tokens")),
+                (long long)json_integer_value(json_object_get(usage, "completion_tokens")));
+    }
+    json_decref(js);
+    free(reply.buf);
+    return o;
+}
+
 static up_outcome run_cluster(up_state *u) {
     double deadline = td_time_s() + u->a.ready_timeout;
     for (int i = 0; i < u->a.n_prefill; i++)
@@ -826,6 +902,7 @@ static up_outcome run_cluster(up_state *u) {
            router->grpc, u->a.n_prefill, u->a.n_decode);
     fflush(stdout);
     u->ready = true;
+    if (u->a.chat) return chat_once(u, router);
     for (;;) {
         o = check_going(u);
         if (o != UP_GO_ON) return o;
@@ -846,7 +923,8 @@ int td_cmd_up(int argc, char **argv) {
                      .grpc_port = 50051,
                      .host = "127.0.0.1",
                      .ready_timeout = 300,
-                     .drain_timeout = 30};
+                     .drain_timeout = 30,
+                     .max_tokens = 128};
     int rc = parse_args(argc, argv, &u->a);
     if (rc) {
         free(u);
@@ -901,7 +979,7 @@ int td_cmd_up(int argc, char **argv) {
 
     up_outcome o = run_cluster(u);
     bool clean = stop_all(u);
-    rc = o == UP_STOP_SIGNAL && clean ? 0 : 1;
+    rc = (o == UP_STOP_SIGNAL || o == UP_STOP_DONE) && clean ? 0 : 1;
     drain_pipes(u);
     fprintf(stderr, "tandem up: stopped%s\n", rc ? " (with errors)" : "");
     curl_global_cleanup();

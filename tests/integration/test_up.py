@@ -26,15 +26,6 @@ CHILD_RE = re.compile(r"^tandem up: (\S+) \(pid (\d+)\): (\S+)", re.M)
 BINARY = {"prefill": "tandem-prefill", "decode": "tandem-decode", "router": "tandem-router"}
 
 
-def _router_missing():
-    b = os.environ.get("TANDEM_BIN")
-    return bool(b) and not (pathlib.Path(b).parent / "tandem-router").exists()
-
-
-needs_router = pytest.mark.skipif(_router_missing(),
-                                  reason="tandem-router is not built yet")
-
-
 def alive(pid):
     """Whether pid is a live process (a zombie counts as gone)."""
     try:
@@ -176,7 +167,6 @@ def test_missing_sibling(tandem_bin, manifest, test_models, tmp_path):
     assert "(pid" not in r.stderr and r.stdout == ""
 
 
-@needs_router
 def test_up_serves_and_stops(up, manifest, test_models):
     model = manifest_model(manifest, test_models, "llama2-f32-gguf")
     u = up("--prefill", 1, "--decode", 2, "--model", model, "--port", 0, "--grpc-port", 0,
@@ -237,7 +227,6 @@ def test_up_serves_and_stops(up, manifest, test_models):
     assert "tandem up: stopped\n" in u.err(), u.describe()
 
 
-@needs_router
 def test_child_death_stops_everything(up, manifest, test_models, tmp_path):
     """A decode instance killed from outside: `up` stops the rest and exits 1
     naming it; a given token file is used as is and left in place."""
@@ -262,7 +251,6 @@ def test_child_death_stops_everything(up, manifest, test_models, tmp_path):
     assert token_path.read_text() == "a-given-token\n"
 
 
-@needs_router
 def test_child_fails_to_start(up, tmp_path):
     """A model file the services cannot load: the first prefill instance
     exits before it listens, nothing else is started, `up` exits 1 naming it."""
@@ -279,7 +267,6 @@ def test_child_fails_to_start(up, tmp_path):
                what="no child left")
 
 
-@needs_router
 def test_ready_timeout(up, manifest, test_models):
     """Readiness is bounded: a child is only seen listening after `up` has
     read its output, which cannot happen within 1 ms of starting it, so
@@ -294,3 +281,20 @@ def test_ready_timeout(up, manifest, test_models):
     assert "router" not in u.children() and u.out() == ""
     wait_until(lambda: not any(alive(p) for p in u.children().values()), timeout=10,
                what="no child left")
+
+
+def test_chat_once(tandem, manifest, test_models):
+    """--chat: the README's main command. The answer through the router
+    (greedy) equals `tandem generate --chat` (the engine in-process), and
+    everything stops with exit 0."""
+    model = next(test_models / m["path"] for m in manifest
+                 if m["format"] == "gguf" and m["variant"] == "smollm2"
+                 and m["wtype"] in ("F32", "f32"))
+    r = tandem("up", "--model", model, "--port", "0", "--grpc-port", "0", "--threads", "1",
+               "--chat", "What is the capital of France?", "--max-tokens", "12", timeout=120)
+    first, answer = r.stdout.split("\n", 1)
+    assert READY_RE.match(first), r.describe()
+    ref = tandem("generate", "--model", model, "--chat", "What is the capital of France?",
+                 "--max-tokens", "12", "--temperature", "0", "--threads", "1")
+    assert answer == ref.stdout, r.describe()
+    assert "tandem up: stopped\n" in r.stderr
