@@ -202,25 +202,6 @@ static int parse_args(int argc, char **argv, up_args *a) {
 
 /* ---- the cluster token ---- */
 
-static char *read_token_file(const char *path) {
-    FILE *f = fopen(path, "r");
-    if (!f) {
-        fprintf(stderr, "tandem up: cannot read the cluster token file %s: %s\n", path,
-                strerror(errno));
-        return NULL;
-    }
-    char buf[1024];
-    char *line = fgets(buf, sizeof buf, f);
-    fclose(f);
-    size_t n = line ? strcspn(buf, "\r\n") : 0;
-    if (n == 0) {
-        fprintf(stderr, "tandem up: the cluster token file %s is empty\n", path);
-        return NULL;
-    }
-    buf[n] = 0;
-    return strdup(buf);
-}
-
 /* 32 bytes of /dev/urandom as hex, in a fresh 0600 file under $TMPDIR. */
 static bool make_token_file(up_state *u) {
     unsigned char raw[32];
@@ -943,7 +924,7 @@ int td_cmd_up(int argc, char **argv) {
     }
     if (u->a.token_file) {
         snprintf(u->token_path, sizeof u->token_path, "%s", u->a.token_file);
-        if (!(u->token = read_token_file(u->token_path))) {
+        if (!(u->token = td_cli_read_secret(u->token_path))) {
             rc = 2;
             goto free_state;
         }
