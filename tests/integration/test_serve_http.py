@@ -8,6 +8,12 @@ Hugging Face `tokenizers` package on the model's tokenizer.json for token
 ids, and `tandem eval` (raw logits) for logprobs. The last test checks that
 after every scenario above, faults included, no KV block is used or
 reserved and nothing runs.
+
+Every test runs twice (the srv fixture's params): against `tandem serve`,
+and against a tandem-router over one prefill and one decode instance with
+the same keys and limits (serve_util.Front: requests go to the router;
+scheduler gauges, counters, KV blocks and /internal/v1/state are the
+decode instance's).
 """
 
 import http.client
@@ -78,19 +84,17 @@ ROUTER_ARGS = ["--served-model-name", NAME, "--api-key", KEY, "--api-key", KEY2,
                "--max-ctx", CTX, "--max-queued", MAX_WAITING, "--ping-interval", PING_S]
 
 
-def start_front(kind, tandem_bin, model_path, log_dir, serve_args=(), router_args=(),
-                decode_args=()):
+def start_front(kind, tandem_bin, model_path, log_dir):
     """kind "serve": `tandem serve` with the API keys and limits; "router":
     the same limits on a decode instance (and the model's context on the
     prefill instance) behind a tandem-router with the API keys."""
     if kind == "serve":
         return Front.serve(KeyedServer.start(
             tandem_bin, model_path, ["--served-model-name", NAME, "--api-key", KEY,
-                                     "--api-key", KEY2, *SERVE_ARGS, *serve_args], log_dir))
+                                     "--api-key", KEY2, *SERVE_ARGS], log_dir))
     return Front.router(Cluster(tandem_bin, log_dir, model_path, n_prefill=1, n_decode=1,
                                 p_args=["--ctx", CTX, "--kv-blocks", 2 * CTX // 16],
-                                d_args=[*SERVE_ARGS, *decode_args],
-                                r_args=[*ROUTER_ARGS, *router_args]))
+                                d_args=SERVE_ARGS, r_args=ROUTER_ARGS))
 
 
 @pytest.fixture(scope="module", params=["serve", "router"])
@@ -780,7 +784,8 @@ def test_pings_while_queued_and_429(srv):
     """A stream that waits behind MAX_RUNNING long requests gets `: ping`
     comments until it runs; a request that would queue more than
     MAX_WAITING is refused with 429 and Retry-After; then the blockers are
-    dropped."""
+    dropped. Behind a router the queue is the decode instance's, and its
+    429 (no other instance to retry on) reaches the client as a 429."""
     blocker = srv.open_stream("/v1/completions", {"prompt": "block", "stream": True, **LONG},
                               headers=auth())
     waiter = None
