@@ -557,6 +557,8 @@ static void on_end(void *ctx, int grpc_status, const char *details) {
             r->retries++;
             TD_LOG_INFO("request %s: retrying after %s", q->id, q->last_error);
             st = dispatch_locked(r, q);
+            /* No other instance to try after a busy one: busy (429), not down. */
+            if (st == TD_ERR_UNAVAILABLE && grpc_status == 8) st = TD_AGAIN;
         } else if (!retry && grpc_status == 0) {
             st = TD_ERR_FORMAT; /* the stream ended without Complete */
             snprintf(q->last_error, sizeof q->last_error,
