@@ -376,8 +376,11 @@ int main(int argc, char **argv) {
     TD_LOG_INFO("%s: draining (timeout %.1f s)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
                 a.drain_timeout);
     td_router_drain(router);
-    if (!td_router_wait_idle(router, a.drain_timeout))
+    if (!td_router_wait_idle(router, a.drain_timeout)) {
         TD_LOG_WARN("drain timeout: ending the requests still running");
+        td_router_abort_all(router);
+        td_router_wait_idle(router, 5.0);
+    }
     exit_code = 0;
 done:
     td_grpc_server_stop(grpc);

@@ -66,7 +66,8 @@ typedef struct rt_req {
     char id[64];
     /* Under r->mu. */
     req_state state;
-    struct rt_req *next; /* in the queue */
+    struct rt_req *next;                /* in the queue */
+    struct rt_req *all_prev, *all_next; /* in r->all from submit to release */
     td_rt_dcall *call;
     int attempts;
     td_rt_mask excluded;
@@ -95,6 +96,7 @@ struct td_router {
     rt_req *q_head, *q_tail;
     int32_t n_queued;
     int32_t n_active; /* requests submitted, not yet let go by the router */
+    rt_req *all;      /* those requests */
     int32_t n_running;
     atomic_int n_streams; /* handed to a front end, not yet freed */
     uint64_t counter, rng;
@@ -239,6 +241,11 @@ static void req_release_locked(td_router *r, rt_req *q) {
     q->producer_done = true;
     q->state = Q_DONE;
     r->n_active--;
+    if (q->all_prev)
+        q->all_prev->all_next = q->all_next;
+    else
+        r->all = q->all_next;
+    if (q->all_next) q->all_next->all_prev = q->all_prev;
     pthread_cond_broadcast(&r->cv);
     td_gen_stream_unref(q->st);
 }
@@ -712,6 +719,9 @@ static td_status router_submit(void *ctx, const td_gen_request *g, td_gen_stream
     rc = r->draining || r->stop ? TD_ERR_UNAVAILABLE : dispatch_locked(r, q);
     if (rc == TD_OK) {
         r->n_active++;
+        q->all_next = r->all;
+        if (r->all) r->all->all_prev = q;
+        r->all = q;
         q->counted = true;
         atomic_fetch_add(&r->n_streams, 1);
     }
@@ -1229,6 +1239,23 @@ char *td_router_cluster_json(void *ctx) {
 void td_router_drain(td_router *r) {
     pthread_mutex_lock(&r->mu);
     r->draining = true;
+    pthread_mutex_unlock(&r->mu);
+}
+
+void td_router_abort_all(td_router *r) {
+    pthread_mutex_lock(&r->mu);
+    for (rt_req *q = r->all, *nx; q; q = nx) {
+        nx = q->all_next;
+        if (q->finished) continue;
+        q->cancelled = true; /* ended as aborted, never retried */
+        if (q->state == Q_QUEUED) {
+            queue_unlink_locked(r, q);
+            req_end_locked(r, q, TD_FINISH_ABORT, TD_ERR_UNAVAILABLE, -1, -1);
+            req_release_locked(r, q);
+        } else if (q->call) {
+            td_rt_dcall_cancel(q->call); /* on_end ends it */
+        }
+    }
     pthread_mutex_unlock(&r->mu);
 }
 
