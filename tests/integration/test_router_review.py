@@ -139,7 +139,6 @@ def all_ready(r, n):
     return sum(1 for x in v["instances"] if x["ready"]) == n
 
 
-@pytest.mark.xfail(strict=True, reason="review: router.c on_response: an in-stream Error 503/429/5xx ends the request (req_end_locked) although retry_hint is set")
 def test_in_stream_503_is_retried_on_another_instance(tandem_bin, manifest, test_models,
                                                        tmp_path, stubs, fakes):
     """A decode instance that fails a request before its first token with
@@ -168,7 +167,6 @@ def test_in_stream_503_is_retried_on_another_instance(tandem_bin, manifest, test
         r.close()
 
 
-@pytest.mark.xfail(strict=False, reason="review (sanitizer builds only): score.c/router.c: signed overflow on peer-reported kv/running figures")
 def test_peer_load_figures_at_int64_limits(tandem_bin, manifest, test_models, tmp_path, stubs,
                                            fakes):
     """A decode instance whose state reports extreme (but well-typed)
@@ -193,7 +191,7 @@ def test_peer_load_figures_at_int64_limits(tandem_bin, manifest, test_models, tm
                 pass
         time.sleep(0.3)
         assert r.proc.poll() is None, f"router died ({r.proc.returncode}):\n{r.log_tail()}"
-        status, _ = r.request("GET", "/health")
+        status, _, _ = r.request("GET", "/health")
         assert status == 200
     finally:
         r.close()
@@ -288,7 +286,6 @@ def test_cancel_storm_retries_queue_and_shutdown(tandem_bin, manifest, test_mode
         r2.close()
 
 
-@pytest.mark.xfail(strict=True, reason="review: router.c group_of_locked: compatibility groups are never freed (MAX_GROUPS 8)")
 def test_instance_usable_after_nine_restarts_with_new_compat(tandem_bin, manifest, test_models,
                                                              tmp_path, stubs, fakes):
     """An instance restarted with a different model configuration (a new
@@ -319,7 +316,6 @@ def test_instance_usable_after_nine_restarts_with_new_compat(tandem_bin, manifes
         r.close()
 
 
-@pytest.mark.xfail(strict=True, reason="review: index/apply_state: no bound on the hashes one instance can announce")
 def test_index_bounded_by_what_an_instance_can_hold(tandem_bin, manifest, test_models, tmp_path,
                                                    stubs, fakes):
     """An instance that reports 1000 KV blocks but keeps sending 'stored'
@@ -352,7 +348,6 @@ def test_index_bounded_by_what_an_instance_can_hold(tandem_bin, manifest, test_m
         r.close()
 
 
-@pytest.mark.xfail(strict=True, reason="review: router.c/dclient.c: calls on an instance gone unhealthy are never ended (no deadline, no keepalive)")
 def test_call_on_a_vanished_instance_does_not_hang(tandem_bin, manifest, test_models, tmp_path,
                                                    stubs, fakes):
     """A decode instance that vanishes mid-request (its host gone: neither
@@ -379,7 +374,6 @@ def test_call_on_a_vanished_instance_does_not_hang(tandem_bin, manifest, test_mo
         r.close()
 
 
-@pytest.mark.xfail(strict=True, reason="review: router.c apply_state: instance_id truncated mid-UTF-8, json_pack drops the instance")
 def test_cluster_view_lists_an_instance_with_a_long_utf8_id(tandem_bin, manifest, test_models,
                                                             tmp_path, stubs, fakes):
     """An instance_id of 62 ASCII characters and an 'é': the router keeps
