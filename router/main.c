@@ -27,7 +27,7 @@ typedef struct {
     const char *keys[64];
     int n_keys;
     bool metrics_need_key;
-    double drain_timeout;
+    double drain_timeout, ping_interval;
     long retry_after;
     td_router_params rp;
 } args;
@@ -93,6 +93,7 @@ static void usage(FILE *f) {
         "  --api-key K                require 'Authorization: Bearer K' (repeatable)\n"
         "  --metrics-need-key         /metrics needs a key too\n"
         "  --retry-after S            Retry-After of a 429 (default 1)\n"
+        "  --ping-interval S          SSE ': ping' comment interval (default 5)\n"
         "  --drain-timeout S          seconds running requests get after SIGTERM (default 30)\n",
         rd.dns_interval_s, rd.poll_interval_s * 1000, rd.poll_timeout_s * 1000,
         td_rt_policy_str(d.policy), d.overlap_weight, d.decode_weight, d.transfer_weight,
@@ -129,6 +130,7 @@ static int parse_args(int argc, char **argv, args *a) {
     a->grpc_port = 50051;
     a->drain_timeout = 30;
     a->retry_after = 1;
+    a->ping_interval = 5;
     a->rp = td_router_default_params();
     td_rt_score_params *sp = &a->rp.score;
     for (int i = 1; i < argc; i++) {
@@ -226,6 +228,8 @@ static int parse_args(int argc, char **argv, args *a) {
             ok = td_cli_parse_long(val, 0, 3600, &a->retry_after);
         else if (!strcmp(opt, "--drain-timeout"))
             ok = parse_double(val, 0, 86400, &a->drain_timeout);
+        else if (!strcmp(opt, "--ping-interval"))
+            ok = parse_double(val, 0.05, 3600, &a->ping_interval);
         else {
             fprintf(stderr, "tandem-router: unknown option '%s' (see --help)\n", opt);
             return 2;
@@ -337,6 +341,7 @@ int main(int argc, char **argv) {
     hp.n_api_keys = a.n_keys;
     hp.metrics_need_key = a.metrics_need_key;
     hp.retry_after_s = (int)a.retry_after;
+    hp.ping_interval_s = a.ping_interval;
     hp.cluster_token = token;
     hp.role = "router";
     hp.internal_ctx = router;
@@ -371,8 +376,11 @@ int main(int argc, char **argv) {
     TD_LOG_INFO("%s: draining (timeout %.1f s)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
                 a.drain_timeout);
     td_router_drain(router);
-    if (!td_router_wait_idle(router, a.drain_timeout))
+    if (!td_router_wait_idle(router, a.drain_timeout)) {
         TD_LOG_WARN("drain timeout: ending the requests still running");
+        td_router_abort_all(router);
+        td_router_wait_idle(router, 5.0);
+    }
     exit_code = 0;
 done:
     td_grpc_server_stop(grpc);

@@ -25,7 +25,11 @@
 
 #define MAXI        TD_RT_MAX_INSTANCES
 #define MAX_GROUPS  8
-#define STATE_LIMIT (64u << 20) /* largest /internal/v1/state reply read */
+#define STATE_LIMIT (64u << 20)        /* largest /internal/v1/state reply read */
+#define FIG_MAX     ((int64_t)1 << 40) /* peer-reported figures are clamped to 0..FIG_MAX */
+/* A decode instance whose state pulls fail this many times in a row has its
+ * calls cancelled (they would otherwise wait on a peer that is gone). */
+#define VANISHED_POLLS 3
 
 typedef struct {
     bool used, removed, prefill, dns;
@@ -44,6 +48,7 @@ typedef struct {
     /* Router side (under r->mu). */
     int64_t pending_blocks, pending_prefill;
     int32_t in_flight;
+    int32_t down_polls; /* state pulls failed in a row */
     uint64_t routed, failures;
     char err[160];
     /* The poller's own (no lock). */
@@ -66,7 +71,8 @@ typedef struct rt_req {
     char id[64];
     /* Under r->mu. */
     req_state state;
-    struct rt_req *next; /* in the queue */
+    struct rt_req *next;                /* in the queue */
+    struct rt_req *all_prev, *all_next; /* in r->all from submit to release */
     td_rt_dcall *call;
     int attempts;
     td_rt_mask excluded;
@@ -74,8 +80,11 @@ typedef struct rt_req {
     bool counted; /* in r->n_streams */
     int32_t d, p;
     double t_arrival, t_queued, t_dispatch, t_first, t_last;
-    char last_error[256];     /* for the logs: names the instance */
-    const char *client_error; /* for the client (static), or NULL */
+    char last_error[400];     /* for the logs: names the instance */
+    const char *client_error; /* for the client (static or d_message), or NULL */
+    int d_status;             /* the last attempt's in-stream Error: its HTTP status, 0 none */
+    char d_message[256];      /* and its message (printable ASCII) */
+    bool vanished;            /* its decode instance stopped answering: cancelled by us */
 } rt_req;
 
 struct td_router {
@@ -95,6 +104,7 @@ struct td_router {
     rt_req *q_head, *q_tail;
     int32_t n_queued;
     int32_t n_active; /* requests submitted, not yet let go by the router */
+    rt_req *all;      /* those requests */
     int32_t n_running;
     atomic_int n_streams; /* handed to a front end, not yet freed */
     uint64_t counter, rng;
@@ -125,6 +135,14 @@ td_router_params td_router_default_params(void) {
 }
 
 /* ------------------------------------------------------------ instances */
+
+/* Copies a peer's string as printable ASCII ('?' for anything else), so
+ * that it can be cut anywhere and always stays valid JSON text. */
+static void ascii_copy(char *dst, size_t n, const char *src) {
+    size_t k = 0;
+    for (; src && src[k] && k + 1 < n; k++) dst[k] = src[k] >= 0x20 && src[k] < 0x7f ? src[k] : '?';
+    if (n) dst[k] = 0;
+}
 
 /* HOST:PORT or [V6]:PORT with a port in 1..65535 and printable host. */
 static bool addr_ok(const char *a) {
@@ -239,6 +257,11 @@ static void req_release_locked(td_router *r, rt_req *q) {
     q->producer_done = true;
     q->state = Q_DONE;
     r->n_active--;
+    if (q->all_prev)
+        q->all_prev->all_next = q->all_next;
+    else
+        r->all = q->all_next;
+    if (q->all_next) q->all_next->all_prev = q->all_prev;
     pthread_cond_broadcast(&r->cv);
     td_gen_stream_unref(q->st);
 }
@@ -259,13 +282,25 @@ static void queue_unlink_locked(td_router *r, rt_req *q) {
 
 /* ------------------------------------------------------------- routing */
 
-static int32_t group_of_locked(td_router *r, td_kv_hash compat, int32_t bs) {
+/* The compatibility group of compat for slot `self` (whose own current
+ * group does not count as in use): a group no other instance is in any
+ * more is reused, so compat values that come and go (upgrades, restarts)
+ * never exhaust the MAX_GROUPS live ones. -1 with MAX_GROUPS in use. */
+static int32_t group_of_locked(td_router *r, td_kv_hash compat, int32_t bs, int32_t self) {
     for (int32_t g = 0; g < r->n_groups; g++)
         if (td_kv_hash_eq(r->groups[g], compat)) return g;
-    if (r->n_groups == MAX_GROUPS) return -1;
-    r->groups[r->n_groups] = compat;
-    r->group_bs[r->n_groups] = bs;
-    return r->n_groups++;
+    int32_t g = r->n_groups;
+    for (int32_t k = 0; k < r->n_groups && g == r->n_groups; k++) {
+        bool in_use = false;
+        for (int32_t i = 0; i < r->n_slots && !in_use; i++)
+            in_use = i != self && r->in[i].used && r->in[i].group == k;
+        if (!in_use) g = k;
+    }
+    if (g == MAX_GROUPS) return -1;
+    r->groups[g] = compat;
+    r->group_bs[g] = bs;
+    if (g == r->n_groups) r->n_groups++;
+    return g;
 }
 
 /* Chooses the pair for q (under mu) and records the decision. */
@@ -373,6 +408,7 @@ static td_status start_locked(td_router *r, rt_req *q, const td_rt_choice *c) {
     q->p = c->p;
     q->attempts++;
     q->retry_hint = false;
+    q->d_status = 0;
     q->state = Q_RUNNING;
     if (q->t_dispatch == 0) q->t_dispatch = td_time_s();
     td_rt_dcall_cb cb = {.on_response = on_response, .on_end = on_end, .ctx = q};
@@ -515,16 +551,17 @@ static bool on_response(void *ctx, const Tandem__V1__GenerateResponse *resp) {
         }
     } else if (resp->response_case == TANDEM__V1__GENERATE_RESPONSE__RESPONSE_ERROR) {
         const Tandem__V1__Error *e = resp->error;
-        snprintf(q->last_error, sizeof q->last_error, "%s: %s", r->in[q->d].addr,
-                 e->message ? e->message : "error");
+        ascii_copy(q->d_message, sizeof q->d_message, e->message ? e->message : "error");
+        snprintf(q->last_error, sizeof q->last_error, "%s: %.200s", r->in[q->d].addr, q->d_message);
         int hs = e->http_status;
-        if (!q->got_first && !q->cancelled && (hs == 429 || hs == 503 || hs >= 500))
-            q->retry_hint = true;
-        else if (hs >= 400 && hs < 500)
-            q->client_error = NULL; /* the status says it */
-        else
-            q->client_error = "the decode instance failed the request";
-        req_end_locked(r, q, TD_FINISH_ERROR, status_of_http(hs), -1, -1);
+        q->d_status = hs > 0 ? hs : 500;
+        if (!q->got_first && !q->cancelled && (hs == 429 || hs == 503 || hs >= 500)) {
+            q->retry_hint = true; /* on_end tries another instance, or ends with this */
+        } else {
+            q->client_error =
+                hs >= 400 && hs < 500 ? q->d_message : "the decode instance failed the request";
+            req_end_locked(r, q, TD_FINISH_ERROR, status_of_http(hs), -1, -1);
+        }
     }
     pthread_mutex_unlock(&r->mu);
     return more;
@@ -540,16 +577,20 @@ static void on_end(void *ctx, int grpc_status, const char *details) {
     inst *D = &r->in[q->d];
     D->in_flight--;
     if (!q->finished) {
-        if (grpc_status != 0)
+        bool from_error = q->retry_hint && q->d_status > 0; /* an in-stream Error */
+        if (grpc_status != 0 && !from_error) {
+            char det[160];
+            ascii_copy(det, sizeof det, details);
             snprintf(q->last_error, sizeof q->last_error, "%s: gRPC status %d: %s", D->addr,
-                     grpc_status, details);
+                     grpc_status, det);
+        }
         bool retry = !q->cancelled && !q->got_first && !r->stop &&
                      (q->retry_hint || (grpc_status != 0 && retryable_grpc(grpc_status)));
         if (retry && grpc_status == 14 && !q->retry_hint) {
             /* unreachable: out of rotation until its state answers again */
             D->healthy = false;
             D->failures++;
-            snprintf(D->err, sizeof D->err, "%.150s", q->last_error);
+            ascii_copy(D->err, sizeof D->err, q->last_error);
         }
         td_status st = TD_ERR_UNAVAILABLE;
         if (retry && q->attempts <= r->p.max_retries) {
@@ -557,15 +598,21 @@ static void on_end(void *ctx, int grpc_status, const char *details) {
             r->retries++;
             TD_LOG_INFO("request %s: retrying after %s", q->id, q->last_error);
             st = dispatch_locked(r, q);
+            /* No other instance to try after a busy one: busy (429), not down. */
+            if (st == TD_ERR_UNAVAILABLE && grpc_status == 8) st = TD_AGAIN;
+            if (st != TD_OK && from_error) st = status_of_http(q->d_status);
         } else if (!retry && grpc_status == 0) {
             st = TD_ERR_FORMAT; /* the stream ended without Complete */
             snprintf(q->last_error, sizeof q->last_error,
                      "%.160s ended the stream without Complete", D->addr);
+        } else if (!q->cancelled && from_error) {
+            st = status_of_http(q->d_status);
         } else if (!q->cancelled) {
             st = grpc_status == 3   ? TD_ERR_INVALID
                  : grpc_status == 8 ? TD_AGAIN
                                     : TD_ERR_UNAVAILABLE;
         }
+        if (from_error && !q->client_error) q->client_error = q->d_message;
         if (q->cancelled)
             req_end_locked(r, q, TD_FINISH_ABORT, TD_ERR_CANCELLED, -1, -1);
         else if (st != TD_OK) {
@@ -580,6 +627,17 @@ static void on_end(void *ctx, int grpc_status, const char *details) {
     pthread_cond_broadcast(&r->cv); /* capacity may have come back: the queue */
     req_release_locked(r, q);
     pthread_mutex_unlock(&r->mu);
+}
+
+/* A decode instance stopped answering its state pulls: its calls are
+ * cancelled (retried elsewhere when no token was sent yet), so no client
+ * waits on an instance that is gone. */
+static void cancel_calls_of_locked(td_router *r, int32_t d) {
+    for (rt_req *q = r->all; q; q = q->all_next)
+        if (q->call && q->d == d && !q->finished) {
+            q->vanished = true;
+            td_rt_dcall_cancel(q->call);
+        }
 }
 
 static void on_cancel(void *ctx) {
@@ -710,6 +768,9 @@ static td_status router_submit(void *ctx, const td_gen_request *g, td_gen_stream
     rc = r->draining || r->stop ? TD_ERR_UNAVAILABLE : dispatch_locked(r, q);
     if (rc == TD_OK) {
         r->n_active++;
+        q->all_next = r->all;
+        if (r->all) r->all->all_prev = q;
+        r->all = q;
         q->counted = true;
         atomic_fetch_add(&r->n_streams, 1);
     }
@@ -773,7 +834,18 @@ static void mark_down(td_router *r, int32_t i, const char *fmt, const char *what
     if (x->healthy || !x->have_state) x->failures++;
     x->healthy = false;
     snprintf(x->err, sizeof x->err, fmt, what);
+    if (++x->down_polls == VANISHED_POLLS && !x->prefill) {
+        TD_LOG_WARN("decode instance %s: %d state pulls failed in a row (%s): ending its calls",
+                    x->addr, VANISHED_POLLS, x->err);
+        cancel_calls_of_locked(r, i);
+    }
     pthread_mutex_unlock(&r->mu);
+}
+
+/* A peer's figure, clamped to 0..FIG_MAX (sums of them cannot overflow). */
+static int64_t fig(json_t *v) {
+    json_int_t n = json_integer_value(v);
+    return n < 0 ? 0 : n > FIG_MAX ? FIG_MAX : (int64_t)n;
 }
 
 static bool json_hash(json_t *v, td_kv_hash *h) {
@@ -820,57 +892,72 @@ static void apply_state(td_router *r, int32_t i, const char *body, size_t len) {
     uint64_t since_sent = x->since;
     pthread_mutex_unlock(&r->mu);
 
-    /* The prefix index (its own lock). */
+    /* The prefix index (its own lock). An instance holds at most its pool's
+     * blocks: one that announces more is lying or out of step, and is
+     * forgotten until a full snapshot (since=0) says again what it holds. */
     bool full = json_is_true(json_object_get(root, "full"));
-    uint64_t last = (uint64_t)json_integer_value(json_object_get(root, "last_seq"));
+    json_int_t last_v = json_integer_value(json_object_get(root, "last_seq"));
+    uint64_t last = last_v > 0 ? (uint64_t)last_v : 0;
+    size_t cap = (size_t)fig(json_object_get(kv, "total")) * 4 + 4096;
+    bool over = false;
     if (restarted || full) td_rt_index_clear(r->ix, i);
     if (full) {
         json_t *hs = json_object_get(root, "hashes");
+        over = json_array_size(hs) > cap;
         size_t k;
         json_t *v;
         json_array_foreach(hs, k, v) {
             td_kv_hash h;
+            if (k >= cap) break;
             if (json_hash(v, &h)) td_rt_index_store(r->ix, i, &h, 1);
         }
     } else if (!restarted) {
         json_t *evs = json_object_get(root, "events");
-        size_t k;
+        /* Only what follows the last "cleared" matters: one clear at most. */
+        size_t from = 0, k;
         json_t *v;
         json_array_foreach(evs, k, v) {
             const char *t = json_string_value(json_object_get(v, "type"));
+            if (t && !strcmp(t, "cleared")) from = k + 1;
+        }
+        if (from > 0) td_rt_index_clear(r->ix, i);
+        json_array_foreach(evs, k, v) {
+            const char *t = json_string_value(json_object_get(v, "type"));
             td_kv_hash h;
-            if (!t) continue;
-            if (!strcmp(t, "cleared")) {
-                td_rt_index_clear(r->ix, i);
-            } else if (json_hash(json_object_get(v, "hash"), &h)) {
-                if (!strcmp(t, "stored"))
-                    td_rt_index_store(r->ix, i, &h, 1);
-                else if (!strcmp(t, "removed"))
-                    td_rt_index_remove(r->ix, i, &h, 1);
-            }
+            if (k < from || !t || !json_hash(json_object_get(v, "hash"), &h)) continue;
+            if (!strcmp(t, "stored"))
+                td_rt_index_store(r->ix, i, &h, 1);
+            else if (!strcmp(t, "removed"))
+                td_rt_index_remove(r->ix, i, &h, 1);
+        }
+        if (td_rt_index_count(r->ix, i) > cap) {
+            over = true;
+            td_rt_index_clear(r->ix, i);
         }
     }
+    if (over)
+        TD_LOG_WARN("instance %s announced more blocks than its pool holds: index entries "
+                    "dropped, asking for a full snapshot",
+                    x->addr);
     TD_UNUSED(since_sent);
 
     pthread_mutex_lock(&r->mu);
     x->epoch = epoch;
-    snprintf(x->id, sizeof x->id, "%s",
-             json_string_value(json_object_get(root, "instance_id"))
-                 ? json_string_value(json_object_get(root, "instance_id"))
-                 : "");
-    x->since = restarted && !full ? 0 : last;
+    ascii_copy(x->id, sizeof x->id, json_string_value(json_object_get(root, "instance_id")));
+    x->since = (restarted && !full) || over ? 0 : last;
     x->compat = compat;
     x->block_size = (int32_t)bs;
-    x->group = group_of_locked(r, compat, (int32_t)bs);
+    x->group = group_of_locked(r, compat, (int32_t)bs, i);
     x->draining = json_is_true(json_object_get(root, "draining"));
-    x->max_ctx = (int32_t)json_integer_value(json_object_get(root, "max_ctx"));
-    x->running = (int32_t)json_integer_value(json_object_get(load, "running"));
-    x->waiting = (int32_t)json_integer_value(json_object_get(load, "waiting"));
-    x->queued_prefill_tokens = json_integer_value(json_object_get(load, "queued_prefill_tokens"));
-    x->kv_total = json_integer_value(json_object_get(kv, "total"));
-    x->kv_free = json_integer_value(json_object_get(kv, "free"));
-    x->kv_used = json_integer_value(json_object_get(kv, "used"));
-    x->kv_cached = json_integer_value(json_object_get(kv, "cached"));
+    x->max_ctx = (int32_t)TD_MIN(fig(json_object_get(root, "max_ctx")), INT32_MAX);
+    x->running = (int32_t)TD_MIN(fig(json_object_get(load, "running")), 1 << 30);
+    x->waiting = (int32_t)TD_MIN(fig(json_object_get(load, "waiting")), 1 << 30);
+    x->queued_prefill_tokens = fig(json_object_get(load, "queued_prefill_tokens"));
+    x->kv_total = fig(json_object_get(kv, "total"));
+    x->kv_free = fig(json_object_get(kv, "free"));
+    x->kv_used = fig(json_object_get(kv, "used"));
+    x->kv_cached = fig(json_object_get(kv, "cached"));
+    x->down_polls = 0;
     x->pending_blocks = 0;
     x->pending_prefill = 0;
     int64_t gp = json_integer_value(json_object_get(root, "grpc_port"));
@@ -1227,6 +1314,23 @@ char *td_router_cluster_json(void *ctx) {
 void td_router_drain(td_router *r) {
     pthread_mutex_lock(&r->mu);
     r->draining = true;
+    pthread_mutex_unlock(&r->mu);
+}
+
+void td_router_abort_all(td_router *r) {
+    pthread_mutex_lock(&r->mu);
+    for (rt_req *q = r->all, *nx; q; q = nx) {
+        nx = q->all_next;
+        if (q->finished) continue;
+        q->cancelled = true; /* ended as aborted, never retried */
+        if (q->state == Q_QUEUED) {
+            queue_unlink_locked(r, q);
+            req_end_locked(r, q, TD_FINISH_ABORT, TD_ERR_UNAVAILABLE, -1, -1);
+            req_release_locked(r, q);
+        } else if (q->call) {
+            td_rt_dcall_cancel(q->call); /* on_end ends it */
+        }
+    }
     pthread_mutex_unlock(&r->mu);
 }
 

@@ -71,5 +71,9 @@ void td_router_gauges(void *r, td_metrics_gauges *g);
  * true when idle. */
 void td_router_drain(td_router *r);
 bool td_router_wait_idle(td_router *r, double timeout_s);
+/* Ends every request still queued or running as aborted by the server
+ * (the front ends send the client 503 / an error event, not a truncated
+ * success); td_router_wait_idle then lets them write it. */
+void td_router_abort_all(td_router *r);
 
 #endif

@@ -15,6 +15,7 @@ static const struct {
      "measure prompt and generation speed (llama-bench style)"},
     {"eval", td_cmd_eval, "dump logits for token sequences (used by the numerics tests)"},
     {"serve", td_cmd_serve, "serve the model over the OpenAI HTTP API and gRPC"},
+    {"up", td_cmd_up, "run a router, prefill and decode instances on this machine"},
     {"bench", td_cmd_bench, "load-test an OpenAI-compatible endpoint"},
     {"bench-transfer", td_cmd_bench_transfer,
      "KV transfer channel put throughput (ucx_perftest ucp_put_bw style)"},
@@ -36,7 +37,10 @@ int main(int argc, char **argv) {
     if (strcmp(argv[1], "rank") == 0) return td_exec_rank_main(argc - 1, argv + 1);
     for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++)
         if (strcmp(argv[1], k_cmds[i].name) == 0) return k_cmds[i].fn(argc - 1, argv + 1);
-    fprintf(stderr, "tandem: unknown command '%s'\n", argv[1]);
-    usage(stderr);
+    /* one line, whatever the number of commands */
+    fprintf(stderr, "tandem: unknown command '%s'; commands:", argv[1]);
+    for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++)
+        fprintf(stderr, " %s", k_cmds[i].name);
+    fprintf(stderr, " ('tandem --help' describes them)\n");
     return 2;
 }

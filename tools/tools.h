@@ -7,6 +7,7 @@ int td_cmd_generate(int argc, char **argv);
 int td_cmd_bench_engine(int argc, char **argv);
 int td_cmd_eval(int argc, char **argv);
 int td_cmd_serve(int argc, char **argv);
+int td_cmd_up(int argc, char **argv);
 
 /* The server behind tandem serve, tandem-prefill and tandem-decode. */
 typedef enum { TD_ROLE_SERVE, TD_ROLE_PREFILL, TD_ROLE_DECODE } td_serve_role;

@@ -539,3 +539,68 @@ class Cluster:
         for s in [self.router] + self.ds + self.ps:
             if s is not None:
                 s.close()
+
+
+class Front:
+    """The public API under test, the same tests for both shapes:
+    kind "serve": one `tandem serve`; kind "router": a tandem-router over
+    one prefill and one decode instance (a Cluster).
+      .api    the Server that takes the requests (serve, or the router);
+              host, port, grpc_port, base_url, proc, request, post_json,
+              get_json, open_stream, metrics and log_tail are its own
+      .inst   where the scheduler runs (serve, or the decode instance):
+              scheduler gauges and counters, KV blocks, /internal/v1/state
+      .insts  every instance (serve; or decode and prefill)
+      .cluster  the Cluster (None for serve)
+    wait_idle() waits for every instance (and the router) to be idle;
+    stop() stops the router first, then the instances: 0 when every
+    process exited 0, else the first other status; close() kills all."""
+
+    def __init__(self, kind, api, insts, cluster=None):
+        self.kind, self.api, self.insts, self.cluster = kind, api, list(insts), cluster
+        self.inst = self.insts[0]
+
+    @classmethod
+    def serve(cls, server):
+        return cls("serve", server, [server])
+
+    @classmethod
+    def router(cls, cluster):
+        return cls("router", cluster.router, cluster.ds + cluster.ps, cluster)
+
+    @property
+    def routed(self):
+        return self.kind == "router"
+
+    def __getattr__(self, name):
+        if name in ("host", "port", "grpc_port", "base_url", "proc", "request", "post_json",
+                    "get_json", "open_stream", "metrics", "log_tail", "err_path"):
+            return getattr(self.api, name)
+        raise AttributeError(name)
+
+    def state(self, since=None):
+        return self.inst.state(since)
+
+    def blocks(self):
+        return self.inst.blocks()
+
+    def wait_idle(self, timeout=10):
+        if self.cluster is not None:
+            return self.cluster.wait_idle(timeout)
+        return self.api.wait_idle(timeout)
+
+    def logs(self, n=3000):
+        """Every process's stderr tail, labelled (for failure messages)."""
+        procs = [self.api] + ([s for s in self.insts if s is not self.api])
+        return "\n".join(f"--- {' '.join(s.argv[:1])}\n{s.log_tail(n)}" for s in procs)
+
+    def stop(self, sig=signal.SIGTERM, timeout=30):
+        rcs = [self.api.stop(sig, timeout)]
+        rcs += [s.stop(sig, timeout) for s in self.insts if s is not self.api]
+        return next((rc for rc in rcs if rc != 0), 0)
+
+    def close(self):
+        if self.cluster is not None:
+            self.cluster.close()
+        else:
+            self.api.close()

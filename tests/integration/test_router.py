@@ -257,3 +257,41 @@ def test_cluster_view_and_auth(model, cluster):
     assert metric(m, "vllm:num_requests_running") == 0
     status, _ = c.router.get_json("/ready")
     assert status == 200
+
+
+def test_dns_discovery(model, tandem_bin, tmp_path):
+    """--prefill-dns / --decode-dns NAME:PORT: every address NAME resolves to
+    becomes an instance (here "localhost": 127.0.0.1, and ::1 where it
+    resolves to it too, where nothing listens: that one stays out of
+    rotation), re-resolved every --dns-interval."""
+    from serve_util import TOKEN, Server
+    base = Cluster(tandem_bin, tmp_path / "base", model, n_prefill=1, n_decode=1,
+                   r_args=REMOTE_ALWAYS)
+    try:
+        r = Server.start(tandem_bin, model,
+                         ["--cluster-token", TOKEN, "--dns-interval", 0.2,
+                          "--prefill-dns", f"localhost:{base.ps[0].port}",
+                          "--decode-dns", f"localhost:{base.ds[0].port}", *REMOTE_ALWAYS],
+                         tmp_path / "router-dns", cmd=[tandem_bin.parent / "tandem-router"],
+                         cluster_token=TOKEN)
+        try:
+            def view():
+                return r.get_json("/internal/v1/cluster",
+                                  headers={"X-Tandem-Cluster-Token": TOKEN})[1]
+            wait_until(lambda: sum(x["ready"] for x in view()["instances"]) == 2, timeout=10,
+                       what="both discovered instances ready", proc=r.proc)
+            v = view()
+            assert all(x["discovered"] for x in v["instances"])
+            ready = {x["role"]: x["address"] for x in v["instances"] if x["ready"]}
+            assert ready == {"prefill": f"127.0.0.1:{base.ps[0].port}",
+                             "decode": f"127.0.0.1:{base.ds[0].port}"}
+            rng = random.Random(23)
+            out = complete(r, {"prompt": tokens(40, rng), "max_tokens": 3, "temperature": 0})
+            assert out["usage"]["completion_tokens"] == 3
+            m = r.metrics()
+            assert metric(m, "tandem:router_decisions_total", reason="remote") == 1
+        finally:
+            r.close()
+        base.wait_idle()
+    finally:
+        base.close()

@@ -6,6 +6,10 @@ server (/v1/completions, /v1/chat/completions, /tokenize, /detokenize: a
 different front end over the same engine), the block and request gauges in
 /metrics and /internal/v1/state, and the status codes proto/tandem.proto
 documents. A tiny random GGUF model keeps every run short.
+
+Every test runs against `tandem serve` and against a tandem-router over one
+prefill and one decode instance (serve_util.Front: calls go to the router's
+gRPC port; scheduler gauges and KV blocks are the decode instance's).
 """
 
 import signal
@@ -17,7 +21,7 @@ import pytest
 
 from conftest import scaled, wait_until
 from grpc_stubs import load_stubs
-from serve_util import Server, metric
+from serve_util import Cluster, Front, Server, metric
 
 MAX_LONG = 12000  # a generation that takes seconds on this model, ended early by the tests
 CTX = 16384
@@ -44,15 +48,30 @@ def start_server(tandem_bin, model, tmp_path_factory, *args):
                         tmp_path_factory.mktemp("serve-grpc"))
 
 
-@pytest.fixture(scope="module")
-def srv(tandem_bin, model, tmp_path_factory):
-    s = start_server(tandem_bin, model, tmp_path_factory)
+def start_front(kind, tandem_bin, model, tmp_path_factory, *args):
+    """kind "serve": start_server(...args); "router": the same context and
+    pool on a decode instance behind a tandem-router (its gRPC port), with
+    args (API keys, drain timeout) given to the router."""
+    if kind == "serve":
+        return Front.serve(start_server(tandem_bin, model, tmp_path_factory, *args))
+    kv = ["--ctx", CTX, "--kv-blocks", 2 * CTX // 16 + 64]
+    return Front.router(Cluster(tandem_bin, tmp_path_factory.mktemp("router-grpc"), model,
+                                n_prefill=1, n_decode=1, p_args=kv, d_args=kv,
+                                r_args=["--max-ctx", CTX, *args]))
+
+
+KINDS = ["serve", "router"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def srv(request, tandem_bin, model, tmp_path_factory):
+    s = start_front(request.param, tandem_bin, model, tmp_path_factory)
     yield s
     # A clean exit after everything above (a sanitizer build exits nonzero
-    # on a leak or an error it found).
+    # on a leak or an error it found); behind a router, of every process.
     rc = s.stop()
     s.close()
-    assert rc == 0, s.log_tail()
+    assert rc == 0, s.logs()
 
 
 class Client:
@@ -355,9 +374,11 @@ def test_bad_request_id(client, srv):
 def test_client_cancel_frees_request(client, srv):
     it = client.gen.Generate(long_request(client), timeout=scaled(120))
     next(it)
-    # The gauges are published after each scheduler step: poll.
-    wait_until(lambda: (metric(m := srv.metrics(), "vllm:num_requests_running") == 1
-                        and metric(m, "tandem:kv_blocks", state="used") > 0),
+    # The gauges are published after each scheduler step: poll (behind a
+    # router: the decode instance's scheduler, and the router's own count).
+    wait_until(lambda: (metric(m := srv.inst.metrics(), "vllm:num_requests_running") == 1
+                        and metric(m, "tandem:kv_blocks", state="used") > 0
+                        and metric(srv.metrics(), "vllm:num_requests_running") == 1),
                timeout=10, what="the running request in /metrics")
     it.cancel()
     srv.wait_idle()
@@ -402,9 +423,10 @@ def test_garbage_bytes_then_generate(client, srv):
     srv.wait_idle()
 
 
-def test_api_key(stubs, tandem_bin, model, tmp_path_factory):
-    s = start_server(tandem_bin, model, tmp_path_factory, "--api-key", "k-one", "--api-key",
-                     "k-two")
+@pytest.mark.parametrize("kind", KINDS)
+def test_api_key(kind, stubs, tandem_bin, model, tmp_path_factory):
+    s = start_front(kind, tandem_bin, model, tmp_path_factory, "--api-key", "k-one",
+                    "--api-key", "k-two")
     c = Client(stubs, s)
     try:
         req = c.request(text="hi", max_tokens=3)
@@ -420,14 +442,16 @@ def test_api_key(stubs, tandem_bin, model, tmp_path_factory):
         # Health needs no key.
         r = c.health.Check(c.hpb.HealthCheckRequest(), timeout=scaled(10))
         assert r.status == c.hpb.HealthCheckResponse.SERVING
-        assert s.stop() == 0, s.log_tail()
+        assert s.stop() == 0, s.logs()
     finally:
         c.close()
         s.close()
 
 
-def test_drain_not_serving(stubs, tandem_bin, model, tmp_path_factory):
-    s = start_server(tandem_bin, model, tmp_path_factory, "--drain-timeout", 60)
+@pytest.mark.parametrize("kind", KINDS)
+def test_drain_not_serving(kind, stubs, tandem_bin, model, tmp_path_factory):
+    """SIGTERM drains (behind a router: the router is the one stopped)."""
+    s = start_front(kind, tandem_bin, model, tmp_path_factory, "--drain-timeout", 60)
     c = Client(stubs, s)
     try:
         hpb = c.hpb
@@ -446,14 +470,15 @@ def test_drain_not_serving(stubs, tandem_bin, model, tmp_path_factory):
         assert c.gen.Abort(c.pb.AbortRequest(request_id="running"), timeout=scaled(10)).found
         ends = [m.complete.finish_reason for m in it if m.WhichOneof("response") == "complete"]
         assert ends == ["abort"]
-        assert s.stop(timeout=30) == 0
+        assert s.stop(timeout=30) == 0, s.logs()
     finally:
         c.close()
         s.close()
 
 
-def test_drain_timeout_ends_stream_with_abort(stubs, tandem_bin, model, tmp_path_factory):
-    s = start_server(tandem_bin, model, tmp_path_factory, "--drain-timeout", 0.5)
+@pytest.mark.parametrize("kind", KINDS)
+def test_drain_timeout_ends_stream_with_abort(kind, stubs, tandem_bin, model, tmp_path_factory):
+    s = start_front(kind, tandem_bin, model, tmp_path_factory, "--drain-timeout", 0.5)
     c = Client(stubs, s)
     try:
         it = c.gen.Generate(long_request(c), timeout=scaled(120))
@@ -462,7 +487,11 @@ def test_drain_timeout_ends_stream_with_abort(stubs, tandem_bin, model, tmp_path
         ends = [m.complete for m in it if m.WhichOneof("response") == "complete"]
         assert len(ends) == 1 and ends[0].finish_reason == "abort"
         assert ends[0].completion_tokens < MAX_LONG
-        assert s.stop(timeout=30) == 0, s.log_tail()
+        if s.routed:
+            # The router exits; the decode instance let go of the request.
+            assert s.api.proc.wait(timeout=scaled(30)) == 0, s.logs()
+            s.inst.wait_idle()
+        assert s.stop(timeout=30) == 0, s.logs()
     finally:
         c.close()
         s.close()

@@ -8,6 +8,12 @@ Hugging Face `tokenizers` package on the model's tokenizer.json for token
 ids, and `tandem eval` (raw logits) for logprobs. The last test checks that
 after every scenario above, faults included, no KV block is used or
 reserved and nothing runs.
+
+Every test runs twice (the srv fixture's params): against `tandem serve`,
+and against a tandem-router over one prefill and one decode instance with
+the same keys and limits (serve_util.Front: requests go to the router;
+scheduler gauges, counters, KV blocks and /internal/v1/state are the
+decode instance's).
 """
 
 import http.client
@@ -22,7 +28,7 @@ import openai
 import pytest
 
 from conftest import run_tandem, scaled, tandem_eval_raw, wait_until
-from serve_util import Server, metric, state_load
+from serve_util import Cluster, Front, Server, metric, state_load
 
 NAME = "tiny-chat"
 KEY = "sk-test-0123456789"
@@ -69,14 +75,32 @@ class KeyedServer(Server):
         return json.loads(data)
 
 
-@pytest.fixture(scope="module")
-def srv(tandem_bin, model_path, tmp_path_factory):
-    s = KeyedServer.start(tandem_bin, model_path,
-                     ["--served-model-name", NAME, "--api-key", KEY, "--api-key", KEY2,
-                      "--ctx", CTX, "--kv-blocks", (MAX_RUNNING + 2) * CTX // 16,
-                      "--max-running", MAX_RUNNING, "--max-waiting", MAX_WAITING,
-                      "--ping-interval", PING_S, "--threads", 1],
-                     tmp_path_factory.mktemp("serve-http"))
+SERVE_ARGS = ["--ctx", CTX, "--kv-blocks", (MAX_RUNNING + 2) * CTX // 16,
+              "--max-running", MAX_RUNNING, "--max-waiting", MAX_WAITING,
+              "--ping-interval", PING_S, "--threads", 1]
+# The router's own limits: the API keys, the context (--max-ctx), its queue
+# (--max-queued, then 429) and the ping interval of its streams.
+ROUTER_ARGS = ["--served-model-name", NAME, "--api-key", KEY, "--api-key", KEY2,
+               "--max-ctx", CTX, "--max-queued", MAX_WAITING, "--ping-interval", PING_S]
+
+
+def start_front(kind, tandem_bin, model_path, log_dir):
+    """kind "serve": `tandem serve` with the API keys and limits; "router":
+    the same limits on a decode instance (and the model's context on the
+    prefill instance) behind a tandem-router with the API keys."""
+    if kind == "serve":
+        return Front.serve(KeyedServer.start(
+            tandem_bin, model_path, ["--served-model-name", NAME, "--api-key", KEY,
+                                     "--api-key", KEY2, *SERVE_ARGS], log_dir))
+    return Front.router(Cluster(tandem_bin, log_dir, model_path, n_prefill=1, n_decode=1,
+                                p_args=["--ctx", CTX, "--kv-blocks", 2 * CTX // 16],
+                                d_args=SERVE_ARGS, r_args=ROUTER_ARGS))
+
+
+@pytest.fixture(scope="module", params=["serve", "router"])
+def srv(request, tandem_bin, model_path, tmp_path_factory):
+    s = start_front(request.param, tandem_bin, model_path,
+                    tmp_path_factory.mktemp(f"serve-http-{request.param}"))
     yield s
     s.close()
 
@@ -102,6 +126,12 @@ def post(srv, path, obj, key=KEY, timeout=120):
     except ValueError:
         parsed = None
     return status, headers, parsed
+
+
+def internal_auth(srv):
+    """Headers for /internal/ paths: the API key on serve, the cluster token
+    on an instance behind a router."""
+    return srv.inst.internal_headers if srv.routed else auth()
 
 
 def assert_error(status, body, want_status, param=None, code=None):
@@ -475,10 +505,15 @@ def test_health_ready_metrics_state(srv):
     assert status == 200
     assert headers["content-type"].startswith("text/plain; version=0.0.4")
     assert b"vllm:num_requests_running" in data
-    # The router's endpoint needs the key.
-    status, _, _ = srv.request("GET", "/internal/v1/state")
+    # The router's endpoint needs the key (an instance behind a router: the
+    # cluster token; the router's own view too).
+    inst, iauth = srv.inst, internal_auth(srv)
+    status, _, _ = inst.request("GET", "/internal/v1/state")
     assert status == 401
-    status, _, raw = srv.request("GET", "/internal/v1/state?since=0", headers=auth())
+    if srv.routed:
+        assert inst.request("GET", "/internal/v1/state", headers=auth())[0] == 401
+        assert srv.request("GET", "/internal/v1/cluster", headers=auth())[0] == 401
+    status, _, raw = inst.request("GET", "/internal/v1/state?since=0", headers=iauth)
     assert status == 200
     st = json.loads(raw)
     assert isinstance(st["instance_id"], str) and st["instance_id"]
@@ -497,13 +532,13 @@ def test_health_ready_metrics_state(srv):
     else:
         assert [e["seq"] for e in st["events"]] == list(range(1, st["last_seq"] + 1))
         assert all(e["type"] in ("stored", "removed", "cleared") for e in st["events"])
-    status, _, raw = srv.request("GET", f"/internal/v1/state?since={st['last_seq']}",
-                                 headers=auth())
+    status, _, raw = inst.request("GET", f"/internal/v1/state?since={st['last_seq']}",
+                                  headers=iauth)
     later = json.loads(raw)
     assert later["last_seq"] >= st["last_seq"]
     if later["last_seq"] == st["last_seq"]:
         assert later["full"] is False and later["events"] == []
-    status, _, raw = srv.request("GET", "/internal/v1/state?since=abc", headers=auth())
+    status, _, raw = inst.request("GET", "/internal/v1/state?since=abc", headers=iauth)
     assert_error(status, json.loads(raw), 400, param="since")
 
 
@@ -689,16 +724,23 @@ def test_garbage_on_the_port(srv):
 # Clients that go away, queueing, pings
 
 
-def _counter(srv, reason):
-    return metric(srv.metrics(), "vllm:request_success_total", finished_reason=reason)
+def _counter(s, reason):
+    return metric(s.metrics(), "vllm:request_success_total", finished_reason=reason)
 
 
-def _running(srv):
-    return metric(srv.metrics(), "vllm:num_requests_running")
+def _running(s):
+    return metric(s.metrics(), "vllm:num_requests_running")
+
+
+def _levels(srv):
+    """Where a cancelled request must show: serve; or the router (its
+    requests) and the decode instance (its scheduler)."""
+    return [srv.api, srv.inst] if srv.routed else [srv.api]
 
 
 def test_disconnect_mid_stream_cancels(srv):
-    aborted = _counter(srv, "abort")
+    levels = _levels(srv)
+    aborted = [_counter(s, "abort") for s in levels]
     st = srv.open_stream("/v1/completions", {"prompt": "long", "stream": True, **LONG},
                          headers=auth())
     try:
@@ -708,43 +750,50 @@ def test_disconnect_mid_stream_cancels(srv):
         assert all(isinstance(e, dict) and "error" not in e for e in got), got
         # The gauges are published after each scheduler step, so the first
         # tokens (all from one step) can arrive before the step's figures.
-        wait_until(lambda: _running(srv) > 0, timeout=10, what="the request to run")
+        wait_until(lambda: all(_running(s) > 0 for s in levels), timeout=10,
+                   what="the request to run")
     finally:
         st.abort()
-    wait_until(lambda: _running(srv) == 0, timeout=2, what="running gauge back to 0")
+    wait_until(lambda: all(_running(s) == 0 for s in levels), timeout=2,
+               what="running gauge back to 0")
     # Cancelled, not finished: every choice counted as aborted.
-    wait_until(lambda: _counter(srv, "abort") == aborted + LONG["n"], timeout=2,
-               what="abort counter")
+    wait_until(lambda: [_counter(s, "abort") for s in levels] == [a + LONG["n"] for a in aborted],
+               timeout=2, what="abort counter")
 
 
 def test_disconnect_mid_non_stream_cancels(srv):
-    aborted = _counter(srv, "abort")
+    levels = _levels(srv)
+    aborted = [_counter(s, "abort") for s in levels]
     body = json.dumps({"prompt": "long", **LONG}).encode()
     s = socket.create_connection((srv.host, srv.port), timeout=scaled(10))
     try:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
                   + body)
-        wait_until(lambda: _running(srv) > 0, timeout=10, what="the request to run")
+        wait_until(lambda: all(_running(x) > 0 for x in levels), timeout=10,
+                   what="the request to run")
     finally:
         s.close()
-    wait_until(lambda: _running(srv) == 0, timeout=2, what="running gauge back to 0")
-    wait_until(lambda: _counter(srv, "abort") == aborted + LONG["n"], timeout=2,
-               what="abort counter")
+    wait_until(lambda: all(_running(x) == 0 for x in levels), timeout=2,
+               what="running gauge back to 0")
+    wait_until(lambda: [_counter(x, "abort") for x in levels] == [a + LONG["n"] for a in aborted],
+               timeout=2, what="abort counter")
 
 
 def test_pings_while_queued_and_429(srv):
     """A stream that waits behind MAX_RUNNING long requests gets `: ping`
     comments until it runs; a request that would queue more than
     MAX_WAITING is refused with 429 and Retry-After; then the blockers are
-    dropped."""
+    dropped. Behind a router the queue is the decode instance's, and its
+    429 (no other instance to retry on) reaches the client as a 429."""
     blocker = srv.open_stream("/v1/completions", {"prompt": "block", "stream": True, **LONG},
                               headers=auth())
     waiter = None
     try:
         it = blocker.events()
         next(it)
-        wait_until(lambda: _running(srv) == MAX_RUNNING, timeout=10, what="all slots busy")
+        wait_until(lambda: _running(srv.inst) == MAX_RUNNING, timeout=10,
+                   what="all slots busy")
         waiter = srv.open_stream("/v1/chat/completions",
                                  {"messages": [{"role": "user", "content": "wait"}],
                                   "stream": True, "max_tokens": 2}, headers=auth())
@@ -759,7 +808,8 @@ def test_pings_while_queued_and_429(srv):
                 assert ln.strip() == ": ping"
                 waiter.comments += 1
         assert waiter.comments >= 2, lines
-        assert metric(srv.metrics(), "vllm:num_requests_waiting") >= 1
+        # Waiting in the scheduler (behind a router: the decode instance's).
+        assert metric(srv.inst.metrics(), "vllm:num_requests_waiting") >= 1
         # 1 waiting + 8 more choices > MAX_WAITING: refused as a whole.
         status, headers, body = post(srv, "/v1/completions",
                                      {"prompt": "more", "n": 8, "max_tokens": 4})
@@ -770,14 +820,22 @@ def test_pings_while_queued_and_429(srv):
         blocker.abort()
         if waiter is not None:
             waiter.abort()
-    wait_until(lambda: _running(srv) == 0, timeout=5, what="running gauge back to 0")
+    wait_until(lambda: all(_running(s) == 0 for s in _levels(srv)), timeout=5,
+               what="running gauge back to 0")
 
 
-def test_error_event_after_headers(tandem_bin, model_path, tmp_path):
+@pytest.mark.parametrize("kind", ["serve", "router"])
+def test_error_event_after_headers(kind, tandem_bin, model_path, tmp_path):
     """A stream the server has to abort (SIGTERM, drain timeout passed) ends
-    with an error event and [DONE], not with a truncated success."""
-    s = Server.start(tandem_bin, model_path, ["--ctx", CTX, "--drain-timeout", "0.3",
-                                              "--threads", 1], tmp_path)
+    with an error event and [DONE], not with a truncated success. Behind a
+    router, the router is the one stopped."""
+    if kind == "serve":
+        s = Front.serve(Server.start(tandem_bin, model_path, ["--ctx", CTX, "--drain-timeout",
+                                                              "0.3", "--threads", 1], tmp_path))
+    else:
+        s = Front.router(Cluster(tandem_bin, tmp_path, model_path, n_prefill=1, n_decode=1,
+                                 p_args=["--ctx", CTX], d_args=["--ctx", CTX],
+                                 r_args=["--max-ctx", CTX, "--drain-timeout", "0.3"]))
     try:
         st = s.open_stream("/v1/chat/completions",
                            {"messages": [{"role": "user", "content": "go"}], "stream": True,
@@ -798,6 +856,10 @@ def test_error_event_after_headers(tandem_bin, model_path, tmp_path):
         assert not any(c.get("finish_reason") for e in first + rest if isinstance(e, dict)
                        for c in e.get("choices", []))
         assert s.proc.wait(timeout=scaled(30)) == 0, s.log_tail()
+        # The instances behind the router let go of the cancelled requests.
+        for x in s.insts:
+            if x is not s.api:
+                x.wait_idle()
     finally:
         s.close()
 
@@ -832,4 +894,5 @@ def test_zz_idle_after_everything(srv):
     ld = state_load(st)
     assert ld["kv_used"] == 0 and ld["kv_reserved"] == 0
     assert ld["running"] == 0 and ld["waiting"] == 0
-    assert srv.proc.poll() is None, srv.log_tail()
+    for x in [srv.api] + srv.insts:
+        assert x.proc.poll() is None, x.log_tail()

@@ -1,0 +1,978 @@
+/* tandem up: a whole cluster on one machine (DESIGN.md §11): N
+ * tandem-prefill and M tandem-decode instances on loopback behind one
+ * tandem-router, started from the binaries next to this one, with a fresh
+ * cluster token; ready once the router is ready and sees every instance
+ * ready; stopped cleanly on Ctrl-C or SIGTERM.
+ *
+ * The children run in their own process groups, so a terminal's Ctrl-C
+ * reaches only this process, which then stops them in order (router, decode,
+ * prefill: a request in flight finishes before the instances it needs go).
+ * Their stdout and stderr come through pipes and go to our stderr with the
+ * instance's name in front of every line; our stdout carries only the
+ * ready line. Signals and child exits are read from a signalfd in the same
+ * poll as the pipes, so nothing runs in a signal handler. */
+#define _GNU_SOURCE /* pipe2 */
+#include <curl/curl.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "../common/base/base.h"
+#include "tools.h"
+
+extern char **environ;
+
+#define UP_MAX_POOL      16 /* per pool: a decode instance takes at most 16 prefill peers */
+#define UP_MAX_KIDS      (2 * UP_MAX_POOL + 1)
+#define UP_LINE_MAX      4096
+#define UP_ADDR_MAX      280
+#define UP_STOP_MARGIN_S 10.0 /* beyond the drain timeout, before SIGKILL */
+#define UP_POLL_READY_MS 250
+#define UP_HTTP_BODY_MAX (4u << 20)
+
+typedef enum { UP_PREFILL, UP_DECODE, UP_ROUTER } up_role;
+
+static const char *const k_bins[] = {"tandem-prefill", "tandem-decode", "tandem-router"};
+static const char *const k_roles[] = {"prefill", "decode", "router"};
+
+typedef struct {
+    int fd; /* -1 once closed */
+    size_t len;
+    char buf[UP_LINE_MAX];
+} up_pipe;
+
+typedef struct {
+    up_role role;
+    char name[32]; /* "prefill-0", "decode-1", "router" */
+    pid_t pid;     /* > 0 once started */
+    bool exited;   /* reaped; status valid */
+    int status;    /* as waitpid */
+    bool stopping; /* sent SIGTERM (or killed) by stop_all */
+    bool killed;   /* SIGKILLed by us */
+    up_pipe out, err;
+    char http[UP_ADDR_MAX], grpc[UP_ADDR_MAX]; /* from the listening line; "" before */
+} up_child;
+
+typedef struct {
+    long n_prefill, n_decode, port, grpc_port, threads;
+    const char *model, *host, *token_file;
+    double ready_timeout, drain_timeout;
+    const char *chat; /* --chat: one request through the router, then stop */
+    long max_tokens;
+} up_args;
+
+typedef struct {
+    up_args a;
+    char bin_dir[PATH_MAX];
+    char token_path[PATH_MAX];
+    bool token_owned; /* our temp file: removed at exit */
+    char *token;
+    int sfd;
+    int n_signals; /* SIGINT/SIGTERM received */
+    bool ready;    /* the ready line was printed */
+    up_child kids[UP_MAX_KIDS];
+    int n_kids;
+} up_state;
+
+static void up_usage(FILE *f) {
+    fprintf(
+        f,
+        "usage: tandem up [--prefill N] [--decode M] [--model PATH] [--port 8000] [--grpc-port "
+        "50051] [options]\n"
+        "\n"
+        "Runs a whole cluster on this machine: N tandem-prefill and M tandem-decode instances\n"
+        "on loopback (ephemeral ports; every decode instance knows every prefill instance)\n"
+        "behind one tandem-router on --host:--port, all started from the directory of this\n"
+        "binary and sharing a fresh cluster token. Prints\n"
+        "  tandem up: ready http=http://HOST:PORT grpc=HOST:PORT (prefill N, decode M)\n"
+        "on stdout once the router answers /ready and sees every instance ready. The\n"
+        "instances' output goes to stderr, each line behind the instance's name.\n"
+        "Ctrl-C or SIGTERM stops everything: the router first, then the decode, then the\n"
+        "prefill instances, each given --drain-timeout plus %.0f s before it is killed; a\n"
+        "second Ctrl-C kills at once. Exits 0 after a clean stop; 1 when an instance exits\n"
+        "on its own, fails to start or is not ready in time (everything else is stopped);\n"
+        "2 for bad usage.\n"
+        "\n"
+        "  --prefill N                prefill instances (default 1, at most %d)\n"
+        "  --decode M                 decode instances (default 1, at most %d)\n"
+        "  --model PATH               GGUF file or Hugging Face directory (default: %s)\n"
+        "  --host ADDR                the router's address (default 127.0.0.1; the instances\n"
+        "                             always bind 127.0.0.1)\n"
+        "  --port N                   the router's HTTP port (default 8000; 0 = ephemeral)\n"
+        "  --grpc-port N              the router's gRPC port (default 50051; 0 = ephemeral;\n"
+        "                             -1 = none)\n"
+        "  --threads T                compute threads per instance (default: online cores /\n"
+        "                             (N + M), at least 1)\n"
+        "  --cluster-token-file F     the cluster token (first line of F; default: a random\n"
+        "                             token in a 0600 temporary file removed at exit)\n"
+        "  --ready-timeout S          seconds to wait for the cluster to be ready (default 300)\n"
+        "  --drain-timeout S          each instance's drain timeout after SIGTERM (default 30)\n"
+        "  --chat TEXT                once ready, send TEXT as a chat message through the\n"
+        "                             router (greedy), print the answer on stdout and stop\n"
+        "                             everything (exit 0 when the answer came)\n"
+        "  --max-tokens N             the --chat answer's limit (default 128)\n",
+        UP_STOP_MARGIN_S, UP_MAX_POOL, UP_MAX_POOL, td_default_model_path());
+}
+
+static bool parse_seconds(const char *s, double lo, double *out) {
+    float v;
+    if (!td_cli_parse_float(s, &v) || v < lo || v > 86400) return false;
+    *out = v;
+    return true;
+}
+
+/* 0 to go on, -1 after --help, else the exit status. */
+static int parse_args(int argc, char **argv, up_args *a) {
+    for (int i = 1; i < argc; i++) {
+        const char *opt = argv[i];
+        if (!strcmp(opt, "--help") || !strcmp(opt, "-h")) {
+            up_usage(stdout);
+            return -1;
+        }
+        static const char *const k_opts[] = {"--prefill",
+                                             "--decode",
+                                             "--model",
+                                             "-m",
+                                             "--host",
+                                             "--port",
+                                             "--grpc-port",
+                                             "--threads",
+                                             "-t",
+                                             "--cluster-token-file",
+                                             "--ready-timeout",
+                                             "--drain-timeout",
+                                             "--chat",
+                                             "--max-tokens"};
+        bool known = false;
+        for (size_t k = 0; k < TD_ARRAY_SIZE(k_opts); k++) known |= !strcmp(opt, k_opts[k]);
+        if (!known) {
+            fprintf(stderr, "tandem up: unknown option '%s' (see --help)\n", opt);
+            return 2;
+        }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "tandem up: %s needs a value\n", opt);
+            return 2;
+        }
+        const char *val = argv[++i];
+        bool ok = true;
+        if (!strcmp(opt, "--prefill"))
+            ok = td_cli_parse_long(val, 1, UP_MAX_POOL, &a->n_prefill);
+        else if (!strcmp(opt, "--decode"))
+            ok = td_cli_parse_long(val, 1, UP_MAX_POOL, &a->n_decode);
+        else if (!strcmp(opt, "--model") || !strcmp(opt, "-m"))
+            ok = *(a->model = val) != '\0';
+        else if (!strcmp(opt, "--host"))
+            ok = *(a->host = val) != '\0' && strlen(val) < 200;
+        else if (!strcmp(opt, "--port"))
+            ok = td_cli_parse_long(val, 0, 65535, &a->port);
+        else if (!strcmp(opt, "--grpc-port"))
+            ok = td_cli_parse_long(val, -1, 65535, &a->grpc_port);
+        else if (!strcmp(opt, "--threads") || !strcmp(opt, "-t"))
+            ok = td_cli_parse_long(val, 1, 4096, &a->threads);
+        else if (!strcmp(opt, "--cluster-token-file"))
+            ok = *(a->token_file = val) != '\0';
+        else if (!strcmp(opt, "--ready-timeout"))
+            ok = parse_seconds(val, 0.001, &a->ready_timeout);
+        else if (!strcmp(opt, "--chat"))
+            ok = *(a->chat = val) != '\0';
+        else if (!strcmp(opt, "--max-tokens"))
+            ok = td_cli_parse_long(val, 1, 1 << 20, &a->max_tokens);
+        else
+            ok = parse_seconds(val, 0, &a->drain_timeout);
+        if (!ok) {
+            fprintf(stderr, "tandem up: bad value '%s' for %s (see --help)\n", val, opt);
+            return 2;
+        }
+    }
+    return 0;
+}
+
+/* ---- the cluster token ---- */
+
+/* 32 bytes of /dev/urandom as hex, in a fresh 0600 file under $TMPDIR. */
+static bool make_token_file(up_state *u) {
+    unsigned char raw[32];
+    int rfd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    ssize_t got = rfd >= 0 ? read(rfd, raw, sizeof raw) : -1;
+    int rerr = errno;
+    if (rfd >= 0) close(rfd);
+    if (got != (ssize_t)sizeof raw) {
+        fprintf(stderr, "tandem up: cannot read /dev/urandom: %s\n",
+                got < 0 ? strerror(rerr) : "short read");
+        return false;
+    }
+    char hex[2 * sizeof raw + 2];
+    for (size_t i = 0; i < sizeof raw; i++) snprintf(hex + 2 * i, 3, "%02x", raw[i]);
+    const char *tmp = getenv("TMPDIR");
+    if (!tmp || !*tmp) tmp = "/tmp";
+    int n = snprintf(u->token_path, sizeof u->token_path, "%s/tandem-up-token-XXXXXX", tmp);
+    if (n < 0 || (size_t)n >= sizeof u->token_path) {
+        fprintf(stderr, "tandem up: TMPDIR is too long\n");
+        return false;
+    }
+    int fd = mkstemp(u->token_path); /* mode 0600 */
+    if (fd < 0) {
+        fprintf(stderr, "tandem up: cannot create a token file in %s: %s\n", tmp, strerror(errno));
+        return false;
+    }
+    u->token_owned = true;
+    size_t len = 2 * sizeof raw;
+    hex[len] = '\n';
+    bool ok = fchmod(fd, 0600) == 0 && write(fd, hex, len + 1) == (ssize_t)(len + 1);
+    int werr = errno;
+    if (close(fd) != 0) ok = false;
+    if (!ok) {
+        fprintf(stderr, "tandem up: cannot write %s: %s\n", u->token_path, strerror(werr));
+        return false;
+    }
+    hex[len] = 0;
+    u->token = strdup(hex);
+    return u->token != NULL;
+}
+
+/* ---- children ---- */
+
+static void describe_status(int status, char *out, size_t n) {
+    if (WIFEXITED(status))
+        snprintf(out, n, "exited with status %d", WEXITSTATUS(status));
+    else if (WIFSIGNALED(status))
+        snprintf(out, n, "was killed by signal %d (%s)", WTERMSIG(status),
+                 strsignal(WTERMSIG(status)));
+    else
+        snprintf(out, n, "stopped (status 0x%x)", status);
+}
+
+/* One line of a child's output to our stderr behind its name (one write). */
+static void emit_line(const up_child *c, const char *line, size_t len) {
+    char buf[UP_LINE_MAX + 48];
+    int h = snprintf(buf, sizeof buf, "[%s] ", c->name);
+    if (h < 0) return;
+    if (len > sizeof buf - (size_t)h - 1) len = sizeof buf - (size_t)h - 1;
+    memcpy(buf + h, line, len);
+    buf[(size_t)h + len] = '\n';
+    ssize_t w = write(STDERR_FILENO, buf, (size_t)h + len + 1);
+    TD_UNUSED(w); /* a closed stderr must not stop the cluster */
+}
+
+/* "NAME: listening http=HOST:PORT grpc=HOST:PORT|off" -> c->http, c->grpc. */
+static void parse_listening(up_child *c, const char *line) {
+    const char *h = strstr(line, ": listening http=");
+    if (!h || c->http[0]) return;
+    h += strlen(": listening http=");
+    size_t hn = strcspn(h, " \t");
+    const char *g = strstr(h, " grpc=");
+    if (hn == 0 || hn >= UP_ADDR_MAX || !memchr(h, ':', hn) || !g) return;
+    g += strlen(" grpc=");
+    size_t gn = strcspn(g, " \t");
+    if (gn == 0 || gn >= UP_ADDR_MAX) return;
+    memcpy(c->grpc, g, gn);
+    c->grpc[gn] = 0;
+    memcpy(c->http, h, hn);
+    c->http[hn] = 0;
+}
+
+static void pipe_line(up_child *c, up_pipe *p, const char *line, size_t len) {
+    if (p == &c->out && !c->http[0]) {
+        char tmp[UP_LINE_MAX + 1];
+        memcpy(tmp, line, len);
+        tmp[len] = 0;
+        parse_listening(c, tmp);
+    }
+    emit_line(c, line, len);
+}
+
+/* Reads what the pipe holds; complete lines go out, EOF closes it. */
+static void pipe_read(up_child *c, up_pipe *p) {
+    for (;;) {
+        ssize_t r = read(p->fd, p->buf + p->len, sizeof p->buf - p->len);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+        if (r <= 0) { /* EOF or error: the rest is a last line */
+            if (p->len) pipe_line(c, p, p->buf, p->len);
+            p->len = 0;
+            close(p->fd);
+            p->fd = -1;
+            return;
+        }
+        p->len += (size_t)r;
+        size_t start = 0;
+        for (size_t i = 0; i < p->len; i++) {
+            if (p->buf[i] != '\n') continue;
+            pipe_line(c, p, p->buf + start, i - start);
+            start = i + 1;
+        }
+        memmove(p->buf, p->buf + start, p->len - start);
+        p->len -= start;
+        if (p->len == sizeof p->buf) { /* a line longer than the buffer: cut it */
+            pipe_line(c, p, p->buf, p->len);
+            p->len = 0;
+        }
+    }
+}
+
+static bool child_running(const up_child *c) { return c->pid > 0 && !c->exited; }
+
+/* Reaps the children that exited. The leader of a process group is a zombie
+ * until reaped, so its group id cannot be reused: whatever it left in its
+ * group (rank processes) is killed first. */
+static void reap(up_state *u) {
+    for (int i = 0; i < u->n_kids; i++) {
+        up_child *c = &u->kids[i];
+        if (!child_running(c)) continue;
+        siginfo_t si = {0};
+        if (waitid(P_PID, (id_t)c->pid, &si, WEXITED | WNOHANG | WNOWAIT) != 0 ||
+            si.si_pid != c->pid)
+            continue;
+        kill(-c->pid, SIGKILL);
+        int st = 0;
+        if (waitpid(c->pid, &st, 0) == c->pid) {
+            c->exited = true;
+            c->status = st;
+        }
+    }
+}
+
+/* Waits up to timeout_ms for output, a signal or a child's exit, and
+ * handles what came. */
+static void pump(up_state *u, int timeout_ms) {
+    struct pollfd fds[1 + 2 * UP_MAX_KIDS];
+    up_pipe *pipes[1 + 2 * UP_MAX_KIDS];
+    up_child *owners[1 + 2 * UP_MAX_KIDS];
+    nfds_t n = 0;
+    fds[n++] = (struct pollfd){.fd = u->sfd, .events = POLLIN};
+    for (int i = 0; i < u->n_kids; i++) {
+        up_pipe *ps[2] = {&u->kids[i].out, &u->kids[i].err};
+        for (int k = 0; k < 2; k++) {
+            if (ps[k]->fd < 0) continue;
+            pipes[n] = ps[k];
+            owners[n] = &u->kids[i];
+            fds[n++] = (struct pollfd){.fd = ps[k]->fd, .events = POLLIN};
+        }
+    }
+    int r = poll(fds, n, timeout_ms);
+    if (r > 0) {
+        for (nfds_t i = 1; i < n; i++)
+            if (fds[i].revents) pipe_read(owners[i], pipes[i]);
+        if (fds[0].revents & POLLIN) {
+            struct signalfd_siginfo si;
+            while (read(u->sfd, &si, sizeof si) == (ssize_t)sizeof si)
+                if (si.ssi_signo == SIGINT || si.ssi_signo == SIGTERM) {
+                    u->n_signals++;
+                    fprintf(stderr, "tandem up: %s: stopping the cluster%s\n",
+                            si.ssi_signo == SIGINT ? "SIGINT" : "SIGTERM",
+                            u->n_signals > 1 ? " at once (second signal)" : "");
+                }
+        }
+    }
+    reap(u); /* SIGCHLDs coalesce: look at every child each time */
+}
+
+/* The first child that exited, or NULL. */
+static up_child *first_exited(up_state *u) {
+    for (int i = 0; i < u->n_kids; i++)
+        if (u->kids[i].exited) return &u->kids[i];
+    return NULL;
+}
+
+static void report_exit(const up_child *c, const char *when) {
+    char how[96];
+    describe_status(c->status, how, sizeof how);
+    fprintf(stderr, "tandem up: %s (%s, pid %ld) %s %s\n", c->name, k_bins[c->role], (long)c->pid,
+            how, when);
+}
+
+static bool spawn_child(up_state *u, up_child *c, char *const argv[]) {
+    char path[PATH_MAX + 32];
+    snprintf(path, sizeof path, "%s/%s", u->bin_dir, k_bins[c->role]);
+    int po[2] = {-1, -1}, pe[2] = {-1, -1};
+    if (pipe2(po, O_CLOEXEC) != 0 || pipe2(pe, O_CLOEXEC) != 0) {
+        fprintf(stderr, "tandem up: pipe: %s\n", strerror(errno));
+        goto close_pipes;
+    }
+    posix_spawn_file_actions_t fa;
+    posix_spawnattr_t at;
+    if (posix_spawn_file_actions_init(&fa) != 0) {
+        fprintf(stderr, "tandem up: cannot start %s: out of memory\n", c->name);
+        goto close_pipes;
+    }
+    if (posix_spawnattr_init(&at) != 0) {
+        fprintf(stderr, "tandem up: cannot start %s: out of memory\n", c->name);
+        posix_spawn_file_actions_destroy(&fa);
+        goto close_pipes;
+    }
+    sigset_t none, dfl;
+    sigemptyset(&none);
+    sigemptyset(&dfl);
+    sigaddset(&dfl, SIGINT);
+    sigaddset(&dfl, SIGTERM);
+    sigaddset(&dfl, SIGCHLD);
+    sigaddset(&dfl, SIGPIPE);
+    sigaddset(&dfl, SIGHUP);
+    int err = posix_spawn_file_actions_addopen(&fa, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+    if (!err) err = posix_spawn_file_actions_adddup2(&fa, po[1], STDOUT_FILENO);
+    if (!err) err = posix_spawn_file_actions_adddup2(&fa, pe[1], STDERR_FILENO);
+    if (!err) err = posix_spawnattr_setsigmask(&at, &none);
+    if (!err) err = posix_spawnattr_setsigdefault(&at, &dfl);
+    if (!err) err = posix_spawnattr_setpgroup(&at, 0); /* its own group: Ctrl-C is ours */
+    if (!err)
+        err = posix_spawnattr_setflags(&at, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF |
+                                                POSIX_SPAWN_SETPGROUP);
+    pid_t pid = 0;
+    if (!err) err = posix_spawn(&pid, path, &fa, &at, argv, environ);
+    posix_spawnattr_destroy(&at);
+    posix_spawn_file_actions_destroy(&fa);
+    if (err) {
+        fprintf(stderr, "tandem up: cannot start %s (%s): %s\n", c->name, path, strerror(err));
+        goto close_pipes;
+    }
+    close(po[1]);
+    close(pe[1]);
+    fcntl(po[0], F_SETFL, O_NONBLOCK);
+    fcntl(pe[0], F_SETFL, O_NONBLOCK);
+    c->out.fd = po[0];
+    c->err.fd = pe[0];
+    c->pid = pid;
+    char cmd[2048];
+    size_t at_ = 0;
+    for (int i = 0; argv[i] && at_ < sizeof cmd; i++) {
+        int w = snprintf(cmd + at_, sizeof cmd - at_, "%s%s", i ? " " : "", i ? argv[i] : path);
+        if (w < 0) break;
+        at_ += (size_t)w;
+    }
+    fprintf(stderr, "tandem up: %s (pid %ld): %s\n", c->name, (long)pid, cmd);
+    return true;
+
+close_pipes:
+    for (int i = 0; i < 2; i++) {
+        if (po[i] >= 0) close(po[i]);
+        if (pe[i] >= 0) close(pe[i]);
+    }
+    return false;
+}
+
+/* Adds a child of `role` and starts it with the flags every instance takes
+ * plus `extra` (NULL-terminated). */
+static up_child *start_child(up_state *u, up_role role, int index, const char *const *extra) {
+    TD_ASSERT(u->n_kids < UP_MAX_KIDS);
+    up_child *c = &u->kids[u->n_kids++];
+    memset(c, 0, sizeof *c);
+    c->role = role;
+    c->out.fd = c->err.fd = -1;
+    if (role == UP_ROUTER)
+        snprintf(c->name, sizeof c->name, "router");
+    else
+        snprintf(c->name, sizeof c->name, "%s-%d", k_roles[role], index);
+    char threads[32], port[16], grpc_port[16];
+    snprintf(threads, sizeof threads, "%ld", u->a.threads);
+    snprintf(port, sizeof port, "%ld", role == UP_ROUTER ? u->a.port : 0L);
+    snprintf(grpc_port, sizeof grpc_port, "%ld", role == UP_ROUTER ? u->a.grpc_port : 0L);
+    char drain[32];
+    snprintf(drain, sizeof drain, "%g", u->a.drain_timeout);
+    const char *argv[48];
+    int n = 0;
+    argv[n++] = k_bins[role];
+    argv[n++] = "--cluster-token-file";
+    argv[n++] = u->token_path;
+    argv[n++] = "--host";
+    argv[n++] = role == UP_ROUTER ? u->a.host : "127.0.0.1";
+    argv[n++] = "--port";
+    argv[n++] = port;
+    if (role != UP_PREFILL) { /* prefill instances have no gRPC port */
+        argv[n++] = "--grpc-port";
+        argv[n++] = grpc_port;
+    }
+    if (role != UP_ROUTER) {
+        argv[n++] = "--threads";
+        argv[n++] = threads;
+    }
+    argv[n++] = "--drain-timeout";
+    argv[n++] = drain;
+    if (u->a.model) {
+        argv[n++] = "--model";
+        argv[n++] = u->a.model;
+    }
+    for (int i = 0; extra && extra[i]; i++) {
+        TD_ASSERT(n < (int)TD_ARRAY_SIZE(argv) - 1);
+        argv[n++] = extra[i];
+    }
+    argv[n] = NULL;
+    if (!spawn_child(u, c, (char *const *)argv)) {
+        u->n_kids--;
+        return NULL;
+    }
+    return c;
+}
+
+/* "a:1,b:2" of the listening addresses of every child of `role`. */
+static void join_addrs(const up_state *u, up_role role, char *out, size_t n) {
+    size_t at = 0;
+    out[0] = 0;
+    for (int i = 0; i < u->n_kids; i++) {
+        if (u->kids[i].role != role) continue;
+        int w = snprintf(out + at, n - at, "%s%s", at ? "," : "", u->kids[i].http);
+        TD_ASSERT(w > 0 && (size_t)w < n - at);
+        at += (size_t)w;
+    }
+}
+
+typedef enum { UP_GO_ON, UP_STOP_SIGNAL, UP_STOP_FAILED, UP_STOP_DONE } up_outcome;
+
+/* Whether to go on: no signal came and no child exited (reported). */
+static up_outcome check_going(up_state *u) {
+    up_child *dead = first_exited(u);
+    if (dead) {
+        report_exit(dead, !dead->http[0] ? "before it was listening"
+                          : !u->ready    ? "before the cluster was ready"
+                                         : "while the cluster was serving");
+        return UP_STOP_FAILED;
+    }
+    return u->n_signals ? UP_STOP_SIGNAL : UP_GO_ON;
+}
+
+/* Waits until every child from index `from` on printed its listening line. */
+static up_outcome wait_listening(up_state *u, int from, double deadline) {
+    for (;;) {
+        up_outcome o = check_going(u);
+        if (o != UP_GO_ON) return o;
+        int missing = -1;
+        for (int i = from; i < u->n_kids && missing < 0; i++)
+            if (!u->kids[i].http[0]) missing = i;
+        if (missing < 0) return UP_GO_ON;
+        if (td_time_s() > deadline) {
+            fprintf(stderr,
+                    "tandem up: %s did not print its listening line within %g s "
+                    "(--ready-timeout)\n",
+                    u->kids[missing].name, u->a.ready_timeout);
+            return UP_STOP_FAILED;
+        }
+        pump(u, 100);
+    }
+}
+
+/* ---- readiness over HTTP ---- */
+
+typedef struct {
+    char *buf;
+    size_t len;
+} up_body;
+
+static size_t body_write(char *p, size_t sz, size_t n, void *ud) {
+    up_body *b = ud;
+    size_t k = sz * n;
+    if (b->len + k > UP_HTTP_BODY_MAX) return 0;
+    char *nb = realloc(b->buf, b->len + k + 1);
+    if (!nb) return 0;
+    memcpy(nb + b->len, p, k);
+    b->buf = nb;
+    b->len += k;
+    b->buf[b->len] = 0;
+    return k;
+}
+
+/* GET http://addr/path; the HTTP code (0 when no answer) and the body
+ * (caller frees). */
+static long http_get(const char *addr, const char *path, const char *token, up_body *body) {
+    CURL *c = curl_easy_init();
+    if (!c) return 0;
+    char url[UP_ADDR_MAX + 64], hdr[1200];
+    snprintf(url, sizeof url, "http://%s%s", addr, path);
+    struct curl_slist *h = NULL;
+    if (token) {
+        snprintf(hdr, sizeof hdr, "X-Tandem-Cluster-Token: %s", token);
+        h = curl_slist_append(NULL, hdr);
+    }
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    if (h) curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, body_write);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, body);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 2000L);
+    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, 500L);
+    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
+    curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http");
+    CURLcode rc = curl_easy_perform(c);
+    long code = 0;
+    if (rc == CURLE_OK) curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+    curl_slist_free_all(h);
+    curl_easy_cleanup(c);
+    return code;
+}
+
+/* The router's address to connect to: a wildcard bind is reached on loopback. */
+static void router_connect_addr(const up_child *r, char *out, size_t n) {
+    const char *colon = strrchr(r->http, ':');
+    TD_ASSERT(colon);
+    size_t hn = (size_t)(colon - r->http);
+    if (hn == 7 && !strncmp(r->http, "0.0.0.0", 7))
+        snprintf(out, n, "127.0.0.1%s", colon);
+    else if ((hn == 4 && !strncmp(r->http, "[::]", 4)) || (hn == 2 && !strncmp(r->http, "::", 2)))
+        snprintf(out, n, "[::1]%s", colon);
+    else
+        snprintf(out, n, "%s", r->http);
+}
+
+/* Whether the router is ready and lists every instance as ready; otherwise
+ * what is missing, in why. */
+static bool cluster_ready(up_state *u, const up_child *router, char *why, size_t wn) {
+    char addr[UP_ADDR_MAX + 16];
+    router_connect_addr(router, addr, sizeof addr);
+    up_body b = {0};
+    long code = http_get(addr, "/ready", NULL, &b);
+    free(b.buf);
+    if (code != 200) {
+        snprintf(why, wn, "the router's /ready answers %ld", code);
+        return false;
+    }
+    b = (up_body){0};
+    code = http_get(addr, "/internal/v1/cluster", u->token, &b);
+    if (code != 200 || !b.buf) {
+        snprintf(why, wn, "the router's /internal/v1/cluster answers %ld", code);
+        free(b.buf);
+        return false;
+    }
+    json_error_t jerr;
+    json_t *root = json_loadb(b.buf, b.len, 0, &jerr);
+    free(b.buf);
+    json_t *insts = root ? json_object_get(root, "instances") : NULL;
+    if (!json_is_array(insts)) {
+        snprintf(why, wn, "the router's /internal/v1/cluster has no instances array");
+        json_decref(root);
+        return false;
+    }
+    bool ok = true;
+    for (int i = 0; i < u->n_kids && ok; i++) {
+        const up_child *c = &u->kids[i];
+        if (c->role == UP_ROUTER) continue;
+        int state = 0; /* 0 absent, 1 listed not ready, 2 ready */
+        size_t k;
+        json_t *e;
+        json_array_foreach(insts, k, e) {
+            const char *role = json_string_value(json_object_get(e, "role"));
+            const char *a = json_string_value(json_object_get(e, "address"));
+            if (!role || !a || strcmp(role, k_roles[c->role]) || strcmp(a, c->http)) continue;
+            state = json_is_true(json_object_get(e, "ready")) ? 2 : 1;
+            break;
+        }
+        if (state < 2) {
+            snprintf(why, wn, "%s (%s) is %s in the router's cluster view", c->name, c->http,
+                     state ? "not ready" : "missing");
+            ok = false;
+        }
+    }
+    json_decref(root);
+    return ok;
+}
+
+static up_outcome wait_ready(up_state *u, const up_child *router, double deadline) {
+    char why[UP_ADDR_MAX * 2] = "not checked yet";
+    for (;;) {
+        up_outcome o = check_going(u);
+        if (o != UP_GO_ON) return o;
+        if (cluster_ready(u, router, why, sizeof why)) return UP_GO_ON;
+        if (td_time_s() > deadline) {
+            fprintf(stderr,
+                    "tandem up: the cluster is not ready after %g s (--ready-timeout): %s\n",
+                    u->a.ready_timeout, why);
+            return UP_STOP_FAILED;
+        }
+        pump(u, UP_POLL_READY_MS);
+    }
+}
+
+/* ---- stopping ---- */
+
+static void kill_child(up_child *c, const char *why) {
+    if (!child_running(c)) return;
+    fprintf(stderr, "tandem up: killing %s (pid %ld): %s\n", c->name, (long)c->pid, why);
+    kill(-c->pid, SIGKILL); /* its whole group: rank processes too */
+    c->killed = true;
+}
+
+/* Stops the children role by role (router, decode, prefill): SIGTERM, then
+ * SIGKILL after the drain timeout and a margin; a signal that comes while
+ * stopping kills everything at once. Returns whether every child it stopped
+ * exited 0 on its own (those that exited before are reported by the caller). */
+static bool stop_all(up_state *u) {
+    static const up_role k_order[] = {UP_ROUTER, UP_DECODE, UP_PREFILL};
+    int signals_at_start = u->n_signals;
+    bool forced = false;
+    for (size_t s = 0; s < TD_ARRAY_SIZE(k_order); s++) {
+        for (int i = 0; i < u->n_kids; i++) {
+            up_child *c = &u->kids[i];
+            if (c->role != k_order[s] || !child_running(c) || c->stopping) continue;
+            c->stopping = true;
+            kill(c->pid, SIGTERM);
+        }
+        double deadline = td_time_s() + u->a.drain_timeout + UP_STOP_MARGIN_S;
+        for (;;) {
+            bool waiting = false;
+            for (int i = 0; i < u->n_kids; i++)
+                waiting |= u->kids[i].role == k_order[s] && child_running(&u->kids[i]);
+            if (!waiting) break;
+            if (!forced && u->n_signals > signals_at_start) {
+                forced = true;
+                for (int i = 0; i < u->n_kids; i++) {
+                    u->kids[i].stopping |= child_running(&u->kids[i]);
+                    kill_child(&u->kids[i], "stopping at once");
+                }
+            } else if (td_time_s() > deadline) {
+                for (int i = 0; i < u->n_kids; i++)
+                    if (u->kids[i].role == k_order[s] && !u->kids[i].killed)
+                        kill_child(&u->kids[i], "did not stop within the drain timeout");
+            }
+            pump(u, 100);
+        }
+    }
+    bool clean = !forced;
+    for (int i = 0; i < u->n_kids; i++) {
+        up_child *c = &u->kids[i];
+        TD_ASSERT(!child_running(c));
+        if (!c->stopping || (!c->killed && WIFEXITED(c->status) && WEXITSTATUS(c->status) == 0))
+            continue;
+        char how[96];
+        describe_status(c->status, how, sizeof how);
+        fprintf(stderr, "tandem up: %s (pid %ld) %s while stopping\n", c->name, (long)c->pid, how);
+        clean = false;
+    }
+    return clean;
+}
+
+/* What the children wrote last, once they are gone. */
+static void drain_pipes(up_state *u) {
+    for (int i = 0; i < u->n_kids; i++) {
+        up_child *c = &u->kids[i];
+        if (c->out.fd >= 0) pipe_read(c, &c->out);
+        if (c->err.fd >= 0) pipe_read(c, &c->err);
+        if (c->out.len) pipe_line(c, &c->out, c->out.buf, c->out.len);
+        if (c->err.len) pipe_line(c, &c->err, c->err.buf, c->err.len);
+        if (c->out.fd >= 0) close(c->out.fd);
+        if (c->err.fd >= 0) close(c->err.fd);
+        c->out.fd = c->err.fd = -1;
+    }
+}
+
+/* ---- the command ---- */
+
+/* Directory of the running binary, where the services are installed too. */
+static bool find_bin_dir(up_state *u) {
+    char exe[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n <= 0) {
+        fprintf(stderr, "tandem up: cannot read /proc/self/exe: %s\n", strerror(errno));
+        return false;
+    }
+    exe[n] = 0;
+    char *slash = strrchr(exe, '/');
+    TD_ASSERT(slash);
+    *slash = 0;
+    snprintf(u->bin_dir, sizeof u->bin_dir, "%s", slash == exe ? "/" : exe);
+    for (size_t i = 0; i < TD_ARRAY_SIZE(k_bins); i++) {
+        char path[PATH_MAX + 32];
+        snprintf(path, sizeof path, "%s/%s", u->bin_dir, k_bins[i]);
+        if (access(path, X_OK) != 0) {
+            fprintf(stderr, "tandem up: %s not found next to tandem (%s: %s)\n", k_bins[i], path,
+                    strerror(errno));
+            return false;
+        }
+    }
+    return true;
+}
+
+/* Stdin, stdout and stderr open, so a pipe never lands on them. */
+static void ensure_std_fds(void) {
+    for (int fd = 0; fd < 3; fd++)
+        if (fcntl(fd, F_GETFD) < 0) {
+            int nfd = open("/dev/null", fd ? O_WRONLY : O_RDONLY);
+            if (nfd >= 0 && nfd != fd) close(nfd);
+        }
+}
+
+/* --chat: one chat completion through the router, the answer on stdout. */
+static up_outcome chat_once(up_state *u, const up_child *router) {
+    char addr[UP_ADDR_MAX + 16], url[UP_ADDR_MAX + 64];
+    router_connect_addr(router, addr, sizeof addr);
+    snprintf(url, sizeof url, "http://%s/v1/chat/completions", addr);
+    json_t *req =
+        json_pack("{s:[{s:s,s:s}],s:I,s:f}", "messages", "role", "user", "content", u->a.chat,
+                  "max_tokens", (json_int_t)u->a.max_tokens, "temperature", 0.0);
+    char *body = req ? json_dumps(req, JSON_COMPACT) : NULL;
+    json_decref(req);
+    CURL *c = curl_easy_init();
+    struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
+    up_body reply = {0};
+    long code = 0;
+    CURLcode rc = CURLE_FAILED_INIT;
+    if (body && c && h) {
+        curl_easy_setopt(c, CURLOPT_URL, url);
+        curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
+        curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
+        curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, body_write);
+        curl_easy_setopt(c, CURLOPT_WRITEDATA, &reply);
+        curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 600000L);
+        curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+        curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
+        curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http");
+        rc = curl_easy_perform(c);
+        if (rc == CURLE_OK) curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+    }
+    curl_slist_free_all(h);
+    if (c) curl_easy_cleanup(c);
+    free(body);
+    json_t *js = reply.buf ? json_loads(reply.buf, 0, NULL) : NULL;
+    const char *answer = json_string_value(json_object_get(
+        json_object_get(json_array_get(json_object_get(js, "choices"), 0), "message"), "content"));
+    up_outcome o = UP_STOP_DONE;
+    if (rc != CURLE_OK) {
+        fprintf(stderr, "tandem up: the chat request failed: %s\n", curl_easy_strerror(rc));
+        o = UP_STOP_FAILED;
+    } else if (code != 200 || !answer) {
+        fprintf(stderr, "tandem up: the chat request got HTTP %ld: %.500s\n", code,
+                reply.buf ? reply.buf : "");
+        o = UP_STOP_FAILED;
+    } else {
+        json_t *usage = json_object_get(js, "usage");
+        printf("%s\n", answer);
+        fflush(stdout);
+        fprintf(stderr,
+                "tandem up: answered through the router (%lld prompt, %lld output tokens)\n",
+                (long long)json_integer_value(json_object_get(usage, "prompt_tokens")),
+                (long long)json_integer_value(json_object_get(usage, "completion_tokens")));
+    }
+    json_decref(js);
+    free(reply.buf);
+    return o;
+}
+
+static up_outcome run_cluster(up_state *u) {
+    double deadline = td_time_s() + u->a.ready_timeout;
+    for (int i = 0; i < u->a.n_prefill; i++)
+        if (!start_child(u, UP_PREFILL, i, NULL)) return UP_STOP_FAILED;
+    up_outcome o = wait_listening(u, 0, deadline);
+    if (o != UP_GO_ON) return o;
+
+    char prefills[UP_MAX_POOL * (UP_ADDR_MAX + 1)], decodes[UP_MAX_POOL * (UP_ADDR_MAX + 1)];
+    join_addrs(u, UP_PREFILL, prefills, sizeof prefills);
+    int first_decode = u->n_kids;
+    for (int i = 0; i < u->a.n_decode; i++) {
+        const char *extra[] = {"--prefill", prefills, NULL};
+        if (!start_child(u, UP_DECODE, i, extra)) return UP_STOP_FAILED;
+    }
+    if ((o = wait_listening(u, first_decode, deadline)) != UP_GO_ON) return o;
+
+    join_addrs(u, UP_DECODE, decodes, sizeof decodes);
+    const char *extra[] = {"--prefill", prefills, "--decode", decodes, NULL};
+    up_child *router = start_child(u, UP_ROUTER, 0, extra);
+    if (!router) return UP_STOP_FAILED;
+    if ((o = wait_listening(u, u->n_kids - 1, deadline)) != UP_GO_ON) return o;
+    if ((o = wait_ready(u, router, deadline)) != UP_GO_ON) return o;
+
+    printf("tandem up: ready http=http://%s grpc=%s (prefill %ld, decode %ld)\n", router->http,
+           router->grpc, u->a.n_prefill, u->a.n_decode);
+    fflush(stdout);
+    u->ready = true;
+    if (u->a.chat) return chat_once(u, router);
+    for (;;) {
+        o = check_going(u);
+        if (o != UP_GO_ON) return o;
+        pump(u, 1000);
+    }
+}
+
+int td_cmd_up(int argc, char **argv) {
+    up_state *u = calloc(1, sizeof *u);
+    if (!u) {
+        fprintf(stderr, "tandem up: out of memory\n");
+        return 1;
+    }
+    u->sfd = -1;
+    u->a = (up_args){.n_prefill = 1,
+                     .n_decode = 1,
+                     .port = 8000,
+                     .grpc_port = 50051,
+                     .host = "127.0.0.1",
+                     .ready_timeout = 300,
+                     .drain_timeout = 30,
+                     .max_tokens = 128};
+    int rc = parse_args(argc, argv, &u->a);
+    if (rc) {
+        free(u);
+        return rc < 0 ? 0 : rc;
+    }
+    if (!u->a.threads) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        u->a.threads = TD_MAX(1L, cores / (u->a.n_prefill + u->a.n_decode));
+    }
+    const char *model = u->a.model ? u->a.model : td_default_model_path();
+    if (access(model, R_OK) != 0) {
+        fprintf(stderr, "tandem up: cannot read the model %s: %s%s\n", model, strerror(errno),
+                u->a.model ? "" : " (run scripts/setup.sh, or give --model PATH)");
+        free(u);
+        return 2;
+    }
+    if (u->a.token_file) {
+        snprintf(u->token_path, sizeof u->token_path, "%s", u->a.token_file);
+        if (!(u->token = td_cli_read_secret(u->token_path))) {
+            rc = 2;
+            goto free_state;
+        }
+    }
+    rc = 1;
+    if (!find_bin_dir(u)) goto free_state;
+    ensure_std_fds();
+    if (!u->a.token_file && !make_token_file(u)) goto remove_token;
+
+    /* Signals arrive on the signalfd; the children get a clean mask and
+     * default dispositions (posix_spawn attributes). */
+    sigset_t sigs, old;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGCHLD);
+    pthread_sigmask(SIG_BLOCK, &sigs, &old);
+    struct sigaction ign = {.sa_handler = SIG_IGN}, old_pipe;
+    sigaction(SIGPIPE, &ign, &old_pipe);
+    u->sfd = signalfd(-1, &sigs, SFD_NONBLOCK | SFD_CLOEXEC);
+    if (u->sfd < 0) {
+        fprintf(stderr, "tandem up: signalfd: %s\n", strerror(errno));
+        goto restore_signals;
+    }
+    if (curl_global_init(CURL_GLOBAL_NOTHING) != CURLE_OK) {
+        fprintf(stderr, "tandem up: curl_global_init failed\n");
+        goto restore_signals;
+    }
+    fprintf(stderr,
+            "tandem up: starting %ld prefill and %ld decode instance(s), %ld thread(s) "
+            "each, and the router (binaries in %s)\n",
+            u->a.n_prefill, u->a.n_decode, u->a.threads, u->bin_dir);
+
+    up_outcome o = run_cluster(u);
+    bool clean = stop_all(u);
+    rc = (o == UP_STOP_SIGNAL || o == UP_STOP_DONE) && clean ? 0 : 1;
+    drain_pipes(u);
+    fprintf(stderr, "tandem up: stopped%s\n", rc ? " (with errors)" : "");
+    curl_global_cleanup();
+restore_signals:
+    if (u->sfd >= 0) close(u->sfd);
+    sigaction(SIGPIPE, &old_pipe, NULL);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+remove_token:
+    if (u->token_owned && unlink(u->token_path) != 0)
+        fprintf(stderr, "tandem up: cannot remove %s: %s\n", u->token_path, strerror(errno));
+free_state:
+    free(u->token);
+    free(u);
+    return rc;
+}
