@@ -42,7 +42,7 @@ def test_policies(source_dir, tandem_bin, test_models, tmp_path):
         "--sp-prefix-len", "96", "--sp-input-len", "16", "--sp-output-len", "4",
         "--sp-num-groups", "3", "--sp-num-prompts", "6", "--sp-concurrency", "1",
         "--mt-input-len", "16", "--mt-output-len", "6", "--mt-num-groups", "3",
-        "--mt-num-prompts", "6", "--mt-concurrency", "1",
+        "--mt-num-prompts", "6", "--mt-request-rate", "200",
         "--r-extra=--local-prefill-threshold", "--r-extra=8", "--save-dir", str(save))
     assert set(rep["datasets"]) == {"shared-prefix", "multi-turn"}
     for ds, n, out_len in (("shared-prefix", 6, 4), ("multi-turn", 6, 6)):
@@ -75,6 +75,9 @@ def test_policies(source_dir, tandem_bin, test_models, tmp_path):
         # long enough to go remote
         assert d["runs"]["round-robin"][0]["decisions"].get("remote") == n, ds
         assert f"{ds} (" in table
+    assert rep["datasets"]["shared-prefix"]["shape"]["concurrency"] == 1
+    mt_shape = rep["datasets"]["multi-turn"]["shape"]
+    assert mt_shape["request-rate"] == 200 and "concurrency" not in mt_shape
     sp = rep["datasets"]["shared-prefix"]
     kv, rr = sp["runs"]["kv-aware"][0], sp["runs"]["round-robin"][0]
     assert rr["hit_rate_all"] == 0.0, rr

@@ -203,13 +203,22 @@ class Cluster:
 
 
 def bench_args(args, dataset):
+    """`tandem bench` flags of the dataset's shape, as (flag, value) pairs."""
     if dataset == "shared-prefix":
-        return ["--prefix-len", args.sp_prefix_len, "--input-len", args.sp_input_len,
-                "--output-len", args.sp_output_len, "--num-groups", args.sp_num_groups,
-                "--num-prompts", args.sp_num_prompts, "--concurrency", args.sp_concurrency]
-    return ["--input-len", args.mt_input_len, "--output-len", args.mt_output_len,
-            "--num-groups", args.mt_num_groups, "--num-prompts", args.mt_num_prompts,
-            "--concurrency", args.mt_concurrency]
+        out = [("--prefix-len", args.sp_prefix_len), ("--input-len", args.sp_input_len),
+               ("--output-len", args.sp_output_len), ("--num-groups", args.sp_num_groups),
+               ("--num-prompts", args.sp_num_prompts)]
+        rate, conc = args.sp_request_rate, args.sp_concurrency
+    else:
+        out = [("--input-len", args.mt_input_len), ("--output-len", args.mt_output_len),
+               ("--num-groups", args.mt_num_groups), ("--num-prompts", args.mt_num_prompts)]
+        rate, conc = args.mt_request_rate, args.mt_concurrency
+    out.append(("--request-rate", rate) if rate is not None else ("--concurrency", conc))
+    return out
+
+
+def bench_flags(args, dataset):
+    return [str(x) for pair in bench_args(args, dataset) for x in pair]
 
 
 def one_run(args, log_dir, save_dir, dataset, policy, rep):
@@ -220,7 +229,7 @@ def one_run(args, log_dir, save_dir, dataset, policy, rep):
         before = cl.snapshot()
         out = save_dir / f"router-{tag}.json"
         cmd = [str(args.build / "tandem"), "bench", "--url", cl.router.url, "--dataset", dataset,
-               *[str(a) for a in bench_args(args, dataset)], "--seed", str(args.seed + rep),
+               *bench_flags(args, dataset), "--seed", str(args.seed + rep),
                "--slo", args.slo, "--timeout", "600", "--no-progress", "--json", str(out)]
         env = dict(os.environ, TANDEM_SOURCE_DIR=str(HERE.parent.parent))
         fg = Foreign(cl.pids())
@@ -326,11 +335,10 @@ def cmd_policies(args, log_dir):
                 for reason in sorted({x for r in runs[p] for x in r["decisions"]})}
         ratios = {key: ratio(medians["kv-aware"][key], medians["round-robin"][key])
                   for key in SUMMARY_KEYS if key not in ("completed", "failed", "foreign_cpu")}
-        out["datasets"][dataset] = {"shape": dict(zip(
-            [a.lstrip("-") for a in bench_args(args, dataset)[::2]],
-            [int(a) for a in bench_args(args, dataset)[1::2]])), "runs": runs,
+        out["datasets"][dataset] = {
+            "shape": {k.lstrip("-"): v for k, v in bench_args(args, dataset)}, "runs": runs,
             "medians": medians, "ratios": ratios, "commands": commands}
-        print(f"{dataset} ({' '.join(str(a) for a in bench_args(args, dataset))}); "
+        print(f"{dataset} ({' '.join(bench_flags(args, dataset))}); "
               f"{args.prefill}P+{args.decode}D, one thread each; medians of {args.reps} "
               f"repeats; SLO {args.slo}")
         print("| figure | kv-aware | round-robin | kv-aware / round-robin |")
@@ -491,12 +499,16 @@ def main(argv):
                             help="shared-prefix groups (15; odd, see above)")
             sp.add_argument("--sp-num-prompts", type=int, default=45)
             sp.add_argument("--sp-concurrency", type=int, default=4)
+            sp.add_argument("--sp-request-rate", type=float,
+                            help="Poisson arrivals per second instead of --sp-concurrency")
             sp.add_argument("--mt-input-len", type=int, default=64)
             sp.add_argument("--mt-output-len", type=int, default=32)
             sp.add_argument("--mt-num-groups", type=int, default=15,
                             help="multi-turn conversations (15; odd, see above)")
             sp.add_argument("--mt-num-prompts", type=int, default=45)
             sp.add_argument("--mt-concurrency", type=int, default=4)
+            sp.add_argument("--mt-request-rate", type=float,
+                            help="Poisson arrivals per second instead of --mt-concurrency")
             sp.add_argument("--slo", default="ttft:2000,tpot:100",
                             help="goodput bounds, as `tandem bench --slo` (ttft:2000,tpot:100)")
             sp.add_argument("--save-dir", help="keep every `tandem bench` JSON here")
