@@ -144,7 +144,8 @@ class Cluster:
                   "1", "--ctx", args.ctx, *args.extra]
         try:
             for i in range(n_prefill):
-                p = Proc(f"{tag}-prefill{i}", [b / "tandem-prefill", "--grpc-port", "-1", *common], log_dir)
+                p = Proc(f"{tag}-prefill{i}", [b / "tandem-prefill", "--grpc-port", "-1", *common],
+                         log_dir)
                 self.procs.append(p)
                 self.ps.append(p)
             plist = ",".join(f"127.0.0.1:{p.port}" for p in self.ps)
@@ -298,8 +299,8 @@ def one_run(args, log_dir, save_dir, dataset, policy, rep):
     return row, {"servers": [" ".join(p.argv) for p in cl.procs], "bench": " ".join(cmd)}
 
 
-SUMMARY_KEYS = ("hit_rate_prefill", "hit_rate_all", "hit_rate_decode", "router_hit_rate", "ttft_p50_ms",
-                "ttft_p99_ms", "goodput", "e2e_p50_ms", "tpot_p50_ms", "completed", "failed",
+SUMMARY_KEYS = ("hit_rate_prefill", "hit_rate_all", "hit_rate_decode", "router_hit_rate",
+                "ttft_p50_ms", "ttft_p99_ms", "goodput", "e2e_p50_ms", "tpot_p50_ms", "completed", "failed",
                 "duration_s", "foreign_cpu")
 
 
