@@ -65,7 +65,7 @@ static void usage(FILE *f) {
         "  --overlap-weight W         weight of the uncached prompt blocks (default %.2f)\n"
         "  --decode-weight W          weight of the decode instance's active blocks (default "
         "%.2f)\n"
-        "  --transfer-weight W        blocks per ms of the pair's measured KV transfer time\n"
+        "  --transfer-weight W        blocks per ms of the pair's measured KV transfer tail\n"
         "                             (default %.2f)\n"
         "  --temperature T            > 0: sample among near-best candidates (default %.2f)\n"
         "  --local-prefill-threshold N prefill on the decode instance when its uncached\n"

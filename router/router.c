@@ -85,6 +85,8 @@ typedef struct rt_req {
     int d_status;             /* the last attempt's in-stream Error: its HTTP status, 0 none */
     char d_message[256];      /* and its message (printable ASCII) */
     bool vanished;            /* its decode instance stopped answering: cancelled by us */
+    td_kv_hash *hashes;       /* (n_hashes) the prompt's blocks in the chosen group */
+    int32_t n_hashes;
 } rt_req;
 
 struct td_router {
@@ -129,7 +131,7 @@ td_router_params td_router_default_params(void) {
                               .max_retries = 2,
                               .max_queued = 256,
                               .queue_timeout_s = 30.0,
-                              .predict_ttl_s = 2.0,
+                              .predict_ttl_s = 10.0,
                               .call_timeout_s = 0.0,
                               .block_size = 16};
 }
@@ -207,6 +209,7 @@ static void req_free(rt_req *q) {
     for (int32_t i = 0; i < q->n_stop; i++) free(q->stop[i]);
     free(q->stop);
     free(q->prompt);
+    free(q->hashes);
     free(q);
 }
 
@@ -303,6 +306,16 @@ static int32_t group_of_locked(td_router *r, td_kv_hash compat, int32_t bs, int3
     return g;
 }
 
+/* The pair will hold q's prompt blocks: predicted entries, so that its
+ * siblings follow before the KV events arrive. Made at the decision and
+ * renewed at the first token (a prefill may wait longer than the TTL). */
+static void predict_locked(td_router *r, const rt_req *q, int32_t d, int32_t p, double now) {
+    if (q->n_hashes <= 0) return;
+    td_rt_index_predict(r->ix, d, q->hashes, (size_t)q->n_hashes, now, r->p.predict_ttl_s);
+    if (p >= 0)
+        td_rt_index_predict(r->ix, p, q->hashes, (size_t)q->n_hashes, now, r->p.predict_ttl_s);
+}
+
 /* Chooses the pair for q (under mu) and records the decision. */
 static td_status route_locked(td_router *r, rt_req *q, td_rt_choice *c) {
     double t0 = td_time_s();
@@ -362,18 +375,25 @@ static td_status route_locked(td_router *r, rt_req *q, td_rt_choice *c) {
     D->in_flight++;
     D->routed++;
     inst *P = c->p >= 0 ? &r->in[c->p] : D;
-    P->pending_prefill += q->n_prompt;
+    int64_t uncached = (int64_t)q->n_prompt - (int64_t)overlap[c->p >= 0 ? c->p : c->d] * bs;
+    P->pending_prefill += uncached > 0 ? uncached : 0; /* what it will compute */
     if (c->p >= 0) P->routed++;
     r->decisions[r->p.score.policy][c->reason]++;
     r->prompt_tokens += (uint64_t)q->n_prompt;
     r->hit_decode_tokens += (uint64_t)overlap[c->d] * (uint64_t)bs;
     r->hit_prefill_tokens += (uint64_t)overlap[c->p >= 0 ? c->p : c->d] * (uint64_t)bs;
     int32_t g = D->group;
+    q->n_hashes = 0;
     if (g >= 0 && n_hash[g] > 0) {
-        const td_kv_hash *h = hashes + (size_t)g * (size_t)(q->n_prompt + 1);
-        td_rt_index_predict(r->ix, c->d, h, (size_t)n_hash[g], t0, r->p.predict_ttl_s);
-        if (c->p >= 0)
-            td_rt_index_predict(r->ix, c->p, h, (size_t)n_hash[g], t0, r->p.predict_ttl_s);
+        /* Kept for the prediction's renewal at the first token. */
+        td_kv_hash *keep = realloc(q->hashes, (size_t)n_hash[g] * sizeof *keep);
+        if (keep) {
+            memcpy(keep, hashes + (size_t)g * (size_t)(q->n_prompt + 1),
+                   (size_t)n_hash[g] * sizeof *keep);
+            q->hashes = keep;
+            q->n_hashes = n_hash[g];
+        }
+        predict_locked(r, q, c->d, c->p, t0);
     }
     free(hashes);
     r->decide_s += td_time_s() - t0;
@@ -516,6 +536,7 @@ static bool on_response(void *ctx, const Tandem__V1__GenerateResponse *resp) {
             if (!q->got_first) {
                 q->got_first = true;
                 q->t_first = now;
+                predict_locked(r, q, q->d, q->p, now);
                 if (r->p.metrics)
                     td_metrics_first_token(r->p.metrics, now - q->t_arrival,
                                            q->t_dispatch - q->t_arrival);
@@ -967,13 +988,13 @@ static void apply_state(td_router *r, int32_t i, const char *body, size_t len) {
         if (x->grpc_port > 0 && colon)
             snprintf(x->target, sizeof x->target, "%.*s:%d", (int)(colon - x->addr), x->addr,
                      x->grpc_port);
-        /* The pairs' measured transfer times, as this decode instance sees them. */
+        /* The pairs' exposed transfer tails, as this decode instance measured them. */
         json_t *peers = json_object_get(json_object_get(root, "transfer"), "peers");
         size_t k;
         json_t *v;
         json_array_foreach(peers, k, v) {
             const char *a = json_string_value(json_object_get(v, "address"));
-            json_t *ms = json_object_get(v, "transfer_ms_avg");
+            json_t *ms = json_object_get(v, "transfer_tail_ms_avg");
             if (!a || !json_is_number(ms) || json_number_value(ms) <= 0) continue; /* unmeasured */
             for (int32_t p = 0; p < r->n_slots; p++)
                 if (r->in[p].used && r->in[p].prefill && !strcmp(r->in[p].addr, a))
@@ -1241,8 +1262,10 @@ char *td_router_metrics_text(void *ctx) {
                  r->in[i].prefill ? "prefill" : "decode", r->in[i].addr, usable(r, i, NULL));
         td_strbuf_puts(&b, line);
     }
-    td_strbuf_puts(&b, "# HELP tandem:router_pair_transfer_ms Moving average of the KV transfer "
-                       "time per (prefill, decode) pair, as the decode instance measured it.\n"
+    td_strbuf_puts(&b, "# HELP tandem:router_pair_transfer_ms Moving average of the exposed KV "
+                       "transfer tail per (prefill, decode) pair (PrefillDone's arrival after "
+                       "the prefill instance's last layer), as the decode instance measured "
+                       "it.\n"
                        "# TYPE tandem:router_pair_transfer_ms gauge\n");
     for (int32_t p = 0; p < r->n_slots; p++)
         for (int32_t d = 0; d < r->n_slots; d++) {

@@ -38,7 +38,8 @@ typedef struct {
     int max_retries;        /* further attempts before the first token, default 2 */
     int max_queued;         /* requests waiting for headroom, default 256 (then 429) */
     double queue_timeout_s; /* longest wait in that queue (then 503), default 30 */
-    double predict_ttl_s;   /* predicted index entries, default 2 */
+    double predict_ttl_s;   /* predicted index entries, from the decision and again from
+                             * the first token, default 10 */
     double call_timeout_s;  /* whole proxied call, 0: none (default) */
     int32_t block_size;     /* the prompt hashes' block size, default 16 */
     td_metrics *metrics;    /* vllm:* request metrics as the router sees them; may be NULL */

@@ -7,7 +7,8 @@
  *                  + queued_prefill_blocks(P)
  *   decode on D    decode_weight x (used_blocks(D) + pending(D) + need - overlap(D))
  *   transfer P->D  transfer_weight x the measured moving average of the
- *                  pair's KV transfer time in ms (0 while unmeasured)
+ *                  pair's exposed KV transfer tail in ms (PrefillDone's arrival
+ *                  after P's last layer; 0 while unmeasured)
  * where need = blocks of prompt + min(max_tokens, reserve_output_tokens),
  * the KV a decode instance reserves at admission. A decode instance whose
  * headroom free(D) - pending(D) - need is negative is filtered out.
@@ -94,7 +95,7 @@ typedef struct {
 /* Chooses for a prompt of n_prompt tokens and max_tokens output among
  * inst[0..n). overlap[i]: leading prompt blocks instance i holds
  * (kv-aware; may be NULL for the other policies). xfer_ms: NULL, or
- * xfer_ms[p * xfer_stride + d] the pair's measured transfer time (<= 0:
+ * xfer_ms[p * xfer_stride + d] the pair's measured transfer tail (<= 0:
  * unknown). counter: the request's sequence number (round-robin, ties);
  * rng: a splitmix64 state (random, temperature). TD_OK with *out;
  * TD_AGAIN: decode instances are usable but none has the headroom (the

@@ -86,6 +86,8 @@ typedef struct ppeer {
     double next_link;
     double next_probe; /* when the linked P's exchange is read again */
     double avg_ms;     /* moving average of request sent -> PrefillDone */
+    double tail_ms;    /* moving average of the exposed transfer tail (P's last layer ->
+                        * PrefillDone here): what the pair adds beyond P's compute */
     char last_err[700];
 } ppeer;
 
@@ -1184,9 +1186,12 @@ static void d_on_msg(td_xfer *x, const inbox_msg *im) {
                 (uint64_t)(j->n_tokens - j->n_cached) * x->row_bytes * 2u * (uint64_t)x->n_layer;
             td_metrics_kv_transfer(x->p.metrics, bytes, now - j->t_sent);
             uint64_t arrival = im->arrival_unix_ns;
-            if (pd->last_layer_unix_ns > 0 && pd->last_layer_unix_ns <= arrival)
-                td_metrics_kv_transfer_tail(x->p.metrics,
-                                            (double)(arrival - pd->last_layer_unix_ns) * 1e-9);
+            if (pd->last_layer_unix_ns > 0 && pd->last_layer_unix_ns <= arrival) {
+                double tail = (double)(arrival - pd->last_layer_unix_ns) * 1e-9;
+                td_metrics_kv_transfer_tail(x->p.metrics, tail);
+                j->peer->tail_ms =
+                    j->peer->tail_ms > 0 ? 0.8 * j->peer->tail_ms + 0.2 * tail * 1e3 : tail * 1e3;
+            }
             double ms = (now - j->t_sent) * 1e3;
             j->peer->avg_ms = j->peer->avg_ms > 0 ? 0.8 * j->peer->avg_ms + 0.2 * ms : ms;
         }
@@ -1815,9 +1820,10 @@ char *td_xfer_state_json(void *ctx) {
         const ppeer *pp = &x->ppeers[k];
         char ep[24];
         snprintf(ep, sizeof ep, "%016" PRIx64, pp->epoch);
-        json_array_append_new(peers, json_pack("{s:s,s:s,s:s,s:b,s:f}", "address", pp->addr,
+        json_array_append_new(peers, json_pack("{s:s,s:s,s:s,s:b,s:f,s:f}", "address", pp->addr,
                                                "instance_id", pp->instance, "epoch", ep, "ready",
-                                               (int)pp->ready, "transfer_ms_avg", pp->avg_ms));
+                                               (int)pp->ready, "transfer_ms_avg", pp->avg_ms,
+                                               "transfer_tail_ms_avg", pp->tail_ms));
     }
     pthread_mutex_unlock(&x->mu);
     json_t *o =
