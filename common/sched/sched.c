@@ -133,6 +133,7 @@ typedef struct rev {
     uint8_t state[TD_SAMPLER_STATE_BYTES];
     bool has_state, quarantine, local;
     td_status err;
+    int32_t remote_cached; /* EV_DONE: prompt tokens the peer served from its cache */
 } rev;
 
 struct td_sched {
@@ -1085,6 +1086,13 @@ static void remote_done(td_sched *s, rev *e) {
     }
     q->remote_wait = false;
     q->n_computed = q->n_tokens;
+    if (q->n_preemptions == 0 && e->remote_cached > 0) {
+        /* the usage's cached tokens: none of these were computed, here or there */
+        q->n_cached_tokens = TD_MIN(q->n_prompt, q->n_cached_tokens + e->remote_cached);
+        pthread_mutex_lock(&q->st->mu);
+        q->st->n_cached = q->n_cached_tokens;
+        pthread_mutex_unlock(&q->st->mu);
+    }
     publish_blocks(s, q);
     if (e->has_state && td_sampler_state_set(q->sampler, e->state, sizeof e->state) != TD_OK)
         TD_LOG_INFO("request %s: remote sampler state ignored", q->id);
@@ -1177,9 +1185,10 @@ static rev *event_new(rev_kind kind, td_sched_ticket t) {
 }
 
 void td_sched_remote_done(td_sched *s, td_sched_ticket t, const td_sample_result *first,
-                          const uint8_t *state, size_t state_len) {
+                          const uint8_t *state, size_t state_len, int32_t remote_cached) {
     rev *e = event_new(EV_DONE, t);
     e->first = *first;
+    e->remote_cached = remote_cached > 0 ? remote_cached : 0;
     if (state && state_len == sizeof e->state) {
         memcpy(e->state, state, sizeof e->state);
         e->has_state = true;

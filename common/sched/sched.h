@@ -234,11 +234,13 @@ td_sched_ticket td_gen_stream_ticket(const td_gen_stream *st);
 /* A remote prefill finished: first is the first token as the prefill
  * instance sampled it (with its logprobs when asked), state that
  * sampler's PRNG state after the draw (TD_SAMPLER_STATE_BYTES; NULL:
- * keep ours). The sequence publishes its full blocks to the prefix cache,
+ * keep ours), remote_cached the prompt tokens past ours the prefill
+ * instance served from its own prefix cache (they count as cached in the
+ * usage: nobody computed them). The sequence publishes its full blocks to the prefix cache,
  * takes the token as if sampled here and decodes on. A ticket that is not
  * waiting any more (cancelled, failed) is ignored. */
 void td_sched_remote_done(td_sched *s, td_sched_ticket t, const td_sample_result *first,
-                          const uint8_t *state, size_t state_len);
+                          const uint8_t *state, size_t state_len, int32_t remote_cached);
 /* A remote prefill failed. quarantine: the peer may have written (or may
  * still write) into the blocks, so they are held until
  * td_sched_release(t); else they are safe to reuse. local: prefill locally

@@ -1181,7 +1181,8 @@ static void d_on_msg(td_xfer *x, const inbox_msg *im) {
             }
             /* the first token goes to the scheduler before anything else */
             td_sched_remote_done(x->p.sched, j->ticket, &r, pd->sampler_state.data,
-                                 pd->sampler_state.len);
+                                 pd->sampler_state.len,
+                                 (int32_t)TD_MIN(pd->prefix_tokens_reused, (uint32_t)j->n_tokens));
             uint64_t bytes =
                 (uint64_t)(j->n_tokens - j->n_cached) * x->row_bytes * 2u * (uint64_t)x->n_layer;
             td_metrics_kv_transfer(x->p.metrics, bytes, now - j->t_sent);

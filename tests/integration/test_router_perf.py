@@ -52,7 +52,7 @@ def test_policies(source_dir, tandem_bin, test_models, tmp_path):
             assert len(runs) == 1, (ds, policy)
             r = runs[0]
             assert r["completed"] == n and r["failed"] == 0, (ds, policy, r)
-            for k in ("hit_rate_all", "hit_rate_prefill", "hit_rate_decode"):
+            for k in ("hit_rate", "hit_rate_all", "hit_rate_prefill", "hit_rate_decode"):
                 assert r[k] is not None and 0.0 <= r[k] <= 1.0, (ds, policy, k, r[k])
             # only kv-aware looks prompts up in the router's index
             assert (r["router_hit_rate"] is None) == (policy == "round-robin"), (ds, policy)
@@ -85,6 +85,8 @@ def test_policies(source_dir, tandem_bin, test_models, tmp_path):
     # fitted tokens, a block may be lost at the prefix/question boundary)
     assert kv["prefix_cache_hits_all"] >= 3 * 4 * 16, kv
     assert kv["hit_rate_all"] > rr["hit_rate_all"], (kv, rr)
+    # what the clients were told (usage cached_tokens): the same reuse
+    assert kv["hit_rate"] > rr["hit_rate"] == 0.0, (kv, rr)
     assert kv["hit_rate_decode"] > rr["hit_rate_decode"] == 0.0, (kv, rr)
     # the router's index saw the same reuse the instances report, give or
     # take the block lost at the prefix/question boundary

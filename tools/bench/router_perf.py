@@ -22,6 +22,11 @@ policies: for every dataset and repeat, and for each policy (kv-aware,
   `tandem bench --url ROUTER --dataset D ... --seed S --json` runs (S =
   --seed + repeat: both policies get the same requests). Then every
   instance's /metrics is read (increase since the cluster became ready):
+    hit rate            what the clients were told: the sum of the usage's
+                        prompt_tokens_details.cached_tokens over the sum of
+                        prompt_tokens (`tandem bench`'s prefix_cache_hit_rate):
+                        prompt tokens nobody computed, whichever instance held
+                        them (the headline figure)
     hit rate (prefill)  sum of vllm:prefix_cache_hits_total over the prefill
                         instances / sum of vllm:prefix_cache_queries_total
                         over them (prompt tokens whose KV was reused on the
@@ -271,6 +276,10 @@ def one_run(args, log_dir, save_dir, dataset, policy, rep):
     per_inst = {n: {"queries": delta([n], "vllm:prefix_cache_queries_total"),
                     "hits": delta([n], "vllm:prefix_cache_hits_total")} for n in alln}
     row = {
+        # What the clients were told: usage.prompt_tokens_details.cached_tokens
+        # over prompt tokens (cached on the instance that prefilled, or on the
+        # decode instance: tokens nobody computed).
+        "hit_rate": rep_json.get("prefix_cache_hit_rate"),
         "hit_rate_prefill": ratio(h_p, q_p),
         "hit_rate_all": ratio(h_a, q_a),
         "hit_rate_decode": ratio(h_a - h_p, q_a - q_p),
@@ -299,7 +308,7 @@ def one_run(args, log_dir, save_dir, dataset, policy, rep):
     return row, {"servers": [" ".join(p.argv) for p in cl.procs], "bench": " ".join(cmd)}
 
 
-SUMMARY_KEYS = ("hit_rate_prefill", "hit_rate_all", "hit_rate_decode", "router_hit_rate",
+SUMMARY_KEYS = ("hit_rate", "hit_rate_prefill", "hit_rate_all", "hit_rate_decode", "router_hit_rate",
                 "ttft_p50_ms", "ttft_p99_ms", "goodput", "e2e_p50_ms", "tpot_p50_ms", "completed", "failed",
                 "duration_s", "foreign_cpu")
 
@@ -321,8 +330,9 @@ def cmd_policies(args, log_dir):
                 commands[policy] = cmds
                 if not args.quiet:
                     sys.stderr.write(
-                        f"{dataset} rep {rep} {policy}: hit rate all {fmt(row['hit_rate_all'])} "
-                        f"prefill {fmt(row['hit_rate_prefill'])}, TTFT P50 "
+                        f"{dataset} rep {rep} {policy}: hit rate {fmt(row['hit_rate'])} (all "
+                        f"instances' counters {fmt(row['hit_rate_all'])}, "
+                        f"prefill {fmt(row['hit_rate_prefill'])}), TTFT P50 "
                         f"{fmt(row['ttft_p50_ms'])} P99 {fmt(row['ttft_p99_ms'])} ms, "
                         f"{row['completed']} done {row['failed']} failed, decisions "
                         f"{row['decisions']}, others used {100 * row['foreign_cpu']:.0f}% of "

@@ -48,6 +48,9 @@ measurements (vLLM's definitions):
   ITL    gaps between consecutive text-bearing chunks
   TPOT   (E2E - TTFT) / (output tokens - 1), requests with > 1 output token
   E2E    time from sending the request to the end of the stream
+  prefix-cache hit rate  cached / prompt tokens over the requests whose usage
+         has prompt_tokens_details.cached_tokens (OpenAI's field: prompt
+         tokens served from a prefix cache); null when none has it
   output tokens come from the usage chunk (stream_options.include_usage);
   goodput = requests meeting every --slo bound per second of the run.
   Every request opens its own connection; its times include the connect.
@@ -458,6 +461,7 @@ def run_one(server, args, item, t_bench):
         "input_len": item.in_len,
         "output_len": item.out_len,
         "prompt_tokens": None,
+        "cached_tokens": None,
         "output_tokens": None,
         "usage": False,
         "start_s": None,
@@ -531,6 +535,9 @@ def run_one(server, args, item, t_bench):
                 rec["output_tokens"] = int(usage["completion_tokens"])
                 if usage.get("prompt_tokens") is not None:
                     rec["prompt_tokens"] = int(usage["prompt_tokens"])
+                details = usage.get("prompt_tokens_details")
+                if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                    rec["cached_tokens"] = int(details["cached_tokens"])
                 rec["usage"] = True
             text = ""
             for ch in obj.get("choices") or []:
@@ -737,6 +744,8 @@ def make_report(args, server, records, duration, notes, calibrated):
         if not r["success"]:
             errors[r["error_kind"]] = errors.get(r["error_kind"], 0) + 1
     in_tok = sum(r["prompt_tokens"] or 0 for r in ok)
+    with_cached = [r for r in ok if r["cached_tokens"] is not None and r["prompt_tokens"]]
+    cached_in = sum(r["prompt_tokens"] for r in with_cached)
     out_tok = sum(r["output_tokens"] or 0 for r in ok)
     good = sum(1 for r in ok if is_good(r, args.slo)) if args.slo else None
     itl = [x for r in ok for x in r["itl_ms"]]
@@ -764,6 +773,8 @@ def make_report(args, server, records, duration, notes, calibrated):
         "requests_without_usage": sum(1 for r in ok if not r["usage"]),
         "duration_s": duration,
         "total_input_tokens": in_tok,
+        "prefix_cache_hit_rate": (sum(r["cached_tokens"] for r in with_cached) / cached_in
+                                  if cached_in else None),
         "total_output_tokens": out_tok,
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
         "output_throughput": out_tok / duration if duration > 0 else 0.0,
@@ -808,6 +819,8 @@ def print_table(rep, out):
     row("Benchmark duration (s):", fmt(rep["duration_s"]))
     row("Total input tokens:", rep["total_input_tokens"])
     row("Total output tokens:", rep["total_output_tokens"])
+    if rep["prefix_cache_hit_rate"] is not None:
+        row("Prefix-cache hit rate:", fmt(rep["prefix_cache_hit_rate"], 3))
     row("Request throughput (req/s):", fmt(rep["request_throughput"], 3))
     row("Output token throughput (tok/s):", fmt(rep["output_throughput"]))
     row("Total token throughput (tok/s):", fmt(rep["total_token_throughput"]))
