@@ -421,6 +421,7 @@ static td_status start_locked(td_router *r, rt_req *q, const td_rt_choice *c) {
     uint8_t *buf = malloc(len ? len : 1);
     if (!buf) {
         TD_LOG_ERROR("out of memory");
+        r->in[c->d].in_flight--; /* route_locked counted it */
         return TD_ERR_NOMEM;
     }
     tandem__internal__v1__internal_generate__pack(&ig, buf);
