@@ -687,16 +687,24 @@ def main(argv):
             ap.error(f"{args.build / b} not found")
     if not args.model.exists():
         ap.error(f"model {args.model} not found")
+    return run_logged(args, "pd_bench", cmd_tail if args.cmd == "tail" else cmd_mixed)
+
+
+def run_logged(args, name, cmd):
+    """Runs cmd(args, log_dir) in --log-dir (kept) or a fresh temporary
+    directory (removed after a success), adds the load averages, writes
+    --json; returns the exit status (1, with the logs kept, on a
+    BenchError)."""
     if args.log_dir:
         log_dir = pathlib.Path(args.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
     else:
-        log_dir = pathlib.Path(tempfile.mkdtemp(prefix="pd-bench-"))
+        log_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"{name.replace('_', '-')}-"))
     load_before = os.getloadavg()
     try:
-        out = cmd_tail(args, log_dir) if args.cmd == "tail" else cmd_mixed(args, log_dir)
+        out = cmd(args, log_dir)
     except BenchError as e:
-        sys.stderr.write(f"pd_bench: {e}\n(logs kept in {log_dir})\n")
+        sys.stderr.write(f"{name}: {e}\n(logs kept in {log_dir})\n")
         return 1
     out["load_average_before"] = load_before
     out["load_average_after"] = os.getloadavg()

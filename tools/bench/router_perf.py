@@ -85,18 +85,16 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import serve_bench  # noqa: E402  (percentiles as `tandem bench` computes them)
-from pd_bench import (DEFAULT_MODEL, BenchError, Foreign, Proc, fmt, med,  # noqa: E402
+from pd_bench import (DEFAULT_MODEL, BenchError, Foreign, Proc, fmt, med, run_logged,  # noqa: E402
                       wait_quiet)
 
 TOKEN = "router-perf-token"
@@ -546,27 +544,8 @@ def main(argv):
             ap.error("--reps must be at least 1")
     elif args.n < 1:
         ap.error("--n must be at least 1")
-    if args.log_dir:
-        log_dir = pathlib.Path(args.log_dir)
-        log_dir.mkdir(parents=True, exist_ok=True)
-    else:
-        log_dir = pathlib.Path(tempfile.mkdtemp(prefix="router-perf-"))
-    load_before = os.getloadavg()
-    try:
-        out = cmd_policies(args, log_dir) if args.cmd == "policies" else cmd_overhead(args,
-                                                                                    log_dir)
-    except BenchError as e:
-        sys.stderr.write(f"router_perf: {e}\n(logs kept in {log_dir})\n")
-        return 1
-    out["load_average_before"] = load_before
-    out["load_average_after"] = os.getloadavg()
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
-            f.write("\n")
-    if not args.log_dir:
-        shutil.rmtree(log_dir, ignore_errors=True)
-    return 0
+    return run_logged(args, "router_perf",
+                      cmd_policies if args.cmd == "policies" else cmd_overhead)
 
 
 if __name__ == "__main__":
