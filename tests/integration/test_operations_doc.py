@@ -210,3 +210,12 @@ def test_metrics_match_binaries(doc, tandem_bin, test_models, tmp_path):
                 f"{fam}: label {lb} is not in the doc's labels {dlabels!r}"
     invented = sorted(set(listed) - set(seen))
     assert not invented, f"the doc lists metrics no binary exposes: {invented}"
+
+
+def test_every_flag_named_anywhere_exists(doc, tandem_bin):
+    """Prose, alerts and runbooks name only flags some binary takes."""
+    have = {"--help"}
+    for argv, _ in BINARIES.values():
+        have |= set(FLAG_RE.findall(help_text(tandem_bin.parent, argv)))
+    unknown = sorted(set(FLAG_RE.findall(doc)) - have)
+    assert not unknown, f"docs/OPERATIONS.md names flags no binary has: {unknown}"
