@@ -95,6 +95,10 @@ def documented_flags(body):
 
 def help_text(build, argv):
     env = dict(os.environ, COLUMNS="80")
+    # The model default is $TANDEM_MODEL, else under $XDG_CACHE_HOME, else
+    # ~/.cache (tools/runtime.c): the doc quotes the last form.
+    env.pop("TANDEM_MODEL", None)
+    env.pop("XDG_CACHE_HOME", None)
     exe = build / argv[0]
     assert exe.exists(), f"{exe} is missing"
     r = subprocess.run([str(exe), *argv[1:]], capture_output=True, text=True, timeout=30,
