@@ -185,6 +185,12 @@ def test_metrics_match_binaries(doc, tandem_bin, test_models, tmp_path):
         status, body = cl.router.post_json("/v1/completions",
                                            {"prompt": "the quick brown fox", "max_tokens": 3})
         assert status == 200, f"completion through the router: {status} {body!r}"
+        # A bad request on the router and on D, so that the error family has
+        # labelled samples whose label names are checked too.
+        for srv in (cl.router, cl.ds[0]):
+            status, _, _ = srv.request("POST", "/v1/completions", body=b"{",
+                                       headers={"Content-Type": "application/json"})
+            assert status == 400, f"a truncated JSON body got {status}"
         texts = {}
         for role, srv in (("router", cl.router), ("prefill", cl.ps[0]), ("decode", cl.ds[0])):
             status, _, raw = srv.request("GET", "/metrics")
@@ -192,6 +198,8 @@ def test_metrics_match_binaries(doc, tandem_bin, test_models, tmp_path):
             texts[role] = raw.decode()
     finally:
         cl.close()
+    assert re.search(r'^tandem:request_errors_total\{[^}]*code="400"', texts["router"], re.M), \
+        "the router's /metrics has no sample of the 400 it answered"
     remote = re.search(r"^tandem:remote_prefill_total\{[^}]*\} (\S+)$", texts["decode"], re.M)
     assert remote and float(remote.group(1)) >= 1, "the request was not prefilled remotely"
 
