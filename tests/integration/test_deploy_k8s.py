@@ -263,6 +263,10 @@ def test_pods_probes_security_and_drain(renders, d):
             assert len(tf) == 1 and "--cluster-token" not in args, f"{name}: cluster token not read from a file"
             tdir = str(pathlib.PurePosixPath(tf[0]).parent)
             assert tdir in mounts and "secret" in vols[mounts[tdir]["name"]], f"{name}: token file is not a Secret"
+            # The process listens on the ports the container declares.
+            assert _flag_value(args, "--port") == [str(ports["http"])], f"{name}: --port is not the http port"
+            want_grpc = [str(ports["grpc"])] if "grpc" in ports else ["-1"]
+            assert _flag_value(args, "--grpc-port") == want_grpc, f"{name}: --grpc-port is not {want_grpc}"
             model = _flag_value(args, "--model")
             assert len(model) == 1 and model[0].startswith("/models/"), f"{name}: model not from /models"
 
