@@ -218,6 +218,7 @@ def test_pods_probes_security_and_drain(renders, d):
         pod = dep["spec"]["template"]["spec"]
         psc = pod.get("securityContext") or {}
         vols = {v["name"]: v for v in pod.get("volumes") or []}
+        assert len(vols) == len(pod.get("volumes") or []), f"{name}: duplicate volume names"
         for c in pod["containers"]:
             ports = {p["name"]: p["containerPort"] for p in c.get("ports") or []}
             assert "http" in ports, f"{name}: no http port"
@@ -285,6 +286,15 @@ def test_overlay_specifics(renders):
                 f"{d}: /dev/shm is not a sized in-memory emptyDir"
     cpu = renders["overlays/cpu-demo"]
     assert all(x["spec"]["replicas"] == 1 for x in _of(cpu, "Deployment"))
+    assert not _of(cpu, "PersistentVolumeClaim")
+    for dep in _of(cpu, "Deployment"):
+        models = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "models"]
+        assert len(models) == 1 and "hostPath" in models[0], f"cpu-demo: {dep['metadata']['name']} models volume"
+    for d in ("base", "overlays/gpu", "overlays/autoscale", "overlays/autoscale-hpa"):
+        pvc = _one(renders[d], "PersistentVolumeClaim", "tandem-models")
+        for dep in _of(renders[d], "Deployment"):
+            models = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "models"]
+            assert models[0]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
     # The demo's Secrets exist in the render, under the names the pods use.
     secrets = {s["metadata"]["name"]: s for s in _of(cpu, "Secret")}
     for dep in _of(cpu, "Deployment"):
