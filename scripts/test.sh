@@ -8,7 +8,6 @@
 # TD_TEST_QUICK=1 skips steps 4 and 5 (for a quick local run, never in CI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-root=$PWD
 jobs=$(nproc)
 
 step() { printf '\n=== %s ===\n' "$*"; }
