@@ -186,7 +186,7 @@ def test_shellcheck(source_dir):
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
-def test_build_stage_runs_setup_then_build(dockerfiles, name):
+def test_build_stage_runs_setup_then_build(dockerfiles, source_dir, name):
     stages = dockerfiles[name]
     assert len(stages) >= 2, f"{name}: not multi-stage"
     build = stages[0]
@@ -199,6 +199,12 @@ def test_build_stage_runs_setup_then_build(dockerfiles, name):
     assert setup_i[0] <= build_i[0], f"{name}: setup.sh must run before build.sh"
     copies = [rest for kw, rest in build["ins"] if kw == "COPY"]
     assert any(c.split()[0] == "." for c in copies), f"{name}: the repository is never copied in"
+    # COPY . must not carry a host build tree (its CMakeCache names host paths) or models
+    ign = source_dir / "deploy" / "docker" / f"{name}.dockerignore"
+    assert ign.exists(), f"{name}: no {ign.name} (BuildKit's per-Dockerfile ignore file)"
+    rules = {line.strip() for line in ign.read_text().splitlines() if line.strip() and not line.startswith("#")}
+    for must in ("build*/", ".git", "**/*.gguf"):
+        assert must in rules, f"{ign.name} lacks {must}"
     assert stage_args(build).get("BAKE_MODEL") == "0", f"{name}: ARG BAKE_MODEL=0 missing"
     env = stage_env(build)
     assert env.get("TANDEM_SETUP_SKIP_PYTHON") == "1", f"{name}: setup.sh would install test packages"
