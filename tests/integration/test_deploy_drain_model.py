@@ -205,17 +205,26 @@ def test_probes_and_drain_order(rendered, build_dir, default_model, tmp_path):
     key = R.env.get("TANDEM_API_KEY")
     auth = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        # Starting: not ready before the process listens; ready once up.
-        assert P.probe("readinessProbe") is None
         P.start()
         P.wait_ready()
+        # Starting: the router is alive (startup and liveness probes pass)
+        # but not ready while no decode instance is, then ready.
+        R.start()
+        assert R.probe("readinessProbe") == 503
         D.start()
         D.wait_ready()
-        R.start()
-        R.wait_ready()  # a decode instance is ready
+        R.wait_ready()
         rport = R.ports["http"]
+        ctok = base64.b64decode(find(rendered, "Secret", "tandem-cluster-token")["data"]["token"])
 
-        def post(body, stream=False):
+        def routed_to_decode():
+            import json
+            _, body = http_status(rport, "/internal/v1/cluster",
+                                  {"X-Tandem-Cluster-Token": ctok.decode()})
+            v = json.loads(body)
+            return sum(x["routed"] for x in v["instances"] if x["role"] == "decode")
+
+        def post(body):
             return SSEStream("127.0.0.1", rport, "/v1/completions",
                              dict(body, stream=True, stream_options={"include_usage": True}),
                              auth, 300)
@@ -260,11 +269,16 @@ def test_probes_and_drain_order(rendered, build_dir, default_model, tmp_path):
         t = D.term()
         D.wait_not_ready()
         assert D.probe("livenessProbe") == 200
-        # the router stops sending to it within a few of its polls
+        # the router stops sending to it within a few of its polls: a request
+        # now is refused by the router, not routed to the draining pod
         wait_until(lambda: http_status(rport, "/ready")[0] == 503, timeout=5,
                    what="the router sees no ready decode instance")
-        s, _ = http_status(rport, "/v1/models", auth)
-        assert s == 200
+        before = routed_to_decode()
+        late = SSEStream("127.0.0.1", rport, "/v1/completions",
+                         {"prompt": "Hello", "max_tokens": 4, "stream": True}, auth, 60)
+        assert late.status == 503
+        late.close()
+        assert routed_to_decode() == before
         reason, usage = finish(st)
         assert reason == "length" and usage["completion_tokens"] == 200
         D.wait_exit(t)

@@ -467,6 +467,11 @@ def test_one_autoscaler_per_deployment(renders, d):
         assert len(scalers) == 1, f"{d}: {target} is scaled by {scalers}"
     if d.startswith("overlays/autoscale"):
         assert set(_autoscaled(objs)) == {"tandem-prefill", "tandem-decode"}
+    # the autoscaler owns an autoscaled pool's size: a replica count in the
+    # manifest would reset it on every apply
+    for x in _of(objs, "Deployment"):
+        if x["metadata"]["name"] in _autoscaled(objs):
+            assert "replicas" not in x["spec"], f"{d}: {x['metadata']['name']} sets replicas"
 
 
 def test_keda_scaled_objects(renders):
