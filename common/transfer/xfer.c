@@ -89,6 +89,11 @@ typedef struct ppeer {
     double tail_ms;    /* moving average of the exposed transfer tail (P's last layer ->
                         * PrefillDone here): what the pair adds beyond P's compute */
     char last_err[700];
+    /* 1 + the index of the linked peer this address reaches too (the same
+     * instance and epoch under another name: a Service name and a pod IP,
+     * localhost and 127.0.0.1); 0: none. Two links to one P would have P
+     * answer over the newer one only. */
+    int alias_of;
 } ppeer;
 
 /* NEW: not sent; SENT: waiting for P; CANCELLED: the client went while
@@ -989,9 +994,9 @@ static bool d_start(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t
     ppeer *pp = NULL;
     for (int k = 0; k < x->n_ppeers && j->want_peer[0]; k++) {
         ppeer *c = &x->ppeers[k];
-        if (strcmp(c->addr, j->want_peer) == 0 && c->ready && c->ep && !c->fence && !c->closing &&
-            !atomic_load(&c->err))
-            pp = c;
+        if (strcmp(c->addr, j->want_peer) != 0) continue;
+        if (!c->ready && c->alias_of > 0) c = &x->ppeers[c->alias_of - 1];
+        if (c->ready && c->ep && !c->fence && !c->closing && !atomic_load(&c->err)) pp = c;
     }
     for (int k = 0; k < x->n_ppeers && !pp; k++) {
         ppeer *c = &x->ppeers[(x->rr + (unsigned)k) % (unsigned)x->n_ppeers];
@@ -1324,6 +1329,28 @@ static void d_link(td_xfer *x, ppeer *pp) {
     td_xfer_msg *m = NULL;
     td_ucx_ep *ep = NULL;
     td_status st = fetch_exchange(x, pp->addr, &m, err, sizeof err, NULL);
+    if (st == TD_OK) {
+        /* Another name of a P already linked: requests for this name go to
+         * that link (a second one would take P's answers away from it). */
+        pthread_mutex_lock(&x->mu);
+        int same = 0;
+        for (int k = 0; k < x->n_ppeers && !same; k++) {
+            ppeer *c = &x->ppeers[k];
+            if (c != pp && c->ready && !c->fence && c->epoch == m->from->epoch &&
+                strcmp(c->instance, m->from->instance_id) == 0)
+                same = k + 1;
+        }
+        if (same && pp->alias_of != same)
+            TD_LOG_INFO("prefill instance %s is %s (%s): one link for both", pp->addr,
+                        x->ppeers[same - 1].addr, m->from->instance_id);
+        pp->alias_of = same;
+        if (same) pp->next_link = td_time_s() + x->p.link_interval_ms / 1000.0;
+        pthread_mutex_unlock(&x->mu);
+        if (same) {
+            td_xfer_msg_free(m);
+            return;
+        }
+    }
     const Tandem__Internal__V1__RankEndpoint *r0 = NULL;
     for (size_t i = 0; st == TD_OK && i < m->exchange->n_ranks; i++)
         if (m->exchange->ranks[i]->rank == 0) r0 = m->exchange->ranks[i];

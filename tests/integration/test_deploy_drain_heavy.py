@@ -217,12 +217,19 @@ def test_probes_and_drain_order(rendered, build_dir, default_model, tmp_path):
         rport = R.ports["http"]
         ctok = base64.b64decode(find(rendered, "Secret", "tandem-cluster-token")["data"]["token"])
 
-        def routed_to_decode():
+        def view():
             import json
             _, body = http_status(rport, "/internal/v1/cluster",
                                   {"X-Tandem-Cluster-Token": ctok.decode()})
-            v = json.loads(body)
-            return sum(x["routed"] for x in v["instances"] if x["role"] == "decode")
+            return json.loads(body)
+
+        def routed_to_decode():
+            return sum(x["routed"] for x in view()["instances"] if x["role"] == "decode")
+
+        # the router's /ready needs a decode instance only: the prefill
+        # instance is in rotation once its state was pulled
+        wait_until(lambda: {x["role"] for x in view()["instances"] if x["ready"]} ==
+                   {"prefill", "decode"}, timeout=30, what="both pools in the router's view")
 
         def post(body):
             return SSEStream("127.0.0.1", rport, "/v1/completions",
