@@ -26,6 +26,8 @@ typedef struct {
     int n_prefill, n_decode;
     const char *keys[64];
     int n_keys;
+    const char *key_file;
+    char *key_file_buf; /* the keys of key_file point into it */
     bool metrics_need_key;
     double drain_timeout, ping_interval;
     long retry_after;
@@ -93,6 +95,8 @@ static void usage(FILE *f) {
         "  --max-ctx N                longest prompt + output accepted (default: the model's\n"
         "                             training context, at most 4096)\n"
         "  --api-key K                require 'Authorization: Bearer K' (repeatable)\n"
+        "  --api-key-file PATH        the same, a key per line of the file (a mounted Secret:\n"
+        "                             keeps the keys off the command line)\n"
         "  --metrics-need-key         /metrics needs a key too\n"
         "  --retry-after S            Retry-After of a 429 (default 1)\n"
         "  --ping-interval S          SSE ': ping' comment interval (default 5)\n"
@@ -226,6 +230,9 @@ static int parse_args(int argc, char **argv, args *a) {
         else if (!strcmp(opt, "--api-key")) {
             ok = a->n_keys < 64 && *val;
             if (ok) a->keys[a->n_keys++] = val;
+        } else if (!strcmp(opt, "--api-key-file")) {
+            ok = !a->key_file; /* read once the flags are parsed (--help reads nothing) */
+            a->key_file = val;
         } else if (!strcmp(opt, "--retry-after"))
             ok = td_cli_parse_long(val, 0, 3600, &a->retry_after);
         else if (!strcmp(opt, "--drain-timeout"))
@@ -249,6 +256,11 @@ static int parse_args(int argc, char **argv, args *a) {
     }
     if (a->n_decode == 0 && !a->rp.decode_dns) {
         fprintf(stderr, "tandem-router: give the decode instances: --decode or --decode-dns\n");
+        return 2;
+    }
+    if (a->key_file &&
+        !(a->key_file_buf = td_cli_read_keys(a->key_file, a->keys, &a->n_keys, 64))) {
+        fprintf(stderr, "tandem-router: bad value '%s' for --api-key-file\n", a->key_file);
         return 2;
     }
     return 0;
@@ -393,6 +405,7 @@ done:
     free(token);
     for (int i = 0; i < a.n_prefill; i++) free(a.prefill[i]);
     for (int i = 0; i < a.n_decode; i++) free(a.decode[i]);
+    free(a.key_file_buf);
     if (exit_code == 0 && rc == 0) TD_LOG_INFO("stopped");
     return exit_code;
 }

@@ -10,13 +10,12 @@
 #include <inttypes.h>
 #include <jansson.h>
 #include <math.h>
-#include <netdb.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/socket.h>
 
+#include "../common/base/net.h"
 #include "../common/base/strbuf.h"
 #include "../common/kv/hash.h"
 #include "dclient.h"
@@ -1073,39 +1072,13 @@ static void poll_round(td_router *r) {
         if (r->in[slots[k]].easy) curl_multi_remove_handle(r->multi, r->in[slots[k]].easy);
 }
 
-/* Splits NAME:PORT (poller thread). */
-static bool split_dns(const char *spec, char *name, size_t nn, char *port, size_t pn) {
-    const char *c = strrchr(spec, ':');
-    if (!c || c == spec || !c[1] || (size_t)(c - spec) >= nn || strlen(c + 1) >= pn) return false;
-    snprintf(name, nn, "%.*s", (int)(c - spec), spec);
-    snprintf(port, pn, "%s", c + 1);
-    return true;
-}
-
 static void resolve(td_router *r, const char *spec, bool prefill) {
-    char name[256], port[16];
-    if (!split_dns(spec, name, sizeof name, port, sizeof port)) return;
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
-    int rc = getaddrinfo(name, port, &hints, &res);
-    if (rc != 0) {
-        TD_LOG_WARN("resolving %s: %s (keeping the instances known)", spec, gai_strerror(rc));
+    char found[MAXI][TD_NET_ADDR_LEN], err[400];
+    int n = td_net_resolve(spec, found, MAXI, err, sizeof err);
+    if (n < 0) {
+        TD_LOG_WARN("%s (keeping the instances known)", err);
         return;
     }
-    char found[MAXI][136];
-    int32_t n = 0;
-    for (struct addrinfo *a = res; a && n < MAXI; a = a->ai_next) {
-        char host[INET6_ADDRSTRLEN + 1];
-        if (getnameinfo(a->ai_addr, a->ai_addrlen, host, sizeof host, NULL, 0, NI_NUMERICHOST))
-            continue;
-        if (a->ai_family == AF_INET6)
-            snprintf(found[n], sizeof found[n], "[%s]:%s", host, port);
-        else
-            snprintf(found[n], sizeof found[n], "%s:%s", host, port);
-        bool dup = false;
-        for (int32_t k = 0; k < n && !dup; k++) dup = !strcmp(found[k], found[n]);
-        if (!dup) n++;
-    }
-    freeaddrinfo(res);
     pthread_mutex_lock(&r->mu);
     for (int32_t k = 0; k < n; k++) {
         bool have = false;
@@ -1399,7 +1372,7 @@ td_status td_router_create(const td_router_params *p, td_router **r_p) {
     char name[256], port[16];
     const char *lists[2] = {p->prefill_dns, p->decode_dns};
     for (int k = 0; k < 2; k++)
-        if (lists[k] && !split_dns(lists[k], name, sizeof name, port, sizeof port)) {
+        if (lists[k] && !td_net_split(lists[k], name, sizeof name, port, sizeof port)) {
             TD_LOG_ERROR("'%s' is not NAME:PORT", lists[k]);
             return TD_ERR_INVALID;
         }

@@ -70,7 +70,14 @@ static void serve_usage(FILE *f, td_serve_role role) {
                 "--local-prefill-threshold uncached tokens, when no prefill instance is\n"
                 "reachable, and as the fallback when one fails or misses its deadline.\n"
                 "\n"
-                "  --prefill HOST:PORT[,...]  prefill instances' HTTP ports (repeatable)\n"
+                "  --prefill HOST:PORT[,...]  prefill instances' HTTP ports (repeatable): every\n"
+                "                             address a name resolves to is an instance (a\n"
+                "                             headless Service: every ready pod)\n"
+                "  --dns-interval S           the --prefill names are resolved again every S\n"
+                "                             seconds (default 5)\n"
+                "  --forget-prefill-after S   a prefill instance unlinked, no longer resolved\n"
+                "                             and not named by the router for S seconds is\n"
+                "                             forgotten (default 60)\n"
                 "  --local-prefill-threshold N  prefill here when fewer than N prompt tokens are\n"
                 "                             uncached (default 0: always remote)\n"
                 "  --transfer-deadline-ms N   deadline of one remote prefill (default 30000)\n"
@@ -100,6 +107,8 @@ static void serve_usage(FILE *f, td_serve_role role) {
         "  --port N                   HTTP port (default 8000; 0 = ephemeral)\n"
         "  --grpc-port N              gRPC port (default 50051; 0 = ephemeral; -1 = off)\n"
         "  --api-key KEY              require 'Authorization: Bearer KEY' (repeatable, up to %d)\n"
+        "  --api-key-file PATH        the same, a key per line of the file (a mounted Secret:\n"
+        "                             keeps the keys off the command line)\n"
         "  --metrics-need-key         put /metrics behind the API key too\n"
         "  --served-model-name NAME   model name in the API (default: the model's own name)\n"
         "  --chat-template NAME       force a chat template: chatml, smollm2, llama3, llama2,\n"
@@ -168,6 +177,8 @@ typedef struct {
     long port, grpc_port;
     const char *keys[SERVE_MAX_KEYS];
     int n_keys;
+    const char *key_file;
+    char *key_file_buf; /* the keys of key_file point into it */
     bool metrics_need_key;
     const char *served_name;
     const char *chat_template;
@@ -184,6 +195,7 @@ typedef struct {
     char *prefill[SERVE_MAX_PREFILL];
     int n_prefill;
     long local_threshold, deadline_ms, lease_ms;
+    double dns_interval, forget_after;
     bool no_layerwise;
 } serve_args;
 
@@ -245,6 +257,9 @@ static int parse_args(int argc, char **argv, serve_args *a) {
                 ok = false;
             else
                 a->keys[a->n_keys++] = val;
+        } else if (!strcmp(opt, "--api-key-file")) {
+            ok = !a->key_file; /* read once the flags are parsed (--help reads nothing) */
+            a->key_file = val;
         } else if (!strcmp(opt, "--served-model-name")) {
             ok = *val != '\0';
             a->served_name = val;
@@ -291,6 +306,12 @@ static int parse_args(int argc, char **argv, serve_args *a) {
             ok = td_cli_parse_long(val, 1, 600000, &a->deadline_ms);
         else if (a->role == TD_ROLE_DECODE && !strcmp(opt, "--lease-ms"))
             ok = td_cli_parse_long(val, 3, 600000, &a->lease_ms);
+        else if (a->role == TD_ROLE_DECODE && !strcmp(opt, "--dns-interval"))
+            ok = parse_seconds(val, &a->dns_interval) && a->dns_interval >= 0.05 &&
+                 a->dns_interval <= 3600;
+        else if (a->role == TD_ROLE_DECODE && !strcmp(opt, "--forget-prefill-after"))
+            ok = parse_seconds(val, &a->forget_after) && a->forget_after >= 0.05 &&
+                 a->forget_after <= 86400;
         else {
             fprintf(stderr, "%s: unknown option '%s' (see --help)\n", role_name(a->role), opt);
             return 2;
@@ -312,6 +333,11 @@ static int parse_args(int argc, char **argv, serve_args *a) {
     }
     if (a->role == TD_ROLE_DECODE && a->n_prefill == 0) {
         fprintf(stderr, "tandem-decode: --prefill HOST:PORT is required\n");
+        return 2;
+    }
+    if (a->key_file &&
+        !(a->key_file_buf = td_cli_read_keys(a->key_file, a->keys, &a->n_keys, SERVE_MAX_KEYS))) {
+        fprintf(stderr, "%s: bad value '%s' for --api-key-file\n", role_name(a->role), a->key_file);
         return 2;
     }
     return 0;
@@ -346,17 +372,30 @@ static bool kv_listen_device(const char *spec) {
     }
     struct ifaddrs *ifs = NULL;
     if (getifaddrs(&ifs) != 0) return false;
-    char dev[IF_NAMESIZE + 1] = "";
+    /* the interface with that address, else one whose subnet holds it
+     * (127.0.0.2 is on lo, whose address is 127.0.0.1/8) */
+    char dev[IF_NAMESIZE + 1] = "", net_dev[IF_NAMESIZE + 1] = "";
+    size_t len = fam == AF_INET ? 4 : 16;
     for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
         if (!i->ifa_addr || i->ifa_addr->sa_family != fam) continue;
-        const void *a = fam == AF_INET
-                            ? (const void *)&((struct sockaddr_in *)i->ifa_addr)->sin_addr
-                            : (const void *)&((struct sockaddr_in6 *)i->ifa_addr)->sin6_addr;
-        if (memcmp(a, want, fam == AF_INET ? 4 : 16) == 0) {
+        const unsigned char *a =
+            fam == AF_INET
+                ? (const unsigned char *)&((struct sockaddr_in *)i->ifa_addr)->sin_addr
+                : (const unsigned char *)&((struct sockaddr_in6 *)i->ifa_addr)->sin6_addr;
+        if (memcmp(a, want, len) == 0) {
             snprintf(dev, sizeof dev, "%s", i->ifa_name);
             break;
         }
+        if (!i->ifa_netmask || net_dev[0]) continue;
+        const unsigned char *m =
+            fam == AF_INET
+                ? (const unsigned char *)&((struct sockaddr_in *)i->ifa_netmask)->sin_addr
+                : (const unsigned char *)&((struct sockaddr_in6 *)i->ifa_netmask)->sin6_addr;
+        bool in = m[0] != 0; /* not a /0 */
+        for (size_t k = 0; k < len && in; k++) in = (a[k] & m[k]) == (want[k] & m[k]);
+        if (in) snprintf(net_dev, sizeof net_dev, "%s", i->ifa_name);
     }
+    if (!dev[0]) snprintf(dev, sizeof dev, "%s", net_dev);
     freeifaddrs(ifs);
     if (!dev[0]) {
         TD_LOG_ERROR("--kv-listen: no interface holds %s", host);
@@ -399,6 +438,9 @@ int td_cmd_serve(int argc, char **argv) { return td_serve_main(argc, argv, TD_RO
 static void free_args(serve_args *a) {
     for (int i = 0; i < a->n_prefill; i++) free(a->prefill[i]);
     a->n_prefill = 0;
+    free(a->key_file_buf);
+    a->key_file_buf = NULL;
+    a->n_keys = 0;
 }
 
 int td_serve_main(int argc, char **argv, td_serve_role role) {
@@ -408,6 +450,8 @@ int td_serve_main(int argc, char **argv, td_serve_role role) {
                     .grpc_port = role == TD_ROLE_PREFILL ? -1 : 50051,
                     .deadline_ms = 30000,
                     .lease_ms = 3000,
+                    .dns_interval = 5,
+                    .forget_after = 60,
                     .block_size = 16,
                     .max_running = 16,
                     .max_batch_tokens = 512,
@@ -525,6 +569,8 @@ int td_serve_main(int argc, char **argv, td_serve_role role) {
         xp.lease_ms = (int)a.lease_ms;
         xp.prefill = (const char *const *)a.prefill;
         xp.n_prefill = a.n_prefill;
+        xp.dns_interval_ms = (int)(a.dns_interval * 1000);
+        xp.forget_ms = (int)(a.forget_after * 1000);
         xp.local_prefill_threshold = (int32_t)a.local_threshold;
         xp.layerwise = !a.no_layerwise;
         if (td_xfer_create(&xp, &xfer) != TD_OK) goto free_sched;

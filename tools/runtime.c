@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "tools.h"
@@ -166,4 +167,48 @@ char *td_cli_read_secret(const char *path) {
     }
     buf[n] = 0;
     return strdup(buf);
+}
+
+char *td_cli_read_keys(const char *path, const char **keys, int *n, int max) {
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        TD_LOG_ERROR("cannot read the API key file %s: %s", path, strerror(errno));
+        return NULL;
+    }
+    enum { LIMIT = 64 * 1024 };
+    char *buf = malloc(LIMIT + 1);
+    size_t len = buf ? fread(buf, 1, LIMIT + 1, f) : 0;
+    bool err = ferror(f);
+    fclose(f);
+    if (!buf || err || len > LIMIT) {
+        TD_LOG_ERROR("the API key file %s: %s", path,
+                     !buf  ? "out of memory"
+                     : err ? "read error"
+                           : "over 64 KiB");
+        free(buf);
+        return NULL;
+    }
+    buf[len] = 0;
+    int n0 = *n;
+    for (char *line = buf, *next; line; line = next) {
+        next = strchr(line, '\n');
+        if (next) *next++ = 0;
+        while (*line == ' ' || *line == '\t' || *line == '\r') line++;
+        char *e = line + strlen(line);
+        while (e > line && (e[-1] == ' ' || e[-1] == '\t' || e[-1] == '\r')) *--e = 0;
+        if (!*line) continue;
+        if (*n == max) {
+            TD_LOG_ERROR("the API key file %s: more than %d keys", path, max);
+            *n = n0;
+            free(buf);
+            return NULL;
+        }
+        keys[(*n)++] = line;
+    }
+    if (*n == n0) {
+        TD_LOG_ERROR("the API key file %s holds no key", path);
+        free(buf);
+        return NULL;
+    }
+    return buf;
 }

@@ -31,6 +31,11 @@ bool td_cli_parse_u64(const char *s, uint64_t *out); /* no sign */
 /* The first line of a secret file (the cluster token), malloc'd; NULL
  * (logged) when it cannot be read or is empty. */
 char *td_cli_read_secret(const char *path);
+/* The API keys of a key file (a mounted Secret): one per line, blank lines
+ * and the blanks around a key ignored, appended to keys[*n..max). Returns
+ * the buffer the keys point into (freed after them); NULL (logged) when the
+ * file cannot be read, is over 64 KiB, holds no key or more than fit. */
+char *td_cli_read_keys(const char *path, const char **keys, int *n, int max);
 
 #include "../common/parallel/plan.h"
 

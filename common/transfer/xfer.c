@@ -23,6 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../base/net.h"
 #include "../kv/kv.h"
 #include "../model/model.h"
 #include "msg.h"
@@ -69,7 +70,8 @@ typedef struct pjob {
     uint8_t sstate[TD_SAMPLER_STATE_BYTES];
 } pjob;
 
-/* D's view of one P instance (named by its HTTP address). */
+/* D's view of one P instance (named by its HTTP address; a slot whose
+ * addr is "" is free). */
 typedef struct ppeer {
     char addr[256];
     char instance[XF_ID_LEN];
@@ -89,6 +91,9 @@ typedef struct ppeer {
     double tail_ms;    /* moving average of the exposed transfer tail (P's last layer ->
                         * PrefillDone here): what the pair adds beyond P's compute */
     char last_err[700];
+    bool in_dns;           /* in the last resolution of a --prefill name */
+    double last_named;     /* when the router last named it (0: never) */
+    double unlinked_since; /* when it was added or last fenced */
     /* 1 + the index of the linked peer this address reaches too (the same
      * instance and epoch under another name: a Service name and a pod IP,
      * localhost and 127.0.0.1); 0: none. Two links to one P would have P
@@ -170,7 +175,12 @@ struct td_xfer {
     bool peer_slot_used[TD_XRANK_MAX_PEERS];
     /* decode */
     ppeer *ppeers;
-    int n_ppeers;
+    int n_ppeers;          /* slots in use or freed (x->mu) */
+    char (*names)[256];    /* the --prefill names (resolved on the link thread) */
+    char (*name_err)[400]; /* the last resolution error of each, said once */
+    int n_names;
+    double next_resolve;
+    bool full_logged; /* "no free slot" said once */
     unsigned rr;
     djob *djobs;
     double next_lease;
@@ -182,6 +192,8 @@ td_xfer_params td_xfer_default_params(void) {
                         .lease_ms = 3000,
                         .local_prefill_threshold = 0,
                         .link_interval_ms = 500,
+                        .dns_interval_ms = 5000,
+                        .forget_ms = 60000,
                         .layerwise = true};
     return p;
 }
@@ -1054,20 +1066,43 @@ static void d_cancelled(void *ctx, td_sched_ticket t) {
     wake(x);
 }
 
-/* A prefill instance the router named: linked from now on (bounded). */
+/* The slot of P instance addr, added (in a free slot) when new; NULL when
+ * every slot is taken. *added: it was new. Caller holds x->mu. */
+static ppeer *peer_get(td_xfer *x, const char *addr, const char *why, bool *added) {
+    *added = false;
+    int free_k = -1;
+    for (int k = 0; k < x->n_ppeers; k++) {
+        if (!strcmp(x->ppeers[k].addr, addr)) return &x->ppeers[k];
+        if (!x->ppeers[k].addr[0] && free_k < 0) free_k = k;
+    }
+    if (free_k < 0 && x->n_ppeers < TD_XRANK_MAX_PEERS) free_k = x->n_ppeers++;
+    if (free_k < 0) {
+        if (!x->full_logged)
+            TD_LOG_WARN("prefill instance %s (%s) left out: %d prefill instances known already",
+                        addr, why, TD_XRANK_MAX_PEERS);
+        x->full_logged = true;
+        return NULL;
+    }
+    /* a free slot's link workers are closed and no job refers to it */
+    ppeer *pp = &x->ppeers[free_k];
+    memset(pp, 0, sizeof *pp);
+    atomic_init(&pp->err, false);
+    atomic_init(&pp->close_done, false);
+    snprintf(pp->addr, sizeof pp->addr, "%s", addr);
+    pp->unlinked_since = td_time_s();
+    *added = true;
+    TD_LOG_INFO("prefill instance %s (%s) added", addr, why);
+    return pp;
+}
+
+/* A prefill instance the router named: linked from now on. */
 static void want_peer(td_xfer *x, const char *addr) {
     pthread_mutex_lock(&x->mu);
-    bool known = false;
-    for (int k = 0; k < x->n_ppeers; k++) known |= strcmp(x->ppeers[k].addr, addr) == 0;
-    if (!known && x->n_ppeers < TD_XRANK_MAX_PEERS) {
-        ppeer *pp = &x->ppeers[x->n_ppeers];
-        memset(pp, 0, sizeof *pp);
-        snprintf(pp->addr, sizeof pp->addr, "%s", addr);
-        x->n_ppeers++;
-        TD_LOG_INFO("prefill instance %s (named by the router) added", addr);
-    }
+    bool added = false;
+    ppeer *pp = peer_get(x, addr, "named by the router", &added);
+    if (pp) pp->last_named = td_time_s();
     pthread_mutex_unlock(&x->mu);
-    if (!known) wake_link(x);
+    if (added) wake_link(x);
 }
 
 void td_xfer_submit_hook(void *ctx, td_gen_request *g) {
@@ -1448,6 +1483,7 @@ static void d_service(td_xfer *x) {
             pp->closing = false;
             pp->fence = false;
             pp->next_link = now;
+            pp->unlinked_since = now;
             TD_LOG_INFO("prefill instance %s fenced", pp->addr);
         }
     }
@@ -1572,6 +1608,75 @@ static void *service_main(void *arg) {
     return NULL;
 }
 
+/* Resolves the --prefill names (on the link thread: getaddrinfo blocks):
+ * every address is a P instance. An address that left every name is
+ * forgotten later (d_forget), once unlinked; a name that does not resolve
+ * keeps what it had. */
+static void d_resolve(td_xfer *x) {
+    char(*found)[TD_NET_ADDR_LEN] = calloc(TD_XRANK_MAX_PEERS, sizeof *found);
+    if (!found) return;
+    int n = 0;
+    bool all = true;
+    for (int i = 0; i < x->n_names; i++) {
+        char err[400];
+        int k = td_net_resolve(x->names[i], found + n, TD_XRANK_MAX_PEERS - n, err, sizeof err);
+        if (k < 0) {
+            all = false;
+            if (strcmp(err, x->name_err[i]) != 0)
+                TD_LOG_WARN("prefill instances: %s (trying again every %.1f s)", err,
+                            x->p.dns_interval_ms / 1000.0);
+            snprintf(x->name_err[i], sizeof x->name_err[i], "%s", err);
+        } else {
+            if (x->name_err[i][0]) TD_LOG_INFO("prefill instances: %s resolves", x->names[i]);
+            x->name_err[i][0] = 0;
+            n += k;
+        }
+    }
+    bool added_any = false;
+    pthread_mutex_lock(&x->mu);
+    for (int k = 0; k < x->n_ppeers && all; k++) x->ppeers[k].in_dns = false;
+    for (int i = 0; i < n; i++) {
+        bool added = false;
+        ppeer *pp = peer_get(x, found[i], "resolved", &added);
+        if (pp) pp->in_dns = true;
+        added_any |= added;
+    }
+    x->next_resolve = td_time_s() + x->p.dns_interval_ms / 1000.0;
+    pthread_mutex_unlock(&x->mu);
+    free(found);
+    if (added_any) wake_link(x);
+}
+
+/* Frees the slots of P instances that are neither resolved nor named by
+ * the router any more and have stayed unlinked for forget_ms (a pod gone
+ * for good): the slots are bounded (TD_XRANK_MAX_PEERS) and an autoscaled
+ * pool keeps bringing new addresses. A slot goes only when nothing refers
+ * to it: no job, no link workers, no fence under way. Link thread: the
+ * only one that reads a slot's addr without x->mu. */
+static void d_forget(td_xfer *x) {
+    pthread_mutex_lock(&x->mu);
+    double now = td_time_s(), after = x->p.forget_ms / 1000.0;
+    for (int k = 0; k < x->n_ppeers; k++) {
+        ppeer *pp = &x->ppeers[k];
+        if (!pp->addr[0] || pp->in_dns || pp->ready || pp->fence || pp->closing || pp->link_open ||
+            pp->link_close_owed || pp->ep || now - pp->last_named < after ||
+            now - pp->unlinked_since < after)
+            continue;
+        bool held = false;
+        for (djob *j = x->djobs; j && !held; j = j->next) held = j->peer == pp;
+        if (held) continue;
+        TD_LOG_INFO("prefill instance %s forgotten (unlinked for %.0f s, no longer resolved or "
+                    "named)",
+                    pp->addr, now - pp->unlinked_since);
+        pp->addr[0] = 0;
+        pp->alias_of = 0;
+        for (int i = 0; i < x->n_ppeers; i++)
+            if (x->ppeers[i].alias_of == k + 1) x->ppeers[i].alias_of = 0;
+        x->full_logged = false;
+    }
+    pthread_mutex_unlock(&x->mu);
+}
+
 /* Decode: the link thread. Links to P (HTTP, then opening our ranks'
  * link workers), probes of linked P, and the fences' destruction of link
  * workers all wait (on a peer's HTTP endpoint, on the ranks' step), so
@@ -1588,6 +1693,8 @@ static void *link_main(void *arg) {
             TD_UNUSED(r);
         }
         d_fence_links(x);
+        if (x->n_names && td_time_s() >= x->next_resolve) d_resolve(x);
+        d_forget(x);
         double now = td_time_s();
         pthread_mutex_lock(&x->mu);
         int n_peers = x->n_ppeers; /* grows with the router's choices */
@@ -1595,8 +1702,9 @@ static void *link_main(void *arg) {
         for (int k = 0; k < n_peers && !atomic_load(&x->stop); k++) {
             ppeer *pp = &x->ppeers[k];
             pthread_mutex_lock(&x->mu);
-            bool due = !pp->ready && !pp->closing && !pp->fence && now >= pp->next_link;
-            bool probe = pp->ready && !pp->fence && now >= pp->next_probe;
+            bool used = pp->addr[0] != 0;
+            bool due = used && !pp->ready && !pp->closing && !pp->fence && now >= pp->next_link;
+            bool probe = used && pp->ready && !pp->fence && now >= pp->next_probe;
             pthread_mutex_unlock(&x->mu);
             if (due) d_link(x, pp);
             if (probe) d_probe(x, pp);
@@ -1661,16 +1769,29 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
             st = TD_ERR_IO;
             goto fail;
         }
-        x->n_ppeers = p->n_prefill;
-        x->ppeers = calloc(TD_XRANK_MAX_PEERS, sizeof *x->ppeers); /* room for the router's */
-        if (p->n_prefill > TD_XRANK_MAX_PEERS) {
-            TD_LOG_ERROR("at most %d prefill instances", TD_XRANK_MAX_PEERS);
+        if (p->n_prefill > TD_XRANK_MAX_PEERS || p->dns_interval_ms < 1 || p->forget_ms < 1) {
+            TD_LOG_ERROR("at most %d prefill names, intervals of at least 1 ms",
+                         TD_XRANK_MAX_PEERS);
             st = TD_ERR_INVALID;
             goto fail;
         }
-        if (!x->ppeers) goto fail;
-        for (int i = 0; i < p->n_prefill; i++)
-            snprintf(x->ppeers[i].addr, sizeof x->ppeers[i].addr, "%s", p->prefill[i]);
+        x->ppeers = calloc(TD_XRANK_MAX_PEERS, sizeof *x->ppeers);
+        x->names = calloc((size_t)p->n_prefill + 1, sizeof *x->names);
+        x->name_err = calloc((size_t)p->n_prefill + 1, sizeof *x->name_err);
+        if (!x->ppeers || !x->names || !x->name_err) goto fail;
+        for (int i = 0; i < p->n_prefill; i++) {
+            char host[256], port[16];
+            if (!p->prefill[i] ||
+                !td_net_split(p->prefill[i], host, sizeof host, port, sizeof port) ||
+                strlen(p->prefill[i]) >= sizeof x->names[i]) {
+                TD_LOG_ERROR("prefill instance '%s' is not HOST:PORT",
+                             p->prefill[i] ? p->prefill[i] : "(null)");
+                st = TD_ERR_INVALID;
+                goto fail;
+            }
+            snprintf(x->names[i], sizeof x->names[i], "%s", p->prefill[i]);
+        }
+        x->n_names = p->n_prefill;
     }
     x->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     x->link_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -1772,6 +1893,8 @@ void td_xfer_destroy(td_xfer *x) {
     if (x->link_fd >= 0) close(x->link_fd);
     if (x->p.role == TD_XFER_DECODE && x->ppeers) curl_global_cleanup();
     free(x->ppeers);
+    free(x->names);
+    free(x->name_err);
     pthread_mutex_destroy(&x->mu);
     pthread_mutex_destroy(&x->in_mu);
     free(x->instance_id);
@@ -1846,12 +1969,17 @@ char *td_xfer_state_json(void *ctx) {
     pthread_mutex_lock(&x->mu);
     for (int k = 0; peers && k < x->n_ppeers; k++) {
         const ppeer *pp = &x->ppeers[k];
+        if (!pp->addr[0]) continue;
+        /* another name of a linked P: that link's figures, under this name
+         * too (the router looks its pairs up by its own names) */
+        const ppeer *lk = !pp->ready && pp->alias_of > 0 ? &x->ppeers[pp->alias_of - 1] : pp;
         char ep[24];
-        snprintf(ep, sizeof ep, "%016" PRIx64, pp->epoch);
-        json_array_append_new(peers, json_pack("{s:s,s:s,s:s,s:b,s:f,s:f}", "address", pp->addr,
-                                               "instance_id", pp->instance, "epoch", ep, "ready",
-                                               (int)pp->ready, "transfer_ms_avg", pp->avg_ms,
-                                               "transfer_tail_ms_avg", pp->tail_ms));
+        snprintf(ep, sizeof ep, "%016" PRIx64, lk->epoch);
+        json_t *o = json_pack("{s:s,s:s,s:s,s:b,s:f,s:f}", "address", pp->addr, "instance_id",
+                              lk->instance, "epoch", ep, "ready", (int)lk->ready, "transfer_ms_avg",
+                              lk->avg_ms, "transfer_tail_ms_avg", lk->tail_ms);
+        if (o && lk != pp) json_object_set_new(o, "alias_of", json_string(lk->addr));
+        json_array_append_new(peers, o);
     }
     pthread_mutex_unlock(&x->mu);
     json_t *o =

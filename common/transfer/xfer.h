@@ -76,8 +76,15 @@ typedef struct {
     int deadline_ms;           /* D: per remote prefill (default 30000) */
     int lease_ms;              /* lease D asks for and renews every lease/3 (default 3000) */
     /* decode */
-    const char *const *prefill; /* HOST:PORT of each P's HTTP endpoint (copied) */
+    /* NAME:PORT of P's HTTP endpoints (copied): each name is resolved every
+     * dns_interval_ms and every address it has is a P instance (a headless
+     * Service answers with every ready pod). The router names P instances
+     * too (td_gen_request.route_prefill), by address. */
+    const char *const *prefill;
     int n_prefill;
+    int dns_interval_ms; /* default 5000 */
+    int forget_ms;       /* a P neither resolved nor named by the router, and not linked,
+                          * for this long is forgotten (default 60000) */
     int32_t local_prefill_threshold; /* uncached prompt tokens below which D prefills
                                       * itself (default 0: always remote) */
     int link_interval_ms;            /* retry period for unlinked P (default 500) */

@@ -64,6 +64,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -422,6 +423,40 @@ def serve(tandem_bin, tmp_path):
 
 
 TOKEN = "test-cluster-secret"
+
+
+# ---------------------------------------------------------------------------
+# A private /etc/hosts: names that resolve as a cluster's DNS would (a
+# headless Service with one address per pod), for the processes started
+# under it only (a private mount namespace; root and unshare(1)).
+
+def write_hosts(path, names):
+    """names: {name: [address, ...]}; rewritten in place (a bind mount holds
+    the inode), localhost kept."""
+    lines = ["127.0.0.1 localhost\n"] + [f"{a} {n}\n" for n, addrs in names.items()
+                                         for a in addrs]
+    with open(path, "a+") as f:
+        f.truncate(0)
+        f.write("".join(lines))
+
+
+def private_hosts_cmd(hosts):
+    """The argv prefix that runs a command with `hosts` as its /etc/hosts."""
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c",
+            'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)]
+
+
+def private_hosts(path):
+    """Creates `path` (only localhost) and returns (path, None), or (None,
+    why) where no private mount namespace can be made."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return None, "needs root and unshare(1) for a private /etc/hosts"
+    write_hosts(path, {})
+    r = subprocess.run(private_hosts_cmd(path) + ["getent", "hosts", "localhost"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        return None, f"no private mount namespace here: {r.stderr.strip()}"
+    return path, None
 
 
 class Pair:

@@ -12,8 +12,10 @@ ready and while draining, and the drain order holds (issue 7, item 3):
   - each exits within terminationGracePeriodSeconds minus the preStop.
 Only what a pod's surroundings provide is replaced: binaries under
 /usr/local/bin by the build's, the model volume by the default model, the
-Secret volume by a file with the Secret's token, Service names by
-localhost, the pod IP by 127.0.0.1 and 0.0.0.0 binds by 127.0.0.1."""
+Secret volume by a file with the Secret's token, the cluster DNS by a
+private /etc/hosts of the pods' processes naming every Service 127.0.0.1
+(where a private mount namespace cannot be made: the Service names by
+localhost), the pod IP by 127.0.0.1 and 0.0.0.0 binds by 127.0.0.1."""
 
 import base64
 import os
@@ -28,7 +30,8 @@ import time
 import pytest
 
 from conftest import scaled, wait_until
-from serve_util import SSEStream, metric, parse_metrics
+from serve_util import (SSEStream, metric, parse_metrics, private_hosts, private_hosts_cmd,
+                        write_hosts)
 
 yaml = pytest.importorskip("yaml")
 
@@ -68,7 +71,7 @@ def find(objs, kind, name_prefix):
 class Pod:
     """One Deployment's container as the kubelet would start it."""
 
-    def __init__(self, objs, role, build_dir, model, tmp):
+    def __init__(self, objs, role, build_dir, model, tmp, hosts):
         self.dep = find(objs, "Deployment", f"tandem-{role}")
         spec = self.dep["spec"]["template"]["spec"]
         self.c = spec["containers"][0]
@@ -100,7 +103,7 @@ class Pod:
         # Kubernetes expands $(VAR) in args from the container's env.
         args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in self.c["args"]]
         services = {n: o for (k, n), o in objs.items() if k == "Service"}
-        out = []
+        out, self.files = [], {}
         for i, a in enumerate(args):
             prev = args[i - 1] if i else ""
             if prev == "--host" and a == "0.0.0.0":
@@ -108,22 +111,26 @@ class Pod:
             elif prev == "--model":
                 assert a.startswith("/models/") and "/models" in mounts, a
                 a = str(model)
-            elif prev == "--cluster-token-file":
+            elif prev in ("--cluster-token-file", "--api-key-file"):
                 d = os.path.dirname(a)
                 secret = vols[mounts[d]]["secret"]["secretName"]
                 data = objs[("Secret", secret)]["data"][os.path.basename(a)]
-                f = tmp / f"{role}-token"
+                f = tmp / f"{role}-{prev[2:]}"
                 f.write_bytes(base64.b64decode(data))
+                self.files[prev] = f
                 a = str(f)
             elif prev in ("--prefill", "--prefill-dns", "--decode-dns"):
                 name, port = a.rsplit(":", 1)
                 svc = services[name]  # a Service of the render, with that port
                 assert int(port) in [p["port"] for p in svc["spec"]["ports"]], (name, port)
-                a = f"localhost:{port}"
+                if hosts is None:
+                    a = f"localhost:{port}"
             out.append(a)
         cmd = self.c["command"]
         assert len(cmd) == 1 and cmd[0].startswith("/usr/local/bin/"), cmd
         self.argv = [str(build_dir / os.path.basename(cmd[0]))] + out
+        if hosts is not None:
+            self.argv = private_hosts_cmd(hosts) + self.argv
         self.role, self.tmp, self.proc = role, tmp, None
         self.probes = {k: self.c[k]["httpGet"] for k in
                        ("startupProbe", "readinessProbe", "livenessProbe")}
@@ -196,13 +203,18 @@ def free(port):
 
 
 def test_probes_and_drain_order(rendered, build_dir, default_model, tmp_path):
-    pods = {r: Pod(rendered, r, build_dir, default_model, tmp_path)
+    hosts, _ = private_hosts(tmp_path / "hosts")
+    if hosts is not None:
+        write_hosts(hosts, {n: ["127.0.0.1"] for (k, n) in rendered if k == "Service"})
+    pods = {r: Pod(rendered, r, build_dir, default_model, tmp_path, hosts)
             for r in ("prefill", "decode", "router")}
     busy = [p for pod in pods.values() for p in pod.ports.values() if not free(p)]
     if busy:
         pytest.skip(f"the manifests' fixed ports {busy} are in use on this machine")
     P, D, R = pods["prefill"], pods["decode"], pods["router"]
-    key = R.env.get("TANDEM_API_KEY")
+    kf = R.files.get("--api-key-file")
+    key = kf.read_text().split()[0] if kf else None
+    assert "TANDEM_API_KEY" not in R.env  # the key is a file, not in the environment
     auth = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         P.start()

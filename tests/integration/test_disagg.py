@@ -184,7 +184,24 @@ def test_flags_are_checked(tandem_bin, manifest, test_models, tmp_path):
         ([p, "--model", model, "--cluster-token", "t", "--kv-listen", "10.254.254.254"],
          "no interface"),
         ([p, "--model", model, "--cluster-token-file", tmp_path / "absent"], "cluster token"),
+        ([d, "--model", model, "--prefill", "h:1", "--cluster-token", "t", "--dns-interval", "0"],
+         "bad value"),
+        ([d, "--model", model, "--prefill", "h:1", "--cluster-token", "t",
+          "--forget-prefill-after", "soon"], "bad value"),
     ]
+    # API key files: absent, empty, too many keys; on every binary that takes them
+    empty = tmp_path / "empty-keys"
+    empty.write_text("\n  \n")
+    many = tmp_path / "many-keys"
+    many.write_text("".join(f"key-{i}\n" for i in range(17)))
+    r = tandem_bin.parent / "tandem-router"
+    for argv in ([tandem_bin, "serve", "--model", model],
+                 [d, "--model", model, "--prefill", "h:1", "--cluster-token", "t"],
+                 [r, "--model", model, "--decode", "h:1", "--cluster-token", "t"]):
+        cases += [(argv + ["--api-key-file", tmp_path / "absent"], "cannot read the API key file"),
+                  (argv + ["--api-key-file", empty], "holds no key")]
+    cases.append(([tandem_bin, "serve", "--model", model, "--api-key-file", many],
+                  "more than 16 keys"))
     for argv, msg in cases:
         r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=30)
         assert r.returncode == 2, (argv, r.stderr)

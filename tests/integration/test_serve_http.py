@@ -80,21 +80,26 @@ SERVE_ARGS = ["--ctx", CTX, "--kv-blocks", (MAX_RUNNING + 2) * CTX // 16,
               "--ping-interval", PING_S, "--threads", 1]
 # The router's own limits: the API keys, the context (--max-ctx), its queue
 # (--max-queued, then 429) and the ping interval of its streams.
-ROUTER_ARGS = ["--served-model-name", NAME, "--api-key", KEY, "--api-key", KEY2,
-               "--max-ctx", CTX, "--max-queued", MAX_WAITING, "--ping-interval", PING_S]
+# The router reads its keys from a file (a mounted Secret), a key per line.
+ROUTER_ARGS = ["--served-model-name", NAME, "--max-ctx", CTX, "--max-queued", MAX_WAITING,
+               "--ping-interval", PING_S]
 
 
 def start_front(kind, tandem_bin, model_path, log_dir):
     """kind "serve": `tandem serve` with the API keys and limits; "router":
     the same limits on a decode instance (and the model's context on the
     prefill instance) behind a tandem-router with the API keys."""
-    if kind == "serve":
+    keys = log_dir / "api-keys"
+    if kind == "serve":  # a key by flag, a key by file
+        keys.write_text(f"{KEY2}\n")
         return Front.serve(KeyedServer.start(
             tandem_bin, model_path, ["--served-model-name", NAME, "--api-key", KEY,
-                                     "--api-key", KEY2, *SERVE_ARGS], log_dir))
+                                     "--api-key-file", keys, *SERVE_ARGS], log_dir))
+    keys.write_text(f"{KEY}\n\n  {KEY2}\r\n")
     return Front.router(Cluster(tandem_bin, log_dir, model_path, n_prefill=1, n_decode=1,
                                 p_args=["--ctx", CTX, "--kv-blocks", 2 * CTX // 16],
-                                d_args=SERVE_ARGS, r_args=ROUTER_ARGS))
+                                d_args=SERVE_ARGS,
+                                r_args=[*ROUTER_ARGS, "--api-key-file", keys]))
 
 
 @pytest.fixture(scope="module", params=["serve", "router"])
