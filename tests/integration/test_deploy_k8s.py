@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 
+import promql_sum
 import pytest
 import yaml
 
@@ -444,6 +445,9 @@ def test_service_monitor(renders, d):
 # The gauges the autoscalers read, as the binaries export them.
 DECODE_METRIC = "vllm:num_requests_waiting"
 PREFILL_METRIC = "tandem:prefill_queue_tokens"
+# The Services whose pods each pool's autoscaler reads.
+WANT_SERVICES = {"tandem-decode": {"tandem-decode", "tandem-router"},
+                 "tandem-prefill": {"tandem-prefill"}}
 
 
 def _autoscaled(objs):
@@ -492,31 +496,51 @@ def test_keda_scaled_objects(renders):
         assert md["serverAddress"].startswith("http")
         assert float(md["threshold"]) > 0 and isinstance(md["threshold"], str)
         q = md["query"]
-        assert re.search(re.escape(want[target]) + r"\{", q), f"{target}: query {q!r} does not read {want[target]}"
-        # The query reads the pool's own pods: the Service label Prometheus
-        # gives the ServiceMonitor's targets, and this render's namespace.
-        assert f'service="{target}"' in q and f'namespace="{ns}"' in q, f"{target}: query {q!r}"
-        _one(objs, "Service", target)
+        metric, matchers = promql_sum.parse(q)
+        assert metric == want[target], f"{target}: query {q!r} does not read {want[target]}"
+        # The query reads this render's namespace and the Services (the
+        # label Prometheus gives the ServiceMonitor's targets) of the pool's
+        # own pods, and for decode the routers' too (their queue is the
+        # decode pool's demand when no decode pod has KV headroom).
+        services = {x["metadata"]["name"] for x in _of(objs, "Service")}
+        read = {n for n in services
+                if promql_sum.matches(matchers, {"namespace": ns, "service": n})}
+        assert read == WANT_SERVICES[target], f"{target}: query {q!r} reads {read}"
+        assert not any(promql_sum.matches(matchers, {"namespace": "other", "service": n})
+                       for n in services), f"{target}: query {q!r} reads other namespaces"
 
 
 def test_hpa_alternative(renders):
     objs = renders["overlays/autoscale-hpa"]
     rules = yaml.safe_load((K8S / "overlays/autoscale-hpa/adapter-rules.yaml").read_text())["rules"]
-    exported = {}
+    exported, resources = {}, {}
     for r in rules:
         series = re.match(r"^'?([a-z_:]+)\{", r["seriesQuery"]).group(1)
         assert re.fullmatch(r["name"]["matches"], series)
         exported[r["name"]["as"]] = series
+        resources[r["name"]["as"]] = {v["resource"] for v in r["resources"]["overrides"].values()}
     want = {"tandem-decode": DECODE_METRIC, "tandem-prefill": PREFILL_METRIC}
     hpas = _of(objs, "HorizontalPodAutoscaler")
     assert len(hpas) == 2
     for h in hpas:
         assert h["apiVersion"] == "autoscaling/v2"
         target = h["spec"]["scaleTargetRef"]["name"]
-        (m,) = h["spec"]["metrics"]
-        assert m["type"] == "Pods"
-        name = m["pods"]["metric"]["name"]
-        assert exported.get(name) == want[target], f"{target}: metric {name} is not {want[target]} via the adapter"
+        read = set()
+        for m in h["spec"]["metrics"]:
+            if m["type"] == "Pods":  # the pool's own pods
+                name = m["pods"]["metric"]["name"]
+                assert "pod" in resources.get(name, set()), f"{target}: {name} is not per pod"
+                read.add(target)
+            else:  # another pool's Service: the routers'
+                assert m["type"] == "Object", m
+                ob = m["object"]["describedObject"]
+                assert ob["kind"] == "Service" and ob["apiVersion"] == "v1", ob
+                _one(objs, "Service", ob["name"])
+                name = m["object"]["metric"]["name"]
+                assert "service" in resources.get(name, set()), f"{target}: {name} has no Service"
+                read.add(ob["name"])
+            assert exported.get(name) == want[target], f"{target}: metric {name} is not {want[target]} via the adapter"
+        assert read == WANT_SERVICES[target], f"{target}: the HPA reads {read}"
 
 
 def test_metric_names_are_exported():
