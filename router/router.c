@@ -112,7 +112,11 @@ struct td_router {
     bool draining, stop;
     pthread_t poller;
     bool poller_started;
-    double next_dns;
+    td_net_watch *dns; /* --prefill-dns / --decode-dns, resolved on its own thread */
+    const char *dns_names[2];
+    int n_dns;
+    char (*dns_addrs)[TD_NET_ADDR_LEN]; /* (n_dns x MAXI) the round taken (poller) */
+    int dns_n[2];
     CURLM *multi;
     /* Counters (under mu). */
     uint64_t decisions[TD_RT_N_POLICIES][TD_RT_N_REASONS];
@@ -1072,14 +1076,10 @@ static void poll_round(td_router *r) {
         if (r->in[slots[k]].easy) curl_multi_remove_handle(r->multi, r->in[slots[k]].easy);
 }
 
-static void resolve(td_router *r, const char *spec, bool prefill) {
-    char found[MAXI][TD_NET_ADDR_LEN], err[400];
-    int n = td_net_resolve(spec, found, MAXI, err, sizeof err);
-    if (n < 0) {
-        TD_LOG_WARN("%s (keeping the instances known)", err);
-        return;
-    }
-    pthread_mutex_lock(&r->mu);
+/* One name's addresses from the latest DNS round (the watch's thread
+ * resolves: the poller never waits on DNS). Caller holds r->mu. */
+static void apply_dns(td_router *r, const char *spec, char (*found)[TD_NET_ADDR_LEN], int n,
+                      bool prefill) {
     for (int32_t k = 0; k < n; k++) {
         bool have = false;
         for (int32_t i = 0; i < r->n_slots && !have; i++) {
@@ -1103,7 +1103,6 @@ static void resolve(td_router *r, const char *spec, bool prefill) {
             TD_LOG_INFO("%s instance %s left %s", prefill ? "prefill" : "decode", x->addr, spec);
         }
     }
-    pthread_mutex_unlock(&r->mu);
 }
 
 static void *poller_main(void *arg) {
@@ -1111,12 +1110,12 @@ static void *poller_main(void *arg) {
     pthread_mutex_lock(&r->mu);
     while (!r->stop) {
         double now = td_time_s();
-        if ((r->prefill_dns || r->decode_dns) && now >= r->next_dns) {
-            r->next_dns = now + r->p.dns_interval_s;
-            pthread_mutex_unlock(&r->mu);
-            if (r->prefill_dns) resolve(r, r->prefill_dns, true);
-            if (r->decode_dns) resolve(r, r->decode_dns, false);
-            pthread_mutex_lock(&r->mu);
+        if (r->dns && td_net_watch_take(r->dns, r->dns_addrs, r->dns_n)) {
+            /* a name that did not resolve keeps the instances known */
+            for (int k = 0; k < r->n_dns; k++)
+                if (r->dns_n[k] >= 0)
+                    apply_dns(r, r->dns_names[k], r->dns_addrs + (size_t)k * MAXI, r->dns_n[k],
+                              r->dns_names[k] == r->prefill_dns);
         }
         pthread_mutex_unlock(&r->mu);
         poll_round(r);
@@ -1411,6 +1410,19 @@ td_status td_router_create(const td_router_params *p, td_router **r_p) {
             dup = r->in[i].used && r->in[i].prefill == pre && !strcmp(r->in[i].addr, a);
         if (!dup) slot_add(r, a, pre, false);
     }
+    if (r->prefill_dns) r->dns_names[r->n_dns++] = r->prefill_dns;
+    if (r->decode_dns) r->dns_names[r->n_dns++] = r->decode_dns;
+    if (r->n_dns > 0) {
+        r->dns_addrs = calloc((size_t)r->n_dns * MAXI, sizeof *r->dns_addrs);
+        td_net_watch_params wp = {.names = r->dns_names,
+                                  .n_names = r->n_dns,
+                                  .max_addrs = MAXI,
+                                  .interval_ms = (int)TD_MAX(1.0, r->p.dns_interval_s * 1000.0),
+                                  .wake_fd = -1,
+                                  .what = "instances"};
+        st = r->dns_addrs ? td_net_watch_create(&wp, &r->dns) : TD_ERR_NOMEM;
+        if (st != TD_OK) goto fail;
+    }
     if (pthread_create(&r->poller, NULL, poller_main, r) != 0) {
         TD_LOG_ERROR("pthread_create failed");
         st = TD_ERR_INTERNAL;
@@ -1431,6 +1443,7 @@ void td_router_destroy(td_router *r) {
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
     if (r->poller_started) pthread_join(r->poller, NULL);
+    td_net_watch_destroy(r->dns); /* does not wait on a resolution under way */
     /* Cancels every call; their on_end ends the requests (no retry: stop). */
     td_rt_dclient_destroy(r->dc);
     pthread_mutex_lock(&r->mu);
@@ -1455,5 +1468,6 @@ void td_router_destroy(td_router *r) {
     free(r->token);
     free(r->prefill_dns);
     free(r->decode_dns);
+    free(r->dns_addrs);
     free(r);
 }

@@ -372,8 +372,9 @@ static bool kv_listen_device(const char *spec) {
     }
     struct ifaddrs *ifs = NULL;
     if (getifaddrs(&ifs) != 0) return false;
-    /* the interface with that address, else one whose subnet holds it
-     * (127.0.0.2 is on lo, whose address is 127.0.0.1/8) */
+    /* the interface with that address, else the loopback interface when
+     * its subnet holds it (127.0.0.2 is on lo, whose address is
+     * 127.0.0.1/8); any other address must be an interface's own */
     char dev[IF_NAMESIZE + 1] = "", net_dev[IF_NAMESIZE + 1] = "";
     size_t len = fam == AF_INET ? 4 : 16;
     for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
@@ -386,7 +387,7 @@ static bool kv_listen_device(const char *spec) {
             snprintf(dev, sizeof dev, "%s", i->ifa_name);
             break;
         }
-        if (!i->ifa_netmask || net_dev[0]) continue;
+        if (!i->ifa_netmask || net_dev[0] || !(i->ifa_flags & IFF_LOOPBACK)) continue;
         const unsigned char *m =
             fam == AF_INET
                 ? (const unsigned char *)&((struct sockaddr_in *)i->ifa_netmask)->sin_addr

@@ -91,7 +91,7 @@ typedef struct ppeer {
     double tail_ms;    /* moving average of the exposed transfer tail (P's last layer ->
                         * PrefillDone here): what the pair adds beyond P's compute */
     char last_err[700];
-    bool in_dns;           /* in the last resolution of a --prefill name */
+    uint64_t dns_names;    /* bit i: --prefill name i resolved to it in its last round */
     double last_named;     /* when the router last named it (0: never) */
     double unlinked_since; /* when it was added or last fenced */
     /* 1 + the index of the linked peer this address reaches too (the same
@@ -175,11 +175,11 @@ struct td_xfer {
     bool peer_slot_used[TD_XRANK_MAX_PEERS];
     /* decode */
     ppeer *ppeers;
-    int n_ppeers;          /* slots in use or freed (x->mu) */
-    char (*names)[256];    /* the --prefill names (resolved on the link thread) */
-    char (*name_err)[400]; /* the last resolution error of each, said once */
+    int n_ppeers;      /* slots in use or freed (x->mu) */
+    td_net_watch *dns; /* the --prefill names, resolved on its own thread */
     int n_names;
-    double next_resolve;
+    char (*dns_addrs)[TD_NET_ADDR_LEN]; /* a round taken from it (link thread) */
+    int *dns_n;
     bool full_logged; /* "no free slot" said once */
     unsigned rr;
     djob *djobs;
@@ -1010,8 +1010,14 @@ static bool d_start(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t
         if (!c->ready && c->alias_of > 0) c = &x->ppeers[c->alias_of - 1];
         if (c->ready && c->ep && !c->fence && !c->closing && !atomic_load(&c->err)) pp = c;
     }
+    /* D's own choice: round-robin over the linked P, leaving out one that
+     * has left every --prefill name (a pod draining away) unless the
+     * router still names it */
+    double now = td_time_s();
     for (int k = 0; k < x->n_ppeers && !pp; k++) {
         ppeer *c = &x->ppeers[(x->rr + (unsigned)k) % (unsigned)x->n_ppeers];
+        if (x->n_names > 0 && !c->dns_names && now - c->last_named > x->p.forget_ms / 1000.0)
+            continue;
         if (c->ready && c->ep && !c->fence && !c->closing && !atomic_load(&c->err)) pp = c;
     }
     if (!pp) {
@@ -1608,42 +1614,27 @@ static void *service_main(void *arg) {
     return NULL;
 }
 
-/* Resolves the --prefill names (on the link thread: getaddrinfo blocks):
- * every address is a P instance. An address that left every name is
- * forgotten later (d_forget), once unlinked; a name that does not resolve
- * keeps what it had. */
-static void d_resolve(td_xfer *x) {
-    char(*found)[TD_NET_ADDR_LEN] = calloc(TD_XRANK_MAX_PEERS, sizeof *found);
-    if (!found) return;
-    int n = 0;
-    bool all = true;
-    for (int i = 0; i < x->n_names; i++) {
-        char err[400];
-        int k = td_net_resolve(x->names[i], found + n, TD_XRANK_MAX_PEERS - n, err, sizeof err);
-        if (k < 0) {
-            all = false;
-            if (strcmp(err, x->name_err[i]) != 0)
-                TD_LOG_WARN("prefill instances: %s (trying again every %.1f s)", err,
-                            x->p.dns_interval_ms / 1000.0);
-            snprintf(x->name_err[i], sizeof x->name_err[i], "%s", err);
-        } else {
-            if (x->name_err[i][0]) TD_LOG_INFO("prefill instances: %s resolves", x->names[i]);
-            x->name_err[i][0] = 0;
-            n += k;
-        }
-    }
+/* Takes the latest round of the --prefill names (resolved on the watch's
+ * thread: the link thread never waits on DNS): every address is a P
+ * instance. A name that did not resolve this round keeps what it had; an
+ * address that left every name is forgotten later (d_forget), once
+ * unlinked. Link thread. */
+static void d_take_dns(td_xfer *x) {
+    if (!x->dns || !td_net_watch_take(x->dns, x->dns_addrs, x->dns_n)) return;
     bool added_any = false;
     pthread_mutex_lock(&x->mu);
-    for (int k = 0; k < x->n_ppeers && all; k++) x->ppeers[k].in_dns = false;
-    for (int i = 0; i < n; i++) {
-        bool added = false;
-        ppeer *pp = peer_get(x, found[i], "resolved", &added);
-        if (pp) pp->in_dns = true;
-        added_any |= added;
+    for (int i = 0; i < x->n_names; i++) {
+        if (x->dns_n[i] < 0) continue;
+        uint64_t bit = 1ull << i;
+        for (int k = 0; k < x->n_ppeers; k++) x->ppeers[k].dns_names &= ~bit;
+        for (int a = 0; a < x->dns_n[i]; a++) {
+            bool added = false;
+            ppeer *pp = peer_get(x, x->dns_addrs[i * TD_XRANK_MAX_PEERS + a], "resolved", &added);
+            if (pp) pp->dns_names |= bit;
+            added_any |= added;
+        }
     }
-    x->next_resolve = td_time_s() + x->p.dns_interval_ms / 1000.0;
     pthread_mutex_unlock(&x->mu);
-    free(found);
     if (added_any) wake_link(x);
 }
 
@@ -1658,8 +1649,8 @@ static void d_forget(td_xfer *x) {
     double now = td_time_s(), after = x->p.forget_ms / 1000.0;
     for (int k = 0; k < x->n_ppeers; k++) {
         ppeer *pp = &x->ppeers[k];
-        if (!pp->addr[0] || pp->in_dns || pp->ready || pp->fence || pp->closing || pp->link_open ||
-            pp->link_close_owed || pp->ep || now - pp->last_named < after ||
+        if (!pp->addr[0] || pp->dns_names || pp->ready || pp->fence || pp->closing ||
+            pp->link_open || pp->link_close_owed || pp->ep || now - pp->last_named < after ||
             now - pp->unlinked_since < after)
             continue;
         bool held = false;
@@ -1693,7 +1684,7 @@ static void *link_main(void *arg) {
             TD_UNUSED(r);
         }
         d_fence_links(x);
-        if (x->n_names && td_time_s() >= x->next_resolve) d_resolve(x);
+        d_take_dns(x);
         d_forget(x);
         double now = td_time_s();
         pthread_mutex_lock(&x->mu);
@@ -1776,21 +1767,7 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
             goto fail;
         }
         x->ppeers = calloc(TD_XRANK_MAX_PEERS, sizeof *x->ppeers);
-        x->names = calloc((size_t)p->n_prefill + 1, sizeof *x->names);
-        x->name_err = calloc((size_t)p->n_prefill + 1, sizeof *x->name_err);
-        if (!x->ppeers || !x->names || !x->name_err) goto fail;
-        for (int i = 0; i < p->n_prefill; i++) {
-            char host[256], port[16];
-            if (!p->prefill[i] ||
-                !td_net_split(p->prefill[i], host, sizeof host, port, sizeof port) ||
-                strlen(p->prefill[i]) >= sizeof x->names[i]) {
-                TD_LOG_ERROR("prefill instance '%s' is not HOST:PORT",
-                             p->prefill[i] ? p->prefill[i] : "(null)");
-                st = TD_ERR_INVALID;
-                goto fail;
-            }
-            snprintf(x->names[i], sizeof x->names[i], "%s", p->prefill[i]);
-        }
+        if (!x->ppeers) goto fail;
         x->n_names = p->n_prefill;
     }
     x->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -1821,6 +1798,19 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
             goto fail;
         }
         x->link_started = true;
+        if (x->n_names > 0) {
+            /* the first round starts now; its end wakes the link thread */
+            x->dns_addrs = calloc((size_t)x->n_names * TD_XRANK_MAX_PEERS, sizeof *x->dns_addrs);
+            x->dns_n = calloc((size_t)x->n_names, sizeof *x->dns_n);
+            td_net_watch_params wp = {.names = p->prefill,
+                                      .n_names = p->n_prefill,
+                                      .max_addrs = TD_XRANK_MAX_PEERS,
+                                      .interval_ms = p->dns_interval_ms,
+                                      .wake_fd = x->link_fd,
+                                      .what = "prefill instances"};
+            st = !x->dns_addrs || !x->dns_n ? TD_ERR_NOMEM : td_net_watch_create(&wp, &x->dns);
+            if (st != TD_OK) goto fail;
+        }
     }
     *x_p = x;
     return TD_OK;
@@ -1841,6 +1831,8 @@ void td_xfer_stop(td_xfer *x) {
         wake_link(x);
         pthread_join(x->link_thread, NULL);
     }
+    td_net_watch_destroy(x->dns); /* does not wait on a resolution under way */
+    x->dns = NULL;
     /* Close every endpoint: puts in flight complete (with an error), so
      * nothing touches the KV memory any more. */
     pthread_mutex_lock(&x->mu);
@@ -1893,8 +1885,8 @@ void td_xfer_destroy(td_xfer *x) {
     if (x->link_fd >= 0) close(x->link_fd);
     if (x->p.role == TD_XFER_DECODE && x->ppeers) curl_global_cleanup();
     free(x->ppeers);
-    free(x->names);
-    free(x->name_err);
+    free(x->dns_addrs);
+    free(x->dns_n);
     pthread_mutex_destroy(&x->mu);
     pthread_mutex_destroy(&x->in_mu);
     free(x->instance_id);

@@ -440,10 +440,15 @@ def write_hosts(path, names):
         f.write("".join(lines))
 
 
-def private_hosts_cmd(hosts):
-    """The argv prefix that runs a command with `hosts` as its /etc/hosts."""
+def private_hosts_cmd(hosts, resolv=None):
+    """The argv prefix that runs a command with `hosts` as its /etc/hosts
+    (and `resolv` as its /etc/resolv.conf)."""
+    if resolv is None:
+        return ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)]
     return ["unshare", "-m", "--propagation", "private", "sh", "-c",
-            'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)]
+            'mount --bind "$0" /etc/hosts && mount --bind "$1" /etc/resolv.conf && shift && '
+            'exec "$@"', str(hosts), str(resolv)]
 
 
 def private_hosts(path):

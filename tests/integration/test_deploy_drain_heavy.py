@@ -212,10 +212,11 @@ def test_probes_and_drain_order(rendered, build_dir, default_model, tmp_path):
     if busy:
         pytest.skip(f"the manifests' fixed ports {busy} are in use on this machine")
     P, D, R = pods["prefill"], pods["decode"], pods["router"]
+    # the router's key is a file of the Secret, not in the environment
     kf = R.files.get("--api-key-file")
-    key = kf.read_text().split()[0] if kf else None
-    assert "TANDEM_API_KEY" not in R.env  # the key is a file, not in the environment
-    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    assert kf is not None and "TANDEM_API_KEY" not in R.env, R.argv
+    key = kf.read_text().split()[0]
+    auth = {"Authorization": f"Bearer {key}"}
     try:
         P.start()
         P.wait_ready()

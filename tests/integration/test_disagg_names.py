@@ -216,3 +216,102 @@ def test_name_with_several_addresses(manifest, test_models, tandem_bin, tmp_path
         for s in [r, d, p4] + ps:
             if s is not None:
                 s.close()
+
+
+def test_a_name_that_stops_resolving(manifest, test_models, tandem_bin, tmp_path, mount_ns):
+    """Two names. One stops resolving (a Service with no ready pod) while
+    the other moves to a new pod: the first keeps its instance, the old pod
+    of the second gets none of D's own requests once it has left the name
+    (a pod draining away) and is forgotten once it is gone."""
+    model = manifest_model(manifest, test_models, "llama2-f32-gguf")
+    port = free_port(["127.0.0.2", "127.0.0.3", "127.0.0.4"])
+    a2, a3, a4 = (f"127.0.0.{k}:{port}" for k in (2, 3, 4))
+    other = "tdother.test"
+    write_hosts(mount_ns, {NAME: ["127.0.0.2"], other: ["127.0.0.3"]})
+    ps, d = {}, None
+    try:
+        for k in (2, 3, 4):
+            ps[k] = start_prefill(tandem_bin, model, tmp_path / f"p{k}", f"127.0.0.{k}", port)
+        d = Server.start(tandem_bin, model,
+                         ["--prefill", f"{NAME}:{port},{other}:{port}", "--cluster-token", TOKEN,
+                          "--threads", 1, "--dns-interval", "0.2", "--forget-prefill-after", "1"],
+                         tmp_path / "d", cmd=private_hosts_cmd(mount_ns) + [
+                             tandem_bin.parent / "tandem-decode"], cluster_token=TOKEN)
+        wait_until(lambda: all(peers(d).get(a, {}).get("ready") for a in (a2, a3)), timeout=20,
+                   what="both names linked", proc=d.proc)
+        # the second name fails from now on; the first moves to 127.0.0.4
+        write_hosts(mount_ns, {NAME: ["127.0.0.4"]})
+        wait_until(lambda: peers(d).get(a4, {}).get("ready"), timeout=20,
+                   what="the new address linked", proc=d.proc)
+        n = {k: transfers(p) for k, p in ps.items()}
+        for i in range(6):
+            complete(d, f"Request {i} after the move, long enough to prefill remotely.")
+        now = {k: transfers(p) for k, p in ps.items()}
+        assert now[2] == n[2], (n, now)  # left its name: none of D's own requests
+        assert now[3] > n[3] and now[4] > n[4], (n, now)
+        # 127.0.0.2 stops: fenced, then forgotten; 127.0.0.3 stays (its
+        # name does not resolve: it keeps what it had)
+        ps[2].wait_idle()
+        assert ps[2].stop() == 0
+        wait_until(lambda: a2 not in peers(d), timeout=30, what="the stopped pod forgotten",
+                   proc=d.proc)
+        time.sleep(1.5)  # beyond --forget-prefill-after
+        pp = peers(d)
+        assert set(pp) == {a3, a4} and pp[a3]["ready"] and pp[a4]["ready"], pp
+        assert d.log_tail(100000).count(f"resolving {other}:{port}") == 1
+        for s in (d, ps[3], ps[4]):
+            s.wait_idle()
+    finally:
+        for s in [d] + list(ps.values()):
+            if s is not None:
+                s.close()
+
+
+def test_dns_outage_delays_nothing(manifest, test_models, tandem_bin, tmp_path, mount_ns):
+    """A name whose DNS server never answers (30 s a query) next to a
+    working address: D links the working one at once, serves through it,
+    and stops at once on SIGTERM; the router in the same situation finds
+    its static instances and gets ready."""
+    model = manifest_model(manifest, test_models, "llama2-f32-gguf")
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sink.bind(("127.0.0.77", 53))
+    except OSError as e:
+        sink.close()
+        pytest.skip(f"no UDP port 53 on 127.0.0.77 for a silent DNS server: {e}")
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text("nameserver 127.0.0.77\noptions timeout:30 attempts:1\n")
+    p = d = r = None
+    try:
+        p = start_prefill(tandem_bin, model, tmp_path / "p")
+        ip = f"127.0.0.1:{p.port}"
+        d = Server.start(tandem_bin, model,
+                         ["--prefill", f"hung.example.com:8100,{ip}", "--cluster-token", TOKEN,
+                          "--threads", 1, "--grpc-port", "0"],
+                         tmp_path / "d", cmd=private_hosts_cmd(mount_ns, resolv) + [
+                             tandem_bin.parent / "tandem-decode"], cluster_token=TOKEN)
+        wait_until(lambda: peers(d).get(ip, {}).get("ready"), timeout=10,
+                   what="the working address linked while the DNS hangs", proc=d.proc)
+        n = transfers(p)
+        complete(d, "Served while the other name hangs in DNS, prefilled remotely.")
+        assert transfers(p) == n + 1
+        assert sink.recv(512)  # the name was asked for (and never answered)
+        r = Server.start(tandem_bin, model,
+                         ["--cluster-token", TOKEN, "--grpc-port", "0", "--prefill", ip,
+                          "--decode", f"127.0.0.1:{d.port}", "--prefill-dns",
+                          "hung-prefill.example.com:8100", "--poll-interval-ms", 50],
+                         tmp_path / "r", cmd=private_hosts_cmd(mount_ns, resolv) + [
+                             tandem_bin.parent / "tandem-router"], cluster_token=TOKEN)
+        wait_until(lambda: r.request("GET", "/ready")[0] == 200, timeout=10,
+                   what="the router ready while the DNS hangs", proc=r.proc)
+        assert complete(r, "Through the router while the DNS hangs")
+        t = time.monotonic()
+        assert r.stop(timeout=10) == 0
+        assert d.stop(timeout=10) == 0
+        assert time.monotonic() - t < 10
+        p.wait_idle()
+    finally:
+        for s in (r, d, p):
+            if s is not None:
+                s.close()
+        sink.close()
