@@ -1368,6 +1368,11 @@ td_status td_router_create(const td_router_params *p, td_router **r_p) {
         TD_LOG_ERROR("%d instances: at most %d", p->n_prefill + p->n_decode, MAXI);
         return TD_ERR_INVALID;
     }
+    if ((p->prefill_dns || p->decode_dns) &&
+        !(p->dns_interval_s >= 0.001 && p->dns_interval_s <= 86400)) {
+        TD_LOG_ERROR("dns_interval_s %g: 0.001 to 86400", p->dns_interval_s);
+        return TD_ERR_INVALID;
+    }
     char name[256], port[16];
     const char *lists[2] = {p->prefill_dns, p->decode_dns};
     for (int k = 0; k < 2; k++)
@@ -1417,7 +1422,7 @@ td_status td_router_create(const td_router_params *p, td_router **r_p) {
         td_net_watch_params wp = {.names = r->dns_names,
                                   .n_names = r->n_dns,
                                   .max_addrs = MAXI,
-                                  .interval_ms = (int)TD_MAX(1.0, r->p.dns_interval_s * 1000.0),
+                                  .interval_ms = (int)(r->p.dns_interval_s * 1000.0),
                                   .wake_fd = -1,
                                   .what = "instances"};
         st = r->dns_addrs ? td_net_watch_create(&wp, &r->dns) : TD_ERR_NOMEM;

@@ -1,5 +1,6 @@
 #include "net.h"
 
+#include <fcntl.h>
 #include <netdb.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -108,8 +109,7 @@ static void *watch_main(void *arg) {
         char err[400];
         int n = td_net_resolve(w->names[a.i], found, w->max_addrs, err, sizeof err);
         if (n < 0 && strcmp(err, last_err) != 0)
-            TD_LOG_WARN("%s: %s (trying again every %.1f s)", w->what, err,
-                        w->interval_ms / 1000.0);
+            TD_LOG_WARN("%s: %s (trying again every %g s)", w->what, err, w->interval_ms / 1000.0);
         else if (n >= 0 && last_err[0])
             TD_LOG_INFO("%s: %s resolves again", w->what, w->names[a.i]);
         snprintf(last_err, sizeof last_err, "%s", n < 0 ? err : "");
@@ -126,7 +126,7 @@ static void *watch_main(void *arg) {
             }
         }
         struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
+        clock_gettime(CLOCK_MONOTONIC, &ts);
         long long ns = ts.tv_nsec + (long long)w->interval_ms * 1000000LL;
         ts.tv_sec += (time_t)(ns / 1000000000LL);
         ts.tv_nsec = (long)(ns % 1000000000LL);
@@ -158,13 +158,19 @@ td_status td_net_watch_create(const td_net_watch_params *p, td_net_watch **w_p) 
     w->n_names = p->n_names;
     w->max_addrs = p->max_addrs;
     w->interval_ms = p->interval_ms;
-    w->wake_fd = p->wake_fd >= 0 ? dup(p->wake_fd) : -1;
+    w->wake_fd = p->wake_fd >= 0 ? fcntl(p->wake_fd, F_DUPFD_CLOEXEC, 0) : -1;
     w->what = strdup(p->what ? p->what : "names");
     w->names = calloc((size_t)p->n_names, sizeof *w->names);
     w->addrs = calloc((size_t)p->n_names * (size_t)p->max_addrs, sizeof *w->addrs);
     w->n = calloc((size_t)p->n_names, sizeof *w->n);
     pthread_mutex_init(&w->mu, NULL);
-    pthread_cond_init(&w->cv, NULL);
+    /* the interval on the monotonic clock: a step of the wall clock does
+     * not stall the resolutions */
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&w->cv, &ca);
+    pthread_condattr_destroy(&ca);
     w->refs = 1;
     if (!w->what || !w->names || !w->addrs || !w->n || (p->wake_fd >= 0 && w->wake_fd < 0)) {
         watch_unref(w);
@@ -190,6 +196,7 @@ td_status td_net_watch_create(const td_net_watch_params *p, td_net_watch **w_p) 
         pthread_mutex_unlock(&w->mu);
         pthread_t t;
         if (pthread_create(&t, &at, watch_main, a) != 0) {
+            TD_LOG_ERROR("%s: cannot start a thread to resolve %s", w->what, w->names[i]);
             free(a);
             watch_unref(w);
             st = TD_ERR_IO;

@@ -34,8 +34,8 @@ typedef struct {
     int n_names;              /* 1..64 */
     int max_addrs;            /* addresses kept per name (1..4096) */
     int interval_ms;          /* between rounds (>= 1) */
-    int wake_fd;              /* -1, or an eventfd written after each round (dup'ed: the watch may
-                               * outlive its creator's fd) */
+    int wake_fd;              /* -1, or an eventfd written after each name's successful resolution
+                               * (dup'ed: the watch may outlive its creator's fd) */
     const char *what;         /* for the log lines: "prefill instances" (copied) */
 } td_net_watch_params;
 

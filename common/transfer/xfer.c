@@ -8,6 +8,7 @@
  * holds its own lock while calling them. */
 #include "xfer.h"
 
+#include <arpa/inet.h>
 #include <curl/curl.h>
 #include <errno.h>
 #include <inttypes.h>
@@ -987,6 +988,16 @@ static td_status send_request(td_xfer *x, ppeer *pp, djob *j, const int32_t *blo
     return st;
 }
 
+/* Whether a --prefill name resolves to P instance c, under its own
+ * address or one that is an alias of it. Caller holds x->mu. */
+static bool peer_resolved(td_xfer *x, const ppeer *c) {
+    if (c->dns_names) return true;
+    int k = (int)(c - x->ppeers) + 1;
+    for (int i = 0; i < x->n_ppeers; i++)
+        if (x->ppeers[i].alias_of == k && x->ppeers[i].dns_names) return true;
+    return false;
+}
+
 static bool d_start(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t n_blocks,
                     int32_t n_cached) {
     djob *j = ctx;
@@ -1016,7 +1027,8 @@ static bool d_start(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t
     double now = td_time_s();
     for (int k = 0; k < x->n_ppeers && !pp; k++) {
         ppeer *c = &x->ppeers[(x->rr + (unsigned)k) % (unsigned)x->n_ppeers];
-        if (x->n_names > 0 && !c->dns_names && now - c->last_named > x->p.forget_ms / 1000.0)
+        if (x->n_names > 0 && !peer_resolved(x, c) &&
+            !(c->last_named > 0 && now - c->last_named < x->p.forget_ms / 1000.0))
             continue;
         if (c->ready && c->ep && !c->fence && !c->closing && !atomic_load(&c->err)) pp = c;
     }
@@ -1650,7 +1662,8 @@ static void d_forget(td_xfer *x) {
     for (int k = 0; k < x->n_ppeers; k++) {
         ppeer *pp = &x->ppeers[k];
         if (!pp->addr[0] || pp->dns_names || pp->ready || pp->fence || pp->closing ||
-            pp->link_open || pp->link_close_owed || pp->ep || now - pp->last_named < after ||
+            pp->link_open || pp->link_close_owed || pp->ep ||
+            (pp->last_named > 0 && now - pp->last_named < after) ||
             now - pp->unlinked_since < after)
             continue;
         bool held = false;
@@ -1769,6 +1782,26 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
         x->ppeers = calloc(TD_XRANK_MAX_PEERS, sizeof *x->ppeers);
         if (!x->ppeers) goto fail;
         x->n_names = p->n_prefill;
+        /* IP addresses are instances from the start (no DNS to wait for);
+         * names follow from the watch */
+        for (int i = 0; i < p->n_prefill; i++) {
+            char host[256], port[16], ip[16], addr[1][TD_NET_ADDR_LEN], err[400];
+            if (!p->prefill[i] ||
+                !td_net_split(p->prefill[i], host, sizeof host, port, sizeof port)) {
+                TD_LOG_ERROR("prefill instance '%s' is not HOST:PORT",
+                             p->prefill[i] ? p->prefill[i] : "(null)");
+                st = TD_ERR_INVALID;
+                goto fail;
+            }
+            if (inet_pton(AF_INET, host, ip) != 1 && inet_pton(AF_INET6, host, ip) != 1) continue;
+            if (td_net_resolve(p->prefill[i], addr, 1, err, sizeof err) == 1) {
+                bool added;
+                pthread_mutex_lock(&x->mu);
+                ppeer *pp = peer_get(x, addr[0], "given", &added);
+                if (pp) pp->dns_names |= 1ull << i;
+                pthread_mutex_unlock(&x->mu);
+            }
+        }
     }
     x->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     x->link_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -1793,13 +1826,9 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
     }
     x->thread_started = true;
     if (p->role == TD_XFER_DECODE) {
-        if (pthread_create(&x->link_thread, NULL, link_main, x) != 0) {
-            st = TD_ERR_IO;
-            goto fail;
-        }
-        x->link_started = true;
         if (x->n_names > 0) {
-            /* the first round starts now; its end wakes the link thread */
+            /* before the link thread, which reads these: the first
+             * resolutions start now, each result wakes the link thread */
             x->dns_addrs = calloc((size_t)x->n_names * TD_XRANK_MAX_PEERS, sizeof *x->dns_addrs);
             x->dns_n = calloc((size_t)x->n_names, sizeof *x->dns_n);
             td_net_watch_params wp = {.names = p->prefill,
@@ -1809,8 +1838,16 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
                                       .wake_fd = x->link_fd,
                                       .what = "prefill instances"};
             st = !x->dns_addrs || !x->dns_n ? TD_ERR_NOMEM : td_net_watch_create(&wp, &x->dns);
-            if (st != TD_OK) goto fail;
+            if (st != TD_OK) {
+                TD_LOG_ERROR("the prefill names cannot be watched: %s", td_status_str(st));
+                goto fail;
+            }
         }
+        if (pthread_create(&x->link_thread, NULL, link_main, x) != 0) {
+            st = TD_ERR_IO;
+            goto fail;
+        }
+        x->link_started = true;
     }
     *x_p = x;
     return TD_OK;

@@ -425,6 +425,13 @@ def serve(tandem_bin, tmp_path):
 TOKEN = "test-cluster-secret"
 
 
+def linked(d):
+    """A decode instance knows some prefill instance and has linked every
+    one it knows (the names D resolves arrive after it started)."""
+    peers = d.state()["transfer"]["peers"]
+    return bool(peers) and all(pp["ready"] for pp in peers)
+
+
 # ---------------------------------------------------------------------------
 # A private /etc/hosts: names that resolve as a cluster's DNS would (a
 # headless Service with one address per pod), for the processes started
@@ -498,7 +505,7 @@ class Pair:
         return s
 
     def wait_linked(self, timeout=20):
-        wait_until(lambda: all(pp["ready"] for pp in self.d.state()["transfer"]["peers"]),
+        wait_until(lambda: linked(self.d),
                    timeout=timeout, what="decode linked to prefill", proc=self.d.proc)
 
     def close(self):
@@ -541,9 +548,7 @@ class Cluster:
                                        ready_timeout=ready_timeout)
             for d in self.ds:
                 if self.ps:
-                    wait_until(lambda d=d: all(pp["ready"]
-                                               for pp in d.state()["transfer"]["peers"]),
-                               timeout=20, what="decode linked to prefill", proc=d.proc)
+                    wait_until(lambda d=d: linked(d), timeout=20, what="decode linked to prefill", proc=d.proc)
             self.wait_ready()
         except BaseException:
             self.close()

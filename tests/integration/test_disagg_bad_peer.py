@@ -26,7 +26,7 @@ import types
 import pytest
 
 from conftest import scaled
-from serve_util import TOKEN, Server, metric
+from serve_util import TOKEN, Server, linked, metric
 
 MODEL = "llama2-f32-gguf"
 NB = 8  # blocks of the harness's region
@@ -620,7 +620,7 @@ def test_prefill_still_serves(cluster, model, colocated, tandem_bin, tmp_path):
                      cmd=[tandem_bin.parent / "tandem-decode"], cluster_token=TOKEN)
     try:
         deadline = time.monotonic() + scaled(20)
-        while not all(pp["ready"] for pp in d.state()["transfer"]["peers"]):
+        while not linked(d):
             assert time.monotonic() < deadline, "decode not linked"
             time.sleep(0.05)
         for i, n in enumerate((5, 17, 40, 70)):
