@@ -19,7 +19,6 @@ localhost), the pod IP by 127.0.0.1 and 0.0.0.0 binds by 127.0.0.1."""
 
 import base64
 import os
-import pathlib
 import re
 import shutil
 import signal

@@ -6,24 +6,12 @@ exposed transfer tail of every remote prefill, and the `tandem bench`
 reports of both request classes for both setups."""
 
 import json
-import subprocess
-import sys
 
-from conftest import scaled
-
-MODEL = "gguf/llama2-f32.gguf"  # vocab 512, context 256
+from bench_util import run_bench_script
 
 
 def run_pd_bench(source_dir, tandem_bin, test_models, tmp_path, *args):
-    out = tmp_path / "pd.json"
-    argv = [sys.executable, str(source_dir / "tools/bench/pd_bench.py"), *args,
-            "--build", str(tandem_bin.parent), "--model", str(test_models / MODEL),
-            "--ctx", "256", "--no-wait", "--quiet", "--log-dir", str(tmp_path / "logs"),
-            "--json", str(out)]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=scaled(240))
-    assert r.returncode == 0, f"$ {' '.join(argv)}\n{r.stdout}\n{r.stderr}"
-    with open(out) as f:
-        return json.load(f), r.stdout
+    return run_bench_script("pd_bench.py", source_dir, tandem_bin, test_models, tmp_path, *args)
 
 
 def test_tail(source_dir, tandem_bin, test_models, tmp_path):

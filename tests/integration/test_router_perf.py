@@ -15,24 +15,12 @@ prefix go to a prefill instance (remote) and the cached ones stay on the
 decode instance (local_cached), so both paths run."""
 
 import json
-import subprocess
-import sys
 
-from conftest import scaled
-
-MODEL = "gguf/llama2-f32.gguf"  # vocab 512, context 256
+from bench_util import run_bench_script
 
 
 def run_router_perf(source_dir, tandem_bin, test_models, tmp_path, *args):
-    out = tmp_path / "rp.json"
-    argv = [sys.executable, str(source_dir / "tools/bench/router_perf.py"), *args,
-            "--build", str(tandem_bin.parent), "--model", str(test_models / MODEL),
-            "--ctx", "256", "--no-wait", "--quiet", "--log-dir", str(tmp_path / "logs"),
-            "--json", str(out)]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=scaled(240))
-    assert r.returncode == 0, f"$ {' '.join(argv)}\n{r.stdout}\n{r.stderr}"
-    with open(out) as f:
-        return json.load(f), r.stdout
+    return run_bench_script("router_perf.py", source_dir, tandem_bin, test_models, tmp_path, *args)
 
 
 def test_policies(source_dir, tandem_bin, test_models, tmp_path):

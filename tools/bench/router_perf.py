@@ -94,8 +94,8 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import serve_bench  # noqa: E402  (percentiles as `tandem bench` computes them)
-from pd_bench import (DEFAULT_MODEL, BenchError, Foreign, Proc, fmt, med, run_logged,  # noqa: E402
-                      wait_quiet)
+from pd_bench import (DEFAULT_MODEL, BenchError, Foreign, Proc, fmt, med, on_sigterm,  # noqa: E402
+                      run_logged, wait_quiet)
 
 TOKEN = "router-perf-token"
 POLICIES = ("kv-aware", "round-robin")
@@ -459,10 +459,6 @@ def cmd_overhead(args, log_dir):
 
 
 # ---------------------------------------------------------------- main
-
-
-def on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop the servers
 
 
 def main(argv):
