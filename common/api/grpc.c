@@ -1318,11 +1318,7 @@ td_status td_grpc_server_start(const td_grpc_params *p, td_grpc_server **srv_p) 
     td_grpc_server *srv = calloc(1, sizeof(*srv));
     if (!srv) return TD_ERR_NOMEM;
     pthread_mutex_init(&srv->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&srv->retired, &ca);
-    pthread_condattr_destroy(&ca);
+    td_cond_init_monotonic(&srv->retired);
     pthread_mutex_init(&srv->prep_mu, NULL);
     pthread_cond_init(&srv->prep_cv, NULL);
     srv->live.next = srv->live.prev = &srv->live;
@@ -1441,9 +1437,7 @@ fail:
  * "abort", or the end that was already on its way), so a stop after a
  * drain ends streams cleanly instead of with UNAVAILABLE. */
 static void end_generations(td_grpc_server *srv) {
-    struct timespec deadline;
-    clock_gettime(CLOCK_MONOTONIC, &deadline);
-    deadline.tv_sec += STOP_GRACE_S;
+    struct timespec deadline = td_deadline_after(STOP_GRACE_S);
     pthread_mutex_lock(&srv->mu);
     for (gcall *c = srv->live.next; c != &srv->live; c = c->next) {
         pthread_mutex_lock(&c->mu);

@@ -75,6 +75,23 @@ uint64_t td_time_ns(void) {
 
 double td_time_s(void) { return (double)td_time_ns() * 1e-9; }
 
+void td_cond_init_monotonic(pthread_cond_t *cv) {
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(cv, &ca);
+    pthread_condattr_destroy(&ca);
+}
+
+struct timespec td_deadline_after(double seconds) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    int64_t ns = ts.tv_nsec + (seconds > 0 ? (int64_t)(seconds * 1e9) : 0);
+    ts.tv_sec += (time_t)(ns / 1000000000);
+    ts.tv_nsec = (long)(ns % 1000000000);
+    return ts;
+}
+
 uint64_t td_random_u64(void) {
     uint64_t x = 0;
     if (getrandom(&x, sizeof x, GRND_NONBLOCK) != (ssize_t)sizeof x) {

@@ -6,12 +6,14 @@
 #ifndef TD_BASE_H
 #define TD_BASE_H
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -95,6 +97,12 @@ uint64_t td_random_u64(void);
 /* Monotonic clock in seconds / nanoseconds. */
 double td_time_s(void);
 uint64_t td_time_ns(void);
+
+/* A condition variable whose timed waits are on the monotonic clock (a
+ * step of the wall clock does not move them), and the deadline `seconds`
+ * from now for its pthread_cond_timedwait (<= 0: now). */
+void td_cond_init_monotonic(pthread_cond_t *cv);
+struct timespec td_deadline_after(double seconds);
 
 #ifdef __cplusplus
 }

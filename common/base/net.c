@@ -125,11 +125,7 @@ static void *watch_main(void *arg) {
                 TD_UNUSED(r);
             }
         }
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        long long ns = ts.tv_nsec + (long long)w->interval_ms * 1000000LL;
-        ts.tv_sec += (time_t)(ns / 1000000000LL);
-        ts.tv_nsec = (long)(ns % 1000000000LL);
+        struct timespec ts = td_deadline_after(w->interval_ms / 1000.0);
         while (!w->stop && pthread_cond_timedwait(&w->cv, &w->mu, &ts) == 0) {
         }
     }
@@ -164,13 +160,7 @@ td_status td_net_watch_create(const td_net_watch_params *p, td_net_watch **w_p) 
     w->addrs = calloc((size_t)p->n_names * (size_t)p->max_addrs, sizeof *w->addrs);
     w->n = calloc((size_t)p->n_names, sizeof *w->n);
     pthread_mutex_init(&w->mu, NULL);
-    /* the interval on the monotonic clock: a step of the wall clock does
-     * not stall the resolutions */
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&w->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    td_cond_init_monotonic(&w->cv); /* a wall-clock step does not stall resolutions */
     w->refs = 1;
     if (!w->what || !w->names || !w->addrs || !w->n || (p->wake_fd >= 0 && w->wake_fd < 0)) {
         watch_unref(w);

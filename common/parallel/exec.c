@@ -637,11 +637,7 @@ static void *keepalive_main(void *arg) {
             continue;
         }
         double wait = x->last_use + interval - now;
-        struct timespec ts; /* the condition variable waits on CLOCK_MONOTONIC */
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        double t = (double)ts.tv_sec + ts.tv_nsec * 1e-9 + (wait > 0 ? wait : 0.01);
-        ts.tv_sec = (time_t)t;
-        ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
+        struct timespec ts = td_deadline_after(wait > 0 ? wait : 0.01);
         pthread_cond_timedwait(&x->cv, &x->mu, &ts);
     }
     pthread_mutex_unlock(&x->mu);
@@ -913,11 +909,7 @@ static td_exec *exec_alloc(int world) {
     x->world = world;
     x->stop_fd[0] = x->stop_fd[1] = -1;
     pthread_mutex_init(&x->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&x->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    td_cond_init_monotonic(&x->cv);
     pthread_mutex_init(&x->times_mu, NULL);
     pthread_mutex_init(&x->xfer_mu, NULL);
     x->pids = calloc((size_t)world, sizeof *x->pids);

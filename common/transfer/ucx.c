@@ -962,21 +962,13 @@ td_status td_ucx_ep_close_wait(td_ucx_ep *ep, int timeout_ms) {
         return TD_ERR_NOMEM;
     }
     pthread_mutex_init(&w->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&w->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    td_cond_init_monotonic(&w->cv);
     w->refs = 2;
     char name[64];
     snprintf(name, sizeof name, "%s", ep->u->name);
     td_ucx_ep_close(ep, waiter_closed, w);
 
-    struct timespec dl;
-    clock_gettime(CLOCK_MONOTONIC, &dl);
-    int64_t ns = dl.tv_nsec + (int64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000000;
-    dl.tv_sec += ns / 1000000000;
-    dl.tv_nsec = ns % 1000000000;
+    struct timespec dl = td_deadline_after(timeout_ms / 1000.0);
     pthread_mutex_lock(&w->mu);
     while (!w->done)
         if (pthread_cond_timedwait(&w->cv, &w->mu, &dl) == ETIMEDOUT) break;
