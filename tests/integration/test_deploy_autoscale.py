@@ -12,17 +12,14 @@ burst of prompts that outruns the prefill instance must show queued prompt
 tokens, and once the bursts are served both queries read 0."""
 
 import math
-import shutil
-import subprocess
 import threading
 
 import pytest
 
+import k8s_util
 import promql_sum
 from conftest import manifest_model
 from serve_util import Cluster, parse_metrics
-
-yaml = pytest.importorskip("yaml")
 
 OVERLAY = "deploy/k8s/overlays/autoscale"
 SERVICE_OF = {"router": "tandem-router", "prefill": "tandem-prefill", "decode": "tandem-decode"}
@@ -30,11 +27,7 @@ SERVICE_OF = {"router": "tandem-router", "prefill": "tandem-prefill", "decode": 
 
 @pytest.fixture(scope="module")
 def scaled_objects(source_dir):
-    if not shutil.which("kubectl"):
-        pytest.skip("kubectl (with kustomize) is not installed")
-    out = subprocess.run(["kubectl", "kustomize", str(source_dir / OVERLAY)],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
-    objs = [o for o in yaml.safe_load_all(out) if o]
+    objs = k8s_util.render(source_dir / OVERLAY)
     sos = {o["spec"]["scaleTargetRef"]["name"]: o for o in objs if o["kind"] == "ScaledObject"}
     assert set(sos) == {"tandem-decode", "tandem-prefill"}
     return sos

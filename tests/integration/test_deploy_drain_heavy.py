@@ -20,7 +20,6 @@ localhost), the pod IP by 127.0.0.1 and 0.0.0.0 binds by 127.0.0.1."""
 import base64
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,11 +27,10 @@ import time
 
 import pytest
 
+import k8s_util
 from conftest import scaled, wait_until
 from serve_util import (SSEStream, metric, parse_metrics, private_hosts, private_hosts_cmd,
                         write_hosts)
-
-yaml = pytest.importorskip("yaml")
 
 OVERLAY = "deploy/k8s/overlays/cpu-demo"
 
@@ -52,11 +50,7 @@ def http_status(port, path, headers=None):
 
 @pytest.fixture(scope="module")
 def rendered(source_dir):
-    if not shutil.which("kubectl"):
-        pytest.skip("kubectl (with kustomize) is not installed")
-    out = subprocess.run(["kubectl", "kustomize", str(source_dir / OVERLAY)],
-                         capture_output=True, text=True, check=True).stdout
-    objs = [o for o in yaml.safe_load_all(out) if o]
+    objs = k8s_util.render(source_dir / OVERLAY)
     return {(o["kind"], o["metadata"]["name"]): o for o in objs}
 
 

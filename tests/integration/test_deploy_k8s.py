@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 
+import k8s_util
 import promql_sum
 import pytest
 import yaml
@@ -34,17 +35,9 @@ pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
                                 reason="kubectl (with kustomize v5) is not on PATH")
 
 
-def _render(d):
-    p = subprocess.run(["kubectl", "kustomize", str(K8S / d)], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, f"kubectl kustomize {d} failed:\n{p.stderr}"
-    objs = [o for o in yaml.safe_load_all(p.stdout) if o]
-    assert objs, f"{d} rendered nothing"
-    return objs
-
-
 @pytest.fixture(scope="module")
 def renders():
-    return {d: _render(d) for d in DIRS}
+    return {d: k8s_util.render(K8S / d) for d in DIRS}
 
 
 def _validator():

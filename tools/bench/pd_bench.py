@@ -625,6 +625,25 @@ def on_sigterm(signum, frame):
     raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop the servers
 
 
+def add_common_args(sp, binaries, unit, foreign_note=""):
+    """The options every subcommand of pd_bench.py and router_perf.py takes."""
+    sp.add_argument("--build", required=True, type=pathlib.Path,
+                    help=f"build directory holding {binaries}")
+    sp.add_argument("--model", type=pathlib.Path, default=DEFAULT_MODEL)
+    sp.add_argument("--ctx", type=int, default=4096, help=f"--ctx of every {unit} (4096)")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--json", help="write every figure here")
+    sp.add_argument("--log-dir", help="keep the servers' logs here (default: a temp dir)")
+    sp.add_argument("--quiet", action="store_true")
+    sp.add_argument("--max-foreign", type=float, default=0.1,
+                    help="before each measurement, wait until other processes use less "
+                    "than this share of the CPUs (0.1)" + foreign_note)
+    sp.add_argument("--no-wait", dest="max_foreign", action="store_const", const=None,
+                    help="measure at once, whatever else runs (for tests)")
+    sp.add_argument("--quiet-timeout", type=float, default=900,
+                    help="longest wait for a quiet machine, in seconds (900)")
+
+
 def main(argv):
     signal.signal(signal.SIGTERM, on_sigterm)
     ap = argparse.ArgumentParser(prog="pd_bench.py", description=__doc__.split("\n\n")[0],
@@ -633,22 +652,8 @@ def main(argv):
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("tail", "mixed"):
         sp = sub.add_parser(name)
-        sp.add_argument("--build", required=True, type=pathlib.Path,
-                        help="build directory holding tandem, tandem-prefill, tandem-decode")
-        sp.add_argument("--model", type=pathlib.Path, default=DEFAULT_MODEL)
-        sp.add_argument("--ctx", type=int, default=4096, help="--ctx of every server (4096)")
-        sp.add_argument("--seed", type=int, default=0)
-        sp.add_argument("--json", help="write every figure here")
-        sp.add_argument("--log-dir", help="keep the servers' logs here (default: a temp dir)")
-        sp.add_argument("--quiet", action="store_true")
-        sp.add_argument("--max-foreign", type=float, default=0.1,
-                        help="before each measurement, wait until other processes use less "
-                        "than this share of the CPUs (0.1); tail: a request during which "
-                        "they used more is redone")
-        sp.add_argument("--no-wait", dest="max_foreign", action="store_const", const=None,
-                        help="measure at once, whatever else runs (for tests)")
-        sp.add_argument("--quiet-timeout", type=float, default=900,
-                        help="longest wait for a quiet machine, in seconds (900)")
+        add_common_args(sp, "tandem, tandem-prefill, tandem-decode", "server",
+                        "; tail: a request during which they used more is redone")
         sp.add_argument("--extra", action="append", default=[],
                         help="one more argument for every server (repeatable)")
         sp.add_argument("--d-extra", action="append", default=[],

@@ -94,8 +94,8 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import serve_bench  # noqa: E402  (percentiles as `tandem bench` computes them)
-from pd_bench import (DEFAULT_MODEL, BenchError, Foreign, Proc, fmt, med, on_sigterm,  # noqa: E402
-                      run_logged, wait_quiet)
+from pd_bench import (BenchError, Foreign, Proc, add_common_args, fmt, med,  # noqa: E402
+                      on_sigterm, run_logged, wait_quiet)
 
 TOKEN = "router-perf-token"
 POLICIES = ("kv-aware", "round-robin")
@@ -469,22 +469,7 @@ def main(argv):
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("policies", "overhead"):
         sp = sub.add_parser(name)
-        sp.add_argument("--build", required=True, type=pathlib.Path,
-                        help="build directory holding tandem, tandem-prefill, tandem-decode, "
-                        "tandem-router")
-        sp.add_argument("--model", type=pathlib.Path, default=DEFAULT_MODEL)
-        sp.add_argument("--ctx", type=int, default=4096, help="--ctx of every instance (4096)")
-        sp.add_argument("--seed", type=int, default=0)
-        sp.add_argument("--json", help="write every figure here")
-        sp.add_argument("--log-dir", help="keep the servers' logs here (default: a temp dir)")
-        sp.add_argument("--quiet", action="store_true")
-        sp.add_argument("--max-foreign", type=float, default=0.1,
-                        help="before each measurement, wait until other processes use less "
-                        "than this share of the CPUs (0.1)")
-        sp.add_argument("--no-wait", dest="max_foreign", action="store_const", const=None,
-                        help="measure at once, whatever else runs (for tests)")
-        sp.add_argument("--quiet-timeout", type=float, default=900,
-                        help="longest wait for a quiet machine, in seconds (900)")
+        add_common_args(sp, "tandem, tandem-prefill, tandem-decode, tandem-router", "instance")
         sp.add_argument("--extra", action="append", default=[],
                         help="one more argument for every prefill and decode instance "
                         "(repeatable; --extra=--flag for a flag)")
