@@ -19,11 +19,9 @@ step format
 scripts/check-format.sh
 
 ctest_args=(--output-on-failure --timeout 1200 -j "$jobs")
-# One exclusion regex: ctest ANDs repeated -LE options.
-skip="fuzz|nightly" # nightly: the long matrices (ctest -L nightly)
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-  skip="$skip|gpu"
-fi
+# shellcheck source=scripts/ctest-skip.sh
+. scripts/ctest-skip.sh
+skip=$td_ctest_skip
 
 step "release build + all tests"
 scripts/build.sh build

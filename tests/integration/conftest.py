@@ -31,7 +31,13 @@ Fixtures:
                               terminated (then killed) at teardown, even on failure
 Helpers (import from conftest): run_tandem, tandem_eval_raw, free_port, wait_until,
   scaled(seconds), ensure_test_models(), load_manifest(dir) (the last two work
-  at collection time, e.g. in pytest_generate_tests).
+  at collection time, e.g. in pytest_generate_tests), register_log(label, path).
+
+Evidence on failure: every process a test starts has its log registered
+(register_log; serve_util's Server and the spawn fixture do it themselves),
+and when the test fails, in its setup, body or teardown, the report carries
+the last LOG_TAIL_BYTES of each of those logs in full, one section each
+("log LABEL: PATH"), after the assertion message.
 
 Every run has a timeout; on timeout the whole process group is killed and the
 test fails with the command line and the captured output.
@@ -167,6 +173,51 @@ def tandem_eval_raw(model, sequences, threads=None, chunk=None, batch=False, isa
             out.append(raw[off:off + len(s) * V].reshape(len(s), V))
             off += len(s) * V
         return r, out
+
+
+# ---------------------------------------------------------------------------
+# Logs of the processes the running test started, shown when it fails
+
+LOG_TAIL_BYTES = 24000
+_test_logs = []  # (label, path), in start order; cleared before each test
+
+
+def register_log(label, path):
+    """Shows the tail of the log at path in the report of the running test
+    if it fails (a process's stderr, or its merged output)."""
+    _test_logs.append((str(label), pathlib.Path(path)))
+
+
+def _log_tail(path, n=LOG_TAIL_BYTES):
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - n))
+            data = f.read()
+    except OSError as e:
+        return f"(unreadable: {e})"
+    if size > n:
+        # from the first whole line, and say what was left out
+        data = data[data.find(b"\n") + 1:]
+        return f"[... {size - len(data)} earlier bytes left out]\n" + data.decode(errors="replace")
+    return data.decode(errors="replace") or "(empty)"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _test_logs.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed:
+        for label, path in _test_logs:
+            rep.sections.append((f"log {label}: {path}", _log_tail(path)))
+    if rep.when == "teardown":
+        _test_logs.clear()
 
 
 def _kill_group(p):
@@ -320,6 +371,7 @@ def spawn(tmp_path):
         if env:
             full_env.update({k: str(v) for k, v in env.items()})
         log = tmp_path / f"proc-{len(procs)}.log"
+        register_log(os.path.basename(str(argv[0])), log)
         f = open(log, "wb")
         p = _Proc([str(a) for a in argv], stdin=subprocess.DEVNULL, stdout=f,
                   stderr=subprocess.STDOUT, env=full_env, start_new_session=True)

@@ -72,7 +72,7 @@ import time
 
 import pytest
 
-from conftest import scaled, wait_until
+from conftest import register_log, scaled, wait_until
 
 READY_RE = re.compile(
     r"^(?:tandem serve|tandem-prefill|tandem-decode|tandem-router): listening http=(\S+) "
@@ -266,6 +266,8 @@ class Server:
         with open(s.out_path, "wb") as fo, open(s.err_path, "wb") as fe:
             s.proc = subprocess.Popen(s.argv, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
                                       env=full_env, start_new_session=True)
+        what = os.path.basename(str(cmd[-1])) if cmd else "tandem serve"
+        register_log(f"{what} ({log_dir.name}, pid {s.proc.pid})", s.err_path)
         try:
             deadline = time.monotonic() + scaled(ready_timeout)
             while True:

@@ -28,7 +28,7 @@ import time
 import pytest
 
 import k8s_util
-from conftest import scaled, wait_until
+from conftest import register_log, scaled, wait_until
 from serve_util import (SSEStream, metric, parse_metrics, private_hosts, private_hosts_cmd,
                         write_hosts)
 
@@ -139,6 +139,7 @@ class Pod:
         env = dict(os.environ)
         env.update(self.env)
         self.log = open(self.tmp / f"{self.role}.log", "ab")
+        register_log(self.role, self.tmp / f"{self.role}.log")
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self.log,
                                      stderr=self.log, env=env, start_new_session=True)
         # the startup probe's budget: periodSeconds x failureThreshold

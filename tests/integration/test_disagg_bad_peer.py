@@ -25,7 +25,7 @@ import types
 
 import pytest
 
-from conftest import scaled
+from conftest import register_log, scaled
 from serve_util import TOKEN, Server, linked, metric
 
 MODEL = "llama2-f32-gguf"
@@ -75,6 +75,7 @@ class XferPeer:
 
     def __init__(self, binary, region_bytes, log_path):
         self.log = open(log_path, "wb")
+        register_log("td-xfer-peer", log_path)
         self.proc = subprocess.Popen([str(binary), "--region-bytes", str(region_bytes)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, start_new_session=True)

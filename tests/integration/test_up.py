@@ -18,7 +18,7 @@ import time
 import pytest
 from openai import OpenAI
 
-from conftest import manifest_model, run_tandem, scaled, wait_until
+from conftest import manifest_model, register_log, run_tandem, scaled, wait_until
 
 READY_RE = re.compile(r"^tandem up: ready http=http://(\S+):(\d+) grpc=(\S+):(\d+) "
                       r"\(prefill (\d+), decode (\d+)\)$", re.M)
@@ -54,6 +54,7 @@ class Up:
     def __init__(self, tandem_bin, log_dir, *args):
         log_dir.mkdir(parents=True, exist_ok=True)
         self.out_path, self.err_path = log_dir / "up.out", log_dir / "up.err"
+        register_log("tandem up (and its instances, line by line)", self.err_path)
         self.argv = [str(tandem_bin), "up", *[str(a) for a in args]]
         with open(self.out_path, "wb") as fo, open(self.err_path, "wb") as fe:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=fo,
