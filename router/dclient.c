@@ -45,6 +45,16 @@
 #define ARENA_BYTES       8192
 #define MAX_DETAILS_BYTES 1024
 
+/* How long one connection attempt (TCP and the HTTP/2 handshake, up to the
+ * server's SETTINGS frame) may take; the core takes it from
+ * GRPC_ARG_MIN_RECONNECT_BACKOFF_MS. Set to the 100 ms back-off, it failed
+ * every request sent to a live decode instance that did not run for 100 ms
+ * while the router connected (a loaded machine, a CPU-throttled pod), and
+ * marked that instance down. A dead instance refuses at once, and calls to
+ * one gone silent are cancelled by the state poller after 3 failed pulls,
+ * so this bound is only the last resort. */
+#define CONNECT_TIMEOUT_MS 5000
+
 /* protobuf-c's allocations while a response is unpacked: a chunk of a few
  * tokens fits, so the data path does not malloc per message. Used by the
  * completion-queue thread only, reset after each message. */
@@ -163,7 +173,7 @@ static grpc_channel *channel_create(const char *target) {
         const char *key;
         int value;
     } iargs[6] = {
-        {GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, RECONNECT_MIN_MS},
+        {GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, CONNECT_TIMEOUT_MS},
         {GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, RECONNECT_MIN_MS},
         {GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, RECONNECT_MAX_MS},
         {GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, MAX_RECV_BYTES},
