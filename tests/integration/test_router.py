@@ -179,8 +179,9 @@ def test_paused_decode_instance_is_waited_for(model, cluster):
     try:
         with cf.ThreadPoolExecutor(1) as ex:
             fut = ex.submit(c.router.post_json, "/v1/completions", body, None, 60)
-            # the router's state pull waits too (its timeout is 1 s)
-            time.sleep(0.6)
+            # four times the old 100 ms; the router's state pull of d waits
+            # too, and its timeout is 1 s
+            time.sleep(0.4)
             os.kill(d.proc.pid, signal.SIGCONT)
             status, out = fut.result()
     finally:
@@ -188,7 +189,7 @@ def test_paused_decode_instance_is_waited_for(model, cluster):
     assert status == 200, (status, out)
     assert out["choices"][0]["finish_reason"] == "length"
     assert metric(c.router.metrics(), "tandem:router_retries_total") == 0
-    assert c.inst(d)["ready"]
+    c.wait_ready()
     c.wait_idle()
 
 
