@@ -11,8 +11,9 @@
 # built first (scripts/build.sh); run scripts/setup.sh once before. Each
 # run's ctest output (with the failures' output in full) is kept in
 # BUILD_DIR/stress/run-K.log.
-# TD_STRESS_REGEX=R keeps the tests matching R (ctest -R), to repeat one
-# suite: TD_STRESS_REGEX=py_test_router scripts/stress-tests.sh 20
+# TD_STRESS_REGEX=R keeps the tests matching R (ctest -R), and
+# TD_STRESS_LOAD=always puts every run under load, to repeat one suite:
+#   TD_STRESS_REGEX=py_test_router TD_STRESS_LOAD=always scripts/stress-tests.sh 20
 set -euo pipefail
 cd "$(dirname "$0")/.."
 n=${1:-6}
@@ -46,7 +47,7 @@ args=(--output-on-failure --timeout 1200 -j "$jobs" -LE "$td_ctest_skip")
 if [ -n "${TD_STRESS_REGEX:-}" ]; then args+=(-R "$TD_STRESS_REGEX"); fi
 for ((k = 1; k <= n; k++)); do
   mode=plain
-  if ((k % 2 == 0)); then
+  if ((k % 2 == 0)) || [ "${TD_STRESS_LOAD:-}" = always ]; then
     mode="2 spinners"
     for _ in 1 2; do
       bash -c 'while :; do :; done' &
