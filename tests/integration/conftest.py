@@ -31,13 +31,14 @@ Fixtures:
                               terminated (then killed) at teardown, even on failure
 Helpers (import from conftest): run_tandem, tandem_eval_raw, free_port, wait_until,
   scaled(seconds), ensure_test_models(), load_manifest(dir) (the last two work
-  at collection time, e.g. in pytest_generate_tests), register_log(label, path).
+  at collection time, e.g. in pytest_generate_tests), register_log(label, path, proc=None).
 
 Evidence on failure: every process a test starts has its log registered
 (register_log; serve_util's Server and the spawn fixture do it themselves),
 and when the test fails, in its setup, body or teardown, the report carries
 the last LOG_TAIL_BYTES of each of those logs in full, one section each
-("log LABEL: PATH"), after the assertion message.
+("log LABEL: PATH"), after the assertion message; so do the logs of the
+processes a module- or session-scoped fixture started, while they run.
 
 Every run has a timeout; on timeout the whole process group is killed and the
 test fails with the command line and the captured output.
@@ -179,13 +180,21 @@ def tandem_eval_raw(model, sequences, threads=None, chunk=None, batch=False, isa
 # Logs of the processes the running test started, shown when it fails
 
 LOG_TAIL_BYTES = 24000
-_test_logs = []  # (label, path), in start order; cleared before each test
+# (label, path, proc) in start order: a test's own until its teardown, and
+# one of a wider fixture's (module, session) for as long as proc runs
+_test_logs = []
 
 
-def register_log(label, path):
+def register_log(label, path, proc=None):
     """Shows the tail of the log at path in the report of the running test
-    if it fails (a process's stderr, or its merged output)."""
-    _test_logs.append((str(label), pathlib.Path(path)))
+    if it fails (a process's stderr, or its merged output); with proc (a
+    Popen), in the reports of later tests too while proc runs (a process a
+    module-scoped fixture started)."""
+    _test_logs.append((str(label), pathlib.Path(path), proc))
+
+
+def _forget_ended_logs():
+    _test_logs[:] = [e for e in _test_logs if e[2] is not None and e[2].poll() is None]
 
 
 def _log_tail(path, n=LOG_TAIL_BYTES):
@@ -204,20 +213,15 @@ def _log_tail(path, n=LOG_TAIL_BYTES):
     return data.decode(errors="replace") or "(empty)"
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item):
-    _test_logs.clear()
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     if rep.failed:
-        for label, path in _test_logs:
+        for label, path, _ in _test_logs:
             rep.sections.append((f"log {label}: {path}", _log_tail(path)))
     if rep.when == "teardown":
-        _test_logs.clear()
+        _forget_ended_logs()
 
 
 def _kill_group(p):
@@ -371,12 +375,12 @@ def spawn(tmp_path):
         if env:
             full_env.update({k: str(v) for k, v in env.items()})
         log = tmp_path / f"proc-{len(procs)}.log"
-        register_log(os.path.basename(str(argv[0])), log)
         f = open(log, "wb")
         p = _Proc([str(a) for a in argv], stdin=subprocess.DEVNULL, stdout=f,
                   stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
         f.close()
         p._log_path = log
+        register_log(os.path.basename(str(argv[0])), log, p)
         procs.append(p)
         return p
 

@@ -54,7 +54,9 @@ API (kept small on purpose):
                         knows every prefill instance) behind a tandem-router;
                         .ps, .ds, .router (Servers), .view() (the router's
                         /internal/v1/cluster), .inst(server) (that instance in
-                        the view), .wait_ready(), .wait_idle(), .close().
+                        the view), .wait_ready(), .wait_idle(), .wait_settled()
+                        (idle, and so is the router's view of every instance),
+                        .close().
 
 Timeouts go through conftest.scaled() (TANDEM_TEST_TIMEOUT_SCALE).
 """
@@ -267,7 +269,7 @@ class Server:
             s.proc = subprocess.Popen(s.argv, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
                                       env=full_env, start_new_session=True)
         what = os.path.basename(str(cmd[-1])) if cmd else "tandem serve"
-        register_log(f"{what} ({log_dir.name}, pid {s.proc.pid})", s.err_path)
+        register_log(f"{what} ({log_dir.name}, pid {s.proc.pid})", s.err_path, s.proc)
         try:
             deadline = time.monotonic() + scaled(ready_timeout)
             while True:
@@ -581,6 +583,28 @@ class Cluster:
                 s.wait_idle(timeout)
         wait_until(lambda: (lambda v: v["running"] == 0 and v["queued"] == 0)(self.view()),
                    timeout=timeout, what="router idle", proc=self.router.proc)
+
+    def wait_settled(self, timeout=10):
+        """wait_idle, and then the router's view of it: every live instance
+        ready, with nothing in flight, pending or used in its last state.
+        Until a state pull after a request's end arrives, the router still
+        counts that request's blocks on its instance (so the next request,
+        even one with the same prefix, may go elsewhere): a test that needs
+        the routing to follow the prefix alone waits for this first."""
+        self.wait_idle(timeout)
+        live = [s for s in self.ps + self.ds if s.proc.poll() is None]
+
+        def settled():
+            v = self.view()
+            for s in live:
+                x = self.inst(s, v)
+                if not (x["ready"] and x["in_flight"] == 0 and x["pending_blocks"] == 0
+                        and x["load"]["running"] == 0 and x["load"]["kv"]["used"] == 0):
+                    return False
+            return True
+
+        wait_until(settled, timeout=timeout, what="the router's view of every instance idle",
+                   proc=self.router.proc)
 
     def close(self):
         for s in [self.router] + self.ds + self.ps:

@@ -139,9 +139,9 @@ class Pod:
         env = dict(os.environ)
         env.update(self.env)
         self.log = open(self.tmp / f"{self.role}.log", "ab")
-        register_log(self.role, self.tmp / f"{self.role}.log")
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self.log,
                                      stderr=self.log, env=env, start_new_session=True)
+        register_log(self.role, self.tmp / f"{self.role}.log", self.proc)
         # the startup probe's budget: periodSeconds x failureThreshold
         sp = self.c["startupProbe"]
         budget = sp.get("periodSeconds", 10) * sp.get("failureThreshold", 3)

@@ -75,10 +75,10 @@ class XferPeer:
 
     def __init__(self, binary, region_bytes, log_path):
         self.log = open(log_path, "wb")
-        register_log("td-xfer-peer", log_path)
         self.proc = subprocess.Popen([str(binary), "--region-bytes", str(region_bytes)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, start_new_session=True)
+        register_log("td-xfer-peer", log_path, self.proc)
         hello = self._line(30)
         self.address = bytes.fromhex(hello["address"])
         self.rkey = bytes.fromhex(hello["rkey"])

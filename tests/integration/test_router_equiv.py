@@ -4,7 +4,10 @@ both exercised) equal `tandem serve`'s on the same tiny model, over HTTP
 (completions and chat, logprobs, stop strings, n > 1, echo, streaming) and
 gRPC (text, token ids, chat). The router tokenizes and applies the chat
 template itself and sends token ids; the decode instance detokenizes and
-applies the stop rules, so equal answers check the whole path."""
+applies the stop rules, so equal answers check the whole path. The usage
+(cached tokens included) is compared too: before each routed request the
+router's view is let settle (Cluster.wait_settled), so that a prompt seen
+before goes where its prefix is cached, as it does in `tandem serve`."""
 
 import concurrent.futures as cf
 
@@ -74,6 +77,7 @@ def test_http_equal(both, i):
     serve, c = both
     path, body = BODIES[i]
     s1, want = serve.post_json(path, body, timeout=120)
+    c.wait_settled()
     s2, got = c.router.post_json(path, body, timeout=120)
     assert s1 == 200, want
     assert s2 == 200, (got, c.router.log_tail())
@@ -107,7 +111,9 @@ def stream_text(srv, path, body):
 def test_stream_equal(both, i):
     serve, c = both
     path, body = BODIES[i]
-    assert stream_text(c.router, path, body) == stream_text(serve, path, body)
+    want = stream_text(serve, path, body)
+    c.wait_settled()
+    assert stream_text(c.router, path, body) == want
 
 
 def test_concurrent_equal(both):
@@ -168,7 +174,9 @@ def test_grpc_equal(both, source_dir, tmp_path_factory):
         return ids, text, lps, end
 
     for req in reqs:
-        assert flat(run(c.router, req)) == flat(run(serve, req))
+        want = flat(run(serve, req))
+        c.wait_settled()
+        assert flat(run(c.router, req)) == want
 
 
 def test_models_tokenize_served_by_router(both):

@@ -5,7 +5,8 @@ flight, the unfinished streams are ended (an error event or a finish
 reason, then the connection closes) and the process still exits 0 promptly.
 
 A tiny random model keeps the run short; the streams are long (ignore_eos,
-200+ tokens) so that they are still running when the signal arrives, and
+1,000 tokens in the first test) so that they are still running when the
+signal arrives, and
 every stream is read by its own thread from the start, as real clients do.
 """
 
@@ -90,8 +91,13 @@ def start_streams(srv, n, max_tokens, seed):
 
 
 def test_sigterm_drains_running_streams(serve, tiny):
-    srv = serve(tiny, "--served-model-name", SERVED, "--max-running", 8, "--drain-timeout", 60)
-    n_tokens = 240
+    # Streams of 1,000 tokens (a context of 2,048): seconds on an idle
+    # machine. With 240 (the model's own context of 256) all eight ended
+    # within 0.3 s, and under load the test reached SIGTERM after they had
+    # (the server then stops at once: /ready refused the connection).
+    srv = serve(tiny, "--served-model-name", SERVED, "--max-running", 8, "--drain-timeout", 60,
+                "--ctx", 2048)
+    n_tokens = 1000
     readers = start_streams(srv, 8, n_tokens, seed=1)
     try:
         for r in readers:

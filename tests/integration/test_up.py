@@ -54,11 +54,11 @@ class Up:
     def __init__(self, tandem_bin, log_dir, *args):
         log_dir.mkdir(parents=True, exist_ok=True)
         self.out_path, self.err_path = log_dir / "up.out", log_dir / "up.err"
-        register_log("tandem up (and its instances, line by line)", self.err_path)
         self.argv = [str(tandem_bin), "up", *[str(a) for a in args]]
         with open(self.out_path, "wb") as fo, open(self.err_path, "wb") as fe:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=fo,
                                          stderr=fe, start_new_session=True)
+        register_log("tandem up (and its instances, line by line)", self.err_path, self.proc)
         self.kids = {}
 
     def out(self):
