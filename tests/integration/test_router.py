@@ -69,8 +69,9 @@ def affinity_run(c, seed):
         for p in prefixes:
             complete(c.router, {"prompt": p + tokens(16, rng), "max_tokens": 2,
                                 "temperature": 0})
-            # the KV events reach the router within a poll (50 ms)
-            time.sleep(0.12)
+            # the KV events and the freed blocks reach the router with the
+            # next state pull (every 50 ms; later on a loaded machine)
+            c.wait_settled()
     c.wait_idle()
     return hits(c.ps), hits(c.ds)
 
