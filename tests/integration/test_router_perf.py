@@ -1,7 +1,7 @@
 """tools/bench/router_perf.py (docs/PERFORMANCE.md, "Router") stays working:
 both subcommands on a tiny model with tiny sizes. Latencies are not judged
-(a test never times anything), only their sign; the hit rates are, because
-the workload decides them:
+(a test never times anything; where they are ordered, it is by definition,
+such as p50 <= p90); the hit rates are, because the workload decides them:
 
 shared-prefix with 3 groups and 6 sequential requests (group i mod 3) over
 two decode instances. Round-robin sends request i to instance i mod 2, so
@@ -94,8 +94,11 @@ def test_overhead(source_dir, tandem_bin, test_models, tmp_path):
             s = rep[kind][way]
             assert s["n"] == n and len(rep[kind]["samples_ms"][way]) == n, (kind, way)
             assert 0 < s["p50_ms"] <= s["p90_ms"], (kind, way, s)
-        # the router's hop is a real extra HTTP-to-gRPC round trip
-        assert rep[kind]["added_p50_ms"] > 0, (kind, rep[kind])
+        # (the router's added latency is reported, not judged: its sign too
+        # is noise on a loaded machine, where a median of 20 requests came
+        # out 0.18 ms faster through the router; the decisions below show
+        # that every request took the router's hop)
+        assert "added_p50_ms" in rep[kind] and "added_p90_ms" in rep[kind], rep[kind]
         assert f"| {'token ids' if kind == 'ids' else 'text'} |" in table
     # one decision per request through the router (warm-up included), all local
     assert rep["decision_count"] == 2 * n, rep

@@ -19,6 +19,7 @@ import ctypes
 import ctypes.util
 import functools
 import random
+import signal
 import threading
 import time
 
@@ -232,8 +233,26 @@ def test_kv_exhaustion_preempts_and_recovers(serve, tiny, solo_refs):
     assert ld["kv_used"] == 0 and ld["kv_reserved"] == 0, ld
 
 
+def requests_received(port):
+    """How many connections to 127.0.0.1:port hold request bytes the server
+    has not read (accepted or still in the listen backlog): /proc/net/tcp."""
+    n = 0
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for ln in f:
+            fields = ln.split()
+            local, st, queues = fields[1], fields[3], fields[4]
+            if st == "01" and int(local.split(":")[1], 16) == port \
+                    and int(queues.split(":")[1], 16) > 0:
+                n += 1
+    return n
+
+
 def test_waiting_requests_all_finish(serve, tiny, solo_refs):
-    """10 requests, --max-running 2: eight wait, none is lost or changed."""
+    """10 requests, --max-running 2: eight wait, none is lost or changed.
+    The server is stopped (SIGSTOP) until all ten have been sent, so that
+    they arrive together: one takes about 20 ms here, and sent by ten
+    client threads on a loaded machine they did not always overlap."""
     srv = serve(tiny, "--served-model-name", SERVED, "--max-running", 2)
     specs = waiting_specs()
     seen = {"running": 0, "waiting": 0}
@@ -247,12 +266,23 @@ def test_waiting_requests_all_finish(serve, tiny, solo_refs):
             time.sleep(0.005)
 
     t = threading.Thread(target=poll)
-    t.start()
     try:
-        got = run_concurrently(srv, specs)
+        with cf.ThreadPoolExecutor(1) as ex:
+            srv.proc.send_signal(signal.SIGSTOP)
+            try:
+                fut = ex.submit(run_concurrently, srv, specs)
+                deadline = time.monotonic() + scaled(30)
+                while requests_received(srv.port) < len(specs) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert requests_received(srv.port) >= len(specs), "the requests were not all sent"
+                t.start()  # its first sample waits for the server too
+            finally:
+                srv.proc.send_signal(signal.SIGCONT)
+            got = fut.result()
     finally:
         stop.set()
-        t.join()
+        if t.is_alive():
+            t.join()
     assert_same(specs, got, solo_refs, "--max-running 2")
     assert seen["running"] <= 2, seen
     assert seen["waiting"] >= 1, f"no request was ever seen waiting: {seen}"
