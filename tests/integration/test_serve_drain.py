@@ -5,7 +5,7 @@ flight, the unfinished streams are ended (an error event or a finish
 reason, then the connection closes) and the process still exits 0 promptly.
 
 A tiny random model keeps the run short; the streams are long (ignore_eos,
-1,000 tokens in the first test) so that they are still running when the
+2,000 tokens in the first test) so that they are still running when the
 signal arrives, and
 every stream is read by its own thread from the start, as real clients do.
 """
@@ -91,13 +91,16 @@ def start_streams(srv, n, max_tokens, seed):
 
 
 def test_sigterm_drains_running_streams(serve, tiny):
-    # Streams of 1,000 tokens (a context of 2,048): seconds on an idle
-    # machine. With 240 (the model's own context of 256) all eight ended
-    # within 0.3 s, and under load the test reached SIGTERM after they had
-    # (the server then stops at once: /ready refused the connection).
+    # Streams of 2,000 tokens (a context of 4,096): seconds. The checks
+    # after SIGTERM need a stream still running, and on a loaded machine
+    # this thread (beside eight threads reading their streams) can be
+    # late by hundreds of ms: with 240 tokens (the model's own context of
+    # 256) every stream ended within 0.3 s, with 1,000 the last two ended
+    # 0.3 s after their start, and both times the drained server had exited
+    # before /ready was asked (the connection was refused).
     srv = serve(tiny, "--served-model-name", SERVED, "--max-running", 8, "--drain-timeout", 60,
-                "--ctx", 2048)
-    n_tokens = 1000
+                "--ctx", 4096)
+    n_tokens = 2000
     readers = start_streams(srv, 8, n_tokens, seed=1)
     try:
         for r in readers:
@@ -112,7 +115,12 @@ def test_sigterm_drains_running_streams(serve, tiny):
         # 0.5 s, far less than the streams have left.
         deadline = time.monotonic() + scaled(0.5)
         while True:
-            status, _, _ = srv.request("GET", "/ready", timeout=5)
+            try:
+                status, _, _ = srv.request("GET", "/ready", timeout=5)
+            except ConnectionRefusedError:
+                pytest.fail(f"the server had exited before /ready was asked: every stream of "
+                            f"{n_tokens} tokens ended first ({len(running)} were running at "
+                            f"SIGTERM): drain not exercised")
             if status == 503 or time.monotonic() > deadline:
                 break
             time.sleep(0.002)
