@@ -6,8 +6,8 @@ reason, then the connection closes) and the process still exits 0 promptly.
 
 A tiny random model keeps the run short; the streams are long (ignore_eos,
 2,000 tokens in the first test) so that they are still running when the
-signal arrives, and
-every stream is read by its own thread from the start, as real clients do.
+signal arrives, and every stream is read by its own thread from the start,
+as real clients do.
 """
 
 import random
