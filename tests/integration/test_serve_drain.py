@@ -10,6 +10,7 @@ signal arrives, and every stream is read by its own thread from the start,
 as real clients do.
 """
 
+import http.client
 import random
 import signal
 import threading
@@ -76,6 +77,10 @@ class StreamReader(threading.Thread):
                 f"last {self.events[-2:]!r}")
 
 
+def t_ms(t0):
+    return f"{(time.monotonic() - t0) * 1e3:.0f}"
+
+
 def stream_body(rng, max_tokens):
     return {"model": SERVED, "prompt": [rng.randrange(3, 512) for _ in range(8)],
             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
@@ -97,8 +102,12 @@ def test_sigterm_drains_running_streams(serve, tiny):
     # late by hundreds of ms: with 240 tokens (the model's own context of
     # 256) every stream ended within 0.3 s, with 1,000 the last two ended
     # 0.3 s after their start, and both times the drained server had exited
-    # before /ready was asked (the connection was refused).
-    srv = serve(tiny, "--served-model-name", SERVED, "--max-running", 8, "--drain-timeout", 60,
+    # before /ready was asked (the connection was refused). The drain
+    # timeout is long because the other end varies as much: in the
+    # sanitizer build the streams take minutes, and with 60 s they were cut
+    # at 1,233 tokens. What is checked is that they finish, not how fast.
+    drain = 900
+    srv = serve(tiny, "--served-model-name", SERVED, "--max-running", 8, "--drain-timeout", drain,
                 "--ctx", 4096)
     n_tokens = 2000
     readers = start_streams(srv, 8, n_tokens, seed=1)
@@ -117,10 +126,14 @@ def test_sigterm_drains_running_streams(serve, tiny):
         while True:
             try:
                 status, _, _ = srv.request("GET", "/ready", timeout=5)
-            except ConnectionRefusedError:
-                pytest.fail(f"the server had exited before /ready was asked: every stream of "
-                            f"{n_tokens} tokens ended first ({len(running)} were running at "
-                            f"SIGTERM): drain not exercised")
+            except (ConnectionError, http.client.HTTPException) as e:
+                # Refused: the server had exited. Closed unanswered: it was
+                # exiting, or it dropped a probe it should have answered
+                # with 503 (which streams still ran tells which).
+                alive = sum(r.is_alive() for r in readers)
+                pytest.fail(f"/ready {t_ms(t_sig)} ms after SIGTERM: {e!r}; server "
+                            f"{'running' if srv.proc.poll() is None else 'exited'}, {alive} of "
+                            f"{len(running)} streams of {n_tokens} tokens still open")
             if status == 503 or time.monotonic() > deadline:
                 break
             time.sleep(0.002)
@@ -135,17 +148,20 @@ def test_sigterm_drains_running_streams(serve, tiny):
                             f"({len(running)} were running at SIGTERM, /ready 503 after "
                             f"{t_ready * 1e3:.0f} ms): drain not exercised")
         for r in readers:
-            r.join(scaled(120))
-            assert not r.is_alive(), "a stream did not end"
+            r.join(max(0.0, t_sig + drain - time.monotonic()))
+            assert not r.is_alive(), f"a stream did not end within the drain timeout ({drain} s)"
         for i, r in enumerate(readers):
             assert r.error is None, f"stream {i}: {r.describe()}"
             assert r.finish_reasons() == ["length"], f"stream {i}: {r.describe()}"
             assert r.usage() and r.usage()["completion_tokens"] == n_tokens, f"stream {i}: {r.describe()}"
             assert not r.error_events(), f"stream {i}: {r.describe()}"
             assert r.events[-1] == "[DONE]", f"stream {i}: {r.describe()}"
-        rc = srv.proc.wait(timeout=scaled(60))
+        # Once the last stream has ended the process exits (its front ends
+        # get 2 s to write the last bytes).
+        t_streams = time.monotonic()
+        rc = srv.proc.wait(timeout=scaled(30))
         assert rc == 0, f"exit status {rc}\n{srv.log_tail()}"
-        assert time.monotonic() - t_sig < scaled(60)
+        assert time.monotonic() - t_streams < scaled(15)
     finally:
         for r in readers:
             r.join(0.1)

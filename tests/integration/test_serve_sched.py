@@ -349,15 +349,18 @@ def test_output_that_outgrows_the_pool(serve, tiny):
 
 def test_client_disconnect_mid_stream(serve, tiny):
     """Four streams dropped after their first tokens: they are cancelled,
-    nothing keeps running, every block is released."""
-    srv = serve(tiny, "--served-model-name", SERVED, "--max-running", 4)
+    nothing keeps running, every block is released. The streams are long
+    (4,000 tokens, a context of 4,096): with 240 all four had finished
+    before a loaded machine ran this thread again to drop them."""
+    n_tokens = 4000
+    srv = serve(tiny, "--served-model-name", SERVED, "--max-running", 4, "--ctx", 4096)
     rng = random.Random(8)
     before = srv.metrics()
     streams = []
     try:
         for _ in range(4):
             st = srv.open_stream("/v1/completions", {
-                "model": SERVED, "prompt": rand_prompt(rng, 10), "max_tokens": 240,
+                "model": SERVED, "prompt": rand_prompt(rng, 10), "max_tokens": n_tokens,
                 "ignore_eos": True, "temperature": 0, "stream": True})
             assert st.status == 200
             streams.append(st)
@@ -376,7 +379,7 @@ def test_client_disconnect_mid_stream(serve, tiny):
     lengths = (metric(m, "vllm:request_success_total", finished_reason="length")
                - metric(before, "vllm:request_success_total", finished_reason="length"))
     assert aborted + lengths == 4, (aborted, lengths)
-    assert aborted >= 1, (f"all four 240-token streams finished before their clients left "
+    assert aborted >= 1, (f"all four {n_tokens}-token streams finished before their clients left "
                           f"(idle {idle_after:.2f} s later): the test did not exercise a cancel")
     # And the server still serves.
     status, body = srv.post_json("/v1/completions", {
