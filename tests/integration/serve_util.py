@@ -61,6 +61,7 @@ API (kept small on purpose):
 Timeouts go through conftest.scaled() (TANDEM_TEST_TIMEOUT_SCALE).
 """
 
+import contextlib
 import http.client
 import json
 import os
@@ -234,6 +235,21 @@ class SSEStream:
 # The server
 
 
+def requests_received(port):
+    """How many connections to 127.0.0.1:port hold request bytes the server
+    has not read (accepted or still in the listen backlog): /proc/net/tcp."""
+    n = 0
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for ln in f:
+            fields = ln.split()
+            local, st, queues = fields[1], fields[3], fields[4]
+            if st == "01" and int(local.split(":")[1], 16) == port \
+                    and int(queues.split(":")[1], 16) > 0:
+                n += 1
+    return n
+
+
 class Server:
     def __init__(self):
         self.proc = None
@@ -344,6 +360,27 @@ class Server:
         if status != 200 or not isinstance(body, dict):
             pytest.fail(f"GET {path}: {status} {body!r}")
         return body
+
+    @contextlib.contextmanager
+    def held(self, n_requests, timeout=30, before_resume=None):
+        """Stops the process (SIGSTOP) for the body of the with statement,
+        which starts n_requests requests on other threads; on leaving it,
+        waits until all of them are in the server's sockets, calls
+        before_resume (if given: e.g. a thread whose requests must queue
+        behind them), then resumes it (SIGCONT), so they arrive together
+        however late the client threads ran on a loaded machine."""
+        self.proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+            deadline = time.monotonic() + scaled(timeout)
+            while requests_received(self.port) < n_requests and time.monotonic() < deadline:
+                time.sleep(0.01)
+            got = requests_received(self.port)
+            assert got >= n_requests, f"{got} of {n_requests} requests sent in {timeout} s"
+            if before_resume:
+                before_resume()
+        finally:
+            self.proc.send_signal(signal.SIGCONT)
 
     def blocks(self):
         m = self.metrics()

@@ -19,7 +19,6 @@ import ctypes
 import ctypes.util
 import functools
 import random
-import signal
 import threading
 import time
 
@@ -233,21 +232,6 @@ def test_kv_exhaustion_preempts_and_recovers(serve, tiny, solo_refs):
     assert ld["kv_used"] == 0 and ld["kv_reserved"] == 0, ld
 
 
-def requests_received(port):
-    """How many connections to 127.0.0.1:port hold request bytes the server
-    has not read (accepted or still in the listen backlog): /proc/net/tcp."""
-    n = 0
-    with open("/proc/net/tcp") as f:
-        next(f)
-        for ln in f:
-            fields = ln.split()
-            local, st, queues = fields[1], fields[3], fields[4]
-            if st == "01" and int(local.split(":")[1], 16) == port \
-                    and int(queues.split(":")[1], 16) > 0:
-                n += 1
-    return n
-
-
 def test_waiting_requests_all_finish(serve, tiny, solo_refs):
     """10 requests, --max-running 2: eight wait, none is lost or changed.
     The server is stopped (SIGSTOP) until all ten have been sent, so that
@@ -268,16 +252,9 @@ def test_waiting_requests_all_finish(serve, tiny, solo_refs):
     t = threading.Thread(target=poll)
     try:
         with cf.ThreadPoolExecutor(1) as ex:
-            srv.proc.send_signal(signal.SIGSTOP)
-            try:
+            # the poller's first sample waits for the server too
+            with srv.held(len(specs), before_resume=t.start):
                 fut = ex.submit(run_concurrently, srv, specs)
-                deadline = time.monotonic() + scaled(30)
-                while requests_received(srv.port) < len(specs) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                assert requests_received(srv.port) >= len(specs), "the requests were not all sent"
-                t.start()  # its first sample waits for the server too
-            finally:
-                srv.proc.send_signal(signal.SIGCONT)
             got = fut.result()
     finally:
         stop.set()
