@@ -386,7 +386,13 @@ int main(int argc, char **argv) {
            td_http_server_port(http), grpc_addr);
     fflush(stdout);
 
-    int sig = sigwaitinfo(&sigs, NULL);
+    /* sigwaitinfo fails with EINTR when the process is stopped and
+     * continued (SIGSTOP or a debugger, then SIGCONT: signal(7)); that is
+     * no request to stop, so wait again. */
+    int sig;
+    do {
+        sig = sigwaitinfo(&sigs, NULL);
+    } while (sig < 0 && errno == EINTR);
     TD_LOG_INFO("%s: draining (timeout %.1f s)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
                 a.drain_timeout);
     td_router_drain(router);

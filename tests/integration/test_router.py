@@ -194,6 +194,26 @@ def test_paused_decode_instance_is_waited_for(model, cluster):
     c.wait_idle()
 
 
+def test_stopped_and_continued_router_keeps_serving(model, cluster):
+    """A router stopped and continued (SIGSTOP then SIGCONT: a debugger,
+    `docker pause`, job control) goes on serving: its wait for SIGTERM
+    returns EINTR on SIGCONT (signal(7)), which it took for a signal to
+    stop, and it drained and exited."""
+    c = cluster(model, n_prefill=1, n_decode=1)
+    rng = random.Random(19)
+    body = {"prompt": tokens(12, rng), "max_tokens": 2, "temperature": 0}
+    for _ in range(2):
+        os.kill(c.router.proc.pid, signal.SIGSTOP)
+        time.sleep(0.1)
+        os.kill(c.router.proc.pid, signal.SIGCONT)
+        status, out = c.router.post_json("/v1/completions", body, None, 30)
+        assert status == 200, (status, out)
+        assert c.router.proc.poll() is None, "the router exited after SIGCONT"
+    status, _, _ = c.router.request("GET", "/ready")
+    assert status == 200
+    c.wait_idle()
+
+
 @pytest.mark.parametrize("victim", ["decode", "prefill"])
 def test_killed_instance_is_routed_around(model, cluster, victim):
     # a short transfer deadline: the decode instance fences the dead prefill
