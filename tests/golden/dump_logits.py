@@ -16,7 +16,7 @@ test_parallel*.py), with the same kinds of inputs:
   plans/      TP, PP, CP (allgather and ring), TP x PP x CP, MoE EP and
               attention-DP, on dense and MoE models
   default/    the default model (when --default-model is given): one chunk,
-              decode steps, a batch, TP 2, PP 2, CP 2
+              decode steps, a batch, TP 3, PP 2, CP 2
 Inputs are seeded, so both builds see the same tokens. Each case writes
 OUT/<case>.bin (float32 logits as `tandem eval` writes them) and one line in
 OUT/index.json: {case: {"argv": [...], "sha256": ..., "floats": N}}; a case
@@ -108,7 +108,7 @@ def cases(models_dir, default_model):
         rng_lens = (12, 30)
         for tag, extra in (("whole", ["--chunk", "64"]), ("chunk1", ["--chunk", "1"]),
                            ("batch8", ["--chunk", "8", "--batch"]),
-                           ("tp2", ["--tp", "2", "--chunk", "64"]),
+                           ("tp3", ["--tp", "3", "--chunk", "64"]),  # 3 KV heads
                            ("pp2", ["--pp", "2", "--chunk", "8", "--batch"]),
                            ("cp2", ["--cp", "2", "--cp-min-tokens", "8", "--chunk", "64"])):
             out.append((f"default/{tag}", d, seqs(vocab, rng_lens, 15), extra))
