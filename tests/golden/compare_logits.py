@@ -22,7 +22,7 @@ def main():
     old_dir, new_dir = (pathlib.Path(p) for p in sys.argv[1:])
     old = json.loads((old_dir / "index.json").read_text())
     new = json.loads((new_dir / "index.json").read_text())
-    bad = []
+    bad, same = [], 0
     for name in sorted(set(old) | set(new)):
         if name not in old or name not in new:
             bad.append(f"{name}: only in {'new' if name in new else 'old'}")
@@ -32,8 +32,11 @@ def main():
             if o.get("exit") != n.get("exit"):
                 bad.append(f"{name}: old {o.get('exit', 'ran')} ({o.get('error', '')}), "
                            f"new {n.get('exit', 'ran')} ({n.get('error', '')})")
+            else:
+                same += 1
             continue
         if o["sha256"] == n["sha256"]:
+            same += 1
             continue
         a = np.fromfile(old_dir / (name + ".bin"), dtype="<f4")
         b = np.fromfile(new_dir / (name + ".bin"), dtype="<f4")
@@ -44,7 +47,6 @@ def main():
         d = np.abs(a.astype(np.float64) - b.astype(np.float64))
         bad.append(f"{name}: {diff.size} of {a.size} floats differ, first at {diff[0]} "
                    f"({a[diff[0]]!r} vs {b[diff[0]]!r}), max |diff| {np.nanmax(d):.3g}")
-    same = len(set(old) & set(new)) - sum(1 for b in bad if "only in" not in b)
     print(f"compare_logits: {same} of {len(set(old) | set(new))} cases bit-identical")
     for b in bad:
         print("  DIFFERS " + b)

@@ -54,14 +54,14 @@ def cases(models_dir, default_model):
     """(name, model path, sequences, extra argv) for every case."""
     man = json.loads((models_dir / "models.json").read_text())
     dense = {e["name"]: e for e in man["models"]}
-    moe = {e["name"]: e for e in man.get("moe_models", [])}
+    every = {**dense, **{e["name"]: e for e in man.get("moe_models", [])}}
     out = []
 
     def add(group, name, entry, lens, seed, extra):
         out.append((f"{group}/{name}", models_dir / entry["path"],
                     seqs(vocab_of(entry), lens, seed), list(extra)))
 
-    for name, e in sorted({**dense, **moe}.items()):
+    for name, e in sorted(every.items()):
         add("numerics", name, e, (1, 7, 33), 11, ["--chunk", "64"])
     for wtype in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "mixed"):
         e = dense[f"llama3-{wtype}-gguf"]
@@ -70,7 +70,7 @@ def cases(models_dir, default_model):
 
     for name in ("llama2-q8_0-gguf", "llama3-f32-gguf", "qwen2-q4_1-gguf", "mistral-mixed-gguf",
                  "tinyllama-bf16-hf-sharded", "mixtral-q8_0-gguf"):
-        e = {**dense, **moe}[name]
+        e = every[name]
         for mode, extra in (("chunk1", ["--chunk", "1"]), ("chunk5", ["--chunk", "5"]),
                             ("whole", ["--chunk", "64"]),
                             ("batch5", ["--chunk", "5", "--batch"]),
@@ -97,7 +97,7 @@ def cases(models_dir, default_model):
         ("mixtral-f32-gguf", "tp2-cp2", ["--tp", "2", "--cp", "2", "--cp-min-tokens", "1"]),
     ]
     for name, tag, plan in plans:
-        e = {**dense, **moe}[name]
+        e = every[name]
         for mode, extra in (("prefill", ["--chunk", "64"]), ("decode", ["--chunk", "1"]),
                             ("batch", ["--chunk", "5", "--batch"])):
             add("plans", f"{name}.{tag}.{mode}", e, (40, 40, 40), 14, plan + extra)
@@ -144,15 +144,15 @@ def main():
     ap.add_argument("--list", action="store_true", help="print the case names and exit")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per case")
     a = ap.parse_args()
-    todo = [c for c in cases(a.models, a.default_model)
-            if not a.only or re.search(a.only, c[0])]
+    selected = [c for c in cases(a.models, a.default_model)
+                if not a.only or re.search(a.only, c[0])]
     if a.list:
-        print("\n".join(c[0] for c in todo))
+        print("\n".join(c[0] for c in selected))
         return 0
     if not a.out:
         ap.error("--out is required")
     index = {}
-    for name, model, sequences, extra in todo:
+    for name, model, sequences, extra in selected:
         path = a.out / (name + ".bin")
         path.parent.mkdir(parents=True, exist_ok=True)
         index[name] = run_case(a.tandem, model, sequences, extra, path, a.timeout)

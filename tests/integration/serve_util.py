@@ -372,11 +372,9 @@ class Server:
         self.proc.send_signal(signal.SIGSTOP)
         try:
             yield
-            deadline = time.monotonic() + scaled(timeout)
-            while requests_received(self.port) < n_requests and time.monotonic() < deadline:
-                time.sleep(0.01)
-            got = requests_received(self.port)
-            assert got >= n_requests, f"{got} of {n_requests} requests sent in {timeout} s"
+            wait_until(lambda: requests_received(self.port) >= n_requests, timeout=timeout,
+                       interval=0.01, what=f"{n_requests} requests in the server's sockets",
+                       proc=self.proc)
             if before_resume:
                 before_resume()
         finally:
