@@ -302,7 +302,7 @@ int td_cmd_bench_engine(int argc, char **argv) {
     double params = count_params(b.rt->cfg);
     size_t wbytes = td_exec_weight_bytes(b.rt->exec); /* the whole model's, over the ranks */
     int nth = b.rt->n_threads;
-    const char *isa_name = td_cpu_isa_name(b.rt->isa);
+    const char *isa_name = td_backend_isa_name(b.rt->isa);
     if (json) {
         json_t *o = json_object(), *tests = json_array();
         json_object_set_new(o, "model", json_string(path));

@@ -215,7 +215,7 @@ int td_cmd_eval(int argc, char **argv) {
     rp.max_batch_tokens = 512;
     rp.plan = &plan;
     if (td_runtime_open(&rp, &rt)) goto done; /* the cause is logged where it is known */
-    fprintf(stderr, "isa: %s\n", td_cpu_isa_name(rt->isa));
+    fprintf(stderr, "isa: %s\n", td_backend_isa_name(rt->isa));
     const size_t V = (size_t)rt->cfg->n_vocab;
     int32_t cap = (int32_t)TD_MAX(1, TD_MIN(512, EVAL_LOGIT_FLOATS / V));
     for (int32_t i = 0; i < n_seqs; i++) {

@@ -85,17 +85,17 @@ int32_t td_runtime_blocks_for(const td_runtime *rt, int32_t n_tokens) {
 }
 
 static td_status select_isa(const td_runtime_params *p, td_isa *isa_p) {
-    td_isa isa = td_cpu_isa_best();
+    td_isa isa = td_backend_isa_best();
     if (p->isa_name) {
-        int i = td_cpu_isa_parse(p->isa_name);
+        int i = td_backend_isa_parse(p->isa_name);
         if (i < 0) {
             TD_LOG_ERROR("unknown ISA '%s' (scalar, avx2, avx512)", p->isa_name);
             return TD_ERR_INVALID;
         }
         isa = (td_isa)i;
     }
-    if (!td_cpu_select(isa)) {
-        TD_LOG_ERROR("this CPU cannot run the %s kernels", td_cpu_isa_name(isa));
+    if (!td_backend_isa_select(isa)) {
+        TD_LOG_ERROR("this CPU cannot run the %s kernels", td_backend_isa_name(isa));
         return TD_ERR_UNSUPPORTED;
     }
     *isa_p = isa;
@@ -113,7 +113,7 @@ td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p) {
     }
     td_status st;
     if ((st = select_isa(p, &rt->isa))) goto fail;
-    if (!p->quiet) fprintf(stderr, "isa: %s\n", td_cpu_isa_name(rt->isa));
+    if (!p->quiet) fprintf(stderr, "isa: %s\n", td_backend_isa_name(rt->isa));
     td_exec_params xp = td_exec_default_params();
     xp.model_path = p->model_path ? p->model_path : td_default_model_path();
     if (p->plan) xp.plan = *p->plan;

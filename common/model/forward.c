@@ -1,82 +1,78 @@
 /* The forward pass over a batch of sequence chunks.
  *
  * All tokens of all chunks are rows of one activation matrix, so every
- * weight matrix is streamed once per call. Each step is per token row (norm,
- * bias, RoPE, KV write, SwiGLU), per (row, output row) dot product (matmul,
- * shared out in tiles of output rows), or per (token, head)
- * (attention, reading K/V back from the paged cache). None of them splits a
- * reduction across threads or depends on which other rows are present, so
- * a row's values are the same whatever the batch, chunking or thread count:
- * that is the invariance contract of forward.h. Rows are handed to threads
- * only to share work; small row counts run on the calling thread, which
- * computes exactly the same values. MoE layers keep the contract: routing
- * is per row, grouping tokens by expert only decides which rows share an
- * expert's matmul call (never a row's value), and each row adds its
- * experts' outputs in its own selection order.
- *
- * Activations stay f32 for every matmul: quantized weights are dequantized
- * on the fly (td_cpu_matmul_f32act), so the only error against a float64
- * forward pass on the dequantized weights is f32 rounding. Quantizing the
- * activations to 8 bits as well (llama.cpp's scheme) flipped the greedy
- * answer of the default Q4_1 model on a 0.08-logit margin. */
+ * weight matrix is streamed once per call. This file holds the layer loop,
+ * the parallel plan (TP, PP, CP, EP, attention-DP) and the comm calls; it
+ * computes only through the backend's ops table (common/backend/backend.h)
+ * on backend buffers, and reads nothing back from them until the step's
+ * results (logits, hidden states for the next stage, per-expert counts)
+ * come back through explicit copies at its end. Whose rows are computed
+ * where, and in which grouping, is decided here on the host from the batch
+ * alone; the backend's ops keep every row's value independent of the other
+ * rows (the invariance contract of forward.h). The one read of backend
+ * memory inside a step left is expert parallelism's per-expert counts,
+ * which size its all-to-all (copied once per MoE layer, explicitly). */
 #include "forward.h"
 
 #include <math.h>
-#include <stdatomic.h>
 #include <string.h>
 
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 
+#include "../backend/backend.h"
 #include "../parallel/plan.h"
-#include "kernels/cpu/attn-cp.h"
-#include "kernels/cpu/qmatmul.h"
 
-#define N_MM         3  /* most weights sharing one input in a matmul step */
-#define ROW_TILE     16 /* matmul output rows are split between threads in tiles */
-#define ROW_TILE_FEW 64 /* the same for fewer than MIN_PAR_ROWS token rows (decode) */
-#define MIN_PAR_ROWS 4  /* fewer token rows than this: elementwise steps run inline */
-#define ROW_CHUNK    4  /* token rows claimed at a time by elementwise steps */
+#define N_MM TD_BACKEND_MAX_MM /* most weights sharing one input in a matmul step */
 /* Vocab-parallel head: most logits all-gathered at a time (bounds its scratch). */
 #define HEAD_GATHER_FLOATS (1 << 21)
+/* Head of one rank: most logits computed before they are copied out. */
+#define HEAD_OUT_FLOATS (1 << 21)
 
 struct td_engine {
     const td_model *m;
     td_kv_pool *kv;
-    td_threadpool *tp;
     td_comm *comm;
     td_engine_params p;
-    int nth;
+    td_backend *be;
+    bool own_be; /* created here (p.backend was NULL) */
     int n_embd, head_dim, n_rot, nh, nkv, q_dim, kv_dim, n_ff;
     int32_t n_vocab;
     float eps, attn_scale;
-    td_rope_mode rope_mode;
-    const float *inv_freq;
+    td_backend_rope rope;
 
-    /* scratch, T = max_batch_tokens */
-    float *x;     /* (T, n_embd) residual stream */
-    float *xn;    /* (T, n_embd) normed rows */
-    float *q;     /* (T, q_dim) */
-    float *k, *v; /* (T, kv_dim) */
-    float *att;   /* (T, q_dim) attention output */
-    float *o;     /* (T, n_embd) wo / w_down output */
-    float *g, *u; /* (T, n_ff) local MLP width (the shared expert's for MoE) */
+    /* backend scratch, T = max_batch_tokens */
+    td_bbuf *x;     /* (T, n_embd) residual stream */
+    td_bbuf *xn;    /* (T, n_embd) normed rows */
+    td_bbuf *q;     /* (T, q_dim) */
+    td_bbuf *k, *v; /* (T, kv_dim) */
+    td_bbuf *att;   /* (T, q_dim) attention output */
+    td_bbuf *o;     /* (T, n_embd) wo / w_down output */
+    td_bbuf *g, *u; /* (T, n_ff) local MLP width (the shared expert's for MoE) */
+    td_bbuf *lg;    /* (head_out_rows, n_vocab) logits before they are copied out */
+    int32_t head_out_rows;
+    /* the KV pool's storage, wrapped (rewrapped when the pool's storage moves) */
+    td_bbuf *kvb;
+    void *kv_base;
     /* MoE scratch (n_expert > 0), K = n_expert_used */
     int n_expert, n_used, n_ff_exp;
     bool norm_topk;
-    float *rl;           /* (T, n_expert) router logits */
-    int32_t *sel_id;     /* (T, K) chosen experts, by descending probability */
-    float *sel_w;        /* (T, K) their weights */
-    int32_t *sel_slot;   /* (T, K) grouped slot holding each choice */
-    int32_t *slot_row;   /* (T * K) token row of each slot, slots grouped by expert */
-    int32_t *exp_off;    /* (n_expert + 1) first slot of each expert */
-    float *xg;           /* (T * K, n_embd) token rows gathered per expert */
-    float *gg, *ug;      /* (T * K, n_ff_exp) local expert width */
-    float *yg;           /* (T * K, n_embd) expert outputs */
-    float *attn_scratch; /* (nth, max_ctx) */
-    int32_t *tok_seq;    /* (T) sequence of each row */
-    int32_t *tok_pos;    /* (T) position of each row */
-    int32_t *logit_tok;  /* (T) row feeding each logit row */
+    td_bbuf *rl;             /* (T, n_expert) router logits */
+    td_bbuf *sel_id;         /* int32 (T, K) chosen experts, by descending probability */
+    td_bbuf *sel_w;          /* (T, K) their weights */
+    td_bbuf *sel_slot;       /* int32 (T, K) grouped slot holding each choice */
+    td_bbuf *slot_row;       /* int32 (T * K) token row of each slot, slots grouped by expert */
+    td_bbuf *exp_off;        /* int32 (n_expert + 1) first slot of each expert */
+    td_bbuf *xg;             /* (T * K, n_embd) token rows gathered per expert */
+    td_bbuf *gg, *ug;        /* (T * K, n_ff_exp) local expert width */
+    td_bbuf *yg;             /* (T * K, n_embd) expert outputs */
+    td_bbuf *load_cnt;       /* int32 (local layers, n_expert) choices per expert of the step */
+    int32_t *load_h;         /* host (local layers, n_expert): load_cnt copied at the step's end */
+    int32_t *tok_seq;        /* (T) sequence of each row */
+    int32_t *tok_pos;        /* (T) position of each row */
+    int32_t *tok_id;         /* (T) token id of each row */
+    int32_t *logit_tok;      /* (T) row feeding each logit row */
+    const int32_t **seq_tab; /* (S) block table of each sequence */
     /* Expert parallelism (ep_comm of size > 1) and per-expert load. The rows
      * of the batch are split between the ranks of the row group (the TP
      * group, or the EP group itself when TP is 1), which all hold the same
@@ -88,20 +84,21 @@ struct td_engine {
     int rg_rank, rg_size, ep_base; /* ep_base: row-group rank of EP rank 0 of this group */
     bool ep_sum;                   /* the FFN partials are summed over ep_comm (TP is 1) */
     bool ep_dp;                    /* attention-DP: own sequences, own rows, no row split */
-    int32_t *ep_cnt;               /* (rg_size, n_expert) choices per expert of each rank's rows */
+    td_bbuf *ep_cnt;               /* int32 (rg_size, n_expert) choices of each rank's rows */
+    int32_t *ep_cnt_h;             /* host copy of ep_cnt (sizes the all-to-all) */
     size_t *a2a;                   /* (4, ep_size) send bytes, displs, recv bytes, displs */
-    int32_t *ep_eoff;              /* (n_exp_loc + 1) first received row of each local expert */
-    int64_t *load_cur, *load_last; /* (local layers, n_expert) choices per expert */
+    int32_t *ep_eoff;              /* host (n_exp_loc + 1) first received row of each expert */
+    td_bbuf *ep_eoff_b;            /* the same in backend memory */
+    int64_t *load_cur, *load_last; /* host (local layers, n_expert) choices per expert */
     const td_seq_chunk *seqs;
     int32_t n_tok;
-    _Atomic int64_t work_next; /* next unclaimed work item of the running step */
     /* vocab-parallel embedding and head (model tp_size > 1): rows of other
      * ranks' tokens are zeros, summed over comm; logits all-gathered */
     int vocab_tp;                   /* ranks sharing the vocabulary (the model's tp_size) */
     int32_t vocab_begin, vocab_end; /* this rank's tokens */
     int32_t vocab_per_rank;         /* ceil(n_vocab / vocab_tp): every rank's block width */
     int32_t head_rows;              /* logit rows per all-gather */
-    float *head_buf;                /* (vocab_tp, head_rows, vocab_per_rank) or NULL (tp 1) */
+    td_bbuf *head_buf;              /* (vocab_tp, head_rows, vocab_per_rank) or NULL (tp 1) */
     /* per-rank compute / communication time of the last call (td_engine_last_timing) */
     td_engine_timing timing;
     uint64_t comm_ns; /* time inside comm calls during the running call */
@@ -126,12 +123,17 @@ struct td_engine {
     int32_t *cp_lsrc;                /* (T) CP rank computing each logit row (rank 0 only) */
     int32_t *cp_send_row;            /* (T) local rows of this rank's logit rows rank 0 needs */
     int32_t cp_k[TD_COMM_MAX_RANKS]; /* logit rows each rank sends to rank 0 */
-    float *cp_part; /* (cp_n, T, nh, head_dim + 2) DCP partials: out, max, exp-sum */
-    float *cp_kv;   /* allgather: (cp_n, 2, B, blk) K then V of each rank; ring: two
-                     * (2, B, blk) chunk buffers */
-    float *cp_ms;   /* (T, nh, 2) ring: running max and exp-sum of each query */
-    float *cp_tmp;  /* (nth, head_dim) one partial's output per thread */
+    td_bbuf *cp_part; /* (cp_n, T, nh, head_dim + 2) DCP partials: out, max, exp-sum */
+    td_bbuf *cp_kv;   /* allgather: (cp_n, 2, B, blk) K then V of each rank; ring: two
+                       * (2, B, blk) chunk buffers */
+    td_bbuf *cp_ms;   /* (T, nh, 2) ring: running max and exp-sum of each query */
 };
+
+#define BV(b)       td_bview_of(b)
+#define BF(b, n)    td_bview_f32(td_bview_of(b), (size_t)(n))
+#define BI(b, n)    td_bview_bytes(td_bview_of(b), (size_t)(n) * sizeof(int32_t))
+#define BE(e)       ((e)->be)
+#define OP(e, name) (e)->be->i->name
 
 /* Every td_comm_* call of the forward pass goes through ENGINE_COMM, which
  * charges its wall time (waiting for peers included) to comm_s of
@@ -142,16 +144,20 @@ struct td_engine {
  *                         td_comm_all_reduce_sum(e->comm, buf, n))))
  *       return st;
  * The comma operator times exactly the call: the clock starts before it is
- * evaluated and stops after. */
+ * evaluated and stops after. The call reaches backend memory through
+ * CPTR(e, view), between the backend's comm_begin and comm_end. */
 #define ENGINE_COMM(e, comm, bytes, call)                                                          \
     (engine_comm_start((e), (comm)), engine_comm_stop((e), (bytes), (call)))
+#define CPTR(e, view) OP(e, comm_ptr)((e)->be, (view))
 
 static void engine_comm_start(td_engine *e, const td_comm *comm) {
     e->comm_timed = comm && td_comm_size(comm) > 1;
     if (e->comm_timed) e->comm_t0 = td_time_ns();
+    OP(e, comm_begin)(e->be);
 }
 
 static td_status engine_comm_stop(td_engine *e, size_t bytes, td_status st) {
+    OP(e, comm_end)(e->be);
     if (e->comm_timed) {
         e->comm_ns += td_time_ns() - e->comm_t0;
         e->timing.comm_calls++;
@@ -162,9 +168,24 @@ static td_status engine_comm_stop(td_engine *e, size_t bytes, td_status st) {
 }
 
 td_engine_params td_engine_default_params(void) {
-    td_engine_params p = {
-        .max_batch_tokens = 2048, .max_seqs = 256, .max_ctx = 0, .cp_min_tokens = 256};
+    td_engine_params p = {.max_batch_tokens = 2048,
+                          .max_seqs = 256,
+                          .max_ctx = 0,
+                          .cp_min_tokens = 256,
+                          .backend_kind = (int)td_backend_kind_from_env()};
     return p;
+}
+
+/* Backend scratch of n elements of elem bytes (zero-filled). */
+static td_bbuf *balloc(td_engine *e, size_t n, size_t elem, bool *fail) {
+    size_t bytes;
+    if (td_mul_overflow(n, elem, &bytes)) {
+        *fail = true;
+        return NULL;
+    }
+    td_bbuf *b = td_backend_alloc(e->be, bytes);
+    if (!b) *fail = true;
+    return b;
 }
 
 static void *scratch_alloc(size_t n, size_t elem, bool *fail) {
@@ -190,9 +211,9 @@ static td_status cp_check(const td_engine_params *ep, const td_model_config *c) 
         TD_LOG_ERROR("context-parallel minimum chunk of %d tokens (at least 1)", ep->cp_min_tokens);
         return TD_ERR_INVALID;
     }
-    if (c->head_dim > TD_CPU_ATTN_MERGE_MAX_HEAD_DIM) {
+    if (c->head_dim > TD_BACKEND_CP_MAX_HEAD_DIM) {
         TD_LOG_ERROR("head size %d too large for context parallelism (at most %d)", c->head_dim,
-                     TD_CPU_ATTN_MERGE_MAX_HEAD_DIM);
+                     TD_BACKEND_CP_MAX_HEAD_DIM);
         return TD_ERR_UNSUPPORTED;
     }
     return TD_OK;
@@ -221,14 +242,10 @@ static void cp_alloc(td_engine *e, const td_kv_params *kp, bool *fail) {
     e->cp_dcp_row = scratch_alloc(T, sizeof(int32_t), fail);
     e->cp_lsrc = scratch_alloc(T, sizeof(int32_t), fail);
     e->cp_send_row = scratch_alloc(T, sizeof(int32_t), fail);
-    e->cp_part = scratch_alloc(C * T, nhd * sizeof(float), fail);
-    e->cp_kv =
-        scratch_alloc((e->p.cp_mode == TD_CP_RING ? 2 : C) * 2 * B, blk * sizeof(float), fail);
-    e->cp_ms = scratch_alloc(T * (size_t)e->nh * 2, sizeof(float), fail);
-    e->cp_tmp = scratch_alloc((size_t)e->nth * (size_t)e->head_dim, sizeof(float), fail);
-    /* allgather pads each rank's blocks: no uninitialised bytes go to the comm */
-    if (e->cp_kv)
-        memset(e->cp_kv, 0, (e->p.cp_mode == TD_CP_RING ? 2 : C) * 2 * B * blk * sizeof(float));
+    e->cp_part = balloc(e, C * T, nhd * sizeof(float), fail);
+    /* zero-filled: allgather pads each rank's blocks, no uninitialised bytes go to the comm */
+    e->cp_kv = balloc(e, (e->p.cp_mode == TD_CP_RING ? 2 : C) * 2 * B, blk * sizeof(float), fail);
+    e->cp_ms = balloc(e, T * (size_t)e->nh * 2, sizeof(float), fail);
 }
 
 static void cp_free(td_engine *e) {
@@ -240,43 +257,31 @@ static void cp_free(td_engine *e) {
     free(e->cp_dcp_row);
     free(e->cp_lsrc);
     free(e->cp_send_row);
-    free(e->cp_part);
-    free(e->cp_kv);
-    free(e->cp_ms);
-    free(e->cp_tmp);
+    td_backend_free(e->be, e->cp_part);
+    td_backend_free(e->be, e->cp_kv);
+    td_backend_free(e->be, e->cp_ms);
 }
 
 static void engine_free_scratch(td_engine *e) {
+    if (!e->be) return;
     cp_free(e);
-    free(e->x);
-    free(e->xn);
-    free(e->q);
-    free(e->k);
-    free(e->v);
-    free(e->att);
-    free(e->o);
-    free(e->g);
-    free(e->u);
-    free(e->attn_scratch);
+    td_bbuf *bufs[] = {
+        e->x,  e->xn,  e->q,  e->k,        e->v,      e->att,       e->o,        e->g,       e->u,
+        e->lg, e->kvb, e->rl, e->sel_id,   e->sel_w,  e->sel_slot,  e->slot_row, e->exp_off, e->xg,
+        e->gg, e->ug,  e->yg, e->load_cnt, e->ep_cnt, e->ep_eoff_b, e->head_buf};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) td_backend_free(e->be, bufs[i]);
     free(e->tok_seq);
     free(e->tok_pos);
+    free(e->tok_id);
     free(e->logit_tok);
-    free(e->rl);
-    free(e->sel_id);
-    free(e->sel_w);
-    free(e->sel_slot);
-    free(e->slot_row);
-    free(e->exp_off);
-    free(e->xg);
-    free(e->gg);
-    free(e->ug);
-    free(e->yg);
-    free(e->ep_cnt);
+    free(e->seq_tab);
+    free(e->load_h);
+    free(e->ep_cnt_h);
     free(e->a2a);
     free(e->ep_eoff);
     free(e->load_cur);
     free(e->load_last);
-    free(e->head_buf);
+    if (e->own_be) td_backend_destroy(e->be);
 }
 
 /* Expert parallelism: the EP group must be the one the model shard was
@@ -366,6 +371,39 @@ static bool seq_mine(const td_engine *e, const td_seq_chunk *s) {
     return !e->ep_dp || seq_owner(e, s) == e->ep_rank;
 }
 
+/* The backend must run every op this shard needs, for its weight types:
+ * refused here, at start-up, never in the middle of a step. */
+static bool backend_has(const td_engine *e, td_op op, const td_weight *w) {
+    return !w || w->rows == 0 || OP(e, supports)(e->be, op, w->type);
+}
+
+static td_status backend_check_model(const td_engine *e) {
+    const td_model *m = e->m;
+    bool ok = backend_has(e, TD_OP_EMBED, td_model_tok_embd(m)) &&
+              backend_has(e, TD_OP_MATMUL, td_model_output(m)) &&
+              OP(e, supports)(e->be, TD_OP_ATTN, TD_TYPE_F32) &&
+              (!e->p.cp_comm || td_comm_size(e->p.cp_comm) == 1 ||
+               OP(e, supports)(e->be, TD_OP_ATTN_CP, TD_TYPE_F32)) &&
+              (e->n_expert == 0 || OP(e, supports)(e->be, TD_OP_MOE, TD_TYPE_F32));
+    for (int l = td_model_layer_begin(m); ok && l < td_model_layer_end(m); l++) {
+        const td_layer_weights *lw = td_model_layer(m, l);
+        const td_weight *ws[] = {&lw->wq,         &lw->wk,       &lw->wv,        &lw->wo,
+                                 &lw->w_gate,     &lw->w_up,     &lw->w_down,    &lw->router,
+                                 &lw->shexp_gate, &lw->shexp_up, &lw->shexp_down};
+        for (size_t i = 0; ok && i < sizeof ws / sizeof ws[0]; i++)
+            ok = backend_has(e, TD_OP_MATMUL, ws[i]);
+        for (int32_t x = 0; ok && x < lw->n_experts_local; x++)
+            ok = backend_has(e, TD_OP_MATMUL, &lw->experts[x].gate) &&
+                 backend_has(e, TD_OP_MATMUL, &lw->experts[x].up) &&
+                 backend_has(e, TD_OP_MATMUL, &lw->experts[x].down);
+    }
+    if (!ok)
+        TD_LOG_ERROR("the %s backend cannot run this model shard (a weight type or an op of "
+                     "its plan is not supported)",
+                     e->be->i->name);
+    return ok ? TD_OK : TD_ERR_UNSUPPORTED;
+}
+
 td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp, td_comm *comm,
                            const td_engine_params *p, td_engine **e_p) {
     if (!m || !kv || !comm || !e_p) return TD_ERR_INVALID;
@@ -410,10 +448,17 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
     }
     e->m = m;
     e->kv = kv;
-    e->tp = tp;
     e->comm = comm;
     e->p = ep;
-    e->nth = tp ? td_threadpool_size(tp) : 1;
+    if (ep.backend) {
+        e->be = ep.backend;
+    } else {
+        if ((st = td_backend_create((td_backend_kind)ep.backend_kind, tp, &e->be))) {
+            free(e);
+            return st;
+        }
+        e->own_be = true;
+    }
     e->n_embd = c->n_embd;
     e->head_dim = c->head_dim;
     e->n_rot = c->n_rot;
@@ -437,54 +482,73 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
     e->vocab_per_rank = (int32_t)(((int64_t)c->n_vocab + e->vocab_tp - 1) / e->vocab_tp);
     e->eps = c->rms_eps;
     e->attn_scale = (float)(1.0 / sqrt((double)c->head_dim));
-    e->rope_mode = c->rope_mode;
-    e->inv_freq = td_model_rope_inv_freq(m);
+    e->rope = (td_backend_rope){.n_heads = e->nh,
+                                .n_kv_heads = e->nkv,
+                                .head_dim = e->head_dim,
+                                .n_rot = e->n_rot,
+                                .mode = c->rope_mode,
+                                .inv_freq = td_model_rope_inv_freq(m)};
+    if ((st = backend_check_model(e)) || (st = OP(e, upload_model)(e->be, m)) ||
+        (st = OP(e, reserve)(e->be, ep.max_ctx, c->head_dim))) {
+        engine_free_scratch(e);
+        free(e);
+        return st;
+    }
 
-    size_t T = (size_t)ep.max_batch_tokens;
+    size_t T = (size_t)ep.max_batch_tokens, S = (size_t)ep.max_seqs;
     bool fail = false;
-    e->x = scratch_alloc(T * (size_t)e->n_embd, sizeof(float), &fail);
-    e->xn = scratch_alloc(T * (size_t)e->n_embd, sizeof(float), &fail);
-    e->o = scratch_alloc(T * (size_t)e->n_embd, sizeof(float), &fail);
-    e->q = scratch_alloc(T * (size_t)e->q_dim, sizeof(float), &fail);
-    e->att = scratch_alloc(T * (size_t)e->q_dim, sizeof(float), &fail);
-    e->k = scratch_alloc(T * (size_t)e->kv_dim, sizeof(float), &fail);
-    e->v = scratch_alloc(T * (size_t)e->kv_dim, sizeof(float), &fail);
-    e->g = scratch_alloc(T * (size_t)e->n_ff, sizeof(float), &fail);
-    e->u = scratch_alloc(T * (size_t)e->n_ff, sizeof(float), &fail);
-    e->attn_scratch = scratch_alloc((size_t)e->nth * (size_t)ep.max_ctx, sizeof(float), &fail);
+    e->x = balloc(e, T * (size_t)e->n_embd, sizeof(float), &fail);
+    e->xn = balloc(e, T * (size_t)e->n_embd, sizeof(float), &fail);
+    e->o = balloc(e, T * (size_t)e->n_embd, sizeof(float), &fail);
+    e->q = balloc(e, T * (size_t)e->q_dim, sizeof(float), &fail);
+    e->att = balloc(e, T * (size_t)e->q_dim, sizeof(float), &fail);
+    e->k = balloc(e, T * (size_t)e->kv_dim, sizeof(float), &fail);
+    e->v = balloc(e, T * (size_t)e->kv_dim, sizeof(float), &fail);
+    e->g = balloc(e, T * (size_t)e->n_ff, sizeof(float), &fail);
+    e->u = balloc(e, T * (size_t)e->n_ff, sizeof(float), &fail);
     e->tok_seq = scratch_alloc(T, sizeof(int32_t), &fail);
     e->tok_pos = scratch_alloc(T, sizeof(int32_t), &fail);
+    e->tok_id = scratch_alloc(T, sizeof(int32_t), &fail);
     e->logit_tok = scratch_alloc(T, sizeof(int32_t), &fail);
+    e->seq_tab = scratch_alloc(S, sizeof(int32_t *), &fail);
+    if (td_model_output(m)) {
+        e->head_out_rows =
+            (int32_t)TD_MAX((size_t)1, TD_MIN(T, HEAD_OUT_FLOATS / (size_t)e->n_vocab));
+        e->lg = balloc(e, (size_t)e->head_out_rows * (size_t)e->n_vocab, sizeof(float), &fail);
+    }
     if (e->n_expert > 0) {
         size_t TK = T * (size_t)e->n_used;
-        e->rl = scratch_alloc(T * (size_t)e->n_expert, sizeof(float), &fail);
-        e->sel_id = scratch_alloc(TK, sizeof(int32_t), &fail);
-        e->sel_w = scratch_alloc(TK, sizeof(float), &fail);
-        e->sel_slot = scratch_alloc(TK, sizeof(int32_t), &fail);
-        e->slot_row = scratch_alloc(TK, sizeof(int32_t), &fail);
-        e->exp_off = scratch_alloc((size_t)e->n_expert + 1, sizeof(int32_t), &fail);
-        e->xg = scratch_alloc(TK * (size_t)e->n_embd, sizeof(float), &fail);
-        e->gg = scratch_alloc(TK * (size_t)e->n_ff_exp, sizeof(float), &fail);
-        e->ug = scratch_alloc(TK * (size_t)e->n_ff_exp, sizeof(float), &fail);
-        e->yg = scratch_alloc(TK * (size_t)e->n_embd, sizeof(float), &fail);
+        e->rl = balloc(e, T * (size_t)e->n_expert, sizeof(float), &fail);
+        e->sel_id = balloc(e, TK, sizeof(int32_t), &fail);
+        e->sel_w = balloc(e, TK, sizeof(float), &fail);
+        e->sel_slot = balloc(e, TK, sizeof(int32_t), &fail);
+        e->slot_row = balloc(e, TK, sizeof(int32_t), &fail);
+        e->exp_off = balloc(e, (size_t)e->n_expert + 1, sizeof(int32_t), &fail);
+        e->xg = balloc(e, TK * (size_t)e->n_embd, sizeof(float), &fail);
+        e->gg = balloc(e, TK * (size_t)e->n_ff_exp, sizeof(float), &fail);
+        e->ug = balloc(e, TK * (size_t)e->n_ff_exp, sizeof(float), &fail);
+        e->yg = balloc(e, TK * (size_t)e->n_embd, sizeof(float), &fail);
         size_t NL = (size_t)n_local_layers * (size_t)e->n_expert;
+        e->load_cnt = balloc(e, NL, sizeof(int32_t), &fail);
+        e->load_h = scratch_alloc(NL, sizeof(int32_t), &fail);
         e->load_cur = scratch_alloc(NL, sizeof(int64_t), &fail);
         e->load_last = scratch_alloc(NL, sizeof(int64_t), &fail);
         if (e->load_last) memset(e->load_last, 0, NL * sizeof(int64_t));
         if (e->ep_size > 1) {
-            e->ep_cnt =
-                scratch_alloc((size_t)e->rg_size * (size_t)e->n_expert, sizeof(int32_t), &fail);
+            size_t rc = (size_t)e->rg_size * (size_t)e->n_expert;
+            e->ep_cnt = balloc(e, rc, sizeof(int32_t), &fail);
+            e->ep_cnt_h = scratch_alloc(rc, sizeof(int32_t), &fail);
             e->a2a = scratch_alloc(4 * (size_t)e->ep_size, sizeof(size_t), &fail);
             e->ep_eoff = scratch_alloc((size_t)e->n_exp_loc + 1, sizeof(int32_t), &fail);
+            e->ep_eoff_b = balloc(e, (size_t)e->n_exp_loc + 1, sizeof(int32_t), &fail);
         }
     }
     if (e->vocab_tp > 1) {
         size_t per_row = (size_t)e->vocab_tp * (size_t)e->vocab_per_rank;
         e->head_rows = (int32_t)TD_MAX((size_t)1, TD_MIN(T, HEAD_GATHER_FLOATS / per_row));
-        e->head_buf = scratch_alloc((size_t)e->head_rows * per_row, sizeof(float), &fail);
         /* Columns past a short slice are never computed (and never read):
-         * initialised once, so no uninitialised bytes go to the comm. */
-        if (e->head_buf) memset(e->head_buf, 0, (size_t)e->head_rows * per_row * sizeof(float));
+         * zero-filled once, so no uninitialised bytes go to the comm. */
+        e->head_buf = balloc(e, (size_t)e->head_rows * per_row, sizeof(float), &fail);
     }
     cp_alloc(e, kp, &fail);
     if (fail) {
@@ -548,382 +612,83 @@ int32_t td_engine_n_logit_rows(const td_seq_chunk *seqs, int32_t n_seqs) {
     return n;
 }
 
-/* ------------------------------------------------------------------ tasks */
+/* ------------------------------------------------------------------ steps */
 
-/* Threads claim work items (rows, row tiles, heads) from a shared counter
- * instead of fixed shares, so a thread the OS deschedules delays nobody:
- * which thread computes an item never changes its value. */
-static bool claim(td_engine *e, int64_t n, int64_t chunk, int64_t *b, int64_t *end) {
-    int64_t s = atomic_fetch_add_explicit(&e->work_next, chunk, memory_order_relaxed);
-    if (s >= n) return false;
-    *b = s;
-    *end = TD_MIN(s + chunk, n);
-    return true;
-}
-
-static void dispatch(td_engine *e, td_task_fn fn, void *ctx, bool parallel) {
-    atomic_store_explicit(&e->work_next, 0, memory_order_relaxed);
-    if (parallel)
-        td_threadpool_run(e->tp, fn, ctx); /* publishes the reset to the workers */
-    else
-        fn(ctx, 0, 1);
-}
-
-static void run(td_engine *e, td_task_fn fn, void *ctx, int n_rows) {
-    dispatch(e, fn, ctx, e->tp && e->nth > 1 && n_rows >= MIN_PAR_ROWS);
-}
-
-/* Row step: [x += o] ; xn = rmsnorm(x[src], w). */
-typedef struct {
-    td_engine *e;
-    int32_t n_rows;
-    bool add;
-    const int32_t *src_row; /* NULL: identity */
-    const float *norm_w;
-} norm_task;
-
-static void task_norm(void *ctx, int ith, int nth) {
-    const norm_task *t = ctx;
-    td_engine *e = t->e;
-    (void)ith;
-    (void)nth;
-    int64_t r0, r1;
-    size_t E = (size_t)e->n_embd;
-    while (claim(e, t->n_rows, ROW_CHUNK, &r0, &r1))
-        for (int64_t r = r0; r < r1; r++) {
-            float *x = e->x + (size_t)(t->src_row ? t->src_row[r] : r) * E;
-            if (t->add) td_cpu_add(x, e->o + (size_t)r * E, x, (int64_t)E);
-            float *xn = e->xn + (size_t)r * E;
-            td_cpu_rmsnorm(x, t->norm_w, xn, (int64_t)E, e->eps);
-        }
-}
-
-/* y_i = W_i x for up to N_MM weights reading the same f32 rows x (n_rows,
- * ldx); each thread takes tiles of output rows. */
-typedef struct {
-    td_engine *e;
-    int32_t n_rows;
-    int n_w;
-    const td_weight *w[N_MM];
-    const float *x;
-    size_t ldx;
-    float *y[N_MM];
-    size_t ldy[N_MM];
-} matmul_task;
-
-static void task_matmul(void *ctx, int ith, int nth) {
-    (void)ith;
-    (void)nth;
-    const matmul_task *t = ctx;
-    int64_t tiles[N_MM], total = 0, b, end;
-    const int64_t tile = t->n_rows < MIN_PAR_ROWS ? ROW_TILE_FEW : ROW_TILE;
-    for (int i = 0; i < t->n_w; i++) {
-        tiles[i] = (t->w[i]->rows + tile - 1) / tile;
-        total += tiles[i];
-    }
-    while (claim(t->e, total, 1, &b, &end)) {
-        int i = 0;
-        while (b >= tiles[i]) b -= tiles[i++];
-        const td_weight *w = t->w[i];
-        int64_t r0 = b * tile, r1 = TD_MIN(r0 + tile, w->rows);
-        td_cpu_matmul_f32act(w->type, w->data, w->stride, t->x, t->ldx, t->n_rows, w->cols, t->y[i],
-                             t->ldy[i], (int)r0, (int)r1);
-    }
-}
-
-static void matmul(td_engine *e, const td_weight *const *w, int n_w, const float *x, size_t ldx,
-                   float *const *y, const size_t *ldy, int32_t n_rows) {
-    TD_ASSERT(n_w >= 1 && n_w <= N_MM);
-    matmul_task t = {.e = e, .n_rows = n_rows, .n_w = n_w, .x = x, .ldx = ldx};
-    for (int i = 0; i < n_w; i++) {
-        t.w[i] = w[i];
-        t.y[i] = y[i];
-        t.ldy[i] = ldy[i];
-    }
-    dispatch(e, task_matmul, &t, e->tp && e->nth > 1);
-}
-
-/* Bias, RoPE and the KV write of each row. */
-typedef struct {
-    td_engine *e;
-    const td_layer_weights *lw;
-    float *kc, *vc; /* this layer's cache regions */
-} qkv_task;
-
-static void task_qkv(void *ctx, int ith, int nth) {
-    const qkv_task *t = ctx;
-    td_engine *e = t->e;
-    const td_layer_weights *lw = t->lw;
-    int bs = td_kv_pool_params(e->kv)->block_size;
-    (void)ith;
-    (void)nth;
-    int64_t r0, r1;
-    while (claim(e, e->n_tok, ROW_CHUNK, &r0, &r1))
-        for (int64_t r = r0; r < r1; r++) {
-            float *q = e->q + (size_t)r * (size_t)e->q_dim;
-            float *k = e->k + (size_t)r * (size_t)e->kv_dim;
-            float *v = e->v + (size_t)r * (size_t)e->kv_dim;
-            if (lw->bq) td_cpu_add(q, lw->bq, q, e->q_dim);
-            if (lw->bk) td_cpu_add(k, lw->bk, k, e->kv_dim);
-            if (lw->bv) td_cpu_add(v, lw->bv, v, e->kv_dim);
-            int32_t pos = e->tok_pos[r];
-            td_cpu_rope(q, e->nh, e->head_dim, e->n_rot, pos, e->inv_freq, e->rope_mode);
-            td_cpu_rope(k, e->nkv, e->head_dim, e->n_rot, pos, e->inv_freq, e->rope_mode);
-            if (e->cp_n > 1 && (pos / bs) % e->cp_n != e->cp_r) continue; /* CP: not our block */
-            const td_seq_chunk *s = &e->seqs[e->tok_seq[r]];
-            size_t cell = (size_t)s->block_table[pos / bs] * (size_t)bs + (size_t)(pos % bs);
-            memcpy(t->kc + cell * (size_t)e->kv_dim, k, (size_t)e->kv_dim * sizeof(float));
-            memcpy(t->vc + cell * (size_t)e->kv_dim, v, (size_t)e->kv_dim * sizeof(float));
-        }
-}
-
-/* Attention per (row, head) item, claimed one at a time (items differ in
- * cost with the context length). */
-typedef struct {
-    td_engine *e;
-    td_cpu_kv_layer kvl;
-} attn_task;
-
-static void task_attn(void *ctx, int ith, int nth) {
-    (void)nth;
-    const attn_task *t = ctx;
-    td_engine *e = t->e;
-    float *scratch = e->attn_scratch + (size_t)ith * (size_t)e->p.max_ctx;
-    int group = e->nh / e->nkv;
-    int64_t i0, i1;
-    while (claim(e, (int64_t)e->n_tok * e->nh, 1, &i0, &i1)) {
-        int32_t r = (int32_t)(i0 / e->nh);
-        int h = (int)(i0 % e->nh);
-        const td_seq_chunk *s = &e->seqs[e->tok_seq[r]];
-        int n_ctx = e->tok_pos[r] + 1; /* causal: positions [0, pos] */
-        size_t off = (size_t)r * (size_t)e->q_dim + (size_t)h * (size_t)e->head_dim;
-        td_cpu_attn_paged(e->q + off, &t->kvl, h / group, s->block_table, n_ctx, e->attn_scale,
-                          e->att + off, scratch);
-    }
-}
-
-/* g = silu(g) * u over n_rows rows of width n. */
-typedef struct {
-    td_engine *e;
-    float *g;
-    const float *u;
-    int32_t n_rows;
-    int n;
-} swiglu_task;
-
-static void task_swiglu(void *ctx, int ith, int nth) {
-    const swiglu_task *t = ctx;
-    (void)ith;
-    (void)nth;
-    int64_t r0, r1;
-    while (claim(t->e, t->n_rows, ROW_CHUNK, &r0, &r1))
-        for (int64_t r = r0; r < r1; r++) {
-            float *g = t->g + (size_t)r * (size_t)t->n;
-            td_cpu_swiglu(g, t->u + (size_t)r * (size_t)t->n, g, t->n);
-        }
+static void matmul(td_engine *e, const td_weight *const *w, int n_w, td_bview x, size_t ldx,
+                   const td_bview *y, const size_t *ldy, int32_t n_rows) {
+    OP(e, matmul)(e->be, n_w, w, x, ldx, y, ldy, n_rows);
 }
 
 /* ------------------------------------------------------------------- MoE */
 
-/* Routing of each row: softmax over the router logits, the K most probable
- * experts (a strict > comparison over ascending ids, so ties go to the lower
- * id), renormalised when norm_topk. Per row, so batch-invariant. */
-typedef struct {
-    td_engine *e;
-    int32_t r0, n_rows; /* rows [r0, r0 + n_rows) */
-} route_task;
-
-static void task_route(void *ctx, int ith, int nth) {
-    const route_task *t = ctx;
-    td_engine *e = t->e;
-    (void)ith;
-    (void)nth;
-    const int NE = e->n_expert, K = e->n_used;
-    int64_t i0, i1;
-    while (claim(e, t->n_rows, ROW_CHUNK, &i0, &i1))
-        for (int64_t r = t->r0 + i0; r < t->r0 + i1; r++) {
-            float *p = e->rl + (size_t)r * (size_t)NE; /* logits -> probabilities in place */
-            float mx = p[0], sum = 0.0f;
-            for (int x = 1; x < NE; x++) mx = p[x] > mx ? p[x] : mx;
-            for (int x = 0; x < NE; x++) {
-                p[x] = expf(p[x] - mx);
-                sum += p[x];
-            }
-            for (int x = 0; x < NE; x++) p[x] /= sum;
-            int32_t *id = e->sel_id + (size_t)r * (size_t)K;
-            float *w = e->sel_w + (size_t)r * (size_t)K;
-            int n = 0;
-            for (int x = 0; x < NE; x++) {
-                int j = n < K ? n++ : K;
-                if (j == K && !(p[x] > w[K - 1])) continue;
-                if (j == K) j = K - 1;
-                while (j > 0 && p[x] > w[j - 1]) {
-                    w[j] = w[j - 1];
-                    id[j] = id[j - 1];
-                    j--;
-                }
-                w[j] = p[x];
-                id[j] = x;
-            }
-            if (e->norm_topk) {
-                float s = 0.0f;
-                for (int j = 0; j < K; j++) s += w[j];
-                for (int j = 0; j < K; j++) w[j] /= s;
-            }
-        }
-}
-
-/* xg[slot] = xn[slot_row[slot]] */
-typedef struct {
-    td_engine *e;
-    int32_t n_slots;
-} gather_task;
-
-static void task_gather(void *ctx, int ith, int nth) {
-    const gather_task *t = ctx;
-    td_engine *e = t->e;
-    (void)ith;
-    (void)nth;
-    size_t E = (size_t)e->n_embd;
-    int64_t s0, s1;
-    while (claim(e, t->n_slots, ROW_CHUNK, &s0, &s1))
-        for (int64_t s = s0; s < s1; s++)
-            memcpy(e->xg + (size_t)s * E, e->xn + (size_t)e->slot_row[s] * E, E * sizeof(float));
-}
-
-/* o[r] = (shared ? sigmoid(shexp_inp . xn[r]) * o[r] : 0) + sum_j w_j yg[slot_j],
- * the sum in the row's selection order. */
-typedef struct {
-    td_engine *e;
-    const float *shexp_inp; /* NULL: no shared-expert gate */
-    bool shared;            /* o holds the shared expert's output */
-    int32_t r0, r1;         /* rows with routed outputs; the others get none */
-    bool shared_outside;    /* rows outside [r0, r1) keep their shared part, else are zeroed */
-} combine_task;
-
-static void task_combine(void *ctx, int ith, int nth) {
-    const combine_task *t = ctx;
-    td_engine *e = t->e;
-    (void)ith;
-    (void)nth;
-    const size_t E = (size_t)e->n_embd;
-    const int K = e->n_used;
-    int64_t r0, r1;
-    while (claim(e, e->n_tok, ROW_CHUNK, &r0, &r1))
-        for (int64_t r = r0; r < r1; r++) {
-            float *o = e->o + (size_t)r * E;
-            bool routed = r >= t->r0 && r < t->r1;
-            if (t->shared && (routed || t->shared_outside)) {
-                float gs = 1.0f;
-                if (t->shexp_inp) {
-                    const float *xn = e->xn + (size_t)r * E;
-                    float d = 0.0f;
-                    for (size_t i = 0; i < E; i++) d += t->shexp_inp[i] * xn[i];
-                    gs = 1.0f / (1.0f + expf(-d));
-                }
-                for (size_t i = 0; i < E; i++) o[i] *= gs;
-            } else {
-                memset(o, 0, E * sizeof(float));
-            }
-            for (int j = 0; routed && j < K; j++) {
-                float w = e->sel_w[(size_t)r * (size_t)K + (size_t)j];
-                const float *y = e->yg + (size_t)e->sel_slot[(size_t)r * (size_t)K + (size_t)j] * E;
-                for (size_t i = 0; i < E; i++) o[i] += w * y[i];
-            }
-        }
-}
-
 /* The MoE FFN of one layer on xn (T, n_embd), result in o (this rank's
  * partial sum under TP, like the dense FFN). Tokens are grouped by expert
- * (a counting sort over the rows in order), so each expert's matrices are
- * streamed once over all of its tokens. */
+ * (a counting sort over the rows in order, on the backend), so each
+ * expert's matrices are streamed once over all of its tokens. */
 static void moe_ffn(td_engine *e, const td_layer_weights *lw, int li) {
     const int32_t T = e->n_tok;
     const int K = e->n_used, NE = e->n_expert;
-    const size_t E = (size_t)e->n_embd, F = (size_t)e->n_ff_exp;
+    const size_t E = (size_t)e->n_embd;
 
     const td_weight *wr[] = {&lw->router};
-    float *yr[] = {e->rl};
+    td_bview yr[] = {BV(e->rl)};
     size_t ldr[] = {(size_t)NE};
-    matmul(e, wr, 1, e->xn, E, yr, ldr, T);
-    route_task rt = {.e = e, .r0 = 0, .n_rows = T};
-    run(e, task_route, &rt, T);
-
-    int32_t *off = e->exp_off;
-    memset(off, 0, ((size_t)NE + 1) * sizeof *off);
-    for (size_t i = 0; i < (size_t)T * (size_t)K; i++) off[e->sel_id[i] + 1]++;
-    for (int x = 0; x < NE; x++) off[x + 1] += off[x];
-    for (int32_t r = 0; r < T; r++)
-        for (int j = 0; j < K; j++) {
-            size_t i = (size_t)r * (size_t)K + (size_t)j;
-            int32_t slot = off[e->sel_id[i]]++;
-            e->sel_slot[i] = slot;
-            e->slot_row[slot] = r;
-        }
-    for (int x = NE; x > 0; x--) off[x] = off[x - 1]; /* back to first slots */
-    off[0] = 0;
-    for (int x = 0; x < NE; x++)
-        e->load_cur[(size_t)li * (size_t)NE + (size_t)x] = off[x + 1] - off[x];
+    matmul(e, wr, 1, BV(e->xn), E, yr, ldr, T);
+    OP(e, moe_route)(e->be, BV(e->rl), BV(e->sel_id), BV(e->sel_w), 0, T, NE, K, e->norm_topk);
+    OP(e, moe_group)
+    (e->be, BV(e->sel_id), BV(e->sel_slot), BV(e->slot_row), BV(e->exp_off),
+     BI(e->load_cnt, (size_t)li * (size_t)NE), 0, T, NE, K);
     int32_t n_slots = T * K;
-    gather_task gt = {.e = e, .n_slots = n_slots};
-    run(e, task_gather, &gt, n_slots);
-
-    for (int32_t i = 0; i < lw->n_experts_local; i++) {
-        const td_expert_weights *ex = &lw->experts[i];
-        int32_t s0 = off[ex->id], n = off[ex->id + 1] - s0;
-        if (n == 0) continue;
-        const td_weight *wgu[] = {&ex->gate, &ex->up};
-        float *ygu[] = {e->gg + (size_t)s0 * F, e->ug + (size_t)s0 * F};
-        size_t ldgu[] = {F, F};
-        matmul(e, wgu, 2, e->xg + (size_t)s0 * E, E, ygu, ldgu, n);
-    }
-    swiglu_task sw = {.e = e, .g = e->gg, .u = e->ug, .n_rows = n_slots, .n = (int)F};
-    run(e, task_swiglu, &sw, n_slots);
-    for (int32_t i = 0; i < lw->n_experts_local; i++) {
-        const td_expert_weights *ex = &lw->experts[i];
-        int32_t s0 = off[ex->id], n = off[ex->id + 1] - s0;
-        if (n == 0) continue;
-        const td_weight *wd[] = {&ex->down};
-        float *yd[] = {e->yg + (size_t)s0 * E};
-        size_t ldd[] = {E};
-        matmul(e, wd, 1, e->gg + (size_t)s0 * F, F, yd, ldd, n);
-    }
+    OP(e, moe_gather)(e->be, BV(e->xg), BV(e->xn), BV(e->slot_row), n_slots, e->n_embd);
+    td_backend_experts x = {.experts = lw->experts,
+                            .n = lw->n_experts_local,
+                            .id_base = 0,
+                            .off = BV(e->exp_off),
+                            .xg = BV(e->xg),
+                            .gg = BV(e->gg),
+                            .ug = BV(e->ug),
+                            .yg = BV(e->yg),
+                            .n_slots = n_slots,
+                            .n_embd = e->n_embd,
+                            .n_ff = e->n_ff_exp};
+    OP(e, moe_experts)(e->be, &x);
 
     bool shared = e->n_ff > 0;
     if (shared) {
         const td_weight *wgu[] = {&lw->shexp_gate, &lw->shexp_up};
-        float *ygu[] = {e->g, e->u};
+        td_bview ygu[] = {BV(e->g), BV(e->u)};
         size_t ldgu[] = {(size_t)e->n_ff, (size_t)e->n_ff};
-        matmul(e, wgu, 2, e->xn, E, ygu, ldgu, T);
-        swiglu_task ss = {.e = e, .g = e->g, .u = e->u, .n_rows = T, .n = e->n_ff};
-        run(e, task_swiglu, &ss, T);
+        matmul(e, wgu, 2, BV(e->xn), E, ygu, ldgu, T);
+        OP(e, swiglu)(e->be, BV(e->g), BV(e->u), T, e->n_ff);
         const td_weight *wd[] = {&lw->shexp_down};
-        float *yo[] = {e->o};
+        td_bview yo[] = {BV(e->o)};
         size_t ldo[] = {E};
-        matmul(e, wd, 1, e->g, (size_t)e->n_ff, yo, ldo, T);
+        matmul(e, wd, 1, BV(e->g), (size_t)e->n_ff, yo, ldo, T);
     }
-    combine_task ct = {.e = e, .shexp_inp = lw->shexp_inp, .shared = shared, .r0 = 0, .r1 = T};
-    run(e, task_combine, &ct, T);
+    OP(e, moe_combine)
+    (e->be, BV(e->o), BV(e->xn), BV(e->sel_w), BV(e->sel_slot), BV(e->yg), lw->shexp_inp, shared, 0,
+     T, false, T, e->n_embd, K);
 }
+
 /* Rows of the expert-parallel exchange: a is sender-major (as an
  * all-to-all lands them: sender j's rows for each local expert in turn), b
  * expert-major (each local expert's rows of every sender, so one matmul per
  * expert); to_b copies a into b, else b back into a. */
-static void ep_permute(const td_engine *e, float *a, float *b, bool to_b) {
+static void ep_permute(td_engine *e, td_bbuf *a, td_bbuf *b, bool to_b) {
     const size_t E = (size_t)e->n_embd;
     const size_t *rd = e->a2a + 3 * (size_t)e->ep_size;
     size_t nb = 0;
     for (int i = 0; i < e->n_exp_loc; i++)
         for (int j = 0; j < e->ep_size; j++) {
             const int32_t *cs =
-                e->ep_cnt + (size_t)(e->ep_base + j) * (size_t)e->n_expert + e->exp0;
+                e->ep_cnt_h + (size_t)(e->ep_base + j) * (size_t)e->n_expert + e->exp0;
             size_t na = rd[j] / (E * sizeof(float));
             for (int k = 0; k < i; k++) na += (size_t)cs[k];
             size_t n = (size_t)cs[i];
             if (n && to_b)
-                memcpy(b + nb * E, a + na * E, n * E * sizeof(float));
+                OP(e, copy)(e->be, BF(b, nb * E), BF(a, na * E), n * E * sizeof(float));
             else if (n)
-                memcpy(a + na * E, b + nb * E, n * E * sizeof(float));
+                OP(e, copy)(e->be, BF(a, na * E), BF(b, nb * E), n * E * sizeof(float));
             nb += n;
         }
 }
@@ -932,16 +697,17 @@ static void ep_permute(const td_engine *e, float *a, float *b, bool to_b) {
  * share [r0, r1) of the rows and groups the choices by expert as moe_ffn
  * does, so the slots of the experts of EP rank j are contiguous: block j
  * of the dispatch. The per-expert counts of every row-group rank (one
- * all-gather) size every transfer and give the load of the whole batch.
- * Each local expert runs once over the rows of all senders, the outputs go
- * back into the slots they came from (combine), and each row adds its
- * experts in its selection order, as on one rank. Rows outside [r0, r1)
- * get no routed part: the sum over the row group after the FFN (the TP
- * all-reduce, or ep_sum) completes them. */
+ * all-gather) size every transfer and give the load of the whole batch:
+ * they are copied to the host, the one read of backend memory inside a
+ * step. Each local expert runs once over the rows of all senders, the
+ * outputs go back into the slots they came from (combine), and each row
+ * adds its experts in its selection order, as on one rank. Rows outside
+ * [r0, r1) get no routed part: the sum over the row group after the FFN
+ * (the TP all-reduce, or ep_sum) completes them. */
 static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
     const int32_t T = e->n_tok;
     const int K = e->n_used, NE = e->n_expert, P = e->ep_size, NL = e->n_exp_loc;
-    const size_t E = (size_t)e->n_embd, F = (size_t)e->n_ff_exp, row = E * sizeof(float);
+    const size_t E = (size_t)e->n_embd, row = E * sizeof(float);
     const int32_t r0 = e->ep_dp ? 0 : (int32_t)((int64_t)T * e->rg_rank / e->rg_size);
     const int32_t r1 = e->ep_dp ? T : (int32_t)((int64_t)T * (e->rg_rank + 1) / e->rg_size);
     const int32_t nr = r1 - r0;
@@ -949,47 +715,39 @@ static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
 
     if (nr > 0) {
         const td_weight *wr[] = {&lw->router};
-        float *yr[] = {e->rl + (size_t)r0 * (size_t)NE};
+        td_bview yr[] = {BF(e->rl, (size_t)r0 * (size_t)NE)};
         size_t ldr[] = {(size_t)NE};
-        matmul(e, wr, 1, e->xn + (size_t)r0 * E, E, yr, ldr, nr);
-        route_task rt = {.e = e, .r0 = r0, .n_rows = nr};
-        run(e, task_route, &rt, nr);
+        matmul(e, wr, 1, BF(e->xn, (size_t)r0 * E), E, yr, ldr, nr);
+        OP(e, moe_route)
+        (e->be, BV(e->rl), BV(e->sel_id), BV(e->sel_w), r0, nr, NE, K, e->norm_topk);
     }
-    int32_t *off = e->exp_off;
-    int32_t *mine = e->ep_cnt + (size_t)e->rg_rank * (size_t)NE;
-    memset(off, 0, ((size_t)NE + 1) * sizeof *off);
-    for (size_t i = (size_t)r0 * (size_t)K; i < (size_t)r1 * (size_t)K; i++)
-        off[e->sel_id[i] + 1]++;
-    for (int x = 0; x < NE; x++) mine[x] = off[x + 1];
-    for (int x = 0; x < NE; x++) off[x + 1] += off[x];
-    for (int32_t r = r0; r < r1; r++)
-        for (int j = 0; j < K; j++) {
-            size_t i = (size_t)r * (size_t)K + (size_t)j;
-            int32_t slot = off[e->sel_id[i]]++;
-            e->sel_slot[i] = slot;
-            e->slot_row[slot] = r;
-        }
-    for (int x = NE; x > 0; x--) off[x] = off[x - 1];
-    off[0] = 0;
+    td_bview mine = BI(e->ep_cnt, (size_t)e->rg_rank * (size_t)NE);
+    OP(e, moe_group)
+    (e->be, BV(e->sel_id), BV(e->sel_slot), BV(e->slot_row), BV(e->exp_off), mine, r0, r1, NE, K);
     int32_t n_slots = nr * K;
-    gather_task gt = {.e = e, .n_slots = n_slots};
-    run(e, task_gather, &gt, n_slots);
+    OP(e, moe_gather)(e->be, BV(e->xg), BV(e->xn), BV(e->slot_row), n_slots, e->n_embd);
 
-    if ((st = ENGINE_COMM(
-             e, e->rg_comm, (size_t)NE * sizeof(int32_t),
-             td_comm_all_gather(e->rg_comm, mine, e->ep_cnt, (size_t)NE * sizeof(int32_t)))))
+    if ((st = ENGINE_COMM(e, e->rg_comm, (size_t)NE * sizeof(int32_t),
+                          td_comm_all_gather(e->rg_comm, CPTR(e, mine), CPTR(e, BV(e->ep_cnt)),
+                                             (size_t)NE * sizeof(int32_t)))))
         return st;
+    OP(e, copy_to_host)
+    (e->be, e->ep_cnt_h, BV(e->ep_cnt), (size_t)e->rg_size * (size_t)NE * sizeof(int32_t));
+    const int32_t *cnt = e->ep_cnt_h, *own = cnt + (size_t)e->rg_rank * (size_t)NE;
     for (int x = 0; x < NE; x++) {
         int64_t n = 0;
-        for (int k = 0; k < e->rg_size; k++) n += e->ep_cnt[(size_t)k * (size_t)NE + (size_t)x];
+        for (int k = 0; k < e->rg_size; k++) n += cnt[(size_t)k * (size_t)NE + (size_t)x];
         e->load_cur[(size_t)li * (size_t)NE + (size_t)x] = n;
     }
     size_t *sb = e->a2a, *sd = sb + P, *rb = sd + P, *rd = rb + P;
-    size_t n_recv = 0;
+    size_t n_recv = 0, first = 0; /* this rank's first slot of EP rank j's experts */
     for (int j = 0; j < P; j++) {
-        sd[j] = (size_t)off[j * NL] * row;
-        sb[j] = (size_t)(off[(j + 1) * NL] - off[j * NL]) * row;
-        const int32_t *cs = e->ep_cnt + (size_t)(e->ep_base + j) * (size_t)NE + e->exp0;
+        size_t n_send = 0;
+        for (int i = 0; i < NL; i++) n_send += (size_t)own[j * NL + i];
+        sd[j] = first * row;
+        sb[j] = n_send * row;
+        first += n_send;
+        const int32_t *cs = cnt + (size_t)(e->ep_base + j) * (size_t)NE + e->exp0;
         size_t n = 0;
         for (int i = 0; i < NL; i++) n += (size_t)cs[i];
         rd[j] = n_recv * row;
@@ -1006,7 +764,8 @@ static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
     }
     /* Dispatch: my slots (xg) to the experts' ranks, theirs into yg. */
     if ((st = ENGINE_COMM(e, e->p.ep_comm, (size_t)n_slots * row,
-                          td_comm_all_to_all_v(e->p.ep_comm, e->xg, sb, sd, e->yg, rb, rd))))
+                          td_comm_all_to_all_v(e->p.ep_comm, CPTR(e, BV(e->xg)), sb, sd,
+                                               CPTR(e, BV(e->yg)), rb, rd))))
         return st;
     ep_permute(e, e->yg, e->xg, true);
     int32_t *eoff = e->ep_eoff;
@@ -1014,32 +773,26 @@ static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
     for (int i = 0; i < NL; i++) {
         eoff[i + 1] = eoff[i];
         for (int j = 0; j < P; j++)
-            eoff[i + 1] += e->ep_cnt[(size_t)(e->ep_base + j) * (size_t)NE + (size_t)(e->exp0 + i)];
+            eoff[i + 1] += cnt[(size_t)(e->ep_base + j) * (size_t)NE + (size_t)(e->exp0 + i)];
     }
-    for (int i = 0; i < NL; i++) {
-        const td_expert_weights *ex = &lw->experts[i];
-        int32_t s0 = eoff[i], n = eoff[i + 1] - s0;
-        if (n == 0) continue;
-        const td_weight *wgu[] = {&ex->gate, &ex->up};
-        float *ygu[] = {e->gg + (size_t)s0 * F, e->ug + (size_t)s0 * F};
-        size_t ldgu[] = {F, F};
-        matmul(e, wgu, 2, e->xg + (size_t)s0 * E, E, ygu, ldgu, n);
-    }
-    swiglu_task sw = {.e = e, .g = e->gg, .u = e->ug, .n_rows = (int32_t)n_recv, .n = (int)F};
-    run(e, task_swiglu, &sw, (int)n_recv);
-    for (int i = 0; i < NL; i++) {
-        const td_expert_weights *ex = &lw->experts[i];
-        int32_t s0 = eoff[i], n = eoff[i + 1] - s0;
-        if (n == 0) continue;
-        const td_weight *wd[] = {&ex->down};
-        float *yd[] = {e->yg + (size_t)s0 * E};
-        size_t ldd[] = {E};
-        matmul(e, wd, 1, e->gg + (size_t)s0 * F, F, yd, ldd, n);
-    }
+    OP(e, copy_from_host)(e->be, BV(e->ep_eoff_b), eoff, ((size_t)NL + 1) * sizeof(int32_t));
+    td_backend_experts x = {.experts = lw->experts,
+                            .n = NL,
+                            .id_base = e->exp0,
+                            .off = BV(e->ep_eoff_b),
+                            .xg = BV(e->xg),
+                            .gg = BV(e->gg),
+                            .ug = BV(e->ug),
+                            .yg = BV(e->yg),
+                            .n_slots = (int32_t)n_recv,
+                            .n_embd = e->n_embd,
+                            .n_ff = e->n_ff_exp};
+    OP(e, moe_experts)(e->be, &x);
     /* Combine: the outputs back to the ranks (and slots) they came from. */
     ep_permute(e, e->xg, e->yg, false);
     if ((st = ENGINE_COMM(e, e->p.ep_comm, n_recv * row,
-                          td_comm_all_to_all_v(e->p.ep_comm, e->xg, rb, rd, e->yg, sb, sd))))
+                          td_comm_all_to_all_v(e->p.ep_comm, CPTR(e, BV(e->xg)), rb, rd,
+                                               CPTR(e, BV(e->yg)), sb, sd))))
         return st;
 
     /* The shared expert is split like a dense FFN over TP (every rank, every
@@ -1049,50 +802,19 @@ static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
     if (shared && hn > 0) {
         size_t FS = (size_t)e->n_ff;
         const td_weight *wgu[] = {&lw->shexp_gate, &lw->shexp_up};
-        float *ygu[] = {e->g + (size_t)h0 * FS, e->u + (size_t)h0 * FS};
+        td_bview ygu[] = {BF(e->g, (size_t)h0 * FS), BF(e->u, (size_t)h0 * FS)};
         size_t ldgu[] = {FS, FS};
-        matmul(e, wgu, 2, e->xn + (size_t)h0 * E, E, ygu, ldgu, hn);
-        swiglu_task ss = {.e = e, .g = ygu[0], .u = ygu[1], .n_rows = hn, .n = e->n_ff};
-        run(e, task_swiglu, &ss, hn);
+        matmul(e, wgu, 2, BF(e->xn, (size_t)h0 * E), E, ygu, ldgu, hn);
+        OP(e, swiglu)(e->be, ygu[0], ygu[1], hn, e->n_ff);
         const td_weight *wd[] = {&lw->shexp_down};
-        float *yo[] = {e->o + (size_t)h0 * E};
+        td_bview yo[] = {BF(e->o, (size_t)h0 * E)};
         size_t ldo[] = {E};
         matmul(e, wd, 1, ygu[0], FS, yo, ldo, hn);
     }
-    combine_task ct = {.e = e,
-                       .shexp_inp = lw->shexp_inp,
-                       .shared = shared,
-                       .r0 = r0,
-                       .r1 = r1,
-                       .shared_outside = tp};
-    run(e, task_combine, &ct, T);
+    OP(e, moe_combine)
+    (e->be, BV(e->o), BV(e->xn), BV(e->sel_w), BV(e->sel_slot), BV(e->yg), lw->shexp_inp, shared,
+     r0, r1, tp, T, e->n_embd, K);
     return TD_OK;
-}
-
-/* Embedding rows: dequantised straight from the (possibly quantised) table. */
-typedef struct {
-    td_engine *e;
-} embd_task;
-
-static void task_embd(void *ctx, int ith, int nth) {
-    td_engine *e = ((const embd_task *)ctx)->e;
-    const td_weight *w = td_model_tok_embd(e->m);
-    (void)ith;
-    (void)nth;
-    int64_t r0, r1;
-    while (claim(e, e->n_tok, ROW_CHUNK, &r0, &r1))
-        for (int64_t r = r0; r < r1; r++) {
-            const td_seq_chunk *s = &e->seqs[e->tok_seq[r]];
-            int32_t id = s->tokens[e->tok_pos[r] - s->pos0];
-            float *x = e->x + (size_t)r * (size_t)e->n_embd;
-            if (id < e->vocab_begin || id >= e->vocab_end) {
-                memset(x, 0, (size_t)e->n_embd * sizeof(float)); /* another rank's row */
-                continue;
-            }
-            td_cpu_dequant_row(w->type,
-                               (const uint8_t *)w->data + (size_t)(id - e->vocab_begin) * w->stride,
-                               x, w->cols);
-        }
 }
 
 /* ---------------------------------------------------- context parallelism */
@@ -1210,108 +932,25 @@ static int64_t cp_plan(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs, i
     return cost;
 }
 
-typedef enum {
-    CP_DCP_PART,  /* DCP row: partial over this rank's blocks into its slot of cp_part */
-    CP_DCP_MERGE, /* DCP row: merge the cp_n partials in rank order into att */
-    CP_PCP_FULL,  /* PCP row, allgather: attention over the gathered context */
-    CP_PCP_OWN,   /* PCP row, ring: partial over this rank's blocks into att, cp_ms */
-    CP_PCP_MERGE, /* PCP row, ring: partial over a received chunk, merged into att, cp_ms */
-} cp_attn_kind;
-
-typedef struct {
-    td_engine *e;
-    cp_attn_kind kind;
-    td_cpu_kv_layer kvl;   /* this rank's layer, or the gathered / received K/V */
-    const int32_t *table;  /* PCP: block table of kvl */
-    int offset;            /* CP_PCP_MERGE: rank whose blocks kvl holds */
-    int32_t row0, n_items; /* PCP: first local row; items are rows (x heads) */
-} cp_attn_task;
-
-static void task_cp_attn(void *ctx, int ith, int nth) {
-    (void)nth;
-    const cp_attn_task *t = ctx;
-    td_engine *e = t->e;
-    float *scratch = e->attn_scratch + (size_t)ith * (size_t)e->p.max_ctx;
-    const int nh = e->nh, hd = e->head_dim, group = e->nh / e->nkv, C = e->cp_n;
-    const size_t slot = (size_t)hd + 2;
-    int64_t i0, i1;
-    while (claim(e, (int64_t)t->n_items * nh, 1, &i0, &i1)) {
-        int32_t item = (int32_t)(i0 / nh);
-        int h = (int)(i0 % nh);
-        bool dcp = t->kind == CP_DCP_PART || t->kind == CP_DCP_MERGE;
-        int32_t r = dcp ? e->cp_dcp_row[item] : t->row0 + item;
-        int32_t seq = e->tok_seq[r];
-        int n_ctx = e->tok_pos[r] + 1; /* causal: positions [0, pos] */
-        size_t off = (size_t)r * (size_t)e->q_dim + (size_t)h * (size_t)hd;
-        const float *q = e->q + off;
-        const int32_t *ltab = e->cp_ltab + (size_t)seq * (size_t)e->cp_maxb;
-        float *ms = e->cp_ms + ((size_t)r * (size_t)nh + (size_t)h) * 2;
-        td_cpu_attn_part part;
-        switch (t->kind) {
-        case CP_DCP_PART: {
-            float *sl =
-                e->cp_part +
-                (((size_t)e->cp_r * (size_t)e->n_dcp + (size_t)item) * (size_t)nh + (size_t)h) *
-                    slot;
-            part.out = sl;
-            td_cpu_attn_partial(q, &t->kvl, h / group, ltab, n_ctx, C, e->cp_r, e->attn_scale,
-                                &part, scratch);
-            sl[hd] = part.m;
-            sl[hd + 1] = part.s;
-            break;
-        }
-        case CP_DCP_MERGE: {
-            td_cpu_attn_part parts[TD_COMM_MAX_RANKS];
-            for (int k = 0; k < C; k++) {
-                float *sl =
-                    e->cp_part +
-                    (((size_t)k * (size_t)e->n_dcp + (size_t)item) * (size_t)nh + (size_t)h) * slot;
-                parts[k] = (td_cpu_attn_part){.out = sl, .m = sl[hd], .s = sl[hd + 1]};
-            }
-            td_cpu_attn_merge(parts, C, hd, e->att + off, NULL);
-            break;
-        }
-        case CP_PCP_FULL:
-            td_cpu_attn_paged(q, &t->kvl, h / group, t->table, n_ctx, e->attn_scale, e->att + off,
-                              scratch);
-            break;
-        case CP_PCP_OWN:
-            part.out = e->att + off;
-            td_cpu_attn_partial(q, &t->kvl, h / group, ltab, n_ctx, C, e->cp_r, e->attn_scale,
-                                &part, scratch);
-            ms[0] = part.m;
-            ms[1] = part.s;
-            break;
-        case CP_PCP_MERGE: {
-            td_cpu_attn_part parts[2] = {{.out = e->att + off, .m = ms[0], .s = ms[1]},
-                                         {.out = e->cp_tmp + (size_t)ith * (size_t)hd}};
-            td_cpu_attn_partial(q, &t->kvl, h / group, t->table, n_ctx, C, t->offset, e->attn_scale,
-                                &parts[1], scratch);
-            td_cpu_attn_part merged;
-            td_cpu_attn_merge(parts, 2, hd, e->att + off, &merged);
-            ms[0] = merged.m;
-            ms[1] = merged.s;
-            break;
-        }
-        }
-    }
-}
-
-static void cp_dispatch(td_engine *e, cp_attn_task *t, int64_t cost) {
-    if (t->n_items > 0) dispatch(e, task_cp_attn, t, e->tp && e->nth > 1 && cost * e->nh >= 1024);
-}
-
-/* K and V of the blocks of [0, end) this rank holds, as n_held K blocks
- * then n_held V blocks from dst and dst + stride_blocks blocks. */
-static void cp_pack(const td_engine *e, const td_cpu_kv_layer *own, int32_t seq, int32_t end,
-                    float *dst, int32_t stride_blocks) {
-    const size_t blk = (size_t)e->cp_bs * (size_t)e->kv_dim;
-    const int32_t *lt = e->cp_ltab + (size_t)seq * (size_t)e->cp_maxb;
-    for (int32_t j = e->cp_r, x = 0; (int64_t)j * e->cp_bs < end; j += e->cp_n, x++) {
-        memcpy(dst + (size_t)x * blk, own->k + (size_t)lt[x] * blk, blk * sizeof(float));
-        memcpy(dst + ((size_t)stride_blocks + (size_t)x) * blk, own->v + (size_t)lt[x] * blk,
-               blk * sizeof(float));
-    }
+/* An attention step of this rank's CP rows (kinds: backend.h). */
+static void cp_attn(td_engine *e, td_cp_attn_kind kind, const td_backend_kv *kv,
+                    const int32_t *table, int offset, int32_t row0, int32_t n_items, int64_t cost) {
+    td_backend_cp_attn a = {.kind = kind,
+                            .kv = *kv,
+                            .table = table,
+                            .offset = offset,
+                            .row0 = row0,
+                            .n_items = n_items,
+                            .cost = cost,
+                            .q = BV(e->q),
+                            .att = BV(e->att),
+                            .part = BV(e->cp_part),
+                            .ms = BV(e->cp_ms),
+                            .nh = e->nh,
+                            .nkv = e->nkv,
+                            .head_dim = e->head_dim,
+                            .scale = e->attn_scale};
+    OP(e, attn_cp)(e->be, &a);
 }
 
 /* Blocks of [0, end) that CP rank r holds. */
@@ -1324,28 +963,24 @@ static int32_t cp_held(const td_engine *e, int32_t end, int r) {
  * sequence (each rank's blocks, padded to the same count) and attends over
  * it in position order with the single-rank kernel, so the attention of a
  * row is bit-identical to the single-rank engine's. */
-static td_status cp_pcp_allgather(td_engine *e, const td_cpu_kv_layer *own, int32_t seq) {
+static td_status cp_pcp_allgather(td_engine *e, const td_backend_kv *own, int32_t seq) {
     const td_seq_chunk *s = &e->seqs[seq];
     const int C = e->cp_n;
     const int32_t end = s->pos0 + s->n_tokens, nb = (end + e->cp_bs - 1) / e->cp_bs;
     const int32_t maxb = cp_held(e, end, 0);
     const size_t blk = (size_t)e->cp_bs * (size_t)e->kv_dim, chunk = 2 * (size_t)maxb * blk;
-    float *mine = e->cp_kv + (size_t)e->cp_r * chunk;
-    cp_pack(e, own, seq, end, mine, maxb);
-    td_status st = cp_all_gather(e, mine, e->cp_kv, chunk * sizeof(float));
+    td_bview mine = BF(e->cp_kv, (size_t)e->cp_r * chunk);
+    OP(e, kv_pack)(e->be, own, seq, end, mine, maxb);
+    td_status st = cp_all_gather(e, CPTR(e, mine), CPTR(e, BV(e->cp_kv)), chunk * sizeof(float));
     if (st) return st;
     for (int32_t j = 0; j < nb; j++) e->cp_gtab[j] = (j % C) * 2 * maxb + j / C;
-    cp_attn_task t = {.e = e,
-                      .kind = CP_PCP_FULL,
-                      .kvl = {.k = e->cp_kv,
-                              .v = e->cp_kv + (size_t)maxb * blk,
-                              .block_size = e->cp_bs,
-                              .n_kv_heads = e->nkv,
-                              .head_dim = e->head_dim},
-                      .table = e->cp_gtab,
-                      .row0 = e->cp_row0[seq],
-                      .n_items = e->cp_nrow[seq]};
-    cp_dispatch(e, &t, (int64_t)t.n_items * end);
+    td_backend_kv all = {.k = BV(e->cp_kv),
+                         .v = BF(e->cp_kv, (size_t)maxb * blk),
+                         .block_size = e->cp_bs,
+                         .n_kv_heads = e->nkv,
+                         .head_dim = e->head_dim};
+    cp_attn(e, TD_CP_ATTN_PCP_FULL, &all, e->cp_gtab, 0, e->cp_row0[seq], e->cp_nrow[seq],
+            (int64_t)e->cp_nrow[seq] * end);
     return TD_OK;
 }
 
@@ -1354,21 +989,17 @@ static td_status cp_pcp_allgather(td_engine *e, const td_cpu_kv_layer *own, int3
  * rank - 1) for cp - 1 steps, and each chunk that arrives adds its partial
  * by the online-softmax merge. Sends are rendezvous: even ranks send first
  * and odd ranks receive first, so every send meets a posted receive. */
-static td_status cp_pcp_ring(td_engine *e, const td_cpu_kv_layer *own, int32_t seq) {
+static td_status cp_pcp_ring(td_engine *e, const td_backend_kv *own, int32_t seq) {
     const td_seq_chunk *s = &e->seqs[seq];
     const int C = e->cp_n, me = e->cp_r, next = (me + 1) % C, prev = (me + C - 1) % C;
     const int32_t end = s->pos0 + s->n_tokens;
     const size_t blk = (size_t)e->cp_bs * (size_t)e->kv_dim;
-    float *buf[2] = {e->cp_kv, e->cp_kv + 2 * (size_t)e->cp_maxb * blk};
-    cp_attn_task t = {.e = e,
-                      .kind = CP_PCP_OWN,
-                      .kvl = *own,
-                      .row0 = e->cp_row0[seq],
-                      .n_items = e->cp_nrow[seq]};
-    const int64_t cost = (int64_t)t.n_items * end / C;
-    cp_dispatch(e, &t, cost);
+    td_bview buf[2] = {BV(e->cp_kv), BF(e->cp_kv, 2 * (size_t)e->cp_maxb * blk)};
+    const int32_t row0 = e->cp_row0[seq], n_items = e->cp_nrow[seq];
+    const int64_t cost = (int64_t)n_items * end / C;
+    cp_attn(e, TD_CP_ATTN_PCP_OWN, own, NULL, 0, row0, n_items, cost);
     int32_t held = cp_held(e, end, me);
-    cp_pack(e, own, seq, end, buf[0], held);
+    OP(e, kv_pack)(e->be, own, seq, end, buf[0], held);
     for (int32_t x = 0; x < e->cp_maxb; x++) e->cp_gtab[x] = x;
     for (int step = 1; step < C; step++) {
         int origin = (me - step + C) % C;
@@ -1378,25 +1009,25 @@ static td_status cp_pcp_ring(td_engine *e, const td_cpu_kv_layer *own, int32_t s
         td_status st;
         if (me % 2 == 0) {
             if ((st = ENGINE_COMM(e, e->cp, out_bytes,
-                                  td_comm_send(e->cp, buf[0], out_bytes, next))) ||
-                (st = ENGINE_COMM(e, e->cp, 0, td_comm_recv(e->cp, buf[1], in_bytes, prev))))
+                                  td_comm_send(e->cp, CPTR(e, buf[0]), out_bytes, next))) ||
+                (st = ENGINE_COMM(e, e->cp, 0,
+                                  td_comm_recv(e->cp, CPTR(e, buf[1]), in_bytes, prev))))
                 return st;
         } else {
-            if ((st = ENGINE_COMM(e, e->cp, 0, td_comm_recv(e->cp, buf[1], in_bytes, prev))) ||
+            if ((st = ENGINE_COMM(e, e->cp, 0,
+                                  td_comm_recv(e->cp, CPTR(e, buf[1]), in_bytes, prev))) ||
                 (st = ENGINE_COMM(e, e->cp, out_bytes,
-                                  td_comm_send(e->cp, buf[0], out_bytes, next))))
+                                  td_comm_send(e->cp, CPTR(e, buf[0]), out_bytes, next))))
                 return st;
         }
         e->timing.cp_bytes += out_bytes;
         if (in_held > 0) {
-            t.kind = CP_PCP_MERGE;
-            t.kvl.k = buf[1];
-            t.kvl.v = buf[1] + (size_t)in_held * blk;
-            t.table = e->cp_gtab;
-            t.offset = origin;
-            cp_dispatch(e, &t, cost);
+            td_backend_kv in = *own;
+            in.k = buf[1];
+            in.v = td_bview_f32(buf[1], (size_t)in_held * blk);
+            cp_attn(e, TD_CP_ATTN_PCP_MERGE, &in, e->cp_gtab, origin, row0, n_items, cost);
         }
-        float *tmp = buf[0];
+        td_bview tmp = buf[0];
         buf[0] = buf[1];
         buf[1] = tmp;
         held = in_held;
@@ -1406,19 +1037,18 @@ static td_status cp_pcp_ring(td_engine *e, const td_cpu_kv_layer *own, int32_t s
 
 /* Attention of this rank's rows for one layer (own: this rank's cache
  * layer, where the rows' K/V were just written on their blocks' owners). */
-static td_status cp_attention(td_engine *e, const td_cpu_kv_layer *own) {
+static td_status cp_attention(td_engine *e, const td_backend_kv *own) {
     td_status st;
     if (e->n_dcp > 0) {
         /* DCP: partials over each rank's positions, gathered and merged in
-         * rank order, so every rank gets the same bits. */
-        cp_attn_task t = {.e = e, .kind = CP_DCP_PART, .kvl = *own, .n_items = e->n_dcp};
-        cp_dispatch(e, &t, e->cp_dcp_cost / e->cp_n);
+         * rank order (on the backend), so every rank gets the same bits. */
+        cp_attn(e, TD_CP_ATTN_DCP_PART, own, NULL, 0, 0, e->n_dcp, e->cp_dcp_cost / e->cp_n);
         size_t bytes = (size_t)e->n_dcp * (size_t)e->nh * ((size_t)e->head_dim + 2) * sizeof(float);
-        if ((st = cp_all_gather(e, (uint8_t *)e->cp_part + (size_t)e->cp_r * bytes, e->cp_part,
-                                bytes)))
+        if ((st = cp_all_gather(e, CPTR(e, td_bview_bytes(BV(e->cp_part), (size_t)e->cp_r * bytes)),
+                                CPTR(e, BV(e->cp_part)), bytes)))
             return st;
-        t.kind = CP_DCP_MERGE;
-        cp_dispatch(e, &t, e->n_dcp * (int64_t)e->cp_n * 8);
+        cp_attn(e, TD_CP_ATTN_DCP_MERGE, own, NULL, 0, 0, e->n_dcp,
+                e->n_dcp * (int64_t)e->cp_n * 8);
     }
     for (int32_t i = 0; i < e->cp_n_seqs; i++) {
         if (!e->cp_split[i]) continue;
@@ -1446,16 +1076,68 @@ static td_status cp_gather_logit_rows(td_engine *e) {
             off += rb[r];
         }
     } else {
-        for (int32_t i = 0; i < e->cp_k[me]; i++)
-            memcpy(e->xn + (size_t)i * (size_t)e->n_embd,
-                   e->x + (size_t)e->cp_send_row[i] * (size_t)e->n_embd, row);
+        OP(e, copy_rows)(e->be, BV(e->xn), BV(e->x), e->cp_send_row, e->cp_k[me], row);
         sb[0] = (size_t)e->cp_k[me] * row;
         e->timing.cp_bytes += sb[0];
     }
-    return ENGINE_COMM(e, e->cp, sb[0], td_comm_all_to_all_v(e->cp, e->xn, sb, sd, e->x, rb, rd));
+    return ENGINE_COMM(
+        e, e->cp, sb[0],
+        td_comm_all_to_all_v(e->cp, CPTR(e, BV(e->xn)), sb, sd, CPTR(e, BV(e->x)), rb, rd));
 }
 
 /* ---------------------------------------------------------------- forward */
+
+/* The KV pool's storage as a backend buffer, wrapped again when the pool's
+ * storage was replaced (td_kv_pool_adopt_storage). */
+static td_status kv_wrap(td_engine *e) {
+    void *base;
+    size_t bytes;
+    td_kv_pool_storage(e->kv, &base, &bytes);
+    if (e->kvb && base == e->kv_base) return TD_OK;
+    td_backend_free(e->be, e->kvb);
+    e->kvb = OP(e, wrap)(e->be, base, bytes);
+    e->kv_base = e->kvb ? base : NULL;
+    if (!e->kvb) {
+        TD_LOG_ERROR("out of memory");
+        return TD_ERR_NOMEM;
+    }
+    return TD_OK;
+}
+
+static td_bview kv_view(const td_engine *e, const float *layer) {
+    return td_bview_bytes(BV(e->kvb), (size_t)((const char *)layer - (const char *)e->kv_base));
+}
+
+/* The per-expert counts of the step come back once, at its end. Under EP
+ * they are already on the host (load_cur, from the counts that sized the
+ * all-to-all). */
+static void expert_load_done(td_engine *e, int n_layers) {
+    const size_t n = (size_t)n_layers * (size_t)e->n_expert;
+    if (e->ep_size == 1) {
+        OP(e, copy_to_host)(e->be, e->load_h, BV(e->load_cnt), n * sizeof(int32_t));
+        for (size_t i = 0; i < n; i++) e->load_cur[i] = e->load_h[i];
+    }
+    memcpy(e->load_last, e->load_cur, n * sizeof(int64_t));
+}
+
+/* The final norm over the logit rows of x (all of them, or those of
+ * logit_src) and the head, into logits (host), a group of rows at a time:
+ * each logit is one dot product whatever the group. */
+static void head_local(td_engine *e, int32_t n_logit, bool logit_rows, float *logits) {
+    const size_t E = (size_t)e->n_embd, V = (size_t)e->n_vocab;
+    OP(e, rmsnorm)
+    (e->be, BV(e->x), (td_bview){0}, BV(e->xn), n_logit, logit_rows, td_model_output_norm(e->m),
+     e->n_embd, e->eps);
+    const td_weight *wh[] = {td_model_output(e->m)};
+    for (int32_t i0 = 0; i0 < n_logit; i0 += e->head_out_rows) {
+        int32_t g = TD_MIN(e->head_out_rows, n_logit - i0);
+        td_bview yh[] = {BV(e->lg)};
+        size_t ldh[] = {V};
+        matmul(e, wh, 1, BF(e->xn, (size_t)i0 * E), E, yh, ldh, g);
+        OP(e, copy_to_host)
+        (e->be, logits + (size_t)i0 * V, BV(e->lg), (size_t)g * V * sizeof(float));
+    }
+}
 
 static int32_t seq_logit_rows(const td_seq_chunk *s) {
     return s->no_logits ? 0 : s->logits_all ? s->n_tokens : 1;
@@ -1468,8 +1150,7 @@ static td_status ep_logits(td_engine *e, const td_seq_chunk *seqs, int32_t n_seq
                            float *logits) {
     const int P = e->ep_size;
     const size_t E = (size_t)e->n_embd, row = E * sizeof(float);
-    for (int32_t i = 0; i < n_logit; i++)
-        memcpy(e->xn + (size_t)i * E, e->x + (size_t)e->logit_tok[i] * E, row);
+    OP(e, copy_rows)(e->be, BV(e->xn), BV(e->x), e->logit_tok, n_logit, row);
     size_t *sb = e->a2a, *sd = sb + P, *rb = sd + P, *rd = rb + P;
     size_t n_all = 0;
     for (int k = 0; k < P; k++) {
@@ -1482,8 +1163,9 @@ static td_status ep_logits(td_engine *e, const td_seq_chunk *seqs, int32_t n_seq
         rd[k] = n_all * row;
         n_all += n;
     }
-    td_status st = ENGINE_COMM(e, e->p.ep_comm, sb[0],
-                               td_comm_all_to_all_v(e->p.ep_comm, e->xn, sb, sd, e->o, rb, rd));
+    td_status st = ENGINE_COMM(
+        e, e->p.ep_comm, sb[0],
+        td_comm_all_to_all_v(e->p.ep_comm, CPTR(e, BV(e->xn)), sb, sd, CPTR(e, BV(e->o)), rb, rd));
     if (st || e->ep_rank != 0 || n_all == 0) return st;
     /* Sender-major (each sender's rows in its sequences' order) to the
      * order of seqs; rd becomes each sender's read cursor, in rows. */
@@ -1492,17 +1174,11 @@ static td_status ep_logits(td_engine *e, const td_seq_chunk *seqs, int32_t n_seq
     for (int32_t i = 0; i < n_seqs; i++) {
         size_t n = (size_t)seq_logit_rows(&seqs[i]);
         int k = seq_owner(e, &seqs[i]);
-        memcpy(e->x + out * E, e->o + rd[k] * E, n * row);
+        OP(e, copy)(e->be, BF(e->x, out * E), BF(e->o, rd[k] * E), n * row);
         rd[k] += n;
         out += n;
     }
-    norm_task nh = {
-        .e = e, .n_rows = (int32_t)n_all, .add = false, .norm_w = td_model_output_norm(e->m)};
-    run(e, task_norm, &nh, (int32_t)n_all);
-    const td_weight *wh[] = {td_model_output(e->m)};
-    float *yh[] = {logits};
-    size_t ldh[] = {(size_t)e->n_vocab};
-    matmul(e, wh, 1, e->xn, E, yh, ldh, (int32_t)n_all);
+    head_local(e, (int32_t)n_all, false, logits);
     return TD_OK;
 }
 
@@ -1564,48 +1240,31 @@ td_status td_engine_forward(td_engine *e, const td_seq_chunk *seqs, int32_t n_se
 
 /* Vocab-parallel head: this rank's logits of each group of rows straight
  * into its block of head_buf, one all-gather, then every rank's block to
- * its columns of logits. Each logit is one dot product, as with one rank. */
-typedef struct {
-    td_engine *e;
-    int32_t i0, n_rows; /* logit rows of this group */
-    float *logits;
-} head_place_task;
-
-static void task_head_place(void *ctx, int ith, int nth) {
-    const head_place_task *t = ctx;
-    td_engine *e = t->e;
-    (void)ith;
-    (void)nth;
-    const size_t W = (size_t)e->vocab_per_rank, V = (size_t)e->n_vocab;
-    const size_t blk = (size_t)t->n_rows * W;
-    int64_t r0, r1;
-    while (claim(e, t->n_rows, ROW_CHUNK, &r0, &r1))
-        for (int64_t r = r0; r < r1; r++)
-            for (int q = 0; q < e->vocab_tp; q++) {
-                size_t v0 = (size_t)q * W;
-                if (v0 >= V) break;
-                memcpy(t->logits + (size_t)(t->i0 + r) * V + v0,
-                       e->head_buf + (size_t)q * blk + (size_t)r * W,
-                       TD_MIN(W, V - v0) * sizeof(float));
-            }
-}
-
+ * its columns of the group's logits, copied out. Each logit is one dot
+ * product, as with one rank. */
 static td_status head_vocab_parallel(td_engine *e, int32_t n_logit, float *logits) {
-    const size_t E = (size_t)e->n_embd, W = (size_t)e->vocab_per_rank;
+    const size_t E = (size_t)e->n_embd, W = (size_t)e->vocab_per_rank, V = (size_t)e->n_vocab;
     const td_weight *wh[] = {td_model_output(e->m)};
     const int rank = td_comm_rank(e->comm);
     for (int32_t i0 = 0; i0 < n_logit; i0 += e->head_rows) {
         int32_t g = TD_MIN(e->head_rows, n_logit - i0);
         size_t blk = (size_t)g * W;
-        float *yh[] = {e->head_buf + (size_t)rank * blk};
+        td_bview yh[] = {BF(e->head_buf, (size_t)rank * blk)};
         size_t ldh[] = {W};
-        matmul(e, wh, 1, e->xn + (size_t)i0 * E, E, yh, ldh, g);
+        matmul(e, wh, 1, BF(e->xn, (size_t)i0 * E), E, yh, ldh, g);
         td_status st =
             ENGINE_COMM(e, e->comm, blk * sizeof(float),
-                        td_comm_all_gather(e->comm, yh[0], e->head_buf, blk * sizeof(float)));
+                        td_comm_all_gather(e->comm, CPTR(e, yh[0]), CPTR(e, BV(e->head_buf)),
+                                           blk * sizeof(float)));
         if (st) return st;
-        head_place_task t = {.e = e, .i0 = i0, .n_rows = g, .logits = logits};
-        run(e, task_head_place, &t, g);
+        for (int32_t r0 = 0; r0 < g; r0 += e->head_out_rows) {
+            int32_t n = TD_MIN(e->head_out_rows, g - r0);
+            OP(e, head_place)
+            (e->be, BV(e->lg), BV(e->head_buf), r0, n, g, e->vocab_per_rank, e->n_vocab,
+             e->vocab_tp);
+            OP(e, copy_to_host)
+            (e->be, logits + (size_t)(i0 + r0) * V, BV(e->lg), (size_t)n * V * sizeof(float));
+        }
     }
     return TD_OK;
 }
@@ -1660,6 +1319,7 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
     int64_t attn_cost = 0; /* positions attended, summed over rows */
     for (int32_t i = 0; i < n_seqs; i++) {
         const td_seq_chunk *s = &seqs[i];
+        e->seq_tab[i] = s->block_table;
         if (!seq_mine(e, s)) continue;
         for (int32_t j = 0; j < s->n_tokens; j++, T++) {
             e->tok_seq[T] = i;
@@ -1674,17 +1334,35 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
         attn_cost = cp_plan(e, seqs, n_seqs, &n_logit);
         T = e->n_tok;
     }
+    for (int32_t r = 0; r < T; r++) {
+        const td_seq_chunk *s = &seqs[e->tok_seq[r]];
+        e->tok_id[r] = s->tokens[e->tok_pos[r] - s->pos0];
+    }
+    td_backend_batch batch = {.n_rows = T,
+                              .row_seq = e->tok_seq,
+                              .row_pos = e->tok_pos,
+                              .row_tok = e->tok_id,
+                              .logit_src = e->logit_tok,
+                              .n_seqs = n_seqs,
+                              .seq_table = e->seq_tab,
+                              .cp_n = e->cp_n,
+                              .cp_r = e->cp_r,
+                              .cp_maxb = e->cp_maxb,
+                              .cp_ltab = e->cp_ltab,
+                              .cp_dcp_row = e->cp_dcp_row,
+                              .n_dcp = e->n_dcp};
+    OP(e, set_batch)(e->be, &batch);
+    if ((st = kv_wrap(e))) return st;
     const size_t E = (size_t)e->n_embd;
 
     if (first) {
-        embd_task et = {.e = e};
-        run(e, task_embd, &et, T);
+        OP(e, embed)(e->be, td_model_tok_embd(m), e->vocab_begin, e->vocab_end, BV(e->x));
         if (e->vocab_tp > 1 &&
             (st = ENGINE_COMM(e, e->comm, (size_t)T * E * sizeof(float),
-                              td_comm_all_reduce_sum(e->comm, e->x, (size_t)T * E))))
+                              td_comm_all_reduce_sum(e->comm, CPTR(e, BV(e->x)), (size_t)T * E))))
             return st;
     } else {
-        memcpy(e->x, x_in, (size_t)T * E * sizeof(float));
+        OP(e, copy_from_host)(e->be, BV(e->x), x_in, (size_t)T * E * sizeof(float));
     }
 
     int lb = td_model_layer_begin(m), le = td_model_layer_end(m);
@@ -1694,90 +1372,79 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
 
         /* attention block */
         const td_weight *wqkv[] = {&lw->wq, &lw->wk, &lw->wv};
-        norm_task nt = {.e = e, .n_rows = T, .add = l > lb, .norm_w = lw->attn_norm};
-        run(e, task_norm, &nt, T);
-        float *y3[] = {e->q, e->k, e->v};
+        OP(e, rmsnorm)
+        (e->be, BV(e->x), l > lb ? BV(e->o) : (td_bview){0}, BV(e->xn), T, false, lw->attn_norm,
+         e->n_embd, e->eps);
+        td_bview y3[] = {BV(e->q), BV(e->k), BV(e->v)};
         size_t ld3[] = {(size_t)e->q_dim, (size_t)e->kv_dim, (size_t)e->kv_dim};
-        matmul(e, wqkv, 3, e->xn, E, y3, ld3, T);
+        matmul(e, wqkv, 3, BV(e->xn), E, y3, ld3, T);
 
-        qkv_task qt = {.e = e,
-                       .lw = lw,
-                       .kc = td_kv_layer_k(e->kv, l - lb),
-                       .vc = td_kv_layer_v(e->kv, l - lb)};
-        run(e, task_qkv, &qt, T);
-
-        attn_task at = {.e = e,
-                        .kvl = {.k = qt.kc,
-                                .v = qt.vc,
-                                .block_size = kp->block_size,
-                                .n_kv_heads = e->nkv,
-                                .head_dim = e->head_dim}};
+        td_backend_kv kvl = {.k = kv_view(e, td_kv_layer_k(e->kv, l - lb)),
+                             .v = kv_view(e, td_kv_layer_v(e->kv, l - lb)),
+                             .block_size = kp->block_size,
+                             .n_kv_heads = e->nkv,
+                             .head_dim = e->head_dim};
+        OP(e, rope_store)
+        (e->be, BV(e->q), BV(e->k), BV(e->v), lw->bq, lw->bk, lw->bv, &e->rope, &kvl);
         if (e->cp_n > 1) {
-            if ((st = cp_attention(e, &at.kvl))) return st;
+            if ((st = cp_attention(e, &kvl))) return st;
         } else {
-            /* attention cost grows with context: worth threads even for one row */
-            dispatch(e, task_attn, &at, e->tp && e->nth > 1 && attn_cost * e->nh >= 1024);
+            OP(e, attn)(e->be, BV(e->q), BV(e->att), &kvl, e->nh, e->attn_scale, attn_cost);
         }
         if (e->p.layer_done) e->p.layer_done(e->p.layer_done_ctx, l - lb);
 
         const td_weight *wo[] = {&lw->wo};
-        float *yo[] = {e->o};
+        td_bview yo[] = {BV(e->o)};
         size_t ldo[] = {E};
-        matmul(e, wo, 1, e->att, (size_t)e->q_dim, yo, ldo, T);
+        matmul(e, wo, 1, BV(e->att), (size_t)e->q_dim, yo, ldo, T);
         if ((st = ENGINE_COMM(e, e->comm, (size_t)T * E * sizeof(float),
-                              td_comm_all_reduce_sum(e->comm, e->o, (size_t)T * E))))
+                              td_comm_all_reduce_sum(e->comm, CPTR(e, BV(e->o)), (size_t)T * E))))
             return st;
 
         /* MLP block */
-        norm_task nt2 = {.e = e, .n_rows = T, .add = true, .norm_w = lw->ffn_norm};
-        run(e, task_norm, &nt2, T);
+        OP(e, rmsnorm)
+        (e->be, BV(e->x), BV(e->o), BV(e->xn), T, false, lw->ffn_norm, e->n_embd, e->eps);
         if (e->ep_size > 1) {
             if ((st = moe_ffn_ep(e, lw, l - lb))) return st;
         } else if (e->n_expert > 0) {
             moe_ffn(e, lw, l - lb);
         } else {
             const td_weight *wgu[] = {&lw->w_gate, &lw->w_up};
-            float *ygu[] = {e->g, e->u};
+            td_bview ygu[] = {BV(e->g), BV(e->u)};
             size_t ldgu[] = {(size_t)e->n_ff, (size_t)e->n_ff};
-            matmul(e, wgu, 2, e->xn, E, ygu, ldgu, T);
+            matmul(e, wgu, 2, BV(e->xn), E, ygu, ldgu, T);
 
             const td_weight *wd[] = {&lw->w_down};
-            swiglu_task sw = {.e = e, .g = e->g, .u = e->u, .n_rows = T, .n = e->n_ff};
-            run(e, task_swiglu, &sw, T);
-            matmul(e, wd, 1, e->g, (size_t)e->n_ff, yo, ldo, T);
+            OP(e, swiglu)(e->be, BV(e->g), BV(e->u), T, e->n_ff);
+            matmul(e, wd, 1, BV(e->g), (size_t)e->n_ff, yo, ldo, T);
         }
         if ((st = ENGINE_COMM(e, e->comm, (size_t)T * E * sizeof(float),
-                              td_comm_all_reduce_sum(e->comm, e->o, (size_t)T * E))))
+                              td_comm_all_reduce_sum(e->comm, CPTR(e, BV(e->o)), (size_t)T * E))))
             return st;
-        if (e->ep_sum &&
-            (st = ENGINE_COMM(e, e->p.ep_comm, (size_t)T * E * sizeof(float),
-                              td_comm_all_reduce_sum(e->p.ep_comm, e->o, (size_t)T * E))))
+        if (e->ep_sum && (st = ENGINE_COMM(e, e->p.ep_comm, (size_t)T * E * sizeof(float),
+                                           td_comm_all_reduce_sum(e->p.ep_comm, CPTR(e, BV(e->o)),
+                                                                  (size_t)T * E))))
             return st;
     }
-    if (e->n_expert > 0)
-        memcpy(e->load_last, e->load_cur,
-               (size_t)(le - lb) * (size_t)e->n_expert * sizeof(int64_t));
 
     /* last residual for every row, then norm + head only for the logit rows */
-    for (int32_t r = 0; r < T; r++)
-        td_cpu_add(e->x + r * E, e->o + r * E, e->x + r * E, (int64_t)E);
+    OP(e, add)(e->be, BV(e->x), BV(e->o), T, e->n_embd);
+    if (e->n_expert > 0) expert_load_done(e, le - lb);
     if (!last) {
-        memcpy(x_out, e->x, (size_t)T * E * sizeof(float));
+        OP(e, copy_to_host)(e->be, x_out, BV(e->x), (size_t)T * E * sizeof(float));
         return TD_OK;
     }
     if (e->cp_n > 1 && (st = cp_gather_logit_rows(e))) return st;
     if (e->ep_dp) return ep_logits(e, seqs, n_seqs, n_logit, logits);
     if (n_logit == 0) return TD_OK;
-    const td_weight *wh[] = {td_model_output(m)};
-    norm_task nh = {.e = e,
-                    .n_rows = n_logit,
-                    .add = false,
-                    .src_row = e->logit_tok,
-                    .norm_w = td_model_output_norm(m)};
-    run(e, task_norm, &nh, n_logit);
-    if (e->vocab_tp > 1) return head_vocab_parallel(e, n_logit, logits);
-    float *yh[] = {logits};
-    size_t ldh[] = {(size_t)e->n_vocab};
-    matmul(e, wh, 1, e->xn, E, yh, ldh, n_logit);
+    if (e->vocab_tp > 1) {
+        OP(e, rmsnorm)
+        (e->be, BV(e->x), (td_bview){0}, BV(e->xn), n_logit, true, td_model_output_norm(m),
+         e->n_embd, e->eps);
+        return head_vocab_parallel(e, n_logit, logits);
+    }
+    head_local(e, n_logit, true, logits);
     return TD_OK;
 }
+
+_Static_assert(TD_BACKEND_MAX_CP_RANKS >= TD_COMM_MAX_RANKS, "a CP group merges in one call");

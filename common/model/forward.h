@@ -13,6 +13,7 @@
 
 #include <stdbool.h>
 
+#include "../backend/backend.h"
 #include "../base/threadpool.h"
 #include "../kv/kv.h"
 #include "../parallel/comm.h"
@@ -77,6 +78,10 @@ typedef struct {
      * layer starts (NULL: none). */
     void (*layer_done)(void *ctx, int32_t layer);
     void *layer_done_ctx;
+    /* Compute backend (borrowed; NULL: the engine creates one of
+     * backend_kind over its thread pool and destroys it with itself). */
+    td_backend *backend;
+    int backend_kind; /* td_backend_kind; default: td_backend_kind_from_env() */
 } td_engine_params;
 
 td_engine_params td_engine_default_params(void);

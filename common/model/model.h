@@ -29,7 +29,7 @@
 
 #include <stdbool.h>
 
-#include "../../kernels/cpu/cpu.h"
+#include "../../kernels/types.h"
 #include "../base/base.h"
 #include "../tokenizer/tokenizer.h"
 

@@ -134,7 +134,7 @@ td_exec_params td_exec_default_params(void) {
     p.plan = td_plan_default_params();
     p.engine = td_engine_default_params();
     p.block_size = 16;
-    p.isa = td_cpu_isa_best();
+    p.isa = td_backend_isa_best();
     p.comm = td_comm_default_params();
     return p;
 }
@@ -183,9 +183,9 @@ static td_status split_groups(td_exec *x) {
 static td_status load_shard(td_exec *x) {
     const exec_config *c = &x->cfg;
     td_status st;
-    if (!td_cpu_select((td_isa)c->isa)) {
+    if (!td_backend_isa_select((td_isa)c->isa)) {
         TD_LOG_ERROR("rank %d: this CPU cannot run the %s kernels", x->rank,
-                     td_cpu_isa_name((td_isa)c->isa));
+                     td_backend_isa_name((td_isa)c->isa));
         return TD_ERR_UNSUPPORTED;
     }
     if ((st = td_threadpool_create(c->n_threads, &x->pool))) return st;

@@ -37,7 +37,7 @@
 
 #include <stdbool.h>
 
-#include "../../kernels/cpu/cpu.h"
+#include "../../kernels/types.h"
 #include "../kv/kv.h"
 #include "../model/forward.h"
 #include "../model/model.h"

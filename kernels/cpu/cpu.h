@@ -17,17 +17,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../dtype.h"
+#include "../types.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-typedef enum {
-    TD_ISA_SCALAR = 0,
-    TD_ISA_AVX2 = 1,   /* AVX2 + FMA + F16C */
-    TD_ISA_AVX512 = 2, /* AVX-512 F/BW/VL (+VNNI where present) */
-} td_isa;
 
 /* Best ISA this CPU supports. */
 td_isa td_cpu_isa_best(void);
@@ -39,12 +33,7 @@ const char *td_cpu_isa_name(td_isa isa);
 bool td_cpu_select(td_isa isa);
 td_isa td_cpu_selected(void);
 
-/* ---- conversions ---- */
-float td_fp16_to_f32(td_fp16 h);
-td_fp16 td_f32_to_fp16(float f); /* round to nearest even */
-float td_bf16_to_f32(td_bf16 h);
-td_bf16 td_f32_to_bf16(float f); /* round to nearest even */
-
+/* ---- conversions (td_fp16_to_f32 and the others: ../types.h) ---- */
 /* dst[0..k) = dequantized row of type t (k a multiple of the block size). */
 void td_cpu_dequant_row(td_dtype t, const void *src, float *dst, int64_t k);
 /* Quantize a float row with ggml's reference rounding (for tests/tools).
@@ -81,10 +70,7 @@ void td_cpu_softmax(float *x, int64_t n);
 /* ---- RoPE ----
  * x: (n_heads, head_dim) for one token at position pos. Rotates the first
  * n_rot dims of each head. inv_freq[i], i < n_rot/2, is the angular
- * frequency of pair i (already including any RoPE scaling).
- * NORM (GPT-J / GGUF llama): pairs (2i, 2i+1).
- * NEOX (HF llama, qwen2): pairs (i, i + n_rot/2). */
-typedef enum { TD_ROPE_NORM = 0, TD_ROPE_NEOX = 2 } td_rope_mode;
+ * frequency of pair i (already including any RoPE scaling); mode: ../types.h. */
 void td_cpu_rope(float *x, int n_heads, int head_dim, int n_rot, int32_t pos, const float *inv_freq,
                  td_rope_mode mode);
 

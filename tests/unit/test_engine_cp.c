@@ -819,7 +819,7 @@ static int teardown(void **state) {
 }
 
 int main(void) {
-    td_cpu_select(td_cpu_isa_best());
+    td_backend_isa_select(td_backend_isa_best());
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cp2_allgather), cmocka_unit_test(test_cp2_ring),
         cmocka_unit_test(test_cp3_cp4),       cmocka_unit_test(test_tp2_cp2),

@@ -763,8 +763,8 @@ static void test_pipeline_tiny(void **state) {
 int main(void) {
     /* TD_TEST_ISA=scalar|avx2|avx512 runs the contract on one kernel set. */
     const char *isa = getenv("TD_TEST_ISA");
-    int want = isa ? td_cpu_isa_parse(isa) : (int)td_cpu_isa_best();
-    if (want < 0 || !td_cpu_select((td_isa)want)) {
+    int want = isa ? td_backend_isa_parse(isa) : (int)td_backend_isa_best();
+    if (want < 0 || !td_backend_isa_select((td_isa)want)) {
         fprintf(stderr, "TD_TEST_ISA=%s: not available on this CPU\n", isa);
         return 1;
     }

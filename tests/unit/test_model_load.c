@@ -25,6 +25,7 @@
 
 #include <cmocka.h>
 
+#include "common/backend/backend.h"
 #include "common/model/gguf.h"
 #include "common/model/model.h"
 
@@ -781,7 +782,7 @@ static int teardown(void **state) {
 }
 
 int main(void) {
-    td_cpu_select(td_cpu_isa_best());
+    td_backend_isa_select(td_backend_isa_best());
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_configs),          cmocka_unit_test(test_rope_llama3),
         cmocka_unit_test(test_shards),           cmocka_unit_test(test_rewrite_control),
