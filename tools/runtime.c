@@ -113,7 +113,9 @@ td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p) {
     }
     td_status st;
     if ((st = select_isa(p, &rt->isa))) goto fail;
-    if (!p->quiet) fprintf(stderr, "isa: %s\n", td_backend_isa_name(rt->isa));
+    if (!p->quiet)
+        fprintf(stderr, "isa: %s\nbackend: %s\n", td_backend_isa_name(rt->isa),
+                td_backend_kind_name(td_backend_kind_from_env()));
     td_exec_params xp = td_exec_default_params();
     xp.model_path = p->model_path ? p->model_path : td_default_model_path();
     if (p->plan) xp.plan = *p->plan;

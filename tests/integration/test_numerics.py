@@ -16,7 +16,7 @@ Tolerances (largest rel_t allowed) and why:
               float weights"), so the only difference is F32 rounding, as for F32.
   q8,   1e-4  Quantized matmuls dequantize the weights exactly as GGUF
   q4          defines them (only q4_1's d*q+m rounds, once, to F32) and
-              multiply them with F32 activations (td_cpu_matmul_f32act), so
+              multiply them with F32 activations (the CPU backend's matmul), so
               the engine is an F32 computation on the same dequantized
               weights the reference uses: the same bound as F32. Measured on
               these models: rel_t < 1e-6 on every ISA. (With 8-bit

@@ -12,7 +12,7 @@
  *   compared within a tolerance; the embedding and head are isolated with a
  *   "passthrough" model whose layers add exactly zero (o_proj and down_proj
  *   zero), where the logits must be bit-identical; and the head of quantized
- *   tables is isolated at the kernel the engine uses (td_cpu_matmul_f32act
+ *   tables is isolated at the op the engine uses (the CPU backend's matmul
  *   over a shard's rows vs the full table's), also bit-identical. Every rank
  *   of a TP group receives the same complete logits.
  * - Timing: TP 2 spends time in comm calls (comm_s > 0) and computes
@@ -35,7 +35,6 @@
 #include "common/model/forward.h"
 #include "common/model/model.h"
 #include "common/parallel/comm.h"
-#include "kernels/cpu/qmatmul.h"
 
 #define N_PRE    13 /* prefill tokens (logits for every one) */
 #define N_DEC    3  /* then single-token decode steps */
@@ -175,19 +174,29 @@ static void head_kernel_case(const char *rel, int tp) {
         seed = seed * 1664525u + 1013904223u;
         x[i] = (float)((int32_t)(seed >> 8) % 2000) / 1000.0f;
     }
+    td_backend *be;
+    assert_int_equal(td_backend_cpu_create(NULL, &be), TD_OK);
+    const size_t out_bytes = (size_t)n * (size_t)V * sizeof(float);
+    td_bbuf *xb = be->i->wrap(be, x, (size_t)n * (size_t)E * sizeof(float));
+    td_bbuf *wb = be->i->wrap(be, want, out_bytes), *gb = be->i->wrap(be, got, out_bytes);
+    const size_t ld = (size_t)V;
     const td_weight *w = td_model_output(full);
-    td_cpu_matmul_f32act(w->type, w->data, w->stride, x, (size_t)E, n, w->cols, want, (size_t)V, 0,
-                         (int)w->rows);
-    memset(got, 0xff, (size_t)n * (size_t)V * sizeof(float));
+    td_bview yw = td_bview_of(wb);
+    be->i->matmul(be, 1, &w, td_bview_of(xb), (size_t)E, &yw, &ld, n);
+    memset(got, 0xff, out_bytes);
     for (int r = 0; r < tp; r++) {
         td_model *s = load_path(path, r, tp, 0);
         int32_t v0, v1;
         td_model_vocab_range(s, &v0, &v1);
         const td_weight *ws = td_model_output(s);
-        td_cpu_matmul_f32act(ws->type, ws->data, ws->stride, x, (size_t)E, n, ws->cols, got + v0,
-                             (size_t)V, 0, (int)ws->rows);
+        td_bview yg = td_bview_f32(td_bview_of(gb), (size_t)v0);
+        be->i->matmul(be, 1, &ws, td_bview_of(xb), (size_t)E, &yg, &ld, n);
         td_model_free(s);
     }
+    td_backend_free(be, xb);
+    td_backend_free(be, wb);
+    td_backend_free(be, gb);
+    td_backend_destroy(be);
     assert_memory_equal(want, got, (size_t)n * (size_t)V * sizeof(float));
     free(x);
     free(want);

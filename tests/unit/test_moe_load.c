@@ -311,7 +311,7 @@ static void test_tp_forward(void **state) {
     /* F32 accumulation of split sums: a few ulps per layer (~1e-6 relative
      * on the dense tiny models); 1e-5 is far below what a wrong slice or a
      * routing difference would give (order 1). Q8_0 weights meet F32
-     * activations (td_cpu_matmul_f32act), so the same bound holds. */
+     * activations (the CPU backend dequantizes on the fly), so the same bound holds. */
     tp_case("gguf/mixtral-f32.gguf", 2, 1e-5);
     tp_case("gguf/mixtral-q8_0.gguf", 4, 1e-5); /* per-expert tensors, KV heads replicated */
     tp_case("hf/qwen2moe-f32", 2, 1e-5);        /* shared expert and its gate */
