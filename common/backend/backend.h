@@ -1,32 +1,33 @@
 /* Compute backend: the one seam between the forward pass and the hardware.
  *
- * A td_backend is a handle with an ops table and a context, created once per
- * rank (the model: ggml's ggml_backend_i with its buffer types, not one
- * function per forward pass, which would fork the TP/PP/CP/EP logic per
- * backend). The forward pass (common/model/forward.c) keeps the layer loop,
- * the parallel plan and the comm calls, and computes only through
- * td_backend_* calls; it never dereferences backend memory.
+ * A td_backend is a handle with an ops table (td_backend_i) and a context,
+ * created once per rank (the model: ggml's ggml_backend_i with its buffer
+ * types, not one function per forward pass, which would fork the TP/PP/CP/EP
+ * logic per backend). The forward pass (common/model/forward.c) keeps the
+ * layer loop, the parallel plan and the comm calls, and computes only
+ * through the table (be->i->op(be, ...)); it never dereferences backend
+ * memory.
  *
  * Memory. Buffers are opaque (td_bbuf), allocated through the backend, and
  * addressed as views (buffer + byte offset). Whether a buffer is host
  * visible is the backend's business: what crosses to the host goes through
- * td_backend_copy_to_host / _from_host. Weights stay where the model loader
- * put them and are handed to the backend once (td_backend_upload_model);
- * ops then name them by their td_weight / const float * of the model, which
- * the backend resolves (the CPU backend reads the mmap in place: zero copy).
- * External memory the backend must compute on (the KV pool's storage) is
- * wrapped once with td_backend_wrap.
+ * the copy_to_host / copy_from_host ops. Weights stay where the model loader
+ * put them and are handed to the backend once (upload_model); ops then name
+ * them by their td_weight / const float * of the model, which the backend
+ * resolves (the CPU backend reads the mmap in place: zero copy). External
+ * memory the backend must compute on (the KV pool's storage) is wrapped
+ * once (wrap).
  *
  * Batch metadata. Per-row positions, sequences, token ids, block tables and
  * the context-parallel tables are built on the host before a step and handed
- * over once with td_backend_set_batch; a device backend uploads them there.
- * The few host index arrays an op takes besides (noted at the op) are valid
- * for the call only.
+ * over once with set_batch; a device backend uploads them there. The few
+ * host index arrays an op takes besides (noted at the op) are valid for the
+ * call only.
  *
- * Comm. A collective reads and writes backend memory through
- * td_backend_comm_ptr, between td_backend_comm_begin and _end (the checking
- * backend opens its buffers there; a device backend hands device pointers
- * to a device-aware communicator).
+ * Comm. A collective reads and writes backend memory through comm_ptr,
+ * between comm_begin and comm_end (the checking backend opens its buffers
+ * there; a device backend hands device pointers to a device-aware
+ * communicator).
  *
  * Numerics. Every op of the CPU backend computes each output element by a
  * sequence of roundings that does not depend on the rows, batch or thread
@@ -232,7 +233,7 @@ const char *td_backend_isa_name(td_isa isa);
 bool td_backend_isa_select(td_isa isa); /* false: this CPU cannot run it */
 td_isa td_backend_isa_selected(void);
 
-/* Thin calls through the table (see td_backend_i; views of f32 unless said). */
+/* Allocation through the table. */
 static inline td_bbuf *td_backend_alloc(td_backend *be, size_t bytes) {
     return be->i->alloc(be, bytes);
 }
