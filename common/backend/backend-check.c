@@ -176,9 +176,8 @@ CK_OP(moe_combine,
        int k),
       (in, o, xn, w, slot, yg, shexp_inp, shared, r0, r1, outside, n, e, k))
 CK_OP(head_place,
-      (td_backend * be, td_bview logits, td_bview buf, int32_t r0, int32_t n, int32_t g, int32_t w,
-       int32_t v, int tp),
-      (in, logits, buf, r0, n, g, w, v, tp))
+      (td_backend * be, td_bview logits, td_bview buf, int32_t n, int32_t w, int32_t v, int tp),
+      (in, logits, buf, n, w, v, tp))
 
 static const td_backend_i ck_i = {
     .name = "cpu-check",

@@ -22,7 +22,6 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include "backend-impl.h"
 #include "kernels/cpu/attn-cp.h"
@@ -86,17 +85,23 @@ static void run(cpu_ctx *c, td_task_fn fn, void *ctx, int64_t n_rows) {
 
 /* ------------------------------------------------------- memory, batch */
 
+/* Zero-filled, cache-line aligned host memory (NULL when out of memory). */
+static void *host_alloc(size_t bytes) {
+    size_t n = bytes ? (bytes + 63) & ~(size_t)63 : 64;
+    void *p = n >= bytes ? aligned_alloc(64, n) : NULL;
+    if (p) memset(p, 0, n);
+    return p;
+}
+
 static td_bbuf *cpu_alloc(td_backend *be, size_t bytes) {
     (void)be;
     td_bbuf *b = calloc(1, sizeof *b);
     if (!b) return NULL;
-    size_t n = (bytes + 63) & ~(size_t)63;
-    b->p = aligned_alloc(64, n ? n : 64);
+    b->p = host_alloc(bytes);
     if (!b->p) {
         free(b);
         return NULL;
     }
-    memset(b->p, 0, n ? n : 64);
     b->bytes = bytes;
     b->owned = true;
     return b;
@@ -167,8 +172,8 @@ static td_status cpu_reserve(td_backend *be, int32_t max_ctx, int head_dim) {
     if (max_ctx <= c->max_ctx && head_dim <= c->head_dim) return TD_OK;
     max_ctx = TD_MAX(max_ctx, c->max_ctx);
     head_dim = TD_MAX(head_dim, c->head_dim);
-    float *a = aligned_alloc(64, (((size_t)c->nth * (size_t)max_ctx * sizeof(float)) + 63) & ~63u);
-    float *t = aligned_alloc(64, (((size_t)c->nth * (size_t)head_dim * sizeof(float)) + 63) & ~63u);
+    float *a = host_alloc((size_t)c->nth * (size_t)max_ctx * sizeof(float));
+    float *t = host_alloc((size_t)c->nth * (size_t)head_dim * sizeof(float));
     if (!a || !t) {
         free(a);
         free(t);
@@ -792,7 +797,7 @@ typedef struct {
     cpu_ctx *c;
     float *logits;
     const float *head_buf;
-    int32_t r0, n_rows, group_rows;
+    int32_t n_rows;
     size_t W, V;
     int vocab_tp;
 } head_place_task;
@@ -802,7 +807,7 @@ static void task_head_place(void *ctx, int ith, int nth) {
     (void)ith;
     (void)nth;
     const size_t W = t->W, V = t->V;
-    const size_t blk = (size_t)t->group_rows * W;
+    const size_t blk = (size_t)t->n_rows * W;
     int64_t r0, r1;
     while (claim(t->c, t->n_rows, ROW_CHUNK, &r0, &r1))
         for (int64_t r = r0; r < r1; r++)
@@ -810,21 +815,18 @@ static void task_head_place(void *ctx, int ith, int nth) {
                 size_t v0 = (size_t)q * W;
                 if (v0 >= V) break;
                 memcpy(t->logits + (size_t)r * V + v0,
-                       t->head_buf + (size_t)q * blk + (size_t)(t->r0 + r) * W,
+                       t->head_buf + (size_t)q * blk + (size_t)r * W,
                        TD_MIN(W, V - v0) * sizeof(float));
             }
 }
 
-static void cpu_head_place(td_backend *be, td_bview logits, td_bview head_buf, int32_t r0,
-                           int32_t n_rows, int32_t group_rows, int32_t width, int32_t n_vocab,
-                           int vocab_tp) {
+static void cpu_head_place(td_backend *be, td_bview logits, td_bview head_buf, int32_t n_rows,
+                           int32_t width, int32_t n_vocab, int vocab_tp) {
     cpu_ctx *c = ctx_of(be);
     head_place_task t = {.c = c,
                          .logits = F32(logits),
                          .head_buf = F32(head_buf),
-                         .r0 = r0,
                          .n_rows = n_rows,
-                         .group_rows = group_rows,
                          .W = (size_t)width,
                          .V = (size_t)n_vocab,
                          .vocab_tp = vocab_tp};

@@ -204,10 +204,9 @@ typedef struct td_backend_i {
     void (*moe_combine)(td_backend *be, td_bview o, td_bview xn, td_bview sel_w, td_bview sel_slot,
                         td_bview yg, const float *shexp_inp, bool shared, int32_t r0, int32_t r1,
                         bool shared_outside, int32_t n_rows, int n_embd, int k);
-    /* logits row r = rows r0 + r of the vocab_tp blocks (group_rows, width) of head_buf */
-    void (*head_place)(td_backend *be, td_bview logits, td_bview head_buf, int32_t r0,
-                       int32_t n_rows, int32_t group_rows, int32_t width, int32_t n_vocab,
-                       int vocab_tp);
+    /* logits (n_rows, n_vocab) from the vocab_tp blocks (n_rows, width) of head_buf */
+    void (*head_place)(td_backend *be, td_bview logits, td_bview head_buf, int32_t n_rows,
+                       int32_t width, int32_t n_vocab, int vocab_tp);
 } td_backend_i;
 
 struct td_backend {

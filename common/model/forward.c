@@ -23,7 +23,6 @@
 #include "../backend/backend.h"
 #include "../parallel/plan.h"
 
-#define N_MM TD_BACKEND_MAX_MM /* most weights sharing one input in a matmul step */
 /* Vocab-parallel head: most logits all-gathered at a time (bounds its scratch). */
 #define HEAD_GATHER_FLOATS (1 << 21)
 /* Head of one rank: most logits computed before they are copied out. */
@@ -57,20 +56,20 @@ struct td_engine {
     /* MoE scratch (n_expert > 0), K = n_expert_used */
     int n_expert, n_used, n_ff_exp;
     bool norm_topk;
-    td_bbuf *rl;             /* (T, n_expert) router logits */
-    td_bbuf *sel_id;         /* int32 (T, K) chosen experts, by descending probability */
-    td_bbuf *sel_w;          /* (T, K) their weights */
-    td_bbuf *sel_slot;       /* int32 (T, K) grouped slot holding each choice */
-    td_bbuf *slot_row;       /* int32 (T * K) token row of each slot, slots grouped by expert */
-    td_bbuf *exp_off;        /* int32 (n_expert + 1) first slot of each expert */
-    td_bbuf *xg;             /* (T * K, n_embd) token rows gathered per expert */
-    td_bbuf *gg, *ug;        /* (T * K, n_ff_exp) local expert width */
-    td_bbuf *yg;             /* (T * K, n_embd) expert outputs */
-    td_bbuf *load_cnt;       /* int32 (local layers, n_expert) choices per expert of the step */
-    int32_t *load_h;         /* host (local layers, n_expert): load_cnt copied at the step's end */
-    int32_t *tok_seq;        /* (T) sequence of each row */
-    int32_t *tok_pos;        /* (T) position of each row */
-    int32_t *tok_id;         /* (T) token id of each row */
+    td_bbuf *rl;       /* (T, n_expert) router logits */
+    td_bbuf *sel_id;   /* int32 (T, K) chosen experts, by descending probability */
+    td_bbuf *sel_w;    /* (T, K) their weights */
+    td_bbuf *sel_slot; /* int32 (T, K) grouped slot holding each choice */
+    td_bbuf *slot_row; /* int32 (T * K) token row of each slot, slots grouped by expert */
+    td_bbuf *exp_off;  /* int32 (n_expert + 1) first slot of each expert */
+    td_bbuf *xg;       /* (T * K, n_embd) token rows gathered per expert */
+    td_bbuf *gg, *ug;  /* (T * K, n_ff_exp) local expert width */
+    td_bbuf *yg;       /* (T * K, n_embd) expert outputs */
+    td_bbuf *load_cnt; /* int32 (local layers, n_expert) choices per expert of the step */
+    int32_t *load_h;  /* host (local layers, n_expert): load_cnt copied at the step's end (no EP) */
+    int32_t *tok_seq; /* (T) sequence of each row */
+    int32_t *tok_pos; /* (T) position of each row */
+    int32_t *tok_id;  /* (T) token id of each row */
     int32_t *logit_tok;      /* (T) row feeding each logit row */
     const int32_t **seq_tab; /* (S) block table of each sequence */
     /* Expert parallelism (ep_comm of size > 1) and per-expert load. The rows
@@ -89,7 +88,8 @@ struct td_engine {
     size_t *a2a;                   /* (4, ep_size) send bytes, displs, recv bytes, displs */
     int32_t *ep_eoff;              /* host (n_exp_loc + 1) first received row of each expert */
     td_bbuf *ep_eoff_b;            /* the same in backend memory */
-    int64_t *load_cur, *load_last; /* host (local layers, n_expert) choices per expert */
+    int64_t *load_cur;  /* host (local layers, n_expert), EP: counts of the running step */
+    int64_t *load_last; /* host (local layers, n_expert): counts of the last step */
     const td_seq_chunk *seqs;
     int32_t n_tok;
     /* vocab-parallel embedding and head (model tp_size > 1): rows of other
@@ -132,7 +132,6 @@ struct td_engine {
 #define BV(b)       td_bview_of(b)
 #define BF(b, n)    td_bview_f32(td_bview_of(b), (size_t)(n))
 #define BI(b, n)    td_bview_bytes(td_bview_of(b), (size_t)(n) * sizeof(int32_t))
-#define BE(e)       ((e)->be)
 #define OP(e, name) (e)->be->i->name
 
 /* Every td_comm_* call of the forward pass goes through ENGINE_COMM, which
@@ -529,9 +528,12 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
         e->ug = balloc(e, TK * (size_t)e->n_ff_exp, sizeof(float), &fail);
         e->yg = balloc(e, TK * (size_t)e->n_embd, sizeof(float), &fail);
         size_t NL = (size_t)n_local_layers * (size_t)e->n_expert;
-        e->load_cnt = balloc(e, NL, sizeof(int32_t), &fail);
-        e->load_h = scratch_alloc(NL, sizeof(int32_t), &fail);
-        e->load_cur = scratch_alloc(NL, sizeof(int64_t), &fail);
+        if (e->ep_size > 1) {
+            e->load_cur = scratch_alloc(NL, sizeof(int64_t), &fail);
+        } else {
+            e->load_cnt = balloc(e, NL, sizeof(int32_t), &fail);
+            e->load_h = scratch_alloc(NL, sizeof(int32_t), &fail);
+        }
         e->load_last = scratch_alloc(NL, sizeof(int64_t), &fail);
         if (e->load_last) memset(e->load_last, 0, NL * sizeof(int64_t));
         if (e->ep_size > 1) {
@@ -549,6 +551,8 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
         /* Columns past a short slice are never computed (and never read):
          * zero-filled once, so no uninitialised bytes go to the comm. */
         e->head_buf = balloc(e, (size_t)e->head_rows * per_row, sizeof(float), &fail);
+        /* per_row >= n_vocab: on the last stage a gathered group fits in lg */
+        TD_ASSERT(!e->lg || e->head_rows <= e->head_out_rows);
     }
     cp_alloc(e, kp, &fail);
     if (fail) {
@@ -1113,21 +1117,27 @@ static td_bview kv_view(const td_engine *e, const float *layer) {
  * all-to-all). */
 static void expert_load_done(td_engine *e, int n_layers) {
     const size_t n = (size_t)n_layers * (size_t)e->n_expert;
-    if (e->ep_size == 1) {
-        OP(e, copy_to_host)(e->be, e->load_h, BV(e->load_cnt), n * sizeof(int32_t));
-        for (size_t i = 0; i < n; i++) e->load_cur[i] = e->load_h[i];
+    if (e->ep_size > 1) {
+        memcpy(e->load_last, e->load_cur, n * sizeof(int64_t));
+        return;
     }
-    memcpy(e->load_last, e->load_cur, n * sizeof(int64_t));
+    OP(e, copy_to_host)(e->be, e->load_h, BV(e->load_cnt), n * sizeof(int32_t));
+    for (size_t i = 0; i < n; i++) e->load_last[i] = e->load_h[i];
 }
 
-/* The final norm over the logit rows of x (all of them, or those of
- * logit_src) and the head, into logits (host), a group of rows at a time:
- * each logit is one dot product whatever the group. */
-static void head_local(td_engine *e, int32_t n_logit, bool logit_rows, float *logits) {
-    const size_t E = (size_t)e->n_embd, V = (size_t)e->n_vocab;
+/* The final norm of the logit rows of x (the first n_logit rows, or those
+ * of the batch's logit_src) into xn. */
+static void final_norm(td_engine *e, int32_t n_logit, bool logit_rows) {
     OP(e, rmsnorm)
     (e->be, BV(e->x), (td_bview){0}, BV(e->xn), n_logit, logit_rows, td_model_output_norm(e->m),
      e->n_embd, e->eps);
+}
+
+/* The final norm and the head, into logits (host), a group of rows at a
+ * time: each logit is one dot product whatever the group. */
+static void head_local(td_engine *e, int32_t n_logit, bool logit_rows, float *logits) {
+    const size_t E = (size_t)e->n_embd, V = (size_t)e->n_vocab;
+    final_norm(e, n_logit, logit_rows);
     const td_weight *wh[] = {td_model_output(e->m)};
     for (int32_t i0 = 0; i0 < n_logit; i0 += e->head_out_rows) {
         int32_t g = TD_MIN(e->head_out_rows, n_logit - i0);
@@ -1244,6 +1254,7 @@ td_status td_engine_forward(td_engine *e, const td_seq_chunk *seqs, int32_t n_se
  * product, as with one rank. */
 static td_status head_vocab_parallel(td_engine *e, int32_t n_logit, float *logits) {
     const size_t E = (size_t)e->n_embd, W = (size_t)e->vocab_per_rank, V = (size_t)e->n_vocab;
+    final_norm(e, n_logit, true);
     const td_weight *wh[] = {td_model_output(e->m)};
     const int rank = td_comm_rank(e->comm);
     for (int32_t i0 = 0; i0 < n_logit; i0 += e->head_rows) {
@@ -1257,14 +1268,11 @@ static td_status head_vocab_parallel(td_engine *e, int32_t n_logit, float *logit
                         td_comm_all_gather(e->comm, CPTR(e, yh[0]), CPTR(e, BV(e->head_buf)),
                                            blk * sizeof(float)));
         if (st) return st;
-        for (int32_t r0 = 0; r0 < g; r0 += e->head_out_rows) {
-            int32_t n = TD_MIN(e->head_out_rows, g - r0);
-            OP(e, head_place)
-            (e->be, BV(e->lg), BV(e->head_buf), r0, n, g, e->vocab_per_rank, e->n_vocab,
-             e->vocab_tp);
-            OP(e, copy_to_host)
-            (e->be, logits + (size_t)(i0 + r0) * V, BV(e->lg), (size_t)n * V * sizeof(float));
-        }
+        /* g <= head_rows <= head_out_rows: the group fits in lg */
+        OP(e, head_place)
+        (e->be, BV(e->lg), BV(e->head_buf), g, e->vocab_per_rank, e->n_vocab, e->vocab_tp);
+        OP(e, copy_to_host)
+        (e->be, logits + (size_t)i0 * V, BV(e->lg), (size_t)g * V * sizeof(float));
     }
     return TD_OK;
 }
@@ -1437,12 +1445,7 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
     if (e->cp_n > 1 && (st = cp_gather_logit_rows(e))) return st;
     if (e->ep_dp) return ep_logits(e, seqs, n_seqs, n_logit, logits);
     if (n_logit == 0) return TD_OK;
-    if (e->vocab_tp > 1) {
-        OP(e, rmsnorm)
-        (e->be, BV(e->x), (td_bview){0}, BV(e->xn), n_logit, true, td_model_output_norm(m),
-         e->n_embd, e->eps);
-        return head_vocab_parallel(e, n_logit, logits);
-    }
+    if (e->vocab_tp > 1) return head_vocab_parallel(e, n_logit, logits);
     head_local(e, n_logit, true, logits);
     return TD_OK;
 }

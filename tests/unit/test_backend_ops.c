@@ -851,16 +851,17 @@ static void test_copies(void **state) {
         for (int i = 0; i < 3; i++) assert_memory_equal(got + i * 40, x + rows[i] * 40, 40 * 4);
         free(got);
         report(h, "copy", "views, rows, to and from host", 0, 0);
-        /* head placement: 3 ranks' blocks of width 4 of a 10-word vocabulary */
-        const int tp = 3, W = 4, V = 10, g = 5, r0 = 1, nr = 3;
+        /* head placement: 3 ranks' blocks (5 rows of width 4) of a 10-word
+         * vocabulary: the last block is 2 columns short */
+        const int tp = 3, W = 4, V = 10, nr = 5;
         float buf[3 * 5 * 4];
-        for (int i = 0; i < tp * g * W; i++) buf[i] = (float)i;
+        for (int i = 0; i < tp * nr * W; i++) buf[i] = (float)i;
         td_bbuf *hb = up(be, buf, sizeof buf), *lg = up(be, NULL, (size_t)nr * V * 4);
-        be->i->head_place(be, td_bview_of(lg), td_bview_of(hb), r0, nr, g, W, V, tp);
+        be->i->head_place(be, td_bview_of(lg), td_bview_of(hb), nr, W, V, tp);
         got = down(be, lg, (size_t)nr * V * 4);
         for (int r = 0; r < nr; r++)
             for (int v = 0; v < V; v++)
-                assert_true(got[r * V + v] == buf[(v / W) * g * W + (r0 + r) * W + v % W]);
+                assert_true(got[r * V + v] == buf[(v / W) * nr * W + r * W + v % W]);
         free(got);
         report(h, "head_place", "3 ranks, width 4, vocab 10", 0, 0);
         td_backend_free(be, src);
