@@ -126,9 +126,20 @@ def fds(pid):
 
 
 def rank_pids(pid):
+    """The rank processes D forked: every process whose parent is D. (Read
+    from each process's stat, not from /proc/PID/task/TID/children: a
+    thread of D can exit between listing its tasks and reading one.)"""
     out = []
-    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
-        out += [int(k) for k in (task / "children").read_text().split()]
+    for ent in pathlib.Path("/proc").iterdir():
+        if not ent.name.isdigit():
+            continue
+        try:
+            stat = (ent / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        # the command name is in parentheses and may hold spaces
+        if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+            out.append(int(ent.name))
     return sorted(out)
 
 
