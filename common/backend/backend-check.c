@@ -175,6 +175,13 @@ CK_OP(moe_combine,
        const float *shexp_inp, bool shared, int32_t r0, int32_t r1, bool outside, int32_t n, int e,
        int k),
       (in, o, xn, w, slot, yg, shexp_inp, shared, r0, r1, outside, n, e, k))
+CK_OP(moe_ep_pack,
+      (td_backend * be, td_bview blocks, td_bview slots, td_bview off, int ng, int g, int32_t cap,
+       int e, bool to_blocks),
+      (in, blocks, slots, off, ng, g, cap, e, to_blocks))
+CK_OP(moe_ep_permute, (td_backend * be, const td_backend_ep *p, bool to_slots), (in, p, to_slots))
+CK_OP(count_sum, (td_backend * be, td_bview dst, td_bview src, int n_src, int n),
+      (in, dst, src, n_src, n))
 CK_OP(head_place,
       (td_backend * be, td_bview logits, td_bview buf, int32_t n, int32_t w, int32_t v, int tp),
       (in, logits, buf, n, w, v, tp))
@@ -211,6 +218,9 @@ static const td_backend_i ck_i = {
     .moe_gather = ck_moe_gather,
     .moe_experts = ck_moe_experts,
     .moe_combine = ck_moe_combine,
+    .moe_ep_pack = ck_moe_ep_pack,
+    .moe_ep_permute = ck_moe_ep_permute,
+    .count_sum = ck_count_sum,
     .head_place = ck_head_place,
 };
 

@@ -607,7 +607,12 @@ static void cpu_moe_experts(td_backend *be, const td_backend_experts *x) {
         size_t ldgu[] = {F, F};
         matmul_host(c, 2, wgu, xg + (size_t)s0 * E, E, ygu, ldgu, n);
     }
-    swiglu_host(c, gg, ug, x->n_slots, (int)F);
+    if (x->n > 0) { /* the slots of the experts, first to last */
+        int32_t s0 = off[x->experts[0].id - x->id_base];
+        int32_t s1 = off[x->experts[x->n - 1].id - x->id_base + 1];
+        TD_ASSERT(s0 >= 0 && s0 <= s1 && s1 <= x->n_slots);
+        swiglu_host(c, gg + (size_t)s0 * F, ug + (size_t)s0 * F, s1 - s0, (int)F);
+    }
     for (int32_t i = 0; i < x->n; i++) {
         const td_expert_weights *ex = &x->experts[i];
         int32_t s0 = off[ex->id - x->id_base], n = off[ex->id - x->id_base + 1] - s0;
@@ -686,6 +691,85 @@ static void cpu_moe_combine(td_backend *be, td_bview o, td_bview xn, td_bview se
                       .E = (size_t)n_embd,
                       .K = k};
     run(c, task_combine, &t, n_rows);
+}
+
+/* Expert parallelism: group g of this rank's slots (its experts' rows,
+ * off[g * group] up to off[(g + 1) * group]) to or from the block of cap
+ * rows at g * cap. */
+static void cpu_moe_ep_pack(td_backend *be, td_bview blocks, td_bview slots, td_bview offv,
+                            int n_groups, int group, int32_t cap, int n_embd, bool to_blocks) {
+    (void)be;
+    const size_t row = (size_t)n_embd * sizeof(float);
+    const int32_t *off = I32(offv);
+    char *b = td_bview_host(blocks), *s = td_bview_host(slots);
+    for (int g = 0; g < n_groups; g++) {
+        int32_t s0 = off[g * group], n = off[(g + 1) * group] - s0;
+        TD_ASSERT(n >= 0 && n <= cap);
+        char *bp = b + (size_t)g * (size_t)cap * row, *sp = s + (size_t)s0 * row;
+        if (n == 0) continue;
+        if (to_blocks)
+            memcpy(bp, sp, (size_t)n * row);
+        else
+            memcpy(sp, bp, (size_t)n * row);
+    }
+}
+
+/* Whether sender j's counts fit its block (they do unless the ranks were
+ * given different batches). */
+static bool ep_sender_fits(const td_backend_ep *p, const int32_t *cs, int j) {
+    int64_t n = 0;
+    for (int i = 0; i < p->n_local; i++) {
+        if (cs[i] < 0) return false;
+        n += cs[i];
+    }
+    return n <= p->cap[j];
+}
+
+/* Sender j's block holds its rows for local expert 0, then 1, ...; the
+ * slots hold local expert 0's rows of sender 0, 1, ..., then expert 1's.
+ * A sender whose counts do not fit sends nothing here, and err says so
+ * (the step reports it at its end). */
+static void cpu_moe_ep_permute(td_backend *be, const td_backend_ep *p, bool to_slots) {
+    (void)be;
+    const int P = p->n_senders, NL = p->n_local;
+    const size_t row = (size_t)p->n_embd * sizeof(float);
+    const int32_t *cnt = I32(p->counts);
+    int32_t *off = I32(p->off), *err = I32(p->err);
+    char *b = td_bview_host(p->blocks), *s = td_bview_host(p->slots);
+    int32_t slot = 0;
+    for (int i = 0; i < NL; i++) {
+        if (to_slots) off[i] = slot;
+        size_t blk = 0;
+        for (int j = 0; j < P; j++) {
+            const int32_t *cs = cnt + (size_t)j * (size_t)p->n_expert + p->exp0;
+            if (ep_sender_fits(p, cs, j)) {
+                size_t at = blk;
+                for (int k = 0; k < i; k++) at += (size_t)cs[k];
+                size_t n = (size_t)cs[i];
+                char *bp = b + at * row, *sp = s + (size_t)slot * row;
+                if (n && to_slots)
+                    memcpy(sp, bp, n * row);
+                else if (n)
+                    memcpy(bp, sp, n * row);
+                slot += (int32_t)n;
+            } else if (to_slots) {
+                *err = 1;
+            }
+            blk += (size_t)p->cap[j];
+        }
+    }
+    if (to_slots) off[NL] = slot;
+}
+
+static void cpu_count_sum(td_backend *be, td_bview dstv, td_bview srcv, int n_src, int n) {
+    (void)be;
+    int32_t *dst = I32(dstv);
+    const int32_t *src = I32(srcv);
+    for (int x = 0; x < n; x++) {
+        int32_t v = 0;
+        for (int k = 0; k < n_src; k++) v += src[(size_t)k * (size_t)n + (size_t)x];
+        dst[x] = v;
+    }
 }
 
 /* ---------------------------------------------------- context parallelism */
@@ -875,6 +959,9 @@ const td_backend_i td_backend_cpu_i = {
     .moe_gather = cpu_moe_gather,
     .moe_experts = cpu_moe_experts,
     .moe_combine = cpu_moe_combine,
+    .moe_ep_pack = cpu_moe_ep_pack,
+    .moe_ep_permute = cpu_moe_ep_permute,
+    .count_sum = cpu_count_sum,
     .head_place = cpu_head_place,
 };
 

@@ -80,7 +80,7 @@ typedef enum {
     TD_OP_ATTN,       /* paged attention */
     TD_OP_ATTN_CP,    /* partial attention + merge (context parallelism) */
     TD_OP_SWIGLU,     /* silu(g) * u */
-    TD_OP_MOE,        /* route, group, gather, experts, combine */
+    TD_OP_MOE,        /* route, group, gather, experts, combine, the EP blocks */
     TD_OP_HEAD_PLACE, /* vocab-parallel head: gathered slices to logits */
     TD_OP_COPY,       /* device copies, to and from host */
     TD_OP_COUNT,
@@ -155,9 +155,24 @@ typedef struct {
     td_bview xg;     /* (slots, n_embd) input rows */
     td_bview gg, ug; /* (slots, n_ff_exp) */
     td_bview yg;     /* (slots, n_embd) outputs */
-    int32_t n_slots;
+    int32_t n_slots; /* rows of xg, gg, ug and yg at most; off says how many are used */
     int n_embd, n_ff;
 } td_backend_experts;
+
+/* Expert parallelism moves fixed blocks, so the host never reads a count:
+ * sender j's rows for this rank's experts arrive in a block of cap[j] rows
+ * (its rows x min(k, local experts), a bound no routing exceeds), at the
+ * sum of the caps before it. The counts say how many of a block's rows are
+ * real, local expert by local expert. */
+typedef struct {
+    td_bview blocks;    /* (sum of cap, n_embd) the received rows, sender-major */
+    td_bview slots;     /* (.., n_embd) the same rows expert-major */
+    td_bview counts;    /* int32 (n_senders, n_expert) each sender's choices per expert */
+    td_bview off;       /* int32 (n_local + 1) first slot of each local expert, written */
+    td_bview err;       /* int32, set to 1 when a sender's counts overflow its block */
+    const int32_t *cap; /* host (n_senders) rows of each sender's block */
+    int n_senders, n_local, exp0, n_expert, n_embd;
+} td_backend_ep;
 
 typedef struct td_backend_i {
     const char *name;
@@ -204,6 +219,17 @@ typedef struct td_backend_i {
     void (*moe_combine)(td_backend *be, td_bview o, td_bview xn, td_bview sel_w, td_bview sel_slot,
                         td_bview yg, const float *shexp_inp, bool shared, int32_t r0, int32_t r1,
                         bool shared_outside, int32_t n_rows, int n_embd, int k);
+    /* This rank's grouped slots (off: int32 (n_groups * group + 1) first
+     * slot of each expert) to blocks of cap rows, group g at row g * cap
+     * (to_blocks), or back. */
+    void (*moe_ep_pack)(td_backend *be, td_bview blocks, td_bview slots, td_bview off,
+                        int n_groups, int group, int32_t cap, int n_embd, bool to_blocks);
+    /* The received blocks to expert-major slots, writing off and err
+     * (to_slots), or the experts' outputs back into the blocks. A sender
+     * whose counts overflow its block sets err and counts as sending none. */
+    void (*moe_ep_permute)(td_backend *be, const td_backend_ep *p, bool to_slots);
+    /* dst[x] = sum over k < n_src of src[k * n + x] (int32) */
+    void (*count_sum)(td_backend *be, td_bview dst, td_bview src, int n_src, int n);
     /* logits (n_rows, n_vocab) from the vocab_tp blocks (n_rows, width) of head_buf */
     void (*head_place)(td_backend *be, td_bview logits, td_bview head_buf, int32_t n_rows,
                        int32_t width, int32_t n_vocab, int vocab_tp);

@@ -65,8 +65,10 @@ struct td_engine {
     td_bbuf *xg;       /* (T * K, n_embd) token rows gathered per expert */
     td_bbuf *gg, *ug;  /* (T * K, n_ff_exp) local expert width */
     td_bbuf *yg;       /* (T * K, n_embd) expert outputs */
-    td_bbuf *load_cnt; /* int32 (local layers, n_expert) choices per expert of the step */
-    int32_t *load_h;  /* host (local layers, n_expert): load_cnt copied at the step's end (no EP) */
+    td_bbuf *load_cnt; /* int32 (local layers, n_expert) choices per expert of the step, then
+                        * the EP exchange's error flag */
+    int32_t *load_h;   /* host: load_cnt copied at the step's end */
+    size_t load_err;   /* index of the error flag in load_cnt */
     int32_t *tok_seq; /* (T) sequence of each row */
     int32_t *tok_pos; /* (T) position of each row */
     int32_t *tok_id;  /* (T) token id of each row */
@@ -84,12 +86,12 @@ struct td_engine {
     bool ep_sum;                   /* the FFN partials are summed over ep_comm (TP is 1) */
     bool ep_dp;                    /* attention-DP: own sequences, own rows, no row split */
     td_bbuf *ep_cnt;               /* int32 (rg_size, n_expert) choices of each rank's rows */
-    int32_t *ep_cnt_h;             /* host copy of ep_cnt (sizes the all-to-all) */
     size_t *a2a;                   /* (4, ep_size) send bytes, displs, recv bytes, displs */
-    int32_t *ep_eoff;              /* host (n_exp_loc + 1) first received row of each expert */
-    td_bbuf *ep_eoff_b;            /* the same in backend memory */
-    int64_t *load_cur;  /* host (local layers, n_expert), EP: counts of the running step */
-    int64_t *load_last; /* host (local layers, n_expert): counts of the last step */
+    int32_t *ep_cap;               /* host (ep_size) rows of each EP rank's dispatch block */
+    td_bbuf *ep_eoff;              /* int32 (n_exp_loc + 1) first received slot of each expert */
+    td_bbuf *ep_send;              /* (ep_size blocks of ep_cap[ep_rank] rows, n_embd) */
+    td_bbuf *ep_recv;              /* (a block of ep_cap[j] rows per EP rank j, n_embd) */
+    int64_t *load_last;            /* host (local layers, n_expert): counts of the last step */
     const td_seq_chunk *seqs;
     int32_t n_tok;
     /* vocab-parallel embedding and head (model tp_size > 1): rows of other
@@ -267,7 +269,8 @@ static void engine_free_scratch(td_engine *e) {
     td_bbuf *bufs[] = {
         e->x,  e->xn,  e->q,  e->k,        e->v,      e->att,       e->o,        e->g,       e->u,
         e->lg, e->kvb, e->rl, e->sel_id,   e->sel_w,  e->sel_slot,  e->slot_row, e->exp_off, e->xg,
-        e->gg, e->ug,  e->yg, e->load_cnt, e->ep_cnt, e->ep_eoff_b, e->head_buf};
+        e->gg, e->ug,  e->yg, e->load_cnt, e->ep_cnt, e->ep_eoff, e->ep_send, e->ep_recv,
+        e->head_buf};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) td_backend_free(e->be, bufs[i]);
     free(e->tok_seq);
     free(e->tok_pos);
@@ -275,10 +278,8 @@ static void engine_free_scratch(td_engine *e) {
     free(e->logit_tok);
     free(e->seq_tab);
     free(e->load_h);
-    free(e->ep_cnt_h);
     free(e->a2a);
-    free(e->ep_eoff);
-    free(e->load_cur);
+    free(e->ep_cap);
     free(e->load_last);
     if (e->own_be) td_backend_destroy(e->be);
 }
@@ -528,21 +529,26 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
         e->ug = balloc(e, TK * (size_t)e->n_ff_exp, sizeof(float), &fail);
         e->yg = balloc(e, TK * (size_t)e->n_embd, sizeof(float), &fail);
         size_t NL = (size_t)n_local_layers * (size_t)e->n_expert;
-        if (e->ep_size > 1) {
-            e->load_cur = scratch_alloc(NL, sizeof(int64_t), &fail);
-        } else {
-            e->load_cnt = balloc(e, NL, sizeof(int32_t), &fail);
-            e->load_h = scratch_alloc(NL, sizeof(int32_t), &fail);
-        }
+        e->load_err = NL;
+        e->load_cnt = balloc(e, NL + 1, sizeof(int32_t), &fail);
+        e->load_h = scratch_alloc(NL + 1, sizeof(int32_t), &fail);
         e->load_last = scratch_alloc(NL, sizeof(int64_t), &fail);
         if (e->load_last) memset(e->load_last, 0, NL * sizeof(int64_t));
         if (e->ep_size > 1) {
             size_t rc = (size_t)e->rg_size * (size_t)e->n_expert;
             e->ep_cnt = balloc(e, rc, sizeof(int32_t), &fail);
-            e->ep_cnt_h = scratch_alloc(rc, sizeof(int32_t), &fail);
             e->a2a = scratch_alloc(4 * (size_t)e->ep_size, sizeof(size_t), &fail);
-            e->ep_eoff = scratch_alloc((size_t)e->n_exp_loc + 1, sizeof(int32_t), &fail);
-            e->ep_eoff_b = balloc(e, (size_t)e->n_exp_loc + 1, sizeof(int32_t), &fail);
+            e->ep_cap = scratch_alloc((size_t)e->ep_size, sizeof(int32_t), &fail);
+            e->ep_eoff = balloc(e, (size_t)e->n_exp_loc + 1, sizeof(int32_t), &fail);
+            /* A block bounds what one EP rank's rows send to one rank: each
+             * row chooses k distinct experts, at most n_exp_loc of them on
+             * one rank. The senders' rows add up to the batch at most; one
+             * rank's are a row-group share, or (attention-DP) all of it. */
+            size_t kl = (size_t)TD_MIN(e->n_used, e->n_exp_loc);
+            size_t own = e->ep_dp ? T : (T + (size_t)e->rg_size - 1) / (size_t)e->rg_size;
+            e->ep_send = balloc(e, (size_t)e->ep_size * own * kl * (size_t)e->n_embd,
+                                sizeof(float), &fail);
+            e->ep_recv = balloc(e, T * kl * (size_t)e->n_embd, sizeof(float), &fail);
         }
     }
     if (e->vocab_tp > 1) {
@@ -674,40 +680,38 @@ static void moe_ffn(td_engine *e, const td_layer_weights *lw, int li) {
      T, false, T, e->n_embd, K);
 }
 
-/* Rows of the expert-parallel exchange: a is sender-major (as an
- * all-to-all lands them: sender j's rows for each local expert in turn), b
- * expert-major (each local expert's rows of every sender, so one matmul per
- * expert); to_b copies a into b, else b back into a. */
-static void ep_permute(td_engine *e, td_bbuf *a, td_bbuf *b, bool to_b) {
-    const size_t E = (size_t)e->n_embd;
-    const size_t *rd = e->a2a + 3 * (size_t)e->ep_size;
-    size_t nb = 0;
-    for (int i = 0; i < e->n_exp_loc; i++)
-        for (int j = 0; j < e->ep_size; j++) {
-            const int32_t *cs =
-                e->ep_cnt_h + (size_t)(e->ep_base + j) * (size_t)e->n_expert + e->exp0;
-            size_t na = rd[j] / (E * sizeof(float));
-            for (int k = 0; k < i; k++) na += (size_t)cs[k];
-            size_t n = (size_t)cs[i];
-            if (n && to_b)
-                OP(e, copy)(e->be, BF(b, nb * E), BF(a, na * E), n * E * sizeof(float));
-            else if (n)
-                OP(e, copy)(e->be, BF(a, na * E), BF(b, nb * E), n * E * sizeof(float));
-            nb += n;
+/* The rows EP rank j routes in this step: its row-group share of the
+ * batch, or (attention-DP) the rows of the sequences it owns. Known on
+ * every rank from the batch alone, so the blocks of the exchange are sized
+ * on the host without reading a count. */
+static void ep_plan(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs) {
+    const int32_t kl = TD_MIN(e->n_used, e->n_exp_loc);
+    for (int j = 0; j < e->ep_size; j++) {
+        int64_t rows = 0;
+        if (e->ep_dp) {
+            for (int32_t i = 0; i < n_seqs; i++)
+                if (seq_owner(e, &seqs[i]) == j) rows += seqs[i].n_tokens;
+        } else {
+            int64_t T = e->n_tok, k = e->ep_base + j;
+            rows = T * (k + 1) / e->rg_size - T * k / e->rg_size;
         }
+        e->ep_cap[j] = (int32_t)rows * kl;
+    }
 }
 
 /* The MoE FFN of one layer under expert parallelism. This rank routes its
  * share [r0, r1) of the rows and groups the choices by expert as moe_ffn
- * does, so the slots of the experts of EP rank j are contiguous: block j
- * of the dispatch. The per-expert counts of every row-group rank (one
- * all-gather) size every transfer and give the load of the whole batch:
- * they are copied to the host, the one read of backend memory inside a
- * step. Each local expert runs once over the rows of all senders, the
- * outputs go back into the slots they came from (combine), and each row
- * adds its experts in its selection order, as on one rank. Rows outside
- * [r0, r1) get no routed part: the sum over the row group after the FFN
- * (the TP all-reduce, or ep_sum) completes them. */
+ * does, so the slots of the experts of EP rank j are contiguous: they go
+ * into block j of the dispatch. Every block has a size fixed by the batch
+ * (ep_plan), so the all-to-all is sized on the host and no count is read
+ * back inside the step: the per-expert counts of every row-group rank (one
+ * all-gather) stay in backend memory, where they place the received rows
+ * expert-major and give the load of the whole batch. Each local expert
+ * runs once over the rows of all senders, the outputs go back into the
+ * slots they came from (combine), and each row adds its experts in its
+ * selection order, as on one rank. Rows outside [r0, r1) get no routed
+ * part: the sum over the row group after the FFN (the TP all-reduce, or
+ * ep_sum) completes them. */
 static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
     const int32_t T = e->n_tok;
     const int K = e->n_used, NE = e->n_expert, P = e->ep_size, NL = e->n_exp_loc;
@@ -730,60 +734,46 @@ static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
     (e->be, BV(e->sel_id), BV(e->sel_slot), BV(e->slot_row), BV(e->exp_off), mine, r0, r1, NE, K);
     int32_t n_slots = nr * K;
     OP(e, moe_gather)(e->be, BV(e->xg), BV(e->xn), BV(e->slot_row), n_slots, e->n_embd);
+    const int32_t cap = e->ep_cap[e->ep_rank];
+    OP(e, moe_ep_pack)(e->be, BV(e->ep_send), BV(e->xg), BV(e->exp_off), P, NL, cap, e->n_embd, true);
 
     if ((st = ENGINE_COMM(e, e->rg_comm, (size_t)NE * sizeof(int32_t),
                           td_comm_all_gather(e->rg_comm, CPTR(e, mine), CPTR(e, BV(e->ep_cnt)),
                                              (size_t)NE * sizeof(int32_t)))))
         return st;
-    OP(e, copy_to_host)
-    (e->be, e->ep_cnt_h, BV(e->ep_cnt), (size_t)e->rg_size * (size_t)NE * sizeof(int32_t));
-    const int32_t *cnt = e->ep_cnt_h, *own = cnt + (size_t)e->rg_rank * (size_t)NE;
-    for (int x = 0; x < NE; x++) {
-        int64_t n = 0;
-        for (int k = 0; k < e->rg_size; k++) n += cnt[(size_t)k * (size_t)NE + (size_t)x];
-        e->load_cur[(size_t)li * (size_t)NE + (size_t)x] = n;
-    }
+    OP(e, count_sum)
+    (e->be, BI(e->load_cnt, (size_t)li * (size_t)NE), BV(e->ep_cnt), e->rg_size, NE);
     size_t *sb = e->a2a, *sd = sb + P, *rb = sd + P, *rd = rb + P;
-    size_t n_recv = 0, first = 0; /* this rank's first slot of EP rank j's experts */
+    size_t n_recv = 0;
     for (int j = 0; j < P; j++) {
-        size_t n_send = 0;
-        for (int i = 0; i < NL; i++) n_send += (size_t)own[j * NL + i];
-        sd[j] = first * row;
-        sb[j] = n_send * row;
-        first += n_send;
-        const int32_t *cs = cnt + (size_t)(e->ep_base + j) * (size_t)NE + e->exp0;
-        size_t n = 0;
-        for (int i = 0; i < NL; i++) n += (size_t)cs[i];
+        sd[j] = (size_t)j * (size_t)cap * row;
+        sb[j] = (size_t)cap * row;
         rd[j] = n_recv * row;
-        rb[j] = n * row;
-        n_recv += n;
+        rb[j] = (size_t)e->ep_cap[j] * row;
+        n_recv += (size_t)e->ep_cap[j];
     }
-    /* The senders share one batch, so this holds unless the ranks were given
-     * different batches. */
-    if (n_recv > (size_t)e->p.max_batch_tokens * (size_t)K) {
-        TD_LOG_ERROR("expert parallelism: %zu rows for this rank's experts, more than %d tokens "
-                     "x %d: the EP group's ranks ran different batches",
-                     n_recv, e->p.max_batch_tokens, K);
-        return TD_ERR_INVALID;
-    }
-    /* Dispatch: my slots (xg) to the experts' ranks, theirs into yg. */
-    if ((st = ENGINE_COMM(e, e->p.ep_comm, (size_t)n_slots * row,
-                          td_comm_all_to_all_v(e->p.ep_comm, CPTR(e, BV(e->xg)), sb, sd,
-                                               CPTR(e, BV(e->yg)), rb, rd))))
+    /* Dispatch: my blocks to the experts' ranks, theirs into ep_recv, then
+     * expert-major into xg. */
+    if ((st = ENGINE_COMM(e, e->p.ep_comm, (size_t)P * (size_t)cap * row,
+                          td_comm_all_to_all_v(e->p.ep_comm, CPTR(e, BV(e->ep_send)), sb, sd,
+                                               CPTR(e, BV(e->ep_recv)), rb, rd))))
         return st;
-    ep_permute(e, e->yg, e->xg, true);
-    int32_t *eoff = e->ep_eoff;
-    eoff[0] = 0;
-    for (int i = 0; i < NL; i++) {
-        eoff[i + 1] = eoff[i];
-        for (int j = 0; j < P; j++)
-            eoff[i + 1] += cnt[(size_t)(e->ep_base + j) * (size_t)NE + (size_t)(e->exp0 + i)];
-    }
-    OP(e, copy_from_host)(e->be, BV(e->ep_eoff_b), eoff, ((size_t)NL + 1) * sizeof(int32_t));
+    td_backend_ep xp = {.blocks = BV(e->ep_recv),
+                        .slots = BV(e->xg),
+                        .counts = BI(e->ep_cnt, (size_t)e->ep_base * (size_t)NE),
+                        .off = BV(e->ep_eoff),
+                        .err = BI(e->load_cnt, e->load_err),
+                        .cap = e->ep_cap,
+                        .n_senders = P,
+                        .n_local = NL,
+                        .exp0 = e->exp0,
+                        .n_expert = NE,
+                        .n_embd = e->n_embd};
+    OP(e, moe_ep_permute)(e->be, &xp, true);
     td_backend_experts x = {.experts = lw->experts,
                             .n = NL,
                             .id_base = e->exp0,
-                            .off = BV(e->ep_eoff_b),
+                            .off = BV(e->ep_eoff),
                             .xg = BV(e->xg),
                             .gg = BV(e->gg),
                             .ug = BV(e->ug),
@@ -792,12 +782,16 @@ static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
                             .n_embd = e->n_embd,
                             .n_ff = e->n_ff_exp};
     OP(e, moe_experts)(e->be, &x);
-    /* Combine: the outputs back to the ranks (and slots) they came from. */
-    ep_permute(e, e->xg, e->yg, false);
+    /* Combine: the outputs back into the senders' blocks, to the ranks they
+     * came from, and into the slots of this rank's choices. */
+    xp.slots = BV(e->yg);
+    OP(e, moe_ep_permute)(e->be, &xp, false);
     if ((st = ENGINE_COMM(e, e->p.ep_comm, n_recv * row,
-                          td_comm_all_to_all_v(e->p.ep_comm, CPTR(e, BV(e->xg)), rb, rd,
-                                               CPTR(e, BV(e->yg)), sb, sd))))
+                          td_comm_all_to_all_v(e->p.ep_comm, CPTR(e, BV(e->ep_recv)), rb, rd,
+                                               CPTR(e, BV(e->ep_send)), sb, sd))))
         return st;
+    OP(e, moe_ep_pack)
+    (e->be, BV(e->ep_send), BV(e->yg), BV(e->exp_off), P, NL, cap, e->n_embd, false);
 
     /* The shared expert is split like a dense FFN over TP (every rank, every
      * row, a partial sum); with TP 1 each rank computes its own rows whole. */
@@ -1112,17 +1106,19 @@ static td_bview kv_view(const td_engine *e, const float *layer) {
     return td_bview_bytes(BV(e->kvb), (size_t)((const char *)layer - (const char *)e->kv_base));
 }
 
-/* The per-expert counts of the step come back once, at its end. Under EP
- * they are already on the host (load_cur, from the counts that sized the
- * all-to-all). */
-static void expert_load_done(td_engine *e, int n_layers) {
+/* The per-expert counts of the step come back once, at its end, with the
+ * flag the EP exchange raises when the ranks were given different batches. */
+static td_status expert_load_done(td_engine *e, int n_layers) {
     const size_t n = (size_t)n_layers * (size_t)e->n_expert;
-    if (e->ep_size > 1) {
-        memcpy(e->load_last, e->load_cur, n * sizeof(int64_t));
-        return;
-    }
-    OP(e, copy_to_host)(e->be, e->load_h, BV(e->load_cnt), n * sizeof(int32_t));
+    const bool ep = e->ep_size > 1;
+    OP(e, copy_to_host)(e->be, e->load_h, BV(e->load_cnt), (n + ep) * sizeof(int32_t));
     for (size_t i = 0; i < n; i++) e->load_last[i] = e->load_h[i];
+    if (ep && e->load_h[e->load_err]) {
+        TD_LOG_ERROR("expert parallelism: an EP rank sent more rows than its block holds: the EP "
+                     "group's ranks ran different batches");
+        return TD_ERR_INVALID;
+    }
+    return TD_OK;
 }
 
 /* The final norm of the logit rows of x (the first n_logit rows, or those
@@ -1361,6 +1357,11 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
                               .n_dcp = e->n_dcp};
     OP(e, set_batch)(e->be, &batch);
     if ((st = kv_wrap(e))) return st;
+    if (e->ep_size > 1) {
+        ep_plan(e, seqs, n_seqs);
+        const int32_t zero = 0;
+        OP(e, copy_from_host)(e->be, BI(e->load_cnt, e->load_err), &zero, sizeof zero);
+    }
     const size_t E = (size_t)e->n_embd;
 
     if (first) {
@@ -1437,17 +1438,18 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
 
     /* last residual for every row, then norm + head only for the logit rows */
     OP(e, add)(e->be, BV(e->x), BV(e->o), T, e->n_embd);
-    if (e->n_expert > 0) expert_load_done(e, le - lb);
+    /* A bad exchange is reported after the step's collectives, which every
+     * rank of the group runs whatever it found. */
+    td_status load_st = e->n_expert > 0 ? expert_load_done(e, le - lb) : TD_OK;
     if (!last) {
         OP(e, copy_to_host)(e->be, x_out, BV(e->x), (size_t)T * E * sizeof(float));
-        return TD_OK;
+        return load_st;
     }
     if (e->cp_n > 1 && (st = cp_gather_logit_rows(e))) return st;
-    if (e->ep_dp) return ep_logits(e, seqs, n_seqs, n_logit, logits);
-    if (n_logit == 0) return TD_OK;
-    if (e->vocab_tp > 1) return head_vocab_parallel(e, n_logit, logits);
-    head_local(e, n_logit, true, logits);
-    return TD_OK;
+    if (e->ep_dp) st = ep_logits(e, seqs, n_seqs, n_logit, logits);
+    else if (n_logit > 0 && e->vocab_tp > 1) st = head_vocab_parallel(e, n_logit, logits);
+    else if (n_logit > 0) head_local(e, n_logit, true, logits);
+    return st ? st : load_st;
 }
 
 _Static_assert(TD_BACKEND_MAX_CP_RANKS >= TD_COMM_MAX_RANKS, "a CP group merges in one call");

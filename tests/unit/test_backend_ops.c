@@ -828,6 +828,142 @@ static void test_moe(void **state) {
     }
 }
 
+/* ---- the fixed blocks of the expert-parallel exchange ---- */
+
+enum { EP_E = 8, EP_P = 3, EP_NL = 2, EP_NE = 6, EP_EXP0 = 2 };
+
+/* Runs the permute both ways on counts whose local columns are loc (P x
+ * NL) and checks every row against its place, worked out here from the
+ * layout the header states; sender bad (or -1) overflows its block. */
+static void ep_permute_case(harness *h, const int32_t loc[EP_P][EP_NL], int bad) {
+    td_backend *be = h->be;
+    const int32_t cap[EP_P] = {5, 3, 4};
+    const int n_blk = 5 + 3 + 4;
+    const size_t row = EP_E * sizeof(float);
+    int32_t cnt[EP_P * EP_NE];
+    for (int j = 0; j < EP_P; j++)
+        for (int x = 0; x < EP_NE; x++) /* other ranks' experts: anything */
+            cnt[j * EP_NE + x] = x >= EP_EXP0 && x < EP_EXP0 + EP_NL ? loc[j][x - EP_EXP0] : 7 + x;
+    float *blk = rand_f32((size_t)n_blk * EP_E, -1, 1);
+    td_bbuf *bb = up(be, blk, n_blk * row), *sb = up(be, NULL, n_blk * row);
+    td_bbuf *cb = up(be, cnt, sizeof cnt), *ob = up(be, NULL, (EP_NL + 1) * 4);
+    td_bbuf *eb = up(be, NULL, 4);
+    td_backend_ep p = {.blocks = td_bview_of(bb),
+                       .slots = td_bview_of(sb),
+                       .counts = td_bview_of(cb),
+                       .off = td_bview_of(ob),
+                       .err = td_bview_of(eb),
+                       .cap = cap,
+                       .n_senders = EP_P,
+                       .n_local = EP_NL,
+                       .exp0 = EP_EXP0,
+                       .n_expert = EP_NE,
+                       .n_embd = EP_E};
+    be->i->moe_ep_permute(be, &p, true);
+    float *slots = down(be, sb, n_blk * row);
+    int32_t *off = down(be, ob, (EP_NL + 1) * 4), *err = down(be, eb, 4);
+    assert_int_equal(*err, bad >= 0);
+    /* where each slot's row was in the blocks */
+    int src[5 + 3 + 4], n = 0;
+    for (int i = 0; i < EP_NL; i++) {
+        assert_int_equal(off[i], n);
+        for (int j = 0, b0 = 0; j < EP_P; b0 += cap[j], j++) {
+            if (j == bad) continue;
+            int at = b0;
+            for (int k = 0; k < i; k++) at += loc[j][k];
+            for (int r = 0; r < loc[j][i]; r++) src[n++] = at + r;
+        }
+    }
+    assert_int_equal(off[EP_NL], n);
+    for (int s = 0; s < n; s++) assert_memory_equal(slots + s * EP_E, blk + src[s] * EP_E, row);
+    /* and back: the experts' outputs into the places their inputs came from */
+    float *out = rand_f32((size_t)n_blk * EP_E, -1, 1);
+    float *zero = calloc(n_blk, row);
+    assert_non_null(zero);
+    be->i->copy_from_host(be, td_bview_of(sb), out, n_blk * row);
+    be->i->copy_from_host(be, td_bview_of(bb), zero, n_blk * row);
+    be->i->moe_ep_permute(be, &p, false);
+    float *back = down(be, bb, n_blk * row);
+    bool placed[5 + 3 + 4] = {false};
+    for (int s = 0; s < n; s++) {
+        assert_memory_equal(back + src[s] * EP_E, out + s * EP_E, row);
+        placed[src[s]] = true;
+    }
+    for (int r = 0; r < n_blk; r++) /* block rows past a sender's counts stay as they were */
+        if (!placed[r]) assert_memory_equal(back + r * EP_E, zero, row);
+    char desc[64];
+    snprintf(desc, sizeof desc, "3 senders, 2 local experts%s", bad >= 0 ? ", one overflows" : "");
+    report(h, "ep_permute", desc, 0, 0);
+    free(slots);
+    free(off);
+    free(err);
+    free(out);
+    free(zero);
+    free(back);
+    free(blk);
+    td_bbuf *bufs[] = {bb, sb, cb, ob, eb};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) td_backend_free(be, bufs[i]);
+}
+
+static void ep_pack_case(harness *h) {
+    td_backend *be = h->be;
+    const size_t row = EP_E * sizeof(float);
+    /* 3 groups of 2 experts over 7 slots: 1, 3 and 3 rows, blocks of 4 */
+    const int32_t off[] = {0, 1, 1, 3, 4, 4, 7}, cap = 4;
+    float *slots = rand_f32(7 * EP_E, -1, 1);
+    td_bbuf *sb = up(be, slots, 7 * row), *bb = up(be, NULL, 3 * cap * row);
+    td_bbuf *ob = up(be, off, sizeof off);
+    be->i->moe_ep_pack(be, td_bview_of(bb), td_bview_of(sb), td_bview_of(ob), 3, 2, cap, EP_E,
+                       true);
+    float *blk = down(be, bb, 3 * cap * row);
+    for (int g = 0; g < 3; g++)
+        for (int r = 0; r < cap; r++) {
+            int s = off[2 * g] + r;
+            if (s < off[2 * g + 2])
+                assert_memory_equal(blk + (g * cap + r) * EP_E, slots + s * EP_E, row);
+            else /* the rest of a block is not written (zero-filled at alloc) */
+                for (int i = 0; i < EP_E; i++) assert_true(blk[(g * cap + r) * EP_E + i] == 0.0f);
+        }
+    float *out = rand_f32(3 * cap * EP_E, -1, 1);
+    be->i->copy_from_host(be, td_bview_of(bb), out, 3 * cap * row);
+    be->i->moe_ep_pack(be, td_bview_of(bb), td_bview_of(sb), td_bview_of(ob), 3, 2, cap, EP_E,
+                       false);
+    float *back = down(be, sb, 7 * row);
+    for (int g = 0; g < 3; g++)
+        for (int s = off[2 * g]; s < off[2 * g + 2]; s++)
+            assert_memory_equal(back + s * EP_E, out + (g * cap + s - off[2 * g]) * EP_E, row);
+    report(h, "ep_pack", "3 groups of 2 experts, blocks of 4", 0, 0);
+    /* count_sum: the per-expert load of 3 ranks' counts */
+    int32_t c[3 * 5], want[5] = {0};
+    for (int i = 0; i < 15; i++) want[i % 5] += (c[i] = (int32_t)(urand() * 100));
+    td_bbuf *cb = up(be, c, sizeof c), *db = up(be, NULL, sizeof want);
+    be->i->count_sum(be, td_bview_of(db), td_bview_of(cb), 3, 5);
+    int32_t *got = down(be, db, sizeof want);
+    assert_memory_equal(got, want, sizeof want);
+    report(h, "count_sum", "3 ranks x 5 experts", 0, 0);
+    free(got);
+    free(slots);
+    free(blk);
+    free(out);
+    free(back);
+    td_bbuf *bufs[] = {sb, bb, ob, cb, db};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) td_backend_free(be, bufs[i]);
+}
+
+static void test_moe_ep(void **state) {
+    (void)state;
+    const int32_t fits[EP_P][EP_NL] = {{2, 1}, {0, 3}, {4, 0}};
+    const int32_t over[EP_P][EP_NL] = {{2, 1}, {2, 3}, {4, 0}}; /* sender 1: 5 rows, block of 3 */
+    const int32_t neg[EP_P][EP_NL] = {{-1, 1}, {0, 3}, {4, 0}}; /* a lying count */
+    for (size_t b = 0; b < sizeof g_h / sizeof g_h[0]; b++) {
+        if (!supported(&g_h[b], TD_OP_MOE, TD_TYPE_F32, "moe_ep", "fixed blocks")) continue;
+        ep_permute_case(&g_h[b], fits, -1);
+        ep_permute_case(&g_h[b], over, 1);
+        ep_permute_case(&g_h[b], neg, 0);
+        ep_pack_case(&g_h[b]);
+    }
+}
+
 /* ---- copies and the vocab-parallel head placement ---- */
 
 static void test_copies(void **state) {
@@ -906,6 +1042,7 @@ int main(void) {
         cmocka_unit_test(test_matmul),    cmocka_unit_test(test_unsupported_type),
         cmocka_unit_test(test_embed),     cmocka_unit_test(test_rows),
         cmocka_unit_test(test_attention), cmocka_unit_test(test_moe),
+        cmocka_unit_test(test_moe_ep),
         cmocka_unit_test(test_copies),    cmocka_unit_test(test_check_backend_faults),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

@@ -754,11 +754,94 @@ static void test_bad_group(void **state) {
     td_model_free(tp1);
 }
 
+/* Two EP ranks given different batches (a scheduler bug, or a rank that
+ * lost a step): the exchange's blocks, sized by each rank from its own
+ * batch, disagree, and both ranks fail the step with TD_ERR_INVALID
+ * instead of hanging or reading past a block; the next step, on one batch,
+ * runs and gives both ranks the same logits. */
+typedef struct {
+    td_comm *epc;
+    int rank;
+    bool attn_dp;
+    td_status bad, good;
+    float logits[4 * N_VOCAB];
+} mismatch_job;
+
+static void *mismatch_main(void *arg) {
+    mismatch_job *j = arg;
+    td_model *m = NULL;
+    td_kv_pool *kv = NULL;
+    td_comm *single = NULL;
+    td_engine *e = NULL;
+    j->bad = j->good = TD_ERR_INTERNAL;
+    if (try_load("gguf/mixtral-f32.gguf", 0, 1, j->rank, 2, &m) || td_comm_create_single(&single))
+        goto done;
+    const td_model_config *c = td_model_get_config(m);
+    td_kv_params kp = td_kv_default_params();
+    kp.n_layers = c->n_layer;
+    kp.n_kv_heads = td_model_n_head_kv_local(m);
+    kp.head_dim = c->head_dim;
+    kp.n_blocks = 8;
+    if (td_kv_pool_create(&kp, &kv)) goto done;
+    td_engine_params ep = td_engine_default_params();
+    ep.max_ctx = 64;
+    ep.ep_comm = j->epc;
+    ep.attn_dp = j->attn_dp;
+    if (td_engine_create(m, kv, NULL, single, &ep, &e)) goto done;
+    int32_t tok[8] = {5, 9, 77, 3, 41, 200, 8, 13}, blk0[1] = {0}, blk1[1] = {1};
+    /* Row split: 6 tokens against 2. Attention-DP: the same 8 tokens, but
+     * the ranks disagree on which sequence each rank owns. */
+    td_seq_chunk ch[2] = {
+        {.tokens = tok, .n_tokens = j->rank ? 2 : 6, .block_table = blk0, .n_blocks = 1},
+        {.tokens = tok + 6, .n_tokens = 2, .block_table = blk1, .n_blocks = 1}};
+    if (j->attn_dp) {
+        ch[0] = (td_seq_chunk){.tokens = tok, .n_tokens = 3, .block_table = j->rank ? blk1 : blk0,
+                               .n_blocks = 1};
+        ch[1] = (td_seq_chunk){.tokens = tok + 3, .n_tokens = 5,
+                               .block_table = j->rank ? blk0 : blk1, .n_blocks = 1};
+    }
+    j->bad = td_engine_forward(e, ch, j->attn_dp ? 2 : 1, j->logits);
+    ch[0] = (td_seq_chunk){.tokens = tok, .n_tokens = 3, .block_table = blk0, .n_blocks = 1};
+    ch[1] = (td_seq_chunk){.tokens = tok + 3, .n_tokens = 4, .block_table = blk1, .n_blocks = 1};
+    j->good = td_engine_forward(e, ch, 2, j->attn_dp && j->rank ? NULL : j->logits);
+done:
+    td_engine_destroy(e);
+    td_kv_pool_destroy(kv);
+    td_comm_destroy(single);
+    td_model_free(m);
+    return NULL;
+}
+
+static void test_different_batches(void **state) {
+    (void)state;
+    for (int dp = 0; dp < 2; dp++) {
+        td_comm_group *g = NULL;
+        assert_int_equal(td_comm_group_create(2, &g), TD_OK);
+        static mismatch_job jobs[2];
+        pthread_t th[2];
+        for (int r = 0; r < 2; r++) {
+            jobs[r] = (mismatch_job){.rank = r, .attn_dp = dp};
+            assert_int_equal(td_comm_create_local(g, r, &jobs[r].epc), TD_OK);
+            assert_int_equal(pthread_create(&th[r], NULL, mismatch_main, &jobs[r]), 0);
+        }
+        for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+        for (int r = 0; r < 2; r++) {
+            assert_int_equal(jobs[r].bad, TD_ERR_INVALID);
+            assert_int_equal(jobs[r].good, TD_OK);
+            td_comm_destroy(jobs[r].epc);
+        }
+        /* one logit row per sequence, on both ranks (on rank 0 only under
+         * attention-DP) */
+        if (!dp) assert_memory_equal(jobs[0].logits, jobs[1].logits, 2 * N_VOCAB * sizeof(float));
+        td_comm_group_destroy(g);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_shard),   cmocka_unit_test(test_bad_group),
         cmocka_unit_test(test_mixtral), cmocka_unit_test(test_qwen2moe),
-        cmocka_unit_test(test_q8),
+        cmocka_unit_test(test_q8),      cmocka_unit_test(test_different_batches),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
