@@ -6,8 +6,8 @@
  *
  * Each buffer is its own page-aligned mapping; the buffers are opened and
  * closed together (two mprotect calls per buffer per op: slow, for tests).
- * Wrapped memory (the KV pool's storage, which the transfer layer reads
- * too) is not protected. */
+ * Wrapped memory and KV storage (which the transfer layer reads and a
+ * peer's puts write) are not protected. */
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -79,6 +79,20 @@ static td_bbuf *ck_wrap(td_backend *be, void *mem, size_t bytes) {
     return ck_link(ck(be), b);
 }
 
+static td_status ck_kv_layout(td_backend *be, const td_kv_params *p, td_kv_layout *l) {
+    return inner(be)->i->kv_layout(inner(be), p, l);
+}
+
+static td_bbuf *ck_kv_alloc(td_backend *be, const td_kv_layout *l, const td_kv_mem_hook *hook) {
+    ck_buf *b = calloc(1, sizeof *b);
+    if (!b) return NULL;
+    if (td_host_kv_alloc(&b->b, l, hook)) {
+        free(b);
+        return NULL;
+    }
+    return ck_link(ck(be), b);
+}
+
 static void ck_free(td_backend *be, td_bbuf *bb) {
     ck_ctx *c = ck(be);
     ck_buf *b = (ck_buf *)bb;
@@ -87,6 +101,7 @@ static void ck_free(td_backend *be, td_bbuf *bb) {
     else
         c->bufs = b->next;
     if (b->next) b->next->prev = b->prev;
+    if (b->b.kv) td_host_kv_free(&b->b);
     if (b->b.owned) munmap(b->b.p, b->map_bytes);
     free(b);
 }
@@ -194,6 +209,8 @@ static const td_backend_i ck_i = {
     .reserve = ck_reserve,
     .alloc = ck_alloc,
     .wrap = ck_wrap,
+    .kv_layout = ck_kv_layout,
+    .kv_alloc = ck_kv_alloc,
     .free = ck_free,
     .comm_ptr = ck_comm_ptr,
     .comm_begin = open_bufs,

@@ -18,10 +18,13 @@
  * forward pass on the dequantized weights is f32 rounding. Quantizing the
  * activations to 8 bits as well (llama.cpp's scheme) flipped the greedy
  * answer of the default Q4_1 model on a 0.08-logit margin. */
+#include <errno.h>
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "backend-impl.h"
 #include "kernels/cpu/attn-cp.h"
@@ -116,8 +119,62 @@ static td_bbuf *cpu_wrap(td_backend *be, void *mem, size_t bytes) {
     return b;
 }
 
+/* Host KV storage: the hook's memory, or an anonymous mapping (zero-filled,
+ * its pages taken as they are first written, as large pools need). */
+td_status td_host_kv_alloc(td_bbuf *b, const td_kv_layout *l, const td_kv_mem_hook *hook) {
+    *b = (td_bbuf){.bytes = l->bytes, .kv = true};
+    if (hook) b->hook = *hook;
+    if (hook && hook->alloc) {
+        b->p = hook->alloc(hook->ctx, l->bytes, &b->handle);
+        if (!b->p) {
+            TD_LOG_ERROR("KV storage: the transfer layer could not allocate %zu bytes", l->bytes);
+            return TD_ERR_NOMEM;
+        }
+        return TD_OK;
+    }
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+    b->map_bytes = ((l->bytes ? l->bytes : 1) + pg - 1) / pg * pg;
+    void *p = mmap(NULL, b->map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+        TD_LOG_ERROR("KV storage: mmap of %zu bytes failed: %s", b->map_bytes, strerror(errno));
+        return TD_ERR_NOMEM;
+    }
+    b->p = p;
+    td_status st = hook && hook->reg ? hook->reg(hook->ctx, p, l->bytes, &b->handle) : TD_OK;
+    if (st) {
+        TD_LOG_ERROR("KV storage: the transfer layer could not register %zu bytes", l->bytes);
+        munmap(p, b->map_bytes);
+        b->p = NULL;
+    }
+    return st;
+}
+
+void td_host_kv_free(td_bbuf *b) {
+    if (b->hook.release && (b->hook.alloc || b->hook.reg)) b->hook.release(b->hook.ctx, b->handle);
+    if (b->map_bytes) munmap(b->p, b->map_bytes);
+    b->p = NULL;
+}
+
+/* The attention kernels read f32 K and V. */
+static td_status cpu_kv_layout(td_backend *be, const td_kv_params *p, td_kv_layout *l) {
+    (void)be;
+    return p->dtype == TD_TYPE_F32 ? td_kv_layout_dense(p, l) : TD_ERR_UNSUPPORTED;
+}
+
+static td_bbuf *cpu_kv_alloc(td_backend *be, const td_kv_layout *l, const td_kv_mem_hook *hook) {
+    (void)be;
+    td_bbuf *b = calloc(1, sizeof *b);
+    if (!b) return NULL;
+    if (td_host_kv_alloc(b, l, hook)) {
+        free(b);
+        return NULL;
+    }
+    return b;
+}
+
 static void cpu_free(td_backend *be, td_bbuf *b) {
     (void)be;
+    if (b->kv) td_host_kv_free(b);
     if (b->owned) free(b->p);
     free(b);
 }
@@ -935,6 +992,8 @@ const td_backend_i td_backend_cpu_i = {
     .reserve = cpu_reserve,
     .alloc = cpu_alloc,
     .wrap = cpu_wrap,
+    .kv_layout = cpu_kv_layout,
+    .kv_alloc = cpu_kv_alloc,
     .free = cpu_free,
     .comm_ptr = cpu_comm_ptr,
     .comm_begin = cpu_nop,

@@ -9,8 +9,19 @@
 struct td_bbuf {
     void *p;
     size_t bytes;
-    bool owned; /* false: td_backend_wrap of the caller's memory */
+    bool owned; /* false: td_backend_wrap of the caller's memory, or KV storage */
+    /* KV storage (kv_alloc): mapped here (map_bytes) unless the hook gave
+     * the memory; the hook's release runs with handle when freed */
+    bool kv;
+    size_t map_bytes;
+    td_kv_mem_hook hook;
+    void *handle;
 };
+
+/* KV storage in host memory (both backends): b's fields set, or an error
+ * with nothing held; td_host_kv_free releases it (not b itself). */
+td_status td_host_kv_alloc(td_bbuf *b, const td_kv_layout *l, const td_kv_mem_hook *hook);
+void td_host_kv_free(td_bbuf *b);
 
 static inline void *td_bview_host(td_bview v) { return (char *)v.b->p + v.off; }
 

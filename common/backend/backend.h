@@ -45,6 +45,7 @@
 #include "../../kernels/types.h"
 #include "../base/base.h"
 #include "../base/threadpool.h"
+#include "../kv/kv.h"
 #include "../model/model.h"
 
 typedef struct td_backend td_backend;
@@ -183,6 +184,14 @@ typedef struct td_backend_i {
     td_status (*reserve)(td_backend *be, int32_t max_ctx, int head_dim);
     td_bbuf *(*alloc)(td_backend *be, size_t bytes); /* zero-filled; NULL when out of memory */
     td_bbuf *(*wrap)(td_backend *be, void *mem, size_t bytes);
+    /* The layout this backend keeps a pool of these params in
+     * (TD_ERR_UNSUPPORTED for a dtype it cannot store). */
+    td_status (*kv_layout)(td_backend *be, const td_kv_params *p, td_kv_layout *l);
+    /* KV storage of that layout, its memory through hook (may be NULL):
+     * what the network reaches, so it is never hidden from a peer's puts
+     * (the checking backend leaves it open). NULL on failure; free
+     * releases it through the hook. */
+    td_bbuf *(*kv_alloc)(td_backend *be, const td_kv_layout *l, const td_kv_mem_hook *hook);
     void (*free)(td_backend *be, td_bbuf *b);
     void *(*comm_ptr)(td_backend *be, td_bview v);
     void (*comm_begin)(td_backend *be);
@@ -222,8 +231,8 @@ typedef struct td_backend_i {
     /* This rank's grouped slots (off: int32 (n_groups * group + 1) first
      * slot of each expert) to blocks of cap rows, group g at row g * cap
      * (to_blocks), or back. */
-    void (*moe_ep_pack)(td_backend *be, td_bview blocks, td_bview slots, td_bview off,
-                        int n_groups, int group, int32_t cap, int n_embd, bool to_blocks);
+    void (*moe_ep_pack)(td_backend *be, td_bview blocks, td_bview slots, td_bview off, int n_groups,
+                        int group, int32_t cap, int n_embd, bool to_blocks);
     /* The received blocks to expert-major slots, writing off and err
      * (to_slots), or the experts' outputs back into the blocks. A sender
      * whose counts overflow its block sets err and counts as sending none. */

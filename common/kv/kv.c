@@ -9,10 +9,8 @@
  * each (n_blocks, block_size, n_kv_heads, head_dim) floats. */
 #include "kv.h"
 
-#include <errno.h>
 #include <stdbool.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <time.h>
 
 #include "hmap.h"
@@ -35,10 +33,6 @@ struct td_kv_pool {
     uint64_t evictions;
     td_kv_hmap map; /* hash -> block id */
     td_kv_events *events;
-    size_t layer_floats; /* floats of one K (or V) region */
-    float *storage;      /* (n_layers, 2, n_blocks, block_size, n_kv_heads, head_dim) */
-    size_t storage_bytes;
-    bool adopted; /* storage is the caller's (td_kv_pool_adopt_storage) */
 };
 
 td_kv_params td_kv_default_params(void) {
@@ -48,18 +42,9 @@ td_kv_params td_kv_default_params(void) {
                       .block_size = 16,
                       .n_blocks = 0,
                       .event_capacity = 65536,
-                      .epoch = 0};
+                      .epoch = 0,
+                      .dtype = TD_TYPE_F32};
     return p;
-}
-
-/* Floats of one K region of one layer; 0 on overflow or bad params. */
-static size_t layer_floats(const td_kv_params *p) {
-    size_t n;
-    if (td_mul_overflow((size_t)p->n_blocks, (size_t)p->block_size, &n) ||
-        td_mul_overflow(n, (size_t)p->n_kv_heads, &n) ||
-        td_mul_overflow(n, (size_t)p->head_dim, &n))
-        return 0;
-    return n;
 }
 
 static bool params_ok(const td_kv_params *p) {
@@ -67,13 +52,37 @@ static bool params_ok(const td_kv_params *p) {
            p->n_blocks > 0;
 }
 
+/* Bytes of one element of K or V, 0 for a dtype KV storage does not hold. */
+static size_t kv_elem_bytes(td_dtype t) {
+    return t == TD_TYPE_F32 || t == TD_TYPE_F16 || t == TD_TYPE_BF16 ? td_dtype_block_bytes(t) : 0;
+}
+
+/* The dense layout's sizes for n_blocks blocks (0 allowed: the per-block
+ * figures only). */
+static td_status layout_of(const td_kv_params *p, size_t n_blocks, td_kv_layout *l) {
+    size_t e = kv_elem_bytes(p->dtype);
+    if (e == 0) return TD_ERR_UNSUPPORTED;
+    *l = (td_kv_layout){.dtype = p->dtype, .elem_bytes = e};
+    if (td_mul_overflow((size_t)p->n_kv_heads, (size_t)p->head_dim, &l->row_bytes) ||
+        td_mul_overflow(l->row_bytes, e, &l->row_bytes) ||
+        td_mul_overflow(l->row_bytes, (size_t)p->block_size, &l->block_bytes) ||
+        td_mul_overflow(l->block_bytes, n_blocks, &l->layer_bytes) ||
+        td_mul_overflow(l->layer_bytes, (size_t)p->n_layers * 2u, &l->bytes))
+        return TD_ERR_RANGE;
+    return TD_OK;
+}
+
+td_status td_kv_layout_dense(const td_kv_params *p, td_kv_layout *l) {
+    if (!params_ok(p) || !l) return TD_ERR_INVALID;
+    return layout_of(p, (size_t)p->n_blocks, l);
+}
+
 size_t td_kv_block_bytes(const td_kv_params *p) {
     if (!p || p->n_layers <= 0 || p->n_kv_heads <= 0 || p->head_dim <= 0 || p->block_size <= 0)
         return 0;
+    td_kv_layout l;
     size_t n;
-    if (td_mul_overflow((size_t)p->block_size, (size_t)p->n_kv_heads, &n) ||
-        td_mul_overflow(n, (size_t)p->head_dim, &n) ||
-        td_mul_overflow(n, (size_t)p->n_layers * 2u, &n) || td_mul_overflow(n, sizeof(float), &n))
+    if (layout_of(p, 0, &l) || td_mul_overflow(l.block_bytes, (size_t)p->n_layers * 2u, &n))
         return 0;
     return n;
 }
@@ -83,9 +92,13 @@ td_status td_kv_pool_create(const td_kv_params *p, td_kv_pool **pool_p) {
         TD_LOG_ERROR("invalid KV pool parameters");
         return TD_ERR_INVALID;
     }
-    size_t lf = layer_floats(p), total;
-    if (lf == 0 || td_mul_overflow(lf, (size_t)p->n_layers * 2u, &total) ||
-        td_mul_overflow(total, sizeof(float), &total)) {
+    td_kv_layout lay;
+    td_status lst = td_kv_layout_dense(p, &lay);
+    if (lst == TD_ERR_UNSUPPORTED) {
+        TD_LOG_ERROR("KV pool: K and V cannot be held as dtype %d (F32, F16 or BF16)", p->dtype);
+        return lst;
+    }
+    if (lst) {
         TD_LOG_ERROR("KV pool size overflows (%d layers, %d blocks)", p->n_layers, p->n_blocks);
         return TD_ERR_RANGE;
     }
@@ -97,7 +110,6 @@ td_status td_kv_pool_create(const td_kv_params *p, td_kv_pool **pool_p) {
     pool->p = *p;
     if (pool->p.event_capacity == 0) pool->p.event_capacity = 65536;
     if (pool->p.epoch == 0) pool->p.epoch = td_random_u64();
-    pool->layer_floats = lf;
     size_t nb = (size_t)p->n_blocks, n_words = (nb + 63) / 64;
     pool->empty_bits = calloc(n_words, sizeof(uint64_t));
     pool->free_bits = calloc(n_words, sizeof(uint64_t));
@@ -124,18 +136,9 @@ td_status td_kv_pool_create(const td_kv_params *p, td_kv_pool **pool_p) {
     }
     pool->lru_head = pool->lru_tail = -1;
     pool->n_empty = p->n_blocks;
-    void *mem = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (mem == MAP_FAILED) {
-        TD_LOG_ERROR("mmap of %zu bytes of KV storage failed: %s", total, strerror(errno));
-        goto free_events;
-    }
-    pool->storage = mem;
-    pool->storage_bytes = total;
     *pool_p = pool;
     return TD_OK;
 
-free_events:
-    td_kv_events_destroy(pool->events);
 free_map:
     td_kv_hmap_free(&pool->map);
 free_arrays:
@@ -152,7 +155,6 @@ free_arrays:
 
 void td_kv_pool_destroy(td_kv_pool *pool) {
     if (!pool) return;
-    if (pool->storage && !pool->adopted) munmap(pool->storage, pool->storage_bytes);
     td_kv_events_destroy(pool->events);
     td_kv_hmap_free(&pool->map);
     free(pool->lru_next);
@@ -435,32 +437,4 @@ void td_kv_pool_counts(const td_kv_pool *pool, td_kv_counts *c) {
     c->largest_free_run = best;
     c->fragmentation = n_free > 0 ? 1.0 - (double)best / (double)n_free : 0.0;
     c->evictions = pool->evictions;
-}
-
-float *td_kv_layer_k(td_kv_pool *pool, int l) {
-    TD_ASSERT(l >= 0 && l < pool->p.n_layers);
-    return pool->storage + (size_t)l * 2u * pool->layer_floats;
-}
-
-float *td_kv_layer_v(td_kv_pool *pool, int l) {
-    TD_ASSERT(l >= 0 && l < pool->p.n_layers);
-    return pool->storage + ((size_t)l * 2u + 1u) * pool->layer_floats;
-}
-
-void td_kv_pool_storage(td_kv_pool *pool, void **base, size_t *bytes) {
-    *base = pool->storage;
-    *bytes = pool->storage_bytes;
-}
-
-td_status td_kv_pool_adopt_storage(td_kv_pool *pool, void *base, size_t bytes) {
-    if (!pool || !base || bytes < pool->storage_bytes || pool->n_empty != pool->p.n_blocks) {
-        TD_LOG_ERROR("KV storage can be replaced only on an empty pool, by one of at least %zu "
-                     "bytes",
-                     pool ? pool->storage_bytes : 0);
-        return TD_ERR_INVALID;
-    }
-    if (!pool->adopted) munmap(pool->storage, pool->storage_bytes);
-    pool->storage = base;
-    pool->adopted = true;
-    return TD_OK;
 }

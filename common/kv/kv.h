@@ -1,16 +1,19 @@
 /* Paged KV block pool: fixed blocks of block_size tokens, ref-counted, one
  * allocator for the whole instance, with a prefix cache on the same blocks.
  *
- * Storage: per layer one K region and one V region, each laid out as
- * (n_blocks, block_size, n_kv_heads, head_dim) floats, so a run of
- * consecutive block ids of one layer is one contiguous range of memory.
- * The allocator prefers contiguous runs (a KV transfer later moves a run
- * in one operation). Not thread-safe: owned by the instance's scheduler thread. */
+ * The pool is the accounting only. The K/V bytes are the compute
+ * backend's storage (the engine allocates it, td_engine_kv_storage
+ * describes it), laid out as td_kv_layout says: per layer one K region and
+ * one V region of n_blocks blocks, so a run of consecutive block ids of one
+ * layer is one contiguous range of memory. The allocator prefers
+ * contiguous runs (a KV transfer later moves a run in one operation). Not
+ * thread-safe: owned by the instance's scheduler thread. */
 #ifndef TD_KV_H
 #define TD_KV_H
 
 #include <stdbool.h>
 
+#include "../../kernels/dtype.h"
 #include "../base/base.h"
 #include "events.h"
 #include "hash.h"
@@ -23,12 +26,52 @@ typedef struct {
     int32_t n_blocks;        /* blocks in the pool */
     uint32_t event_capacity; /* KV events kept for the router (default 65536) */
     uint64_t epoch;          /* this run's id in the event log; 0 (default): random */
+    td_dtype dtype;          /* of the K and V elements (default TD_TYPE_F32) */
 } td_kv_params;
+
+/* Where the K and V bytes of a rank's pool lie in its storage: layer l's K
+ * region at 2 l x layer_bytes, its V region right after; block b of a
+ * region at b x block_bytes; token t of a block at t x row_bytes; a row is
+ * the rank's KV heads in order, head_dim elements each. Sizes are what the
+ * transfer code computes with (never the size of a C type). */
+typedef struct {
+    td_dtype dtype;
+    size_t elem_bytes;  /* one element of K or V */
+    size_t row_bytes;   /* one token of one layer's K (or V) */
+    size_t block_bytes; /* one block of one layer's K (or V): block_size rows */
+    size_t layer_bytes; /* one layer's K (or V) region: n_blocks blocks */
+    size_t bytes;       /* the whole storage: n_layers x 2 regions */
+} td_kv_layout;
+
+/* The dense layout above with rows packed (the CPU backend's, and the one
+ * the transfer protocol assumes of a peer). TD_ERR_UNSUPPORTED for a dtype
+ * that is not F32, F16 or BF16; TD_ERR_RANGE when a size overflows. */
+td_status td_kv_layout_dense(const td_kv_params *p, td_kv_layout *l);
+
+/* How KV storage gets memory the network can reach (filled by the
+ * transfer layer, called by the backend's KV allocator). Either alloc
+ * gives the backend its memory, or the backend allocates and reg
+ * registers it; release undoes either, with the handle they returned,
+ * when the storage is freed. A NULL hook: the backend's own memory. */
+typedef struct {
+    void *(*alloc)(void *ctx, size_t bytes, void **handle); /* NULL on failure */
+    td_status (*reg)(void *ctx, void *mem, size_t bytes, void **handle);
+    void (*release)(void *ctx, void *handle);
+    void *ctx;
+} td_kv_mem_hook;
+
+/* A rank's KV storage as the network sees it: its layout and the address
+ * (host or device) a peer's puts target. */
+typedef struct {
+    td_kv_layout layout;
+    void *base;
+} td_kv_storage;
 
 typedef struct td_kv_pool td_kv_pool;
 
 td_kv_params td_kv_default_params(void);
-/* Bytes of KV storage one block takes (all layers, K and V). */
+/* Bytes of KV storage one block takes (all layers, K and V, the dense
+ * layout); 0 for bad params. */
 size_t td_kv_block_bytes(const td_kv_params *p);
 
 /* Allocates the pool. Free with td_kv_pool_destroy(). */
@@ -105,21 +148,5 @@ int32_t td_kv_cache_probe(const td_kv_pool *pool, const td_kv_hash *hashes, int3
 /* Drops every cached (unreferenced) block: they become empty, with
  * "removed" events. Used blocks keep their hashes. */
 void td_kv_cache_clear(td_kv_pool *pool);
-
-/* The whole KV storage, one contiguous mapping of
- * (n_layers, 2, n_blocks, block_size, n_kv_heads, head_dim) floats (K then V
- * per layer): what a KV transfer registers with the network once. */
-void td_kv_pool_storage(td_kv_pool *pool, void **base, size_t *bytes);
-/* Moves the pool onto storage the caller allocated (e.g. memory a network
- * library allocated so that peers can write into it directly): at least
- * the pool's storage bytes, its contents irrelevant. Only while the pool
- * holds no data (nothing used or cached): TD_ERR_INVALID otherwise. The
- * pool releases its own mapping and never frees the adopted one, which
- * must outlive every use of the pool. */
-td_status td_kv_pool_adopt_storage(td_kv_pool *pool, void *base, size_t bytes);
-
-/* Layer l's K / V region: (n_blocks, block_size, n_kv_heads, head_dim). */
-float *td_kv_layer_k(td_kv_pool *pool, int l);
-float *td_kv_layer_v(td_kv_pool *pool, int l);
 
 #endif

@@ -51,27 +51,27 @@ struct td_engine {
     td_bbuf *lg;    /* (head_out_rows, n_vocab) logits before they are copied out */
     int32_t head_out_rows;
     /* the KV pool's storage, wrapped (rewrapped when the pool's storage moves) */
-    td_bbuf *kvb;
-    void *kv_base;
+    td_bbuf *kvb;        /* the KV storage (NULL after td_engine_kv_release) */
+    td_kv_layout kv_lay; /* its layout, as the backend keeps it */
     /* MoE scratch (n_expert > 0), K = n_expert_used */
     int n_expert, n_used, n_ff_exp;
     bool norm_topk;
-    td_bbuf *rl;       /* (T, n_expert) router logits */
-    td_bbuf *sel_id;   /* int32 (T, K) chosen experts, by descending probability */
-    td_bbuf *sel_w;    /* (T, K) their weights */
-    td_bbuf *sel_slot; /* int32 (T, K) grouped slot holding each choice */
-    td_bbuf *slot_row; /* int32 (T * K) token row of each slot, slots grouped by expert */
-    td_bbuf *exp_off;  /* int32 (n_expert + 1) first slot of each expert */
-    td_bbuf *xg;       /* (T * K, n_embd) token rows gathered per expert */
-    td_bbuf *gg, *ug;  /* (T * K, n_ff_exp) local expert width */
-    td_bbuf *yg;       /* (T * K, n_embd) expert outputs */
-    td_bbuf *load_cnt; /* int32 (local layers, n_expert) choices per expert of the step, then
-                        * the EP exchange's error flag */
-    int32_t *load_h;   /* host: load_cnt copied at the step's end */
-    size_t load_err;   /* index of the error flag in load_cnt */
-    int32_t *tok_seq; /* (T) sequence of each row */
-    int32_t *tok_pos; /* (T) position of each row */
-    int32_t *tok_id;  /* (T) token id of each row */
+    td_bbuf *rl;             /* (T, n_expert) router logits */
+    td_bbuf *sel_id;         /* int32 (T, K) chosen experts, by descending probability */
+    td_bbuf *sel_w;          /* (T, K) their weights */
+    td_bbuf *sel_slot;       /* int32 (T, K) grouped slot holding each choice */
+    td_bbuf *slot_row;       /* int32 (T * K) token row of each slot, slots grouped by expert */
+    td_bbuf *exp_off;        /* int32 (n_expert + 1) first slot of each expert */
+    td_bbuf *xg;             /* (T * K, n_embd) token rows gathered per expert */
+    td_bbuf *gg, *ug;        /* (T * K, n_ff_exp) local expert width */
+    td_bbuf *yg;             /* (T * K, n_embd) expert outputs */
+    td_bbuf *load_cnt;       /* int32 (local layers, n_expert) choices per expert of the step, then
+                              * the EP exchange's error flag */
+    int32_t *load_h;         /* host: load_cnt copied at the step's end */
+    size_t load_err;         /* index of the error flag in load_cnt */
+    int32_t *tok_seq;        /* (T) sequence of each row */
+    int32_t *tok_pos;        /* (T) position of each row */
+    int32_t *tok_id;         /* (T) token id of each row */
     int32_t *logit_tok;      /* (T) row feeding each logit row */
     const int32_t **seq_tab; /* (S) block table of each sequence */
     /* Expert parallelism (ep_comm of size > 1) and per-expert load. The rows
@@ -266,11 +266,11 @@ static void cp_free(td_engine *e) {
 static void engine_free_scratch(td_engine *e) {
     if (!e->be) return;
     cp_free(e);
-    td_bbuf *bufs[] = {
-        e->x,  e->xn,  e->q,  e->k,        e->v,      e->att,       e->o,        e->g,       e->u,
-        e->lg, e->kvb, e->rl, e->sel_id,   e->sel_w,  e->sel_slot,  e->slot_row, e->exp_off, e->xg,
-        e->gg, e->ug,  e->yg, e->load_cnt, e->ep_cnt, e->ep_eoff, e->ep_send, e->ep_recv,
-        e->head_buf};
+    td_bbuf *bufs[] = {e->x,       e->xn,      e->q,        e->k,        e->v,       e->att,
+                       e->o,       e->g,       e->u,        e->lg,       e->kvb,     e->rl,
+                       e->sel_id,  e->sel_w,   e->sel_slot, e->slot_row, e->exp_off, e->xg,
+                       e->gg,      e->ug,      e->yg,       e->load_cnt, e->ep_cnt,  e->ep_eoff,
+                       e->ep_send, e->ep_recv, e->head_buf};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) td_backend_free(e->be, bufs[i]);
     free(e->tok_seq);
     free(e->tok_pos);
@@ -489,10 +489,19 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
                                 .mode = c->rope_mode,
                                 .inv_freq = td_model_rope_inv_freq(m)};
     if ((st = backend_check_model(e)) || (st = OP(e, upload_model)(e->be, m)) ||
-        (st = OP(e, reserve)(e->be, ep.max_ctx, c->head_dim))) {
+        (st = OP(e, reserve)(e->be, ep.max_ctx, c->head_dim)) ||
+        (st = OP(e, kv_layout)(e->be, kp, &e->kv_lay))) {
+        if (st == TD_ERR_UNSUPPORTED)
+            TD_LOG_ERROR("backend %s cannot hold KV of dtype %d", e->be->i->name, kp->dtype);
         engine_free_scratch(e);
         free(e);
         return st;
+    }
+    if (!(e->kvb = OP(e, kv_alloc)(e->be, &e->kv_lay, NULL))) {
+        TD_LOG_ERROR("out of memory for %zu bytes of KV storage", e->kv_lay.bytes);
+        engine_free_scratch(e);
+        free(e);
+        return TD_ERR_NOMEM;
     }
 
     size_t T = (size_t)ep.max_batch_tokens, S = (size_t)ep.max_seqs;
@@ -546,8 +555,8 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
              * rank's are a row-group share, or (attention-DP) all of it. */
             size_t kl = (size_t)TD_MIN(e->n_used, e->n_exp_loc);
             size_t own = e->ep_dp ? T : (T + (size_t)e->rg_size - 1) / (size_t)e->rg_size;
-            e->ep_send = balloc(e, (size_t)e->ep_size * own * kl * (size_t)e->n_embd,
-                                sizeof(float), &fail);
+            e->ep_send =
+                balloc(e, (size_t)e->ep_size * own * kl * (size_t)e->n_embd, sizeof(float), &fail);
             e->ep_recv = balloc(e, T * kl * (size_t)e->n_embd, sizeof(float), &fail);
         }
     }
@@ -735,7 +744,8 @@ static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
     int32_t n_slots = nr * K;
     OP(e, moe_gather)(e->be, BV(e->xg), BV(e->xn), BV(e->slot_row), n_slots, e->n_embd);
     const int32_t cap = e->ep_cap[e->ep_rank];
-    OP(e, moe_ep_pack)(e->be, BV(e->ep_send), BV(e->xg), BV(e->exp_off), P, NL, cap, e->n_embd, true);
+    OP(e, moe_ep_pack)
+    (e->be, BV(e->ep_send), BV(e->xg), BV(e->exp_off), P, NL, cap, e->n_embd, true);
 
     if ((st = ENGINE_COMM(e, e->rg_comm, (size_t)NE * sizeof(int32_t),
                           td_comm_all_gather(e->rg_comm, CPTR(e, mine), CPTR(e, BV(e->ep_cnt)),
@@ -1085,25 +1095,41 @@ static td_status cp_gather_logit_rows(td_engine *e) {
 
 /* ---------------------------------------------------------------- forward */
 
-/* The KV pool's storage as a backend buffer, wrapped again when the pool's
- * storage was replaced (td_kv_pool_adopt_storage). */
-static td_status kv_wrap(td_engine *e) {
-    void *base;
-    size_t bytes;
-    td_kv_pool_storage(e->kv, &base, &bytes);
-    if (e->kvb && base == e->kv_base) return TD_OK;
-    td_backend_free(e->be, e->kvb);
-    e->kvb = OP(e, wrap)(e->be, base, bytes);
-    e->kv_base = e->kvb ? base : NULL;
-    if (!e->kvb) {
-        TD_LOG_ERROR("out of memory");
-        return TD_ERR_NOMEM;
+/* Layer l's K (v false) or V region of the KV storage. */
+static td_bview kv_view(const td_engine *e, int l, bool v) {
+    return td_bview_bytes(BV(e->kvb), ((size_t)l * 2u + v) * e->kv_lay.layer_bytes);
+}
+
+static bool kv_holds_data(const td_engine *e) {
+    td_kv_counts c;
+    td_kv_pool_counts(e->kv, &c);
+    return c.used > 0 || c.cached > 0;
+}
+
+td_status td_engine_kv_place(td_engine *e, const td_kv_mem_hook *hook) {
+    if (!e) return TD_ERR_INVALID;
+    if (kv_holds_data(e)) {
+        TD_LOG_ERROR("KV storage can move only while the pool holds no data");
+        return TD_ERR_INVALID;
     }
+    td_bbuf *b = OP(e, kv_alloc)(e->be, &e->kv_lay, hook);
+    if (!b) return TD_ERR_NOMEM; /* the old storage stays */
+    td_backend_free(e->be, e->kvb);
+    e->kvb = b;
     return TD_OK;
 }
 
-static td_bview kv_view(const td_engine *e, const float *layer) {
-    return td_bview_bytes(BV(e->kvb), (size_t)((const char *)layer - (const char *)e->kv_base));
+void td_engine_kv_release(td_engine *e) {
+    if (!e) return;
+    td_backend_free(e->be, e->kvb);
+    e->kvb = NULL;
+}
+
+td_status td_engine_kv_storage(td_engine *e, td_kv_storage *out) {
+    if (!e || !out || !e->kvb) return TD_ERR_INVALID;
+    out->layout = e->kv_lay;
+    out->base = OP(e, comm_ptr)(e->be, BV(e->kvb));
+    return TD_OK;
 }
 
 /* The per-expert counts of the step come back once, at its end, with the
@@ -1356,7 +1382,10 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
                               .cp_dcp_row = e->cp_dcp_row,
                               .n_dcp = e->n_dcp};
     OP(e, set_batch)(e->be, &batch);
-    if ((st = kv_wrap(e))) return st;
+    if (!e->kvb) {
+        TD_LOG_ERROR("the engine's KV storage was released");
+        return TD_ERR_INVALID;
+    }
     if (e->ep_size > 1) {
         ep_plan(e, seqs, n_seqs);
         const int32_t zero = 0;
@@ -1388,8 +1417,8 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
         size_t ld3[] = {(size_t)e->q_dim, (size_t)e->kv_dim, (size_t)e->kv_dim};
         matmul(e, wqkv, 3, BV(e->xn), E, y3, ld3, T);
 
-        td_backend_kv kvl = {.k = kv_view(e, td_kv_layer_k(e->kv, l - lb)),
-                             .v = kv_view(e, td_kv_layer_v(e->kv, l - lb)),
+        td_backend_kv kvl = {.k = kv_view(e, l - lb, false),
+                             .v = kv_view(e, l - lb, true),
                              .block_size = kp->block_size,
                              .n_kv_heads = e->nkv,
                              .head_dim = e->head_dim};
@@ -1446,9 +1475,12 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
         return load_st;
     }
     if (e->cp_n > 1 && (st = cp_gather_logit_rows(e))) return st;
-    if (e->ep_dp) st = ep_logits(e, seqs, n_seqs, n_logit, logits);
-    else if (n_logit > 0 && e->vocab_tp > 1) st = head_vocab_parallel(e, n_logit, logits);
-    else if (n_logit > 0) head_local(e, n_logit, true, logits);
+    if (e->ep_dp)
+        st = ep_logits(e, seqs, n_seqs, n_logit, logits);
+    else if (n_logit > 0 && e->vocab_tp > 1)
+        st = head_vocab_parallel(e, n_logit, logits);
+    else if (n_logit > 0)
+        head_local(e, n_logit, true, logits);
     return st ? st : load_st;
 }
 

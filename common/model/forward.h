@@ -88,6 +88,18 @@ td_engine_params td_engine_default_params(void);
 /* Sets (or with fn NULL clears) the layer_done hook of a created engine. */
 void td_engine_set_layer_hook(td_engine *e, void (*fn)(void *ctx, int32_t layer), void *ctx);
 
+/* The KV storage. The engine allocates it through its backend at create,
+ * in the layout the backend keeps the pool's params in (kv.h).
+ * td_engine_kv_storage describes it: the layout and the address a peer's
+ * puts target. td_engine_kv_place moves it into memory the hook provides
+ * or registers (NULL hook: the backend's own), only while the pool holds
+ * no data (nothing used or cached: TD_ERR_INVALID otherwise); on failure
+ * the old storage stays. td_engine_kv_release frees it now (the hook's
+ * owner is going away); every later step fails until the next place. */
+td_status td_engine_kv_storage(td_engine *e, td_kv_storage *out);
+td_status td_engine_kv_place(td_engine *e, const td_kv_mem_hook *hook);
+void td_engine_kv_release(td_engine *e);
+
 /* The engine borrows m, kv, tp and comm (they must outlive it) and allocates
  * its scratch once. tp may be NULL (everything runs on the calling thread);
  * p may be NULL (defaults). Free with td_engine_destroy(). */

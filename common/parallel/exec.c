@@ -251,7 +251,7 @@ static td_status agree(td_exec *x, td_status mine) {
 
 static void release_shard(td_exec *x) {
     td_engine_destroy(x->engine);
-    td_xrank_destroy(x->xr); /* frees the KV memory the pool adopted */
+    td_xrank_destroy(x->xr); /* after the engine, which gave its KV memory back */
     x->xr = NULL;
     td_kv_pool_destroy(x->kv);
     td_model_free(x->model);
@@ -1265,6 +1265,7 @@ static td_status xfer_setup_rank(td_exec *x, td_ucx *ucx, bool layerwise) {
                               .n_head_kv = mc->n_head_kv,
                               .head_dim = mc->head_dim,
                               .kv = x->kv,
+                              .engine = x->engine,
                               .ucx = ucx,
                               .layerwise = layerwise};
         for (int s = 0; s <= x->pp; s++) xp.plan.stage_begin[s] = x->cfg.stage_begin[s];

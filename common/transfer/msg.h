@@ -37,7 +37,7 @@
 #include <stdint.h>
 
 #include "../base/base.h"
-#include "../kv/hash.h"
+#include "../kv/kv.h"
 #include "proto/internal.pb-c.h"
 
 typedef struct {
@@ -47,6 +47,7 @@ typedef struct {
     int32_t n_vocab;
     int32_t max_ctx; /* longest prompt */
     int32_t n_layer, n_head_kv, head_dim, block_size;
+    td_dtype kv_dtype; /* of our K and V: a peer's geometry must give the same */
     td_kv_hash compat; /* this instance's compatibility hash */
 } td_xfer_limits;
 
@@ -61,8 +62,8 @@ void td_xfer_msg_free(td_xfer_msg *msg); /* accepts NULL */
 
 /* Bytes of the KV region of rank `rank` under plan and geometry: its
  * stage's layers x its KV heads x head_dim x block_size x n_blocks x K and V
- * x sizeof(float). 0 when the plan or rank is out of range or the size
- * overflows. */
+ * x the bytes of the geometry's dtype. 0 when the plan or rank is out of
+ * range, the dtype is not one KV is held in, or the size overflows. */
 uint64_t td_xfer_rank_kv_bytes(const Tandem__Internal__V1__Plan *plan,
                                const Tandem__Internal__V1__KvGeometry *kv, uint32_t rank);
 

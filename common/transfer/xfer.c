@@ -267,6 +267,7 @@ static td_status build_exchange(td_xfer *x, own_exchange *o, uint64_t exchange_i
     o->kv.head_dim = (uint32_t)x->head_dim;
     o->kv.block_size = (uint32_t)x->block_size;
     o->kv.n_blocks = (uint32_t)x->n_blocks;
+    o->kv.dtype = (uint32_t)x->lim.kv_dtype;
     for (int r = 0; r < x->world; r++) {
         Tandem__Internal__V1__RankEndpoint *e = &o->rank[r];
         tandem__internal__v1__rank_endpoint__init(e);
@@ -813,7 +814,7 @@ static bool p_service(td_xfer *x, bool *answer_waits) {
                 TD_LOG_WARN("prefill %s: PrefillDone could not be sent", j->id);
             if (j->ok) {
                 uint64_t bytes = (uint64_t)(j->n_prompt - j->d_cached) * 2u * (uint64_t)x->n_layer *
-                                 (uint64_t)x->n_head_kv * (uint64_t)x->head_dim * sizeof(float);
+                                 (uint64_t)x->row_bytes;
                 td_metrics_kv_transfer(x->p.metrics, bytes, now - j->t_recv);
                 atomic_fetch_add(&x->bytes_put, bytes);
                 j->lease_until = now + x->p.lease_ms / 1000.0;
@@ -1756,7 +1757,14 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
     x->n_blocks = kp->n_blocks;
     x->plan = td_exec_xfer_plan(p->exec);
     x->world = td_exec_world(p->exec);
-    x->row_bytes = (size_t)x->n_head_kv * (size_t)x->head_dim * sizeof(float);
+    /* one token of one layer over the model's KV heads, in the dense
+     * layout every rank's storage has (xrank checks it) */
+    td_kv_params whole = *kp;
+    whole.n_layers = 1;
+    whole.n_kv_heads = x->n_head_kv;
+    td_kv_layout lay;
+    if ((st = td_kv_layout_dense(&whole, &lay)) != TD_OK) goto fail;
+    x->row_bytes = lay.row_bytes;
     x->lim = (td_xfer_limits){.cluster_token = (const uint8_t *)x->token,
                               .cluster_token_len = x->token_len,
                               .max_bytes = XF_MAX_MSG,
@@ -1766,6 +1774,7 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
                               .n_head_kv = x->n_head_kv,
                               .head_dim = x->head_dim,
                               .block_size = x->block_size,
+                              .kv_dtype = kp->dtype,
                               .compat = p->compat};
     if (p->role == TD_XFER_DECODE) {
         if (curl_global_init(CURL_GLOBAL_NOTHING) != CURLE_OK) {

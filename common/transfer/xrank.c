@@ -49,8 +49,9 @@ struct td_xrank {
     td_ucx_mem *mem;
     uint8_t *addr, *rkey;
     size_t addr_len, rkey_len;
-    void *base;
+    void *base; /* the engine's KV storage, as the network sees it */
     size_t bytes;
+    td_kv_layout lay;         /* its layout */
     int32_t layer0, n_layers; /* this rank's stage */
     int32_t h0, h1;           /* its KV heads (global) */
     int32_t block_size, n_blocks;
@@ -82,6 +83,22 @@ static rank_geo geo_of(const td_xfer_plan *pl, int rank, int32_t n_head_kv) {
 
 /* ------------------------------------------------------------- lifetime */
 
+/* The KV storage hook: the backend's KV allocator takes its memory from
+ * UCX; the engine gives it back when it frees the storage. */
+static void *kv_mem_alloc(void *ctx, size_t bytes, void **handle) {
+    td_xrank *xr = ctx;
+    if (xr->mem || td_ucx_mem_alloc(xr->ucx, bytes, &xr->mem)) return NULL;
+    *handle = xr->mem;
+    return td_ucx_mem_base(xr->mem);
+}
+
+static void kv_mem_release(void *ctx, void *handle) {
+    td_xrank *xr = ctx;
+    TD_ASSERT(handle == xr->mem);
+    td_ucx_mem_unmap(xr->mem);
+    xr->mem = NULL;
+}
+
 td_status td_xrank_create(const td_xrank_params *p, td_xrank **xr_p) {
     if (!p || !p->kv || !xr_p || p->rank < 0 || p->rank >= p->plan.tp * p->plan.pp * p->plan.cp) {
         TD_LOG_ERROR("invalid transfer rank parameters");
@@ -98,7 +115,6 @@ td_status td_xrank_create(const td_xrank_params *p, td_xrank **xr_p) {
     const td_kv_params *kp = td_kv_pool_params(p->kv);
     xr->block_size = kp->block_size;
     xr->n_blocks = kp->n_blocks;
-    xr->row = (size_t)kp->n_kv_heads * (size_t)p->head_dim * sizeof(float);
     td_status st = TD_OK;
     if (kp->n_layers != xr->n_layers || kp->n_kv_heads != g.h1 - g.h0) {
         TD_LOG_ERROR("rank %d: KV pool of %d layers x %d heads, the plan gives %d x %d", p->rank,
@@ -113,17 +129,41 @@ td_status td_xrank_create(const td_xrank_params *p, td_xrank **xr_p) {
         if ((st = td_ucx_create(&up, &xr->ucx))) goto fail;
         xr->own_ucx = true;
     }
-    /* The pool moves into memory UCX allocates: a peer on this host then
-     * puts into it with one memcpy (see ucx.h). */
-    td_kv_pool_storage(p->kv, &xr->base, &xr->bytes);
-    if ((st = td_ucx_mem_alloc(xr->ucx, xr->bytes, &xr->mem))) goto fail;
-    xr->base = td_ucx_mem_base(xr->mem);
-    if ((st = td_kv_pool_adopt_storage(p->kv, xr->base, xr->bytes))) goto fail;
+    /* The engine's KV storage moves into memory UCX allocates (through the
+     * backend's allocator): a peer on this host then puts into it with one
+     * memcpy (see ucx.h). The pool must hold no data yet. */
+    td_kv_mem_hook hook = {.alloc = kv_mem_alloc, .release = kv_mem_release, .ctx = xr};
+    td_kv_storage kvs;
+    if (!p->engine) {
+        TD_LOG_ERROR("rank %d: KV transfer without an engine", p->rank);
+        st = TD_ERR_INVALID;
+        goto fail;
+    }
+    if ((st = td_engine_kv_place(p->engine, &hook)) || (st = td_engine_kv_storage(p->engine, &kvs)))
+        goto fail;
+    td_kv_layout dense;
+    if ((st = td_kv_layout_dense(kp, &dense))) goto fail;
+    const td_kv_layout *got = &kvs.layout;
+    if (got->dtype != dense.dtype || got->elem_bytes != dense.elem_bytes ||
+        got->row_bytes != dense.row_bytes || got->block_bytes != dense.block_bytes ||
+        got->layer_bytes != dense.layer_bytes || got->bytes != dense.bytes) {
+        TD_LOG_ERROR("rank %d: the backend's KV layout is not the dense one the transfer "
+                     "protocol assumes",
+                     p->rank);
+        st = TD_ERR_UNSUPPORTED;
+        goto fail;
+    }
+    xr->lay = kvs.layout;
+    xr->base = kvs.base;
+    xr->bytes = kvs.layout.bytes;
+    xr->row = kvs.layout.row_bytes;
     if ((st = td_ucx_mem_rkey(xr->mem, &xr->rkey, &xr->rkey_len))) goto fail;
     if ((st = td_ucx_address(xr->ucx, &xr->addr, &xr->addr_len))) goto fail;
     *xr_p = xr;
     return TD_OK;
 fail:
+    /* the engine keeps KV storage of its own (the pool is still empty) */
+    if (xr->mem) td_engine_kv_place(p->engine, NULL);
     td_xrank_destroy(xr);
     return st;
 }
@@ -158,7 +198,8 @@ void td_xrank_destroy(td_xrank *xr) {
     for (int i = 0; i < TD_XRANK_MAX_PEERS; i++) td_xrank_link(xr, i, false);
     free(xr->addr);
     free(xr->rkey);
-    td_ucx_mem_unmap(xr->mem);
+    if (xr->mem) td_engine_kv_release(xr->p.engine); /* runs kv_mem_release */
+    TD_ASSERT(!xr->mem);
     if (xr->own_ucx) td_ucx_destroy(xr->ucx);
     free(xr);
 }
@@ -452,19 +493,20 @@ static void push(td_xrank *xr, xjob *j, const int32_t *blocks, int32_t l, int32_
     const int32_t bs = xr->block_size;
     const int32_t hd = xr->p.head_dim;
     const int32_t lp = l - xr->layer0;
-    const char *kp = (const char *)td_kv_layer_k(xr->p.kv, lp);
-    const char *vp = (const char *)td_kv_layer_v(xr->p.kv, lp);
+    const size_t elem = xr->lay.elem_bytes; /* the peer's: its Exchange gave our dtype */
+    const char *kp = (const char *)xr->base + (size_t)lp * 2u * xr->lay.layer_bytes;
+    const char *vp = kp + xr->lay.layer_bytes;
     for (int ri = 0; ri < pe->n_routes && !j->failed; ri++) {
         const td_xfer_route *rt = &pe->routes[ri];
         if (l < rt->layer_begin || l >= rt->layer_end) continue;
         int d = rt->d_rank;
         rank_geo dg = geo_of(&pe->dplan, d, xr->p.n_head_kv);
-        size_t d_row = (size_t)(dg.h1 - dg.h0) * (size_t)hd * sizeof(float);
+        size_t d_row = (size_t)(dg.h1 - dg.h0) * (size_t)hd * elem;
         uint64_t d_layer = (uint64_t)pe->d_blocks * (uint64_t)bs * d_row;
         uint64_t k_base = (uint64_t)(l - dg.layer0) * 2u * d_layer, v_base = k_base + d_layer;
-        size_t seg = (size_t)(rt->head_end - rt->head_begin) * (size_t)hd * sizeof(float);
-        size_t p_head = (size_t)(rt->head_begin - xr->h0) * (size_t)hd * sizeof(float);
-        size_t d_head = (size_t)(rt->head_begin - dg.h0) * (size_t)hd * sizeof(float);
+        size_t seg = (size_t)(rt->head_end - rt->head_begin) * (size_t)hd * elem;
+        size_t p_head = (size_t)(rt->head_begin - xr->h0) * (size_t)hd * elem;
+        size_t d_head = (size_t)(rt->head_begin - dg.h0) * (size_t)hd * elem;
         bool whole = seg == xr->row && seg == d_row;
         for (int32_t b = a / bs; b * bs < upto && !j->failed; b++) {
             if (b % rt->block_mod != rt->block_res) continue;

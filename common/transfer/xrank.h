@@ -54,7 +54,8 @@ typedef struct {
     td_xfer_plan plan;                    /* this instance's plan */
     int rank;                             /* world rank: (pp_rank * cp + cp_rank) * tp + tp_rank */
     int32_t n_layer, n_head_kv, head_dim; /* of the whole model */
-    td_kv_pool *kv;                       /* this rank's pool (moved into UCX memory) */
+    td_kv_pool *kv;                       /* this rank's pool */
+    td_engine *engine;                    /* this rank's: its KV storage is placed in UCX memory */
     td_ucx *ucx;    /* the rank's channel; NULL: td_xrank_create makes its own */
     bool layerwise; /* put each layer as it is computed (default), else every layer
                      * after the prompt's last one (for measurements) */
@@ -63,8 +64,10 @@ typedef struct {
 typedef struct td_xrank td_xrank;
 
 td_status td_xrank_create(const td_xrank_params *p, td_xrank **xr_p);
-/* Closes every endpoint (waiting for the closes), frees the UCX memory:
- * the pool must not be used afterwards. Accepts NULL. */
+/* Closes every endpoint (waiting for the closes) and releases the
+ * engine's KV storage if the engine still holds it (td_engine_kv_release:
+ * its steps fail from then on; destroy the engine first to avoid that).
+ * Accepts NULL. */
 void td_xrank_destroy(td_xrank *xr);
 
 /* Decode side: opens (closing any earlier one) or closes the link worker of

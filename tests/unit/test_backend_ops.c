@@ -1008,6 +1008,112 @@ static void test_copies(void **state) {
     }
 }
 
+/* ---- KV storage: the layout, and memory through the transfer layer's hook ---- */
+
+typedef struct {
+    int allocs, regs, releases;
+    bool fail;
+    void *mem, *handle;
+    size_t bytes;
+} hook_log;
+
+static void *hk_alloc(void *ctx, size_t bytes, void **handle) {
+    hook_log *h = ctx;
+    h->allocs++;
+    if (h->fail) return NULL;
+    h->mem = calloc(1, bytes);
+    h->bytes = bytes;
+    *handle = h->handle = &h->mem;
+    return h->mem;
+}
+
+static td_status hk_reg(void *ctx, void *mem, size_t bytes, void **handle) {
+    hook_log *h = ctx;
+    h->regs++;
+    if (h->fail) return TD_ERR_IO;
+    h->mem = mem;
+    h->bytes = bytes;
+    *handle = h->handle = &h->mem;
+    return TD_OK;
+}
+
+static void hk_release(void *ctx, void *handle) {
+    hook_log *h = ctx;
+    assert_ptr_equal(handle, h->handle);
+    h->releases++;
+    if (h->allocs) free(h->mem);
+}
+
+/* Every byte of the storage is the caller's to write outside the ops (the
+ * network's puts do), layer regions apart as the layout says. */
+static void kv_fill_check(td_backend *be, td_bbuf *b, const td_kv_layout *l, int n_layers) {
+    uint8_t *p = be->i->comm_ptr(be, td_bview_of(b));
+    for (int r = 0; r < 2 * n_layers; r++)
+        memset(p + (size_t)r * l->layer_bytes, r + 1, l->layer_bytes);
+    for (int r = 0; r < 2 * n_layers; r++)
+        for (size_t i = 0; i < l->layer_bytes; i += 97)
+            assert_int_equal(p[r * l->layer_bytes + i], r + 1);
+}
+
+static void test_kv_storage(void **state) {
+    (void)state;
+    td_kv_params kp = td_kv_default_params();
+    kp.n_layers = 2;
+    kp.n_kv_heads = 3;
+    kp.head_dim = 8;
+    kp.n_blocks = 7;
+    for (size_t bi = 0; bi < sizeof g_h / sizeof g_h[0]; bi++) {
+        harness *h = &g_h[bi];
+        td_backend *be = h->be;
+        td_kv_layout l, dense;
+        assert_int_equal(be->i->kv_layout(be, &kp, &l), TD_OK);
+        assert_int_equal(td_kv_layout_dense(&kp, &dense), TD_OK);
+        assert_int_equal(l.bytes, dense.bytes); /* the CPU backends keep the dense layout */
+        assert_int_equal(l.row_bytes, dense.row_bytes);
+        td_kv_params f16 = kp;
+        f16.dtype = TD_TYPE_F16; /* its attention reads f32 K and V */
+        assert_int_equal(be->i->kv_layout(be, &f16, &l), TD_ERR_UNSUPPORTED);
+        assert_int_equal(be->i->kv_layout(be, &kp, &l), TD_OK);
+        /* no hook: its own memory, zero-filled */
+        td_bbuf *b = be->i->kv_alloc(be, &l, NULL);
+        assert_non_null(b);
+        uint8_t *p = be->i->comm_ptr(be, td_bview_of(b));
+        for (size_t i = 0; i < l.bytes; i += 61) assert_int_equal(p[i], 0);
+        kv_fill_check(be, b, &l, kp.n_layers);
+        td_backend_free(be, b);
+        /* the hook's memory, given back once at free */
+        hook_log hl = {0};
+        td_kv_mem_hook hook = {.alloc = hk_alloc, .release = hk_release, .ctx = &hl};
+        b = be->i->kv_alloc(be, &l, &hook);
+        assert_non_null(b);
+        assert_ptr_equal(be->i->comm_ptr(be, td_bview_of(b)), hl.mem);
+        assert_int_equal(hl.bytes, l.bytes);
+        kv_fill_check(be, b, &l, kp.n_layers);
+        td_backend_free(be, b);
+        assert_int_equal(hl.allocs, 1);
+        assert_int_equal(hl.releases, 1);
+        /* the backend's memory, registered, and unregistered at free */
+        hl = (hook_log){0};
+        hook = (td_kv_mem_hook){.reg = hk_reg, .release = hk_release, .ctx = &hl};
+        b = be->i->kv_alloc(be, &l, &hook);
+        assert_non_null(b);
+        assert_ptr_equal(be->i->comm_ptr(be, td_bview_of(b)), hl.mem);
+        kv_fill_check(be, b, &l, kp.n_layers);
+        td_backend_free(be, b);
+        assert_int_equal(hl.regs, 1);
+        assert_int_equal(hl.releases, 1);
+        /* a hook that fails: no storage, nothing to release */
+        hl = (hook_log){.fail = true};
+        assert_null(be->i->kv_alloc(be, &l, &hook));
+        hook.alloc = hk_alloc;
+        hook.reg = NULL;
+        assert_null(be->i->kv_alloc(be, &l, &hook));
+        assert_int_equal(hl.regs + hl.allocs, 2);
+        assert_int_equal(hl.releases, 0);
+        report(h, "kv_alloc", "own memory, hook alloc, hook reg, failures", 0, 0);
+    }
+}
+
 /* ---- the checking backend faults on access that bypasses the table ---- */
 
 static int child_touch(bool through_comm) {
@@ -1042,7 +1148,7 @@ int main(void) {
         cmocka_unit_test(test_matmul),    cmocka_unit_test(test_unsupported_type),
         cmocka_unit_test(test_embed),     cmocka_unit_test(test_rows),
         cmocka_unit_test(test_attention), cmocka_unit_test(test_moe),
-        cmocka_unit_test(test_moe_ep),
+        cmocka_unit_test(test_moe_ep),    cmocka_unit_test(test_kv_storage),
         cmocka_unit_test(test_copies),    cmocka_unit_test(test_check_backend_faults),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

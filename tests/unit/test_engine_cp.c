@@ -184,6 +184,15 @@ typedef struct {
     int rank;
 } rank_arg;
 
+/* Layer l's K (v false) or V region of a rank's KV storage (the CPU
+ * backends keep it in host memory, in the layout it describes). */
+static float *kv_region(td_engine *e, int l, bool v) {
+    td_kv_storage st;
+    assert_int_equal(td_engine_kv_storage(e, &st), TD_OK);
+    assert_int_equal(st.layout.dtype, TD_TYPE_F32);
+    return (float *)((char *)st.base + ((size_t)l * 2u + v) * st.layout.layer_bytes);
+}
+
 static void *rank_setup(void *arg) {
     rank_arg *a = arg;
     cluster *c = a->c;
@@ -214,12 +223,6 @@ static void *rank_setup(void *arg) {
     if ((r->st = td_kv_pool_create(&kp, &r->kv)) ||
         (r->st = td_threadpool_create(c->n_threads, &r->th)))
         return NULL;
-    /* NaN everywhere: a block this rank reads without having written it
-     * makes the logits non-finite */
-    size_t cells = (size_t)N_BLOCKS * BS * (size_t)kp.n_kv_heads * (size_t)kp.head_dim;
-    for (int l = 0; l < kp.n_layers; l++)
-        for (size_t i = 0; i < cells; i++)
-            td_kv_layer_k(r->kv, l)[i] = td_kv_layer_v(r->kv, l)[i] = NAN;
     td_engine_params ep = td_engine_default_params();
     ep.max_batch_tokens = MAX_TOK;
     ep.max_seqs = 8;
@@ -228,6 +231,12 @@ static void *rank_setup(void *arg) {
     ep.cp_mode = c->mode;
     ep.cp_min_tokens = c->cp_min;
     if ((r->st = td_engine_create(r->m, r->kv, r->th, r->tpc, &ep, &r->e))) return NULL;
+    /* NaN everywhere: a block this rank reads without having written it
+     * makes the logits non-finite */
+    size_t cells = (size_t)N_BLOCKS * BS * (size_t)kp.n_kv_heads * (size_t)kp.head_dim;
+    for (int l = 0; l < kp.n_layers; l++)
+        for (size_t i = 0; i < cells; i++)
+            kv_region(r->e, l, false)[i] = kv_region(r->e, l, true)[i] = NAN;
     r->xout = malloc((size_t)MAX_TOK * (size_t)cfg->n_embd * sizeof(float));
     r->logits = malloc((size_t)MAX_TOK * (size_t)cfg->n_vocab * sizeof(float));
     r->st = r->xout && r->logits ? TD_OK : TD_ERR_NOMEM;
@@ -514,8 +523,8 @@ static void check_block_owners(cluster *c, const seqs_state *s) {
                 bool mine = j % c->cp == r->cp_r;
                 for (int l = 0; l < kp->n_layers; l++) {
                     /* slot 0 of the block holds a position < done */
-                    const float *k = td_kv_layer_k(r->kv, l) + b * blk;
-                    const float *v = td_kv_layer_v(r->kv, l) + b * blk;
+                    const float *k = kv_region(r->e, l, false) + b * blk;
+                    const float *v = kv_region(r->e, l, true) + b * blk;
                     for (size_t x = 0; x < blk / BS; x++) {
                         assert_true(mine ? !isnan(k[x]) : isnan(k[x]));
                         assert_true(mine ? !isnan(v[x]) : isnan(v[x]));

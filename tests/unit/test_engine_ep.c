@@ -795,10 +795,10 @@ static void *mismatch_main(void *arg) {
         {.tokens = tok, .n_tokens = j->rank ? 2 : 6, .block_table = blk0, .n_blocks = 1},
         {.tokens = tok + 6, .n_tokens = 2, .block_table = blk1, .n_blocks = 1}};
     if (j->attn_dp) {
-        ch[0] = (td_seq_chunk){.tokens = tok, .n_tokens = 3, .block_table = j->rank ? blk1 : blk0,
-                               .n_blocks = 1};
-        ch[1] = (td_seq_chunk){.tokens = tok + 3, .n_tokens = 5,
-                               .block_table = j->rank ? blk0 : blk1, .n_blocks = 1};
+        ch[0] = (td_seq_chunk){
+            .tokens = tok, .n_tokens = 3, .block_table = j->rank ? blk1 : blk0, .n_blocks = 1};
+        ch[1] = (td_seq_chunk){
+            .tokens = tok + 3, .n_tokens = 5, .block_table = j->rank ? blk0 : blk1, .n_blocks = 1};
     }
     j->bad = td_engine_forward(e, ch, j->attn_dp ? 2 : 1, j->logits);
     ch[0] = (td_seq_chunk){.tokens = tok, .n_tokens = 3, .block_table = blk0, .n_blocks = 1};

@@ -604,6 +604,58 @@ static void test_tp_tiny(void **state) {
 
 /* Batches that break the limits are refused with TD_ERR_INVALID, and the
  * engine and cache stay usable: a valid call afterwards gives the same logits. */
+static void *no_mem(void *ctx, size_t bytes, void **handle) {
+    (void)ctx, (void)bytes, (void)handle;
+    return NULL;
+}
+
+/* The KV storage moves (td_engine_kv_place) only while the pool holds no
+ * data, a failed move keeps the old storage, a released storage fails
+ * every step cleanly until the next place, and the logits never change. */
+static void test_kv_place(void **state) {
+    (void)state;
+    char path[4096];
+    if (!tiny_path("smollm2-q4_1-gguf", path, sizeof path)) skip();
+    harness h;
+    h_open(&h, path, 2);
+    int n = 37;
+    int32_t *tok = make_tokens(n, 61, h.V);
+    float *ref = alloc_logits(&h, n), *got = alloc_logits(&h, n);
+    run_chunked(&h, tok, n, 16, ref);
+    td_kv_storage s0, s1;
+    assert_int_equal(td_engine_kv_storage(h.e, &s0), TD_OK);
+    int32_t held;
+    assert_int_equal(td_kv_block_alloc(h.kv, 1, &held), TD_OK);
+    assert_int_equal(td_engine_kv_place(h.e, NULL), TD_ERR_INVALID); /* a block in use */
+    td_kv_block_free(h.kv, &held, 1);
+    assert_int_equal(td_engine_kv_place(h.e, NULL), TD_OK);
+    assert_int_equal(td_engine_kv_storage(h.e, &s1), TD_OK);
+    assert_ptr_not_equal(s1.base, s0.base); /* new memory, allocated before the old was freed */
+    assert_int_equal(s1.layout.bytes, s0.layout.bytes);
+    run_chunked(&h, tok, n, 16, got);
+    assert_memory_equal(got, ref, (size_t)n * (size_t)h.V * sizeof(float));
+    td_kv_mem_hook broken = {.alloc = no_mem};
+    assert_int_equal(td_engine_kv_place(h.e, &broken), TD_ERR_NOMEM);
+    assert_int_equal(td_engine_kv_storage(h.e, &s0), TD_OK);
+    assert_ptr_equal(s0.base, s1.base);
+    run_chunked(&h, tok, n, 16, got);
+    assert_memory_equal(got, ref, (size_t)n * (size_t)h.V * sizeof(float));
+    td_engine_kv_release(h.e);
+    assert_int_equal(td_engine_kv_storage(h.e, &s0), TD_ERR_INVALID);
+    int32_t blocks[3];
+    assert_int_equal(td_kv_block_alloc(h.kv, 3, blocks), TD_OK);
+    td_seq_chunk c = {.tokens = tok, .n_tokens = n, .block_table = blocks, .n_blocks = 3};
+    assert_int_equal(td_engine_forward(h.e, &c, 1, got), TD_ERR_INVALID);
+    td_kv_block_free(h.kv, blocks, 3);
+    assert_int_equal(td_engine_kv_place(h.e, NULL), TD_OK);
+    run_chunked(&h, tok, n, 16, got);
+    assert_memory_equal(got, ref, (size_t)n * (size_t)h.V * sizeof(float));
+    free(tok);
+    free(ref);
+    free(got);
+    h_close(&h);
+}
+
 static void test_forward_rejects(void **state) {
     (void)state;
     char path[4096];
@@ -769,13 +821,13 @@ int main(void) {
         return 1;
     }
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_chunks_tiny),     cmocka_unit_test(test_batch_tiny),
-        cmocka_unit_test(test_prefix_tiny),     cmocka_unit_test(test_recompute_tiny),
-        cmocka_unit_test(test_threads_tiny),    cmocka_unit_test(test_pipeline_tiny),
-        cmocka_unit_test(test_forward_rejects), cmocka_unit_test(test_tp_tiny),
-        cmocka_unit_test(test_chunks_default),  cmocka_unit_test(test_batch_default),
-        cmocka_unit_test(test_prefix_default),  cmocka_unit_test(test_recompute_default),
-        cmocka_unit_test(test_threads_default),
+        cmocka_unit_test(test_chunks_tiny),       cmocka_unit_test(test_batch_tiny),
+        cmocka_unit_test(test_prefix_tiny),       cmocka_unit_test(test_recompute_tiny),
+        cmocka_unit_test(test_threads_tiny),      cmocka_unit_test(test_pipeline_tiny),
+        cmocka_unit_test(test_forward_rejects),   cmocka_unit_test(test_tp_tiny),
+        cmocka_unit_test(test_kv_place),          cmocka_unit_test(test_chunks_default),
+        cmocka_unit_test(test_batch_default),     cmocka_unit_test(test_prefix_default),
+        cmocka_unit_test(test_recompute_default), cmocka_unit_test(test_threads_default),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -56,30 +56,43 @@ static void test_params(void **state) {
     td_kv_pool_destroy(NULL);
 }
 
-static void test_storage(void **state) {
+/* The dense layout's figures, dtypes it holds and refuses, overflow. */
+static void test_layout(void **state) {
     (void)state;
-    td_kv_pool *pool = make_pool(5);
-    const td_kv_params *p = td_kv_pool_params(pool);
-    size_t n =
-        (size_t)p->n_blocks * (size_t)p->block_size * (size_t)p->n_kv_heads * (size_t)p->head_dim;
-    /* Fill every region with its own pattern, then check none was overwritten. */
-    for (int l = 0; l < p->n_layers; l++) {
-        float *k = td_kv_layer_k(pool, l), *v = td_kv_layer_v(pool, l);
-        assert_int_equal((uintptr_t)k % 64, 0);
-        assert_int_equal((uintptr_t)v % 64, 0);
-        for (size_t i = 0; i < n; i++) {
-            k[i] = (float)(l * 2) + (float)i * 1e-3f;
-            v[i] = (float)(l * 2 + 1) + (float)i * 1e-3f;
-        }
-    }
-    for (int l = 0; l < p->n_layers; l++) {
-        float *k = td_kv_layer_k(pool, l), *v = td_kv_layer_v(pool, l);
-        for (size_t i = 0; i < n; i++) {
-            assert_true(k[i] == (float)(l * 2) + (float)i * 1e-3f);
-            assert_true(v[i] == (float)(l * 2 + 1) + (float)i * 1e-3f);
-        }
-    }
-    td_kv_pool_destroy(pool);
+    td_kv_params p = td_kv_default_params();
+    assert_int_equal(p.dtype, TD_TYPE_F32);
+    p.n_layers = 3;
+    p.n_kv_heads = 2;
+    p.head_dim = 64;
+    p.n_blocks = 5;
+    td_kv_layout l;
+    assert_int_equal(td_kv_layout_dense(&p, &l), TD_OK);
+    assert_int_equal(l.dtype, TD_TYPE_F32);
+    assert_int_equal(l.elem_bytes, 4);
+    assert_int_equal(l.row_bytes, 2 * 64 * 4);
+    assert_int_equal(l.block_bytes, 16 * 2 * 64 * 4);
+    assert_int_equal(l.layer_bytes, 5 * 16 * 2 * 64 * 4);
+    assert_int_equal(l.bytes, 3 * 2 * l.layer_bytes);
+    assert_int_equal(td_kv_block_bytes(&p), 3 * 2 * l.block_bytes);
+    p.dtype = TD_TYPE_F16;
+    assert_int_equal(td_kv_layout_dense(&p, &l), TD_OK);
+    assert_int_equal(l.elem_bytes, 2);
+    assert_int_equal(l.bytes, 3 * 2 * 5 * 16 * 2 * 64 * 2);
+    p.dtype = TD_TYPE_Q8_0; /* not a KV element type */
+    assert_int_equal(td_kv_layout_dense(&p, &l), TD_ERR_UNSUPPORTED);
+    assert_int_equal(td_kv_block_bytes(&p), 0);
+    td_kv_pool *pool = NULL;
+    assert_int_equal(td_kv_pool_create(&p, &pool), TD_ERR_UNSUPPORTED);
+    assert_null(pool);
+    p.dtype = (td_dtype)77; /* a lying id */
+    assert_int_equal(td_kv_layout_dense(&p, &l), TD_ERR_UNSUPPORTED);
+    p.dtype = TD_TYPE_F32;
+    p.n_blocks = INT32_MAX;
+    p.n_kv_heads = 1 << 20;
+    p.head_dim = 1 << 20;
+    assert_int_equal(td_kv_layout_dense(&p, &l), TD_ERR_RANGE);
+    p.n_blocks = 0;
+    assert_int_equal(td_kv_layout_dense(&p, &l), TD_ERR_INVALID);
 }
 
 static void test_alloc_refcount(void **state) {
@@ -253,7 +266,7 @@ static void test_random_vs_reference(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_params),
-        cmocka_unit_test(test_storage),
+        cmocka_unit_test(test_layout),
         cmocka_unit_test(test_alloc_refcount),
         cmocka_unit_test(test_all_or_nothing),
         cmocka_unit_test(test_exhaustion),

@@ -274,6 +274,11 @@ static void test_exchange(void **state) {
     r.kv.head_dim = 16;
     check(&r.m, "differs from ours");
     r.kv.head_dim = 8;
+    r.kv.dtype = TD_TYPE_F16; /* a peer holding half-size K and V: its puts would not fit */
+    check(&r.m, "KV elements of dtype 1, ours are of 0");
+    r.kv.dtype = 77;
+    check(&r.m, "KV elements of dtype 77");
+    r.kv.dtype = TD_TYPE_F32;
     r.kv.n_blocks = 0;
     check(&r.m, "KV pool of 0 blocks");
     r.kv.n_blocks = 100;
@@ -410,6 +415,11 @@ static void test_rank_kv_bytes(void **state) {
     assert_int_equal(td_xfer_rank_kv_bytes(&p, &g, 15), 3ull * 1 * 64 * 16 * 10 * 8);
     assert_int_equal(td_xfer_rank_kv_bytes(&p, &g, 16), 2ull * 1 * 64 * 16 * 10 * 8);
     assert_int_equal(td_xfer_rank_kv_bytes(&p, &g, 32), 0);
+    g.dtype = TD_TYPE_BF16; /* 2-byte elements */
+    assert_int_equal(td_xfer_rank_kv_bytes(&p, &g, 16), 2ull * 1 * 64 * 16 * 10 * 4);
+    g.dtype = TD_TYPE_Q8_0; /* not an element type KV is held in */
+    assert_int_equal(td_xfer_rank_kv_bytes(&p, &g, 16), 0);
+    g.dtype = TD_TYPE_F32;
     g.n_blocks = UINT32_MAX;
     g.head_dim = UINT32_MAX;
     assert_int_equal(td_xfer_rank_kv_bytes(&p, &g, 0), 0); /* overflows */
