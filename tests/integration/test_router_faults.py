@@ -15,13 +15,15 @@ import pytest
 from conftest import manifest_model, scaled, wait_until
 from serve_util import Cluster, metric
 
-N, CONC = 80, 6
+N, CONC = 40, 6
 
 
 @pytest.mark.parametrize("victim", ["decode", "prefill"])
 def test_kill_during_bench(tandem_bin, manifest, test_models, tmp_path, victim):
     model = manifest_model(manifest, test_models, "llama2-f32-gguf")
-    # long outputs (a 4096 context) so that streams are cut mid-way; a short
+    # long outputs (a 4096 context) so that streams are cut mid-way (300
+    # tokens took 20 ms on an AVX-512 machine: a kill then often found
+    # decode0 between streams); a short
     # transfer deadline so that a decode instance fences a dead prefill
     # instance, and frees what it quarantined, within seconds
     c = Cluster(tandem_bin, tmp_path, model,
@@ -34,13 +36,16 @@ def test_kill_during_bench(tandem_bin, manifest, test_models, tmp_path, victim):
         bench = subprocess.Popen(
             [str(a) for a in [tandem_bin, "bench", "--url", c.router.base_url, "--dataset",
                               "random", "--num-prompts", N, "--concurrency", CONC,
-                              "--input-len", 48, "--output-len", 300, "--ignore-eos",
+                              "--input-len", 48, "--output-len", 1500, "--ignore-eos",
                               "--seed", 1, "--json", out]],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             start_new_session=True)
         wait_until(lambda: metric(c.router.metrics(), "tandem:router_decisions_total") >= 20,
                    timeout=60, what="20 requests routed", proc=bench)
         dead = (c.ds if victim == "decode" else c.ps)[0]
+        if victim == "decode":  # the kill must find streams to cut
+            wait_until(lambda: metric(dead.metrics(), "vllm:num_requests_running") >= 1,
+                       timeout=60, what="decode0 streaming", proc=bench)
         dead.proc.send_signal(signal.SIGKILL)
         dead.proc.wait()
         _, err = bench.communicate(timeout=scaled(300))
