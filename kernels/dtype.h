@@ -44,9 +44,14 @@ typedef struct {
     int8_t qs[TD_QK8_0];
 } td_block_q8_0;
 
-_Static_assert(sizeof(td_block_q4_0) == 18, "q4_0 block");
-_Static_assert(sizeof(td_block_q4_1) == 20, "q4_1 block");
-_Static_assert(sizeof(td_block_q8_0) == 34, "q8_0 block");
+#ifdef __cplusplus /* the CUDA kernels include this header */
+#define TD_DTYPE_STATIC_ASSERT static_assert
+#else
+#define TD_DTYPE_STATIC_ASSERT _Static_assert
+#endif
+TD_DTYPE_STATIC_ASSERT(sizeof(td_block_q4_0) == 18, "q4_0 block");
+TD_DTYPE_STATIC_ASSERT(sizeof(td_block_q4_1) == 20, "q4_1 block");
+TD_DTYPE_STATIC_ASSERT(sizeof(td_block_q8_0) == 34, "q8_0 block");
 
 /* Elements per block (1 for unquantized types), 0 for unsupported ids. */
 static inline int td_dtype_block_elems(td_dtype t) {

@@ -120,6 +120,12 @@ static bool ck_supports(td_backend *be, td_op op, td_dtype type) {
 static td_status ck_upload_model(td_backend *be, const td_model *m) {
     return inner(be)->i->upload_model(inner(be), m);
 }
+static td_status ck_upload_weight(td_backend *be, const td_weight *w) {
+    return inner(be)->i->upload_weight(inner(be), w);
+}
+static td_status ck_upload_floats(td_backend *be, const float *p, size_t n) {
+    return inner(be)->i->upload_floats(inner(be), p, n);
+}
 static td_status ck_reserve(td_backend *be, int32_t max_ctx, int head_dim) {
     return inner(be)->i->reserve(inner(be), max_ctx, head_dim);
 }
@@ -206,6 +212,8 @@ static const td_backend_i ck_i = {
     .destroy = ck_destroy,
     .supports = ck_supports,
     .upload_model = ck_upload_model,
+    .upload_weight = ck_upload_weight,
+    .upload_floats = ck_upload_floats,
     .reserve = ck_reserve,
     .alloc = ck_alloc,
     .wrap = ck_wrap,

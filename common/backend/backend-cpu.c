@@ -224,6 +224,17 @@ static td_status cpu_upload_model(td_backend *be, const td_model *m) {
     return TD_OK;
 }
 
+/* The CPU ops read host memory in place. */
+static td_status cpu_upload_weight(td_backend *be, const td_weight *w) {
+    (void)be, (void)w;
+    return TD_OK;
+}
+
+static td_status cpu_upload_floats(td_backend *be, const float *p, size_t n) {
+    (void)be, (void)p, (void)n;
+    return TD_OK;
+}
+
 static td_status cpu_reserve(td_backend *be, int32_t max_ctx, int head_dim) {
     cpu_ctx *c = ctx_of(be);
     if (max_ctx <= c->max_ctx && head_dim <= c->head_dim) return TD_OK;
@@ -989,6 +1000,8 @@ const td_backend_i td_backend_cpu_i = {
     .destroy = cpu_destroy,
     .supports = cpu_supports,
     .upload_model = cpu_upload_model,
+    .upload_weight = cpu_upload_weight,
+    .upload_floats = cpu_upload_floats,
     .reserve = cpu_reserve,
     .alloc = cpu_alloc,
     .wrap = cpu_wrap,

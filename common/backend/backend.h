@@ -70,6 +70,7 @@ typedef enum {
      * its own op calls, so any access to backend memory that does not go
      * through the ops table faults. */
     TD_BACKEND_CPU_CHECK = 1,
+    TD_BACKEND_CUDA = 2, /* an NVIDIA GPU (backend-cuda.c; built where nvcc is) */
 } td_backend_kind;
 
 /* The forward pass's ops, for supports(). */
@@ -102,6 +103,7 @@ typedef struct {
     const int32_t *logit_src; /* (n_logit) row feeding each logit row */
     int32_t n_seqs;
     const int32_t *const *seq_table; /* (n_seqs) block table of each sequence */
+    const int32_t *seq_n_blocks;     /* (n_seqs) entries of each block table */
     /* context parallelism (cp_n > 1), else unused */
     int cp_n, cp_r;
     int32_t cp_maxb;           /* columns of cp_ltab */
@@ -180,6 +182,10 @@ typedef struct td_backend_i {
     void (*destroy)(td_backend *be);
     bool (*supports)(td_backend *be, td_op op, td_dtype type);
     td_status (*upload_model)(td_backend *be, const td_model *m);
+    /* One matrix or float vector the ops will name by its host pointer,
+     * outside a model (the op tests); uploaded again if already known. */
+    td_status (*upload_weight)(td_backend *be, const td_weight *w);
+    td_status (*upload_floats)(td_backend *be, const float *p, size_t n);
     /* scratch the ops need for contexts of up to max_ctx positions */
     td_status (*reserve)(td_backend *be, int32_t max_ctx, int head_dim);
     td_bbuf *(*alloc)(td_backend *be, size_t bytes); /* zero-filled; NULL when out of memory */
@@ -254,9 +260,23 @@ td_status td_backend_cpu_create(td_threadpool *tp, td_backend **be_p);
 /* The checking backend (TD_BACKEND_CPU_CHECK) wrapping a CPU backend. */
 td_status td_backend_check_create(td_threadpool *tp, td_backend **be_p);
 td_status td_backend_create(td_backend_kind kind, td_threadpool *tp, td_backend **be_p);
-/* TANDEM_BACKEND: unset or "cpu" -> TD_BACKEND_CPU, "cpu-check" ->
- * TD_BACKEND_CPU_CHECK; anything else is logged and taken as cpu. */
+/* The same on GPU `device` (CUDA only; the CPU backends ignore it). */
+td_status td_backend_create_on(td_backend_kind kind, int device, td_threadpool *tp,
+                               td_backend **be_p);
+/* "cpu", "cpu-check", "cuda" or "cuda:N" (--device, TANDEM_BACKEND);
+ * TD_ERR_INVALID for anything else. */
+td_status td_backend_parse(const char *s, td_backend_kind *kind, int *device);
+/* The CUDA backend on GPU `device`; TD_ERR_UNSUPPORTED in a build without
+ * CUDA or on a machine without that GPU (the reason logged). */
+td_status td_backend_cuda_create(int device, td_backend **be_p);
+/* Whether this build has the CUDA backend, and the GPUs it sees (0 when
+ * none or not built). */
+bool td_backend_cuda_built(void);
+int td_backend_cuda_devices(void);
+/* TANDEM_BACKEND (td_backend_parse; unset: cpu; anything else is logged
+ * and taken as cpu), and its GPU index (0 unless "cuda:N"). */
 td_backend_kind td_backend_kind_from_env(void);
+int td_backend_device_from_env(void);
 const char *td_backend_kind_name(td_backend_kind kind);
 void td_backend_destroy(td_backend *be); /* accepts NULL */
 

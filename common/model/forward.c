@@ -74,6 +74,7 @@ struct td_engine {
     int32_t *tok_id;         /* (T) token id of each row */
     int32_t *logit_tok;      /* (T) row feeding each logit row */
     const int32_t **seq_tab; /* (S) block table of each sequence */
+    int32_t *seq_nb;         /* (S) its entries */
     /* Expert parallelism (ep_comm of size > 1) and per-expert load. The rows
      * of the batch are split between the ranks of the row group (the TP
      * group, or the EP group itself when TP is 1), which all hold the same
@@ -173,7 +174,8 @@ td_engine_params td_engine_default_params(void) {
                           .max_seqs = 256,
                           .max_ctx = 0,
                           .cp_min_tokens = 256,
-                          .backend_kind = (int)td_backend_kind_from_env()};
+                          .backend_kind = (int)td_backend_kind_from_env(),
+                          .backend_device = td_backend_device_from_env()};
     return p;
 }
 
@@ -277,6 +279,7 @@ static void engine_free_scratch(td_engine *e) {
     free(e->tok_id);
     free(e->logit_tok);
     free(e->seq_tab);
+    free(e->seq_nb);
     free(e->load_h);
     free(e->a2a);
     free(e->ep_cap);
@@ -453,7 +456,8 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
     if (ep.backend) {
         e->be = ep.backend;
     } else {
-        if ((st = td_backend_create((td_backend_kind)ep.backend_kind, tp, &e->be))) {
+        if ((st = td_backend_create_on((td_backend_kind)ep.backend_kind, ep.backend_device, tp,
+                                       &e->be))) {
             free(e);
             return st;
         }
@@ -520,6 +524,7 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
     e->tok_id = scratch_alloc(T, sizeof(int32_t), &fail);
     e->logit_tok = scratch_alloc(T, sizeof(int32_t), &fail);
     e->seq_tab = scratch_alloc(S, sizeof(int32_t *), &fail);
+    e->seq_nb = scratch_alloc(S, sizeof(int32_t), &fail);
     if (td_model_output(m)) {
         e->head_out_rows =
             (int32_t)TD_MAX((size_t)1, TD_MIN(T, HEAD_OUT_FLOATS / (size_t)e->n_vocab));
@@ -1350,6 +1355,7 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
     for (int32_t i = 0; i < n_seqs; i++) {
         const td_seq_chunk *s = &seqs[i];
         e->seq_tab[i] = s->block_table;
+        e->seq_nb[i] = s->n_blocks;
         if (!seq_mine(e, s)) continue;
         for (int32_t j = 0; j < s->n_tokens; j++, T++) {
             e->tok_seq[T] = i;
@@ -1375,6 +1381,7 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
                               .logit_src = e->logit_tok,
                               .n_seqs = n_seqs,
                               .seq_table = e->seq_tab,
+                              .seq_n_blocks = e->seq_nb,
                               .cp_n = e->cp_n,
                               .cp_r = e->cp_r,
                               .cp_maxb = e->cp_maxb,

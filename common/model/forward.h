@@ -81,7 +81,8 @@ typedef struct {
     /* Compute backend (borrowed; NULL: the engine creates one of
      * backend_kind over its thread pool and destroys it with itself). */
     td_backend *backend;
-    int backend_kind; /* td_backend_kind; default: td_backend_kind_from_env() */
+    int backend_kind;   /* td_backend_kind; default: td_backend_kind_from_env() */
+    int backend_device; /* its GPU (CUDA); default: td_backend_device_from_env() */
 } td_engine_params;
 
 td_engine_params td_engine_default_params(void);
