@@ -26,7 +26,7 @@
 static void bench_usage(FILE *f) {
     fprintf(f,
             "usage: tandem bench-engine [--model PATH] [-p N] [-n N] [-r N] [--threads N]\n"
-            "                           [--isa NAME] [--json] [plan flags]\n"
+            "                           [--isa NAME] [--device D] [--json] [plan flags]\n"
             "\n"
             "Measures prompt processing (ppN: N tokens in one batch) and generation (tgN:\n"
             "N tokens one at a time from an empty context) like llama-bench: one warm-up,\n"
@@ -38,6 +38,8 @@ static void bench_usage(FILE *f) {
             "  -r, --repetitions N  timed repetitions (default 5)\n"
             "  -t, --threads N   worker threads (default: every core)\n"
             "  --isa NAME      kernel set: scalar, avx2, avx512 (default: best available)\n"
+            "  --device D      device: cpu, cuda, cuda:N (default: a GPU when built and visible, "
+            "else cpu)\n"
             "  --json          one JSON object on stdout instead of the table\n"
             "  -t with a plan of several ranks: threads per rank (default: cores / ranks)\n",
             td_default_model_path());
@@ -188,7 +190,7 @@ static uint64_t model_size_bytes(const char *path) {
 }
 
 int td_cmd_bench_engine(int argc, char **argv) {
-    const char *model = NULL, *isa = NULL;
+    const char *model = NULL, *isa = NULL, *device = NULL;
     long n_prompt = 512, n_gen = 128, reps = 5, threads = 0;
     bool json = false;
     td_cli_plan plan = {.p = td_plan_default_params()};
@@ -206,8 +208,8 @@ int td_cmd_bench_engine(int argc, char **argv) {
             continue;
         }
         bool known = !strcmp(opt, "--model") || !strcmp(opt, "-m") || !strcmp(opt, "--isa") ||
-                     !strcmp(opt, "-p") || !strcmp(opt, "--n-prompt") || !strcmp(opt, "-n") ||
-                     !strcmp(opt, "--n-gen") || !strcmp(opt, "-r") ||
+                     !strcmp(opt, "--device") || !strcmp(opt, "-p") || !strcmp(opt, "--n-prompt") ||
+                     !strcmp(opt, "-n") || !strcmp(opt, "--n-gen") || !strcmp(opt, "-r") ||
                      !strcmp(opt, "--repetitions") || !strcmp(opt, "-t") ||
                      !strcmp(opt, "--threads");
         if (!known) {
@@ -224,6 +226,8 @@ int td_cmd_bench_engine(int argc, char **argv) {
             model = val;
         else if (!strcmp(opt, "--isa"))
             isa = val;
+        else if (!strcmp(opt, "--device"))
+            device = val;
         else if (!strcmp(opt, "-p") || !strcmp(opt, "--n-prompt"))
             ok = td_cli_parse_long(val, 0, 1 << 20, &n_prompt);
         else if (!strcmp(opt, "-n") || !strcmp(opt, "--n-gen"))
@@ -252,6 +256,7 @@ int td_cmd_bench_engine(int argc, char **argv) {
     td_runtime_params rp = td_runtime_default_params();
     rp.model_path = model;
     rp.isa_name = isa;
+    rp.device = device;
     rp.n_threads = (int)threads;
     rp.ctx_len = longest;
     rp.n_seqs = 1;

@@ -44,6 +44,8 @@ static void gen_usage(FILE *f) {
         "  --stop TEXT           stop string (repeatable, up to %d)\n"
         "  --threads N           worker threads (default: every core)\n"
         "  --isa NAME            kernel set: scalar, avx2, avx512 (default: best available)\n"
+        "  --device D            device: cpu, cuda, cuda:N (default: a GPU when built and visible, "
+        "else cpu)\n"
         "  --ctx N               context length in tokens (default: min(trained, 4096))\n",
         td_default_model_path(), GEN_MAX_STOP);
     fprintf(f, "\nparallel plan (validated against the model; --plan-dry-run shows it):\n%s",
@@ -57,6 +59,7 @@ typedef struct {
     const char *system;
     const char *chat_template;
     const char *isa;
+    const char *device;
     long max_tokens;
     long threads;
     long ctx;
@@ -96,6 +99,8 @@ static int parse_args(int argc, char **argv, gen_args *a) {
             a->chat_template = val;
         else if (!strcmp(opt, "--isa"))
             a->isa = val;
+        else if (!strcmp(opt, "--device"))
+            a->device = val;
         else if (!strcmp(opt, "--max-tokens") || !strcmp(opt, "-n"))
             ok = td_cli_parse_long(val, 1, INT32_MAX, &a->max_tokens);
         else if (!strcmp(opt, "--threads") || !strcmp(opt, "-t"))
@@ -233,6 +238,7 @@ int td_cmd_generate(int argc, char **argv) {
     rp.plan = &a.plan.p;
     rp.n_threads = (int)a.threads;
     rp.isa_name = a.isa;
+    rp.device = a.device;
     rp.ctx_len = (int32_t)a.ctx;
     rp.n_seqs = 1;
     rp.max_batch_tokens = GEN_PREFILL_CHUNK;

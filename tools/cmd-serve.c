@@ -125,7 +125,9 @@ static void serve_usage(FILE *f, td_serve_role role) {
         "  --no-prefix-cache          do not reuse cached KV blocks\n"
         "  --drain-timeout S          seconds running requests get after SIGTERM (default 30)\n"
         "  --ping-interval S          SSE ': ping' comment interval (default 5)\n"
-        "  --isa NAME                 kernel set: scalar, avx2, avx512 (default: best)\n",
+        "  --isa NAME                 kernel set: scalar, avx2, avx512 (default: best)\n"
+        "  --device D                 device: cpu, cuda, cuda:N (default: a GPU when built and "
+        "visible, else cpu)\n",
         td_default_model_path(), SERVE_MAX_KEYS);
     TD_UNUSED(role);
     fprintf(f, "\nparallel plan (validated against the model; --plan-dry-run shows it):\n%s",
@@ -183,6 +185,7 @@ typedef struct {
     const char *served_name;
     const char *chat_template;
     const char *isa;
+    const char *device;
     long threads, ctx, kv_blocks, block_size, max_running, max_batch_tokens, max_waiting,
         reserve_output;
     size_t kv_memory;
@@ -268,6 +271,8 @@ static int parse_args(int argc, char **argv, serve_args *a) {
             a->chat_template = val;
         } else if (!strcmp(opt, "--isa"))
             a->isa = val;
+        else if (!strcmp(opt, "--device"))
+            a->device = val;
         else if (!strcmp(opt, "--threads") || !strcmp(opt, "-t"))
             ok = td_cli_parse_long(val, 1, 4096, &a->threads);
         else if (!strcmp(opt, "--ctx"))
@@ -498,6 +503,7 @@ int td_serve_main(int argc, char **argv, td_serve_role role) {
     rp.plan = &a.plan.p;
     rp.n_threads = (int)a.threads;
     rp.isa_name = a.isa;
+    rp.device = a.device;
     rp.ctx_len = (int32_t)a.ctx;
     rp.block_size = (int32_t)a.block_size;
     rp.kv_blocks = (int32_t)a.kv_blocks;

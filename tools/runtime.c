@@ -84,6 +84,41 @@ int32_t td_runtime_blocks_for(const td_runtime *rt, int32_t n_tokens) {
     return (int32_t)(((int64_t)n_tokens + rt->block_size - 1) / rt->block_size);
 }
 
+/* The compute backend every engine of this process and its rank processes
+ * creates (they read TANDEM_BACKEND, which the rank processes inherit).
+ * *auto_cuda: the choice was cuda by default, so a model the GPU cannot
+ * run falls back to the CPU. */
+static td_status select_device(const td_runtime_params *p, bool *auto_cuda) {
+    *auto_cuda = false;
+    const char *name = p->device;
+    char buf[32];
+    if (!name) {
+        const char *env = getenv("TANDEM_BACKEND");
+        if (env && *env) return TD_OK; /* td_backend_kind_from_env reports a bad one */
+        *auto_cuda = td_backend_cuda_devices() > 0;
+        name = *auto_cuda ? "cuda:0" : "cpu";
+    }
+    td_backend_kind kind;
+    int dev;
+    if (td_backend_parse(name, &kind, &dev) != TD_OK || kind == TD_BACKEND_CPU_CHECK) {
+        TD_LOG_ERROR("unknown device '%s' (cpu, cuda, cuda:N)", name);
+        return TD_ERR_INVALID;
+    }
+    if (kind == TD_BACKEND_CUDA && !td_backend_cuda_built()) {
+        TD_LOG_ERROR("--device %s: this build has no CUDA backend (configure with -DTD_CUDA=ON "
+                     "where the CUDA toolkit is)",
+                     name);
+        return TD_ERR_UNSUPPORTED;
+    }
+    if (kind == TD_BACKEND_CUDA && dev >= td_backend_cuda_devices()) {
+        TD_LOG_ERROR("--device %s: no such GPU (%d visible)", name, td_backend_cuda_devices());
+        return TD_ERR_UNSUPPORTED;
+    }
+    snprintf(buf, sizeof buf, "%s", kind == TD_BACKEND_CUDA ? name : "cpu");
+    setenv("TANDEM_BACKEND", buf, 1);
+    return TD_OK;
+}
+
 static td_status select_isa(const td_runtime_params *p, td_isa *isa_p) {
     td_isa isa = td_backend_isa_best();
     if (p->isa_name) {
@@ -112,10 +147,13 @@ td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p) {
         return TD_ERR_NOMEM;
     }
     td_status st;
-    if ((st = select_isa(p, &rt->isa))) goto fail;
+    bool auto_cuda;
+    if ((st = select_isa(p, &rt->isa)) || (st = select_device(p, &auto_cuda))) goto fail;
     if (!p->quiet)
         fprintf(stderr, "isa: %s\nbackend: %s\n", td_backend_isa_name(rt->isa),
-                td_backend_kind_name(td_backend_kind_from_env()));
+                getenv("TANDEM_BACKEND") && td_backend_kind_from_env() == TD_BACKEND_CUDA
+                    ? getenv("TANDEM_BACKEND")
+                    : td_backend_kind_name(td_backend_kind_from_env()));
     td_exec_params xp = td_exec_default_params();
     xp.model_path = p->model_path ? p->model_path : td_default_model_path();
     if (p->plan) xp.plan = *p->plan;
@@ -128,7 +166,15 @@ td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p) {
     xp.kv_seqs = p->n_seqs > 0 ? p->n_seqs : 1;
     xp.n_threads = p->n_threads;
     xp.isa = rt->isa;
-    if ((st = td_exec_create(&xp, &rt->exec))) goto fail;
+    st = td_exec_create(&xp, &rt->exec);
+    if (st == TD_ERR_UNSUPPORTED && auto_cuda) {
+        TD_LOG_WARN("the GPU backend cannot run this model (see above): using the CPU "
+                    "(--device cpu says so up front)");
+        setenv("TANDEM_BACKEND", "cpu", 1);
+        if (!p->quiet) fprintf(stderr, "backend: cpu\n");
+        st = td_exec_create(&xp, &rt->exec);
+    }
+    if (st) goto fail;
     rt->model = td_exec_model(rt->exec);
     rt->kv = td_exec_kv(rt->exec);
     rt->cfg = td_model_get_config(rt->model);

@@ -19,6 +19,9 @@ typedef struct {
     const char *model_path;     /* NULL: td_default_model_path() */
     int n_threads;              /* <= 0: every online core */
     const char *isa_name;       /* NULL: best this CPU runs; else "scalar" | "avx2" | "avx512" */
+    const char *device;         /* "cpu" | "cuda" | "cuda:N" | NULL (auto: TANDEM_BACKEND if set,
+                                 * else cuda:0 when CUDA is built and a GPU is visible and
+                                 * the model runs on it, else cpu) */
     int32_t ctx_len;            /* tokens of KV per sequence; <= 0: min(n_ctx_train, 4096) */
     int32_t n_seqs;             /* sequences that may hold ctx_len tokens at once (default 1) */
     int32_t max_batch_tokens;   /* most tokens per forward call; <= 0: 512 */
