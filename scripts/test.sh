@@ -33,7 +33,7 @@ if [ "${TD_TEST_QUICK:-0}" != 1 ]; then
   # advises: at -O0 the default model's suites made this step take over
   # 50 minutes (test_invariance alone 4 minutes, 40 s at -O2).
   step "sanitizer build (address,undefined) + all tests but the heavy ones"
-  scripts/build.sh build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTD_SANITIZE=address,undefined
+  scripts/build.sh build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTD_SANITIZE=address,undefined -DTD_CUDA=OFF
   (cd build-asan && UCX_MEM_MALLOC_HOOKS=no ASAN_OPTIONS=detect_leaks=1 \
     UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ctest "${ctest_args[@]}" -LE "$skip|heavy")
 
