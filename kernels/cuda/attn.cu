@@ -5,8 +5,8 @@
  * and a decode row at the same position compute the same thing. */
 #include "common.cuh"
 
-#define ATTN_TILE 128 /* threads per block, positions per tile */
-#define ATTN_MAX_DIM_PER_THREAD 4 /* head_dim up to 512 */
+#define ATTN_TILE               128 /* threads per block, positions per tile */
+#define ATTN_MAX_DIM_PER_THREAD 4   /* head_dim up to 512 */
 
 __device__ __forceinline__ size_t kv_cell(const td_cuda_kv &kv, const td_cuda_rows &rows,
                                           int32_t seq, int32_t pos, int h) {

@@ -20,8 +20,8 @@ template <> __device__ __forceinline__ float td_ld<float>(const float *p, int64_
 template <> __device__ __forceinline__ float td_ld<__half>(const __half *p, int64_t i) {
     return __half2float(p[i]);
 }
-template <> __device__ __forceinline__ float td_ld<__nv_bfloat16>(const __nv_bfloat16 *p,
-                                                                  int64_t i) {
+template <>
+__device__ __forceinline__ float td_ld<__nv_bfloat16>(const __nv_bfloat16 *p, int64_t i) {
     return __bfloat162float(p[i]);
 }
 

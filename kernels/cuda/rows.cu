@@ -16,8 +16,8 @@ static __global__ void embed_kernel(const char *w, size_t stride, int32_t v0, in
 }
 
 static td_cuda_err launch_embed(cudaStream_t s, const void *w, td_dtype t, size_t stride,
-                                int32_t v0, int32_t v1, const int32_t *tok, int32_t n_rows,
-                                int n, float *x) {
+                                int32_t v0, int32_t v1, const int32_t *tok, int32_t n_rows, int n,
+                                float *x) {
     if (n_rows <= 0) return 0;
     const char *wc = (const char *)w;
     switch (t) {
