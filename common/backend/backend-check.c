@@ -133,6 +133,7 @@ static void *ck_comm_ptr(td_backend *be, td_bview v) {
     (void)be;
     return td_bview_host(v);
 }
+static td_status ck_status(td_backend *be) { return inner(be)->i->status(inner(be)); }
 static void ck_set_batch(td_backend *be, const td_backend_batch *b) {
     inner(be)->i->set_batch(inner(be), b);
 }
@@ -221,6 +222,8 @@ static const td_backend_i ck_i = {
     .kv_alloc = ck_kv_alloc,
     .free = ck_free,
     .comm_ptr = ck_comm_ptr,
+    .addr = ck_comm_ptr,
+    .status = ck_status,
     .comm_begin = open_bufs,
     .comm_end = close_bufs,
     .set_batch = ck_set_batch,

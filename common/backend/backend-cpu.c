@@ -186,6 +186,11 @@ static void *cpu_comm_ptr(td_backend *be, td_bview v) {
 
 static void cpu_nop(td_backend *be) { (void)be; }
 
+static td_status cpu_status(td_backend *be) {
+    (void)be;
+    return TD_OK;
+}
+
 static void cpu_set_batch(td_backend *be, const td_backend_batch *b) { ctx_of(be)->b = *b; }
 
 static void cpu_copy(td_backend *be, td_bview dst, td_bview src, size_t bytes) {
@@ -1009,6 +1014,8 @@ const td_backend_i td_backend_cpu_i = {
     .kv_alloc = cpu_kv_alloc,
     .free = cpu_free,
     .comm_ptr = cpu_comm_ptr,
+    .addr = cpu_comm_ptr,
+    .status = cpu_status,
     .comm_begin = cpu_nop,
     .comm_end = cpu_nop,
     .set_batch = cpu_set_batch,

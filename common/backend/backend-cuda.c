@@ -44,7 +44,7 @@ typedef struct cuda_buf {
 typedef struct {
     int device;
     cudaStream_t stream;
-    bool failed; /* an op failed: every later step reports it */
+    cudaError_t failed; /* the first error since the last status() */
     dev_map *maps;
     size_t n_maps, cap_maps;
     cuda_buf *bufs;
@@ -60,7 +60,7 @@ static cuda_ctx *ctx_of(td_backend *be) { return be->ctx; }
 static bool ck(cuda_ctx *c, cudaError_t e, const char *what) {
     if (e == cudaSuccess) return true;
     TD_LOG_ERROR("cuda:%d: %s: %s", c->device, what, cudaGetErrorString(e));
-    c->failed = true;
+    if (!c->failed) c->failed = e;
     return false;
 }
 
@@ -164,6 +164,8 @@ static td_status cuda_upload_model(td_backend *be, const td_model *m) {
     const td_model_config *cfg = td_model_get_config(m);
     td_status st = TD_OK;
     if (!ck(c, cudaSetDevice(c->device), "cudaSetDevice")) return TD_ERR_IO;
+    for (size_t i = 0; i < c->n_maps; i++) cudaFree(c->maps[i].dev); /* another model's */
+    c->n_maps = 0;
     st = up_weight(c, td_model_tok_embd(m));
     if (!st) st = up_weight(c, td_model_output(m));
     if (!st) st = up_vec(c, td_model_output_norm(m), (size_t)cfg->n_embd);
@@ -196,8 +198,11 @@ static td_bbuf *cuda_alloc(td_backend *be, size_t bytes) {
     cuda_ctx *c = ctx_of(be);
     cuda_buf *b = calloc(1, sizeof *b);
     void *d = NULL;
-    if (!b || !ck(c, cudaMalloc(&d, bytes ? bytes : 1), "cudaMalloc") ||
-        !ck(c, cudaMemset(d, 0, bytes ? bytes : 1), "cudaMemset")) {
+    /* zero-filled before any op of the stream can write it */
+    if (!b || !ck(c, cudaSetDevice(c->device), "cudaSetDevice") ||
+        !ck(c, cudaMalloc(&d, bytes ? bytes : 1), "cudaMalloc") ||
+        !ck(c, cudaMemsetAsync(d, 0, bytes ? bytes : 1, c->stream), "cudaMemset") ||
+        !ck(c, cudaStreamSynchronize(c->stream), "cudaMemset")) {
         cudaFree(d);
         free(b);
         return NULL;
@@ -264,8 +269,10 @@ static void *cuda_comm_ptr(td_backend *be, td_bview v) {
     cuda_ctx *c = ctx_of(be);
     cuda_buf *b = (cuda_buf *)v.b;
     if (!b->mirror &&
-        !ck(c, cudaMallocHost(&b->mirror, b->b.bytes ? b->b.bytes : 1), "cudaMallocHost"))
-        return NULL;
+        !ck(c, cudaMallocHost(&b->mirror, b->b.bytes ? b->b.bytes : 1), "cudaMallocHost")) {
+        TD_LOG_ERROR("cuda:%d: no pinned memory to stage a collective", c->device);
+        abort(); /* the communicator would write through NULL */
+    }
     if (!b->staged) {
         ck(c, cudaMemcpyAsync(b->mirror, b->b.p, b->b.bytes, cudaMemcpyDeviceToHost, c->stream),
            "stage to host");
@@ -275,9 +282,24 @@ static void *cuda_comm_ptr(td_backend *be, td_bview v) {
     return (char *)b->mirror + v.off;
 }
 
+static void *cuda_addr(td_backend *be, td_bview v) {
+    (void)be;
+    return dptr(v);
+}
+
 static void cuda_comm_begin(td_backend *be) {
     cuda_ctx *c = ctx_of(be);
+    for (cuda_buf *b = c->bufs; b; b = b->next) b->staged = false; /* fresh copies only */
     ck(c, cudaStreamSynchronize(c->stream), "comm begin");
+}
+
+static td_status cuda_status(td_backend *be) {
+    cuda_ctx *c = ctx_of(be);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) ck(c, e, "last error");
+    td_status st = c->failed ? TD_ERR_IO : TD_OK;
+    c->failed = cudaSuccess;
+    return st;
 }
 
 static void cuda_comm_end(td_backend *be) {
@@ -313,6 +335,8 @@ static bool up_i32(cuda_ctx *c, int32_t *d, const int32_t *h, int32_t n) {
 
 static void cuda_set_batch(td_backend *be, const td_backend_batch *b) {
     cuda_ctx *c = ctx_of(be);
+    c->rows.n_rows = 0; /* until the tables below are in place */
+    if (!ck(c, cudaSetDevice(c->device), "cudaSetDevice")) return; /* the calling thread's */
     int32_t n_tab = 0;
     for (int32_t s = 0; s < b->n_seqs; s++) n_tab += b->seq_n_blocks[s];
     int32_t cap = c->cap_seqs;
@@ -324,7 +348,7 @@ static void cuda_set_batch(td_backend *be, const td_backend_batch *b) {
         if (ht) c->h_tab = ht;
         if (!ho || !ht) {
             TD_LOG_ERROR("out of memory");
-            c->failed = true;
+            if (!c->failed) c->failed = cudaErrorMemoryAllocation;
             return;
         }
     }
@@ -454,6 +478,7 @@ static void cuda_matmul(td_backend *be, int n_w, const td_weight *const *w, td_b
                         const td_bview *y, const size_t *ldy, int32_t n_rows) {
     cuda_ctx *c = ctx_of(be);
     for (int i = 0; i < n_w; i++) {
+        if (w[i]->rows == 0) continue; /* an empty slice: nothing to compute, as on the CPU */
         const dev_map *m = find(c, w[i]->data);
         TD_ASSERT(m);
         launched(c,
@@ -531,6 +556,8 @@ static const td_backend_i cuda_i = {
     .kv_alloc = cuda_kv_alloc,
     .free = cuda_free,
     .comm_ptr = cuda_comm_ptr,
+    .addr = cuda_addr,
+    .status = cuda_status,
     .comm_begin = cuda_comm_begin,
     .comm_end = cuda_comm_end,
     .set_batch = cuda_set_batch,

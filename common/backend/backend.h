@@ -200,6 +200,12 @@ typedef struct td_backend_i {
     td_bbuf *(*kv_alloc)(td_backend *be, const td_kv_layout *l, const td_kv_mem_hook *hook);
     void (*free)(td_backend *be, td_bbuf *b);
     void *(*comm_ptr)(td_backend *be, td_bview v);
+    /* The address of a view as the network sees it (host or device), for
+     * registering KV storage: no access, valid as long as the buffer. */
+    void *(*addr)(td_backend *be, td_bview v);
+    /* The first error an op met since the last call (then cleared): an
+     * asynchronous backend's ops cannot return one. TD_OK on the CPU. */
+    td_status (*status)(td_backend *be);
     void (*comm_begin)(td_backend *be);
     void (*comm_end)(td_backend *be);
     void (*set_batch)(td_backend *be, const td_backend_batch *b);

@@ -1133,7 +1133,7 @@ void td_engine_kv_release(td_engine *e) {
 td_status td_engine_kv_storage(td_engine *e, td_kv_storage *out) {
     if (!e || !out || !e->kvb) return TD_ERR_INVALID;
     out->layout = e->kv_lay;
-    out->base = OP(e, comm_ptr)(e->be, BV(e->kvb));
+    out->base = OP(e, addr)(e->be, BV(e->kvb));
     return TD_OK;
 }
 
@@ -1313,6 +1313,11 @@ td_status td_engine_forward_stage(td_engine *e, const td_seq_chunk *seqs, int32_
     memset(&e->timing, 0, sizeof e->timing);
     e->comm_ns = 0;
     td_status st = forward_stage_run(e, seqs, n_seqs, x_in, x_out, logits);
+    td_status bst = OP(e, status)(e->be); /* an op's failure, which it cannot return */
+    if (!st && bst) {
+        TD_LOG_ERROR("backend %s: an op of this step failed", e->be->i->name);
+        st = bst;
+    }
     uint64_t total = td_time_ns() - t0;
     e->timing.comm_s = (double)e->comm_ns * 1e-9;
     e->timing.compute_s = (double)(total - TD_MIN(total, e->comm_ns)) * 1e-9;
@@ -1436,7 +1441,10 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
         } else {
             OP(e, attn)(e->be, BV(e->q), BV(e->att), &kvl, e->nh, e->attn_scale, attn_cost);
         }
-        if (e->p.layer_done) e->p.layer_done(e->p.layer_done_ctx, l - lb);
+        if (e->p.layer_done) { /* the hook reads the layer's K/V: written by now */
+            OP(e, sync)(e->be);
+            e->p.layer_done(e->p.layer_done_ctx, l - lb);
+        }
 
         const td_weight *wo[] = {&lw->wo};
         td_bview yo[] = {BV(e->o)};

@@ -29,17 +29,20 @@ __device__ void rope_head(float *x, int n_rot, int32_t pos, const float *inv_fre
     }
 }
 
-static __global__ void rope_store_kernel(float *q, float *k, const float *v, const float *bq,
+static __global__ void rope_store_kernel(float *q, float *k, float *v, const float *bq,
                                          const float *bk, const float *bv, const float *inv_freq,
                                          int nh, int nkv, int hd, int n_rot, td_rope_mode mode,
                                          td_cuda_rows rows, td_cuda_kv kv) {
     int32_t r = blockIdx.x, pos = rows.row_pos[r], seq = rows.row_seq[r];
     float *qr = q + (size_t)r * nh * hd, *kr = k + (size_t)r * nkv * hd;
-    const float *vr = v + (size_t)r * nkv * hd;
+    float *vr = v + (size_t)r * nkv * hd;
+    /* the biases go into the rows themselves, as on the CPU */
     for (int i = threadIdx.x; i < nh * hd; i += blockDim.x)
         if (bq) qr[i] += bq[i];
-    for (int i = threadIdx.x; i < nkv * hd; i += blockDim.x)
+    for (int i = threadIdx.x; i < nkv * hd; i += blockDim.x) {
         if (bk) kr[i] += bk[i];
+        if (bv) vr[i] += bv[i];
+    }
     __syncthreads();
     for (int h = 0; h < nh; h++) rope_head(qr + (size_t)h * hd, n_rot, pos, inv_freq, mode);
     for (int h = 0; h < nkv; h++) rope_head(kr + (size_t)h * hd, n_rot, pos, inv_freq, mode);
@@ -48,12 +51,12 @@ static __global__ void rope_store_kernel(float *q, float *k, const float *v, con
         size_t c = kv_cell(kv, rows, seq, pos, h);
         for (int d = threadIdx.x; d < hd; d += blockDim.x) {
             kv.k[c + d] = kr[(size_t)h * hd + d];
-            kv.v[c + d] = vr[(size_t)h * hd + d] + (bv ? bv[(size_t)h * hd + d] : 0.0f);
+            kv.v[c + d] = vr[(size_t)h * hd + d];
         }
     }
 }
 
-extern "C" td_cuda_err td_cuda_rope_store(td_cuda_stream s, float *q, float *k, const float *v,
+extern "C" td_cuda_err td_cuda_rope_store(td_cuda_stream s, float *q, float *k, float *v,
                                           const float *bq, const float *bk, const float *bv,
                                           const float *inv_freq, int n_heads, int n_kv_heads,
                                           int head_dim, int n_rot, td_rope_mode mode,

@@ -58,13 +58,13 @@ typedef struct {
     int32_t n_rows;
 } td_cuda_rows;
 
-/* Adds the biases (NULL: none), rotates q and k (inv_freq: n_rot / 2 on
- * the device) and stores each row's k and v at its position. */
-td_cuda_err td_cuda_rope_store(td_cuda_stream s, float *q, float *k, const float *v,
-                               const float *bq, const float *bk, const float *bv,
-                               const float *inv_freq, int n_heads, int n_kv_heads, int head_dim,
-                               int n_rot, td_rope_mode mode, const td_cuda_rows *rows,
-                               const td_cuda_kv *kv);
+/* Adds the biases into q, k and v (NULL: none), rotates q and k
+ * (inv_freq: n_rot / 2 on the device) and stores each row's k and v at its
+ * position. */
+td_cuda_err td_cuda_rope_store(td_cuda_stream s, float *q, float *k, float *v, const float *bq,
+                               const float *bk, const float *bv, const float *inv_freq, int n_heads,
+                               int n_kv_heads, int head_dim, int n_rot, td_rope_mode mode,
+                               const td_cuda_rows *rows, const td_cuda_kv *kv);
 
 /* Causal attention of every row over positions 0 .. its own, one block
  * per (row, head), positions in order in fixed chunks (one reduction order

@@ -46,7 +46,7 @@ static __global__ void rmsnorm_kernel(float *x, const float *add, float *xn, con
     __shared__ float red[32];
     int32_t r = blockIdx.x, src = rows ? rows[r] : r;
     float *xr = x + (size_t)src * (size_t)n;
-    const float *ar = add ? add + (size_t)src * (size_t)n : NULL;
+    const float *ar = add ? add + (size_t)r * (size_t)n : NULL; /* as the CPU backend */
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         float v = xr[i];
@@ -56,7 +56,7 @@ static __global__ void rmsnorm_kernel(float *x, const float *add, float *xn, con
     ss = td_block_sum(ss, red);
     float inv = rsqrtf(ss / (float)n + eps);
     float *o = xn + (size_t)r * (size_t)n;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = xr[i] * inv * w[i];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = xr[i] * inv * (w ? w[i] : 1.0f);
 }
 
 extern "C" td_cuda_err td_cuda_rmsnorm(td_cuda_stream s, float *x, const float *add, float *xn,
