@@ -4,10 +4,11 @@
 #   scripts/gpu-check.sh [--only ops|numerics|invariance|plans|perf] [--build DIR]
 # Writes everything under $OUT (default ./gpu-check-out): one .txt per
 # section and summary.txt. Needs a build with the CUDA backend (the release
-# build of a machine with nvcc); on a machine without its Debian libraries,
-# a bundle made by ../shared/tools/device-bundle.sh at BUILD/bundle is used
-# (LD_LIBRARY_PATH, UCX_MODULE_DIR). Python 3 with numpy makes the tiny
-# models. Sections:
+# build of a machine with nvcc). On a GPU machine without Tandem's Debian
+# libraries, put a bundle at BUILD/bundle: bin/tandem, and in lib/ the
+# shared libraries `ldd` names that the machine lacks (with UCX's transport
+# modules in lib/ucx); the script then sets LD_LIBRARY_PATH and
+# UCX_MODULE_DIR. Python 3 with numpy makes the tiny models. Sections:
 #   ops         the op tests through the ops table on GPU 0 (test_backend_ops_cuda)
 #   numerics    every tiny model's logits on the GPU against the CPU backend
 #               (quantized, CP and MoE cases are refused by the GPU backend for now)
