@@ -169,6 +169,13 @@ static td_status engine_comm_stop(td_engine *e, size_t bytes, td_status st) {
     return st;
 }
 
+/* The sum of a view's n floats over comm. A communicator of one rank has
+ * nothing to add: no call at all, so a device backend stages nothing. */
+static td_status all_reduce(td_engine *e, td_comm *comm, td_bview v, size_t n) {
+    if (td_comm_size(comm) == 1) return TD_OK;
+    return ENGINE_COMM(e, comm, n * sizeof(float), td_comm_all_reduce_sum(comm, CPTR(e, v), n));
+}
+
 td_engine_params td_engine_default_params(void) {
     td_engine_params p = {.max_batch_tokens = 2048,
                           .max_seqs = 256,
@@ -1407,10 +1414,7 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
 
     if (first) {
         OP(e, embed)(e->be, td_model_tok_embd(m), e->vocab_begin, e->vocab_end, BV(e->x));
-        if (e->vocab_tp > 1 &&
-            (st = ENGINE_COMM(e, e->comm, (size_t)T * E * sizeof(float),
-                              td_comm_all_reduce_sum(e->comm, CPTR(e, BV(e->x)), (size_t)T * E))))
-            return st;
+        if (e->vocab_tp > 1 && (st = all_reduce(e, e->comm, BV(e->x), (size_t)T * E))) return st;
     } else {
         OP(e, copy_from_host)(e->be, BV(e->x), x_in, (size_t)T * E * sizeof(float));
     }
@@ -1450,9 +1454,7 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
         td_bview yo[] = {BV(e->o)};
         size_t ldo[] = {E};
         matmul(e, wo, 1, BV(e->att), (size_t)e->q_dim, yo, ldo, T);
-        if ((st = ENGINE_COMM(e, e->comm, (size_t)T * E * sizeof(float),
-                              td_comm_all_reduce_sum(e->comm, CPTR(e, BV(e->o)), (size_t)T * E))))
-            return st;
+        if ((st = all_reduce(e, e->comm, BV(e->o), (size_t)T * E))) return st;
 
         /* MLP block */
         OP(e, rmsnorm)
@@ -1471,13 +1473,8 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
             OP(e, swiglu)(e->be, BV(e->g), BV(e->u), T, e->n_ff);
             matmul(e, wd, 1, BV(e->g), (size_t)e->n_ff, yo, ldo, T);
         }
-        if ((st = ENGINE_COMM(e, e->comm, (size_t)T * E * sizeof(float),
-                              td_comm_all_reduce_sum(e->comm, CPTR(e, BV(e->o)), (size_t)T * E))))
-            return st;
-        if (e->ep_sum && (st = ENGINE_COMM(e, e->p.ep_comm, (size_t)T * E * sizeof(float),
-                                           td_comm_all_reduce_sum(e->p.ep_comm, CPTR(e, BV(e->o)),
-                                                                  (size_t)T * E))))
-            return st;
+        if ((st = all_reduce(e, e->comm, BV(e->o), (size_t)T * E))) return st;
+        if (e->ep_sum && (st = all_reduce(e, e->p.ep_comm, BV(e->o), (size_t)T * E))) return st;
     }
 
     /* last residual for every row, then norm + head only for the logit rows */
