@@ -449,6 +449,10 @@ static void free_args(serve_args *a) {
     a->n_keys = 0;
 }
 
+/* /metrics' gauge hook (its ctx is the transfer service): called through
+ * its own type, never through a cast of td_xfer_gauges'. */
+static void xfer_gauges(void *ctx, td_metrics_gauges *g) { td_xfer_gauges(ctx, g); }
+
 int td_serve_main(int argc, char **argv, td_serve_role role) {
     serve_args a = {.host = "127.0.0.1",
                     .role = role,
@@ -604,7 +608,7 @@ int td_serve_main(int argc, char **argv, td_serve_role role) {
         hp.instance_id = inst;
         hp.internal_ctx = xfer;
         hp.state_transfer = td_xfer_state_json;
-        hp.gauges = (void (*)(void *, td_metrics_gauges *))td_xfer_gauges;
+        hp.gauges = xfer_gauges;
         if (role == TD_ROLE_PREFILL) {
             hp.kv_exchange = td_xfer_exchange;
             hp.internal_only = true;
