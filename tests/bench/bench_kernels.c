@@ -1,17 +1,9 @@
 /* Kernel micro-benchmark: matmul GFLOP/s and weight GB/s for the
  * SmolLM2-135M shapes, per ISA, at n = 1 (generation) and n = 512 (prompt).
- * Not built by CMake. Build and run from the repository root:
+ * Built with the tree (build/td-bench-kernels); run as
  *
- *   O=/tmp/tdbench; mkdir -p $O; S=kernels/cpu
- *   X512="-mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx2 -mfma -mf16c"
- *   for f in $S/[a-z]*.c; do
- *     case $f in *-avx2.c) m="-mavx2 -mfma -mf16c";; *-avx512.c) m=$X512;; *) m="";; esac
- *     gcc -std=gnu17 -O2 -I. $m -c $f -o $O/$(basename $f .c).o
- *   done
- *   gcc -std=gnu17 -O2 -I. tests/bench/bench_kernels.c common/base/threadpool.c \
- *       common/base/base.c $O/[a-z]*.o -lm -lpthread -o $O/bench_kernels
- *   $O/bench_kernels [-t THREADS] [-i avx512|avx2|scalar] [-n TOKENS] [-w GGUF_TYPE_ID]
- *                    [-c ROWS_PER_CALL] [-a]
+ *   build/td-bench-kernels [-t THREADS] [-i avx512|avx2|scalar] [-n TOKENS] [-w GGUF_TYPE_ID]
+ *                          [-c ROWS_PER_CALL] [-a]
  *
  * -a measures td_cpu_matmul_f32act (f32 activations) instead of td_cpu_matmul
  * (activations quantized per row). Without -i every ISA the CPU supports is
