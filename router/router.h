@@ -1,4 +1,4 @@
-/* tandem-router's core (DESIGN.md §6, issue 6): the cluster view (static
+/* tandem-router's core (docs/ARCHITECTURE.md): the cluster view (static
  * and DNS-discovered prefill and decode instances, polled over
  * GET /internal/v1/state with the cluster token: health, draining, load,
  * KV events into the prefix index, per-pair transfer times), the routing

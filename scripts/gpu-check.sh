@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU evidence of the CUDA backend (issue 16), in one prepared run on a
+# The GPU evidence of the CUDA backend, in one prepared run on a
 # machine with an NVIDIA GPU: the device tool's H200, or any CUDA machine.
 #   scripts/gpu-check.sh [--only ops|numerics|invariance|plans|perf] [--build DIR]
 # Writes everything under $OUT (default ./gpu-check-out): one .txt per

@@ -64,7 +64,7 @@ typedef struct {
     const char *role;        /* reported by /internal/v1/state: "prefill", "decode" or
                               * "colocated" (NULL; a static string) */
     int32_t kv_block_size;   /* KV block size reported by /internal/v1/state (default 16) */
-    /* Disaggregation (issue 5). With a cluster token, every /internal/
+    /* Disaggregation. With a cluster token, every /internal/
      * path needs "X-Tandem-Cluster-Token: TOKEN" (constant-time compare)
      * instead of an API key. */
     const char *cluster_token; /* copied; NULL: internal paths use the API keys */

@@ -72,7 +72,7 @@ typedef struct {
      * which alone writes the logits. Bit-identical to the single-rank engine
      * (no row's value depends on another rank's sums). */
     bool attn_dp;
-    /* Layer-wise KV streaming (disaggregation, issue 5): called on the
+    /* Layer-wise KV streaming (disaggregation): called on the
      * forward thread after layer `layer` (the pool's local index) has
      * written its K/V for every sequence of the batch and before the next
      * layer starts (NULL: none). */

@@ -64,7 +64,7 @@ typedef struct {
                                * its batch-mates'); TTFT minus this is serving overhead */
 } td_request_record;
 
-/* Disaggregation (issue 5). */
+/* Disaggregation. */
 typedef enum {
     TD_XFER_FAIL_DEADLINE,   /* the transfer's deadline fired */
     TD_XFER_FAIL_PEER_ERROR, /* the UCX endpoint reported an error */
@@ -98,7 +98,7 @@ typedef struct {
     double kv_fragmentation;
     uint64_t kv_evictions;
     bool draining;
-    /* a prefill or decode instance (issue 5): the transfer families */
+    /* a prefill or decode instance: the transfer families */
     bool disagg;
     int32_t kv_leased, kv_quarantined, xfer_in_flight;
 } td_metrics_gauges;

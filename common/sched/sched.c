@@ -102,7 +102,7 @@ typedef struct seq {
     double prefill_compute; /* forward time of the steps that carried it before its first token */
     uint64_t admit_order;
     int32_t chunk; /* tokens fed in the current step (0: not in the batch) */
-    /* Disaggregation (issue 5). */
+    /* Disaggregation. */
     td_sched_ticket ticket;
     td_kv_export ex;
     td_kv_import im;
@@ -175,7 +175,7 @@ struct td_sched {
     pthread_cond_t stats_cv;
     td_sched_stats stats;
     int32_t stats_active; /* n_active when stats were taken */
-    /* Disaggregation (issue 5). */
+    /* Disaggregation. */
     atomic_uint_fast64_t next_ticket;
     rev *ev_head, *ev_tail; /* under mu */
     parked *parked;         /* scheduler thread */

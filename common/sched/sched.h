@@ -57,7 +57,7 @@ typedef struct {
 td_sched_params td_sched_default_params(void);
 
 /* One generation request. Everything is copied by td_sched_submit. */
-/* ---- Disaggregation hooks (DESIGN.md §2, issue 5) ----
+/* ---- Disaggregation hooks (prefill and decode pools) ----
  * A ticket names one submitted sequence in the calls below (unique per
  * scheduler, never 0). */
 typedef uint64_t td_sched_ticket;

@@ -5,7 +5,7 @@
  * of the process. Callers parallelise by giving each thread a disjoint range
  * of output rows (matmul) or heads (attention); no kernel ever splits a
  * reduction dimension, so results are bit-identical for any thread count
- * and any batch composition (the invariance contract of issue 2):
+ * and any batch composition (the invariance contract):
  *   - a dot product of a given (row, token) pair is computed by the same
  *     instruction sequence whatever n, r0, r1 are;
  *   - the code path never depends on the batch size n.

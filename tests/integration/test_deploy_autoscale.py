@@ -1,5 +1,5 @@
 """The autoscalers' queries of deploy/k8s/overlays/autoscale, evaluated on
-the real processes' /metrics under load (issue 7: KEDA scales decode on
+the real processes' /metrics under load (KEDA scales decode on
 vllm:num_requests_waiting and prefill on tandem:prefill_queue_tokens).
 
 A router, one prefill and one decode instance (the tiny test model) stand

@@ -2,7 +2,7 @@
 ports deploy/k8s gives them (the cpu-demo overlay, rendered by `kubectl
 kustomize`), on loopback and with the default model (what the overlay
 mounts): the probes answer as the manifests expect while starting, when
-ready and while draining, and the drain order holds (issue 7, item 3):
+ready and while draining, and the drain order holds:
   - a prefill pod sent SIGTERM stops being ready at once, stays alive
     (liveness keeps passing) until the KV it produced has been consumed,
     then exits 0;

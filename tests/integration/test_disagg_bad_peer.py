@@ -1,4 +1,4 @@
-"""Bad peers on the KV-transfer control channel (issue 5): a real
+"""Bad peers on the KV-transfer control channel: a real
 tandem-prefill (P, tiny model) receives malformed, oversized and
 out-of-range control messages and descriptors from td-xfer-peer, a
 harness that speaks the real UCX channel (tools/bench/xfer_peer.c) and

@@ -1,4 +1,4 @@
-"""How a decode instance names its prefill instances (issue 7: a
+"""How a decode instance names its prefill instances (a
 Kubernetes headless Service answers with one address per ready prefill
 pod, and tandem-decode's manifest gives it that Service's name).
 

@@ -1,6 +1,5 @@
-"""The link between P and D cut while a KV transfer is in flight (issue 5,
-Evidence "Faults", last scenario), with the default model and real
-processes.
+"""The link between P and D cut while a KV transfer is in flight, with the
+default model and real processes.
 
 Topology: two network namespaces made by the test (td-p-PID, td-d-PID)
 joined by a veth pair with addresses from a private /30 (10.203.A.B+1 for

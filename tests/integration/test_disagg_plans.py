@@ -1,4 +1,4 @@
-"""P and D with different parallel plans (issue 5's pairings): every rank
+"""P and D with different parallel plans (the pairings below): every rank
 of the prefill instance puts its own layers, KV heads and CP blocks into
 the decode ranks that hold them (transfer/map.h, transfer/xrank.h). The
 outputs match `tandem serve` running D's plan by the parallel-plan
@@ -45,7 +45,7 @@ def assert_close(got, want, what):
         assert abs(a - b) <= LOGPROB_TOL, (what, got[2], want[2])
 
 
-# (prefill plan, decode plan): the issue's pairings, plus PP on both sides
+# (prefill plan, decode plan): the pairings the transfer map names, plus PP on both sides
 # and TP with replicated KV heads (tp 4 over a model of 2 KV heads).
 PAIRINGS = [
     (["--tp", "2"], []),

@@ -1,7 +1,7 @@
 """`tandem generate` on the default model (SmolLM2-135M-Instruct Q4_1).
 
 Real output: greedy chat answer names Paris. Also: --prompt, seeded sampling
-reproducibility, and the peak-RSS budget of issue 2 (model file + KV cache +
+reproducibility, and the peak-RSS budget (model file + KV cache +
 64 MiB), measured by the kernel (ru_maxrss of the child process).
 """
 
@@ -41,7 +41,7 @@ def generate(*args, timeout=600):
 
 
 def test_capital_of_france_greedy():
-    # Issue 2's "real output" check. Note on this exact input (SmolLM2's
+    # The "real output" check. Note on this exact input (SmolLM2's
     # template with its default system prompt, 37 tokens, this Q4_1 file):
     # the first answer token is a knife edge. A float64 forward pass on the
     # dequantized weights (tests/reference) picks "The" (-> "The capital of

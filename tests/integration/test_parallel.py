@@ -1,4 +1,4 @@
-"""Parallel plans against one rank (issue 4, "Equivalence"), on the tiny
+"""Parallel plans against one rank (equivalence), on the tiny
 random models of tests/models/make_models.py, through `tandem eval` with the
 plan flags (real rank processes over the shm comm backend).
 

@@ -1,6 +1,6 @@
 """The default model (SmolLM2-135M-Instruct Q4_1: 9 heads, 3 KV heads, 30
 layers) under TP 3, TP 3 x PP 2, CP 2 and TP 3 x CP 2 against one rank
-(issue 4, "Equivalence"), through `tandem eval` with the plan flags;
+(equivalence), through `tandem eval` with the plan flags;
 tolerances and the teacher-forcing check as in test_parallel.py: logits
 within rel 1e-4 at every position, and at every forced step whose
 single-rank top-1/top-2 margin exceeds 2e-3 * max|logits| the argmax agrees

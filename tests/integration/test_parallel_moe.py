@@ -1,4 +1,4 @@
-"""Expert parallelism through the real rank processes (issue 4 item 7):
+"""Expert parallelism through the real rank processes:
 `tandem eval` on the tiny MoE models of tests/models/make_models.py with EP
 plans, against the single-rank run, with the checks of test_parallel.py.
 

@@ -1,4 +1,4 @@
-"""The whole equivalence matrix of issue 4 (label nightly; CI runs the
+"""The whole equivalence matrix of the parallel plans (label nightly; CI runs the
 subset in test_parallel.py and test_parallel_moe.py): every tiny random
 dense model family x weight type that has one x {tp 1,2,3,4} x {pp 1,2} x
 {cp 1, 2 allgather, 2 ring} that the model's shape allows, and every tiny

@@ -1,4 +1,4 @@
-"""`tandem serve` with a parallel plan (issue 4): mixed load through
+"""`tandem serve` with a parallel plan: mixed load through
 --tp 2 --pp 2 gives the single-rank tokens, /metrics shows per-rank compute
 and communication time, and a rank that dies makes the instance fail fast
 and visibly instead of hanging."""

@@ -1,4 +1,4 @@
-"""Parallel-plan flags on the CLI (issue 4): --plan-dry-run prints the plan
+"""Parallel-plan flags on the CLI: --plan-dry-run prints the plan
 validated against the model's real shape; a plan the model does not allow is
 a clear error; a valid multi-rank plan runs on rank processes and generates
 what one rank generates."""

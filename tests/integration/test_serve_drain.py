@@ -1,4 +1,4 @@
-"""SIGTERM drains `tandem serve` (issue 3, item 6): /ready answers 503 at
+"""SIGTERM drains `tandem serve`: /ready answers 503 at
 once, new requests get 503, running streams finish within --drain-timeout,
 then the process exits 0. With a drain timeout too short for the work in
 flight, the unfinished streams are ended (an error event or a finish

@@ -1,4 +1,4 @@
-/* Context parallelism inside the engine (issue 4, PCP and DCP): a group of
+/* Context parallelism inside the engine (PCP and DCP): a group of
  * CP ranks (threads over the in-process comm backend, each with its own
  * model shard, KV pool and engine) runs the same script of batches as the
  * single-rank engine, and CP rank 0's logits are compared with the

@@ -1,4 +1,4 @@
-/* Transfer mapping (common/transfer/map.h): the issue's named plan pairs
+/* Transfer mapping (common/transfer/map.h): the named plan pairs
  * with their routes written out by hand, and an exhaustive check over many
  * plan pairs that every (decode rank, layer, KV head, block) the decode
  * plan holds is delivered exactly once, by a prefill rank that holds it —
@@ -69,7 +69,7 @@ static void test_named_pairs(void **state) {
     expect(&r[0], 0, 0, 0, 2, 0, 4, 1, 0);
     expect(&r[1], 1, 0, 2, 4, 0, 4, 1, 0);
 
-    /* P pp=2 -> D tp=2 (a pairing of the evidence): 4 routes. */
+    /* P pp=2 -> D tp=2 (one of the named pairings): 4 routes. */
     p = plan(1, 2, 1, 4), d = plan(2, 1, 1, 4);
     assert_int_equal(map(&p, &d, 4, 4, r, 64), 4);
     expect(&r[0], 0, 0, 0, 2, 0, 2, 1, 0);

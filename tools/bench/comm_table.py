@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Median bus bandwidth of the shm comm backend over several runs of
-td-comm-bench (docs/PERFORMANCE.md, issue 4), next to this machine's
+td-comm-bench (docs/PERFORMANCE.md), next to this machine's
 main-memory read bandwidth from td-membw with as many threads as ranks:
 the ceiling a shared-memory collective works against once messages leave
 the caches (every byte of an all-reduce is written into the staging

@@ -2,7 +2,7 @@
 """Serving benchmark, side by side in one run: `tandem bench` against
 `tandem serve` and against llama.cpp's `llama-server` on the same machine,
 same GGUF, same threads, llama-server's -np equal to Tandem's --max-running
-(issue 3, docs/PERFORMANCE.md).
+(docs/PERFORMANCE.md).
 
     compare_serve.py [--tandem BIN] [--model GGUF] [--llama-server PATH]
         [--threads 2] [--max-running 16] [--repeats 2] [--concurrency 1,4,16]

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Disaggregated prefill/decode against colocated serving (issue 5's
-performance evidence (b) and (c), docs/PERFORMANCE.md). Standard library only.
+"""Disaggregated prefill/decode against colocated serving (measurements (b)
+and (c) of docs/PERFORMANCE.md). Standard library only.
 Starts every process itself (ephemeral ports, cluster token, one thread per
 P and D instance) and stops them all on the way out, errors included.
 

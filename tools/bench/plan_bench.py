@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Step time of parallel plans, split into compute and communication
-(docs/PERFORMANCE.md, issue 4).
+(docs/PERFORMANCE.md).
 
 For each plan, runs `tandem bench-engine --json -p P -n N -r R PLAN...`
 (one prefill step of P tokens; N decode steps of one token) and prints one

@@ -1,5 +1,5 @@
 /* td-router-bench: routing decisions per second of the router's prefix
- * index (router/index.h) on one core (issue 6: at least 20k decisions/s for
+ * index (router/index.h) on one core (the bar: at least 20k decisions/s for
  * 2,048-token prompts with 64 instances holding 10k cached blocks each,
  * tokenization excluded).
  *

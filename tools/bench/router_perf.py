@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""tandem-router's performance evidence (issue 6, docs/PERFORMANCE.md):
+"""tandem-router's performance evidence (docs/PERFORMANCE.md):
 kv-aware routing against round-robin, and the latency the router adds.
 Standard library only. Starts every process itself (ephemeral ports, a
 cluster token, one thread per instance) and stops them all on the way out,

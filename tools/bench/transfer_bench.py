@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""KV migration channel put throughput against ucx_perftest (issue 5,
-docs/PERFORMANCE.md): `tandem bench-transfer` and
+"""KV migration channel put throughput against ucx_perftest
+(docs/PERFORMANCE.md): `tandem bench-transfer` and
 `ucx_perftest -t ucp_put_bw -e` with the same put size, iteration count,
 UCX_TLS and error-handling mode, alternating, several repetitions.
 
