@@ -30,6 +30,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "../common/api/httpc.h"
 #include "../common/base/base.h"
 #include "tools.h"
 
@@ -564,51 +565,18 @@ static up_outcome wait_listening(up_state *u, int from, double deadline) {
 
 /* ---- readiness over HTTP ---- */
 
-typedef struct {
-    char *buf;
-    size_t len;
-} up_body;
-
-static size_t body_write(char *p, size_t sz, size_t n, void *ud) {
-    up_body *b = ud;
-    size_t k = sz * n;
-    if (b->len + k > UP_HTTP_BODY_MAX) return 0;
-    char *nb = realloc(b->buf, b->len + k + 1);
-    if (!nb) return 0;
-    memcpy(nb + b->len, p, k);
-    b->buf = nb;
-    b->len += k;
-    b->buf[b->len] = 0;
-    return k;
-}
-
-/* GET http://addr/path; the HTTP code (0 when no answer) and the body
- * (caller frees). */
-static long http_get(const char *addr, const char *path, const char *token, up_body *body) {
-    CURL *c = curl_easy_init();
-    if (!c) return 0;
-    char url[UP_ADDR_MAX + 64], hdr[1200];
+/* GET http://addr/path: the HTTP code (0 when no answer) and the body in
+ * *reply (free it with td_httpc_reply_free). */
+static long http_get(const char *addr, const char *path, const char *token, td_httpc_reply *reply) {
+    char url[UP_ADDR_MAX + 64];
     snprintf(url, sizeof url, "http://%s%s", addr, path);
-    struct curl_slist *h = NULL;
-    if (token) {
-        snprintf(hdr, sizeof hdr, "X-Tandem-Cluster-Token: %s", token);
-        h = curl_slist_append(NULL, hdr);
-    }
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    if (h) curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, body_write);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, body);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 2000L);
-    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, 500L);
-    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
-    curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http");
-    CURLcode rc = curl_easy_perform(c);
-    long code = 0;
-    if (rc == CURLE_OK) curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
-    curl_slist_free_all(h);
-    curl_easy_cleanup(c);
-    return code;
+    td_httpc_req rq = {.url = url,
+                       .cluster_token = token,
+                       .timeout_ms = 2000,
+                       .connect_timeout_ms = 500,
+                       .max_body = UP_HTTP_BODY_MAX};
+    td_httpc_do(&rq, reply);
+    return reply->code;
 }
 
 /* The router's address to connect to: a wildcard bind is reached on loopback. */
@@ -629,23 +597,22 @@ static void router_connect_addr(const up_child *r, char *out, size_t n) {
 static bool cluster_ready(up_state *u, const up_child *router, char *why, size_t wn) {
     char addr[UP_ADDR_MAX + 16];
     router_connect_addr(router, addr, sizeof addr);
-    up_body b = {0};
+    td_httpc_reply b;
     long code = http_get(addr, "/ready", NULL, &b);
-    free(b.buf);
+    td_httpc_reply_free(&b);
     if (code != 200) {
         snprintf(why, wn, "the router's /ready answers %ld", code);
         return false;
     }
-    b = (up_body){0};
     code = http_get(addr, "/internal/v1/cluster", u->token, &b);
-    if (code != 200 || !b.buf) {
+    if (code != 200 || !b.body) {
         snprintf(why, wn, "the router's /internal/v1/cluster answers %ld", code);
-        free(b.buf);
+        td_httpc_reply_free(&b);
         return false;
     }
     json_error_t jerr;
-    json_t *root = json_loadb(b.buf, b.len, 0, &jerr);
-    free(b.buf);
+    json_t *root = json_loadb(b.body, b.len, 0, &jerr);
+    td_httpc_reply_free(&b);
     json_t *insts = root ? json_object_get(root, "instances") : NULL;
     if (!json_is_array(insts)) {
         snprintf(why, wn, "the router's /internal/v1/cluster has no instances array");
@@ -810,37 +777,24 @@ static up_outcome chat_once(up_state *u, const up_child *router) {
                   "max_tokens", (json_int_t)u->a.max_tokens, "temperature", 0.0);
     char *body = req ? json_dumps(req, JSON_COMPACT) : NULL;
     json_decref(req);
-    CURL *c = curl_easy_init();
-    struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
-    up_body reply = {0};
-    long code = 0;
-    CURLcode rc = CURLE_FAILED_INIT;
-    if (body && c && h) {
-        curl_easy_setopt(c, CURLOPT_URL, url);
-        curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
-        curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
-        curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, body_write);
-        curl_easy_setopt(c, CURLOPT_WRITEDATA, &reply);
-        curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 600000L);
-        curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-        curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
-        curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http");
-        rc = curl_easy_perform(c);
-        if (rc == CURLE_OK) curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
-    }
-    curl_slist_free_all(h);
-    if (c) curl_easy_cleanup(c);
+    td_httpc_req rq = {
+        .url = url, .json_body = body, .timeout_ms = 600000, .max_body = UP_HTTP_BODY_MAX};
+    td_httpc_reply reply = {0};
+    bool have_body = body != NULL;
+    td_status hst = have_body ? td_httpc_do(&rq, &reply) : TD_ERR_NOMEM;
+    long code = reply.code;
     free(body);
-    json_t *js = reply.buf ? json_loads(reply.buf, 0, NULL) : NULL;
+    json_t *js = reply.body ? json_loads(reply.body, 0, NULL) : NULL;
     const char *answer = json_string_value(json_object_get(
         json_object_get(json_array_get(json_object_get(js, "choices"), 0), "message"), "content"));
     up_outcome o = UP_STOP_DONE;
-    if (rc != CURLE_OK) {
-        fprintf(stderr, "tandem up: the chat request failed: %s\n", curl_easy_strerror(rc));
+    if (hst != TD_OK) {
+        fprintf(stderr, "tandem up: the chat request failed: %s\n",
+                have_body ? reply.err : "out of memory");
         o = UP_STOP_FAILED;
     } else if (code != 200 || !answer) {
         fprintf(stderr, "tandem up: the chat request got HTTP %ld: %.500s\n", code,
-                reply.buf ? reply.buf : "");
+                reply.body ? reply.body : "");
         o = UP_STOP_FAILED;
     } else {
         json_t *usage = json_object_get(js, "usage");
@@ -852,7 +806,7 @@ static up_outcome chat_once(up_state *u, const up_child *router) {
                 (long long)json_integer_value(json_object_get(usage, "completion_tokens")));
     }
     json_decref(js);
-    free(reply.buf);
+    td_httpc_reply_free(&reply);
     return o;
 }
 

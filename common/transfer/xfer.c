@@ -24,6 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../api/httpc.h"
 #include "../base/net.h"
 #include "../kv/kv.h"
 #include "../model/model.h"
@@ -1282,69 +1283,33 @@ static void d_on_msg(td_xfer *x, const inbox_msg *im) {
 
 /* Reads P's exchange from its HTTP endpoint and links to its rank 0. Runs
  * without x->mu (the fetch blocks up to its timeout). */
-typedef struct {
-    uint8_t *buf;
-    size_t len;
-    bool over;
-} fetch_buf;
-
-static size_t fetch_write(char *p, size_t sz, size_t n, void *ud) {
-    fetch_buf *b = ud;
-    size_t k = sz * n;
-    if (b->len + k > XF_EXCHANGE_LIMIT) {
-        b->over = true;
-        return 0;
-    }
-    uint8_t *nb = realloc(b->buf, b->len + k);
-    if (!nb) return 0;
-    memcpy(nb + b->len, p, k);
-    b->buf = nb;
-    b->len += k;
-    return k;
-}
-
 static td_status fetch_exchange(td_xfer *x, const char *addr, td_xfer_msg **m_p, char *err,
                                 size_t err_len, bool *refused) {
-    CURL *c = curl_easy_init();
-    if (!c) {
-        snprintf(err, err_len, "curl_easy_init failed");
-        return TD_ERR_NOMEM;
-    }
-    char url[400], hdr[600];
+    char url[400];
     snprintf(url, sizeof url, "http://%s/internal/v1/kv/exchange", addr);
-    snprintf(hdr, sizeof hdr, "X-Tandem-Cluster-Token: %s", x->token);
-    struct curl_slist *h = curl_slist_append(NULL, hdr);
-    fetch_buf b = {0};
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, fetch_write);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 1000L);
-    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, 500L);
-    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http");
-    CURLcode rc = curl_easy_perform(c);
-    long code = 0;
-    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
-    curl_slist_free_all(h);
-    curl_easy_cleanup(c);
-    td_status st = TD_OK;
-    if (refused) *refused = rc == CURLE_COULDNT_CONNECT;
-    if (rc != CURLE_OK) {
-        snprintf(err, err_len, "GET %s: %s", url,
-                 b.over ? "reply too large" : curl_easy_strerror(rc));
+    td_httpc_req rq = {.url = url,
+                       .cluster_token = x->token,
+                       .timeout_ms = 1000,
+                       .connect_timeout_ms = 500,
+                       .max_body = XF_EXCHANGE_LIMIT};
+    td_httpc_reply rp;
+    td_status st = td_httpc_do(&rq, &rp);
+    if (refused) *refused = rp.refused;
+    if (st) {
+        snprintf(err, err_len, "GET %s: %s", url, rp.err);
         st = TD_ERR_IO;
-    } else if (code != 200) {
-        snprintf(err, err_len, "GET %s: HTTP %ld", url, code);
+    } else if (rp.code != 200) {
+        snprintf(err, err_len, "GET %s: HTTP %ld", url, rp.code);
         st = TD_ERR_IO;
-    } else if ((st = td_xfer_msg_decode(&x->lim, b.buf, b.len, m_p, err, err_len)) == TD_OK &&
+    } else if ((st = td_xfer_msg_decode(&x->lim, (const uint8_t *)rp.body, rp.len, m_p, err,
+                                        err_len)) == TD_OK &&
                (*m_p)->body_case != TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_EXCHANGE) {
         snprintf(err, err_len, "GET %s: not an exchange", url);
         td_xfer_msg_free(*m_p);
         *m_p = NULL;
         st = TD_ERR_INVALID;
     }
-    free(b.buf);
+    td_httpc_reply_free(&rp);
     return st;
 }
 
