@@ -12,6 +12,7 @@
 
 #include "../common/api/grpc.h"
 #include "../common/api/http.h"
+#include "../common/base/stop.h"
 #include "../common/model/model.h"
 #include "../tools/tools.h"
 #include "router.h"
@@ -301,13 +302,7 @@ int main(int argc, char **argv) {
     token = a.token ? strdup(a.token) : td_cli_read_secret(a.token_file);
     if (!token) goto done;
 
-    /* Signals are taken by sigwait here; every thread inherits the mask. */
-    sigset_t sigs;
-    sigemptyset(&sigs);
-    sigaddset(&sigs, SIGTERM);
-    sigaddset(&sigs, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    td_stop_block_signals(); /* before the first thread starts */
 
     const char *path = a.model ? a.model : td_default_model_path();
     if (open_model(path, &model) != TD_OK) {
@@ -386,15 +381,8 @@ int main(int argc, char **argv) {
            td_http_server_port(http), grpc_addr);
     fflush(stdout);
 
-    /* sigwaitinfo fails with EINTR when the process is stopped and
-     * continued (SIGSTOP or a debugger, then SIGCONT: signal(7)); that is
-     * no request to stop, so wait again. */
-    int sig;
-    do {
-        sig = sigwaitinfo(&sigs, NULL);
-    } while (sig < 0 && errno == EINTR);
-    TD_LOG_INFO("%s: draining (timeout %.1f s)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
-                a.drain_timeout);
+    int sig = td_stop_wait(NULL, NULL);
+    TD_STOP_LOG_DRAIN(sig, a.drain_timeout);
     td_router_drain(router);
     if (!td_router_wait_idle(router, a.drain_timeout)) {
         TD_LOG_WARN("drain timeout: ending the requests still running");

@@ -22,6 +22,7 @@
 #include "../common/api/grpc.h"
 #include "../common/api/http.h"
 #include "../common/api/request.h"
+#include "../common/base/stop.h"
 #include "../common/kv/hash.h"
 #include "../common/obs/metrics.h"
 #include "../common/sched/sched.h"
@@ -449,6 +450,8 @@ static void free_args(serve_args *a) {
     a->n_keys = 0;
 }
 
+static bool exec_failed(void *exec) { return td_exec_failed(exec); }
+
 /* /metrics' gauge hook (its ctx is the transfer service): called through
  * its own type, never through a cast of td_xfer_gauges'. */
 static void xfer_gauges(void *ctx, td_metrics_gauges *g) { td_xfer_gauges(ctx, g); }
@@ -492,15 +495,7 @@ int td_serve_main(int argc, char **argv, td_serve_role role) {
         return 2;
     }
 
-    /* Signals are taken by sigwait in this thread; every thread started
-     * from here on inherits the mask. A peer that hangs up must not kill
-     * the process. */
-    sigset_t sigs;
-    sigemptyset(&sigs);
-    sigaddset(&sigs, SIGTERM);
-    sigaddset(&sigs, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    td_stop_block_signals(); /* before the first thread starts */
 
     td_runtime_params rp = td_runtime_default_params();
     rp.model_path = a.model;
@@ -650,25 +645,15 @@ int td_serve_main(int argc, char **argv, td_serve_role role) {
     /* Wait for a signal, or for the plan's ranks to fail: then the
      * instance stops at once (not ready, every request an error) and exits
      * non-zero, so its supervisor restarts it. */
-    int sig = 0;
-    bool failed = false;
-    for (;;) {
-        struct timespec tick = {0, 100 * 1000000L};
-        sig = sigtimedwait(&sigs, NULL, &tick);
-        if (sig > 0) break;
-        if (td_exec_failed(rt->exec)) {
-            failed = true;
-            break;
-        }
-    }
+    int sig = td_stop_wait(exec_failed, rt->exec);
+    bool failed = sig == 0;
     if (failed) {
         TD_LOG_ERROR("a rank of the parallel plan failed: refusing requests and exiting");
         td_sched_drain(sched);
         td_sched_abort_all(sched);
         td_sched_wait_idle(sched, 5.0);
     } else {
-        TD_LOG_INFO("%s: draining (timeout %.1f s)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
-                    a.drain_timeout);
+        TD_STOP_LOG_DRAIN(sig, a.drain_timeout);
         td_sched_drain(sched);
     }
     double drain_end = td_time_s() + a.drain_timeout;
