@@ -71,15 +71,19 @@ dump() { # backend, regex, dir
     --only "$2" --out "$3" >> "$work/dump.log" 2>&1
 }
 
-if want numerics; then
-  dump cpu '^numerics/' "$work/cpu-num"
-  dump cuda '^numerics/' "$work/gpu-num"
+# section, cases (a regex of dump_logits.py's names): the GPU's logits
+# against the CPU backend's
+against_cpu() {
+  dump cpu "$2" "$work/cpu-$1"
+  dump cuda "$2" "$work/gpu-$1"
   set +e
-  python3 tools/bench/gpu_compare.py numerics "$work/cpu-num" "$work/gpu-num" > "$out/numerics.txt"
-  rc=$?
+  python3 tools/bench/gpu_compare.py numerics "$work/cpu-$1" "$work/gpu-$1" > "$out/$1.txt"
+  local rc=$?
   set -e
-  record numerics "$rc"
-fi
+  record "$1" "$rc"
+}
+
+if want numerics; then against_cpu numerics '^numerics/'; fi
 
 if want invariance; then
   dump cuda '^invariance/' "$work/gpu-inv"
@@ -90,15 +94,7 @@ if want invariance; then
   record invariance "$rc"
 fi
 
-if want plans; then
-  dump cpu '^plans/' "$work/cpu-plans"
-  dump cuda '^plans/' "$work/gpu-plans"
-  set +e
-  python3 tools/bench/gpu_compare.py numerics "$work/cpu-plans" "$work/gpu-plans" > "$out/plans.txt"
-  rc=$?
-  set -e
-  record plans "$rc"
-fi
+if want plans; then against_cpu plans '^plans/'; fi
 
 if want perf; then
   echo "perf: not written yet (the 8B-shaped BF16 model, the bandwidth kernel, HF transformers)" |
