@@ -14,9 +14,10 @@
  * the copy_to_host / copy_from_host ops. Weights stay where the model loader
  * put them and are handed to the backend once (upload_model); ops then name
  * them by their td_weight / const float * of the model, which the backend
- * resolves (the CPU backend reads the mmap in place: zero copy). External
- * memory the backend must compute on (the KV pool's storage) is wrapped
- * once (wrap).
+ * resolves (the CPU backend reads the mmap in place: zero copy). The KV
+ * storage is the backend's too, in a layout it describes (kv_layout), its
+ * memory given or registered through the transfer layer's hook (kv_alloc);
+ * external memory to compute on is wrapped (wrap).
  *
  * Batch metadata. Per-row positions, sequences, token ids, block tables and
  * the context-parallel tables are built on the host before a step and handed

@@ -50,7 +50,7 @@ struct td_engine {
     td_bbuf *g, *u; /* (T, n_ff) local MLP width (the shared expert's for MoE) */
     td_bbuf *lg;    /* (head_out_rows, n_vocab) logits before they are copied out */
     int32_t head_out_rows;
-    /* the KV pool's storage, wrapped (rewrapped when the pool's storage moves) */
+    /* the K/V bytes of the pool's blocks, allocated through the backend */
     td_bbuf *kvb;        /* the KV storage (NULL after td_engine_kv_release) */
     td_kv_layout kv_lay; /* its layout, as the backend keeps it */
     /* MoE scratch (n_expert > 0), K = n_expert_used */
