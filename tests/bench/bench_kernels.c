@@ -66,12 +66,12 @@ static void bench_one(td_threadpool *tp, td_dtype t, int rows, int k, int n) {
     float *wr = malloc(sizeof(float) * k);
     srand(7);
     for (int r = 0; r < rows; r++) {
-        for (int i = 0; i < k; i++) wr[i] = (float)rand() / RAND_MAX - 0.5f;
+        for (int i = 0; i < k; i++) wr[i] = (float)((double)rand() / RAND_MAX) - 0.5f;
         td_cpu_quant_row(t, wr, w + (size_t)r * ws, k);
     }
     for (int tt = 0; tt < n; tt++) {
         float *xt = x + (size_t)tt * k;
-        for (int i = 0; i < k; i++) xt[i] = (float)rand() / RAND_MAX - 0.5f;
+        for (int i = 0; i < k; i++) xt[i] = (float)((double)rand() / RAND_MAX) - 0.5f;
         td_cpu_act_quant(t, xt, xq + (size_t)tt * xs, k);
     }
     mm_job j = {t, w, ws, xq, xs, x, n, k, rows, y};
