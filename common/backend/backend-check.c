@@ -6,8 +6,8 @@
  *
  * Each buffer is its own page-aligned mapping; the buffers are opened and
  * closed together (two mprotect calls per buffer per op: slow, for tests).
- * Wrapped memory and KV storage (which the transfer layer reads and a
- * peer's puts write) are not protected. */
+ * KV storage (which the transfer layer reads and a peer's puts write) is
+ * not protected. */
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -23,7 +23,7 @@ typedef struct ck_buf {
 
 typedef struct {
     td_backend *cpu;
-    ck_buf *bufs; /* owned, protected when closed */
+    ck_buf *bufs; /* every buffer; all but KV storage protected when closed */
     int open;     /* nesting depth of open() */
 } ck_ctx;
 
@@ -32,7 +32,7 @@ static td_backend *inner(td_backend *be) { return ck(be)->cpu; }
 
 static void set_prot(ck_ctx *c, int prot) {
     for (ck_buf *b = c->bufs; b; b = b->next)
-        if (b->b.owned && mprotect(b->b.p, b->map_bytes, prot) != 0) {
+        if (!b->b.kv && mprotect(b->b.p, b->map_bytes, prot) != 0) {
             TD_LOG_ERROR("checking backend: mprotect failed");
             abort();
         }
@@ -67,15 +67,8 @@ static td_bbuf *ck_alloc(td_backend *be, size_t bytes) {
         free(b);
         return NULL;
     }
-    b->b = (td_bbuf){.p = p, .bytes = bytes, .owned = true};
+    b->b = (td_bbuf){.p = p, .bytes = bytes};
     b->map_bytes = n;
-    return ck_link(ck(be), b);
-}
-
-static td_bbuf *ck_wrap(td_backend *be, void *mem, size_t bytes) {
-    ck_buf *b = calloc(1, sizeof *b);
-    if (!b) return NULL;
-    b->b = (td_bbuf){.p = mem, .bytes = bytes, .owned = false};
     return ck_link(ck(be), b);
 }
 
@@ -101,8 +94,10 @@ static void ck_free(td_backend *be, td_bbuf *bb) {
     else
         c->bufs = b->next;
     if (b->next) b->next->prev = b->prev;
-    if (b->b.kv) td_host_kv_free(&b->b);
-    if (b->b.owned) munmap(b->b.p, b->map_bytes);
+    if (b->b.kv)
+        td_host_kv_free(&b->b);
+    else
+        munmap(b->b.p, b->map_bytes);
     free(b);
 }
 
@@ -217,7 +212,6 @@ static const td_backend_i ck_i = {
     .upload_floats = ck_upload_floats,
     .reserve = ck_reserve,
     .alloc = ck_alloc,
-    .wrap = ck_wrap,
     .kv_layout = ck_kv_layout,
     .kv_alloc = ck_kv_alloc,
     .free = ck_free,

@@ -106,16 +106,6 @@ static td_bbuf *cpu_alloc(td_backend *be, size_t bytes) {
         return NULL;
     }
     b->bytes = bytes;
-    b->owned = true;
-    return b;
-}
-
-static td_bbuf *cpu_wrap(td_backend *be, void *mem, size_t bytes) {
-    (void)be;
-    td_bbuf *b = calloc(1, sizeof *b);
-    if (!b) return NULL;
-    b->p = mem;
-    b->bytes = bytes;
     return b;
 }
 
@@ -174,8 +164,10 @@ static td_bbuf *cpu_kv_alloc(td_backend *be, const td_kv_layout *l, const td_kv_
 
 static void cpu_free(td_backend *be, td_bbuf *b) {
     (void)be;
-    if (b->kv) td_host_kv_free(b);
-    if (b->owned) free(b->p);
+    if (b->kv)
+        td_host_kv_free(b);
+    else
+        free(b->p);
     free(b);
 }
 
@@ -1009,7 +1001,6 @@ const td_backend_i td_backend_cpu_i = {
     .upload_floats = cpu_upload_floats,
     .reserve = cpu_reserve,
     .alloc = cpu_alloc,
-    .wrap = cpu_wrap,
     .kv_layout = cpu_kv_layout,
     .kv_alloc = cpu_kv_alloc,
     .free = cpu_free,

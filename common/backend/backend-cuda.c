@@ -207,14 +207,8 @@ static td_bbuf *cuda_alloc(td_backend *be, size_t bytes) {
         free(b);
         return NULL;
     }
-    b->b = (td_bbuf){.p = d, .bytes = bytes, .owned = true};
+    b->b = (td_bbuf){.p = d, .bytes = bytes};
     return link_buf(c, b);
-}
-
-static td_bbuf *cuda_wrap(td_backend *be, void *mem, size_t bytes) {
-    (void)mem, (void)bytes;
-    TD_LOG_ERROR("cuda:%d: host memory cannot be wrapped as a device buffer", ctx_of(be)->device);
-    return NULL;
 }
 
 /* The attention reads f32 K and V (f16 and bf16 pools come with their
@@ -235,7 +229,6 @@ static td_bbuf *cuda_kv_alloc(td_backend *be, const td_kv_layout *l, const td_kv
     td_bbuf *bb = cuda_alloc(be, l->bytes);
     if (!bb) return NULL;
     cuda_buf *b = (cuda_buf *)bb;
-    b->b.owned = true;
     b->b.kv = true;
     if (hook) b->b.hook = *hook;
     if (hook && hook->reg && hook->reg(hook->ctx, b->b.p, l->bytes, &b->b.handle)) {
@@ -551,7 +544,6 @@ static const td_backend_i cuda_i = {
     .upload_floats = cuda_upload_floats,
     .reserve = cuda_reserve,
     .alloc = cuda_alloc,
-    .wrap = cuda_wrap,
     .kv_layout = cuda_kv_layout,
     .kv_alloc = cuda_kv_alloc,
     .free = cuda_free,

@@ -9,9 +9,9 @@
 struct td_bbuf {
     void *p;
     size_t bytes;
-    bool owned; /* false: td_backend_wrap of the caller's memory, or KV storage */
-    /* KV storage (kv_alloc): mapped here (map_bytes) unless the hook gave
-     * the memory; the hook's release runs with handle when freed */
+    /* KV storage (kv_alloc), else scratch the backend allocated: mapped
+     * here (map_bytes) unless the hook gave the memory; the hook's release
+     * runs with handle when freed */
     bool kv;
     size_t map_bytes;
     td_kv_mem_hook hook;

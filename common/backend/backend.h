@@ -16,8 +16,8 @@
  * them by their td_weight / const float * of the model, which the backend
  * resolves (the CPU backend reads the mmap in place: zero copy). The KV
  * storage is the backend's too, in a layout it describes (kv_layout), its
- * memory given or registered through the transfer layer's hook (kv_alloc);
- * external memory to compute on is wrapped (wrap).
+ * memory given or registered through the transfer layer's hook
+ * (kv_alloc).
  *
  * Batch metadata. Per-row positions, sequences, token ids, block tables and
  * the context-parallel tables are built on the host before a step and handed
@@ -190,7 +190,6 @@ typedef struct td_backend_i {
     /* scratch the ops need for contexts of up to max_ctx positions */
     td_status (*reserve)(td_backend *be, int32_t max_ctx, int head_dim);
     td_bbuf *(*alloc)(td_backend *be, size_t bytes); /* zero-filled; NULL when out of memory */
-    td_bbuf *(*wrap)(td_backend *be, void *mem, size_t bytes);
     /* The layout this backend keeps a pool of these params in
      * (TD_ERR_UNSUPPORTED for a dtype it cannot store). */
     td_status (*kv_layout)(td_backend *be, const td_kv_params *p, td_kv_layout *l);
