@@ -52,15 +52,16 @@ static bool params_ok(const td_kv_params *p) {
            p->n_blocks > 0;
 }
 
-/* Bytes of one element of K or V, 0 for a dtype KV storage does not hold. */
-static size_t kv_elem_bytes(td_dtype t) {
-    return t == TD_TYPE_F32 || t == TD_TYPE_F16 || t == TD_TYPE_BF16 ? td_dtype_block_bytes(t) : 0;
+size_t td_kv_elem_bytes(uint32_t t) {
+    return t == TD_TYPE_F32 || t == TD_TYPE_F16 || t == TD_TYPE_BF16
+               ? td_dtype_block_bytes((td_dtype)t)
+               : 0;
 }
 
 /* The dense layout's sizes for n_blocks blocks (0 allowed: the per-block
  * figures only). */
 static td_status layout_of(const td_kv_params *p, size_t n_blocks, td_kv_layout *l) {
-    size_t e = kv_elem_bytes(p->dtype);
+    size_t e = td_kv_elem_bytes((uint32_t)p->dtype);
     if (e == 0) return TD_ERR_UNSUPPORTED;
     *l = (td_kv_layout){.dtype = p->dtype, .elem_bytes = e};
     if (td_mul_overflow((size_t)p->n_kv_heads, (size_t)p->head_dim, &l->row_bytes) ||

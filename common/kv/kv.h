@@ -47,6 +47,9 @@ typedef struct {
  * the transfer protocol assumes of a peer). TD_ERR_UNSUPPORTED for a dtype
  * that is not F32, F16 or BF16; TD_ERR_RANGE when a size overflows. */
 td_status td_kv_layout_dense(const td_kv_params *p, td_kv_layout *l);
+/* Bytes of one K or V element of type t (a GGUF type id, checked): 4, 2,
+ * or 0 for an id KV storage does not hold. */
+size_t td_kv_elem_bytes(uint32_t t);
 
 /* How KV storage gets memory the network can reach (filled by the
  * transfer layer, called by the backend's KV allocator). Either alloc

@@ -77,16 +77,9 @@ uint64_t td_xfer_rank_kv_bytes(const Tandem__Internal__V1__Plan *plan,
     int32_t h0, h1;
     td_xfer_rank_heads((int)plan->tp, 0, (int32_t)kv->n_head_kv, &h0, &h1);
     uint64_t v = plan->stage_begin[stage + 1] - plan->stage_begin[stage], r;
-    td_kv_params kp = {.n_layers = 1,
-                       .n_kv_heads = 1,
-                       .head_dim = 1,
-                       .block_size = 1,
-                       .n_blocks = 1,
-                       .dtype = (td_dtype)kv->dtype};
-    td_kv_layout one; /* the element size of the geometry's dtype */
-    if (kv->dtype >= TD_TYPE_COUNT || td_kv_layout_dense(&kp, &one)) return 0;
-    uint64_t f[] = {(uint64_t)(h1 - h0), kv->head_dim, kv->block_size, kv->n_blocks,
-                    2u * one.elem_bytes};
+    size_t elem = td_kv_elem_bytes(kv->dtype);
+    if (elem == 0) return 0;
+    uint64_t f[] = {(uint64_t)(h1 - h0), kv->head_dim, kv->block_size, kv->n_blocks, 2u * elem};
     for (size_t i = 0; i < TD_ARRAY_SIZE(f); i++) {
         if (__builtin_mul_overflow(v, f[i], &r)) return 0;
         v = r;

@@ -1723,13 +1723,10 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
     x->plan = td_exec_xfer_plan(p->exec);
     x->world = td_exec_world(p->exec);
     /* one token of one layer over the model's KV heads, in the dense
-     * layout every rank's storage has (xrank checks it) */
-    td_kv_params whole = *kp;
-    whole.n_layers = 1;
-    whole.n_kv_heads = x->n_head_kv;
-    td_kv_layout lay;
-    if ((st = td_kv_layout_dense(&whole, &lay)) != TD_OK) goto fail;
-    x->row_bytes = lay.row_bytes;
+     * layout every rank's storage has (xrank checks it); the pool's dtype
+     * is one KV is held in (td_kv_pool_create checked it) */
+    x->row_bytes =
+        (size_t)x->n_head_kv * (size_t)x->head_dim * td_kv_elem_bytes((uint32_t)kp->dtype);
     x->lim = (td_xfer_limits){.cluster_token = (const uint8_t *)x->token,
                               .cluster_token_len = x->token_len,
                               .max_bytes = XF_MAX_MSG,
