@@ -89,6 +89,7 @@ struct td_engine {
     td_bbuf *ep_cnt;               /* int32 (rg_size, n_expert) choices of each rank's rows */
     size_t *a2a;                   /* (4, ep_size) send bytes, displs, recv bytes, displs */
     int32_t *ep_cap;               /* host (ep_size) rows of each EP rank's dispatch block */
+    int32_t ep_kl;                 /* block rows per routed row: min(k, n_exp_loc) */
     td_bbuf *ep_eoff;              /* int32 (n_exp_loc + 1) first received slot of each expert */
     td_bbuf *ep_send;              /* (ep_size blocks of ep_cap[ep_rank] rows, n_embd) */
     td_bbuf *ep_recv;              /* (a block of ep_cap[j] rows per EP rank j, n_embd) */
@@ -565,7 +566,8 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
              * row chooses k distinct experts, at most n_exp_loc of them on
              * one rank. The senders' rows add up to the batch at most; one
              * rank's are a row-group share, or (attention-DP) all of it. */
-            size_t kl = (size_t)TD_MIN(e->n_used, e->n_exp_loc);
+            e->ep_kl = TD_MIN(e->n_used, e->n_exp_loc);
+            size_t kl = (size_t)e->ep_kl;
             size_t own = e->ep_dp ? T : (T + (size_t)e->rg_size - 1) / (size_t)e->rg_size;
             e->ep_send =
                 balloc(e, (size_t)e->ep_size * own * kl * (size_t)e->n_embd, sizeof(float), &fail);
@@ -706,7 +708,6 @@ static void moe_ffn(td_engine *e, const td_layer_weights *lw, int li) {
  * every rank from the batch alone, so the blocks of the exchange are sized
  * on the host without reading a count. */
 static void ep_plan(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs) {
-    const int32_t kl = TD_MIN(e->n_used, e->n_exp_loc);
     for (int j = 0; j < e->ep_size; j++) {
         int64_t rows = 0;
         if (e->ep_dp) {
@@ -716,7 +717,7 @@ static void ep_plan(td_engine *e, const td_seq_chunk *seqs, int32_t n_seqs) {
             int64_t T = e->n_tok, k = e->ep_base + j;
             rows = T * (k + 1) / e->rg_size - T * k / e->rg_size;
         }
-        e->ep_cap[j] = (int32_t)rows * kl;
+        e->ep_cap[j] = (int32_t)rows * e->ep_kl;
     }
 }
 
