@@ -91,11 +91,11 @@ int32_t td_runtime_blocks_for(const td_runtime *rt, int32_t n_tokens) {
 static td_status select_device(const td_runtime_params *p, bool *auto_cuda) {
     *auto_cuda = false;
     const char *name = p->device;
-    char buf[32];
+    const char *env = getenv("TANDEM_BACKEND");
+    if (!name && env && *env) return TD_OK; /* td_backend_kind_from_env reports a bad one */
+    const int n_gpus = td_backend_cuda_devices();
     if (!name) {
-        const char *env = getenv("TANDEM_BACKEND");
-        if (env && *env) return TD_OK; /* td_backend_kind_from_env reports a bad one */
-        *auto_cuda = td_backend_cuda_devices() > 0;
+        *auto_cuda = n_gpus > 0;
         name = *auto_cuda ? "cuda:0" : "cpu";
     }
     td_backend_kind kind;
@@ -110,12 +110,11 @@ static td_status select_device(const td_runtime_params *p, bool *auto_cuda) {
                      name);
         return TD_ERR_UNSUPPORTED;
     }
-    if (kind == TD_BACKEND_CUDA && dev >= td_backend_cuda_devices()) {
-        TD_LOG_ERROR("--device %s: no such GPU (%d visible)", name, td_backend_cuda_devices());
+    if (kind == TD_BACKEND_CUDA && dev >= n_gpus) {
+        TD_LOG_ERROR("--device %s: no such GPU (%d visible)", name, n_gpus);
         return TD_ERR_UNSUPPORTED;
     }
-    snprintf(buf, sizeof buf, "%s", kind == TD_BACKEND_CUDA ? name : "cpu");
-    setenv("TANDEM_BACKEND", buf, 1);
+    setenv("TANDEM_BACKEND", kind == TD_BACKEND_CUDA ? name : "cpu", 1);
     return TD_OK;
 }
 
