@@ -136,6 +136,16 @@ static td_status call(job *j, td_engine *e, const td_seq_chunk *ch, int n, float
     return st ? st : record_load(j, e, load);
 }
 
+/* A pool for shard m's layers and KV heads. */
+static td_kv_params kv_params_for(const td_model *m, int32_t n_blocks) {
+    td_kv_params kp = td_kv_default_params();
+    kp.n_layers = td_model_layer_end(m) - td_model_layer_begin(m);
+    kp.n_kv_heads = td_model_n_head_kv_local(m);
+    kp.head_dim = td_model_get_config(m)->head_dim;
+    kp.n_blocks = n_blocks;
+    return kp;
+}
+
 static void *rank_main(void *arg) {
     job *j = arg;
     td_model *m = NULL;
@@ -161,11 +171,7 @@ static void *rank_main(void *arg) {
     }
     j->n_expert = c->n_expert;
     j->n_used = c->n_expert_used;
-    td_kv_params kp = td_kv_default_params();
-    kp.n_layers = td_model_layer_end(m) - td_model_layer_begin(m);
-    kp.n_kv_heads = td_model_n_head_kv_local(m);
-    kp.head_dim = c->head_dim;
-    kp.n_blocks = N_BLOCKS;
+    td_kv_params kp = kv_params_for(m, N_BLOCKS);
     if ((j->st = td_kv_pool_create(&kp, &kv)) || (j->st = td_threadpool_create(1, &tp)) ||
         (j->st = j->tpg ? td_comm_create_local(j->tpg, j->tp_rank, &comm)
                         : td_comm_create_single(&comm)) ||
@@ -668,11 +674,7 @@ static void test_shard(void **state) {
 
 static td_status try_engine(td_model *m, td_comm *comm, td_comm *epc, bool attn_dp) {
     const td_model_config *c = td_model_get_config(m);
-    td_kv_params kp = td_kv_default_params();
-    kp.n_layers = c->n_layer;
-    kp.n_kv_heads = td_model_n_head_kv_local(m);
-    kp.head_dim = c->head_dim;
-    kp.n_blocks = 4;
+    td_kv_params kp = kv_params_for(m, 4);
     td_kv_pool *kv = NULL;
     assert_int_equal(td_kv_pool_create(&kp, &kv), TD_OK);
     td_engine_params ep = td_engine_default_params();
@@ -776,12 +778,7 @@ static void *mismatch_main(void *arg) {
     j->bad = j->good = TD_ERR_INTERNAL;
     if (try_load("gguf/mixtral-f32.gguf", 0, 1, j->rank, 2, &m) || td_comm_create_single(&single))
         goto done;
-    const td_model_config *c = td_model_get_config(m);
-    td_kv_params kp = td_kv_default_params();
-    kp.n_layers = c->n_layer;
-    kp.n_kv_heads = td_model_n_head_kv_local(m);
-    kp.head_dim = c->head_dim;
-    kp.n_blocks = 8;
+    td_kv_params kp = kv_params_for(m, 8);
     if (td_kv_pool_create(&kp, &kv)) goto done;
     td_engine_params ep = td_engine_default_params();
     ep.max_ctx = 64;
