@@ -34,6 +34,12 @@ typedef struct {
     size_t stride; /* packed row bytes (matrices), else 0 */
 } dev_map;
 
+/* An int32 array that grows (device or host memory, as its user says). */
+typedef struct {
+    int32_t *p;
+    int32_t cap;
+} i32_array;
+
 typedef struct cuda_buf {
     td_bbuf b;    /* first: b.p is the device pointer */
     void *mirror; /* pinned host copy for the comm (allocated on first use) */
@@ -49,9 +55,9 @@ typedef struct {
     size_t n_maps, cap_maps;
     cuda_buf *bufs;
     /* the step's batch, on the device */
-    int32_t *d_seq, *d_pos, *d_tok, *d_logit, *d_tab, *d_off, *d_rows;
-    int32_t cap_rows, cap_tab, cap_seqs, cap_idx, cap_copy;
-    int32_t *h_off, *h_tab; /* host staging of the tables */
+    i32_array seq, pos, tok, logit, tab, off; /* device: the batch's rows and tables */
+    i32_array rows_idx;                       /* device: copy_rows' row list */
+    i32_array h_off, h_tab;                   /* host: the tables, gathered */
     td_cuda_rows rows;
 } cuda_ctx;
 
@@ -308,22 +314,39 @@ static void cuda_comm_end(td_backend *be) {
 
 /* ------------------------------------------------------------------ batch */
 
-static bool grow(cuda_ctx *c, int32_t **d, int32_t *cap, int32_t need) {
-    if (need <= *cap) return true;
-    int32_t n = need > 2 * *cap ? need : 2 * *cap;
-    cudaFree(*d);
-    *d = NULL;
-    *cap = 0;
-    if (!ck(c, cudaMalloc((void **)d, (size_t)n * sizeof(int32_t)), "cudaMalloc")) return false;
-    *cap = n;
+/* Room for n entries of a device array (its old contents are not kept). */
+static bool grow_dev(cuda_ctx *c, i32_array *a, int32_t n) {
+    if (n <= a->cap) return true;
+    int32_t cap = TD_MAX(n, 2 * a->cap);
+    cudaFree(a->p);
+    a->p = NULL;
+    a->cap = 0;
+    if (!ck(c, cudaMalloc((void **)&a->p, (size_t)cap * sizeof(int32_t)), "cudaMalloc"))
+        return false;
+    a->cap = cap;
     return true;
 }
 
-static bool up_i32(cuda_ctx *c, int32_t *d, const int32_t *h, int32_t n) {
-    return n <= 0 ||
-           ck(c,
-              cudaMemcpyAsync(d, h, (size_t)n * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream),
-              "batch upload");
+static bool grow_host(cuda_ctx *c, i32_array *a, int32_t n) {
+    if (n <= a->cap) return true;
+    int32_t cap = TD_MAX(n, 2 * a->cap);
+    int32_t *p = realloc(a->p, (size_t)cap * sizeof(int32_t));
+    if (!p) {
+        TD_LOG_ERROR("out of memory");
+        if (!c->failed) c->failed = cudaErrorMemoryAllocation;
+        return false;
+    }
+    a->p = p;
+    a->cap = cap;
+    return true;
+}
+
+/* The host array h (n entries) into device array a, grown as needed. */
+static bool upload(cuda_ctx *c, i32_array *a, const int32_t *h, int32_t n) {
+    return n <= 0 || (grow_dev(c, a, n) && ck(c,
+                                              cudaMemcpyAsync(a->p, h, (size_t)n * sizeof(int32_t),
+                                                              cudaMemcpyHostToDevice, c->stream),
+                                              "batch upload"));
 }
 
 static void cuda_set_batch(td_backend *be, const td_backend_batch *b) {
@@ -332,56 +355,26 @@ static void cuda_set_batch(td_backend *be, const td_backend_batch *b) {
     if (!ck(c, cudaSetDevice(c->device), "cudaSetDevice")) return; /* the calling thread's */
     int32_t n_tab = 0;
     for (int32_t s = 0; s < b->n_seqs; s++) n_tab += b->seq_n_blocks[s];
-    int32_t cap = c->cap_seqs;
-    if (b->n_seqs + 1 > cap || n_tab > c->cap_tab) {
-        int32_t ns = TD_MAX(b->n_seqs + 1, 2 * cap), nt = TD_MAX(n_tab, 2 * c->cap_tab);
-        int32_t *ho = realloc(c->h_off, (size_t)ns * sizeof *ho);
-        if (ho) c->h_off = ho;
-        int32_t *ht = realloc(c->h_tab, (size_t)(nt ? nt : 1) * sizeof *ht);
-        if (ht) c->h_tab = ht;
-        if (!ho || !ht) {
-            TD_LOG_ERROR("out of memory");
-            if (!c->failed) c->failed = cudaErrorMemoryAllocation;
-            return;
-        }
-    }
-    if (!grow(c, &c->d_seq, &c->cap_rows, b->n_rows) ||
-        !grow(c, &c->d_off, &c->cap_seqs, b->n_seqs + 1) ||
-        !grow(c, &c->d_tab, &c->cap_tab, TD_MAX(n_tab, 1)))
-        return;
-    /* the other row arrays share d_seq's capacity */
-    int32_t cr = c->cap_rows;
-    if (!c->d_pos || cr > c->cap_idx) {
-        cudaFree(c->d_pos);
-        cudaFree(c->d_tok);
-        cudaFree(c->d_logit);
-        c->d_pos = c->d_tok = c->d_logit = NULL;
-        if (!ck(c, cudaMalloc((void **)&c->d_pos, (size_t)cr * 4), "cudaMalloc") ||
-            !ck(c, cudaMalloc((void **)&c->d_tok, (size_t)cr * 4), "cudaMalloc") ||
-            !ck(c, cudaMalloc((void **)&c->d_logit, (size_t)cr * 4), "cudaMalloc"))
-            return;
-        c->cap_idx = cr;
-    }
+    if (!grow_host(c, &c->h_off, b->n_seqs + 1) || !grow_host(c, &c->h_tab, n_tab)) return;
     int32_t at = 0;
     for (int32_t s = 0; s < b->n_seqs; s++) {
-        c->h_off[s] = at;
-        memcpy(c->h_tab + at, b->seq_table[s], (size_t)b->seq_n_blocks[s] * sizeof(int32_t));
+        c->h_off.p[s] = at;
+        memcpy(c->h_tab.p + at, b->seq_table[s], (size_t)b->seq_n_blocks[s] * sizeof(int32_t));
         at += b->seq_n_blocks[s];
     }
-    c->h_off[b->n_seqs] = at;
+    c->h_off.p[b->n_seqs] = at;
     /* logit_src: the engine's (n_rows) array, of which the logit rows use a prefix */
-    if (!up_i32(c, c->d_seq, b->row_seq, b->n_rows) ||
-        !up_i32(c, c->d_pos, b->row_pos, b->n_rows) ||
-        !up_i32(c, c->d_tok, b->row_tok, b->n_rows) ||
-        !up_i32(c, c->d_off, c->h_off, b->n_seqs + 1) || !up_i32(c, c->d_tab, c->h_tab, at) ||
-        (b->logit_src && !up_i32(c, c->d_logit, b->logit_src, b->n_rows)))
+    if (!upload(c, &c->seq, b->row_seq, b->n_rows) || !upload(c, &c->pos, b->row_pos, b->n_rows) ||
+        !upload(c, &c->tok, b->row_tok, b->n_rows) ||
+        !upload(c, &c->off, c->h_off.p, b->n_seqs + 1) || !upload(c, &c->tab, c->h_tab.p, at) ||
+        (b->logit_src && !upload(c, &c->logit, b->logit_src, b->n_rows)))
         return;
     /* the uploads read host arrays valid until the next set_batch only */
     ck(c, cudaStreamSynchronize(c->stream), "batch upload");
-    c->rows = (td_cuda_rows){.row_seq = c->d_seq,
-                             .row_pos = c->d_pos,
-                             .tab = c->d_tab,
-                             .seq_off = c->d_off,
+    c->rows = (td_cuda_rows){.row_seq = c->seq.p,
+                             .row_pos = c->pos.p,
+                             .tab = c->tab.p,
+                             .seq_off = c->off.p,
                              .n_rows = b->n_rows};
 }
 
@@ -396,9 +389,8 @@ static void cuda_copy(td_backend *be, td_bview dst, td_bview src, size_t bytes) 
 static void cuda_copy_rows(td_backend *be, td_bview dst, td_bview src, const int32_t *src_rows,
                            int32_t n, size_t row_bytes) {
     cuda_ctx *c = ctx_of(be);
-    if (n <= 0 || !grow(c, &c->d_rows, &c->cap_copy, n)) return;
-    if (!up_i32(c, c->d_rows, src_rows, n)) return;
-    launched(c, td_cuda_copy_rows(c->stream, dptr(dst), dptr(src), c->d_rows, n, row_bytes),
+    if (n <= 0 || !upload(c, &c->rows_idx, src_rows, n)) return;
+    launched(c, td_cuda_copy_rows(c->stream, dptr(dst), dptr(src), c->rows_idx.p, n, row_bytes),
              "copy_rows");
     ck(c, cudaStreamSynchronize(c->stream), "copy_rows"); /* src_rows is the caller's */
 }
@@ -443,7 +435,7 @@ static void cuda_embed(td_backend *be, const td_weight *w, int32_t v0, int32_t v
     const dev_map *m = find(c, w->data);
     TD_ASSERT(m);
     launched(c,
-             td_cuda_embed(c->stream, m->dev, w->type, m->stride, v0, v1, c->d_tok, c->rows.n_rows,
+             td_cuda_embed(c->stream, m->dev, w->type, m->stride, v0, v1, c->tok.p, c->rows.n_rows,
                            (int)w->cols, dptr(x)),
              "embed");
 }
@@ -453,7 +445,7 @@ static void cuda_rmsnorm(td_backend *be, td_bview x, td_bview add, td_bview xn, 
     cuda_ctx *c = ctx_of(be);
     launched(c,
              td_cuda_rmsnorm(c->stream, dptr(x), add.b ? dptr(add) : NULL, dptr(xn),
-                             logit_rows ? c->d_logit : NULL, n_rows, dev_of(c, w), n, eps),
+                             logit_rows ? c->logit.p : NULL, n_rows, dev_of(c, w), n, eps),
              "rmsnorm");
 }
 
@@ -524,10 +516,10 @@ static void cuda_destroy(td_backend *be) {
     while (c->bufs) cuda_free(be, &c->bufs->b);
     for (size_t i = 0; i < c->n_maps; i++) cudaFree(c->maps[i].dev);
     free(c->maps);
-    int32_t *dev[] = {c->d_seq, c->d_pos, c->d_tok, c->d_logit, c->d_tab, c->d_off, c->d_rows};
-    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) cudaFree(dev[i]);
-    free(c->h_off);
-    free(c->h_tab);
+    i32_array *dev[] = {&c->seq, &c->pos, &c->tok, &c->logit, &c->tab, &c->off, &c->rows_idx};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) cudaFree(dev[i]->p);
+    free(c->h_off.p);
+    free(c->h_tab.p);
     if (c->stream) cudaStreamDestroy(c->stream);
     free(c);
     free(be);
