@@ -3,8 +3,6 @@
  * router core (router/router.h): every request is routed to a decode
  * instance, and a prefill instance or local prefill, by prefix-cache hits
  * and KV headroom, then streamed through. SIGTERM drains. */
-#include <errno.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -10,7 +10,6 @@
 #include <ifaddrs.h>
 #include <math.h>
 #include <net/if.h>
-#include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
