@@ -1,5 +1,5 @@
 # protobuf-c code for every proto/*.proto, generated into the build tree at
-# build time (never committed, never edited) and compiled into tandem_common.
+# build time (never committed, never edited) and compiled into td_proto.
 # Sources include it as "proto/<name>.pb-c.h".
 find_program(TD_PROTOC_C NAMES protoc-c protoc-gen-c REQUIRED)
 
@@ -28,6 +28,7 @@ endforeach()
 if(TD_PROTO_SOURCES)
   # Generated code is not ours to warn about.
   set_source_files_properties(${TD_PROTO_SOURCES} PROPERTIES COMPILE_OPTIONS "-w")
-  target_sources(tandem_common PRIVATE ${TD_PROTO_SOURCES} ${TD_PROTO_HEADERS})
-  target_include_directories(tandem_common PUBLIC ${TD_PROTO_GEN_DIR})
+  add_library(td_proto STATIC ${TD_PROTO_SOURCES} ${TD_PROTO_HEADERS})
+  target_include_directories(td_proto PUBLIC ${TD_PROTO_GEN_DIR})
+  target_link_libraries(td_proto PUBLIC PkgConfig::PROTOBUF_C)
 endif()

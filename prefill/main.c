@@ -1,12 +1,14 @@
 /* tandem-prefill: a prefill instance (DESIGN.md §1, §2). The service is
- * the shared server of tools/cmd-serve.c in its prefill role. */
+ * the shared server of common/serve/serve.c in its prefill role. */
 #include <string.h>
 
-#include "../common/parallel/exec.h"
-#include "../tools/tools.h"
+#include "common/parallel/exec.h"
+#include "common/serve/serve.h"
+#include "common/transfer/xext.h"
 
 int main(int argc, char **argv) {
     /* internal: a rank process of a parallel plan, started by the driver */
-    if (argc > 1 && strcmp(argv[1], "rank") == 0) return td_exec_rank_main(argc - 1, argv + 1);
+    if (argc > 1 && strcmp(argv[1], "rank") == 0)
+        return td_exec_rank_main(argc - 1, argv + 1, &td_xext_ops);
     return td_serve_main(argc, argv, TD_ROLE_PREFILL);
 }

@@ -17,7 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../common/base/base.h"
+#include "common/base/base.h"
 #include "proto/tandem.pb-c.h"
 
 typedef struct td_rt_dclient td_rt_dclient;

@@ -5,7 +5,7 @@
 #include <pthread.h>
 #include <string.h>
 
-#include "../common/kv/hmap.h"
+#include "common/kv/hmap.h"
 
 /* Entries live in parallel arrays indexed by the hmap's value: the two
  * masks of an entry fill exactly one cache line, which is all a lookup

@@ -19,8 +19,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../common/base/base.h"
-#include "../common/kv/hash.h"
+#include "common/base/base.h"
+#include "common/kv/hash.h"
 
 #define TD_RT_MAX_INSTANCES 256
 #define TD_RT_MASK_WORDS    (TD_RT_MAX_INSTANCES / 64)

@@ -8,11 +8,11 @@
 #include <string.h>
 #include <time.h>
 
-#include "../common/api/grpc.h"
-#include "../common/api/http.h"
-#include "../common/base/stop.h"
-#include "../common/model/model.h"
-#include "../tools/tools.h"
+#include "common/api/grpc.h"
+#include "common/api/http.h"
+#include "common/base/stop.h"
+#include "common/model/model.h"
+#include "common/runtime/cli.h"
 #include "router.h"
 
 #define MAX_LIST 256

@@ -15,9 +15,9 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../common/base/net.h"
-#include "../common/base/strbuf.h"
-#include "../common/kv/hash.h"
+#include "common/base/net.h"
+#include "common/base/strbuf.h"
+#include "common/kv/hash.h"
 #include "dclient.h"
 #include "index.h"
 #include "proto/internal.pb-c.h"

@@ -16,8 +16,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "../common/api/request.h"
-#include "../common/obs/metrics.h"
+#include "common/api/request.h"
+#include "common/obs/metrics.h"
 #include "score.h"
 
 typedef struct {

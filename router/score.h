@@ -31,7 +31,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "../common/base/base.h"
+#include "common/base/base.h"
 
 typedef enum {
     TD_RT_KV_AWARE = 0,

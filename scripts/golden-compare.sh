@@ -38,7 +38,7 @@ fi
 python3 tests/models/make_models.py --out "$g/models" >/dev/null
 args=(--models "$g/models")
 if [ "${TD_GOLDEN_NO_DEFAULT:-0}" != 1 ]; then
-  # where the tandem binary looks (tools/runtime.c; scripts/setup.sh puts it there)
+  # where the tandem binary looks (common/runtime/cli.c; scripts/setup.sh puts it there)
   args+=(--default-model "${TANDEM_MODEL:-$HOME/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf}")
 fi
 if [ -n "${TD_GOLDEN_ONLY:-}" ]; then args+=(--only "$TD_GOLDEN_ONLY"); fi

@@ -17,8 +17,9 @@
 
 #include <jansson.h>
 
-#include "../common/model/forward.h"
-#include "runtime.h"
+#include "common/engine/forward.h"
+#include "common/runtime/cli.h"
+#include "common/runtime/runtime.h"
 #include "tools.h"
 
 #define BENCH_MAX_REPS 1000

@@ -29,7 +29,8 @@
 #include <jansson.h>
 #include <xxhash.h>
 
-#include "../common/transfer/ucx.h"
+#include "common/runtime/cli.h"
+#include "common/transfer/ucx.h"
 #include "tools.h"
 
 extern char **environ;

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/runtime/cli.h"
 #include "tools.h"
 
 #ifndef TD_SOURCE_DIR

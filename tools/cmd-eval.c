@@ -17,7 +17,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "runtime.h"
+#include "common/runtime/cli.h"
+#include "common/runtime/runtime.h"
 #include "tools.h"
 
 #define EVAL_LOGIT_FLOATS (32u << 20) /* cap on one call's logits buffer (128 MiB) */

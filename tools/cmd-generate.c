@@ -7,12 +7,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../common/model/forward.h"
-#include "../common/sched/sampler.h"
-#include "../common/sched/stop.h"
-#include "../common/tokenizer/chat.h"
-#include "../common/tokenizer/tokenizer.h"
-#include "runtime.h"
+#include "common/engine/forward.h"
+#include "common/runtime/cli.h"
+#include "common/runtime/runtime.h"
+#include "common/sched/sampler.h"
+#include "common/sched/stop.h"
+#include "common/tokenizer/chat.h"
+#include "common/tokenizer/tokenizer.h"
 #include "tools.h"
 
 #define GEN_MAX_STOP      16

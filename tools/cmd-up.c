@@ -30,8 +30,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "../common/api/httpc.h"
-#include "../common/base/base.h"
+#include "common/base/base.h"
+#include "common/base/httpc.h"
+#include "common/runtime/cli.h"
 #include "tools.h"
 
 extern char **environ;

@@ -2,7 +2,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../common/parallel/exec.h"
+#include "common/parallel/exec.h"
+#include "common/transfer/xext.h"
 #include "tools.h"
 
 static const struct {
@@ -34,7 +35,7 @@ int main(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     /* internal: a rank process of a parallel plan, started by the driver */
-    if (strcmp(argv[1], "rank") == 0) return td_exec_rank_main(argc - 1, argv + 1);
+    if (strcmp(argv[1], "rank") == 0) return td_exec_rank_main(argc - 1, argv + 1, &td_xext_ops);
     for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++)
         if (strcmp(argv[1], k_cmds[i].name) == 0) return k_cmds[i].fn(argc - 1, argv + 1);
     /* one line, whatever the number of commands */

@@ -9,50 +9,7 @@ int td_cmd_eval(int argc, char **argv);
 int td_cmd_serve(int argc, char **argv);
 int td_cmd_up(int argc, char **argv);
 
-/* The server behind tandem serve, tandem-prefill and tandem-decode. */
-typedef enum { TD_ROLE_SERVE, TD_ROLE_PREFILL, TD_ROLE_DECODE } td_serve_role;
-int td_serve_main(int argc, char **argv, td_serve_role role);
 int td_cmd_bench(int argc, char **argv);
 int td_cmd_bench_transfer(int argc, char **argv);
-
-/* Path of the default model (SmolLM2-135M-Instruct Q4_1 in the cache
- * directory the setup script fills): $TANDEM_MODEL, else
- * $XDG_CACHE_HOME/tandem/models/..., else ~/.cache/tandem/models/....
- * Returns a static buffer. */
-const char *td_default_model_path(void);
-
-#include <stdbool.h>
-#include <stdint.h>
-
-/* Strict option parsing: the whole string, in range; false otherwise. */
-bool td_cli_parse_long(const char *s, long lo, long hi, long *out);
-bool td_cli_parse_float(const char *s, float *out);  /* finite */
-bool td_cli_parse_u64(const char *s, uint64_t *out); /* no sign */
-/* The first line of a secret file (the cluster token), malloc'd; NULL
- * (logged) when it cannot be read or is empty. */
-char *td_cli_read_secret(const char *path);
-/* The API keys of a key file (a mounted Secret): one per line, blank lines
- * and the blanks around a key ignored, appended to keys[*n..max). Returns
- * the buffer the keys point into (freed after them); NULL (logged) when the
- * file cannot be read, is over 64 KiB, holds no key or more than fit. */
-char *td_cli_read_keys(const char *path, const char **keys, int *n, int max);
-
-#include "../common/parallel/plan.h"
-
-/* Plan flags (plan.h) plus --plan-dry-run, shared by serve, generate, eval
- * and bench-engine. */
-typedef struct {
-    td_plan_params p;
-    bool given;   /* a plan flag was on the command line */
-    bool dry_run; /* --plan-dry-run */
-} td_cli_plan;
-
-/* If argv[*i] is a plan flag: consumes it (and its value, advancing *i) and
- * returns 1; 0 if it is not one; -1 for a bad value (logged). */
-int td_cli_plan_flag(td_cli_plan *cp, int argc, char **argv, int *i);
-/* After parsing: -1 to go on (run the plan: td_runtime_params.plan);
- * otherwise the exit status (0 after printing the --plan-dry-run report,
- * 1 for a model that does not load, 2 for a plan the model does not allow). */
-int td_cli_plan_check(const char *cmd, const td_cli_plan *cp, const char *model_path);
 
 #endif

@@ -17,9 +17,9 @@
 
 #include <stdbool.h>
 
-#include "../base/base.h"
-#include "../obs/metrics.h"
-#include "../sched/sched.h"
+#include "common/base/base.h"
+#include "common/obs/metrics.h"
+#include "common/sched/sched.h"
 #include "request.h"
 
 typedef struct {

@@ -27,7 +27,7 @@
 #include <sys/socket.h>
 #include <time.h>
 
-#include "../base/strbuf.h"
+#include "common/base/strbuf.h"
 #include "request-impl.h"
 
 struct td_http_server {

@@ -19,10 +19,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../base/base.h"
-#include "../sched/sched.h"
-#include "../tokenizer/chat.h"
-#include "../tokenizer/tokenizer.h"
+#include "common/base/base.h"
+#include "common/sched/sched.h"
+#include "common/tokenizer/chat.h"
+#include "common/tokenizer/tokenizer.h"
 
 typedef enum {
     TD_API_COMPLETIONS = 0, /* /v1/completions */

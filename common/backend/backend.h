@@ -3,7 +3,7 @@
  * A td_backend is a handle with an ops table (td_backend_i) and a context,
  * created once per rank (the model: ggml's ggml_backend_i with its buffer
  * types, not one function per forward pass, which would fork the TP/PP/CP/EP
- * logic per backend). The forward pass (common/model/forward.c) keeps the
+ * logic per backend). The forward pass (common/engine/forward.c) keeps the
  * layer loop, the parallel plan and the comm calls, and computes only
  * through the table (be->i->op(be, ...)); it never dereferences backend
  * memory.
@@ -43,11 +43,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../../kernels/types.h"
-#include "../base/base.h"
-#include "../base/threadpool.h"
-#include "../kv/kv.h"
-#include "../model/model.h"
+#include "common/base/base.h"
+#include "common/base/threadpool.h"
+#include "common/kv/kv.h"
+#include "common/model/model.h"
+#include "kernels/types.h"
 
 typedef struct td_backend td_backend;
 typedef struct td_bbuf td_bbuf;

@@ -13,7 +13,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "../base/base.h"
+#include "common/base/base.h"
 #include "hash.h"
 
 typedef enum {

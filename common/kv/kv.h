@@ -13,10 +13,10 @@
 
 #include <stdbool.h>
 
-#include "../../kernels/dtype.h"
-#include "../base/base.h"
+#include "common/base/base.h"
 #include "events.h"
 #include "hash.h"
+#include "kernels/dtype.h"
 
 typedef struct {
     int n_layers;   /* layers held by this rank (its pipeline stage) */

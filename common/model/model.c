@@ -19,8 +19,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "gguf.h"
-#include "safetensors.h"
+#include "common/format/gguf.h"
+#include "common/format/safetensors.h"
 
 #define TD_MAX_DIM     (1 << 20) /* sanity bound on embedding / ff widths */
 #define TD_MAX_LAYERS  4096

@@ -29,9 +29,9 @@
 
 #include <stdbool.h>
 
-#include "../../kernels/types.h"
-#include "../base/base.h"
-#include "../tokenizer/tokenizer.h"
+#include "common/base/base.h"
+#include "common/tokenizer/tokenizer.h"
+#include "kernels/types.h"
 
 typedef enum {
     TD_ARCH_LLAMA = 0,    /* Llama 1/2/3, Mistral, SmolLM2, TinyLlama */

@@ -33,7 +33,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../base/base.h"
+#include "common/base/base.h"
 
 typedef enum {
     TD_FINISH_NONE = 0, /* still running */

@@ -2,8 +2,6 @@
 #define _GNU_SOURCE
 #include "exec.h"
 
-#include "../transfer/xrank.h"
-
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -22,14 +20,14 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../base/threadpool.h"
+#include "common/base/threadpool.h"
 
 extern char **environ;
 
 #define CFG_MAGIC 0x31474643584554ull /* "TEXCFG1" */
 #define MAX_PATH  4096
 
-enum { OP_STEP = 1, OP_NOOP = 2, OP_STOP = 3, OP_XFER_SETUP = 4, OP_XFER = 5, OP_XFER_LINK = 6 };
+enum { OP_STEP = 1, OP_NOOP = 2, OP_STOP = 3, OP_EXT_SETUP = 4, OP_EXT = 5, OP_EXT_CONTROL = 6 };
 
 /* What the driver broadcasts once after attaching. Plain data only. */
 typedef struct {
@@ -46,17 +44,17 @@ typedef struct {
 
 /* Step header; the payload follows in a second broadcast: per sequence
  * {n_tokens, pos0, n_blocks, flags}, then every token, then every block id,
- * then (has_slots) every sequence's KV-transfer job slot, then n_dir_words
- * of transfer directives (transfer/xrank.h). OP_XFER carries directives
- * only. OP_XFER_LINK opens (n_tokens 1) or closes (0) the link workers of
- * slot n_seqs, with no payload. */
+ * then (has_tags) every sequence's rank-extension tag, then n_ext_words
+ * of rank-extension words (exec.h). OP_EXT carries those words only.
+ * OP_EXT_SETUP (argument n_seqs) and OP_EXT_CONTROL (operation n_seqs,
+ * argument n_tokens) have no payload. */
 typedef struct {
     int32_t op;
     int32_t n_seqs;
     int32_t n_tokens;
     int32_t n_block_ids;
-    int32_t has_slots;
-    int32_t n_dir_words;
+    int32_t has_tags;
+    int32_t n_ext_words;
 } step_hdr;
 
 enum { SEQ_LOGITS_ALL = 1, SEQ_NO_LOGITS = 2 };
@@ -66,7 +64,7 @@ typedef struct {
     double compute_s, comm_s;
     int32_t status;
     int32_t pad;
-    td_xrank_report xfer; /* the transfer jobs' outcome on this rank */
+    uint8_t ext[TD_EXEC_EXT_REPORT_MAX]; /* the rank extension's report */
 } rank_report;
 
 struct td_exec {
@@ -114,18 +112,14 @@ struct td_exec {
     pthread_mutex_t times_mu;
     td_rank_time *times; /* (world) */
     rank_report *reports;
-    /* KV transfer (transfer/xrank.h) */
-    td_xrank *xr;            /* this rank's; NULL until td_exec_xfer_setup */
-    td_ucx *xr_ucx;          /* driver: the channel rank 0's xrank borrows */
-    const int32_t *slots;    /* the step's job slots (payload), or NULL */
-    pthread_mutex_t xfer_mu; /* driver: pending directives and failures */
-    td_xdir_buf pending;     /* driver: directives for the next step */
-    uint8_t *blobs;          /* driver: (world) x (u64 length + TD_XRANK_BLOB_MAX) endpoints */
-    uint8_t *link_blobs[TD_XRANK_MAX_PEERS];      /* driver: the same, per open link */
-    uint64_t xfer_failed[TD_XRANK_MAX_JOBS / 64]; /* driver: OR of the ranks' reports */
-    uint64_t xfer_busy[TD_XRANK_MAX_JOBS / 64];   /* driver: as of the last report */
-    uint64_t xfer_last_layer[TD_XRANK_MAX_JOBS];  /* driver: latest last-layer stamp per job */
-    uint64_t xfer_peer_failed;                    /* driver: OR of the ranks' reports */
+    /* the rank extension (exec.h) */
+    const td_exec_ext_ops *ext; /* this process's table; NULL: none */
+    void *ext_state;            /* this rank's; NULL until td_exec_ext_setup */
+    void *ext_ctx;              /* driver: td_exec_ext_setup's */
+    const int32_t *tags;        /* the step's sequence tags (payload), or NULL */
+    pthread_mutex_t ext_mu;     /* driver: the queued words */
+    int32_t *pending;           /* driver: words for the next step */
+    size_t n_pending, pending_cap;
 };
 
 td_exec_params td_exec_default_params(void) {
@@ -251,8 +245,9 @@ static td_status agree(td_exec *x, td_status mine) {
 
 static void release_shard(td_exec *x) {
     td_engine_destroy(x->engine);
-    td_xrank_destroy(x->xr); /* after the engine, which gave its KV memory back */
-    x->xr = NULL;
+    /* after the engine, which gave its KV memory back */
+    if (x->ext_state) x->ext->destroy(x->ext_state);
+    x->ext_state = NULL;
     td_kv_pool_destroy(x->kv);
     td_model_free(x->model);
     td_threadpool_destroy(x->pool);
@@ -349,7 +344,8 @@ static td_status run_step(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, 
         const td_seq_chunk *ms = seqs + bounds[mb];
         int32_t mn = bounds[mb + 1] - bounds[mb];
         size_t rows = (size_t)td_engine_stage_rows(x->engine, ms, mn);
-        if (x->xr) td_xrank_batch(x->xr, ms, x->slots ? x->slots + bounds[mb] : NULL, mn);
+        if (x->ext_state)
+            x->ext->batch(x->ext_state, ms, x->tags ? x->tags + bounds[mb] : NULL, mn);
         if (!first && (st = timed_recv(x, x->x_in, rows * E * sizeof(float), prev))) return st;
         st = td_engine_forward_stage(x->engine, ms, mn, first ? NULL : x->x_in,
                                      last ? NULL : x->x_out, out ? out + (size_t)row * V : NULL);
@@ -393,7 +389,7 @@ static td_status unpack(td_exec *x, const step_hdr *h, bool validate) {
         nt += q[0];
         nb += q[2];
     }
-    x->slots = h->has_slots ? blk + h->n_block_ids : NULL;
+    x->tags = h->has_tags ? blk + h->n_block_ids : NULL;
     return validate ? td_engine_validate(x->engine, x->chunks, h->n_seqs) : TD_OK;
 }
 
@@ -411,29 +407,31 @@ static td_status grow_payload(td_exec *x, size_t n) {
 
 static size_t payload_words(const step_hdr *h) {
     return (size_t)h->n_seqs * 4 + (size_t)h->n_tokens + (size_t)h->n_block_ids +
-           (h->has_slots ? (size_t)h->n_seqs : 0) + (size_t)h->n_dir_words;
+           (h->has_tags ? (size_t)h->n_seqs : 0) + (size_t)h->n_ext_words;
 }
 
-static const int32_t *payload_dirs(const td_exec *x, const step_hdr *h) {
-    return x->payload + payload_words(h) - (size_t)h->n_dir_words;
+static const int32_t *payload_ext(const td_exec *x, const step_hdr *h) {
+    return x->payload + payload_words(h) - (size_t)h->n_ext_words;
 }
 
-/* The step's directives, before its forward pass (every rank, driver too). */
-static td_status xfer_before(td_exec *x, const step_hdr *h) {
-    if (h->n_dir_words == 0) return TD_OK;
-    if (!x->xr) {
-        TD_LOG_ERROR("rank %d: transfer directives without a transfer setup", x->rank);
+/* The step's extension words, before its forward pass (every rank, driver
+ * too). */
+static td_status ext_before(td_exec *x, const step_hdr *h) {
+    if (h->n_ext_words == 0) return TD_OK;
+    if (!x->ext_state) {
+        TD_LOG_ERROR("rank %d: rank-extension words without an extension set up", x->rank);
         return TD_ERR_INVALID;
     }
-    return td_xrank_apply(x->xr, payload_dirs(x, h), (size_t)h->n_dir_words);
+    return x->ext->apply(x->ext_state, payload_ext(x, h), (size_t)h->n_ext_words);
 }
 
 /* After the step: every rank's figures to the driver (collective). */
 static td_status report(td_exec *x, double t0, td_status step_st) {
     rank_report r = {.compute_s = 0, .comm_s = x->comm_s, .status = (int32_t)step_st};
-    /* the transfer jobs this rank finished are flushed before the step ends */
-    if (x->xr) td_xrank_finish(x->xr, &r.xfer);
-    x->slots = NULL;
+    /* the extension's work of the step (the transfer: its finished jobs
+     * flushed) ends before the step does */
+    if (x->ext_state) x->ext->finish(x->ext_state, r.ext);
+    x->tags = NULL;
     r.compute_s = td_time_s() - t0 - x->comm_s;
     if (r.compute_s < 0) r.compute_s = 0;
     td_status st = td_comm_gather(x->comm, &r, x->reports, sizeof r, 0);
@@ -464,8 +462,9 @@ static td_status broadcast_hdr(td_exec *x, step_hdr *h) {
     return td_comm_broadcast(x->comm, h, sizeof *h, 0);
 }
 
-static td_status xfer_setup_rank(td_exec *x, td_ucx *ucx, bool layerwise);
-static td_status xfer_link_rank(td_exec *x, int slot, bool open, bool *comm_failed);
+static td_status ext_setup_rank(td_exec *x, void *ctx, int32_t arg, uint8_t **table);
+static td_status ext_control_rank(td_exec *x, int32_t op, int32_t arg, uint8_t **table,
+                                  bool *comm_failed);
 
 static int worker_loop(td_exec *x) {
     for (;;) {
@@ -474,33 +473,33 @@ static int worker_loop(td_exec *x) {
         if (st) return 1;
         if (h.op == OP_STOP) return 0;
         if (h.op == OP_NOOP) continue;
-        if (h.op == OP_XFER_SETUP) {
-            if (xfer_setup_rank(x, NULL, h.n_seqs != 0)) return 1;
+        if (h.op == OP_EXT_SETUP) {
+            if (ext_setup_rank(x, NULL, h.n_seqs, NULL)) return 1;
             continue;
         }
-        if (h.op == OP_XFER_LINK) {
+        if (h.op == OP_EXT_CONTROL) {
             bool comm_failed = false;
-            xfer_link_rank(x, h.n_seqs, h.n_tokens != 0, &comm_failed);
+            ext_control_rank(x, h.n_seqs, h.n_tokens, NULL, &comm_failed);
             if (comm_failed) return 1;
             continue;
         }
-        if (h.op == OP_XFER) {
-            if (h.n_dir_words < 0 || h.n_dir_words > (1 << 24)) return 1;
-            step_hdr d = {.n_dir_words = h.n_dir_words};
+        if (h.op == OP_EXT) {
+            if (h.n_ext_words < 0 || h.n_ext_words > (1 << 24)) return 1;
+            step_hdr d = {.n_ext_words = h.n_ext_words};
             if ((st = grow_payload(x, payload_words(&d)))) return 1;
             if ((st = td_comm_broadcast(x->comm, x->payload, payload_words(&d) * sizeof(int32_t),
                                         0)))
                 return 1;
             double t0 = td_time_s();
             x->comm_s = 0;
-            if (xfer_before(x, &d) || report(x, t0, TD_OK)) return 1;
+            if (ext_before(x, &d) || report(x, t0, TD_OK)) return 1;
             continue;
         }
         int64_t max_ids =
             (int64_t)x->cfg.max_seqs * ((int64_t)x->cfg.max_ctx / x->cfg.block_size + 1);
         if (h.op != OP_STEP || h.n_seqs < 1 || h.n_seqs > x->cfg.max_seqs || h.n_tokens < 1 ||
             h.n_tokens > x->cfg.max_batch_tokens || h.n_block_ids < 0 || h.n_block_ids > max_ids ||
-            h.n_dir_words < 0 || h.n_dir_words > (1 << 24)) {
+            h.n_ext_words < 0 || h.n_ext_words > (1 << 24)) {
             TD_LOG_ERROR("rank %d: bad step header (op %d, %d sequences)", x->rank, h.op, h.n_seqs);
             return 1;
         }
@@ -510,7 +509,7 @@ static int worker_loop(td_exec *x) {
         double t0 = td_time_s();
         x->comm_s = 0;
         td_status step_st = unpack(x, &h, true);
-        if (!step_st) step_st = xfer_before(x, &h);
+        if (!step_st) step_st = ext_before(x, &h);
         if (!step_st) step_st = run_step(x, x->chunks, h.n_seqs, NULL);
         if (step_st) {
             /* the caller aborts the world: peers may be waiting for a send */
@@ -530,7 +529,7 @@ static bool parse_int_arg(const char *s, long lo, long hi, long *out) {
     return true;
 }
 
-int td_exec_rank_main(int argc, char **argv) {
+int td_exec_rank_main(int argc, char **argv, const td_exec_ext_ops *ext) {
     long world, rank, ppid, chunk, timeout_ms;
     if (argc != 7 || !parse_int_arg(argv[2], 2, TD_COMM_MAX_RANKS, &world) ||
         !parse_int_arg(argv[3], 1, world - 1, &rank) ||
@@ -552,6 +551,7 @@ int td_exec_rank_main(int argc, char **argv) {
     if (!x) return 1;
     x->world = (int)world;
     x->rank = (int)rank;
+    x->ext = ext;
     td_comm_params cp = td_comm_default_params(); /* the driver's, from argv */
     cp.chunk_bytes = (size_t)chunk;
     cp.timeout_s = (double)timeout_ms / 1e3;
@@ -892,10 +892,8 @@ static void exec_free(td_exec *x) {
     pthread_mutex_destroy(&x->mu);
     pthread_cond_destroy(&x->cv);
     pthread_mutex_destroy(&x->times_mu);
-    pthread_mutex_destroy(&x->xfer_mu);
-    td_xdir_free(&x->pending);
-    free(x->blobs);
-    for (int i = 0; i < TD_XRANK_MAX_PEERS; i++) free(x->link_blobs[i]);
+    pthread_mutex_destroy(&x->ext_mu);
+    free(x->pending);
     free(x->pids);
     free(x->pidfds);
     free(x->times);
@@ -911,7 +909,7 @@ static td_exec *exec_alloc(int world) {
     pthread_mutex_init(&x->mu, NULL);
     td_cond_init_monotonic(&x->cv);
     pthread_mutex_init(&x->times_mu, NULL);
-    pthread_mutex_init(&x->xfer_mu, NULL);
+    pthread_mutex_init(&x->ext_mu, NULL);
     x->pids = calloc((size_t)world, sizeof *x->pids);
     x->pidfds = malloc((size_t)world * sizeof *x->pidfds);
     x->times = calloc((size_t)world, sizeof *x->times);
@@ -1067,50 +1065,36 @@ int td_exec_last_times(const td_exec *x, td_rank_time *out, int cap) {
     return x->world;
 }
 
-/* Appends the step's job slots and the pending directives (taken) to a
- * payload whose header counts them. Driver, under x->mu. */
-static void pack_xfer(td_exec *x, const int32_t *slots, int32_t n_seqs, step_hdr *h,
-                      td_xdir_buf *dirs) {
-    int32_t *end = x->payload + payload_words(h) - (size_t)h->n_dir_words;
-    if (h->has_slots) memcpy(end - n_seqs, slots, (size_t)n_seqs * sizeof(int32_t));
-    if (h->n_dir_words) memcpy(end, dirs->w, (size_t)h->n_dir_words * sizeof(int32_t));
+/* Appends the step's tags and the queued words (taken) to a payload whose
+ * header counts them. Driver, under x->mu. */
+static void pack_ext(td_exec *x, const int32_t *tags, int32_t n_seqs, step_hdr *h,
+                     const int32_t *words) {
+    int32_t *end = x->payload + payload_words(h) - (size_t)h->n_ext_words;
+    if (h->has_tags) memcpy(end - n_seqs, tags, (size_t)n_seqs * sizeof(int32_t));
+    if (h->n_ext_words) memcpy(end, words, (size_t)h->n_ext_words * sizeof(int32_t));
 }
 
-/* Takes the pending directives (driver). */
-static void take_pending(td_exec *x, td_xdir_buf *out) {
-    pthread_mutex_lock(&x->xfer_mu);
-    *out = x->pending;
-    memset(&x->pending, 0, sizeof x->pending);
-    pthread_mutex_unlock(&x->xfer_mu);
+/* Takes the queued words (driver; *words freed by the caller). */
+static size_t take_pending(td_exec *x, int32_t **words) {
+    pthread_mutex_lock(&x->ext_mu);
+    size_t n = x->n_pending;
+    *words = x->pending;
+    x->pending = NULL;
+    x->n_pending = x->pending_cap = 0;
+    pthread_mutex_unlock(&x->ext_mu);
+    return n;
 }
 
-/* The ranks' transfer reports of one step (n of them). */
-static void merge_reports(td_exec *x, const td_xrank_report *const *reps, int n) {
-    pthread_mutex_lock(&x->xfer_mu);
-    memset(x->xfer_busy, 0, sizeof x->xfer_busy);
-    for (int r = 0; r < n; r++) {
-        for (int i = 0; i < TD_XRANK_MAX_JOBS / 64; i++) {
-            x->xfer_failed[i] |= reps[r]->failed[i];
-            x->xfer_busy[i] |= reps[r]->busy[i];
-        }
-        x->xfer_peer_failed |= reps[r]->peer_failed;
-        for (int32_t k = 0; k < reps[r]->n_ended && k < TD_XRANK_MAX_ENDED; k++) {
-            int32_t s = reps[r]->ended[k].slot;
-            if (s >= 0 && s < TD_XRANK_MAX_JOBS)
-                x->xfer_last_layer[s] = TD_MAX(x->xfer_last_layer[s], reps[r]->ended[k].unix_ns);
-        }
-    }
-    pthread_mutex_unlock(&x->xfer_mu);
-}
-
+/* The ranks' extension reports of the last step, to the extension. */
 static void merge_rank_reports(td_exec *x) {
-    const td_xrank_report *reps[TD_COMM_MAX_RANKS] = {0};
-    for (int r = 0; r < x->world; r++) reps[r] = &x->reports[r].xfer;
-    merge_reports(x, reps, x->world);
+    if (!x->ext_state || !x->ext->merge) return;
+    const void *reps[TD_COMM_MAX_RANKS] = {0};
+    for (int r = 0; r < x->world; r++) reps[r] = x->reports[r].ext;
+    x->ext->merge(x->ext_ctx, reps, x->world);
 }
 
 static td_status pack(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, step_hdr *h,
-                      const int32_t *slots, td_xdir_buf *dirs) {
+                      const int32_t *tags, const int32_t *words, size_t n_words) {
     int64_t nt = 0, nb = 0;
     int32_t bs = x->cfg.block_size;
     for (int32_t i = 0; i < n_seqs; i++) {
@@ -1121,11 +1105,11 @@ static td_status pack(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, step
                     .n_seqs = n_seqs,
                     .n_tokens = (int32_t)nt,
                     .n_block_ids = (int32_t)nb,
-                    .has_slots = slots != NULL,
-                    .n_dir_words = (int32_t)dirs->n};
+                    .has_tags = tags != NULL,
+                    .n_ext_words = (int32_t)n_words};
     td_status st = grow_payload(x, payload_words(h));
     if (st) return st;
-    pack_xfer(x, slots, n_seqs, h, dirs);
+    pack_ext(x, tags, n_seqs, h, words);
     int32_t *d = x->payload, *tok = d + (size_t)n_seqs * 4, *blk = tok + nt;
     for (int32_t i = 0; i < n_seqs; i++) {
         const td_seq_chunk *s = &seqs[i];
@@ -1143,29 +1127,27 @@ static td_status pack(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, step
 }
 
 td_status td_exec_forward(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs, float *logits) {
-    return td_exec_forward_slots(x, seqs, n_seqs, NULL, logits);
+    return td_exec_forward_tagged(x, seqs, n_seqs, NULL, logits);
 }
 
-/* A world of one: the directives and the transfer hooks run in-process. */
+/* A world of one: the extension's words and hooks run in-process. */
 static td_status forward_single(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs,
-                                const int32_t *slots, float *logits) {
+                                const int32_t *tags, float *logits) {
     pthread_mutex_lock(&x->mu);
-    td_xdir_buf dirs;
-    take_pending(x, &dirs);
+    int32_t *words;
+    size_t n_words = take_pending(x, &words);
     td_status st = TD_OK;
-    if (dirs.n && x->xr) st = td_xrank_apply(x->xr, dirs.w, dirs.n);
-    td_xdir_free(&dirs);
+    if (n_words && x->ext_state) st = x->ext->apply(x->ext_state, words, n_words);
+    free(words);
     double t0 = td_time_s();
     if (!st && n_seqs > 0) {
-        if (x->xr) td_xrank_batch(x->xr, seqs, slots, n_seqs);
+        if (x->ext_state) x->ext->batch(x->ext_state, seqs, tags, n_seqs);
         st = td_engine_forward(x->engine, seqs, n_seqs, logits);
     }
-    if (x->xr) {
-        td_xrank_report rep;
-        memset(&rep, 0, sizeof rep);
-        td_xrank_finish(x->xr, &rep);
-        const td_xrank_report *reps[1] = {&rep};
-        merge_reports(x, reps, 1);
+    if (x->ext_state) {
+        memset(x->reports[0].ext, 0, sizeof x->reports[0].ext);
+        x->ext->finish(x->ext_state, x->reports[0].ext);
+        merge_rank_reports(x);
     }
     if (n_seqs > 0) {
         pthread_mutex_lock(&x->times_mu);
@@ -1176,18 +1158,18 @@ static td_status forward_single(td_exec *x, const td_seq_chunk *seqs, int32_t n_
     return st;
 }
 
-td_status td_exec_forward_slots(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs,
-                                const int32_t *slots, float *logits) {
-    if (x->world == 1) return forward_single(x, seqs, n_seqs, slots, logits);
+td_status td_exec_forward_tagged(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs,
+                                 const int32_t *tags, float *logits) {
+    if (x->world == 1) return forward_single(x, seqs, n_seqs, tags, logits);
     if (atomic_load(&x->failed)) return TD_ERR_IO;
     td_status st = td_engine_validate(x->engine, seqs, n_seqs);
     if (st) return st;
     pthread_mutex_lock(&x->mu);
     step_hdr h;
-    td_xdir_buf dirs;
-    take_pending(x, &dirs);
-    st = pack(x, seqs, n_seqs, &h, slots, &dirs);
-    td_xdir_free(&dirs);
+    int32_t *words;
+    size_t n_words = take_pending(x, &words);
+    st = pack(x, seqs, n_seqs, &h, tags, words, n_words);
+    free(words);
     if (st) {
         pthread_mutex_unlock(&x->mu);
         return st;
@@ -1198,7 +1180,7 @@ td_status td_exec_forward_slots(td_exec *x, const td_seq_chunk *seqs, int32_t n_
         st = td_comm_broadcast(x->comm, x->payload, payload_words(&h) * sizeof(int32_t), 0);
     x->comm_s += td_time_s() - t0;
     /* Run the step on the driver from the same payload the ranks got. */
-    if (!st && !(st = unpack(x, &h, false)) && !(st = xfer_before(x, &h)))
+    if (!st && !(st = unpack(x, &h, false)) && !(st = ext_before(x, &h)))
         st = run_step(x, x->chunks, n_seqs, logits);
     /* After a failure some ranks may still wait for a send: abort, never
      * meet them in the report. */
@@ -1225,80 +1207,92 @@ td_status td_exec_forward_slots(td_exec *x, const td_seq_chunk *seqs, int32_t n_
     return st;
 }
 
-/* ---------------------------------------------------------- KV transfer */
+/* ------------------------------------------------------ rank extension */
 
-/* Every rank's endpoint blob (td_xrank_blob of link, -1: its worker) to
- * the driver, into a new table that replaces *keep there; an empty blob
- * says that rank failed (st, or no blob). Returns the gather's status. */
-static td_status gather_blobs(td_exec *x, td_status st, int link, uint8_t **keep) {
-    uint8_t *mine = calloc(1, TD_XRANK_BLOB_MAX + 8);
-    uint8_t *all = x->rank == 0 ? calloc((size_t)x->world, TD_XRANK_BLOB_MAX + 8) : NULL;
-    if (!mine || (x->rank == 0 && !all)) {
+#define REPLY_SLOT (TD_EXEC_EXT_REPLY_MAX + 8) /* u64 length, then the reply */
+
+static td_exec_rank_info rank_info(const td_exec *x) {
+    td_exec_rank_info ri = {.rank = x->rank,
+                            .world = x->world,
+                            .tp = x->tp,
+                            .cp = x->cp,
+                            .pp = x->pp,
+                            .attn_dp = x->cfg.plan.attn_dp,
+                            .model = x->model,
+                            .kv = x->kv,
+                            .engine = x->engine};
+    for (int s = 0; s <= x->pp && s <= TD_PLAN_MAX_PP; s++)
+        ri.stage_begin[s] = x->cfg.stage_begin[s];
+    if (x->wrapped) ri.stage_begin[1] = td_model_get_config(x->model)->n_layer;
+    return ri;
+}
+
+td_exec_rank_info td_exec_info(const td_exec *x) { return rank_info(x); }
+
+/* This rank's reply (at mine + 8, len bytes; empty when st says it failed)
+ * to the driver, into a new table there (*table; NULL elsewhere, or when
+ * table is NULL). Frees mine. Returns the gather's status. */
+static td_status gather_replies(td_exec *x, td_status st, uint8_t *mine, size_t len,
+                                uint8_t **table) {
+    uint8_t *all = x->rank == 0 ? calloc((size_t)x->world, REPLY_SLOT) : NULL;
+    if (x->rank == 0 && !all) {
         free(mine);
-        free(all);
         return TD_ERR_NOMEM;
     }
-    size_t n = 0;
-    if (!st && td_xrank_blob(x->xr, link, mine + 8, TD_XRANK_BLOB_MAX, &n) != TD_OK)
-        st = TD_ERR_RANGE;
-    uint64_t n64 = st ? 0 : (uint64_t)n;
+    uint64_t n64 = st ? 0 : (uint64_t)len;
     memcpy(mine, &n64, 8);
-    td_status gst =
-        x->world == 1 ? TD_OK : td_comm_gather(x->comm, mine, all, TD_XRANK_BLOB_MAX + 8, 0);
-    if (x->world == 1) memcpy(all, mine, TD_XRANK_BLOB_MAX + 8);
+    td_status gst = x->world == 1 ? TD_OK : td_comm_gather(x->comm, mine, all, REPLY_SLOT, 0);
+    if (x->world == 1) memcpy(all, mine, REPLY_SLOT);
     free(mine);
-    if (x->rank == 0) {
-        free(*keep);
-        *keep = all;
-    }
+    if (table && x->rank == 0 && !gst)
+        *table = all;
+    else
+        free(all);
     return gst;
 }
 
-/* Creates this rank's transfer state and hooks it into its engine. */
-static td_status xfer_setup_rank(td_exec *x, td_ucx *ucx, bool layerwise) {
+/* Creates this rank's extension state (ops->create). */
+static td_status ext_setup_rank(td_exec *x, void *ctx, int32_t arg, uint8_t **table) {
+    uint8_t *mine = calloc(1, REPLY_SLOT);
+    if (!mine) return TD_ERR_NOMEM;
+    size_t len = 0;
     td_status st = TD_OK;
-    if (!x->xr) {
-        const td_model_config *mc = td_model_get_config(x->model);
-        td_xrank_params xp = {.plan = {.tp = x->tp, .pp = x->pp, .cp = x->cp},
-                              .rank = x->rank,
-                              .n_layer = mc->n_layer,
-                              .n_head_kv = mc->n_head_kv,
-                              .head_dim = mc->head_dim,
-                              .kv = x->kv,
-                              .engine = x->engine,
-                              .ucx = ucx,
-                              .layerwise = layerwise};
-        for (int s = 0; s <= x->pp; s++) xp.plan.stage_begin[s] = x->cfg.stage_begin[s];
-        if (x->cfg.plan.attn_dp) {
-            TD_LOG_ERROR("KV transfer does not support attention-DP plans");
-            st = TD_ERR_UNSUPPORTED;
-        } else if (!(st = td_xrank_create(&xp, &x->xr))) {
-            td_engine_set_layer_hook(x->engine, td_xrank_layer, x->xr);
-        }
+    if (!x->ext) {
+        TD_LOG_ERROR("rank %d: no rank extension in this binary", x->rank);
+        st = TD_ERR_UNSUPPORTED;
+    } else if (x->ext_state) {
+        TD_LOG_ERROR("rank %d: the rank extension is set up already", x->rank);
+        st = TD_ERR_INVALID;
+    } else {
+        td_exec_rank_info ri = rank_info(x);
+        st = x->ext->create(&ri, ctx, arg, &x->ext_state, mine + 8, TD_EXEC_EXT_REPLY_MAX, &len);
+        if (!st && len > TD_EXEC_EXT_REPLY_MAX) st = TD_ERR_RANGE;
     }
-    td_status gst = gather_blobs(x, st, -1, &x->blobs);
+    td_status gst = gather_replies(x, st, mine, len, table);
     return gst ? gst : st;
 }
 
-/* Decode side: this rank's link worker of slot opened or closed, then its
- * endpoint on the link (an open) or its own (a close: it only says the
- * close is done) to the driver, kept in link_blobs[slot] there.
- * *comm_failed: the world's communication failed. */
-static td_status xfer_link_rank(td_exec *x, int slot, bool open, bool *comm_failed) {
-    bool ok_slot = slot >= 0 && slot < TD_XRANK_MAX_PEERS;
-    td_status st = x->xr && ok_slot ? td_xrank_link(x->xr, slot, open) : TD_ERR_INVALID;
-    if (st)
-        TD_LOG_ERROR("rank %d: KV link %d could not be %s", x->rank, slot,
-                     open ? "opened" : "closed");
-    uint8_t *tmp = NULL, **keep = ok_slot && x->rank == 0 ? &x->link_blobs[slot] : &tmp;
-    td_status gst = gather_blobs(x, st, open ? slot : -1, keep);
-    free(tmp);
+/* This rank's part of a control operation. *comm_failed: the world's
+ * communication failed. */
+static td_status ext_control_rank(td_exec *x, int32_t op, int32_t arg, uint8_t **table,
+                                  bool *comm_failed) {
+    uint8_t *mine = calloc(1, REPLY_SLOT);
+    if (!mine) {
+        *comm_failed = true; /* the others wait in the gather */
+        return TD_ERR_NOMEM;
+    }
+    size_t len = 0;
+    td_status st =
+        x->ext_state ? x->ext->control(x->ext_state, op, arg, mine + 8, TD_EXEC_EXT_REPLY_MAX, &len)
+                     : TD_ERR_INVALID;
+    if (!st && len > TD_EXEC_EXT_REPLY_MAX) st = TD_ERR_RANGE;
+    td_status gst = gather_replies(x, st, mine, len, table);
     *comm_failed = gst != TD_OK;
     return st ? st : gst;
 }
 
-/* A transfer operation's header to the other ranks (a world of one has
- * none); a failed broadcast fails the world. Caller holds x->mu. */
+/* An operation's header to the other ranks (a world of one has none); a
+ * failed broadcast fails the world. Caller holds x->mu. */
 static td_status broadcast_op(td_exec *x, step_hdr *h) {
     if (x->world == 1) return TD_OK;
     if (broadcast_hdr(x, h)) {
@@ -1309,15 +1303,13 @@ static td_status broadcast_op(td_exec *x, step_hdr *h) {
     return TD_OK;
 }
 
-/* TD_ERR_IO (each logged) when a rank's blob in table is empty: it could
+/* TD_ERR_IO (each logged) when a rank's reply in table is empty: it could
  * not do what (its failure is in its own log). */
-static td_status blobs_present(const td_exec *x, const uint8_t *table, const char *what) {
+static td_status replies_present(const td_exec *x, const uint8_t *table, const char *what) {
     if (!table) return TD_ERR_INVALID;
     td_status st = TD_OK;
     for (int r = 0; r < x->world; r++) {
-        uint64_t n;
-        memcpy(&n, table + (size_t)r * (TD_XRANK_BLOB_MAX + 8), 8);
-        if (n == 0) {
+        if (!td_exec_ext_reply(x, table, r, &(size_t){0})) {
             TD_LOG_ERROR("rank %d could not %s", r, what);
             st = TD_ERR_IO;
         }
@@ -1325,148 +1317,122 @@ static td_status blobs_present(const td_exec *x, const uint8_t *table, const cha
     return st;
 }
 
-td_status td_exec_xfer_setup(td_exec *x, td_ucx *ucx0, bool layerwise) {
-    if (x->wrapped) return TD_ERR_UNSUPPORTED;
+td_status td_exec_ext_setup(td_exec *x, const td_exec_ext_ops *ops, void *ctx, int64_t arg,
+                            const char *what, uint8_t **replies) {
+    *replies = NULL;
+    if (x->wrapped || !ops || ops->report_size > TD_EXEC_EXT_REPORT_MAX || arg < INT32_MIN ||
+        arg > INT32_MAX)
+        return x->wrapped ? TD_ERR_UNSUPPORTED : TD_ERR_INVALID;
     pthread_mutex_lock(&x->mu);
-    if (x->world > 1 && atomic_load(&x->failed)) {
+    if ((x->world > 1 && atomic_load(&x->failed)) || x->ext_state) {
         pthread_mutex_unlock(&x->mu);
-        return TD_ERR_IO;
+        return x->ext_state ? TD_ERR_INVALID : TD_ERR_IO;
     }
-    step_hdr h = {.op = OP_XFER_SETUP, .n_seqs = layerwise};
+    step_hdr h = {.op = OP_EXT_SETUP, .n_seqs = (int32_t)arg};
     td_status st = broadcast_op(x, &h);
     if (st) {
         pthread_mutex_unlock(&x->mu);
         return st;
     }
-    st = xfer_setup_rank(x, ucx0, layerwise);
-    if (!st) st = blobs_present(x, x->blobs, "set up its KV transfer endpoint");
+    x->ext = ops;
+    x->ext_ctx = ctx;
+    st = ext_setup_rank(x, ctx, (int32_t)arg, replies);
+    if (!st) st = replies_present(x, *replies, what);
+    if (st) {
+        /* the driver's state goes now (it may borrow what ctx holds); the
+         * other ranks' go with their shards */
+        if (x->engine) td_engine_set_layer_hook(x->engine, NULL, NULL);
+        if (x->ext_state) ops->destroy(x->ext_state);
+        x->ext_state = NULL;
+        x->ext_ctx = NULL;
+    }
     x->last_use = td_time_s();
     pthread_mutex_unlock(&x->mu);
     return st;
 }
 
-static td_status blob_of(const td_exec *x, const uint8_t *table, int rank, const uint8_t **blob,
-                         size_t *len) {
-    if (!x->xr || !table || rank < 0 || rank >= x->world) return TD_ERR_INVALID;
+const uint8_t *td_exec_ext_reply(const td_exec *x, const uint8_t *table, int rank, size_t *len) {
+    if (!table || rank < 0 || rank >= x->world) return NULL;
     uint64_t n;
-    const uint8_t *b = table + (size_t)rank * (TD_XRANK_BLOB_MAX + 8);
+    const uint8_t *b = table + (size_t)rank * REPLY_SLOT;
     memcpy(&n, b, 8);
-    *blob = b + 8;
     *len = (size_t)n;
-    return n ? TD_OK : TD_ERR_IO;
+    return n ? b + 8 : NULL;
 }
 
-td_status td_exec_xfer_endpoint(const td_exec *x, int rank, const uint8_t **blob, size_t *len) {
-    return blob_of(x, x->blobs, rank, blob, len);
-}
-
-td_status td_exec_xfer_link(td_exec *x, int slot, bool open) {
-    if (x->wrapped || slot < 0 || slot >= TD_XRANK_MAX_PEERS) return TD_ERR_INVALID;
+td_status td_exec_ext_control(td_exec *x, int32_t op, int32_t arg, const char *what,
+                              uint8_t **replies) {
+    *replies = NULL;
+    if (x->wrapped) return TD_ERR_INVALID;
     pthread_mutex_lock(&x->mu);
-    if (!x->xr || atomic_load(&x->failed)) {
+    if (!x->ext_state || atomic_load(&x->failed)) {
         pthread_mutex_unlock(&x->mu);
-        return x->xr ? TD_ERR_IO : TD_ERR_INVALID;
+        return x->ext_state ? TD_ERR_IO : TD_ERR_INVALID;
     }
-    step_hdr h = {.op = OP_XFER_LINK, .n_seqs = slot, .n_tokens = open};
+    step_hdr h = {.op = OP_EXT_CONTROL, .n_seqs = op, .n_tokens = arg};
     td_status st = broadcast_op(x, &h);
     if (st) {
         pthread_mutex_unlock(&x->mu);
         return st;
     }
     bool comm_failed = false;
-    st = xfer_link_rank(x, slot, open, &comm_failed);
-    if (!st) {
-        char what[48];
-        snprintf(what, sizeof what, "%s its KV link %d", open ? "open" : "close", slot);
-        st = blobs_present(x, x->link_blobs[slot], what);
-    }
+    st = ext_control_rank(x, op, arg, replies, &comm_failed);
+    if (!st) st = replies_present(x, *replies, what);
     if (comm_failed) {
         if (!atomic_exchange(&x->failed, true))
-            TD_LOG_ERROR("a KV link step failed on the ranks: the instance fails");
+            TD_LOG_ERROR("a rank-extension operation (%s) failed on the ranks: the instance fails",
+                         what);
         td_comm_abort(x->comm); /* no rank waits on a collective that will not come */
-    }
-    if (!open) {
-        /* a closed slot has no endpoints (its table only said the ranks
-         * closed it) */
-        free(x->link_blobs[slot]);
-        x->link_blobs[slot] = NULL;
     }
     x->last_use = td_time_s();
     pthread_mutex_unlock(&x->mu);
     return st;
 }
 
-td_status td_exec_xfer_link_endpoint(const td_exec *x, int slot, int rank, const uint8_t **blob,
-                                     size_t *len) {
-    if (slot < 0 || slot >= TD_XRANK_MAX_PEERS) return TD_ERR_INVALID;
-    return blob_of(x, x->link_blobs[slot], rank, blob, len);
-}
-
-td_xfer_plan td_exec_xfer_plan(const td_exec *x) {
-    td_xfer_plan p = {.tp = x->tp, .pp = x->pp, .cp = x->cp};
-    for (int s = 0; s <= x->pp; s++) p.stage_begin[s] = x->cfg.stage_begin[s];
-    if (x->wrapped) p.stage_begin[1] = td_model_get_config(x->model)->n_layer;
-    return p;
-}
-
-void td_exec_xfer_post(td_exec *x, const td_xdir_buf *dirs) {
-    pthread_mutex_lock(&x->xfer_mu);
-    if (dirs->n) {
-        /* a job or peer slot reused from now on starts with no failure */
-        for (size_t i = 0; i + 2 < dirs->n;) {
-            int32_t type = dirs->w[i], words = dirs->w[i + 1];
-            int32_t s = dirs->w[i + 2];
-            if (type == TD_XDIR_JOB && words >= 1 && s >= 0 && s < TD_XRANK_MAX_JOBS) {
-                x->xfer_failed[s / 64] &= ~(1ull << (s % 64));
-                x->xfer_last_layer[s] = 0;
-            }
-            if (type == TD_XDIR_PEER && words >= 1 && s >= 0 && s < TD_XRANK_MAX_PEERS)
-                x->xfer_peer_failed &= ~(1ull << s);
-            i += 2 + (size_t)(words > 0 ? words : 0);
+void td_exec_ext_post(td_exec *x, const int32_t *words, size_t n_words) {
+    if (!n_words) return;
+    pthread_mutex_lock(&x->ext_mu);
+    size_t need = x->n_pending + n_words;
+    if (need > x->pending_cap) {
+        size_t cap = x->pending_cap ? x->pending_cap : 256;
+        while (cap < need) cap *= 2;
+        int32_t *w = realloc(x->pending, cap * sizeof *w);
+        if (!w) {
+            TD_LOG_ERROR("out of memory queueing rank-extension words");
+            pthread_mutex_unlock(&x->ext_mu);
+            return;
         }
-        size_t need = x->pending.n + dirs->n;
-        if (need > x->pending.cap) {
-            size_t cap = x->pending.cap ? x->pending.cap : 256;
-            while (cap < need) cap *= 2;
-            int32_t *w = realloc(x->pending.w, cap * sizeof *w);
-            if (!w) {
-                TD_LOG_ERROR("out of memory queueing transfer directives");
-                x->pending.oom = true;
-                pthread_mutex_unlock(&x->xfer_mu);
-                return;
-            }
-            x->pending.w = w;
-            x->pending.cap = cap;
-        }
-        memcpy(x->pending.w + x->pending.n, dirs->w, dirs->n * sizeof(int32_t));
-        x->pending.n = need;
+        x->pending = w;
+        x->pending_cap = cap;
     }
-    pthread_mutex_unlock(&x->xfer_mu);
+    memcpy(x->pending + x->n_pending, words, n_words * sizeof(int32_t));
+    x->n_pending = need;
+    pthread_mutex_unlock(&x->ext_mu);
 }
 
-td_status td_exec_xfer_sync(td_exec *x) {
+td_status td_exec_ext_sync(td_exec *x) {
     if (x->world == 1) return forward_single(x, NULL, 0, NULL, NULL);
     if (atomic_load(&x->failed)) return TD_ERR_IO;
     pthread_mutex_lock(&x->mu);
-    td_xdir_buf dirs;
-    take_pending(x, &dirs);
-    step_hdr h = {.op = OP_XFER, .n_dir_words = (int32_t)dirs.n};
+    int32_t *words;
+    size_t n_words = take_pending(x, &words);
+    step_hdr h = {.op = OP_EXT, .n_ext_words = (int32_t)n_words};
     td_status st = grow_payload(x, payload_words(&h));
     if (!st) {
-        if (dirs.n) memcpy(x->payload, dirs.w, dirs.n * sizeof(int32_t));
+        if (n_words) memcpy(x->payload, words, n_words * sizeof(int32_t));
         double t0 = td_time_s();
         x->comm_s = 0;
         if (!(st = broadcast_hdr(x, &h)))
             st = td_comm_broadcast(x->comm, x->payload, payload_words(&h) * sizeof(int32_t), 0);
-        if (!st) st = xfer_before(x, &h);
+        if (!st) st = ext_before(x, &h);
         if (!st) st = report(x, t0, TD_OK);
         if (!st) merge_rank_reports(x);
     }
-    td_xdir_free(&dirs);
+    free(words);
     x->last_use = td_time_s();
     if (st) {
         if (!atomic_exchange(&x->failed, true))
-            TD_LOG_ERROR("transfer step failed on the ranks (%s): the instance fails",
+            TD_LOG_ERROR("rank-extension step failed on the ranks (%s): the instance fails",
                          td_status_str(st));
         td_comm_abort(x->comm);
         st = TD_ERR_IO;
@@ -1475,42 +1441,10 @@ td_status td_exec_xfer_sync(td_exec *x) {
     return st;
 }
 
-uint64_t td_exec_xfer_last_layer_ns(td_exec *x, int32_t slot) {
-    if (slot < 0 || slot >= TD_XRANK_MAX_JOBS) return 0;
-    pthread_mutex_lock(&x->xfer_mu);
-    uint64_t t = x->xfer_last_layer[slot];
-    pthread_mutex_unlock(&x->xfer_mu);
-    return t;
-}
-
-bool td_exec_xfer_busy(td_exec *x, int32_t slot) {
-    if (slot < 0 || slot >= TD_XRANK_MAX_JOBS) return false;
-    pthread_mutex_lock(&x->xfer_mu);
-    bool b = (x->xfer_busy[slot / 64] >> (slot % 64)) & 1u;
-    pthread_mutex_unlock(&x->xfer_mu);
-    return b;
-}
-
-bool td_exec_xfer_peer_failed(td_exec *x, int32_t peer) {
-    if (peer < 0 || peer >= TD_XRANK_MAX_PEERS) return false;
-    pthread_mutex_lock(&x->xfer_mu);
-    bool b = (x->xfer_peer_failed >> peer) & 1u;
-    pthread_mutex_unlock(&x->xfer_mu);
-    return b;
-}
-
-bool td_exec_xfer_failed(td_exec *x, int32_t slot) {
-    if (slot < 0 || slot >= TD_XRANK_MAX_JOBS) return true;
-    pthread_mutex_lock(&x->xfer_mu);
-    bool f = (x->xfer_failed[slot / 64] >> (slot % 64)) & 1u;
-    pthread_mutex_unlock(&x->xfer_mu);
-    return f;
-}
-
-void td_exec_xfer_teardown(td_exec *x) {
+void td_exec_ext_teardown(td_exec *x) {
     pthread_mutex_lock(&x->mu);
     if (x->engine) td_engine_set_layer_hook(x->engine, NULL, NULL);
-    td_xrank_destroy(x->xr);
-    x->xr = NULL;
+    if (x->ext_state) x->ext->destroy(x->ext_state);
+    x->ext_state = NULL;
     pthread_mutex_unlock(&x->mu);
 }

@@ -5,7 +5,7 @@
  * scheduler and the front ends) spawns world - 1 rank processes with
  * posix_spawn of this binary ("tandem rank NAME WORLD RANK PPID") — call it
  * before any UCX or gRPC initialisation, neither is fork-safe. Every rank
- * attaches to one shared-memory world (parallel/comm.h, shm backend), gets
+ * attaches to one shared-memory world (common/comm/comm.h, shm backend), gets
  * the configuration broadcast by the driver, loads its shard (TP slice,
  * its stage's layers, its experts), creates its KV pool (the same block
  * geometry on every rank: the driver's scheduler allocates block ids in
@@ -37,11 +37,11 @@
 
 #include <stdbool.h>
 
-#include "../../kernels/types.h"
-#include "../kv/kv.h"
-#include "../model/forward.h"
-#include "../model/model.h"
-#include "comm.h"
+#include "common/comm/comm.h"
+#include "common/engine/forward.h"
+#include "common/kv/kv.h"
+#include "common/model/model.h"
+#include "kernels/types.h"
 #include "plan.h"
 
 typedef struct {
@@ -118,53 +118,95 @@ int td_exec_last_times(const td_exec *x, td_rank_time *out, int cap);
  * more than one rank; with one, call it from the stepping thread. */
 int td_exec_expert_load(const td_exec *x, int64_t *counts, int cap);
 
-/* ---- KV transfer (transfer/xrank.h, transfer/xfer.h) ----
- * td_exec_xfer_setup gives every rank its transfer state (a UCP worker, the
- * KV pool moved into UCX memory, the engine's layer hook; layerwise: puts
- * as each layer is computed, else after the last); rank 0 uses ucx0 (the
- * instance's control channel). td_exec_xfer_endpoint: rank r's
- * endpoint blob for the Exchange. td_exec_forward_slots: a step whose
- * sequences carry their transfer job slots (-1: none). td_exec_xfer_post
- * queues directives for the next step (any thread); td_exec_xfer_sync runs
- * them now in a step of their own (the dropped jobs' puts are flushed on
- * every rank when it returns). td_exec_xfer_failed: a rank could not
- * deliver the job in slot (cleared when a JOB directive reuses the slot).
- * td_exec_xfer_teardown: before ucx0 is destroyed (the pool is unusable
- * afterwards). Not with td_exec_wrap. */
-#include "../transfer/xrank.h"
-td_status td_exec_xfer_setup(td_exec *x, td_ucx *ucx0, bool layerwise);
-td_status td_exec_xfer_endpoint(const td_exec *x, int rank, const uint8_t **blob, size_t *len);
-td_xfer_plan td_exec_xfer_plan(const td_exec *x);
-td_status td_exec_forward_slots(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs,
-                                const int32_t *slots, float *logits);
-void td_exec_xfer_post(td_exec *x, const td_xdir_buf *dirs);
-td_status td_exec_xfer_sync(td_exec *x);
-bool td_exec_xfer_failed(td_exec *x, int32_t slot);
-/* A finished or dropped job whose puts some rank has still in flight (as
- * of the last step): its source blocks and slot stay; D is not answered
- * yet. */
-bool td_exec_xfer_busy(td_exec *x, int32_t slot);
-/* When the model's last layer of the job's last chunk finished (the latest
- * over the ranks that computed it; CLOCK_REALTIME ns), 0 if unknown. */
-uint64_t td_exec_xfer_last_layer_ns(td_exec *x, int32_t slot);
-/* A rank closed its endpoints to the decode instance in peer slot (cleared
- * when a PEER directive reuses the slot). */
-bool td_exec_xfer_peer_failed(td_exec *x, int32_t peer);
-/* Decode side: opens (open) or closes the link workers of slot (one per
- * prefill instance, 0 <= slot < TD_XRANK_MAX_PEERS) on every rank
- * (td_xrank_link). Synchronous: it takes the executor's lock, so it waits
- * for a running step to end, and when a close returns every rank has
- * destroyed its link worker. td_exec_xfer_link_endpoint: rank r's endpoint
- * on an open link, for the Exchange (TD_ERR_INVALID once closed); valid
- * until the next td_exec_xfer_link of that slot, which the caller must not
- * run meanwhile. */
-td_status td_exec_xfer_link(td_exec *x, int slot, bool open);
-td_status td_exec_xfer_link_endpoint(const td_exec *x, int slot, int rank, const uint8_t **blob,
-                                     size_t *len);
-void td_exec_xfer_teardown(td_exec *x);
+/* ---- Rank extensions ----
+ * A layer above the executor runs per-rank state of its own beside each
+ * rank's engine without the executor knowing its protocol: the KV
+ * transfer registers one (transfer/xext.h), the way td_kv_import and
+ * td_kv_export keep the scheduler ignorant of transfer. The executor
+ * carries, without reading them:
+ *  - a setup and control operations that every rank runs at once, each
+ *    rank's reply (at most TD_EXEC_EXT_REPLY_MAX bytes; empty: that rank
+ *    failed) gathered into a table on the driver;
+ *  - words posted on the driver (td_exec_ext_post, any thread), which
+ *    travel with the next step (or in a step of their own, td_exec_ext_sync)
+ *    and which every rank applies before that step's forward pass;
+ *  - one tag per sequence of a step (td_exec_forward_tagged), handed to
+ *    each rank's state with every micro-batch before its engine runs it;
+ *  - a report of report_size bytes that each rank fills after every step
+ *    and that the driver merges.
+ * A rank process gets the ops table from td_exec_rank_main, the driver
+ * from td_exec_ext_setup: the same table, compiled into the same binary. */
+#define TD_EXEC_EXT_REPLY_MAX  8192
+#define TD_EXEC_EXT_REPORT_MAX 512
+
+/* A rank's place in the plan and its shard (borrowed for the executor's
+ * life). */
+typedef struct {
+    int rank, world;
+    int tp, cp, pp;
+    int32_t stage_begin[TD_PLAN_MAX_PP + 1]; /* first layer of each stage, then n_layer */
+    bool attn_dp;
+    const td_model *model;
+    td_kv_pool *kv;
+    td_engine *engine;
+} td_exec_rank_info;
+
+typedef struct {
+    /* Every rank: creates its state and writes its reply (*len <= cap).
+     * ctx: td_exec_ext_setup's on the driver, NULL on the other ranks. */
+    td_status (*create)(const td_exec_rank_info *ri, void *ctx, int64_t arg, void **state,
+                        uint8_t *reply, size_t cap, size_t *len);
+    /* After the rank's engine is destroyed, or at td_exec_ext_teardown
+     * (with the engine's layer hook cleared first). */
+    void (*destroy)(void *state);
+    /* td_exec_ext_control's operation on every rank. */
+    td_status (*control)(void *state, int32_t op, int32_t arg, uint8_t *reply, size_t cap,
+                         size_t *len);
+    /* The posted words, before the step's forward pass (every rank). */
+    td_status (*apply)(void *state, const int32_t *words, size_t n_words);
+    /* The micro-batch the engine runs next and its sequences' tags (NULL:
+     * the step has none). */
+    void (*batch)(void *state, const td_seq_chunk *seqs, const int32_t *tags, int32_t n);
+    /* After the step: this rank's report (zeroed, report_size bytes). */
+    void (*finish)(void *state, void *report);
+    size_t report_size; /* <= TD_EXEC_EXT_REPORT_MAX */
+    /* Driver, under the executor's lock: the n ranks' reports of a step. */
+    void (*merge)(void *ctx, const void *const *reports, int n);
+} td_exec_ext_ops;
+
+/* Rank 0's place and shard (a wrapped engine: one stage of every layer). */
+td_exec_rank_info td_exec_info(const td_exec *x);
+/* Creates every rank's state (ops->create with arg) and gathers their
+ * replies into *replies (a new table, NULL when the gather failed; free()
+ * it). Once per executor, not with td_exec_wrap. Returns the driver's own
+ * failure, else TD_ERR_IO when a rank failed (logged: "rank R could not
+ * WHAT"); on failure the driver's state is destroyed at once. */
+td_status td_exec_ext_setup(td_exec *x, const td_exec_ext_ops *ops, void *ctx, int64_t arg,
+                            const char *what, uint8_t **replies);
+/* Runs ops->control(op, arg) on every rank, replies as td_exec_ext_setup.
+ * Synchronous: it takes the executor's lock, so it waits for a running
+ * step to end. A failed gather fails the executor. */
+td_status td_exec_ext_control(td_exec *x, int32_t op, int32_t arg, const char *what,
+                              uint8_t **replies);
+/* Rank r's reply in a table; NULL when it is empty or r is out of range. */
+const uint8_t *td_exec_ext_reply(const td_exec *x, const uint8_t *table, int rank, size_t *len);
+/* Queues words for the next step (any thread; dropped, logged, when no
+ * memory is left). */
+void td_exec_ext_post(td_exec *x, const int32_t *words, size_t n_words);
+/* Runs the queued words now in a step of their own. A failure fails the
+ * executor (TD_ERR_IO). */
+td_status td_exec_ext_sync(td_exec *x);
+/* One step whose sequences carry tags (NULL: none); td_exec_forward's
+ * contract otherwise. */
+td_status td_exec_forward_tagged(td_exec *x, const td_seq_chunk *seqs, int32_t n_seqs,
+                                 const int32_t *tags, float *logits);
+/* Destroys the driver's state (its engine's layer hook cleared first);
+ * the other ranks' go with their shards. */
+void td_exec_ext_teardown(td_exec *x);
 
 /* Entry point of a spawned rank process: argv = {"rank", NAME, WORLD,
- * RANK, PPID}. Returns the process exit code. */
-int td_exec_rank_main(int argc, char **argv);
+ * RANK, PPID, CHUNK, TIMEOUT_MS}; ext: the rank extension the driver may
+ * set up (NULL: none). Returns the process exit code. */
+int td_exec_rank_main(int argc, char **argv, const td_exec_ext_ops *ext);
 
 #endif

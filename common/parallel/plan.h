@@ -25,15 +25,11 @@
 #include <stdbool.h>
 #include <stdio.h>
 
-#include "../base/base.h"
-#include "../model/model.h"
+#include "common/base/base.h"
+#include "common/engine/forward.h" /* td_cp_mode */
+#include "common/model/model.h"
 
 #define TD_PLAN_MAX_PP 64
-
-typedef enum {
-    TD_CP_ALLGATHER = 0, /* every CP rank all-gathers the prompt's K/V per layer */
-    TD_CP_RING = 1,      /* K/V chunks pass around the ring, online-softmax accumulation */
-} td_cp_mode;
 
 typedef struct {
     int tp, pp, cp;                    /* >= 1 */

@@ -38,7 +38,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "../base/base.h"
+#include "common/base/base.h"
 
 #define TD_SAMPLER_MAX_LOGPROBS 20         /* OpenAI's cap on top_logprobs */
 #define TD_SAMPLER_SEED_RANDOM  UINT64_MAX /* seed from the OS at create/reset */

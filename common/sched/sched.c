@@ -12,7 +12,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#include "../kv/hmap.h"
+#include "common/kv/hmap.h"
 #include "stop.h"
 
 /* ---- streams ---- */
@@ -1223,7 +1223,7 @@ static bool step(td_sched *s) {
         any_slot |= s->slots[i] >= 0;
     }
     td_status st =
-        td_exec_forward_slots(s->exec, s->chunks, n, any_slot ? s->slots : NULL, s->logits);
+        td_exec_forward_tagged(s->exec, s->chunks, n, any_slot ? s->slots : NULL, s->logits);
     double dt = td_time_s() - t0;
     s->steps++;
     if (s->metrics) {

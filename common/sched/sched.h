@@ -35,11 +35,11 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "../kv/kv.h"
-#include "../model/forward.h"
-#include "../obs/metrics.h"
-#include "../parallel/exec.h"
-#include "../tokenizer/tokenizer.h"
+#include "common/engine/forward.h"
+#include "common/kv/kv.h"
+#include "common/obs/metrics.h"
+#include "common/parallel/exec.h"
+#include "common/tokenizer/tokenizer.h"
 #include "sampler.h"
 
 typedef struct {
@@ -63,7 +63,7 @@ td_sched_params td_sched_default_params(void);
 typedef uint64_t td_sched_ticket;
 
 /* Prefill side: the sequence's KV goes to a peer as it is computed: its
- * steps carry `slot` to the ranks (td_exec_forward_slots), whose transfer
+ * steps carry `slot` to the ranks (td_exec_forward_tagged, the slot its tag), whose transfer
  * state (transfer/xrank.h) puts each layer's rows. The callback runs on
  * the scheduler thread; keep it short. */
 typedef struct {

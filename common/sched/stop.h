@@ -22,8 +22,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../base/base.h"
-#include "../tokenizer/tokenizer.h"
+#include "common/base/base.h"
+#include "common/tokenizer/tokenizer.h"
 
 typedef struct {
     const int32_t *stop_ids; /* user stop token ids (copied); may be NULL */

@@ -7,7 +7,7 @@
 
 #include <string.h>
 
-#include "../base/strbuf.h"
+#include "common/base/strbuf.h"
 #include "tokenizer-impl.h"
 
 static const char *const names[TD_CHAT_COUNT] = {

@@ -8,7 +8,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "../base/base.h"
+#include "common/base/base.h"
 
 typedef enum {
     TD_CHAT_UNKNOWN = -1,

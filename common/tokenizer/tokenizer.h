@@ -13,8 +13,8 @@
 
 #include <stdbool.h>
 
-#include "../base/base.h"
-#include "../model/gguf.h"
+#include "common/base/base.h"
+#include "common/format/gguf.h"
 
 typedef struct td_tokenizer td_tokenizer;
 

@@ -6,7 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../base/base.h"
+#include "common/base/base.h"
 
 extern const uint32_t td_nfc_ccc[];
 extern const size_t td_nfc_ccc_n;

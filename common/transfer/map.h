@@ -4,7 +4,7 @@
  * function of the two plans and the model's layer and KV-head counts,
  * computed once per plan pair.
  *
- * Where KV lives on an instance (parallel/plan.h, model/forward.h):
+ * Where KV lives on an instance (parallel/plan.h, engine/forward.h):
  * - rank r = (pp_rank * cp + cp_rank) * tp + tp_rank;
  * - layers: its stage's contiguous range [stage_begin[pp_rank],
  *   stage_begin[pp_rank + 1]);
@@ -28,8 +28,8 @@
 
 #include <stdint.h>
 
-#include "../base/base.h"
-#include "../parallel/plan.h"
+#include "common/base/base.h"
+#include "common/parallel/plan.h"
 
 /* The part of a plan the mapping needs. */
 typedef struct {

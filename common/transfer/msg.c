@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../parallel/comm.h"
+#include "common/comm/comm.h"
 #include "map.h"
 
 #define DEFAULT_MAX_BYTES ((size_t)16 << 20)

@@ -36,8 +36,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../base/base.h"
-#include "../kv/kv.h"
+#include "common/base/base.h"
+#include "common/kv/kv.h"
 #include "proto/internal.pb-c.h"
 
 typedef struct {

@@ -40,7 +40,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../base/base.h"
+#include "common/base/base.h"
 
 typedef struct td_ucx td_ucx;
 typedef struct td_ucx_ep td_ucx_ep;

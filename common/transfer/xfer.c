@@ -24,12 +24,13 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../api/httpc.h"
-#include "../base/net.h"
-#include "../kv/kv.h"
-#include "../model/model.h"
+#include "common/base/httpc.h"
+#include "common/base/net.h"
+#include "common/kv/kv.h"
+#include "common/model/model.h"
 #include "msg.h"
 #include "ucx.h"
+#include "xext.h"
 
 #define XF_MAX_MSG        (16u << 20)
 #define XF_EXCHANGE_LIMIT (1u << 20) /* bytes read from a peer's exchange endpoint */
@@ -149,7 +150,7 @@ struct td_xfer {
     size_t token_len;
     uint64_t epoch;
     td_ucx *ucx;
-    bool xfer_ready;   /* td_exec_xfer_setup done: teardown owed */
+    td_xext *xext;     /* the ranks' transfer state (NULL until td_xext_setup) */
     td_xfer_plan plan; /* this instance's */
     int world;
     int32_t n_layer, n_head_kv, head_dim, block_size, n_blocks, n_vocab;
@@ -240,7 +241,7 @@ static td_status send_msg(td_xfer *x, td_ucx_ep *ep, cmsg *m) {
 }
 
 /* This instance's exchange: its plan, the KV geometry, every rank's
- * endpoint (gathered by td_exec_xfer_setup). */
+ * endpoint (gathered by td_xext_setup). */
 typedef struct {
     exchange_t ex;
     Tandem__Internal__V1__Plan plan;
@@ -275,8 +276,8 @@ static td_status build_exchange(td_xfer *x, own_exchange *o, uint64_t exchange_i
         const uint8_t *blob, *addr, *rkey;
         size_t len, al, rl;
         uint64_t base, bytes;
-        td_status st = link >= 0 ? td_exec_xfer_link_endpoint(x->p.exec, link, r, &blob, &len)
-                                 : td_exec_xfer_endpoint(x->p.exec, r, &blob, &len);
+        td_status st = link >= 0 ? td_xext_link_endpoint(x->xext, link, r, &blob, &len)
+                                 : td_xext_endpoint(x->xext, r, &blob, &len);
         if (!st) st = td_xrank_blob_parse(blob, len, &addr, &al, &rkey, &rl, &base, &bytes);
         if (st) return st;
         e->rank = (uint32_t)r;
@@ -374,7 +375,7 @@ static void dpeer_close(td_xfer *x, dpeer *d) {
     if (d->slot >= 0) {
         td_xdir_buf b = {0};
         td_xdir_unpeer(&b, d->slot);
-        td_exec_xfer_post(x->p.exec, &b);
+        td_xext_post(x->xext, &b);
         td_xdir_free(&b);
         x->peer_slot_used[d->slot] = false;
         d->slot = -1;
@@ -464,7 +465,7 @@ static dpeer *dpeer_new(td_xfer *x, td_xfer_msg *m, const exchange_t *ex) {
     protobuf_c_message_pack(&ex->base, packed);
     td_xdir_buf b = {0};
     td_xdir_peer(&b, slot, packed, n);
-    td_exec_xfer_post(x->p.exec, &b);
+    td_xext_post(x->xext, &b);
     td_xdir_free(&b);
     free(packed);
     d->ex_msg = m;
@@ -651,7 +652,7 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
     td_xdir_job(&b, slot, d->slot, j->n_prompt, j->d_cached,
                 td_time_ns() + (uint64_t)(deadline_s * 1e9), req->dest[0]->block_ids,
                 (int32_t)req->dest[0]->n_block_ids);
-    td_exec_xfer_post(x->p.exec, &b);
+    td_xext_post(x->xext, &b);
     td_xdir_free(&b);
 
     g.id = id;
@@ -667,7 +668,7 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
         j->st = NULL;
         td_xdir_buf db = {0};
         td_xdir_drop(&db, slot);
-        td_exec_xfer_post(x->p.exec, &db);
+        td_xext_post(x->xext, &db);
         td_xdir_free(&db);
         pjob_free(x, j);
         p_reject(x, d, id,
@@ -748,7 +749,7 @@ static bool send_done(td_xfer *x, pjob *j) {
     pd.prefix_tokens_reused = (uint32_t)TD_MAX(0, p_cached - j->d_cached);
     pd.sampler_state.data = j->sstate;
     pd.sampler_state.len = sizeof j->sstate;
-    uint64_t last_layer = td_exec_xfer_last_layer_ns(x->p.exec, j->slot);
+    uint64_t last_layer = td_xext_last_layer_ns(x->xext, j->slot);
     pd.last_layer_unix_ns = last_layer ? last_layer : unix_ns();
     m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_DONE;
     m.prefill_done = &pd;
@@ -756,7 +757,7 @@ static bool send_done(td_xfer *x, pjob *j) {
 }
 
 /* One pass over P's jobs and peers. Caller holds x->mu; returns true when
- * jobs wait for a transfer step (td_exec_xfer_sync, without the lock):
+ * jobs wait for a transfer step (td_xext_sync, without the lock):
  * dropped ones before their blocks may go, finished ones whose flush is
  * still in flight on some rank before D is answered (*answer_waits: the
  * service thread then looks again sooner). */
@@ -766,7 +767,7 @@ static bool p_service(td_xfer *x, bool *answer_waits) {
     *answer_waits = false;
     for (dpeer *d = x->dpeers; d; d = d->next) {
         if (d->closed) continue;
-        if (!atomic_load(&d->failed) && td_exec_xfer_peer_failed(x->p.exec, d->slot)) {
+        if (!atomic_load(&d->failed) && td_xext_peer_failed(x->xext, d->slot)) {
             TD_LOG_WARN("decode instance %s (epoch %016" PRIx64 "): a rank closed its endpoints",
                         d->instance, d->epoch);
             atomic_store(&d->failed, true);
@@ -801,7 +802,7 @@ static bool p_service(td_xfer *x, bool *answer_waits) {
             td_gen_stream_cancel(j->st);
         }
         if (j->ended && !j->replied && !j->cancelled && now <= j->deadline &&
-            td_exec_xfer_busy(x->p.exec, j->slot)) {
+            td_xext_busy(x->xext, j->slot)) {
             need_sync = true; /* a rank is still flushing it: ask again */
             *answer_waits = true;
             continue;
@@ -809,7 +810,7 @@ static bool p_service(td_xfer *x, bool *answer_waits) {
         if (j->ended && !j->replied) {
             j->replied = true;
             j->ok = j->have_first && !j->cancelled && !peer_gone && now <= j->deadline &&
-                    !td_exec_xfer_failed(x->p.exec, j->slot);
+                    !td_xext_failed(x->xext, j->slot);
             /* Every rank has flushed the job: PrefillDone may go. */
             if (j->ok && !(j->ok = send_done(x, j)))
                 TD_LOG_WARN("prefill %s: PrefillDone could not be sent", j->id);
@@ -822,7 +823,7 @@ static bool p_service(td_xfer *x, bool *answer_waits) {
             }
             td_xdir_buf b = {0};
             td_xdir_drop(&b, j->slot);
-            td_exec_xfer_post(x->p.exec, &b);
+            td_xext_post(x->xext, &b);
             td_xdir_free(&b);
             need_sync = true;
         }
@@ -839,7 +840,7 @@ static void p_after_sync(td_xfer *x) {
     double now = td_time_s();
     for (pjob **pp = &x->pjobs; *pp;) {
         pjob *j = *pp;
-        if (j->replied && !j->dropped && td_exec_xfer_busy(x->p.exec, j->slot)) {
+        if (j->replied && !j->dropped && td_xext_busy(x->xext, j->slot)) {
             /* a rank could not complete its puts even after closing its
              * endpoints: the sources (and the slot) stay until it can */
             pp = &j->next;
@@ -1382,9 +1383,9 @@ static void d_link(td_xfer *x, ppeer *pp) {
     }
     /* Our ranks' link workers for this P: everything it sends us arrives on
      * them, and destroying them is the fence (d_fence_links). */
-    if (st == TD_OK && (st = td_exec_xfer_link(x->p.exec, (int)(pp - x->ppeers), true))) {
+    if (st == TD_OK && (st = td_xext_link(x->xext, (int)(pp - x->ppeers), true))) {
         snprintf(err, sizeof err, "%s: our KV link workers could not be opened", pp->addr);
-        td_exec_xfer_link(x->p.exec, (int)(pp - x->ppeers), false); /* the ranks that did */
+        td_xext_link(x->xext, (int)(pp - x->ppeers), false); /* the ranks that did */
         td_ucx_ep_close(ep, NULL, NULL);
         ep = NULL;
     }
@@ -1522,7 +1523,7 @@ static void d_fence_links(td_xfer *x) {
         bool owed = pp->link_close_owed && td_time_s() >= pp->next_link_close;
         pthread_mutex_unlock(&x->mu);
         if (!owed) continue;
-        td_status st = td_exec_xfer_link(x->p.exec, k, false);
+        td_status st = td_xext_link(x->xext, k, false);
         pthread_mutex_lock(&x->mu);
         if (st && td_exec_failed(x->p.exec)) {
             /* the instance is failing: its ranks are gone, and the blocks
@@ -1581,7 +1582,7 @@ static void *service_main(void *arg) {
              * a failed executor's busy bits are stale: nothing is released
              * on them (the instance is failing, D's deadline and fence
              * cover its jobs) */
-            td_status sst = sync ? td_exec_xfer_sync(x->p.exec) : TD_OK;
+            td_status sst = sync ? td_xext_sync(x->xext) : TD_OK;
             if (sst == TD_OK && !td_exec_failed(x->p.exec)) {
                 pthread_mutex_lock(&x->mu);
                 p_after_sync(x);
@@ -1720,7 +1721,7 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
     x->n_vocab = cfg->n_vocab;
     x->block_size = kp->block_size;
     x->n_blocks = kp->n_blocks;
-    x->plan = td_exec_xfer_plan(p->exec);
+    x->plan = td_xext_plan(p->exec);
     x->world = td_exec_world(p->exec);
     /* one token of one layer over the model's KV heads, in the dense
      * layout every rank's storage has (xrank checks it); the pool's dtype
@@ -1789,8 +1790,7 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
     if ((st = td_ucx_create(&up, &x->ucx)) != TD_OK) goto fail;
     /* Every rank gets a worker and moves its pool into UCX memory (xrank.h);
      * rank 0's shares this channel. */
-    x->xfer_ready = true;
-    if ((st = td_exec_xfer_setup(p->exec, x->ucx, p->layerwise)) != TD_OK) goto fail;
+    if ((st = td_xext_setup(p->exec, x->ucx, p->layerwise, &x->xext)) != TD_OK) goto fail;
     if (pthread_create(&x->thread, NULL, service_main, x) != 0) {
         st = TD_ERR_IO;
         goto fail;
@@ -1885,7 +1885,7 @@ void td_xfer_destroy(td_xfer *x) {
     }
     /* rank 0's transfer state borrows the channel: it goes first (the KV
      * memory with it) */
-    if (x->xfer_ready) td_exec_xfer_teardown(x->p.exec);
+    td_xext_destroy(x->xext);
     td_ucx_destroy(x->ucx);
     for (int i = 0; i < x->n_inbox; i++) td_xfer_msg_free(x->inbox[i].m);
     free(x->inbox);

@@ -55,12 +55,12 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "../api/request.h"
-#include "../base/base.h"
-#include "../kv/hash.h"
-#include "../obs/metrics.h"
-#include "../parallel/exec.h"
-#include "../sched/sched.h"
+#include "common/api/request.h"
+#include "common/base/base.h"
+#include "common/kv/hash.h"
+#include "common/obs/metrics.h"
+#include "common/parallel/exec.h"
+#include "common/sched/sched.h"
 
 typedef enum { TD_XFER_PREFILL, TD_XFER_DECODE } td_xfer_role;
 

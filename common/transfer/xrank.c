@@ -6,7 +6,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "../parallel/comm.h"
+#include "common/comm/comm.h"
 #include "proto/internal.pb-c.h"
 
 #define WORDS(bytes) (((bytes) + 3u) / 4u)

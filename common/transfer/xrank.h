@@ -37,9 +37,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../base/base.h"
-#include "../kv/kv.h"
-#include "../model/forward.h"
+#include "common/base/base.h"
+#include "common/engine/forward.h"
+#include "common/kv/kv.h"
 #include "map.h"
 #include "ucx.h"
 

@@ -17,7 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../types.h"
+#include "kernels/types.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -1,6 +1,6 @@
 /* Names of GGUF tensor type ids (ggml_type), including ids Tandem does not
  * compute with, so that loaders can name an unsupported tensor type. */
-#include "../dtype.h"
+#include "kernels/dtype.h"
 
 static const char *const g_type_names[] = {
     [0] = "f32",     [1] = "f16",         [2] = "q4_0",        [3] = "q4_1",        [4] = "q4_2",

@@ -9,8 +9,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../dtype.h"
-#include "../types.h"
+#include "kernels/dtype.h"
+#include "kernels/types.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "common/model/gguf.h"
+#include "common/format/gguf.h"
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

@@ -5,7 +5,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "common/model/safetensors.h"
+#include "common/format/safetensors.h"
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

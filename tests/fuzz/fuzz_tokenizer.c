@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/model/gguf.h"
+#include "common/format/gguf.h"
 #include "common/tokenizer/chat.h"
 #include "common/tokenizer/tokenizer-impl.h"
 #include "common/tokenizer/tokenizer.h"

@@ -8,7 +8,7 @@ Environment (CTest sets all of them, see tests/CMakeLists.txt):
                       (default: $TMPDIR/tandem-test-models-$UID; generated in
                       place when the directory lacks its up-to-date stamp)
   TANDEM_MODEL        default model file      (default: ~/.cache/tandem/models/
-                      SmolLM2-135M-Instruct.Q4_1.gguf, as tools/tools.h says)
+                      SmolLM2-135M-Instruct.Q4_1.gguf, as common/runtime/cli.h says)
   TANDEM_TEST_TIMEOUT_SCALE  multiplies every timeout (e.g. 5 under sanitizers)
 
 Fixtures:

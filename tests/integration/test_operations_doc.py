@@ -96,7 +96,7 @@ def documented_flags(body):
 def help_text(build, argv):
     env = dict(os.environ, COLUMNS="80")
     # The model default is $TANDEM_MODEL, else under $XDG_CACHE_HOME, else
-    # ~/.cache (tools/runtime.c): the doc quotes the last form.
+    # ~/.cache (common/runtime/cli.c): the doc quotes the last form.
     env.pop("TANDEM_MODEL", None)
     env.pop("XDG_CACHE_HOME", None)
     exe = build / argv[0]

@@ -71,14 +71,14 @@ def test_no_cpu_kernel_reference_outside_the_cpu_backend():
 
 
 def test_the_scan_finds_a_planted_reference(tmp_path):
-    (tmp_path / "common/model").mkdir(parents=True)
+    (tmp_path / "common/engine").mkdir(parents=True)
     (tmp_path / "kernels/cpu").mkdir(parents=True)
-    (tmp_path / "common/model/forward.c").write_text(
+    (tmp_path / "common/engine/forward.c").write_text(
         '#include "kernels/cpu/cpu.h"\nvoid f(void) { td_cpu_rmsnorm(0, 0, 0, 0, 0); }\n')
     (tmp_path / "kernels/cpu/cpu.c").write_text("void td_cpu_rmsnorm(void) {}\n")
     bad = violations(tmp_path)
-    assert bad == ["common/model/forward.c:1: #include \"kernels/cpu/",
-                   "common/model/forward.c:2: td_cpu_rmsnorm"], bad
+    assert bad == ["common/engine/forward.c:1: #include \"kernels/cpu/",
+                   "common/engine/forward.c:2: td_cpu_rmsnorm"], bad
 
 
 def test_no_cuda_kernel_reference_outside_the_cuda_backend():
@@ -88,14 +88,14 @@ def test_no_cuda_kernel_reference_outside_the_cuda_backend():
 
 
 def test_the_cuda_scan_finds_planted_references(tmp_path):
-    (tmp_path / "common/model").mkdir(parents=True)
+    (tmp_path / "common/engine").mkdir(parents=True)
     (tmp_path / "kernels/cuda").mkdir(parents=True)
     (tmp_path / "kernels/cpu").mkdir(parents=True)
-    (tmp_path / "common/model/forward.c").write_text(
+    (tmp_path / "common/engine/forward.c").write_text(
         '#include "kernels/cuda/ops.h"\nvoid f(void) { td_cuda_add(0, 0, 0, 0, 0); }\n')
     (tmp_path / "kernels/cpu/x.cu").write_text("void g(void) { k<<<1, 1>>>(); }\n")
     (tmp_path / "kernels/cuda/rows.cu").write_text("void h(void) { k<<<1, 1>>>(); }\n")
     bad = cuda_violations(tmp_path)
-    assert bad == ["common/model/forward.c:1: #include \"kernels/cuda/",
-                   "common/model/forward.c:2: td_cuda_add",
+    assert bad == ["common/engine/forward.c:1: #include \"kernels/cuda/",
+                   "common/engine/forward.c:2: td_cuda_add",
                    "kernels/cpu/x.cu:1: <<<"], bad

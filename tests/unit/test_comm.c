@@ -33,7 +33,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "common/parallel/comm.h"
+#include "common/comm/comm.h"
 
 #define CHUNK      (64 * 1024) /* staging bytes per rank in these tests */
 #define BIG_BYTES  ((size_t)3 * 1024 * 1024 + 13)

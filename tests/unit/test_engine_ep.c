@@ -33,10 +33,10 @@
 #include <cmocka.h>
 
 #include "common/base/threadpool.h"
+#include "common/comm/comm.h"
+#include "common/engine/forward.h"
 #include "common/kv/kv.h"
-#include "common/model/forward.h"
 #include "common/model/model.h"
-#include "common/parallel/comm.h"
 
 #define N_VOCAB  512 /* make_models.py */
 #define MAX_NE   8

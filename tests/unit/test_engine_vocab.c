@@ -31,10 +31,10 @@
 #include <cmocka.h>
 
 #include "common/base/threadpool.h"
+#include "common/comm/comm.h"
+#include "common/engine/forward.h"
 #include "common/kv/kv.h"
-#include "common/model/forward.h"
 #include "common/model/model.h"
-#include "common/parallel/comm.h"
 
 #define N_PRE    13 /* prefill tokens (logits for every one) */
 #define N_DEC    3  /* then single-token decode steps */

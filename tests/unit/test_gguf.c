@@ -18,7 +18,7 @@
 #include <jansson.h>
 #include <strings.h>
 
-#include "common/model/gguf.h"
+#include "common/format/gguf.h"
 #include "kernels/dtype.h"
 
 /* ---- a tiny GGUF writer ---- */

@@ -25,10 +25,10 @@
 #include <cmocka.h>
 
 #include "common/base/threadpool.h"
+#include "common/comm/comm.h"
+#include "common/engine/forward.h"
 #include "common/kv/kv.h"
-#include "common/model/forward.h"
 #include "common/model/model.h"
-#include "common/parallel/comm.h"
 
 #define N_BLOCKS 256
 #define MAX_CTX  160
@@ -142,7 +142,7 @@ static bool tiny_path(const char *name, char *buf, size_t cap) {
     return stat(buf, &sb) == 0;
 }
 
-/* The default model where the setup installs it (tools/runtime.c's rule). */
+/* The default model where the setup installs it (common/runtime/cli.c's rule). */
 static bool default_model(char *buf, size_t cap) {
     const char *env = getenv("TANDEM_MODEL"), *xdg = getenv("XDG_CACHE_HOME");
     const char *home = getenv("HOME");

@@ -26,7 +26,7 @@
 #include <cmocka.h>
 
 #include "common/backend/backend.h"
-#include "common/model/gguf.h"
+#include "common/format/gguf.h"
 #include "common/model/model.h"
 
 #define TD_TYPE_Q4_K_ID 12 /* GGUF id of q4_K: 256-element blocks of 144 bytes */

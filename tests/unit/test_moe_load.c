@@ -21,10 +21,10 @@
 #include <cmocka.h>
 
 #include "common/base/threadpool.h"
+#include "common/comm/comm.h"
+#include "common/engine/forward.h"
 #include "common/kv/kv.h"
-#include "common/model/forward.h"
 #include "common/model/model.h"
-#include "common/parallel/comm.h"
 
 #define N_TOK    24 /* prefill 21 tokens, then 3 decode steps */
 #define N_BLOCKS 4  /* of 16 positions */

@@ -17,7 +17,7 @@
 
 #include "common/api/request-impl.h"
 #include "common/api/request.h"
-#include "common/model/gguf.h"
+#include "common/format/gguf.h"
 #include "common/tokenizer/tokenizer.h"
 
 #define VOCAB 512

@@ -37,10 +37,10 @@
 
 #include "common/api/grpc.h"
 #include "common/base/threadpool.h"
+#include "common/comm/comm.h"
+#include "common/engine/forward.h"
 #include "common/kv/kv.h"
-#include "common/model/forward.h"
 #include "common/model/model.h"
-#include "common/parallel/comm.h"
 #include "common/sched/sched.h"
 #include "proto/internal.pb-c.h"
 #include "proto/tandem.pb-c.h"

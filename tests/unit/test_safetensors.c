@@ -18,7 +18,7 @@
 #include <cmocka.h>
 #include <jansson.h>
 
-#include "common/model/safetensors.h"
+#include "common/format/safetensors.h"
 #include "kernels/dtype.h"
 
 typedef struct {

@@ -21,10 +21,10 @@
 #include <cmocka.h>
 
 #include "common/base/threadpool.h"
+#include "common/comm/comm.h"
+#include "common/engine/forward.h"
 #include "common/kv/kv.h"
-#include "common/model/forward.h"
 #include "common/model/model.h"
-#include "common/parallel/comm.h"
 #include "common/sched/sched.h"
 
 #define MAX_CTX 192

@@ -14,7 +14,7 @@
 #include <cmocka.h>
 #include <jansson.h>
 
-#include "common/model/gguf.h"
+#include "common/format/gguf.h"
 #include "common/tokenizer/tokenizer.h"
 #include "common/tokenizer/unicode-nfc.h"
 
@@ -35,7 +35,7 @@ static void find_dir(void) {
         snprintf(g_dir, sizeof(g_dir), "tests/tokenizer");
 }
 
-/* The default model, found as tools/runtime.c does: $TANDEM_MODEL, else
+/* The default model, found as common/runtime/cli.c does: $TANDEM_MODEL, else
  * $XDG_CACHE_HOME/tandem/models, else ~/.cache/tandem/models; NULL if absent. */
 static const char *default_model(void) {
     static char path[4096];

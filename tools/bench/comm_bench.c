@@ -18,7 +18,7 @@
 #include <unistd.h>
 
 #include "common/base/base.h"
-#include "common/parallel/comm.h"
+#include "common/comm/comm.h"
 
 typedef struct {
     int ranks;

@@ -4,16 +4,16 @@
  * model, KV pool and engine in-process; on more, the rank processes too).
  *
  * Not thread-safe; one runtime per process is the expected use. */
-#ifndef TD_TOOLS_RUNTIME_H
-#define TD_TOOLS_RUNTIME_H
+#ifndef TD_RUNTIME_RUNTIME_H
+#define TD_RUNTIME_RUNTIME_H
 
-#include "../common/base/threadpool.h"
-#include "../common/kv/kv.h"
-#include "../common/model/forward.h"
-#include "../common/model/model.h"
-#include "../common/parallel/comm.h"
-#include "../common/parallel/exec.h"
-#include "../common/parallel/plan.h"
+#include "common/base/threadpool.h"
+#include "common/comm/comm.h"
+#include "common/engine/forward.h"
+#include "common/kv/kv.h"
+#include "common/model/model.h"
+#include "common/parallel/exec.h"
+#include "common/parallel/plan.h"
 
 typedef struct {
     const char *model_path;     /* NULL: td_default_model_path() */

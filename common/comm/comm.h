@@ -34,7 +34,7 @@
 #ifndef TD_COMM_H
 #define TD_COMM_H
 
-#include "../base/base.h"
+#include "common/base/base.h"
 
 typedef struct td_comm td_comm;
 

@@ -8,7 +8,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "../base/base.h"
+#include "base.h"
 
 typedef struct {
     const char *url;

@@ -3,9 +3,9 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../common/model/model.h"
-#include "../common/parallel/plan.h"
-#include "tools.h"
+#include "cli.h"
+#include "common/model/model.h"
+#include "common/parallel/plan.h"
 
 int td_cli_plan_flag(td_cli_plan *cp, int argc, char **argv, int *i) {
     const char *opt = argv[*i];

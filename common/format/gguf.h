@@ -21,7 +21,7 @@
 
 #include <stdbool.h>
 
-#include "../base/base.h"
+#include "common/base/base.h"
 
 typedef enum {
     TD_GGUF_UINT8 = 0,

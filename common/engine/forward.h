@@ -13,11 +13,17 @@
 
 #include <stdbool.h>
 
-#include "../backend/backend.h"
-#include "../base/threadpool.h"
-#include "../kv/kv.h"
-#include "../parallel/comm.h"
-#include "model.h"
+#include "common/backend/backend.h"
+#include "common/base/threadpool.h"
+#include "common/comm/comm.h"
+#include "common/kv/kv.h"
+#include "common/model/model.h"
+
+/* How CP ranks share a prompt's K/V (the plan's --cp-mode). */
+typedef enum {
+    TD_CP_ALLGATHER = 0, /* every CP rank all-gathers the prompt's K/V per layer */
+    TD_CP_RING = 1,      /* K/V chunks pass around the ring, online-softmax accumulation */
+} td_cp_mode;
 
 typedef struct {
     const int32_t *tokens;      /* (n_tokens) ids of this chunk */
@@ -42,7 +48,7 @@ typedef struct {
      * cp_mode), other rows are computed by every CP rank with attention
      * partials over each rank's positions merged (DCP). */
     td_comm *cp_comm;
-    int cp_mode;           /* td_cp_mode of parallel/plan.h */
+    int cp_mode;           /* td_cp_mode */
     int32_t cp_min_tokens; /* default 256 */
     /* Expert parallelism for MoE models (borrowed; NULL: every expert of
      * the model shard is local). The group's ranks hold disjoint experts

@@ -17,7 +17,7 @@
 #ifndef TD_SAFETENSORS_H
 #define TD_SAFETENSORS_H
 
-#include "../base/base.h"
+#include "common/base/base.h"
 
 typedef struct td_st td_st;
 

@@ -20,8 +20,7 @@
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 
-#include "../backend/backend.h"
-#include "../parallel/plan.h"
+#include "common/backend/backend.h"
 
 /* Vocab-parallel head: most logits all-gathered at a time (bounds its scratch). */
 #define HEAD_GATHER_FLOATS (1 << 21)

@@ -1,0 +1,120 @@
+/* The option parsers and files every command and service shares (cli.h). */
+#include "cli.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/base/base.h"
+
+#define DEFAULT_MODEL_FILE "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+const char *td_default_model_path(void) {
+    static char buf[4096];
+    const char *env = getenv("TANDEM_MODEL");
+    if (env && env[0]) {
+        snprintf(buf, sizeof buf, "%s", env);
+        return buf;
+    }
+    const char *xdg = getenv("XDG_CACHE_HOME");
+    if (xdg && xdg[0]) {
+        snprintf(buf, sizeof buf, "%s/tandem/models/%s", xdg, DEFAULT_MODEL_FILE);
+        return buf;
+    }
+    const char *home = getenv("HOME");
+    snprintf(buf, sizeof buf, "%s/.cache/tandem/models/%s", home && home[0] ? home : ".",
+             DEFAULT_MODEL_FILE);
+    return buf;
+}
+
+bool td_cli_parse_long(const char *s, long lo, long hi, long *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return false;
+    *out = v;
+    return true;
+}
+
+bool td_cli_parse_float(const char *s, float *out) {
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno || end == s || *end || !isfinite(v)) return false;
+    *out = v;
+    return true;
+}
+
+bool td_cli_parse_u64(const char *s, uint64_t *out) {
+    char *end;
+    errno = 0;
+    if (*s == '-') return false;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || *end) return false;
+    *out = (uint64_t)v;
+    return true;
+}
+
+char *td_cli_read_secret(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        TD_LOG_ERROR("cannot read the cluster token file %s: %s", path, strerror(errno));
+        return NULL;
+    }
+    char buf[1024];
+    char *line = fgets(buf, sizeof buf, f);
+    fclose(f);
+    size_t n = line ? strcspn(buf, "\r\n") : 0;
+    if (n == 0) {
+        TD_LOG_ERROR("the cluster token file %s is empty", path);
+        return NULL;
+    }
+    buf[n] = 0;
+    return strdup(buf);
+}
+
+char *td_cli_read_keys(const char *path, const char **keys, int *n, int max) {
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        TD_LOG_ERROR("cannot read the API key file %s: %s", path, strerror(errno));
+        return NULL;
+    }
+    enum { LIMIT = 64 * 1024 };
+    char *buf = malloc(LIMIT + 1);
+    size_t len = buf ? fread(buf, 1, LIMIT + 1, f) : 0;
+    bool err = ferror(f);
+    fclose(f);
+    if (!buf || err || len > LIMIT) {
+        TD_LOG_ERROR("the API key file %s: %s", path,
+                     !buf  ? "out of memory"
+                     : err ? "read error"
+                           : "over 64 KiB");
+        free(buf);
+        return NULL;
+    }
+    buf[len] = 0;
+    int n0 = *n;
+    for (char *line = buf, *next; line; line = next) {
+        next = strchr(line, '\n');
+        if (next) *next++ = 0;
+        while (*line == ' ' || *line == '\t' || *line == '\r') line++;
+        char *e = line + strlen(line);
+        while (e > line && (e[-1] == ' ' || e[-1] == '\t' || e[-1] == '\r')) *--e = 0;
+        if (!*line) continue;
+        if (*n == max) {
+            TD_LOG_ERROR("the API key file %s: more than %d keys", path, max);
+            *n = n0;
+            free(buf);
+            return NULL;
+        }
+        keys[(*n)++] = line;
+    }
+    if (*n == n0) {
+        TD_LOG_ERROR("the API key file %s holds no key", path);
+        free(buf);
+        return NULL;
+    }
+    return buf;
+}
