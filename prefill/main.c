@@ -3,10 +3,12 @@
 #include <string.h>
 
 #include "common/parallel/exec.h"
+#include "common/runtime/cli.h"
 #include "common/serve/serve.h"
 #include "common/transfer/xext.h"
 
 int main(int argc, char **argv) {
+    if (!td_process_init("tandem-prefill")) return 1;
     /* internal: a rank process of a parallel plan, started by the driver */
     if (argc > 1 && strcmp(argv[1], "rank") == 0)
         return td_exec_rank_main(argc - 1, argv + 1, &td_xext_ops);

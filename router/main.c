@@ -10,6 +10,7 @@
 
 #include "common/api/grpc.h"
 #include "common/api/http.h"
+#include "common/base/httpc.h"
 #include "common/base/stop.h"
 #include "common/model/model.h"
 #include "common/runtime/cli.h"
@@ -265,30 +266,17 @@ static int parse_args(int argc, char **argv, args *a) {
     return 0;
 }
 
-/* The tokenizer, chat template, name and context of the model: one
- * layer of it is loaded (the weights are not needed), or all of it for a
- * one-layer model. */
-static td_status open_model(const char *path, td_model **m_p) {
-    td_model_params mp = td_model_default_params();
-    mp.path = path;
-    mp.layer_begin = 1;
-    mp.layer_end = 2;
-    int lvl = td_log_get_level();
-    td_log_set_level(TD_LOG_NONE);
-    td_status st = td_model_load(&mp, m_p);
-    td_log_set_level((td_log_level)lvl);
-    if (st == TD_OK) return TD_OK;
-    mp.layer_begin = 0;
-    mp.layer_end = -1;
-    return td_model_load(&mp, m_p);
-}
-
 int main(int argc, char **argv) {
+    /* before any thread starts */
+    if (!td_httpc_global_init()) {
+        fprintf(stderr, "tandem-router: cannot initialise libcurl\n");
+        return 1;
+    }
     args a;
     memset(&a, 0, sizeof a);
     int rc = parse_args(argc, argv, &a), exit_code = 1;
     char *token = NULL;
-    td_model *model = NULL;
+    td_tokenizer *tok = NULL;
     td_metrics *metrics = NULL;
     td_router *router = NULL;
     td_http_server *http = NULL;
@@ -303,12 +291,12 @@ int main(int argc, char **argv) {
     td_stop_block_signals(); /* before the first thread starts */
 
     const char *path = a.model ? a.model : td_default_model_path();
-    if (open_model(path, &model) != TD_OK) {
+    td_model_config mc;
+    if (td_model_describe(path, &mc, &tok) != TD_OK) {
         fprintf(stderr, "tandem-router: cannot load the model's tokenizer from %s\n", path);
         goto done;
     }
-    const td_model_config *cfg = td_model_get_config(model);
-    const td_tokenizer *tok = td_model_tokenizer(model);
+    const td_model_config *cfg = &mc;
     const char *served = a.served_name ? a.served_name : cfg->name;
     int32_t max_ctx = (int32_t)a.max_ctx;
     if (max_ctx <= 0)
@@ -393,7 +381,7 @@ done:
     td_http_server_stop(http);
     td_router_destroy(router);
     td_metrics_destroy(metrics);
-    td_model_free(model);
+    td_tokenizer_free(tok);
     free(token);
     for (int i = 0; i < a.n_prefill; i++) free(a.prefill[i]);
     for (int i = 0; i < a.n_decode; i++) free(a.decode[i]);

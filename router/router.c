@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/api/sampling.h"
 #include "common/base/net.h"
 #include "common/base/strbuf.h"
 #include "common/kv/hash.h"
@@ -685,61 +686,14 @@ static void on_cancel(void *ctx) {
 static Tandem__V1__GenerateRequest *greq_of(const td_gen_request *g) {
     Tandem__V1__GenerateRequest gr = TANDEM__V1__GENERATE_REQUEST__INIT;
     Tandem__V1__TokenIds ids = TANDEM__V1__TOKEN_IDS__INIT;
-    Tandem__V1__SamplingParams sp = TANDEM__V1__SAMPLING_PARAMS__INIT;
+    td_sampling_proto sp;
+    if (td_sampling_to_proto(g, &sp) != TD_OK) return NULL;
     gr.request_id = (char *)(g->id ? g->id : "");
     gr.input_case = TANDEM__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS;
     gr.token_ids = &ids;
     ids.ids = (int32_t *)g->prompt;
     ids.n_ids = (size_t)g->n_prompt;
-    gr.sampling = &sp;
-    const td_sampler_params *s = &g->sampling;
-    sp._temperature_case = TANDEM__V1__SAMPLING_PARAMS___TEMPERATURE_TEMPERATURE;
-    sp.temperature = s->temperature;
-    sp._top_p_case = TANDEM__V1__SAMPLING_PARAMS___TOP_P_TOP_P;
-    sp.top_p = s->top_p;
-    sp.top_k = s->top_k;
-    sp.min_p = s->min_p;
-    if (s->seed != TD_SAMPLER_SEED_RANDOM) {
-        sp._seed_case = TANDEM__V1__SAMPLING_PARAMS___SEED_SEED;
-        sp.seed = (int64_t)s->seed;
-    }
-    sp._repetition_penalty_case =
-        TANDEM__V1__SAMPLING_PARAMS___REPETITION_PENALTY_REPETITION_PENALTY;
-    sp.repetition_penalty = s->repetition_penalty;
-    sp.frequency_penalty = s->frequency_penalty;
-    sp.presence_penalty = s->presence_penalty;
-    sp._max_tokens_case = TANDEM__V1__SAMPLING_PARAMS___MAX_TOKENS_MAX_TOKENS;
-    sp.max_tokens = g->max_tokens;
-    sp.min_tokens = g->min_tokens;
-    sp.stop = (char **)g->stop;
-    sp.n_stop = (size_t)g->n_stop;
-    sp.stop_token_ids = (int32_t *)g->stop_ids;
-    sp.n_stop_token_ids = (size_t)g->n_stop_ids;
-    sp.ignore_eos = g->ignore_eos;
-    sp.logprobs = s->logprobs;
-    sp.top_logprobs = s->n_logprobs;
-    sp._skip_special_tokens_case =
-        TANDEM__V1__SAMPLING_PARAMS___SKIP_SPECIAL_TOKENS_SKIP_SPECIAL_TOKENS;
-    sp.skip_special_tokens = g->skip_special;
-    sp.include_stop_str_in_output = g->include_stop_str;
-    Tandem__V1__SamplingParams__LogitBiasEntry *lb = NULL, **lbp = NULL;
-    if (s->n_logit_bias > 0) {
-        lb = calloc((size_t)s->n_logit_bias, sizeof *lb);
-        lbp = calloc((size_t)s->n_logit_bias, sizeof *lbp);
-        if (!lb || !lbp) {
-            free(lb);
-            free(lbp);
-            return NULL;
-        }
-        for (int32_t i = 0; i < s->n_logit_bias; i++) {
-            tandem__v1__sampling_params__logit_bias_entry__init(&lb[i]);
-            lb[i].key = s->logit_bias[i].token;
-            lb[i].value = s->logit_bias[i].bias;
-            lbp[i] = &lb[i];
-        }
-        sp.logit_bias = lbp;
-        sp.n_logit_bias = (size_t)s->n_logit_bias;
-    }
+    gr.sampling = &sp.sp;
     /* Packed and unpacked again: the copy owns all of its memory. */
     size_t len = tandem__v1__generate_request__get_packed_size(&gr);
     uint8_t *buf = malloc(len ? len : 1);
@@ -749,8 +703,7 @@ static Tandem__V1__GenerateRequest *greq_of(const td_gen_request *g) {
         out = tandem__v1__generate_request__unpack(NULL, len, buf);
     }
     free(buf);
-    free(lb);
-    free(lbp);
+    td_sampling_proto_free(&sp);
     return out;
 }
 

@@ -12,7 +12,6 @@
  * ready line. Signals and child exits are read from a signalfd in the same
  * poll as the pipes, so nothing runs in a signal handler. */
 #define _GNU_SOURCE /* pipe2 */
-#include <curl/curl.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
@@ -904,10 +903,6 @@ int td_cmd_up(int argc, char **argv) {
         fprintf(stderr, "tandem up: signalfd: %s\n", strerror(errno));
         goto restore_signals;
     }
-    if (curl_global_init(CURL_GLOBAL_NOTHING) != CURLE_OK) {
-        fprintf(stderr, "tandem up: curl_global_init failed\n");
-        goto restore_signals;
-    }
     fprintf(stderr,
             "tandem up: starting %ld prefill and %ld decode instance(s), %ld thread(s) "
             "each, and the router (binaries in %s)\n",
@@ -918,7 +913,6 @@ int td_cmd_up(int argc, char **argv) {
     rc = (o == UP_STOP_SIGNAL || o == UP_STOP_DONE) && clean ? 0 : 1;
     drain_pipes(u);
     fprintf(stderr, "tandem up: stopped%s\n", rc ? " (with errors)" : "");
-    curl_global_cleanup();
 restore_signals:
     if (u->sfd >= 0) close(u->sfd);
     sigaction(SIGPIPE, &old_pipe, NULL);

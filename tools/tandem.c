@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "common/parallel/exec.h"
+#include "common/runtime/cli.h"
 #include "common/transfer/xext.h"
 #include "tools.h"
 
@@ -34,6 +35,7 @@ int main(int argc, char **argv) {
         usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
     }
+    if (!td_process_init("tandem")) return 1;
     /* internal: a rank process of a parallel plan, started by the driver */
     if (strcmp(argv[1], "rank") == 0) return td_exec_rank_main(argc - 1, argv + 1, &td_xext_ops);
     for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++)

@@ -42,6 +42,7 @@
 #include "proto/internal.pb-c.h"
 #include "proto/tandem.pb-c.h"
 #include "request-impl.h"
+#include "sampling.h"
 
 /* Calls asked of the core ahead of their arrival, so a burst is accepted
  * without waiting for the thread to ask again. */
@@ -485,150 +486,6 @@ static bool auth_ok(const td_grpc_server *srv, const grpc_metadata_array *md) {
     return false;
 }
 
-static bool json_put(json_t *o, const char *key, json_t *v) {
-    return v && json_object_set_new(o, key, v) == 0;
-}
-
-static bool put_float(json_t *o, const char *key, float f, td_api_error *err) {
-    if (!isfinite(f)) {
-        td_api_error_set(err, 400, "invalid_request_error", NULL, key, "%s must be a finite number",
-                         key);
-        return false;
-    }
-    if (!json_put(o, key, json_real((double)f))) goto nomem;
-    return true;
-nomem:
-    td_api_error_set(err, 500, "server_error", NULL, NULL, "out of memory");
-    return false;
-}
-
-static bool put_string(json_t *o, const char *key, const char *s, td_api_error *err) {
-    json_t *v = json_string(s);
-    if (!v) {
-        td_api_error_set(err, 400, "invalid_request_error", NULL, key, "%s is not valid UTF-8",
-                         key);
-        return false;
-    }
-    if (json_object_set_new(o, key, v) != 0) {
-        td_api_error_set(err, 500, "server_error", NULL, NULL, "out of memory");
-        return false;
-    }
-    return true;
-}
-
-static bool put_int(json_t *o, const char *key, json_int_t i, td_api_error *err) {
-    if (json_put(o, key, json_integer(i))) return true;
-    td_api_error_set(err, 500, "server_error", NULL, NULL, "out of memory");
-    return false;
-}
-
-static bool put_bool(json_t *o, const char *key, bool b, td_api_error *err) {
-    if (json_put(o, key, json_boolean(b))) return true;
-    td_api_error_set(err, 500, "server_error", NULL, NULL, "out of memory");
-    return false;
-}
-
-static bool put_int_array(json_t *o, const char *key, const int32_t *v, size_t n,
-                          td_api_error *err) {
-    json_t *a = json_array();
-    if (!a) goto nomem;
-    for (size_t i = 0; i < n; i++) {
-        if (json_array_append_new(a, json_integer(v[i])) != 0) {
-            json_decref(a);
-            goto nomem;
-        }
-    }
-    if (json_object_set_new(o, key, a) != 0) goto nomem;
-    return true;
-nomem:
-    td_api_error_set(err, 500, "server_error", NULL, NULL, "out of memory");
-    return false;
-}
-
-/* The sampling parameters in their OpenAI JSON spelling; only what the
- * client set, so the HTTP defaults apply to the rest. */
-static bool sampling_to_json(const Tandem__V1__SamplingParams *s, td_api_kind kind, json_t *o,
-                             td_api_error *err) {
-    if (!s) return true;
-    if (s->_temperature_case == TANDEM__V1__SAMPLING_PARAMS___TEMPERATURE_TEMPERATURE &&
-        !put_float(o, "temperature", s->temperature, err))
-        return false;
-    if (s->_top_p_case == TANDEM__V1__SAMPLING_PARAMS___TOP_P_TOP_P &&
-        !put_float(o, "top_p", s->top_p, err))
-        return false;
-    if (s->top_k != 0 && !put_int(o, "top_k", s->top_k, err)) return false;
-    if (s->min_p != 0 && !put_float(o, "min_p", s->min_p, err)) return false;
-    if (s->_seed_case == TANDEM__V1__SAMPLING_PARAMS___SEED_SEED &&
-        !put_int(o, "seed", (json_int_t)s->seed, err))
-        return false;
-    if (s->_repetition_penalty_case ==
-            TANDEM__V1__SAMPLING_PARAMS___REPETITION_PENALTY_REPETITION_PENALTY &&
-        !put_float(o, "repetition_penalty", s->repetition_penalty, err))
-        return false;
-    if (s->frequency_penalty != 0 && !put_float(o, "frequency_penalty", s->frequency_penalty, err))
-        return false;
-    if (s->presence_penalty != 0 && !put_float(o, "presence_penalty", s->presence_penalty, err))
-        return false;
-    if (s->_max_tokens_case == TANDEM__V1__SAMPLING_PARAMS___MAX_TOKENS_MAX_TOKENS &&
-        !put_int(o, "max_tokens", s->max_tokens, err))
-        return false;
-    if (s->min_tokens != 0 && !put_int(o, "min_tokens", s->min_tokens, err)) return false;
-    if (s->n_stop > 0) {
-        json_t *a = json_array();
-        if (!a || json_object_set_new(o, "stop", a) != 0) {
-            td_api_error_set(err, 500, "server_error", NULL, NULL, "out of memory");
-            return false;
-        }
-        for (size_t i = 0; i < s->n_stop; i++) {
-            json_t *v = json_string(s->stop[i]);
-            if (!v) {
-                td_api_error_set(err, 400, "invalid_request_error", NULL, "stop",
-                                 "stop[%zu] is not valid UTF-8", i);
-                return false;
-            }
-            if (json_array_append_new(a, v) != 0) {
-                td_api_error_set(err, 500, "server_error", NULL, NULL, "out of memory");
-                return false;
-            }
-        }
-    }
-    if (s->n_stop_token_ids > 0 &&
-        !put_int_array(o, "stop_token_ids", s->stop_token_ids, s->n_stop_token_ids, err))
-        return false;
-    if (s->ignore_eos && !put_bool(o, "ignore_eos", true, err)) return false;
-    bool logprobs = s->logprobs || s->top_logprobs > 0;
-    if (kind == TD_API_COMPLETIONS) {
-        /* Completions spell "logprobs and the top N" as logprobs: N. */
-        if ((logprobs || s->top_logprobs != 0) && !put_int(o, "logprobs", s->top_logprobs, err))
-            return false;
-    } else {
-        if (logprobs && !put_bool(o, "logprobs", true, err)) return false;
-        if (s->top_logprobs != 0 && !put_int(o, "top_logprobs", s->top_logprobs, err)) return false;
-    }
-    if (s->_skip_special_tokens_case ==
-            TANDEM__V1__SAMPLING_PARAMS___SKIP_SPECIAL_TOKENS_SKIP_SPECIAL_TOKENS &&
-        !put_bool(o, "skip_special_tokens", s->skip_special_tokens, err))
-        return false;
-    if (s->include_stop_str_in_output && !put_bool(o, "include_stop_str_in_output", true, err))
-        return false;
-    if (s->n_logit_bias > 0) {
-        json_t *lb = json_object();
-        if (!lb || json_object_set_new(o, "logit_bias", lb) != 0) {
-            td_api_error_set(err, 500, "server_error", NULL, NULL, "out of memory");
-            return false;
-        }
-        for (size_t i = 0; i < s->n_logit_bias; i++) {
-            char key[16];
-            snprintf(key, sizeof(key), "%d", (int)s->logit_bias[i]->key);
-            if (!put_float(lb, key, s->logit_bias[i]->value, err)) {
-                snprintf(err->param, sizeof(err->param), "logit_bias");
-                return false;
-            }
-        }
-    }
-    return true;
-}
-
 /* GenerateRequest -> the OpenAI JSON body it stands for, so that one parser
  * (request.h) applies the same rules to HTTP and gRPC. *body_p malloc'd. */
 static bool request_to_json(const Tandem__V1__GenerateRequest *r, td_api_kind *kind_p,
@@ -637,14 +494,14 @@ static bool request_to_json(const Tandem__V1__GenerateRequest *r, td_api_kind *k
     bool ok = false;
     td_api_kind kind = TD_API_COMPLETIONS;
     if (!o) goto nomem;
-    if (r->model && r->model[0] && !put_string(o, "model", r->model, err)) goto done;
+    if (r->model && r->model[0] && !td_json_put_string(o, "model", r->model, err)) goto done;
     switch (r->input_case) {
     case TANDEM__V1__GENERATE_REQUEST__INPUT_TEXT:
-        if (!put_string(o, "prompt", r->text ? r->text : "", err)) goto done;
+        if (!td_json_put_string(o, "prompt", r->text ? r->text : "", err)) goto done;
         break;
     case TANDEM__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS:
-        if (!put_int_array(o, "prompt", r->token_ids ? r->token_ids->ids : NULL,
-                           r->token_ids ? r->token_ids->n_ids : 0, err))
+        if (!td_json_put_int_array(o, "prompt", r->token_ids ? r->token_ids->ids : NULL,
+                                   r->token_ids ? r->token_ids->n_ids : 0, err))
             goto done;
         break;
     case TANDEM__V1__GENERATE_REQUEST__INPUT_CHAT: {
@@ -655,8 +512,8 @@ static bool request_to_json(const Tandem__V1__GenerateRequest *r, td_api_kind *k
             json_t *m = json_object();
             if (!m || json_array_append_new(msgs, m) != 0) goto nomem;
             const Tandem__V1__ChatMessage *cm = r->chat->messages[i];
-            if (!put_string(m, "role", cm->role ? cm->role : "", err) ||
-                !put_string(m, "content", cm->content ? cm->content : "", err)) {
+            if (!td_json_put_string(m, "role", cm->role ? cm->role : "", err) ||
+                !td_json_put_string(m, "content", cm->content ? cm->content : "", err)) {
                 snprintf(err->param, sizeof(err->param), "messages");
                 goto done;
             }
@@ -664,7 +521,7 @@ static bool request_to_json(const Tandem__V1__GenerateRequest *r, td_api_kind *k
         if (r->chat &&
             r->chat->_add_generation_prompt_case ==
                 TANDEM__V1__CHAT___ADD_GENERATION_PROMPT_ADD_GENERATION_PROMPT &&
-            !put_bool(o, "add_generation_prompt", r->chat->add_generation_prompt, err))
+            !td_json_put_bool(o, "add_generation_prompt", r->chat->add_generation_prompt, err))
             goto done;
         break;
     }
@@ -673,7 +530,7 @@ static bool request_to_json(const Tandem__V1__GenerateRequest *r, td_api_kind *k
                          "one of text, token_ids or chat is required");
         goto done;
     }
-    if (!sampling_to_json(r->sampling, kind, o, err)) goto done;
+    if (!td_sampling_to_json(r->sampling, kind, o, err)) goto done;
     char *body = json_dumps(o, JSON_COMPACT);
     if (!body) goto nomem;
     *body_p = body;

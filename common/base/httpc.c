@@ -27,6 +27,12 @@ static size_t on_body(char *p, size_t sz, size_t n, void *ud) {
     return k;
 }
 
+bool td_httpc_global_init(void) {
+    CURLcode rc = curl_global_init(CURL_GLOBAL_NOTHING);
+    if (rc != CURLE_OK) TD_LOG_ERROR("curl_global_init: %s", curl_easy_strerror(rc));
+    return rc == CURLE_OK;
+}
+
 td_status td_httpc_do(const td_httpc_req *r, td_httpc_reply *out) {
     memset(out, 0, sizeof *out);
     CURL *c = curl_easy_init();

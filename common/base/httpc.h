@@ -1,9 +1,9 @@
 /* The one HTTP client of the tree's blocking requests (libcurl easy): the
  * decode instance's KV exchange with a prefill instance, and `tandem up`'s
  * readiness checks and chat request. Plain http only, never through a
- * proxy, no signals. Thread-safe once curl_global_init has run. */
-#ifndef TD_API_HTTPC_H
-#define TD_API_HTTPC_H
+ * proxy, no signals. Thread-safe once td_httpc_global_init has run. */
+#ifndef TD_BASE_HTTPC_H
+#define TD_BASE_HTTPC_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -27,6 +27,11 @@ typedef struct {
     bool too_large; /* the reply was longer than max_body */
     char err[160];  /* why no answer came ("" when one did) */
 } td_httpc_reply;
+
+/* libcurl's global state: once, in main, before any thread starts (never
+ * cleaned up: the process's exit takes it). Logs and returns false when
+ * it fails. */
+bool td_httpc_global_init(void);
 
 /* TD_OK when an HTTP answer came (whatever its status), TD_ERR_IO when
  * none did (err says why), TD_ERR_NOMEM. Free the reply with

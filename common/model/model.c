@@ -1107,15 +1107,17 @@ static td_status check_vocab(const loader *ld) {
     return TD_OK;
 }
 
-td_status td_model_load(const td_model_params *p, td_model **m_p) {
-    if (!p || !p->path || !m_p) return TD_ERR_INVALID;
+/* A model of no weights yet: its path, file and configuration (the name
+ * defaulting to the last part of the path). On failure *m_p is NULL. */
+static td_status model_open(const char *path, td_model **m_p, bool *hf) {
+    *m_p = NULL;
     struct stat sb;
-    if (stat(p->path, &sb) != 0) {
-        TD_LOG_ERROR("%s: %s", p->path, strerror(errno));
+    if (stat(path, &sb) != 0) {
+        TD_LOG_ERROR("%s: %s", path, strerror(errno));
         return TD_ERR_IO;
     }
     td_model *m = calloc(1, sizeof *m);
-    if (!m || !(m->path = strdup(p->path))) {
+    if (!m || !(m->path = strdup(path))) {
         free(m);
         TD_LOG_ERROR("out of memory");
         return TD_ERR_NOMEM;
@@ -1123,11 +1125,9 @@ td_status td_model_load(const td_model_params *p, td_model **m_p) {
     loader ld = {.m = m, .path = m->path, .hf = S_ISDIR(sb.st_mode)};
     td_status st;
     if (ld.hf) {
-        if ((st = config_from_hf(&ld))) goto fail;
-        if ((st = td_st_open(m->path, &m->st))) goto fail;
+        if ((st = config_from_hf(&ld)) || (st = td_st_open(m->path, &m->st))) goto fail;
     } else {
-        if ((st = td_gguf_open(m->path, &m->gguf))) goto fail;
-        if ((st = config_from_gguf(&ld))) goto fail;
+        if ((st = td_gguf_open(m->path, &m->gguf)) || (st = config_from_gguf(&ld))) goto fail;
     }
     if (!m->cfg.name[0]) {
         size_t len = strlen(m->path);
@@ -1138,6 +1138,41 @@ td_status td_model_load(const td_model_params *p, td_model **m_p) {
         snprintf(m->cfg.name, sizeof m->cfg.name, "%.*s", (int)(len - (size_t)(base - m->path)),
                  base);
     }
+    *hf = ld.hf;
+    *m_p = m;
+    return TD_OK;
+fail:
+    td_model_free(m);
+    return st;
+}
+
+static td_status open_tokenizer(td_model *m, bool hf) {
+    return hf ? td_tokenizer_from_hf_dir(m->path, &m->tok)
+              : td_tokenizer_from_gguf(m->gguf, &m->tok);
+}
+
+td_status td_model_describe(const char *path, td_model_config *cfg, td_tokenizer **tok_p) {
+    if (!path || !cfg || !tok_p) return TD_ERR_INVALID;
+    *tok_p = NULL;
+    td_model *m;
+    bool hf;
+    td_status st = model_open(path, &m, &hf);
+    if (st == TD_OK && (st = open_tokenizer(m, hf)) == TD_OK) {
+        *cfg = m->cfg;
+        *tok_p = m->tok;
+        m->tok = NULL;
+    }
+    td_model_free(m);
+    return st;
+}
+
+td_status td_model_load(const td_model_params *p, td_model **m_p) {
+    if (!p || !p->path || !m_p) return TD_ERR_INVALID;
+    td_model *m;
+    bool hf;
+    td_status st = model_open(p->path, &m, &hf);
+    if (st) return st;
+    loader ld = {.m = m, .path = m->path, .hf = hf};
     if ((st = config_check(&ld, p))) goto fail;
     m->tp_rank = p->tp_rank;
     m->tp_size = p->tp_size;
@@ -1149,9 +1184,7 @@ td_status td_model_load(const td_model_params *p, td_model **m_p) {
     m->n_head_kv_local = p->tp_size > m->cfg.n_head_kv ? 1 : m->cfg.n_head_kv / p->tp_size;
     if ((st = load_weights(&ld))) goto fail;
     if ((st = rope_init(&ld))) goto fail;
-    st = ld.hf ? td_tokenizer_from_hf_dir(m->path, &m->tok)
-               : td_tokenizer_from_gguf(m->gguf, &m->tok);
-    if (st) goto fail;
+    if ((st = open_tokenizer(m, hf))) goto fail;
     if ((st = check_vocab(&ld))) goto fail;
     *m_p = m;
     return TD_OK;

@@ -135,6 +135,12 @@ td_model_params td_model_default_params(void);
 /* Loads the model. Free with td_model_free(). */
 td_status td_model_load(const td_model_params *p, td_model **m_p);
 void td_model_free(td_model *m); /* accepts NULL */
+/* The configuration and the tokenizer of the model at path, no weights
+ * read (what the router needs: name, context length, tokenizer, chat
+ * template). The fields that come from the weights (tied_output, wtype)
+ * are not filled, nor is the configuration checked against them. Free
+ * *tok_p with td_tokenizer_free(). */
+td_status td_model_describe(const char *path, td_model_config *cfg, td_tokenizer **tok_p);
 
 const td_model_config *td_model_get_config(const td_model *m);
 const td_tokenizer *td_model_tokenizer(const td_model *m);

@@ -8,8 +8,19 @@
 #include <string.h>
 
 #include "common/base/base.h"
+#include "common/base/httpc.h"
+#include "common/transfer/ucx.h"
 
 #define DEFAULT_MODEL_FILE "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+bool td_process_init(const char *prog) {
+    td_ucx_env_init();
+    if (!td_httpc_global_init()) {
+        fprintf(stderr, "%s: cannot initialise libcurl\n", prog);
+        return false;
+    }
+    return true;
+}
 
 const char *td_default_model_path(void) {
     static char buf[4096];

@@ -7,6 +7,12 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+/* The process-wide set-up of tandem, tandem-prefill and tandem-decode,
+ * first in main, before any thread starts: the UCX environment
+ * (td_ucx_env_init) and libcurl's global state (td_httpc_global_init).
+ * Prints why and returns false when it fails. */
+bool td_process_init(const char *prog);
+
 /* Path of the default model (SmolLM2-135M-Instruct Q4_1 in the cache
  * directory the setup script fills): $TANDEM_MODEL, else
  * $XDG_CACHE_HOME/tandem/models/..., else ~/.cache/tandem/models/....

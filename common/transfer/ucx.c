@@ -471,14 +471,17 @@ fail:
     return st;
 }
 
-td_status td_ucx_create(const td_ucx_params *p, td_ucx **u_p) {
-    if (!p || !u_p) return TD_ERR_INVALID;
+void td_ucx_env_init(void) {
     /* DESIGN.md §4: without these, endpoints with peer error handling do not
      * use the shared-memory transports. An operator's setting wins. */
     if (shm_may_load()) {
         setenv("UCX_POSIX_ERROR_HANDLING", "y", 0);
         setenv("UCX_SYSV_ERROR_HANDLING", "y", 0);
     }
+}
+
+td_status td_ucx_create(const td_ucx_params *p, td_ucx **u_p) {
+    if (!p || !u_p) return TD_ERR_INVALID;
 
     td_ucx *u = calloc(1, sizeof *u);
     if (!u) return TD_ERR_NOMEM;

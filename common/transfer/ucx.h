@@ -8,9 +8,11 @@
  *
  * Shared-memory transports with error handling: UCX 1.13 leaves out its
  * posix and sysv transports on endpoints with peer error handling unless
- * UCX_POSIX_ERROR_HANDLING=y and UCX_SYSV_ERROR_HANDLING=y; td_ucx_create
- * sets both in the process environment unless they are already set (an
- * operator may still turn them off) or UCX_TLS names neither transport.
+ * UCX_POSIX_ERROR_HANDLING=y and UCX_SYSV_ERROR_HANDLING=y; td_ucx_env_init
+ * (once, in main, before any thread starts) sets both in the process
+ * environment unless they are already set (an operator may still turn them
+ * off) or UCX_TLS names neither transport. td_ucx_create never touches the
+ * environment.
  * Everything else is UCX's own configuration (UCX_TLS, UCX_NET_DEVICES,
  * ...). Over shared memory a dead peer is noticed by UCX's keepalive
  * (UCX_KEEPALIVE_INTERVAL, 20 s by default) or by the next operation that
@@ -61,6 +63,10 @@ typedef struct {
     void *ctx;
     size_t max_msg_bytes; /* larger incoming messages are dropped (logged); 0: 16 MiB */
 } td_ucx_params;
+
+/* The process environment UCX needs (above). Not thread-safe (setenv):
+ * call it from main before any thread starts. */
+void td_ucx_env_init(void);
 
 /* Creates the context, the worker (with wakeup) and the progress thread. */
 td_status td_ucx_create(const td_ucx_params *p, td_ucx **u_p);

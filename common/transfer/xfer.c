@@ -9,7 +9,6 @@
 #include "xfer.h"
 
 #include <arpa/inet.h>
-#include <curl/curl.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
@@ -24,6 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/api/sampling.h"
 #include "common/base/httpc.h"
 #include "common/base/net.h"
 #include "common/kv/kv.h"
@@ -487,56 +487,6 @@ static dpeer *dpeer_new(td_xfer *x, td_xfer_msg *m, const exchange_t *ex) {
     return d;
 }
 
-static bool sampling_from_proto(td_xfer *x, const Tandem__V1__SamplingParams *s, td_gen_request *g,
-                                td_logit_bias **bias_p, char *err, size_t err_len) {
-    td_sampler_params sp = td_sampler_default_params();
-    *bias_p = NULL;
-    if (s) {
-        if (s->_temperature_case == TANDEM__V1__SAMPLING_PARAMS___TEMPERATURE_TEMPERATURE)
-            sp.temperature = s->temperature;
-        if (s->_top_p_case == TANDEM__V1__SAMPLING_PARAMS___TOP_P_TOP_P) sp.top_p = s->top_p;
-        sp.top_k = s->top_k;
-        sp.min_p = s->min_p;
-        if (s->_seed_case == TANDEM__V1__SAMPLING_PARAMS___SEED_SEED) sp.seed = (uint64_t)s->seed;
-        if (s->_repetition_penalty_case ==
-            TANDEM__V1__SAMPLING_PARAMS___REPETITION_PENALTY_REPETITION_PENALTY)
-            sp.repetition_penalty = s->repetition_penalty;
-        sp.frequency_penalty = s->frequency_penalty;
-        sp.presence_penalty = s->presence_penalty;
-        sp.logprobs = s->logprobs;
-        sp.n_logprobs = s->top_logprobs;
-        if (s->n_logit_bias > (size_t)x->n_vocab || s->n_stop_token_ids > 1024) {
-            snprintf(err, err_len, "too many logit biases or stop ids");
-            return false;
-        }
-        for (size_t i = 0; i < s->n_stop_token_ids; i++)
-            if (s->stop_token_ids[i] < 0 || s->stop_token_ids[i] >= x->n_vocab) {
-                snprintf(err, err_len, "stop id %d outside the vocabulary", s->stop_token_ids[i]);
-                return false;
-            }
-        if (s->n_logit_bias > 0) {
-            td_logit_bias *b = calloc(s->n_logit_bias, sizeof *b);
-            if (!b) {
-                snprintf(err, err_len, "out of memory");
-                return false;
-            }
-            for (size_t i = 0; i < s->n_logit_bias; i++) {
-                b[i].token = s->logit_bias[i]->key;
-                b[i].bias = s->logit_bias[i]->value;
-            }
-            sp.logit_bias = b;
-            sp.n_logit_bias = (int32_t)s->n_logit_bias;
-            *bias_p = b;
-        }
-        g->min_tokens = s->min_tokens > 0 ? 1 : 0; /* only the first token is drawn here */
-        g->stop_ids = s->stop_token_ids;
-        g->n_stop_ids = (int32_t)s->n_stop_token_ids;
-        g->ignore_eos = s->ignore_eos;
-    }
-    g->sampling = sp;
-    return true;
-}
-
 static void pjob_free(td_xfer *x, pjob *j) {
     if (!j) return;
     if (j->st) td_gen_stream_release(j->st);
@@ -627,8 +577,10 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
     }
     td_gen_request g;
     td_gen_request_init(&g);
-    if (!why && !sampling_from_proto(x, req->sampling, &g, &bias, err, sizeof err)) {
-        why = err;
+    td_api_limits lim = td_api_default_limits();
+    td_api_error aerr;
+    if (!why && td_sampling_from_proto(req->sampling, &lim, x->n_vocab, &g, &bias, &aerr)) {
+        why = aerr.message;
         pjob_free(x, j);
         j = NULL;
         x->job_slot_used[slot] = false;
@@ -659,6 +611,9 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
     g.prompt = req->tokens;
     g.n_prompt = j->n_prompt;
     g.max_tokens = 1;
+    g.min_tokens = g.min_tokens > 0 ? 1 : 0; /* only the first token is drawn here */
+    g.stop = NULL;                           /* no text here */
+    g.n_stop = 0;
     g.kv_export.ctx = j;
     g.kv_export.slot = slot;
     g.kv_export.ended = p_ended;
@@ -908,7 +863,6 @@ static td_status send_request(td_xfer *x, ppeer *pp, djob *j, const int32_t *blo
     cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
     Tandem__Internal__V1__PrefillRequest r = TANDEM__INTERNAL__V1__PREFILL_REQUEST__INIT;
     Tandem__Internal__V1__RankBlocks rb[TD_COMM_MAX_RANKS], *rbp[TD_COMM_MAX_RANKS];
-    Tandem__V1__SamplingParams sp = TANDEM__V1__SAMPLING_PARAMS__INIT;
     own_exchange oe;
     r.request_id = j->id;
     r.n_tokens = (size_t)j->n_tokens;
@@ -943,51 +897,23 @@ static td_status send_request(td_xfer *x, ppeer *pp, djob *j, const int32_t *blo
     td_kv_hash_bytes(x->p.compat, compat);
     r.compat.data = compat;
     r.compat.len = 16;
-    sp._temperature_case = TANDEM__V1__SAMPLING_PARAMS___TEMPERATURE_TEMPERATURE;
-    sp.temperature = j->sp.temperature;
-    sp._top_p_case = TANDEM__V1__SAMPLING_PARAMS___TOP_P_TOP_P;
-    sp.top_p = j->sp.top_p;
-    sp.top_k = j->sp.top_k;
-    sp.min_p = j->sp.min_p;
-    if (j->sp.seed != TD_SAMPLER_SEED_RANDOM) {
-        sp._seed_case = TANDEM__V1__SAMPLING_PARAMS___SEED_SEED;
-        sp.seed = (int64_t)j->sp.seed;
-    }
-    sp._repetition_penalty_case =
-        TANDEM__V1__SAMPLING_PARAMS___REPETITION_PENALTY_REPETITION_PENALTY;
-    sp.repetition_penalty = j->sp.repetition_penalty;
-    sp.frequency_penalty = j->sp.frequency_penalty;
-    sp.presence_penalty = j->sp.presence_penalty;
-    sp.logprobs = j->sp.logprobs;
-    sp.top_logprobs = j->sp.n_logprobs;
-    sp.min_tokens = j->min_tokens;
-    sp.ignore_eos = j->ignore_eos;
-    sp.n_stop_token_ids = (size_t)j->n_stop_ids;
-    sp.stop_token_ids = j->stop_ids;
-    Tandem__V1__SamplingParams__LogitBiasEntry *lbe = NULL, **lbp = NULL;
-    if (j->sp.n_logit_bias > 0) {
-        lbe = calloc((size_t)j->sp.n_logit_bias, sizeof *lbe);
-        lbp = calloc((size_t)j->sp.n_logit_bias, sizeof *lbp);
-        if (!lbe || !lbp) {
-            free(lbe);
-            free(lbp);
-            return TD_ERR_NOMEM;
-        }
-        for (int32_t i = 0; i < j->sp.n_logit_bias; i++) {
-            tandem__v1__sampling_params__logit_bias_entry__init(&lbe[i]);
-            lbe[i].key = j->bias[i].token;
-            lbe[i].value = j->bias[i].bias;
-            lbp[i] = &lbe[i];
-        }
-        sp.n_logit_bias = (size_t)j->sp.n_logit_bias;
-        sp.logit_bias = lbp;
-    }
-    r.sampling = &sp;
+    /* what P needs to draw the first token */
+    td_gen_request g;
+    td_gen_request_init(&g);
+    g.max_tokens = 0; /* P draws one */
+    g.sampling = j->sp;
+    g.sampling.logit_bias = j->bias;
+    g.min_tokens = j->min_tokens;
+    g.ignore_eos = j->ignore_eos;
+    g.stop_ids = j->stop_ids;
+    g.n_stop_ids = j->n_stop_ids;
+    td_sampling_proto sp;
+    if (td_sampling_to_proto(&g, &sp) != TD_OK) return TD_ERR_NOMEM;
+    r.sampling = &sp.sp;
     m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_REQUEST;
     m.prefill_request = &r;
     td_status st = send_msg(x, pp->ep, &m);
-    free(lbe);
-    free(lbp);
+    td_sampling_proto_free(&sp);
     return st;
 }
 
@@ -1740,11 +1666,6 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p) {
                               .kv_dtype = kp->dtype,
                               .compat = p->compat};
     if (p->role == TD_XFER_DECODE) {
-        if (curl_global_init(CURL_GLOBAL_NOTHING) != CURLE_OK) {
-            TD_LOG_ERROR("curl_global_init failed");
-            st = TD_ERR_IO;
-            goto fail;
-        }
         if (p->n_prefill > TD_XRANK_MAX_PEERS || p->dns_interval_ms < 1 || p->forget_ms < 1) {
             TD_LOG_ERROR("at most %d prefill names, intervals of at least 1 ms",
                          TD_XRANK_MAX_PEERS);
@@ -1891,7 +1812,6 @@ void td_xfer_destroy(td_xfer *x) {
     free(x->inbox);
     if (x->wake_fd >= 0) close(x->wake_fd);
     if (x->link_fd >= 0) close(x->link_fd);
-    if (x->p.role == TD_XFER_DECODE && x->ppeers) curl_global_cleanup();
     free(x->ppeers);
     free(x->dns_addrs);
     free(x->dns_n);

@@ -768,6 +768,72 @@ static void test_missing_file(void **state) {
     expect_load_error(path, td_model_default_params(), (const char *[]){path, NULL});
 }
 
+/* What the router reads: the configuration (its metadata part) and the
+ * tokenizer alone, the same as a whole load gives, for a GGUF file and an HF directory; a file
+ * that is missing or cut short is an error with nothing left open. */
+static void test_describe(void **state) {
+    (void)state;
+    need_models();
+    const char *rels[] = {"gguf/smollm2-f32.gguf", "hf/smollm2-f32", "gguf/tinyllama-q4_0.gguf"};
+    for (size_t i = 0; i < sizeof rels / sizeof rels[0]; i++) {
+        char path[512];
+        model_path(rels[i], path, sizeof path);
+        td_model_params mp = td_model_default_params();
+        mp.path = path;
+        td_model *m = NULL;
+        assert_int_equal(td_model_load(&mp, &m), TD_OK);
+        td_model_config cfg;
+        td_tokenizer *tok = NULL;
+        assert_int_equal(td_model_describe(path, &cfg, &tok), TD_OK);
+        assert_non_null(tok);
+        const td_model_config *mc = td_model_get_config(m);
+        assert_string_equal(cfg.name, mc->name);
+        assert_int_equal(cfg.arch, mc->arch);
+        assert_int_equal(cfg.n_ctx_train, mc->n_ctx_train);
+        assert_int_equal(cfg.n_vocab, mc->n_vocab);
+        assert_int_equal(cfg.n_layer, mc->n_layer);
+        assert_int_equal(cfg.n_embd, mc->n_embd);
+        assert_int_equal(cfg.n_head, mc->n_head);
+        assert_int_equal(cfg.n_head_kv, mc->n_head_kv);
+        const td_tokenizer *mt = td_model_tokenizer(m);
+        assert_int_equal(td_tokenizer_n_vocab(tok), td_tokenizer_n_vocab(mt));
+        const char *text = "Hello, world: the tokenizer alone.";
+        int32_t *a = NULL, *b = NULL;
+        size_t na = 0, nb = 0;
+        assert_int_equal(td_tokenizer_encode(tok, text, strlen(text), true, true, &a, &na), TD_OK);
+        assert_int_equal(td_tokenizer_encode(mt, text, strlen(text), true, true, &b, &nb), TD_OK);
+        assert_true(na > 0);
+        assert_int_equal(na, nb);
+        assert_memory_equal(a, b, na * sizeof a[0]);
+        free(a);
+        free(b);
+        td_tokenizer_free(tok);
+        td_model_free(m);
+    }
+    char path[512], cut[600];
+    snprintf(path, sizeof path, "%s/does-not-exist.gguf", g_tmp);
+    td_model_config cfg;
+    td_tokenizer *tok = (td_tokenizer *)&cfg;
+    capture_begin();
+    assert_int_not_equal(td_model_describe(path, &cfg, &tok), TD_OK);
+    capture_end();
+    assert_null(tok);
+    model_path("gguf/smollm2-f32.gguf", path, sizeof path);
+    snprintf(cut, sizeof cut, "%s/cut.gguf", g_tmp);
+    FILE *in = fopen(path, "rb"), *out = fopen(cut, "wb");
+    assert_non_null(in);
+    assert_non_null(out);
+    char head[4096];
+    size_t n = fread(head, 1, sizeof head, in); /* the header and part of the metadata */
+    assert_int_equal(fwrite(head, 1, n, out), n);
+    fclose(in);
+    fclose(out);
+    capture_begin();
+    assert_int_not_equal(td_model_describe(cut, &cfg, &tok), TD_OK);
+    capture_end();
+    assert_null(tok);
+}
+
 static int setup(void **state) {
     (void)state;
     snprintf(g_tmp, sizeof g_tmp, "/tmp/td-model-load-XXXXXX");
@@ -791,6 +857,7 @@ int main(void) {
         cmocka_unit_test(test_vocab_mismatch),   cmocka_unit_test(test_unknown_arch),
         cmocka_unit_test(test_unsupported_bias), cmocka_unit_test(test_hf_corrupt),
         cmocka_unit_test(test_rope_linear_gguf), cmocka_unit_test(test_missing_file),
+        cmocka_unit_test(test_describe),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

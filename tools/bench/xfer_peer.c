@@ -390,6 +390,7 @@ static bool command(peer *p, char *line) {
 static void usage(void) { fprintf(stderr, "usage: td-xfer-peer [--region-bytes N]\n"); }
 
 int main(int argc, char **argv) {
+    td_ucx_env_init();
     uint64_t region = (uint64_t)1 << 20;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--region-bytes") == 0 && i + 1 < argc &&
