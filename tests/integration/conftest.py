@@ -10,6 +10,8 @@ Environment (CTest sets all of them, see tests/CMakeLists.txt):
   TANDEM_MODEL        default model file      (default: ~/.cache/tandem/models/
                       SmolLM2-135M-Instruct.Q4_1.gguf, as common/runtime/cli.h says)
   TANDEM_TEST_TIMEOUT_SCALE  multiplies every timeout (e.g. 5 under sanitizers)
+  TANDEM_TEST_STRICT  1: a skip fails, unless for a CPU feature or a GPU
+                      (scripts/test.sh, and so CI, sets it)
 
 Fixtures:
   source_dir, build_dir       pathlib.Path (build_dir may be None)
@@ -213,10 +215,30 @@ def _log_tail(path, n=LOG_TAIL_BYTES):
     return data.decode(errors="replace") or "(empty)"
 
 
+# Strict mode (TANDEM_TEST_STRICT=1, what scripts/test.sh and so CI run): a
+# test that skips fails instead, unless its reason is one a machine that
+# runs CI may lack (a CPU feature, a GPU); a skip for kubectl, the default
+# model, root and unshare, a free port... would hide a test that machine
+# can run.
+STRICT = os.environ.get("TANDEM_TEST_STRICT") == "1"
+ALLOWED_SKIPS = re.compile(r"this CPU has no|no GPU|no CUDA")
+
+
+def _skip_reason(rep):
+    lr = rep.longrepr
+    return lr[2] if isinstance(lr, tuple) and len(lr) == 3 else str(lr)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
+    if STRICT and rep.skipped and not hasattr(rep, "wasxfail"):
+        why = _skip_reason(rep)
+        if not ALLOWED_SKIPS.search(why):
+            rep.outcome = "failed"
+            rep.longrepr = (f"strict mode (TANDEM_TEST_STRICT=1): the test skipped for a "
+                            f"prerequisite this machine should have: {why}")
     if rep.failed:
         for label, path, _ in _test_logs:
             rep.sections.append((f"log {label}: {path}", _log_tail(path)))
