@@ -202,9 +202,24 @@ def test_probes_and_drain_order(rendered, build_dir, default_model, tmp_path):
         write_hosts(hosts, {n: ["127.0.0.1"] for (k, n) in rendered if k == "Service"})
     pods = {r: Pod(rendered, r, build_dir, default_model, tmp_path, hosts)
             for r in ("prefill", "decode", "router")}
-    busy = [p for pod in pods.values() for p in pod.ports.values() if not free(p)]
+    # The manifests' ports are fixed, and some (50200) lie in the kernel's
+    # ephemeral range, where another test's client connection may hold one
+    # for a moment: wait for them rather than skip, and name the holder if
+    # one stays.
+    ports = [p for pod in pods.values() for p in pod.ports.values()]
+    deadline = time.monotonic() + scaled(60)
+    while True:
+        busy = [p for p in ports if not free(p)]
+        if not busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     if busy:
-        pytest.skip(f"the manifests' fixed ports {busy} are in use on this machine")
+        try:
+            held = subprocess.run(["ss", "-Htanp"], capture_output=True, text=True).stdout
+        except OSError as e:
+            held = f"(ss: {e})"
+        held = [ln for ln in held.splitlines() if any(f":{p} " in ln for p in busy)]
+        pytest.fail(f"the manifests' fixed ports {busy} stayed in use for 60 s: {held}")
     P, D, R = pods["prefill"], pods["decode"], pods["router"]
     # the router's key is a file of the Secret, not in the environment
     kf = R.files.get("--api-key-file")
