@@ -17,6 +17,7 @@
 #include "router.h"
 
 #define MAX_LIST 256
+#define MAX_KEYS 64
 
 typedef struct {
     const char *host, *model, *served_name, *chat_template;
@@ -24,7 +25,7 @@ typedef struct {
     long port, grpc_port, max_ctx;
     char *prefill[MAX_LIST], *decode[MAX_LIST];
     int n_prefill, n_decode;
-    const char *keys[64];
+    const char *keys[MAX_KEYS];
     int n_keys;
     const char *key_file;
     char *key_file_buf; /* the keys of key_file point into it */
@@ -34,78 +35,167 @@ typedef struct {
     td_router_params rp;
 } args;
 
-static void usage(FILE *f) {
+/* The options, in the three groups --help prints. */
+enum {
+    /* instances */
+    O_PREFILL,
+    O_DECODE,
+    O_PREFILL_DNS,
+    O_DECODE_DNS,
+    O_DNS_INTERVAL,
+    O_POLL_INTERVAL,
+    O_POLL_TIMEOUT,
+    O_TOKEN_FILE,
+    O_TOKEN,
+    /* routing */
+    O_POLICY,
+    O_OVERLAP_WEIGHT,
+    O_DECODE_WEIGHT,
+    O_TRANSFER_WEIGHT,
+    O_TEMPERATURE,
+    O_LOCAL_THRESHOLD,
+    O_LOCAL_FRACTION,
+    O_LOCAL_MAX_TOKENS,
+    O_PREFILL_SATURATED,
+    O_RESERVE_OUTPUT,
+    O_PREDICT_TTL,
+    O_MAX_RETRIES,
+    O_MAX_QUEUED,
+    O_QUEUE_TIMEOUT,
+    O_SEED,
+    /* front end */
+    O_HOST,
+    O_PORT,
+    O_GRPC_PORT,
+    O_MODEL,
+    O_SERVED_NAME,
+    O_CHAT_TEMPLATE,
+    O_MAX_CTX,
+    O_API_KEY,
+    O_API_KEY_FILE,
+    O_METRICS_NEED_KEY,
+    O_RETRY_AFTER,
+    O_PING_INTERVAL,
+    O_DRAIN_TIMEOUT,
+    O_N
+};
+/* Help texts that name a default of td_router_default_params are written
+ * into g_help by fill_help; the table points there. */
+static char g_help[O_N][192];
+static td_opt k_opts[O_N] = {
+    [O_PREFILL] = {"prefill", 0, "LIST", "prefill instances"},
+    [O_DECODE] = {"decode", 0, "LIST", "decode instances"},
+    [O_PREFILL_DNS] = {"prefill-dns", 0, "NAME:PORT",
+                       "prefill instances: every address NAME resolves to"},
+    [O_DECODE_DNS] = {"decode-dns", 0, "NAME:PORT", "(a Kubernetes headless Service), re-resolved"},
+    [O_DNS_INTERVAL] = {"dns-interval", 0, "S", g_help[O_DNS_INTERVAL]},
+    [O_POLL_INTERVAL] = {"poll-interval-ms", 0, "N", g_help[O_POLL_INTERVAL]},
+    [O_POLL_TIMEOUT] = {"poll-timeout-ms", 0, "N", g_help[O_POLL_TIMEOUT]},
+    [O_TOKEN_FILE] = {"cluster-token-file", 0, "F",
+                      "the cluster's shared secret (first line of F), or"},
+    [O_TOKEN] = {"cluster-token", 0, "T", "the same, on the command line"},
+    [O_POLICY] = {"policy", 0, "P", g_help[O_POLICY]},
+    [O_OVERLAP_WEIGHT] = {"overlap-weight", 0, "W", g_help[O_OVERLAP_WEIGHT]},
+    [O_DECODE_WEIGHT] = {"decode-weight", 0, "W", g_help[O_DECODE_WEIGHT]},
+    [O_TRANSFER_WEIGHT] = {"transfer-weight", 0, "W", g_help[O_TRANSFER_WEIGHT]},
+    [O_TEMPERATURE] = {"temperature", 0, "T", g_help[O_TEMPERATURE]},
+    [O_LOCAL_THRESHOLD] = {"local-prefill-threshold", 0, "N", g_help[O_LOCAL_THRESHOLD]},
+    [O_LOCAL_FRACTION] = {"local-prefill-fraction", 0, "F", g_help[O_LOCAL_FRACTION]},
+    [O_LOCAL_MAX_TOKENS] = {"local-prefill-max-tokens", 0, "N", g_help[O_LOCAL_MAX_TOKENS]},
+    [O_PREFILL_SATURATED] = {"prefill-saturated-tokens", 0, "N", g_help[O_PREFILL_SATURATED]},
+    [O_RESERVE_OUTPUT] = {"reserve-output-tokens", 0, "N", g_help[O_RESERVE_OUTPUT]},
+    [O_PREDICT_TTL] = {"predict-ttl", 0, "S", g_help[O_PREDICT_TTL]},
+    [O_MAX_RETRIES] = {"max-retries", 0, "N", g_help[O_MAX_RETRIES]},
+    [O_MAX_QUEUED] = {"max-queued", 0, "N", g_help[O_MAX_QUEUED]},
+    [O_QUEUE_TIMEOUT] = {"queue-timeout", 0, "S", g_help[O_QUEUE_TIMEOUT]},
+    [O_SEED] = {"seed", 0, "N", "random policy and temperature draws (default: random)"},
+    [O_HOST] = {"host", 0, "H", "address to bind (default 127.0.0.1)"},
+    [O_PORT] = {"port", 0, "N", "HTTP port (default 8000; 0: ephemeral)"},
+    [O_GRPC_PORT] = {"grpc-port", 0, "N", "gRPC port (default 50051; 0: ephemeral; -1: none)"},
+    [O_MODEL] = {"model", 0, "PATH", "the model's tokenizer and chat template (default model)"},
+    [O_SERVED_NAME] = {"served-model-name", 0, "NAME",
+                       "model name in the API (default: the model's own name)"},
+    [O_CHAT_TEMPLATE] = {"chat-template", 0, "NAME", "override the detected chat template"},
+    [O_MAX_CTX] = {"max-ctx", 0, "N",
+                   "longest prompt + output accepted (default: the model's\n"
+                   "training context, at most 4096)"},
+    [O_API_KEY] = {"api-key", 0, "K",
+                   "require 'Authorization: Bearer K' (repeatable, up to " TD_STR(MAX_KEYS) ")"},
+    [O_API_KEY_FILE] = {"api-key-file", 0, "PATH",
+                        "the same, a key per line of the file (a mounted Secret:\n"
+                        "keeps the keys off the command line)"},
+    [O_METRICS_NEED_KEY] = {"metrics-need-key", 0, NULL, "/metrics needs a key too"},
+    [O_RETRY_AFTER] = {"retry-after", 0, "S", "Retry-After of a 429 (default 1)"},
+    [O_PING_INTERVAL] = {"ping-interval", 0, "S", "SSE ': ping' comment interval (default 5)"},
+    [O_DRAIN_TIMEOUT] = {"drain-timeout", 0, "S",
+                         "seconds running requests get after SIGTERM (default 30)"},
+};
+
+#define HELP(i, ...) snprintf(g_help[i], sizeof g_help[i], __VA_ARGS__)
+static void fill_help(void) {
     td_rt_score_params d = td_rt_score_default_params();
     td_router_params rd = td_router_default_params();
-    fprintf(
-        f,
-        "usage: tandem-router --cluster-token-file F (--decode HOST:PORT... | --decode-dns "
-        "NAME:PORT)\n"
-        "                     [--prefill HOST:PORT...] [--prefill-dns NAME:PORT] [options]\n"
-        "\n"
-        "The cluster's front door: the OpenAI HTTP API and the gRPC service of `tandem serve`,\n"
-        "with every request routed to a decode instance (and a prefill instance, or local\n"
-        "prefill on the decode instance) by prefix-cache hits and KV headroom, and streamed\n"
-        "through. Prints 'tandem-router: listening http=HOST:PORT grpc=HOST:PORT' when bound.\n"
-        "/ready answers 200 once a decode instance is ready. SIGTERM drains: /ready 503, new\n"
-        "requests 503, running ones finish (--drain-timeout), then exit 0.\n"
-        "\n"
-        "instances (HOST:PORT of their HTTP port; repeat a flag or give a comma list):\n"
-        "  --prefill LIST             prefill instances\n"
-        "  --decode LIST              decode instances\n"
-        "  --prefill-dns NAME:PORT    prefill instances: every address NAME resolves to\n"
-        "  --decode-dns NAME:PORT     (a Kubernetes headless Service), re-resolved\n"
-        "  --dns-interval S           every S seconds (default %.0f)\n"
-        "  --poll-interval-ms N       state pull and health check period (default %.0f)\n"
-        "  --poll-timeout-ms N        one state pull's limit (default %.0f)\n"
-        "  --cluster-token-file F     the cluster's shared secret (first line of F), or\n"
-        "  --cluster-token T\n"
-        "\n"
-        "routing:\n"
-        "  --policy P                 kv-aware | round-robin | random | least-loaded "
-        "(default %s)\n"
-        "  --overlap-weight W         weight of the uncached prompt blocks (default %.2f)\n"
-        "  --decode-weight W          weight of the decode instance's active blocks (default "
-        "%.2f)\n"
-        "  --transfer-weight W        blocks per ms of the pair's measured KV transfer tail\n"
-        "                             (default %.2f)\n"
-        "  --temperature T            > 0: sample among near-best candidates (default %.2f)\n"
-        "  --local-prefill-threshold N prefill on the decode instance when its uncached\n"
-        "                             suffix is under N tokens (default %d), or\n"
-        "  --local-prefill-fraction F under F of the prompt (default %.2f) and\n"
-        "  --local-prefill-max-tokens N under N tokens (default %d)\n"
-        "  --prefill-saturated-tokens N a prefill instance with N queued prefill tokens is\n"
-        "                             saturated; all saturated: local prefill (default %lld)\n"
-        "  --reserve-output-tokens N  output tokens a decode instance reserves (default %d)\n"
-        "  --predict-ttl S            the prefix entries predicted for a routed request live S\n"
-        "                             seconds from the decision and again from its first\n"
-        "                             token (default %.1f)\n"
-        "  --max-retries N            further attempts before the first token (default %d)\n"
-        "  --max-queued N             requests waiting for KV headroom, then 429 (default %d)\n"
-        "  --queue-timeout S          longest wait for headroom, then 503 (default %.0f)\n"
-        "  --seed N                   random policy and temperature draws (default: random)\n"
-        "\n"
-        "front end:\n"
-        "  --host H                   address to bind (default 127.0.0.1)\n"
-        "  --port N                   HTTP port (default 8000; 0: ephemeral)\n"
-        "  --grpc-port N              gRPC port (default 50051; 0: ephemeral; -1: none)\n"
-        "  --model PATH               the model's tokenizer and chat template (default model)\n"
-        "  --served-model-name NAME   model name in the API (default: the model's own name)\n"
-        "  --chat-template NAME       override the detected chat template\n"
-        "  --max-ctx N                longest prompt + output accepted (default: the model's\n"
-        "                             training context, at most 4096)\n"
-        "  --api-key K                require 'Authorization: Bearer K' (repeatable)\n"
-        "  --api-key-file PATH        the same, a key per line of the file (a mounted Secret:\n"
-        "                             keeps the keys off the command line)\n"
-        "  --metrics-need-key         /metrics needs a key too\n"
-        "  --retry-after S            Retry-After of a 429 (default 1)\n"
-        "  --ping-interval S          SSE ': ping' comment interval (default 5)\n"
-        "  --drain-timeout S          seconds running requests get after SIGTERM (default 30)\n",
-        rd.dns_interval_s, rd.poll_interval_s * 1000, rd.poll_timeout_s * 1000,
-        td_rt_policy_str(d.policy), d.overlap_weight, d.decode_weight, d.transfer_weight,
-        d.temperature, d.local_prefill_tokens, d.local_prefill_fraction, d.local_prefill_max_tokens,
-        (long long)d.prefill_saturated_tokens, d.reserve_output_tokens, rd.predict_ttl_s,
-        rd.max_retries, rd.max_queued, rd.queue_timeout_s);
+    HELP(O_DNS_INTERVAL, "every S seconds (default %.0f)", rd.dns_interval_s);
+    HELP(O_POLL_INTERVAL, "state pull and health check period (default %.0f)",
+         rd.poll_interval_s * 1000);
+    HELP(O_POLL_TIMEOUT, "one state pull's limit (default %.0f)", rd.poll_timeout_s * 1000);
+    HELP(O_POLICY, "kv-aware | round-robin | random | least-loaded (default %s)",
+         td_rt_policy_str(d.policy));
+    HELP(O_OVERLAP_WEIGHT, "weight of the uncached prompt blocks (default %.2f)", d.overlap_weight);
+    HELP(O_DECODE_WEIGHT, "weight of the decode instance's active blocks (default %.2f)",
+         d.decode_weight);
+    HELP(O_TRANSFER_WEIGHT,
+         "blocks per ms of the pair's measured KV transfer tail\n"
+         "(default %.2f)",
+         d.transfer_weight);
+    HELP(O_TEMPERATURE, "> 0: sample among near-best candidates (default %.2f)", d.temperature);
+    HELP(O_LOCAL_THRESHOLD,
+         "prefill on the decode instance when its uncached\n"
+         "suffix is under N tokens (default %d), or",
+         d.local_prefill_tokens);
+    HELP(O_LOCAL_FRACTION, "under F of the prompt (default %.2f) and", d.local_prefill_fraction);
+    HELP(O_LOCAL_MAX_TOKENS, "under N tokens (default %d)", d.local_prefill_max_tokens);
+    HELP(O_PREFILL_SATURATED,
+         "a prefill instance with N queued prefill tokens is\n"
+         "saturated; all saturated: local prefill (default %lld)",
+         (long long)d.prefill_saturated_tokens);
+    HELP(O_RESERVE_OUTPUT, "output tokens a decode instance reserves (default %d)",
+         d.reserve_output_tokens);
+    HELP(O_PREDICT_TTL,
+         "the prefix entries predicted for a routed request live S\n"
+         "seconds from the decision and again from its first\n"
+         "token (default %.1f)",
+         rd.predict_ttl_s);
+    HELP(O_MAX_RETRIES, "further attempts before the first token (default %d)", rd.max_retries);
+    HELP(O_MAX_QUEUED, "requests waiting for KV headroom, then 429 (default %d)", rd.max_queued);
+    HELP(O_QUEUE_TIMEOUT, "longest wait for headroom, then 503 (default %.0f)", rd.queue_timeout_s);
+}
+#undef HELP
+
+static void usage(FILE *f, void *ctx) {
+    TD_UNUSED(ctx);
+    fprintf(f, "usage: tandem-router --cluster-token-file F (--decode HOST:PORT... | --decode-dns "
+               "NAME:PORT)\n"
+               "                     [--prefill HOST:PORT...] [--prefill-dns NAME:PORT] "
+               "[options]\n"
+               "\n"
+               "The cluster's front door: the OpenAI HTTP API and the gRPC service of `tandem "
+               "serve`,\n"
+               "with every request routed to a decode instance (and a prefill instance, or local\n"
+               "prefill on the decode instance) by prefix-cache hits and KV headroom, and "
+               "streamed\n"
+               "through. Prints 'tandem-router: listening http=HOST:PORT grpc=HOST:PORT' when "
+               "bound.\n"
+               "/ready answers 200 once a decode instance is ready. SIGTERM drains: /ready 503, "
+               "new\n"
+               "requests 503, running ones finish (--drain-timeout), then exit 0.\n"
+               "\n"
+               "instances (HOST:PORT of their HTTP port; repeat a flag or give a comma list):\n");
+    td_opts_print(f, k_opts, O_POLICY);
+    fprintf(f, "\nrouting:\n");
+    td_opts_print(f, k_opts + O_POLICY, O_HOST - O_POLICY);
+    fprintf(f, "\nfront end:\n");
+    td_opts_print(f, k_opts + O_HOST, O_N - O_HOST);
 }
 
 static bool add_list(char **dst, int *n, const char *val) {
@@ -130,6 +220,94 @@ static bool parse_double(const char *s, double lo, double hi, double *out) {
     return true;
 }
 
+static bool set_opt(void *ctx, int i, const char *val, bool *printed) {
+    args *a = ctx;
+    td_rt_score_params *sp = &a->rp.score;
+    long l = 0;
+    uint64_t u = 0;
+    bool ok;
+    TD_UNUSED(printed);
+    switch (i) {
+    case O_PREFILL: return add_list(a->prefill, &a->n_prefill, val);
+    case O_DECODE: return add_list(a->decode, &a->n_decode, val);
+    case O_PREFILL_DNS: a->rp.prefill_dns = val; return true;
+    case O_DECODE_DNS: a->rp.decode_dns = val; return true;
+    case O_DNS_INTERVAL: return parse_double(val, 0.1, 3600, &a->rp.dns_interval_s);
+    case O_POLL_INTERVAL:
+        ok = td_cli_parse_long(val, 1, 60000, &l);
+        a->rp.poll_interval_s = l / 1000.0;
+        return ok;
+    case O_POLL_TIMEOUT:
+        ok = td_cli_parse_long(val, 1, 60000, &l);
+        a->rp.poll_timeout_s = l / 1000.0;
+        return ok;
+    case O_TOKEN: a->token = val; return true;
+    case O_TOKEN_FILE: a->token_file = val; return true;
+    case O_POLICY: {
+        int p = td_rt_policy_parse(val);
+        if (p >= 0) sp->policy = (td_rt_policy)p;
+        return p >= 0;
+    }
+    case O_OVERLAP_WEIGHT: return parse_double(val, 0, 1e6, &sp->overlap_weight);
+    case O_DECODE_WEIGHT: return parse_double(val, 0, 1e6, &sp->decode_weight);
+    case O_TRANSFER_WEIGHT: return parse_double(val, 0, 1e6, &sp->transfer_weight);
+    case O_TEMPERATURE: return parse_double(val, 0, 100, &sp->temperature);
+    case O_LOCAL_THRESHOLD:
+        ok = td_cli_parse_long(val, 0, 1 << 30, &l);
+        sp->local_prefill_tokens = (int32_t)l;
+        return ok;
+    case O_LOCAL_FRACTION: return parse_double(val, 0, 1, &sp->local_prefill_fraction);
+    case O_LOCAL_MAX_TOKENS:
+        ok = td_cli_parse_long(val, 0, 1 << 30, &l);
+        sp->local_prefill_max_tokens = (int32_t)l;
+        return ok;
+    case O_PREFILL_SATURATED:
+        ok = td_cli_parse_long(val, 1, 1L << 40, &l);
+        sp->prefill_saturated_tokens = l;
+        return ok;
+    case O_RESERVE_OUTPUT:
+        ok = td_cli_parse_long(val, 0, 1 << 20, &l);
+        sp->reserve_output_tokens = (int32_t)l;
+        return ok;
+    case O_PREDICT_TTL: return parse_double(val, 0, 3600, &a->rp.predict_ttl_s);
+    case O_MAX_RETRIES:
+        ok = td_cli_parse_long(val, 0, 16, &l);
+        a->rp.max_retries = (int)l;
+        return ok;
+    case O_MAX_QUEUED:
+        ok = td_cli_parse_long(val, 0, 1 << 20, &l);
+        a->rp.max_queued = (int)l;
+        return ok;
+    case O_QUEUE_TIMEOUT: return parse_double(val, 0.001, 86400, &a->rp.queue_timeout_s);
+    case O_SEED:
+        ok = td_cli_parse_u64(val, &u);
+        a->rp.seed = u;
+        return ok;
+    case O_HOST: a->host = val; return true;
+    case O_PORT: return td_cli_parse_long(val, 0, 65535, &a->port);
+    case O_GRPC_PORT: return td_cli_parse_long(val, -1, 65535, &a->grpc_port);
+    case O_MODEL: a->model = val; return true;
+    case O_SERVED_NAME: a->served_name = val; return true;
+    case O_CHAT_TEMPLATE:
+        a->chat_template = val;
+        return td_chat_template_from_name(val) != TD_CHAT_UNKNOWN;
+    case O_MAX_CTX: return td_cli_parse_long(val, 2, 1 << 24, &a->max_ctx);
+    case O_API_KEY:
+        if (a->n_keys >= MAX_KEYS || !*val) return false;
+        a->keys[a->n_keys++] = val;
+        return true;
+    case O_API_KEY_FILE: /* read once the flags are parsed (--help reads nothing) */
+        if (a->key_file) return false;
+        a->key_file = val;
+        return true;
+    case O_METRICS_NEED_KEY: a->metrics_need_key = true; return true;
+    case O_RETRY_AFTER: return td_cli_parse_long(val, 0, 3600, &a->retry_after);
+    case O_DRAIN_TIMEOUT: return parse_double(val, 0, 86400, &a->drain_timeout);
+    case O_PING_INTERVAL: return parse_double(val, 0.05, 3600, &a->ping_interval);
+    }
+    return false;
+}
+
 static int parse_args(int argc, char **argv, args *a) {
     a->host = "127.0.0.1";
     a->port = 8000;
@@ -138,117 +316,10 @@ static int parse_args(int argc, char **argv, args *a) {
     a->retry_after = 1;
     a->ping_interval = 5;
     a->rp = td_router_default_params();
-    td_rt_score_params *sp = &a->rp.score;
-    for (int i = 1; i < argc; i++) {
-        const char *opt = argv[i];
-        if (!strcmp(opt, "--help") || !strcmp(opt, "-h")) {
-            usage(stdout);
-            return 1;
-        }
-        if (!strcmp(opt, "--metrics-need-key")) {
-            a->metrics_need_key = true;
-            continue;
-        }
-        if (i + 1 >= argc) {
-            fprintf(stderr, "tandem-router: %s needs a value (or is unknown)\n", opt);
-            return 2;
-        }
-        const char *val = argv[++i];
-        long l = 0;
-        double d = 0;
-        uint64_t u = 0;
-        bool ok = true;
-        if (!strcmp(opt, "--prefill"))
-            ok = add_list(a->prefill, &a->n_prefill, val);
-        else if (!strcmp(opt, "--decode"))
-            ok = add_list(a->decode, &a->n_decode, val);
-        else if (!strcmp(opt, "--prefill-dns"))
-            a->rp.prefill_dns = val;
-        else if (!strcmp(opt, "--decode-dns"))
-            a->rp.decode_dns = val;
-        else if (!strcmp(opt, "--dns-interval"))
-            ok = parse_double(val, 0.1, 3600, &a->rp.dns_interval_s);
-        else if (!strcmp(opt, "--poll-interval-ms") && (ok = td_cli_parse_long(val, 1, 60000, &l)))
-            a->rp.poll_interval_s = l / 1000.0;
-        else if (!strcmp(opt, "--poll-timeout-ms") && (ok = td_cli_parse_long(val, 1, 60000, &l)))
-            a->rp.poll_timeout_s = l / 1000.0;
-        else if (!strcmp(opt, "--cluster-token"))
-            a->token = val;
-        else if (!strcmp(opt, "--cluster-token-file"))
-            a->token_file = val;
-        else if (!strcmp(opt, "--policy")) {
-            int p = td_rt_policy_parse(val);
-            ok = p >= 0;
-            if (ok) sp->policy = (td_rt_policy)p;
-        } else if (!strcmp(opt, "--overlap-weight"))
-            ok = parse_double(val, 0, 1e6, &sp->overlap_weight);
-        else if (!strcmp(opt, "--decode-weight"))
-            ok = parse_double(val, 0, 1e6, &sp->decode_weight);
-        else if (!strcmp(opt, "--transfer-weight"))
-            ok = parse_double(val, 0, 1e6, &sp->transfer_weight);
-        else if (!strcmp(opt, "--temperature"))
-            ok = parse_double(val, 0, 100, &sp->temperature);
-        else if (!strcmp(opt, "--local-prefill-threshold") &&
-                 (ok = td_cli_parse_long(val, 0, 1 << 30, &l)))
-            sp->local_prefill_tokens = (int32_t)l;
-        else if (!strcmp(opt, "--local-prefill-fraction"))
-            ok = parse_double(val, 0, 1, &sp->local_prefill_fraction);
-        else if (!strcmp(opt, "--local-prefill-max-tokens") &&
-                 (ok = td_cli_parse_long(val, 0, 1 << 30, &l)))
-            sp->local_prefill_max_tokens = (int32_t)l;
-        else if (!strcmp(opt, "--prefill-saturated-tokens") &&
-                 (ok = td_cli_parse_long(val, 1, 1L << 40, &l)))
-            sp->prefill_saturated_tokens = l;
-        else if (!strcmp(opt, "--reserve-output-tokens") &&
-                 (ok = td_cli_parse_long(val, 0, 1 << 20, &l)))
-            sp->reserve_output_tokens = (int32_t)l;
-        else if (!strcmp(opt, "--predict-ttl"))
-            ok = parse_double(val, 0, 3600, &a->rp.predict_ttl_s);
-        else if (!strcmp(opt, "--max-retries") && (ok = td_cli_parse_long(val, 0, 16, &l)))
-            a->rp.max_retries = (int)l;
-        else if (!strcmp(opt, "--max-queued") && (ok = td_cli_parse_long(val, 0, 1 << 20, &l)))
-            a->rp.max_queued = (int)l;
-        else if (!strcmp(opt, "--queue-timeout"))
-            ok = parse_double(val, 0.001, 86400, &a->rp.queue_timeout_s);
-        else if (!strcmp(opt, "--seed") && (ok = td_cli_parse_u64(val, &u)))
-            a->rp.seed = u;
-        else if (!strcmp(opt, "--host"))
-            a->host = val;
-        else if (!strcmp(opt, "--port"))
-            ok = td_cli_parse_long(val, 0, 65535, &a->port);
-        else if (!strcmp(opt, "--grpc-port"))
-            ok = td_cli_parse_long(val, -1, 65535, &a->grpc_port);
-        else if (!strcmp(opt, "--model"))
-            a->model = val;
-        else if (!strcmp(opt, "--served-model-name"))
-            a->served_name = val;
-        else if (!strcmp(opt, "--chat-template")) {
-            ok = td_chat_template_from_name(val) != TD_CHAT_UNKNOWN;
-            a->chat_template = val;
-        } else if (!strcmp(opt, "--max-ctx"))
-            ok = td_cli_parse_long(val, 2, 1 << 24, &a->max_ctx);
-        else if (!strcmp(opt, "--api-key")) {
-            ok = a->n_keys < 64 && *val;
-            if (ok) a->keys[a->n_keys++] = val;
-        } else if (!strcmp(opt, "--api-key-file")) {
-            ok = !a->key_file; /* read once the flags are parsed (--help reads nothing) */
-            a->key_file = val;
-        } else if (!strcmp(opt, "--retry-after"))
-            ok = td_cli_parse_long(val, 0, 3600, &a->retry_after);
-        else if (!strcmp(opt, "--drain-timeout"))
-            ok = parse_double(val, 0, 86400, &a->drain_timeout);
-        else if (!strcmp(opt, "--ping-interval"))
-            ok = parse_double(val, 0.05, 3600, &a->ping_interval);
-        else {
-            fprintf(stderr, "tandem-router: unknown option '%s' (see --help)\n", opt);
-            return 2;
-        }
-        if (!ok) {
-            fprintf(stderr, "tandem-router: bad value '%s' for %s\n", val, opt);
-            return 2;
-        }
-        TD_UNUSED(d);
-    }
+    fill_help();
+    td_optset set = {k_opts, O_N, set_opt, a};
+    int rc = td_opts_parse("tandem-router", argc, argv, &set, 1, usage, NULL);
+    if (rc) return rc;
     if (!a->token == !a->token_file) {
         fprintf(stderr, "tandem-router: give the cluster token: --cluster-token or "
                         "--cluster-token-file\n");
@@ -259,7 +330,7 @@ static int parse_args(int argc, char **argv, args *a) {
         return 2;
     }
     if (a->key_file &&
-        !(a->key_file_buf = td_cli_read_keys(a->key_file, a->keys, &a->n_keys, 64))) {
+        !(a->key_file_buf = td_cli_read_keys(a->key_file, a->keys, &a->n_keys, MAX_KEYS))) {
         fprintf(stderr, "tandem-router: bad value '%s' for --api-key-file\n", a->key_file);
         return 2;
     }

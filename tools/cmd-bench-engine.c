@@ -24,27 +24,56 @@
 
 #define BENCH_MAX_REPS 1000
 
-static void bench_usage(FILE *f) {
-    fprintf(f,
-            "usage: tandem bench-engine [--model PATH] [-p N] [-n N] [-r N] [--threads N]\n"
-            "                           [--isa NAME] [--device D] [--json] [plan flags]\n"
-            "\n"
-            "Measures prompt processing (ppN: N tokens in one batch) and generation (tgN:\n"
-            "N tokens one at a time from an empty context) like llama-bench: one warm-up,\n"
-            "then mean +- sd of tokens/s over the repetitions, a fresh KV cache each time.\n"
-            "\n"
-            "  --model PATH    GGUF file or Hugging Face directory (default: %s)\n"
-            "  -p, --n-prompt N  prompt tokens (default 512; 0 skips pp)\n"
-            "  -n, --n-gen N     generated tokens (default 128; 0 skips tg)\n"
-            "  -r, --repetitions N  timed repetitions (default 5)\n"
-            "  -t, --threads N   worker threads (default: every core)\n"
-            "  --isa NAME      kernel set: scalar, avx2, avx512 (default: best available)\n"
-            "  --device D      device: cpu, cuda, cuda:N (default: a GPU when built and visible, "
-            "else cpu)\n"
-            "  --json          one JSON object on stdout instead of the table\n"
-            "  -t with a plan of several ranks: threads per rank (default: cores / ranks)\n",
-            td_default_model_path());
-    fprintf(f, "\nparallel plan:\n%s", td_plan_flags_help());
+enum { B_MODEL, B_N_PROMPT, B_N_GEN, B_REPS, B_THREADS, B_ISA, B_DEVICE, B_JSON, B_N };
+static td_opt k_bench_opts[B_N] = {
+    /* the --model help names the default: set below */
+    [B_MODEL] = {"model", 'm', "PATH", "GGUF file or Hugging Face directory"},
+    [B_N_PROMPT] = {"n-prompt", 'p', "N", "prompt tokens (default 512; 0 skips pp)"},
+    [B_N_GEN] = {"n-gen", 'n', "N", "generated tokens (default 128; 0 skips tg)"},
+    [B_REPS] = {"repetitions", 'r', "N", "timed repetitions (default 5)"},
+    [B_THREADS] = {"threads", 't', "N",
+                   "worker threads (default: every core); with a plan of\n"
+                   "several ranks: threads per rank (default: cores / ranks)"},
+    [B_ISA] = {"isa", 0, "NAME", "kernel set: scalar, avx2, avx512 (default: best available)"},
+    [B_DEVICE] = {"device", 0, "D",
+                  "device: cpu, cuda, cuda:N (default: a GPU when built and visible, else cpu)"},
+    [B_JSON] = {"json", 0, NULL, "one JSON object on stdout instead of the table"},
+};
+
+static void bench_usage(FILE *f, void *ctx) {
+    TD_UNUSED(ctx);
+    fprintf(f, "usage: tandem bench-engine [--model PATH] [-p N] [-n N] [-r N] [--threads N]\n"
+               "                           [--isa NAME] [--device D] [--json] [plan flags]\n"
+               "\n"
+               "Measures prompt processing (ppN: N tokens in one batch) and generation (tgN:\n"
+               "N tokens one at a time from an empty context) like llama-bench: one warm-up,\n"
+               "then mean +- sd of tokens/s over the repetitions, a fresh KV cache each time.\n"
+               "\n");
+    td_opts_print(f, k_bench_opts, B_N);
+    fprintf(f, "\nparallel plan:\n");
+    td_cli_plan_usage(f);
+}
+
+typedef struct {
+    const char *model, *isa, *device;
+    long n_prompt, n_gen, reps, threads;
+    bool json;
+} bench_args;
+
+static bool set_bench_opt(void *ctx, int i, const char *val, bool *printed) {
+    bench_args *a = ctx;
+    TD_UNUSED(printed);
+    switch (i) {
+    case B_MODEL: a->model = val; return true;
+    case B_ISA: a->isa = val; return true;
+    case B_DEVICE: a->device = val; return true;
+    case B_N_PROMPT: return td_cli_parse_long(val, 0, 1 << 20, &a->n_prompt);
+    case B_N_GEN: return td_cli_parse_long(val, 0, 1 << 20, &a->n_gen);
+    case B_REPS: return td_cli_parse_long(val, 1, BENCH_MAX_REPS, &a->reps);
+    case B_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
+    case B_JSON: a->json = true; return true;
+    }
+    return false;
 }
 
 /* splitmix64: random token ids that do not depend on libc's rand(). */
@@ -191,57 +220,15 @@ static uint64_t model_size_bytes(const char *path) {
 }
 
 int td_cmd_bench_engine(int argc, char **argv) {
-    const char *model = NULL, *isa = NULL, *device = NULL;
-    long n_prompt = 512, n_gen = 128, reps = 5, threads = 0;
-    bool json = false;
+    bench_args ba = {.n_prompt = 512, .n_gen = 128, .reps = 5};
     td_cli_plan plan = {.p = td_plan_default_params()};
-    for (int i = 1; i < argc; i++) {
-        const char *opt = argv[i];
-        int pf = td_cli_plan_flag(&plan, argc, argv, &i);
-        if (pf < 0) return 2;
-        if (pf > 0) continue;
-        if (!strcmp(opt, "--help") || !strcmp(opt, "-h")) {
-            bench_usage(stdout);
-            return 0;
-        }
-        if (!strcmp(opt, "--json")) {
-            json = true;
-            continue;
-        }
-        bool known = !strcmp(opt, "--model") || !strcmp(opt, "-m") || !strcmp(opt, "--isa") ||
-                     !strcmp(opt, "--device") || !strcmp(opt, "-p") || !strcmp(opt, "--n-prompt") ||
-                     !strcmp(opt, "-n") || !strcmp(opt, "--n-gen") || !strcmp(opt, "-r") ||
-                     !strcmp(opt, "--repetitions") || !strcmp(opt, "-t") ||
-                     !strcmp(opt, "--threads");
-        if (!known) {
-            fprintf(stderr, "tandem bench-engine: unknown option '%s' (see --help)\n", opt);
-            return 2;
-        }
-        if (i + 1 >= argc) {
-            fprintf(stderr, "tandem bench-engine: %s needs a value\n", opt);
-            return 2;
-        }
-        const char *val = argv[++i];
-        bool ok = true;
-        if (!strcmp(opt, "--model") || !strcmp(opt, "-m"))
-            model = val;
-        else if (!strcmp(opt, "--isa"))
-            isa = val;
-        else if (!strcmp(opt, "--device"))
-            device = val;
-        else if (!strcmp(opt, "-p") || !strcmp(opt, "--n-prompt"))
-            ok = td_cli_parse_long(val, 0, 1 << 20, &n_prompt);
-        else if (!strcmp(opt, "-n") || !strcmp(opt, "--n-gen"))
-            ok = td_cli_parse_long(val, 0, 1 << 20, &n_gen);
-        else if (!strcmp(opt, "-r") || !strcmp(opt, "--repetitions"))
-            ok = td_cli_parse_long(val, 1, BENCH_MAX_REPS, &reps);
-        else
-            ok = td_cli_parse_long(val, 1, 4096, &threads);
-        if (!ok) {
-            fprintf(stderr, "tandem bench-engine: bad value '%s' for %s\n", val, opt);
-            return 2;
-        }
-    }
+    k_bench_opts[B_MODEL].help = td_cli_model_help();
+    td_optset sets[] = {{k_bench_opts, B_N, set_bench_opt, &ba}, td_cli_plan_optset(&plan)};
+    int orc = td_opts_parse("tandem bench-engine", argc, argv, sets, 2, bench_usage, NULL);
+    if (orc) return orc == 1 ? 0 : 2;
+    const char *model = ba.model, *isa = ba.isa, *device = ba.device;
+    long n_prompt = ba.n_prompt, n_gen = ba.n_gen, reps = ba.reps, threads = ba.threads;
+    bool json = ba.json;
     if (n_prompt == 0 && n_gen == 0) {
         fprintf(stderr, "tandem bench-engine: nothing to measure (-p 0 and -n 0)\n");
         return 2;

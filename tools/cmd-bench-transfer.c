@@ -39,7 +39,29 @@ extern char **environ;
 #define BT_SERVER_OUT 3 /* fds of the server: to the client, from the client */
 #define BT_SERVER_IN  4
 
-static void bt_usage(FILE *f) {
+enum { T_SIZE, T_ITERS, T_WARMUP, T_WINDOW, T_SPREAD, T_TARGET, T_JSON, T_ROLE, T_BYTES, T_N };
+static const td_opt k_bt_opts[T_N] = {
+    [T_SIZE] = {"size", 's', "SIZE", "bytes per put (default 1048576)"},
+    [T_ITERS] = {"iters", 'n', "N", "timed puts (default 1000)"},
+    [T_WARMUP] = {"warmup", 'w', "N", "untimed puts first (default 100)"},
+    [T_WINDOW] = {"window", 0, "N", "puts outstanding at most (default 16)"},
+    [T_SPREAD] = {"spread", 0, "N",
+                  "put i goes from and to slot i % N of SIZE x N-byte regions\n"
+                  "(default 1: every put from one buffer to one remote address,\n"
+                  "as ucx_perftest does; KV blocks spread over more memory)"},
+    [T_TARGET] = {"target", 0, "alloc|map",
+                  "the server's region: allocated through the channel\n"
+                  "(td_ucx_mem_alloc, default) or plain pages registered with\n"
+                  "td_ucx_mem_map (on one host with error handling UCX then\n"
+                  "emulates the puts with active messages)"},
+    [T_JSON] = {"json", 0, NULL, "one JSON object on stdout instead of the table"},
+    /* internal: the server process and its region */
+    [T_ROLE] = {"role", 0, "server", NULL},
+    [T_BYTES] = {"bytes", 0, "N", NULL},
+};
+
+static void bt_usage(FILE *f, void *ctx) {
+    TD_UNUSED(ctx);
     fprintf(f,
             "usage: tandem bench-transfer [-s SIZE] [-n ITERS] [-w N] [--window N] [--spread N]\n"
             "                             [--target alloc|map] [--json]\n"
@@ -48,19 +70,30 @@ static void bt_usage(FILE *f) {
             "process it starts, measured like `ucx_perftest -t ucp_put_bw -s SIZE -n ITERS\n"
             "-e`: puts of SIZE bytes back to back, at most N outstanding, one flush at the\n"
             "end; GB/s = SIZE x ITERS / seconds. UCX's own variables apply (UCX_TLS, ...).\n"
-            "\n"
-            "  -s, --size SIZE   bytes per put (default 1048576)\n"
-            "  -n, --iters N     timed puts (default 1000)\n"
-            "  -w, --warmup N    untimed puts first (default 100)\n"
-            "  --window N        puts outstanding at most (default 16)\n"
-            "  --spread N        put i goes from and to slot i %% N of SIZE x N-byte regions\n"
-            "                    (default 1: every put from one buffer to one remote address,\n"
-            "                    as ucx_perftest does; KV blocks spread over more memory)\n"
-            "  --target alloc|map  the server's region: allocated through the channel\n"
-            "                    (td_ucx_mem_alloc, default) or plain pages registered with\n"
-            "                    td_ucx_mem_map (on one host with error handling UCX then\n"
-            "                    emulates the puts with active messages)\n"
-            "  --json            one JSON object on stdout instead of the table\n");
+            "\n");
+    td_opts_print(f, k_bt_opts, T_N);
+}
+
+typedef struct {
+    long size, iters, warmup, window, spread, server_bytes;
+    bool json, server, map;
+} bt_args;
+
+static bool bt_set(void *ctx, int i, const char *val, bool *printed) {
+    bt_args *a = ctx;
+    TD_UNUSED(printed);
+    switch (i) {
+    case T_SIZE: return td_cli_parse_long(val, 1, 1L << 30, &a->size);
+    case T_ITERS: return td_cli_parse_long(val, 1, 1L << 40, &a->iters);
+    case T_WARMUP: return td_cli_parse_long(val, 0, 1L << 40, &a->warmup);
+    case T_WINDOW: return td_cli_parse_long(val, 1, BT_MAX_WINDOW, &a->window);
+    case T_SPREAD: return td_cli_parse_long(val, 1, BT_MAX_WINDOW, &a->spread);
+    case T_TARGET: return (a->map = !strcmp(val, "map")) || !strcmp(val, "alloc");
+    case T_JSON: a->json = true; return true;
+    case T_ROLE: return a->server = !strcmp(val, "server");
+    case T_BYTES: return td_cli_parse_long(val, 1, 1L << 40, &a->server_bytes);
+    }
+    return false;
 }
 
 static bool bt_write(int fd, const void *p, size_t n) {
@@ -235,51 +268,13 @@ static bool bt_reap(pid_t pid) {
 }
 
 int td_cmd_bench_transfer(int argc, char **argv) {
-    long size = 1 << 20, iters = 1000, warmup = 100, window = 16, spread = 1, server_bytes = 0;
-    bool json = false, server = false, map = false;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            bt_usage(stdout);
-            return 0;
-        }
-        if (!strcmp(a, "--json")) {
-            json = true;
-            continue;
-        }
-        if (i + 1 >= argc) {
-            fprintf(stderr, "tandem bench-transfer: unknown option or missing value: %s\n", a);
-            bt_usage(stderr);
-            return 2;
-        }
-        const char *val = argv[++i];
-        bool ok;
-        if (!strcmp(a, "-s") || !strcmp(a, "--size"))
-            ok = td_cli_parse_long(val, 1, 1L << 30, &size);
-        else if (!strcmp(a, "-n") || !strcmp(a, "--iters"))
-            ok = td_cli_parse_long(val, 1, 1L << 40, &iters);
-        else if (!strcmp(a, "-w") || !strcmp(a, "--warmup"))
-            ok = td_cli_parse_long(val, 0, 1L << 40, &warmup);
-        else if (!strcmp(a, "--window"))
-            ok = td_cli_parse_long(val, 1, BT_MAX_WINDOW, &window);
-        else if (!strcmp(a, "--spread"))
-            ok = td_cli_parse_long(val, 1, BT_MAX_WINDOW, &spread);
-        else if (!strcmp(a, "--target"))
-            ok = (map = !strcmp(val, "map")) || !strcmp(val, "alloc");
-        else if (!strcmp(a, "--role")) /* internal: the server process */
-            ok = server = !strcmp(val, "server");
-        else if (!strcmp(a, "--bytes")) /* internal: the server's region */
-            ok = td_cli_parse_long(val, 1, 1L << 40, &server_bytes);
-        else {
-            fprintf(stderr, "tandem bench-transfer: unknown option: %s\n", a);
-            bt_usage(stderr);
-            return 2;
-        }
-        if (!ok) {
-            fprintf(stderr, "tandem bench-transfer: bad value for %s: %s\n", a, val);
-            return 2;
-        }
-    }
+    bt_args ba = {.size = 1 << 20, .iters = 1000, .warmup = 100, .window = 16, .spread = 1};
+    td_optset set = {k_bt_opts, T_N, bt_set, &ba};
+    int orc = td_opts_parse("tandem bench-transfer", argc, argv, &set, 1, bt_usage, NULL);
+    if (orc) return orc == 1 ? 0 : 2;
+    long size = ba.size, iters = ba.iters, warmup = ba.warmup, window = ba.window,
+         spread = ba.spread, server_bytes = ba.server_bytes;
+    bool json = ba.json, server = ba.server, map = ba.map;
     if (server) return server_bytes > 0 ? bt_server((size_t)server_bytes, map) : 2;
     if ((unsigned long)size * (unsigned long)spread > (8UL << 30)) {
         fprintf(stderr, "tandem bench-transfer: SIZE x spread over 8 GiB\n");

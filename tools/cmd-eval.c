@@ -12,7 +12,6 @@
  * carries more than the engine's batch limit; larger steps are split over
  * several calls, which the invariance contract makes equivalent. */
 #include <errno.h>
-#include <getopt.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <string.h>
@@ -32,21 +31,47 @@ typedef struct {
     float *out; /* (len, n_vocab) inside the output buffer */
 } eval_seq;
 
-static void usage(FILE *f) {
+enum { E_MODEL, E_TOKENS, E_OUT, E_THREADS, E_CHUNK, E_BATCH, E_ISA, E_N };
+static td_opt k_eval_opts[E_N] = {
+    /* the --model help names the default: set below */
+    [E_MODEL] = {"model", 'm', "PATH", "GGUF file or Hugging Face directory"},
+    [E_TOKENS] = {"tokens", 0, "IN.json", "{\"sequences\": [[token ids], ...]}"},
+    [E_OUT] = {"out", 0, "OUT.bin", "float32 logits, (len, n_vocab) per sequence, in order"},
+    [E_THREADS] = {"threads", 0, "N", "worker threads (default: every core)"},
+    [E_CHUNK] = {"chunk", 0, "N", "tokens per forward call (default: the whole sequence)"},
+    [E_BATCH] = {"batch", 0, NULL, "every sequence in each call (default: one at a time)"},
+    [E_ISA] = {"isa", 0, "NAME", "kernel set: scalar, avx2, avx512 (default: best available)"},
+};
+
+static void usage(FILE *f, void *ctx) {
+    TD_UNUSED(ctx);
     fprintf(f, "usage: tandem eval --model PATH --tokens IN.json --out OUT.bin [--threads N]\n"
-               "                   [--chunk N] [--batch] [--isa NAME] [plan flags]\n"
-               "  IN.json: {\"sequences\": [[token ids], ...]}\n"
-               "  OUT.bin: float32 logits, (len, n_vocab) per sequence, in order\n");
-    fprintf(f, "\nparallel plan:\n%s", td_plan_flags_help());
+               "                   [--chunk N] [--batch] [--isa NAME] [plan flags]\n\n");
+    td_opts_print(f, k_eval_opts, E_N);
+    fprintf(f, "\nparallel plan:\n");
+    td_cli_plan_usage(f);
 }
 
-static int parse_int(const char *s, int lo, int *v) {
-    char *end;
-    errno = 0;
-    long x = strtol(s, &end, 10);
-    if (errno || *end || end == s || x < lo || x > INT32_MAX) return -1;
-    *v = (int)x;
-    return 0;
+typedef struct {
+    const char *model, *tokens, *out, *isa;
+    long threads, chunk;
+    bool batch;
+} eval_args;
+
+static bool set_eval_opt(void *ctx, int i, const char *val, bool *printed) {
+    eval_args *a = ctx;
+    TD_UNUSED(printed);
+    switch (i) {
+    case E_MODEL: a->model = val; return true;
+    case E_TOKENS: a->tokens = val; return true;
+    case E_OUT: a->out = val; return true;
+    case E_ISA: a->isa = val; return true;
+    case E_BATCH: a->batch = true; return true;
+    /* the same bound as generate and bench-engine */
+    case E_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
+    case E_CHUNK: return td_cli_parse_long(val, 1, INT32_MAX, &a->chunk);
+    }
+    return false;
 }
 
 /* Reads the sequences; one error line on failure. */
@@ -131,63 +156,21 @@ static int run_call(td_runtime *rt, eval_seq **which, td_seq_chunk *chunks, int3
 }
 
 int td_cmd_eval(int argc, char **argv) {
-    const char *model = NULL, *tokens = NULL, *out = NULL, *isa = NULL;
-    int threads = 0, chunk = 0, batch = 0;
-    td_plan_params plan = td_plan_default_params();
-    static const struct option opts[] = {{"model", required_argument, NULL, 'm'},
-                                         {"tp", required_argument, NULL, 'P'},
-                                         {"pp", required_argument, NULL, 'P'},
-                                         {"pp-layers", required_argument, NULL, 'P'},
-                                         {"cp", required_argument, NULL, 'P'},
-                                         {"cp-mode", required_argument, NULL, 'P'},
-                                         {"cp-min-tokens", required_argument, NULL, 'P'},
-                                         {"ep", required_argument, NULL, 'P'},
-                                         {"attn-dp", no_argument, NULL, 'P'},
-                                         {"tokens", required_argument, NULL, 't'},
-                                         {"out", required_argument, NULL, 'o'},
-                                         {"threads", required_argument, NULL, 'j'},
-                                         {"chunk", required_argument, NULL, 'c'},
-                                         {"batch", no_argument, NULL, 'b'},
-                                         {"isa", required_argument, NULL, 'i'},
-                                         {"help", no_argument, NULL, 'h'},
-                                         {NULL, 0, NULL, 0}};
-    optind = 1;
-    int c;
-    int li = 0;
-    while ((c = getopt_long(argc, argv, "", opts, &li)) != -1) {
-        switch (c) {
-        case 'P': {
-            char flag[32];
-            snprintf(flag, sizeof flag, "--%s", opts[li].name);
-            if (td_plan_parse_flag(&plan, flag, optarg) < 0) return 2;
-            break;
-        }
-        case 'm': model = optarg; break;
-        case 't': tokens = optarg; break;
-        case 'o': out = optarg; break;
-        case 'i': isa = optarg; break;
-        case 'b': batch = 1; break;
-        case 'j':
-            /* the same bound as generate and bench-engine */
-            if (parse_int(optarg, 1, &threads) || threads > 4096) {
-                fprintf(stderr, "tandem eval: --threads needs an integer in [1, 4096]\n");
-                return 2;
-            }
-            break;
-        case 'c':
-            if (parse_int(optarg, 1, &chunk)) {
-                fprintf(stderr, "tandem eval: --chunk needs a positive integer\n");
-                return 2;
-            }
-            break;
-        case 'h': usage(stdout); return 0;
-        default: usage(stderr); return 2;
-        }
-    }
-    if (optind < argc || !tokens || !out) {
-        usage(stderr);
+    eval_args ea = {0};
+    td_cli_plan cp = {.p = td_plan_default_params()};
+    k_eval_opts[E_MODEL].help = td_cli_model_help();
+    td_optset sets[] = {{k_eval_opts, E_N, set_eval_opt, &ea}, td_cli_plan_optset(&cp)};
+    int orc = td_opts_parse("tandem eval", argc, argv, sets, 2, usage, NULL);
+    if (orc) return orc == 1 ? 0 : 2;
+    if (!cp.dry_run && (!ea.tokens || !ea.out)) {
+        fprintf(stderr, "tandem eval: --tokens and --out are needed (see --help)\n");
         return 2;
     }
+    if (cp.dry_run) /* (a plan that does not fit fails in td_runtime_open, as before) */
+        return td_cli_plan_check("eval", &cp, ea.model ? ea.model : td_default_model_path());
+    const char *model = ea.model, *tokens = ea.tokens, *out = ea.out, *isa = ea.isa;
+    int threads = (int)ea.threads, chunk = (int)ea.chunk, batch = ea.batch;
+    td_plan_params plan = cp.p;
 
     eval_seq *seqs = NULL;
     int32_t n_seqs = 0;

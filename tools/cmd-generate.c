@@ -19,38 +19,67 @@
 #define GEN_MAX_STOP      16
 #define GEN_PREFILL_CHUNK 512 /* tokens per prefill forward call */
 
-static void gen_usage(FILE *f) {
-    fprintf(
-        f,
-        "usage: tandem generate [--model PATH] (--prompt TEXT | --chat TEXT) [options]\n"
-        "\n"
-        "Runs the model in-process, streams the generated text to stdout and prints\n"
-        "prompt and generation speed to stderr.\n"
-        "\n"
-        "  --model PATH          GGUF file or Hugging Face directory (default: %s)\n"
-        "  --prompt TEXT         raw prompt (BOS added as the model says; special tokens parsed)\n"
-        "  --chat TEXT           user message, formatted with the model's chat template\n"
-        "  --system TEXT         system message for --chat\n"
-        "  --chat-template NAME  force a template: chatml, smollm2, llama3, llama2, mistral, "
-        "zephyr\n"
-        "  --max-tokens N        most tokens to generate (default 256)\n"
-        "  --temperature T       0 = greedy (default 0, so output is reproducible)\n"
-        "  --top-k K             keep the K most likely tokens (default 0 = off)\n"
-        "  --top-p P             nucleus sampling mass in (0, 1] (default 1 = off)\n"
-        "  --min-p P             drop tokens below P x the top probability (default 0 = off)\n"
-        "  --repeat-penalty R    repetition penalty over prompt and output (default 1 = off)\n"
-        "  --frequency-penalty F OpenAI frequency penalty (default 0)\n"
-        "  --presence-penalty F  OpenAI presence penalty (default 0)\n"
-        "  --seed S              sampling seed (default: random; fixed seed = same output)\n"
-        "  --stop TEXT           stop string (repeatable, up to %d)\n"
-        "  --threads N           worker threads (default: every core)\n"
-        "  --isa NAME            kernel set: scalar, avx2, avx512 (default: best available)\n"
-        "  --device D            device: cpu, cuda, cuda:N (default: a GPU when built and visible, "
-        "else cpu)\n"
-        "  --ctx N               context length in tokens (default: min(trained, 4096))\n",
-        td_default_model_path(), GEN_MAX_STOP);
-    fprintf(f, "\nparallel plan (validated against the model; --plan-dry-run shows it):\n%s",
-            td_plan_flags_help());
+enum {
+    G_MODEL,
+    G_PROMPT,
+    G_CHAT,
+    G_SYSTEM,
+    G_CHAT_TEMPLATE,
+    G_MAX_TOKENS,
+    G_TEMPERATURE,
+    G_TEMP,
+    G_TOP_K,
+    G_TOP_P,
+    G_MIN_P,
+    G_REPEAT_PENALTY,
+    G_FREQUENCY_PENALTY,
+    G_PRESENCE_PENALTY,
+    G_SEED,
+    G_STOP,
+    G_THREADS,
+    G_ISA,
+    G_DEVICE,
+    G_CTX,
+    G_N
+};
+static td_opt k_gen_opts[G_N] = {
+    /* the --model help names the default: set in parse_args */
+    [G_MODEL] = {"model", 'm', "PATH", "GGUF file or Hugging Face directory"},
+    [G_PROMPT] = {"prompt", 'p', "TEXT",
+                  "raw prompt (BOS added as the model says; special tokens parsed)"},
+    [G_CHAT] = {"chat", 0, "TEXT", "user message, formatted with the model's chat template"},
+    [G_SYSTEM] = {"system", 0, "TEXT", "system message for --chat"},
+    [G_CHAT_TEMPLATE] = {"chat-template", 0, "NAME",
+                         "force a template: chatml, smollm2, llama3, llama2, mistral, zephyr"},
+    [G_MAX_TOKENS] = {"max-tokens", 'n', "N", "most tokens to generate (default 256)"},
+    [G_TEMPERATURE] = {"temperature", 0, "T", "0 = greedy (default 0, so output is reproducible)"},
+    [G_TEMP] = {"temp", 0, "T", NULL},
+    [G_TOP_K] = {"top-k", 0, "K", "keep the K most likely tokens (default 0 = off)"},
+    [G_TOP_P] = {"top-p", 0, "P", "nucleus sampling mass in (0, 1] (default 1 = off)"},
+    [G_MIN_P] = {"min-p", 0, "P", "drop tokens below P x the top probability (default 0 = off)"},
+    [G_REPEAT_PENALTY] = {"repeat-penalty", 0, "R",
+                          "repetition penalty over prompt and output (default 1 = off)"},
+    [G_FREQUENCY_PENALTY] = {"frequency-penalty", 0, "F", "OpenAI frequency penalty (default 0)"},
+    [G_PRESENCE_PENALTY] = {"presence-penalty", 0, "F", "OpenAI presence penalty (default 0)"},
+    [G_SEED] = {"seed", 0, "S", "sampling seed (default: random; fixed seed = same output)"},
+    [G_STOP] = {"stop", 0, "TEXT", "stop string (repeatable, up to " TD_STR(GEN_MAX_STOP) ")"},
+    [G_THREADS] = {"threads", 't', "N", "worker threads (default: every core)"},
+    [G_ISA] = {"isa", 0, "NAME", "kernel set: scalar, avx2, avx512 (default: best available)"},
+    [G_DEVICE] = {"device", 0, "D",
+                  "device: cpu, cuda, cuda:N (default: a GPU when built and visible, else cpu)"},
+    [G_CTX] = {"ctx", 'c', "N", "context length in tokens (default: min(trained, 4096))"},
+};
+
+static void gen_usage(FILE *f, void *ctx) {
+    TD_UNUSED(ctx);
+    fprintf(f, "usage: tandem generate [--model PATH] (--prompt TEXT | --chat TEXT) [options]\n"
+               "\n"
+               "Runs the model in-process, streams the generated text to stdout and prints\n"
+               "prompt and generation speed to stderr.\n"
+               "\n");
+    td_opts_print(f, k_gen_opts, G_N);
+    fprintf(f, "\nparallel plan (validated against the model; --plan-dry-run shows it):\n");
+    td_cli_plan_usage(f);
 }
 
 typedef struct {
@@ -70,75 +99,49 @@ typedef struct {
     td_cli_plan plan;
 } gen_args;
 
-/* Returns 0 to go on, else the exit status (2 usage, 0 for --help). */
-static int parse_args(int argc, char **argv, gen_args *a) {
-    for (int i = 1; i < argc; i++) {
-        const char *opt = argv[i];
-        if (!strcmp(opt, "--help") || !strcmp(opt, "-h")) {
-            gen_usage(stdout);
-            return -1;
-        }
-        int pf = td_cli_plan_flag(&a->plan, argc, argv, &i);
-        if (pf < 0) return 2;
-        if (pf > 0) continue;
-        if (i + 1 >= argc) {
-            fprintf(stderr, "tandem generate: %s needs a value (or is unknown)\n", opt);
-            return 2;
-        }
-        const char *val = argv[++i];
-        long l;
-        bool ok = true;
-        if (!strcmp(opt, "--model") || !strcmp(opt, "-m"))
-            a->model = val;
-        else if (!strcmp(opt, "--prompt") || !strcmp(opt, "-p"))
-            a->prompt = val;
-        else if (!strcmp(opt, "--chat"))
-            a->chat = val;
-        else if (!strcmp(opt, "--system"))
-            a->system = val;
-        else if (!strcmp(opt, "--chat-template"))
-            a->chat_template = val;
-        else if (!strcmp(opt, "--isa"))
-            a->isa = val;
-        else if (!strcmp(opt, "--device"))
-            a->device = val;
-        else if (!strcmp(opt, "--max-tokens") || !strcmp(opt, "-n"))
-            ok = td_cli_parse_long(val, 1, INT32_MAX, &a->max_tokens);
-        else if (!strcmp(opt, "--threads") || !strcmp(opt, "-t"))
-            ok = td_cli_parse_long(val, 1, 4096, &a->threads);
-        else if (!strcmp(opt, "--ctx") || !strcmp(opt, "-c"))
-            ok = td_cli_parse_long(val, 1, INT32_MAX, &a->ctx);
-        else if (!strcmp(opt, "--temperature") || !strcmp(opt, "--temp"))
-            ok = td_cli_parse_float(val, &a->sp.temperature);
-        else if (!strcmp(opt, "--top-k")) {
-            ok = td_cli_parse_long(val, 0, INT32_MAX, &l);
-            a->sp.top_k = (int32_t)l;
-        } else if (!strcmp(opt, "--top-p"))
-            ok = td_cli_parse_float(val, &a->sp.top_p);
-        else if (!strcmp(opt, "--min-p"))
-            ok = td_cli_parse_float(val, &a->sp.min_p);
-        else if (!strcmp(opt, "--repeat-penalty"))
-            ok = td_cli_parse_float(val, &a->sp.repetition_penalty);
-        else if (!strcmp(opt, "--frequency-penalty"))
-            ok = td_cli_parse_float(val, &a->sp.frequency_penalty);
-        else if (!strcmp(opt, "--presence-penalty"))
-            ok = td_cli_parse_float(val, &a->sp.presence_penalty);
-        else if (!strcmp(opt, "--seed")) {
-            ok = td_cli_parse_u64(val, &a->sp.seed) && a->sp.seed != TD_SAMPLER_SEED_RANDOM;
-        } else if (!strcmp(opt, "--stop")) {
-            if (a->n_stops == GEN_MAX_STOP || !*val)
-                ok = false;
-            else
-                a->stops[a->n_stops++] = val;
-        } else {
-            fprintf(stderr, "tandem generate: unknown option '%s' (see --help)\n", opt);
-            return 2;
-        }
-        if (!ok) {
-            fprintf(stderr, "tandem generate: bad value '%s' for %s\n", val, opt);
-            return 2;
-        }
+static bool set_gen_opt(void *ctx, int i, const char *val, bool *printed) {
+    gen_args *a = ctx;
+    long l;
+    bool ok;
+    TD_UNUSED(printed);
+    switch (i) {
+    case G_MODEL: a->model = val; return true;
+    case G_PROMPT: a->prompt = val; return true;
+    case G_CHAT: a->chat = val; return true;
+    case G_SYSTEM: a->system = val; return true;
+    case G_CHAT_TEMPLATE: a->chat_template = val; return true;
+    case G_ISA: a->isa = val; return true;
+    case G_DEVICE: a->device = val; return true;
+    case G_MAX_TOKENS: return td_cli_parse_long(val, 1, INT32_MAX, &a->max_tokens);
+    case G_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
+    case G_CTX: return td_cli_parse_long(val, 1, INT32_MAX, &a->ctx);
+    case G_TEMPERATURE:
+    case G_TEMP: return td_cli_parse_float(val, &a->sp.temperature);
+    case G_TOP_K:
+        ok = td_cli_parse_long(val, 0, INT32_MAX, &l);
+        a->sp.top_k = (int32_t)l;
+        return ok;
+    case G_TOP_P: return td_cli_parse_float(val, &a->sp.top_p);
+    case G_MIN_P: return td_cli_parse_float(val, &a->sp.min_p);
+    case G_REPEAT_PENALTY: return td_cli_parse_float(val, &a->sp.repetition_penalty);
+    case G_FREQUENCY_PENALTY: return td_cli_parse_float(val, &a->sp.frequency_penalty);
+    case G_PRESENCE_PENALTY: return td_cli_parse_float(val, &a->sp.presence_penalty);
+    case G_SEED: return td_cli_parse_u64(val, &a->sp.seed) && a->sp.seed != TD_SAMPLER_SEED_RANDOM;
+    case G_STOP:
+        if (a->n_stops == GEN_MAX_STOP || !*val) return false;
+        a->stops[a->n_stops++] = val;
+        return true;
     }
+    return false;
+}
+
+/* Returns 0 to go on, else the exit status (2 usage, -1 for --help). */
+static int parse_args(int argc, char **argv, gen_args *a) {
+    k_gen_opts[G_MODEL].help = td_cli_model_help();
+    td_optset sets[] = {{k_gen_opts, G_N, set_gen_opt, a}, td_cli_plan_optset(&a->plan)};
+    int rc = td_opts_parse("tandem generate", argc, argv, sets, 2, gen_usage, NULL);
+    if (rc == 1) return -1;
+    if (rc) return 2;
     if (!a->prompt == !a->chat && !a->plan.dry_run) {
         fprintf(stderr, "tandem generate: give exactly one of --prompt and --chat (see --help)\n");
         return 2;

@@ -88,44 +88,73 @@ typedef struct {
     int n_kids;
 } up_state;
 
-static void up_usage(FILE *f) {
-    fprintf(
-        f,
-        "usage: tandem up [--prefill N] [--decode M] [--model PATH] [--port 8000] [--grpc-port "
-        "50051] [options]\n"
-        "\n"
-        "Runs a whole cluster on this machine: N tandem-prefill and M tandem-decode instances\n"
-        "on loopback (ephemeral ports; every decode instance knows every prefill instance)\n"
-        "behind one tandem-router on --host:--port, all started from the directory of this\n"
-        "binary and sharing a fresh cluster token. Prints\n"
-        "  tandem up: ready http=http://HOST:PORT grpc=HOST:PORT (prefill N, decode M)\n"
-        "on stdout once the router answers /ready and sees every instance ready. The\n"
-        "instances' output goes to stderr, each line behind the instance's name.\n"
-        "Ctrl-C or SIGTERM stops everything: the router first, then the decode, then the\n"
-        "prefill instances, each given --drain-timeout plus %.0f s before it is killed; a\n"
-        "second Ctrl-C kills at once. Exits 0 after a clean stop; 1 when an instance exits\n"
-        "on its own, fails to start or is not ready in time (everything else is stopped);\n"
-        "2 for bad usage.\n"
-        "\n"
-        "  --prefill N                prefill instances (default 1, at most %d)\n"
-        "  --decode M                 decode instances (default 1, at most %d)\n"
-        "  --model PATH               GGUF file or Hugging Face directory (default: %s)\n"
-        "  --host ADDR                the router's address (default 127.0.0.1; the instances\n"
-        "                             always bind 127.0.0.1)\n"
-        "  --port N                   the router's HTTP port (default 8000; 0 = ephemeral)\n"
-        "  --grpc-port N              the router's gRPC port (default 50051; 0 = ephemeral;\n"
-        "                             -1 = none)\n"
-        "  --threads T                compute threads per instance (default: online cores /\n"
-        "                             (N + M), at least 1)\n"
-        "  --cluster-token-file F     the cluster token (first line of F; default: a random\n"
-        "                             token in a 0600 temporary file removed at exit)\n"
-        "  --ready-timeout S          seconds to wait for the cluster to be ready (default 300)\n"
-        "  --drain-timeout S          each instance's drain timeout after SIGTERM (default 30)\n"
-        "  --chat TEXT                once ready, send TEXT as a chat message through the\n"
-        "                             router (greedy), print the answer on stdout and stop\n"
-        "                             everything (exit 0 when the answer came)\n"
-        "  --max-tokens N             the --chat answer's limit (default 128)\n",
-        UP_STOP_MARGIN_S, UP_MAX_POOL, UP_MAX_POOL, td_default_model_path());
+enum {
+    U_PREFILL,
+    U_DECODE,
+    U_MODEL,
+    U_HOST,
+    U_PORT,
+    U_GRPC_PORT,
+    U_THREADS,
+    U_TOKEN_FILE,
+    U_READY_TIMEOUT,
+    U_DRAIN_TIMEOUT,
+    U_CHAT,
+    U_MAX_TOKENS,
+    U_N
+};
+static td_opt k_up_opts[U_N] = {
+    /* the --model help names the default: set in parse_args */
+    [U_PREFILL] = {"prefill", 0, "N",
+                   "prefill instances (default 1, at most " TD_STR(UP_MAX_POOL) ")"},
+    [U_DECODE] = {"decode", 0, "M",
+                  "decode instances (default 1, at most " TD_STR(UP_MAX_POOL) ")"},
+    [U_MODEL] = {"model", 'm', "PATH", "GGUF file or Hugging Face directory"},
+    [U_HOST] = {"host", 0, "ADDR",
+                "the router's address (default 127.0.0.1; the instances\n"
+                "always bind 127.0.0.1)"},
+    [U_PORT] = {"port", 0, "N", "the router's HTTP port (default 8000; 0 = ephemeral)"},
+    [U_GRPC_PORT] = {"grpc-port", 0, "N",
+                     "the router's gRPC port (default 50051; 0 = ephemeral;\n"
+                     "-1 = none)"},
+    [U_THREADS] = {"threads", 't', "T",
+                   "compute threads per instance (default: online cores /\n"
+                   "(N + M), at least 1)"},
+    [U_TOKEN_FILE] = {"cluster-token-file", 0, "F",
+                      "the cluster token (first line of F; default: a random\n"
+                      "token in a 0600 temporary file removed at exit)"},
+    [U_READY_TIMEOUT] = {"ready-timeout", 0, "S",
+                         "seconds to wait for the cluster to be ready (default 300)"},
+    [U_DRAIN_TIMEOUT] = {"drain-timeout", 0, "S",
+                         "each instance's drain timeout after SIGTERM (default 30)"},
+    [U_CHAT] = {"chat", 0, "TEXT",
+                "once ready, send TEXT as a chat message through the\n"
+                "router (greedy), print the answer on stdout and stop\n"
+                "everything (exit 0 when the answer came)"},
+    [U_MAX_TOKENS] = {"max-tokens", 0, "N", "the --chat answer's limit (default 128)"},
+};
+
+static void up_usage(FILE *f, void *ctx) {
+    TD_UNUSED(ctx);
+    fprintf(f,
+            "usage: tandem up [--prefill N] [--decode M] [--model PATH] [--port 8000] [--grpc-port "
+            "50051] [options]\n"
+            "\n"
+            "Runs a whole cluster on this machine: N tandem-prefill and M tandem-decode instances\n"
+            "on loopback (ephemeral ports; every decode instance knows every prefill instance)\n"
+            "behind one tandem-router on --host:--port, all started from the directory of this\n"
+            "binary and sharing a fresh cluster token. Prints\n"
+            "  tandem up: ready http=http://HOST:PORT grpc=HOST:PORT (prefill N, decode M)\n"
+            "on stdout once the router answers /ready and sees every instance ready. The\n"
+            "instances' output goes to stderr, each line behind the instance's name.\n"
+            "Ctrl-C or SIGTERM stops everything: the router first, then the decode, then the\n"
+            "prefill instances, each given --drain-timeout plus %.0f s before it is killed; a\n"
+            "second Ctrl-C kills at once. Exits 0 after a clean stop; 1 when an instance exits\n"
+            "on its own, fails to start or is not ready in time (everything else is stopped);\n"
+            "2 for bad usage.\n"
+            "\n",
+            UP_STOP_MARGIN_S);
+    td_opts_print(f, k_up_opts, U_N);
 }
 
 static bool parse_seconds(const char *s, double lo, double *out) {
@@ -135,70 +164,32 @@ static bool parse_seconds(const char *s, double lo, double *out) {
     return true;
 }
 
+static bool set_up_opt(void *ctx, int i, const char *val, bool *printed) {
+    up_args *a = ctx;
+    TD_UNUSED(printed);
+    switch (i) {
+    case U_PREFILL: return td_cli_parse_long(val, 1, UP_MAX_POOL, &a->n_prefill);
+    case U_DECODE: return td_cli_parse_long(val, 1, UP_MAX_POOL, &a->n_decode);
+    case U_MODEL: return *(a->model = val) != '\0';
+    case U_HOST: return *(a->host = val) != '\0' && strlen(val) < 200;
+    case U_PORT: return td_cli_parse_long(val, 0, 65535, &a->port);
+    case U_GRPC_PORT: return td_cli_parse_long(val, -1, 65535, &a->grpc_port);
+    case U_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
+    case U_TOKEN_FILE: return *(a->token_file = val) != '\0';
+    case U_READY_TIMEOUT: return parse_seconds(val, 0.001, &a->ready_timeout);
+    case U_DRAIN_TIMEOUT: return parse_seconds(val, 0, &a->drain_timeout);
+    case U_CHAT: return *(a->chat = val) != '\0';
+    case U_MAX_TOKENS: return td_cli_parse_long(val, 1, 1 << 20, &a->max_tokens);
+    }
+    return false;
+}
+
 /* 0 to go on, -1 after --help, else the exit status. */
 static int parse_args(int argc, char **argv, up_args *a) {
-    for (int i = 1; i < argc; i++) {
-        const char *opt = argv[i];
-        if (!strcmp(opt, "--help") || !strcmp(opt, "-h")) {
-            up_usage(stdout);
-            return -1;
-        }
-        static const char *const k_opts[] = {"--prefill",
-                                             "--decode",
-                                             "--model",
-                                             "-m",
-                                             "--host",
-                                             "--port",
-                                             "--grpc-port",
-                                             "--threads",
-                                             "-t",
-                                             "--cluster-token-file",
-                                             "--ready-timeout",
-                                             "--drain-timeout",
-                                             "--chat",
-                                             "--max-tokens"};
-        bool known = false;
-        for (size_t k = 0; k < TD_ARRAY_SIZE(k_opts); k++) known |= !strcmp(opt, k_opts[k]);
-        if (!known) {
-            fprintf(stderr, "tandem up: unknown option '%s' (see --help)\n", opt);
-            return 2;
-        }
-        if (i + 1 >= argc) {
-            fprintf(stderr, "tandem up: %s needs a value\n", opt);
-            return 2;
-        }
-        const char *val = argv[++i];
-        bool ok = true;
-        if (!strcmp(opt, "--prefill"))
-            ok = td_cli_parse_long(val, 1, UP_MAX_POOL, &a->n_prefill);
-        else if (!strcmp(opt, "--decode"))
-            ok = td_cli_parse_long(val, 1, UP_MAX_POOL, &a->n_decode);
-        else if (!strcmp(opt, "--model") || !strcmp(opt, "-m"))
-            ok = *(a->model = val) != '\0';
-        else if (!strcmp(opt, "--host"))
-            ok = *(a->host = val) != '\0' && strlen(val) < 200;
-        else if (!strcmp(opt, "--port"))
-            ok = td_cli_parse_long(val, 0, 65535, &a->port);
-        else if (!strcmp(opt, "--grpc-port"))
-            ok = td_cli_parse_long(val, -1, 65535, &a->grpc_port);
-        else if (!strcmp(opt, "--threads") || !strcmp(opt, "-t"))
-            ok = td_cli_parse_long(val, 1, 4096, &a->threads);
-        else if (!strcmp(opt, "--cluster-token-file"))
-            ok = *(a->token_file = val) != '\0';
-        else if (!strcmp(opt, "--ready-timeout"))
-            ok = parse_seconds(val, 0.001, &a->ready_timeout);
-        else if (!strcmp(opt, "--chat"))
-            ok = *(a->chat = val) != '\0';
-        else if (!strcmp(opt, "--max-tokens"))
-            ok = td_cli_parse_long(val, 1, 1 << 20, &a->max_tokens);
-        else
-            ok = parse_seconds(val, 0, &a->drain_timeout);
-        if (!ok) {
-            fprintf(stderr, "tandem up: bad value '%s' for %s (see --help)\n", val, opt);
-            return 2;
-        }
-    }
-    return 0;
+    k_up_opts[U_MODEL].help = td_cli_model_help();
+    td_optset set = {k_up_opts, U_N, set_up_opt, a};
+    int rc = td_opts_parse("tandem up", argc, argv, &set, 1, up_usage, NULL);
+    return rc == 1 ? -1 : rc;
 }
 
 /* ---- the cluster token ---- */

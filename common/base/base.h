@@ -76,6 +76,9 @@ _Noreturn void td_abort(const char *file, int line, const char *msg);
 #define TD_MAX(a, b)     ((a) > (b) ? (a) : (b))
 #define TD_ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
 #define TD_UNUSED(x)     (void)(x)
+/* A macro's value as a string literal: TD_STR(16) is "16". */
+#define TD_STR_(x) #x
+#define TD_STR(x)  TD_STR_(x)
 
 /* Overflow-checked size arithmetic: return 0 on success, 1 on overflow. */
 static inline int td_mul_overflow(size_t a, size_t b, size_t *out) {

@@ -83,25 +83,7 @@ int td_plan_parse_flag(td_plan_params *p, const char *opt, const char *val) {
     } else {
         return 0;
     }
-    if (!ok) {
-        TD_LOG_ERROR("bad value '%s' for %s", val ? val : "(none)", opt);
-        return -1;
-    }
-    return 2;
-}
-
-const char *td_plan_flags_help(void) {
-    return "  --tp N                tensor-parallel ranks (heads and FFN columns split)\n"
-           "  --pp N                pipeline stages (contiguous layer ranges)\n"
-           "  --pp-layers A,B,...   layers per stage (default: even split)\n"
-           "  --cp N                context-parallel ranks (prompt tokens in prefill, KV\n"
-           "                        positions in decode; block b on CP rank b mod N)\n"
-           "  --cp-mode MODE        prefill K/V exchange: allgather (default) or ring\n"
-           "  --cp-min-tokens N     prompts shorter than N are not split over CP (default 256)\n"
-           "  --ep N                expert-parallel ranks for MoE models (default: the TP group)\n"
-           "  --attn-dp             MoE: attention data-parallel over the EP ranks\n"
-           "  --plan-dry-run        print the plan (per rank: layers, weight and KV bytes,\n"
-           "                        bytes sent per step) and exit\n";
+    return ok ? 2 : -1;
 }
 
 static int kv_heads_local(const td_model_config *c, int tp) {

@@ -46,10 +46,8 @@ td_plan_params td_plan_default_params(void);
  * --tp N, --pp N, --pp-layers A,B,..., --cp N, --cp-mode allgather|ring,
  * --cp-min-tokens N, --ep N, --attn-dp (no value). Returns the number of
  * argv words consumed (1 or 2), 0 when opt is not a plan flag, -1 for a bad
- * value (logged). val may be NULL (then only --attn-dp can match). */
+ * value (the caller says so). val may be NULL (then only --attn-dp can match). */
 int td_plan_parse_flag(td_plan_params *p, const char *opt, const char *val);
-/* "--tp N --pp N ..." help lines for the flags above. */
-const char *td_plan_flags_help(void);
 
 /* Coordinates of one rank. */
 typedef struct {

@@ -40,6 +40,13 @@ const char *td_default_model_path(void) {
     return buf;
 }
 
+const char *td_cli_model_help(void) {
+    static char buf[4200];
+    snprintf(buf, sizeof buf, "GGUF file or Hugging Face directory (default: %s)",
+             td_default_model_path());
+    return buf;
+}
+
 bool td_cli_parse_long(const char *s, long lo, long hi, long *out) {
     char *end;
     errno = 0;

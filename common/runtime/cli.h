@@ -6,6 +6,7 @@
 
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 
 /* The process-wide set-up of tandem, tandem-prefill and tandem-decode,
  * first in main, before any thread starts: the UCX environment
@@ -18,6 +19,8 @@ bool td_process_init(const char *prog);
  * $XDG_CACHE_HOME/tandem/models/..., else ~/.cache/tandem/models/....
  * Returns a static buffer. */
 const char *td_default_model_path(void);
+/* The --model option's help line, naming that default (a static buffer). */
+const char *td_cli_model_help(void);
 
 /* Strict option parsing: the whole string, in range; false otherwise. */
 bool td_cli_parse_long(const char *s, long lo, long hi, long *out);
@@ -32,6 +35,7 @@ char *td_cli_read_secret(const char *path);
  * file cannot be read, is over 64 KiB, holds no key or more than fit. */
 char *td_cli_read_keys(const char *path, const char **keys, int *n, int max);
 
+#include "common/base/opts.h"
 #include "common/parallel/plan.h"
 
 /* Plan flags (plan.h) plus --plan-dry-run, shared by serve, generate, eval
@@ -42,9 +46,12 @@ typedef struct {
     bool dry_run; /* --plan-dry-run */
 } td_cli_plan;
 
-/* If argv[*i] is a plan flag: consumes it (and its value, advancing *i) and
- * returns 1; 0 if it is not one; -1 for a bad value (logged). */
-int td_cli_plan_flag(td_cli_plan *cp, int argc, char **argv, int *i);
+/* The plan flags' table (base/opts.h), its handler into cp and its
+ * --help lines. */
+extern const td_opt td_cli_plan_opts[];
+extern const int td_cli_plan_n_opts;
+td_optset td_cli_plan_optset(td_cli_plan *cp);
+void td_cli_plan_usage(FILE *f);
 /* After parsing: -1 to go on (run the plan: td_runtime_params.plan);
  * otherwise the exit status (0 after printing the --plan-dry-run report,
  * 1 for a model that does not load, 2 for a plan the model does not allow). */

@@ -7,20 +7,43 @@
 #include "common/model/model.h"
 #include "common/parallel/plan.h"
 
-int td_cli_plan_flag(td_cli_plan *cp, int argc, char **argv, int *i) {
-    const char *opt = argv[*i];
-    if (!strcmp(opt, "--plan-dry-run")) {
+const td_opt td_cli_plan_opts[] = {
+    {"tp", 0, "N", "tensor-parallel ranks (heads and FFN columns split)"},
+    {"pp", 0, "N", "pipeline stages (contiguous layer ranges)"},
+    {"pp-layers", 0, "A,B,...", "layers per stage (default: even split)"},
+    {"cp", 0, "N",
+     "context-parallel ranks (prompt tokens in prefill, KV\n"
+     "positions in decode; block b on CP rank b mod N)"},
+    {"cp-mode", 0, "MODE", "prefill K/V exchange: allgather (default) or ring"},
+    {"cp-min-tokens", 0, "N", "prompts shorter than N are not split over CP (default 256)"},
+    {"ep", 0, "N", "expert-parallel ranks for MoE models (default: the TP group)"},
+    {"attn-dp", 0, NULL, "MoE: attention data-parallel over the EP ranks"},
+    {"plan-dry-run", 0, NULL,
+     "print the plan (per rank: layers, weight and KV bytes,\n"
+     "bytes sent per step) and exit"},
+};
+const int td_cli_plan_n_opts = (int)(sizeof td_cli_plan_opts / sizeof td_cli_plan_opts[0]);
+
+static bool plan_set(void *ctx, int i, const char *val, bool *printed) {
+    td_cli_plan *cp = ctx;
+    const char *name = td_cli_plan_opts[i].name;
+    if (!strcmp(name, "plan-dry-run")) {
         cp->dry_run = true;
-        return 1;
+        return true;
     }
-    const char *val = *i + 1 < argc ? argv[*i + 1] : NULL;
-    int n = td_plan_parse_flag(&cp->p, opt, val);
-    if (n < 0) return -1;
-    if (n == 0) return 0;
-    *i += n - 1;
+    char flag[32];
+    snprintf(flag, sizeof flag, "--%s", name);
+    TD_UNUSED(printed);
+    if (td_plan_parse_flag(&cp->p, flag, val) < 0) return false;
     cp->given = true;
-    return 1;
+    return true;
 }
+
+td_optset td_cli_plan_optset(td_cli_plan *cp) {
+    return (td_optset){td_cli_plan_opts, td_cli_plan_n_opts, plan_set, cp};
+}
+
+void td_cli_plan_usage(FILE *f) { td_opts_print(f, td_cli_plan_opts, td_cli_plan_n_opts); }
 
 int td_cli_plan_check(const char *cmd, const td_cli_plan *cp, const char *model_path) {
     if (!cp->dry_run && !cp->given) return -1;

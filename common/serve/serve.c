@@ -40,27 +40,131 @@ static const char *role_name(td_serve_role role) {
                                     : "tandem serve";
 }
 
-static void serve_usage(FILE *f, td_serve_role role) {
-    if (role == TD_ROLE_PREFILL)
-        fprintf(
-            f, "usage: tandem-prefill --cluster-token[-file] T [--model PATH] [--kv-listen "
-               "HOST[:PORT]] [options]\n"
-               "\n"
-               "A prefill instance: takes prefill jobs from decode instances (UCX active\n"
-               "messages), batches them with chunked prefill and its own prefix cache, and\n"
-               "puts each layer's KV into the decode instance's blocks as soon as it is\n"
-               "computed. Its HTTP port serves /health, /ready, /metrics,\n"
-               "/internal/v1/state and /internal/v1/kv/exchange (the cluster token is\n"
-               "required on /internal/). Prints 'tandem-prefill: listening http=HOST:PORT'.\n"
-               "SIGTERM drains: new jobs are rejected, the process exits once the KV it\n"
-               "produced has been consumed (or the drain timeout).\n"
-               "\n"
-               "  --kv-listen HOST[:PORT]    the network interface UCX uses for KV (the one that\n"
-               "                             holds HOST; sets UCX_NET_DEVICES unless set; the\n"
-               "                             port is not used: peers connect by worker address)\n"
-               "  --no-layerwise             push the KV after the last layer, not layer by layer\n"
-               "                             (for measurements)\n");
-    else if (role == TD_ROLE_DECODE)
+/* The options of each role (the tables print --help too). */
+enum { P_KV_LISTEN, P_NO_LAYERWISE, P_N };
+static const td_opt k_prefill_opts[P_N] = {
+    [P_KV_LISTEN] = {"kv-listen", 0, "HOST[:PORT]",
+                     "the network interface UCX uses for KV (the one that\n"
+                     "holds HOST; sets UCX_NET_DEVICES unless set; the\n"
+                     "port is not used: peers connect by worker address)"},
+    [P_NO_LAYERWISE] = {"no-layerwise", 0, NULL,
+                        "push the KV after the last layer, not layer by layer\n"
+                        "(for measurements)"},
+};
+
+enum { D_PREFILL, D_DNS_INTERVAL, D_FORGET, D_LOCAL_THRESHOLD, D_DEADLINE, D_LEASE, D_N };
+static const td_opt k_decode_opts[D_N] = {
+    [D_PREFILL] = {"prefill", 0, "HOST:PORT[,...]",
+                   "prefill instances' HTTP ports (repeatable): every\n"
+                   "address a name resolves to is an instance (a\n"
+                   "headless Service: every ready pod)"},
+    [D_DNS_INTERVAL] = {"dns-interval", 0, "S",
+                        "the --prefill names are resolved again every S\n"
+                        "seconds (default 5)"},
+    [D_FORGET] = {"forget-prefill-after", 0, "S",
+                  "a prefill instance unlinked, no longer resolved\n"
+                  "and not named by the router for S seconds is\n"
+                  "forgotten (default 60)"},
+    [D_LOCAL_THRESHOLD] = {"local-prefill-threshold", 0, "N",
+                           "prefill here when fewer than N prompt tokens are\n"
+                           "uncached (default 0: always remote)"},
+    [D_DEADLINE] = {"transfer-deadline-ms", 0, "N",
+                    "deadline of one remote prefill (default 30000)"},
+    [D_LEASE] = {"lease-ms", 0, "N",
+                 "lease renewed with the prefill instance while it\n"
+                 "works (default 3000)"},
+};
+
+enum { C_TOKEN, C_TOKEN_FILE, C_INSTANCE_ID, C_N };
+static const td_opt k_cluster_opts[C_N] = {
+    [C_TOKEN] = {"cluster-token", 0, "T",
+                 "the cluster's shared secret (internal endpoints\n"
+                 "and every control message)"},
+    [C_TOKEN_FILE] = {"cluster-token-file", 0, "PATH", "the same, read from a file (first line)"},
+    [C_INSTANCE_ID] = {"instance-id", 0, "NAME", "name given to peers (default HOST:PORT)"},
+};
+
+enum {
+    S_MODEL,
+    S_HOST,
+    S_PORT,
+    S_GRPC_PORT,
+    S_API_KEY,
+    S_API_KEY_FILE,
+    S_METRICS_NEED_KEY,
+    S_SERVED_NAME,
+    S_CHAT_TEMPLATE,
+    S_THREADS,
+    S_CTX,
+    S_KV_MEMORY,
+    S_KV_BLOCKS,
+    S_BLOCK_SIZE,
+    S_MAX_RUNNING,
+    S_MAX_BATCH_TOKENS,
+    S_MAX_WAITING,
+    S_RESERVE_OUTPUT,
+    S_NO_PREFIX_CACHE,
+    S_DRAIN_TIMEOUT,
+    S_PING_INTERVAL,
+    S_ISA,
+    S_DEVICE,
+    S_N
+};
+static td_opt k_serve_opts[S_N] = {
+    /* the --model help names the default: set in parse_args */
+    [S_MODEL] = {"model", 'm', "PATH", "GGUF file or Hugging Face directory"},
+    [S_HOST] = {"host", 0, "ADDR", "address to bind (default 127.0.0.1)"},
+    [S_PORT] = {"port", 0, "N", "HTTP port (default 8000; 0 = ephemeral)"},
+    [S_GRPC_PORT] = {"grpc-port", 0, "N", "gRPC port (default 50051; 0 = ephemeral; -1 = off)"},
+    [S_API_KEY] = {"api-key", 0, "KEY",
+                   "require 'Authorization: Bearer KEY' (repeatable, up to " TD_STR(
+                       SERVE_MAX_KEYS) ")"},
+    [S_API_KEY_FILE] = {"api-key-file", 0, "PATH",
+                        "the same, a key per line of the file (a mounted Secret:\n"
+                        "keeps the keys off the command line)"},
+    [S_METRICS_NEED_KEY] = {"metrics-need-key", 0, NULL, "put /metrics behind the API key too"},
+    [S_SERVED_NAME] = {"served-model-name", 0, "NAME",
+                       "model name in the API (default: the model's own name)"},
+    [S_CHAT_TEMPLATE] = {"chat-template", 0, "NAME",
+                         "force a chat template: chatml, smollm2, llama3, llama2,\n"
+                         "mistral, zephyr (default: detected from the model)"},
+    [S_THREADS] = {"threads", 't', "N", "compute threads (default: every core)"},
+    [S_CTX] = {"ctx", 0, "N", "context length per sequence (default: min(trained, 4096))"},
+    [S_KV_MEMORY] = {"kv-memory", 0, "BYTES", "KV pool size, e.g. 512M, 2G (default 1G)"},
+    [S_KV_BLOCKS] = {"kv-blocks", 0, "N", "KV pool size in blocks (overrides --kv-memory)"},
+    [S_BLOCK_SIZE] = {"block-size", 0, "N", "tokens per KV block (default 16)"},
+    [S_MAX_RUNNING] = {"max-running", 0, "N", "sequences decoding at once (default 16)"},
+    [S_MAX_BATCH_TOKENS] = {"max-batch-tokens", 0, "N",
+                            "tokens per step, decode + prefill chunks (default 512)"},
+    [S_MAX_WAITING] = {"max-waiting", 0, "N", "queued requests before 429 (default 256)"},
+    [S_RESERVE_OUTPUT] = {"reserve-output-tokens", 0, "N",
+                          "output tokens reserved at admission (default 256)"},
+    [S_NO_PREFIX_CACHE] = {"no-prefix-cache", 0, NULL, "do not reuse cached KV blocks"},
+    [S_DRAIN_TIMEOUT] = {"drain-timeout", 0, "S",
+                         "seconds running requests get after SIGTERM (default 30)"},
+    [S_PING_INTERVAL] = {"ping-interval", 0, "S", "SSE ': ping' comment interval (default 5)"},
+    [S_ISA] = {"isa", 0, "NAME", "kernel set: scalar, avx2, avx512 (default: best)"},
+    [S_DEVICE] = {"device", 0, "D",
+                  "device: cpu, cuda, cuda:N (default: a GPU when built and visible, else cpu)"},
+};
+
+static void serve_usage(FILE *f, void *ctx) {
+    td_serve_role role = *(const td_serve_role *)ctx;
+    if (role == TD_ROLE_PREFILL) {
+        fprintf(f, "usage: tandem-prefill --cluster-token[-file] T [--model PATH] [--kv-listen "
+                   "HOST[:PORT]] [options]\n"
+                   "\n"
+                   "A prefill instance: takes prefill jobs from decode instances (UCX active\n"
+                   "messages), batches them with chunked prefill and its own prefix cache, and\n"
+                   "puts each layer's KV into the decode instance's blocks as soon as it is\n"
+                   "computed. Its HTTP port serves /health, /ready, /metrics,\n"
+                   "/internal/v1/state and /internal/v1/kv/exchange (the cluster token is\n"
+                   "required on /internal/). Prints 'tandem-prefill: listening http=HOST:PORT'.\n"
+                   "SIGTERM drains: new jobs are rejected, the process exits once the KV it\n"
+                   "produced has been consumed (or the drain timeout).\n"
+                   "\n");
+        td_opts_print(f, k_prefill_opts, P_N);
+    } else if (role == TD_ROLE_DECODE) {
         fprintf(f,
                 "usage: tandem-decode --prefill HOST:PORT[,...] --cluster-token[-file] T "
                 "[--model PATH] [options]\n"
@@ -70,28 +174,15 @@ static void serve_usage(FILE *f, td_serve_role role) {
                 "into this instance's blocks over UCX; local prefill below\n"
                 "--local-prefill-threshold uncached tokens, when no prefill instance is\n"
                 "reachable, and as the fallback when one fails or misses its deadline.\n"
-                "\n"
-                "  --prefill HOST:PORT[,...]  prefill instances' HTTP ports (repeatable): every\n"
-                "                             address a name resolves to is an instance (a\n"
-                "                             headless Service: every ready pod)\n"
-                "  --dns-interval S           the --prefill names are resolved again every S\n"
-                "                             seconds (default 5)\n"
-                "  --forget-prefill-after S   a prefill instance unlinked, no longer resolved\n"
-                "                             and not named by the router for S seconds is\n"
-                "                             forgotten (default 60)\n"
-                "  --local-prefill-threshold N  prefill here when fewer than N prompt tokens are\n"
-                "                             uncached (default 0: always remote)\n"
-                "  --transfer-deadline-ms N   deadline of one remote prefill (default 30000)\n"
-                "  --lease-ms N               lease renewed with the prefill instance while it\n"
-                "                             works (default 3000)\n");
-    if (role != TD_ROLE_SERVE)
-        fprintf(f, "  --cluster-token T          the cluster's shared secret (internal endpoints\n"
-                   "                             and every control message)\n"
-                   "  --cluster-token-file PATH  the same, read from a file (first line)\n"
-                   "  --instance-id NAME         name given to peers (default HOST:PORT)\n"
-                   "UCX: UCX_POSIX_ERROR_HANDLING=y and UCX_SYSV_ERROR_HANDLING=y are set unless\n"
+                "\n");
+        td_opts_print(f, k_decode_opts, D_N);
+    }
+    if (role != TD_ROLE_SERVE) {
+        td_opts_print(f, k_cluster_opts, C_N);
+        fprintf(f, "UCX: UCX_POSIX_ERROR_HANDLING=y and UCX_SYSV_ERROR_HANDLING=y are set unless\n"
                    "given (shared-memory transports with peer error handling); UCX_TLS and the\n"
                    "other UCX variables apply.\n\n");
+    }
     fprintf(f,
             "%s"
             "Serves the model over the OpenAI HTTP API and gRPC, prefill and decode in one\n"
@@ -101,38 +192,9 @@ static void serve_usage(FILE *f, td_serve_role role) {
             "\n",
             role == TD_ROLE_SERVE ? "usage: tandem serve [--model PATH] [options]\n\n"
                                   : "Common options (as tandem serve):\n");
-    fprintf(
-        f,
-        "  --model PATH               GGUF file or Hugging Face directory (default: %s)\n"
-        "  --host ADDR                address to bind (default 127.0.0.1)\n"
-        "  --port N                   HTTP port (default 8000; 0 = ephemeral)\n"
-        "  --grpc-port N              gRPC port (default 50051; 0 = ephemeral; -1 = off)\n"
-        "  --api-key KEY              require 'Authorization: Bearer KEY' (repeatable, up to %d)\n"
-        "  --api-key-file PATH        the same, a key per line of the file (a mounted Secret:\n"
-        "                             keeps the keys off the command line)\n"
-        "  --metrics-need-key         put /metrics behind the API key too\n"
-        "  --served-model-name NAME   model name in the API (default: the model's own name)\n"
-        "  --chat-template NAME       force a chat template: chatml, smollm2, llama3, llama2,\n"
-        "                             mistral, zephyr (default: detected from the model)\n"
-        "  --threads N                compute threads (default: every core)\n"
-        "  --ctx N                    context length per sequence (default: min(trained, 4096))\n"
-        "  --kv-memory BYTES          KV pool size, e.g. 512M, 2G (default 1G)\n"
-        "  --kv-blocks N              KV pool size in blocks (overrides --kv-memory)\n"
-        "  --block-size N             tokens per KV block (default 16)\n"
-        "  --max-running N            sequences decoding at once (default 16)\n"
-        "  --max-batch-tokens N       tokens per step, decode + prefill chunks (default 512)\n"
-        "  --max-waiting N            queued requests before 429 (default 256)\n"
-        "  --reserve-output-tokens N  output tokens reserved at admission (default 256)\n"
-        "  --no-prefix-cache          do not reuse cached KV blocks\n"
-        "  --drain-timeout S          seconds running requests get after SIGTERM (default 30)\n"
-        "  --ping-interval S          SSE ': ping' comment interval (default 5)\n"
-        "  --isa NAME                 kernel set: scalar, avx2, avx512 (default: best)\n"
-        "  --device D                 device: cpu, cuda, cuda:N (default: a GPU when built and "
-        "visible, else cpu)\n",
-        td_default_model_path(), SERVE_MAX_KEYS);
-    TD_UNUSED(role);
-    fprintf(f, "\nparallel plan (validated against the model; --plan-dry-run shows it):\n%s",
-            td_plan_flags_help());
+    td_opts_print(f, k_serve_opts, S_N);
+    fprintf(f, "\nparallel plan (validated against the model; --plan-dry-run shows it):\n");
+    td_cli_plan_usage(f);
 }
 
 static bool parse_seconds(const char *s, double *out) {
@@ -219,114 +281,98 @@ static bool add_prefill(serve_args *a, const char *val) {
     return true;
 }
 
+static bool set_prefill_opt(void *ctx, int i, const char *val, bool *printed) {
+    serve_args *a = ctx;
+    TD_UNUSED(printed);
+    switch (i) {
+    case P_KV_LISTEN: a->kv_listen = val; return true;
+    case P_NO_LAYERWISE: a->no_layerwise = true; return true;
+    }
+    return false;
+}
+
+static bool set_decode_opt(void *ctx, int i, const char *val, bool *printed) {
+    serve_args *a = ctx;
+    TD_UNUSED(printed);
+    switch (i) {
+    case D_PREFILL: return add_prefill(a, val);
+    case D_DNS_INTERVAL:
+        return parse_seconds(val, &a->dns_interval) && a->dns_interval >= 0.05 &&
+               a->dns_interval <= 3600;
+    case D_FORGET:
+        return parse_seconds(val, &a->forget_after) && a->forget_after >= 0.05 &&
+               a->forget_after <= 86400;
+    case D_LOCAL_THRESHOLD: return td_cli_parse_long(val, 0, 1 << 24, &a->local_threshold);
+    case D_DEADLINE: return td_cli_parse_long(val, 1, 600000, &a->deadline_ms);
+    case D_LEASE: return td_cli_parse_long(val, 3, 600000, &a->lease_ms);
+    }
+    return false;
+}
+
+static bool set_cluster_opt(void *ctx, int i, const char *val, bool *printed) {
+    serve_args *a = ctx;
+    TD_UNUSED(printed);
+    switch (i) {
+    case C_TOKEN: a->cluster_token = val; return true;
+    case C_TOKEN_FILE: a->cluster_token_file = val; return true;
+    case C_INSTANCE_ID: a->instance_id = val; return true;
+    }
+    return false;
+}
+
+static bool set_serve_opt(void *ctx, int i, const char *val, bool *printed) {
+    serve_args *a = ctx;
+    TD_UNUSED(printed);
+    switch (i) {
+    case S_MODEL: a->model = val; return true;
+    case S_HOST: a->host = val; return true;
+    case S_PORT: return td_cli_parse_long(val, 0, 65535, &a->port);
+    case S_GRPC_PORT: return td_cli_parse_long(val, -1, 65535, &a->grpc_port);
+    case S_API_KEY:
+        if (a->n_keys == SERVE_MAX_KEYS || !*val) return false;
+        a->keys[a->n_keys++] = val;
+        return true;
+    case S_API_KEY_FILE: /* read once the flags are parsed (--help reads nothing) */
+        if (a->key_file) return false;
+        a->key_file = val;
+        return true;
+    case S_METRICS_NEED_KEY: a->metrics_need_key = true; return true;
+    case S_SERVED_NAME: a->served_name = val; return *val != '\0';
+    case S_CHAT_TEMPLATE:
+        a->chat_template = val;
+        return td_chat_template_from_name(val) != TD_CHAT_UNKNOWN;
+    case S_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
+    case S_CTX: return td_cli_parse_long(val, 2, 1 << 24, &a->ctx);
+    case S_KV_MEMORY: return parse_bytes(val, &a->kv_memory);
+    case S_KV_BLOCKS: return td_cli_parse_long(val, 1, 1 << 24, &a->kv_blocks);
+    case S_BLOCK_SIZE: return td_cli_parse_long(val, 1, 1024, &a->block_size);
+    case S_MAX_RUNNING: return td_cli_parse_long(val, 1, 1024, &a->max_running);
+    case S_MAX_BATCH_TOKENS: return td_cli_parse_long(val, 1, 1 << 20, &a->max_batch_tokens);
+    case S_MAX_WAITING: return td_cli_parse_long(val, 0, 1 << 20, &a->max_waiting);
+    case S_RESERVE_OUTPUT: return td_cli_parse_long(val, 0, 1 << 24, &a->reserve_output);
+    case S_NO_PREFIX_CACHE: a->no_prefix_cache = true; return true;
+    case S_DRAIN_TIMEOUT: return parse_seconds(val, &a->drain_timeout);
+    case S_PING_INTERVAL: return parse_seconds(val, &a->ping_interval) && a->ping_interval >= 0.05;
+    case S_ISA: a->isa = val; return true;
+    case S_DEVICE: a->device = val; return true;
+    }
+    return false;
+}
+
 /* 0 to go on, -1 after --help, else the exit status. */
 static int parse_args(int argc, char **argv, serve_args *a) {
-    for (int i = 1; i < argc; i++) {
-        const char *opt = argv[i];
-        if (!strcmp(opt, "--help") || !strcmp(opt, "-h")) {
-            serve_usage(stdout, a->role);
-            return -1;
-        }
-        if (a->role == TD_ROLE_PREFILL && !strcmp(opt, "--no-layerwise")) {
-            a->no_layerwise = true;
-            continue;
-        }
-        if (!strcmp(opt, "--metrics-need-key")) {
-            a->metrics_need_key = true;
-            continue;
-        }
-        if (!strcmp(opt, "--no-prefix-cache")) {
-            a->no_prefix_cache = true;
-            continue;
-        }
-        int pf = td_cli_plan_flag(&a->plan, argc, argv, &i);
-        if (pf < 0) return 2;
-        if (pf > 0) continue;
-        if (i + 1 >= argc) {
-            fprintf(stderr, "%s: %s needs a value (or is unknown)\n", role_name(a->role), opt);
-            return 2;
-        }
-        const char *val = argv[++i];
-        bool ok = true;
-        if (!strcmp(opt, "--model") || !strcmp(opt, "-m"))
-            a->model = val;
-        else if (!strcmp(opt, "--host"))
-            a->host = val;
-        else if (!strcmp(opt, "--port"))
-            ok = td_cli_parse_long(val, 0, 65535, &a->port);
-        else if (!strcmp(opt, "--grpc-port"))
-            ok = td_cli_parse_long(val, -1, 65535, &a->grpc_port);
-        else if (!strcmp(opt, "--api-key")) {
-            if (a->n_keys == SERVE_MAX_KEYS || !*val)
-                ok = false;
-            else
-                a->keys[a->n_keys++] = val;
-        } else if (!strcmp(opt, "--api-key-file")) {
-            ok = !a->key_file; /* read once the flags are parsed (--help reads nothing) */
-            a->key_file = val;
-        } else if (!strcmp(opt, "--served-model-name")) {
-            ok = *val != '\0';
-            a->served_name = val;
-        } else if (!strcmp(opt, "--chat-template")) {
-            ok = td_chat_template_from_name(val) != TD_CHAT_UNKNOWN;
-            a->chat_template = val;
-        } else if (!strcmp(opt, "--isa"))
-            a->isa = val;
-        else if (!strcmp(opt, "--device"))
-            a->device = val;
-        else if (!strcmp(opt, "--threads") || !strcmp(opt, "-t"))
-            ok = td_cli_parse_long(val, 1, 4096, &a->threads);
-        else if (!strcmp(opt, "--ctx"))
-            ok = td_cli_parse_long(val, 2, 1 << 24, &a->ctx);
-        else if (!strcmp(opt, "--kv-memory"))
-            ok = parse_bytes(val, &a->kv_memory);
-        else if (!strcmp(opt, "--kv-blocks"))
-            ok = td_cli_parse_long(val, 1, 1 << 24, &a->kv_blocks);
-        else if (!strcmp(opt, "--block-size"))
-            ok = td_cli_parse_long(val, 1, 1024, &a->block_size);
-        else if (!strcmp(opt, "--max-running"))
-            ok = td_cli_parse_long(val, 1, 1024, &a->max_running);
-        else if (!strcmp(opt, "--max-batch-tokens"))
-            ok = td_cli_parse_long(val, 1, 1 << 20, &a->max_batch_tokens);
-        else if (!strcmp(opt, "--max-waiting"))
-            ok = td_cli_parse_long(val, 0, 1 << 20, &a->max_waiting);
-        else if (!strcmp(opt, "--reserve-output-tokens"))
-            ok = td_cli_parse_long(val, 0, 1 << 24, &a->reserve_output);
-        else if (!strcmp(opt, "--drain-timeout"))
-            ok = parse_seconds(val, &a->drain_timeout);
-        else if (!strcmp(opt, "--ping-interval"))
-            ok = parse_seconds(val, &a->ping_interval) && a->ping_interval >= 0.05;
-        else if (a->role != TD_ROLE_SERVE && !strcmp(opt, "--cluster-token"))
-            a->cluster_token = val;
-        else if (a->role != TD_ROLE_SERVE && !strcmp(opt, "--cluster-token-file"))
-            a->cluster_token_file = val;
-        else if (a->role != TD_ROLE_SERVE && !strcmp(opt, "--instance-id"))
-            a->instance_id = val;
-        else if (a->role == TD_ROLE_PREFILL && !strcmp(opt, "--kv-listen"))
-            a->kv_listen = val;
-        else if (a->role == TD_ROLE_DECODE && !strcmp(opt, "--prefill"))
-            ok = add_prefill(a, val);
-        else if (a->role == TD_ROLE_DECODE && !strcmp(opt, "--local-prefill-threshold"))
-            ok = td_cli_parse_long(val, 0, 1 << 24, &a->local_threshold);
-        else if (a->role == TD_ROLE_DECODE && !strcmp(opt, "--transfer-deadline-ms"))
-            ok = td_cli_parse_long(val, 1, 600000, &a->deadline_ms);
-        else if (a->role == TD_ROLE_DECODE && !strcmp(opt, "--lease-ms"))
-            ok = td_cli_parse_long(val, 3, 600000, &a->lease_ms);
-        else if (a->role == TD_ROLE_DECODE && !strcmp(opt, "--dns-interval"))
-            ok = parse_seconds(val, &a->dns_interval) && a->dns_interval >= 0.05 &&
-                 a->dns_interval <= 3600;
-        else if (a->role == TD_ROLE_DECODE && !strcmp(opt, "--forget-prefill-after"))
-            ok = parse_seconds(val, &a->forget_after) && a->forget_after >= 0.05 &&
-                 a->forget_after <= 86400;
-        else {
-            fprintf(stderr, "%s: unknown option '%s' (see --help)\n", role_name(a->role), opt);
-            return 2;
-        }
-        if (!ok) {
-            fprintf(stderr, "%s: bad value '%s' for %s\n", role_name(a->role), val, opt);
-            return 2;
-        }
-    }
+    k_serve_opts[S_MODEL].help = td_cli_model_help();
+    td_optset sets[5];
+    int n = 0;
+    if (a->role == TD_ROLE_PREFILL)
+        sets[n++] = (td_optset){k_prefill_opts, P_N, set_prefill_opt, a};
+    if (a->role == TD_ROLE_DECODE) sets[n++] = (td_optset){k_decode_opts, D_N, set_decode_opt, a};
+    if (a->role != TD_ROLE_SERVE) sets[n++] = (td_optset){k_cluster_opts, C_N, set_cluster_opt, a};
+    sets[n++] = (td_optset){k_serve_opts, S_N, set_serve_opt, a};
+    sets[n++] = td_cli_plan_optset(&a->plan);
+    int rc = td_opts_parse(role_name(a->role), argc, argv, sets, n, serve_usage, &a->role);
+    if (rc == 1) return -1;
+    if (rc) return rc;
     if (a->max_batch_tokens < a->max_running) {
         fprintf(stderr, "%s: --max-batch-tokens (%ld) must be at least --max-running (%ld)\n",
                 role_name(a->role), a->max_batch_tokens, a->max_running);
