@@ -500,7 +500,7 @@ static bool exec_failed(void *exec) { return td_exec_failed(exec); }
  * its own type, never through a cast of td_xfer_gauges'. */
 static void xfer_gauges(void *ctx, td_metrics_gauges *g) { td_xfer_gauges(ctx, g); }
 
-int td_serve_main(int argc, char **argv, td_serve_role role) {
+int td_serve_main(int argc, char **argv, td_serve_role role, const td_xfer_side *side) {
     serve_args a = {.host = "127.0.0.1",
                     .role = role,
                     .port = 8000,
@@ -607,7 +607,7 @@ int td_serve_main(int argc, char **argv, td_serve_role role) {
                  role == TD_ROLE_PREFILL ? "prefill" : "decode", br0, a.host, bl0, (long)getpid());
     if (role != TD_ROLE_SERVE) {
         td_xfer_params xp = td_xfer_default_params();
-        xp.role = role == TD_ROLE_PREFILL ? TD_XFER_PREFILL : TD_XFER_DECODE;
+        xp.side = side;
         xp.instance_id = inst;
         xp.cluster_token = token;
         xp.sched = sched;
@@ -706,11 +706,9 @@ int td_serve_main(int argc, char **argv, td_serve_role role) {
         td_sched_abort_all(sched);
         td_sched_wait_idle(sched, 5.0);
     }
-    /* A prefill instance stays until the KV it produced has been consumed. */
-    while (!failed && xfer && role == TD_ROLE_PREFILL && td_time_s() < drain_end) {
-        td_xfer_stats xs;
-        td_xfer_stats_get(xfer, &xs);
-        if (xs.in_flight == 0 && xs.awaiting_consume == 0) break;
+    /* The transfer side's drain rule (a prefill instance stays until the
+     * KV it produced has been consumed). */
+    while (!failed && xfer && !td_xfer_drained(xfer) && td_time_s() < drain_end) {
         struct timespec ts = {0, 20 * 1000000L};
         nanosleep(&ts, NULL);
     }

@@ -62,10 +62,14 @@
 #include "common/parallel/exec.h"
 #include "common/sched/sched.h"
 
-typedef enum { TD_XFER_PREFILL, TD_XFER_DECODE } td_xfer_role;
+typedef struct td_xfer td_xfer;
+/* One side of the protocol: td_xfer_prefill_side (prefill/xfer-prefill.h)
+ * or td_xfer_decode_side (decode/xfer-decode.h), handed down by the
+ * service's main. */
+typedef struct td_xfer_side td_xfer_side;
 
 typedef struct {
-    td_xfer_role role;
+    const td_xfer_side *side;  /* required */
     const char *instance_id;   /* this instance's name for peers (copied; 1..63 printable) */
     const char *cluster_token; /* shared secret of the cluster (copied; required) */
     td_sched *sched;           /* borrowed: the instance's scheduler */
@@ -95,8 +99,6 @@ typedef struct {
 
 td_xfer_params td_xfer_default_params(void);
 
-typedef struct td_xfer td_xfer;
-
 /* Creates the UCX worker, maps the KV pool, starts the service thread. */
 td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p);
 /* Shutdown, in this order: td_xfer_stop (stops the service thread, closes
@@ -108,8 +110,12 @@ td_status td_xfer_create(const td_xfer_params *p, td_xfer **x_p);
 void td_xfer_stop(td_xfer *x);
 void td_xfer_destroy(td_xfer *x);
 
-/* D: the front ends' hook (td_api_submit_hook with ctx = x). */
+/* D: the front ends' hook (td_api_submit_hook with ctx = x); nothing on P. */
 void td_xfer_submit_hook(void *x, td_gen_request *g);
+/* Whether the instance may stop now that its scheduler is idle: P stays
+ * until the KV it produced has been consumed (or its lease ran out); D
+ * may always. */
+bool td_xfer_drained(td_xfer *x);
 /* P: GET /internal/v1/kv/exchange (http.h's kv_exchange, ctx = x). */
 td_status td_xfer_exchange(void *x, uint8_t **buf, size_t *len);
 /* The "transfer" object of /internal/v1/state (http.h's state_transfer). */

@@ -548,12 +548,13 @@ def test_metric_names_are_exported():
 
 
 def _help_flags(binary):
-    """flag -> takes a value, from the lines of `BINARY --help` that start with a flag."""
+    """flag -> takes a value, from the lines of `BINARY --help` that start with a flag
+    (after its short name, if it has one: "  -m, --model PATH")."""
     p = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=30)
     assert p.returncode == 0, f"{binary} --help exited {p.returncode}"
     flags = {}
     for line in p.stdout.splitlines():
-        m = re.match(r"^\s+(--[a-z][a-z0-9-]*)( \S+)?", line)
+        m = re.match(r"^\s+(?:-[a-zA-Z], )?(--[a-z][a-z0-9-]*)( \S+)?", line)
         if m:
             flags[m.group(1)] = m.group(2) is not None
     assert len(flags) > 10, f"{binary} --help lists too few flags"
