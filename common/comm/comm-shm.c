@@ -40,6 +40,7 @@
 #include <unistd.h>
 
 #include "comm-impl.h"
+#include "kernels/types.h"
 
 #define SEG_MAGIC  0x3130484d53435444ull /* "TDCSHM01" */
 #define MAX_GROUPS 256
@@ -95,7 +96,9 @@ typedef struct {
     uint64_t vrecv[TD_COMM_MAX_RANKS]; /* all-to-all-v: bytes from each member */
 } seg_meta;
 
-struct td_comm_seg {
+/* A segment as mapped by this process; reference-counted by the
+ * communicators (and the local group) that use it. */
+typedef struct td_comm_seg {
     _Atomic int refs;
     uint8_t *base;
     size_t bytes;
@@ -110,7 +113,18 @@ struct td_comm_seg {
     seg_meta *meta;    /* (n) */
     uint8_t *stage;    /* (n, chunk) */
     uint8_t *p2p;      /* (n, chunk) */
-};
+} td_comm_seg;
+
+/* A communicator of a segment: a group of its ranks. */
+typedef struct {
+    td_comm b; /* ops, rank and size in the group */
+    td_comm_seg *seg;
+    int gid;        /* group slot in the segment */
+    int *members;   /* (size) world ranks of this communicator's ranks */
+    uint32_t epoch; /* barriers this rank has passed in its group */
+} seg_comm;
+
+static const td_comm_ops k_seg_ops;
 
 static size_t align64(size_t x) { return (x + 63) & ~(size_t)63; }
 
@@ -170,7 +184,7 @@ static void hdr_init(td_comm_seg *s) {
     atomic_store(&s->hdr->ready, SEG_MAGIC);
 }
 
-td_status td_comm_seg_create_heap(int n, const td_comm_params *params, td_comm_seg **seg_p) {
+static td_status seg_create_heap(int n, const td_comm_params *params, td_comm_seg **seg_p) {
     td_comm_params p;
     td_status st = normalize(n, params, &p);
     if (st) return st;
@@ -190,9 +204,9 @@ td_status td_comm_seg_create_heap(int n, const td_comm_params *params, td_comm_s
     return TD_OK;
 }
 
-void td_comm_seg_ref(td_comm_seg *seg) { atomic_fetch_add(&seg->refs, 1); }
+static void seg_ref(td_comm_seg *seg) { atomic_fetch_add(&seg->refs, 1); }
 
-void td_comm_seg_unref(td_comm_seg *seg) {
+static void seg_unref(td_comm_seg *seg) {
     if (!seg || atomic_fetch_sub(&seg->refs, 1) != 1) return;
     if (seg->heap)
         free(seg->base);
@@ -201,8 +215,8 @@ void td_comm_seg_unref(td_comm_seg *seg) {
     free(seg);
 }
 
-td_status td_comm_seg_comm_create(td_comm_seg *seg, int rank, td_comm **comm_p) {
-    td_comm *c = calloc(1, sizeof *c);
+static td_status seg_comm_create(td_comm_seg *seg, int rank, seg_comm **comm_p) {
+    seg_comm *c = calloc(1, sizeof *c);
     int *m = c ? calloc((size_t)seg->n, sizeof *m) : NULL;
     if (!m) {
         free(c);
@@ -210,12 +224,13 @@ td_status td_comm_seg_comm_create(td_comm_seg *seg, int rank, td_comm **comm_p) 
         return TD_ERR_NOMEM;
     }
     for (int k = 0; k < seg->n; k++) m[k] = k;
-    c->rank = rank;
-    c->size = seg->n;
+    c->b.ops = &k_seg_ops;
+    c->b.rank = rank;
+    c->b.size = seg->n;
     c->seg = seg;
     c->gid = 0;
     c->members = m;
-    td_comm_seg_ref(seg);
+    seg_ref(seg);
     *comm_p = c;
     return TD_OK;
 }
@@ -269,15 +284,15 @@ static td_status wait_change(td_comm_seg *s, _Atomic uint32_t *w, _Atomic uint32
     }
 }
 
-static int world_of(const td_comm *c, int r) { return c->members[r]; }
+static int world_of(const seg_comm *c, int r) { return c->members[r]; }
 
 /* A wait failed: the world is broken from now on. Only the rank whose own
  * deadline passed logs (with the missing ranks); the others fail quietly. */
-static void fail_wait(td_comm *c, bool timed_out, const char *what, const int *missing,
+static void fail_wait(seg_comm *c, bool timed_out, const char *what, const int *missing,
                       int n_missing) {
     atomic_store(&c->seg->hdr->broken, 1);
     if (!timed_out) {
-        TD_LOG_DEBUG("world rank %d: %s failed: a peer's wait failed first", world_of(c, c->rank),
+        TD_LOG_DEBUG("world rank %d: %s failed: a peer's wait failed first", world_of(c, c->b.rank),
                      what);
         return;
     }
@@ -286,22 +301,22 @@ static void fail_wait(td_comm *c, bool timed_out, const char *what, const int *m
     for (int i = 0; i < n_missing && len + 5 < sizeof list; i++)
         len += (size_t)snprintf(list + len, sizeof list - len, " %d", missing[i]);
     TD_LOG_ERROR("world rank %d (rank %d of %d): %s timed out after %.3g s; missing world ranks:%s",
-                 world_of(c, c->rank), c->rank, c->size, what, c->seg->timeout_s, list);
+                 world_of(c, c->b.rank), c->b.rank, c->b.size, what, c->seg->timeout_s, list);
 }
 
-void td_comm_seg_abort(td_comm_seg *seg) {
+static void seg_abort_all(td_comm_seg *seg) {
     if (atomic_exchange(&seg->hdr->broken, 1) == 0)
         TD_LOG_ERROR("communicator world of %d ranks aborted", seg->n);
 }
 
-static td_status barrier(td_comm *c) {
+static td_status barrier(seg_comm *c) {
     td_comm_seg *s = c->seg;
     if (atomic_load(&s->hdr->broken)) return TD_ERR_IO;
     seg_group *g = &s->groups[c->gid];
     uint32_t gen = atomic_load(&g->gen);
     c->epoch++;
-    atomic_store(&g->arrivals[c->rank], c->epoch);
-    if (atomic_fetch_add(&g->count, 1) == (uint32_t)c->size - 1) {
+    atomic_store(&g->arrivals[c->b.rank], c->epoch);
+    if (atomic_fetch_add(&g->count, 1) == (uint32_t)c->b.size - 1) {
         atomic_store(&g->count, 0); /* before the generation: the next barrier may start */
         atomic_store(&g->gen, gen + 1);
         wake(&g->gen, &g->waiters);
@@ -311,7 +326,7 @@ static td_status barrier(td_comm *c) {
     td_status st = wait_change(s, &g->gen, &g->waiters, gen, &timed_out);
     if (st) {
         int missing[TD_COMM_MAX_RANKS], nm = 0;
-        for (int k = 0; k < c->size; k++)
+        for (int k = 0; k < c->b.size; k++)
             if ((int32_t)(atomic_load(&g->arrivals[k]) - c->epoch) < 0)
                 missing[nm++] = world_of(c, k);
         fail_wait(c, timed_out, "a barrier", missing, nm);
@@ -321,18 +336,18 @@ static td_status barrier(td_comm *c) {
 
 /* ---- collectives ---- */
 
-static uint8_t *stage(const td_comm *c, int r, int half) {
+static uint8_t *stage(const seg_comm *c, int r, int half) {
     td_comm_seg *s = c->seg;
     return s->stage + (size_t)world_of(c, r) * s->chunk + (size_t)half * (s->chunk / 2);
 }
 
-static seg_meta *meta(const td_comm *c, int r) { return &c->seg->meta[world_of(c, r)]; }
+static seg_meta *meta(const seg_comm *c, int r) { return &c->seg->meta[world_of(c, r)]; }
 
-static size_t half_bytes(const td_comm *c) { return c->seg->chunk / 2; }
+static size_t half_bytes(const seg_comm *c) { return c->seg->chunk / 2; }
 
 /* Per-member share of a half, for collectives that stage one piece per rank. */
-static size_t sub_bytes(const td_comm *c) {
-    return (half_bytes(c) / (size_t)c->size) & ~(size_t)63;
+static size_t sub_bytes(const seg_comm *c) {
+    return (half_bytes(c) / (size_t)c->b.size) & ~(size_t)63;
 }
 
 static size_t n_rounds(size_t total, size_t piece) { return total ? (total - 1) / piece + 1 : 1; }
@@ -342,22 +357,28 @@ static size_t piece_len(size_t total, size_t piece, size_t round) {
     return off >= total ? 0 : TD_MIN(piece, total - off);
 }
 
-static void publish(td_comm *c, uint32_t kind, uint32_t op, int root, uint64_t count) {
-    seg_meta *m = meta(c, c->rank);
+static void publish(seg_comm *c, uint32_t kind, uint32_t op, int root, uint64_t count) {
+    seg_meta *m = meta(c, c->b.rank);
     m->kind = kind;
     m->op = op;
     m->root = root;
     m->count = count;
 }
 
+/* A reduction's op and element type in the metadata's op word, so that
+ * ranks that disagree on either are told. */
+static uint32_t meta_op(td_comm_op op, td_comm_dtype dt) {
+    return (uint32_t)op | (uint32_t)dt << 8;
+}
+
 /* After the first barrier: did every member call the same collective? */
-static td_status check_meta(const td_comm *c) {
-    const seg_meta *me = meta(c, c->rank);
-    for (int k = 0; k < c->size; k++) {
+static td_status check_meta(const seg_comm *c) {
+    const seg_meta *me = meta(c, c->b.rank);
+    for (int k = 0; k < c->b.size; k++) {
         const seg_meta *m = meta(c, k);
         if (m->kind != me->kind || m->op != me->op || m->root != me->root ||
             m->count != me->count) {
-            if (c->rank == 0)
+            if (c->b.rank == 0)
                 TD_LOG_ERROR("ranks 0 and %d disagree on a collective (kind %u/%u, op %u/%u, root "
                              "%d/%d, count %llu/%llu)",
                              k, me->kind, m->kind, me->op, m->op, me->root, m->root,
@@ -370,174 +391,207 @@ static td_status check_meta(const td_comm *c) {
 
 /* The closing barrier; a failed check still meets there, so every rank
  * leaves the collective together. */
-static td_status finish(td_comm *c, td_status st) {
+static td_status finish(seg_comm *c, td_status st) {
     if (st == TD_ERR_IO) return st;
     td_status b = barrier(c);
     return b ? b : st;
 }
 
-td_status td_comm_seg_barrier(td_comm *c) {
+static td_status seg_barrier(seg_comm *c) {
     publish(c, K_BARRIER, 0, 0, 0);
     td_status st = barrier(c);
     if (!st) st = check_meta(c);
     return finish(c, st);
 }
 
-td_status td_comm_seg_broadcast(td_comm *c, void *buf, size_t bytes, int root) {
+static td_status seg_broadcast(seg_comm *c, void *buf, size_t bytes, int root) {
     size_t piece = half_bytes(c), R = n_rounds(bytes, piece);
     publish(c, K_BCAST, 0, root, bytes);
     td_status st = TD_OK;
     for (size_t i = 0; i < R && !st; i++) {
         size_t m = piece_len(bytes, piece, i), off = i * piece;
         int h = (int)(i & 1);
-        if (c->rank == root && m) memcpy(stage(c, root, h), (uint8_t *)buf + off, m);
+        if (c->b.rank == root && m) memcpy(stage(c, root, h), (uint8_t *)buf + off, m);
         if ((st = barrier(c))) break;
         if (i == 0 && (st = check_meta(c))) break;
-        if (c->rank != root && m) memcpy((uint8_t *)buf + off, stage(c, root, h), m);
+        if (c->b.rank != root && m) memcpy((uint8_t *)buf + off, stage(c, root, h), m);
     }
     return finish(c, st);
 }
 
-td_status td_comm_seg_scatter(td_comm *c, const void *send, void *recv, size_t bpr, int root) {
+static td_status seg_scatter(seg_comm *c, const void *send, void *recv, size_t bpr, int root) {
     size_t piece = sub_bytes(c), R = n_rounds(bpr, piece);
     publish(c, K_SCATTER, 0, root, bpr);
     td_status st = TD_OK;
     for (size_t i = 0; i < R && !st; i++) {
         size_t m = piece_len(bpr, piece, i), off = i * piece;
         int h = (int)(i & 1);
-        if (c->rank == root && m)
-            for (int k = 0; k < c->size; k++)
+        if (c->b.rank == root && m)
+            for (int k = 0; k < c->b.size; k++)
                 memcpy(stage(c, root, h) + (size_t)k * piece,
                        (const uint8_t *)send + (size_t)k * bpr + off, m);
         if ((st = barrier(c))) break;
         if (i == 0 && (st = check_meta(c))) break;
-        if (m) memcpy((uint8_t *)recv + off, stage(c, root, h) + (size_t)c->rank * piece, m);
+        if (m) memcpy((uint8_t *)recv + off, stage(c, root, h) + (size_t)c->b.rank * piece, m);
     }
     return finish(c, st);
 }
 
 /* gather (to root) and all-gather share their rounds. */
-static td_status gather(td_comm *c, const void *send, void *recv, size_t bpr, int root, bool all) {
+static td_status gather(seg_comm *c, const void *send, void *recv, size_t bpr, int root, bool all) {
     size_t piece = half_bytes(c), R = n_rounds(bpr, piece);
     publish(c, all ? K_ALLGATHER : K_GATHER, 0, root, bpr);
     td_status st = TD_OK;
     for (size_t i = 0; i < R && !st; i++) {
         size_t m = piece_len(bpr, piece, i), off = i * piece;
         int h = (int)(i & 1);
-        if (m) memcpy(stage(c, c->rank, h), (const uint8_t *)send + off, m);
+        if (m) memcpy(stage(c, c->b.rank, h), (const uint8_t *)send + off, m);
         if ((st = barrier(c))) break;
         if (i == 0 && (st = check_meta(c))) break;
-        if ((all || c->rank == root) && m)
-            for (int k = 0; k < c->size; k++)
+        if ((all || c->b.rank == root) && m)
+            for (int k = 0; k < c->b.size; k++)
                 memcpy((uint8_t *)recv + (size_t)k * bpr + off, stage(c, k, h), m);
     }
     return finish(c, st);
 }
 
-td_status td_comm_seg_gather(td_comm *c, const void *send, void *recv, size_t bpr, int root) {
+static td_status seg_gather(seg_comm *c, const void *send, void *recv, size_t bpr, int root) {
     return gather(c, send, recv, bpr, root, false);
 }
 
-td_status td_comm_seg_all_gather(td_comm *c, const void *send, void *recv, size_t bpr) {
+static td_status seg_all_gather(seg_comm *c, const void *send, void *recv, size_t bpr) {
     return gather(c, send, recv, bpr, 0, true);
 }
 
-/* Combines element j of (float) area p of every member, in rank order:
+/* A float16 or bfloat16 element widened, and a float32 rounded back. */
+static float half_to_f32(td_comm_dtype dt, uint16_t h) {
+    return dt == TD_COMM_F16 ? td_fp16_to_f32(h) : td_bf16_to_f32(h);
+}
+static uint16_t f32_to_half(td_comm_dtype dt, float f) {
+    return dt == TD_COMM_F16 ? td_f32_to_fp16(f) : td_f32_to_bf16(f);
+}
+
+#define HALF_BLOCK 256 /* float32 accumulators on the stack per pass */
+
+/* Combines elements j0..j1 of area p of every member, in rank order:
  * out = ((x0 op x1) op x2) ..., one pass per member over the elements so
  * the sum loop vectorises (the same operations on each element as an
- * element-by-element loop, so the same bits). */
-static void combine(const td_comm *c, int h, size_t p_off, size_t j0, size_t j1, td_comm_op op,
-                    float *restrict out) {
-    size_t n = j1 - j0;
-    memcpy(out, (const float *)(stage(c, 0, h) + p_off) + j0, n * sizeof(float));
-    for (int k = 1; k < c->size; k++) {
-        const float *restrict x = (const float *)(stage(c, k, h) + p_off) + j0;
-        if (op == TD_COMM_SUM)
-            for (size_t j = 0; j < n; j++) out[j] += x[j];
-        else
-            for (size_t j = 0; j < n; j++) out[j] = fmaxf(out[j], x[j]);
+ * element-by-element loop, so the same bits). float16 and bfloat16 combine
+ * in float32 accumulators, rounded once into out. */
+static void combine(const seg_comm *c, int h, size_t p_off, size_t j0, size_t j1, td_comm_dtype dt,
+                    td_comm_op op, void *restrict out_v) {
+    if (dt == TD_COMM_F32) {
+        float *restrict out = out_v;
+        size_t n = j1 - j0;
+        memcpy(out, (const float *)(stage(c, 0, h) + p_off) + j0, n * sizeof(float));
+        for (int k = 1; k < c->b.size; k++) {
+            const float *restrict x = (const float *)(stage(c, k, h) + p_off) + j0;
+            if (op == TD_COMM_SUM)
+                for (size_t j = 0; j < n; j++) out[j] += x[j];
+            else
+                for (size_t j = 0; j < n; j++) out[j] = fmaxf(out[j], x[j]);
+        }
+        return;
+    }
+    uint16_t *restrict out = out_v;
+    float acc[HALF_BLOCK];
+    for (size_t b0 = j0; b0 < j1; b0 += HALF_BLOCK) {
+        size_t n = TD_MIN((size_t)HALF_BLOCK, j1 - b0);
+        const uint16_t *x0 = (const uint16_t *)(stage(c, 0, h) + p_off) + b0;
+        for (size_t j = 0; j < n; j++) acc[j] = half_to_f32(dt, x0[j]);
+        for (int k = 1; k < c->b.size; k++) {
+            const uint16_t *x = (const uint16_t *)(stage(c, k, h) + p_off) + b0;
+            if (op == TD_COMM_SUM)
+                for (size_t j = 0; j < n; j++) acc[j] += half_to_f32(dt, x[j]);
+            else
+                for (size_t j = 0; j < n; j++) acc[j] = fmaxf(acc[j], half_to_f32(dt, x[j]));
+        }
+        for (size_t j = 0; j < n; j++) out[b0 - j0 + j] = f32_to_half(dt, acc[j]);
     }
 }
 
 /* Slice r of m elements split evenly over the members. */
-static void slice(const td_comm *c, int r, size_t m, size_t *b, size_t *e) {
-    size_t n = (size_t)c->size, per = m / n, rem = m % n, ur = (size_t)r;
+static void slice(const seg_comm *c, int r, size_t m, size_t *b, size_t *e) {
+    size_t n = (size_t)c->b.size, per = m / n, rem = m % n, ur = (size_t)r;
     *b = ur * per + TD_MIN(ur, rem);
     *e = *b + per + (ur < rem ? 1 : 0);
 }
 
 /* reduce (to root) and all-reduce: half 0 holds the round's input, half 1
  * the slice this rank combined. */
-td_status td_comm_seg_reduce(td_comm *c, const float *send, float *recv, size_t n, td_comm_op op,
-                             int root, bool all) {
-    size_t piece = half_bytes(c) / sizeof(float), R = n_rounds(n, piece);
-    publish(c, all ? K_ALLREDUCE : K_REDUCE, (uint32_t)op, root, n);
+static td_status seg_reduce(seg_comm *c, const void *send_v, void *recv_v, size_t n,
+                            td_comm_dtype dt, td_comm_op op, int root, bool all) {
+    const uint8_t *send = send_v;
+    uint8_t *recv = recv_v;
+    size_t esz = td_comm_dtype_size(dt), piece = half_bytes(c) / esz, R = n_rounds(n, piece);
+    publish(c, all ? K_ALLREDUCE : K_REDUCE, meta_op(op, dt), root, n);
     td_status st = TD_OK;
     for (size_t i = 0; i < R && !st; i++) {
         size_t m = piece_len(n, piece, i), off = i * piece, b, e;
-        if (m) memcpy(stage(c, c->rank, 0), send + off, m * sizeof(float));
+        if (m) memcpy(stage(c, c->b.rank, 0), send + off * esz, m * esz);
         if ((st = barrier(c))) break;
         if (i == 0 && (st = check_meta(c))) break;
-        slice(c, c->rank, m, &b, &e);
-        combine(c, 0, 0, b, e, op, (float *)stage(c, c->rank, 1) + b);
+        slice(c, c->b.rank, m, &b, &e);
+        combine(c, 0, 0, b, e, dt, op, stage(c, c->b.rank, 1) + b * esz);
         if ((st = barrier(c))) break;
-        if (all || c->rank == root)
-            for (int k = 0; k < c->size; k++) {
+        if (all || c->b.rank == root)
+            for (int k = 0; k < c->b.size; k++) {
                 slice(c, k, m, &b, &e);
-                if (e > b)
-                    memcpy(recv + off + b, (const float *)stage(c, k, 1) + b,
-                           (e - b) * sizeof(float));
+                if (e > b) memcpy(recv + (off + b) * esz, stage(c, k, 1) + b * esz, (e - b) * esz);
             }
     }
     return finish(c, st);
 }
 
-td_status td_comm_seg_reduce_scatter(td_comm *c, const float *send, float *recv, size_t n,
-                                     td_comm_op op) {
-    size_t piece_b = sub_bytes(c), piece = piece_b / sizeof(float), R = n_rounds(n, piece);
-    publish(c, K_RSCATTER, (uint32_t)op, 0, n);
+static td_status seg_reduce_scatter(seg_comm *c, const void *send_v, void *recv_v, size_t n,
+                                    td_comm_dtype dt, td_comm_op op) {
+    const uint8_t *send = send_v;
+    uint8_t *recv = recv_v;
+    size_t esz = td_comm_dtype_size(dt), piece_b = sub_bytes(c), piece = piece_b / esz,
+           R = n_rounds(n, piece);
+    publish(c, K_RSCATTER, meta_op(op, dt), 0, n);
     td_status st = TD_OK;
     for (size_t i = 0; i < R && !st; i++) {
         size_t m = piece_len(n, piece, i), off = i * piece;
         int h = (int)(i & 1);
         if (m)
-            for (int k = 0; k < c->size; k++)
-                memcpy(stage(c, c->rank, h) + (size_t)k * piece_b, send + (size_t)k * n + off,
-                       m * sizeof(float));
+            for (int k = 0; k < c->b.size; k++)
+                memcpy(stage(c, c->b.rank, h) + (size_t)k * piece_b,
+                       send + ((size_t)k * n + off) * esz, m * esz);
         if ((st = barrier(c))) break;
         if (i == 0 && (st = check_meta(c))) break;
-        if (m) combine(c, h, (size_t)c->rank * piece_b, 0, m, op, recv + off);
+        if (m) combine(c, h, (size_t)c->b.rank * piece_b, 0, m, dt, op, recv + off * esz);
     }
     return finish(c, st);
 }
 
-td_status td_comm_seg_all_to_all_v(td_comm *c, const void *send, const size_t *send_bytes,
-                                   const size_t *send_displs, void *recv, const size_t *recv_bytes,
-                                   const size_t *recv_displs) {
+static td_status seg_all_to_all_v(seg_comm *c, const void *send, const size_t *send_bytes,
+                                  const size_t *send_displs, void *recv, const size_t *recv_bytes,
+                                  const size_t *recv_displs) {
     size_t piece = sub_bytes(c), R = 1;
     publish(c, K_A2AV, 0, 0, 0);
-    seg_meta *mine = meta(c, c->rank);
-    for (int k = 0; k < c->size; k++) {
+    seg_meta *mine = meta(c, c->b.rank);
+    for (int k = 0; k < c->b.size; k++) {
         mine->vsend[k] = send_bytes[k];
         mine->vrecv[k] = recv_bytes[k];
     }
     td_status st = TD_OK;
     for (size_t i = 0; i < R && !st; i++) {
         int h = (int)(i & 1);
-        for (int j = 0; j < c->size; j++) {
+        for (int j = 0; j < c->b.size; j++) {
             size_t m = piece_len(send_bytes[j], piece, i);
             if (m)
-                memcpy(stage(c, c->rank, h) + (size_t)j * piece,
+                memcpy(stage(c, c->b.rank, h) + (size_t)j * piece,
                        (const uint8_t *)send + send_displs[j] + i * piece, m);
         }
         if ((st = barrier(c))) break;
         if (i == 0) {
             if ((st = check_meta(c))) break;
             size_t most = 0;
-            for (int k = 0; k < c->size && !st; k++)
-                for (int j = 0; j < c->size; j++) {
+            for (int k = 0; k < c->b.size && !st; k++)
+                for (int j = 0; j < c->b.size; j++) {
                     if (meta(c, k)->vsend[j] != meta(c, j)->vrecv[k]) {
-                        if (c->rank == 0)
+                        if (c->b.rank == 0)
                             TD_LOG_ERROR("all-to-all-v: rank %d sends %llu bytes to rank %d, which "
                                          "expects %llu",
                                          k, (unsigned long long)meta(c, k)->vsend[j], j,
@@ -550,11 +604,11 @@ td_status td_comm_seg_all_to_all_v(td_comm *c, const void *send, const size_t *s
             if (st) break;
             R = n_rounds(most, piece);
         }
-        for (int k = 0; k < c->size; k++) {
+        for (int k = 0; k < c->b.size; k++) {
             size_t m = piece_len(recv_bytes[k], piece, i);
             if (m)
                 memcpy((uint8_t *)recv + recv_displs[k] + i * piece,
-                       stage(c, k, h) + (size_t)c->rank * piece, m);
+                       stage(c, k, h) + (size_t)c->b.rank * piece, m);
         }
     }
     return finish(c, st);
@@ -562,15 +616,15 @@ td_status td_comm_seg_all_to_all_v(td_comm *c, const void *send, const size_t *s
 
 /* ---- point to point ---- */
 
-static seg_chan *chan(const td_comm *c, int src, int dst) {
+static seg_chan *chan(const seg_comm *c, int src, int dst) {
     return &c->seg->chans[(size_t)world_of(c, src) * (size_t)c->seg->n + (size_t)world_of(c, dst)];
 }
 
-td_status td_comm_seg_send(td_comm *c, const void *buf, size_t bytes, int peer) {
+static td_status seg_send(seg_comm *c, const void *buf, size_t bytes, int peer) {
     td_comm_seg *s = c->seg;
     if (atomic_load(&s->hdr->broken)) return TD_ERR_IO;
-    seg_chan *ch = chan(c, c->rank, peer);
-    uint8_t *out = s->p2p + (size_t)world_of(c, c->rank) * s->chunk;
+    seg_chan *ch = chan(c, c->b.rank, peer);
+    uint8_t *out = s->p2p + (size_t)world_of(c, c->b.rank) * s->chunk;
     size_t R = n_rounds(bytes, s->chunk);
     for (size_t i = 0; i < R; i++) {
         size_t m = piece_len(bytes, s->chunk, i);
@@ -588,17 +642,17 @@ td_status td_comm_seg_send(td_comm *c, const void *buf, size_t bytes, int peer) 
         }
         if (atomic_load(&ch->err)) {
             atomic_store(&ch->err, 0);
-            TD_LOG_ERROR("rank %d refused a %zu-byte message from rank %d", peer, bytes, c->rank);
+            TD_LOG_ERROR("rank %d refused a %zu-byte message from rank %d", peer, bytes, c->b.rank);
             return TD_ERR_INVALID;
         }
     }
     return TD_OK;
 }
 
-td_status td_comm_seg_recv(td_comm *c, void *buf, size_t bytes, int peer) {
+static td_status seg_recv(seg_comm *c, void *buf, size_t bytes, int peer) {
     td_comm_seg *s = c->seg;
     if (atomic_load(&s->hdr->broken)) return TD_ERR_IO;
-    seg_chan *ch = chan(c, peer, c->rank);
+    seg_chan *ch = chan(c, peer, c->b.rank);
     const uint8_t *in = s->p2p + (size_t)world_of(c, peer) * s->chunk;
     size_t R = n_rounds(bytes, s->chunk);
     for (size_t i = 0; i < R; i++) {
@@ -611,8 +665,8 @@ td_status td_comm_seg_recv(td_comm *c, void *buf, size_t bytes, int peer) {
         }
         size_t m = piece_len(bytes, s->chunk, i);
         if (ch->total != bytes || ch->len != m) {
-            TD_LOG_ERROR("rank %d expected %zu bytes from rank %d, which sent %llu", c->rank, bytes,
-                         peer, (unsigned long long)ch->total);
+            TD_LOG_ERROR("rank %d expected %zu bytes from rank %d, which sent %llu", c->b.rank,
+                         bytes, peer, (unsigned long long)ch->total);
             atomic_store(&ch->err, 1);
             atomic_store(&ch->ack, ack + 1);
             wake(&ch->ack, &ch->waiters);
@@ -627,24 +681,24 @@ td_status td_comm_seg_recv(td_comm *c, void *buf, size_t bytes, int peer) {
 
 /* ---- sub-groups ---- */
 
-td_status td_comm_seg_split(td_comm *c, int color, int key, td_comm **sub_p) {
+static td_status seg_split(seg_comm *c, int color, int key, seg_comm **sub_p) {
     int64_t mine[2] = {color, key}, all[2 * TD_COMM_MAX_RANKS];
     td_status st = gather(c, mine, all, sizeof mine, 0, true);
     if (st) return st;
     int n_colors = 0;
-    for (int k = 0; k < c->size; k++) {
+    for (int k = 0; k < c->b.size; k++) {
         bool first = all[2 * k] >= 0;
         for (int j = 0; j < k && first; j++) first = all[2 * j] != all[2 * k];
         n_colors += first;
     }
     int32_t base = 0;
-    if (c->rank == 0) {
+    if (c->b.rank == 0) {
         uint32_t b = atomic_fetch_add(&c->seg->hdr->n_groups, (uint32_t)n_colors);
         base = b + (uint32_t)n_colors > MAX_GROUPS ? -1 : (int32_t)b;
     }
-    if ((st = td_comm_seg_broadcast(c, &base, sizeof base, 0))) return st;
+    if ((st = seg_broadcast(c, &base, sizeof base, 0))) return st;
     if (base < 0 || base + n_colors > MAX_GROUPS) { /* every rank checks the shared value */
-        if (c->rank == 0)
+        if (c->b.rank == 0)
             TD_LOG_ERROR("no group slot left (%d sub-groups per world)", MAX_GROUPS - 1);
         return TD_ERR_RANGE;
     }
@@ -653,7 +707,7 @@ td_status td_comm_seg_split(td_comm *c, int color, int key, td_comm **sub_p) {
         return TD_OK;
     }
     int ordinal = 0, size = 0, order[TD_COMM_MAX_RANKS];
-    for (int k = 0; k < c->size; k++) {
+    for (int k = 0; k < c->b.size; k++) {
         bool first = all[2 * k] >= 0 && all[2 * k] < color;
         for (int j = 0; j < k && first; j++) first = all[2 * j] != all[2 * k];
         ordinal += first;
@@ -666,7 +720,7 @@ td_status td_comm_seg_split(td_comm *c, int color, int key, td_comm **sub_p) {
         }
         order[p] = k;
     }
-    td_comm *sub = calloc(1, sizeof *sub);
+    seg_comm *sub = calloc(1, sizeof *sub);
     int *m = sub ? calloc((size_t)size, sizeof *m) : NULL;
     if (!m) {
         free(sub);
@@ -675,13 +729,14 @@ td_status td_comm_seg_split(td_comm *c, int color, int key, td_comm **sub_p) {
     }
     for (int i = 0; i < size; i++) {
         m[i] = world_of(c, order[i]);
-        if (order[i] == c->rank) sub->rank = i;
+        if (order[i] == c->b.rank) sub->b.rank = i;
     }
-    sub->size = size;
+    sub->b.ops = &k_seg_ops;
+    sub->b.size = size;
     sub->seg = c->seg;
     sub->gid = base + ordinal;
     sub->members = m;
-    td_comm_seg_ref(c->seg);
+    seg_ref(c->seg);
     *sub_p = sub;
     return TD_OK;
 }
@@ -805,15 +860,149 @@ td_status td_comm_shm_create(const char *name, int n_ranks, int rank, const td_c
     }
     seg_bind(s, base, bytes, n_ranks, &p);
     if (rank == 0) hdr_init(s);
-    td_comm *c = NULL;
-    st = td_comm_seg_comm_create(s, rank, &c);
-    td_comm_seg_unref(s); /* the communicator holds it now (or it is unmapped) */
+    seg_comm *c = NULL;
+    st = seg_comm_create(s, rank, &c);
+    seg_unref(s); /* the communicator holds it now (or it is unmapped) */
     if (!st && (st = barrier(c))) {
-        td_comm_destroy(c);
+        td_comm_destroy(&c->b);
         c = NULL;
     }
     if (rank == 0) shm_unlink(path); /* everyone has it mapped, or we gave up */
     if (st) return st;
-    *comm_p = c;
+    *comm_p = &c->b;
     return TD_OK;
 }
+
+/* ---- the local backend: the same engine over heap memory ---- */
+
+struct td_comm_group {
+    td_comm_seg *seg;
+    int n;
+};
+
+td_status td_comm_group_create(int n_ranks, td_comm_group **group_p) {
+    return td_comm_group_create_params(n_ranks, NULL, group_p);
+}
+
+td_status td_comm_group_create_params(int n_ranks, const td_comm_params *params,
+                                      td_comm_group **group_p) {
+    if (n_ranks < 1 || n_ranks > TD_COMM_MAX_RANKS || !group_p) return TD_ERR_INVALID;
+    td_comm_params p = params ? *params : td_comm_default_params();
+    td_comm_group *g = calloc(1, sizeof *g);
+    if (!g) {
+        TD_LOG_ERROR("out of memory");
+        return TD_ERR_NOMEM;
+    }
+    td_status st = seg_create_heap(n_ranks, &p, &g->seg);
+    if (st) {
+        free(g);
+        return st;
+    }
+    g->n = n_ranks;
+    *group_p = g;
+    return TD_OK;
+}
+
+void td_comm_group_destroy(td_comm_group *group) {
+    if (!group) return;
+    seg_unref(group->seg);
+    free(group);
+}
+
+td_status td_comm_create_local(td_comm_group *group, int rank, td_comm **comm_p) {
+    if (!group || rank < 0 || rank >= group->n || !comm_p) return TD_ERR_INVALID;
+    seg_comm *c = NULL;
+    td_status st = seg_comm_create(group->seg, rank, &c);
+    if (st) return st;
+    *comm_p = &c->b;
+    return TD_OK;
+}
+
+/* ---- the table (comm-impl.h) ---- */
+
+#define SC(c) ((seg_comm *)(c))
+
+static void op_destroy(td_comm *base) {
+    seg_comm *c = SC(base);
+    seg_unref(c->seg);
+    free(c->members);
+    free(c);
+}
+
+static void op_abort(td_comm *c) { seg_abort_all(SC(c)->seg); }
+
+static td_status op_split(td_comm *c, int color, int key, td_comm **sub_p) {
+    seg_comm *sub = NULL;
+    td_status st = seg_split(SC(c), color, key, &sub);
+    if (st == TD_OK) *sub_p = sub ? &sub->b : NULL;
+    return st;
+}
+
+static td_status op_barrier(td_comm *c) { return seg_barrier(SC(c)); }
+
+static td_status op_broadcast(td_comm *c, void *buf, size_t bytes, int root, td_comm_stream s) {
+    TD_UNUSED(s);
+    return seg_broadcast(SC(c), buf, bytes, root);
+}
+
+static td_status op_scatter(td_comm *c, const void *send, void *recv, size_t bpr, int root,
+                            td_comm_stream s) {
+    TD_UNUSED(s);
+    return seg_scatter(SC(c), send, recv, bpr, root);
+}
+
+static td_status op_gather(td_comm *c, const void *send, void *recv, size_t bpr, int root,
+                           td_comm_stream s) {
+    TD_UNUSED(s);
+    return seg_gather(SC(c), send, recv, bpr, root);
+}
+
+static td_status op_all_gather(td_comm *c, const void *send, void *recv, size_t bpr,
+                               td_comm_stream s) {
+    TD_UNUSED(s);
+    return seg_all_gather(SC(c), send, recv, bpr);
+}
+
+static td_status op_reduce(td_comm *c, const void *send, void *recv, size_t n, td_comm_dtype dt,
+                           td_comm_op op, int root, bool all, td_comm_stream s) {
+    TD_UNUSED(s);
+    return seg_reduce(SC(c), send, recv, n, dt, op, root, all);
+}
+
+static td_status op_reduce_scatter(td_comm *c, const void *send, void *recv, size_t n,
+                                   td_comm_dtype dt, td_comm_op op, td_comm_stream s) {
+    TD_UNUSED(s);
+    return seg_reduce_scatter(SC(c), send, recv, n, dt, op);
+}
+
+static td_status op_all_to_all_v(td_comm *c, const void *send, const size_t *send_bytes,
+                                 const size_t *send_displs, void *recv, const size_t *recv_bytes,
+                                 const size_t *recv_displs, td_comm_stream s) {
+    TD_UNUSED(s);
+    return seg_all_to_all_v(SC(c), send, send_bytes, send_displs, recv, recv_bytes, recv_displs);
+}
+
+static td_status op_send(td_comm *c, const void *buf, size_t bytes, int peer, td_comm_stream s) {
+    TD_UNUSED(s);
+    return seg_send(SC(c), buf, bytes, peer);
+}
+
+static td_status op_recv(td_comm *c, void *buf, size_t bytes, int peer, td_comm_stream s) {
+    TD_UNUSED(s);
+    return seg_recv(SC(c), buf, bytes, peer);
+}
+
+static const td_comm_ops k_seg_ops = {.name = "shm",
+                                      .destroy = op_destroy,
+                                      .abort = op_abort,
+                                      .split = op_split,
+                                      .barrier = op_barrier,
+                                      .broadcast = op_broadcast,
+                                      .scatter = op_scatter,
+                                      .gather = op_gather,
+                                      .all_gather = op_all_gather,
+                                      .reduce = op_reduce,
+                                      .reduce_scatter = op_reduce_scatter,
+                                      .all_to_all_v = op_all_to_all_v,
+                                      .send = op_send,
+                                      .recv = op_recv};

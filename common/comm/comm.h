@@ -4,13 +4,22 @@
  * boundaries, CP all-gather, EP all-to-all), so one forward pass serves
  * every plan.
  *
- * Backends, all behind this interface:
+ * Backends, each a table of operations (comm-impl.h) behind this interface:
  * - single: a world of one; every call is a no-op or a copy;
- * - local:  ranks are threads of one process (tests of parallel plans);
  * - shm:    ranks are processes on one host sharing a POSIX shared-memory
- *           segment; barriers spin briefly, then sleep on a futex.
- * An NCCL backend fits the same calls: counts are explicit, there are no
- * callbacks, and every buffer is caller-owned.
+ *           segment; barriers spin briefly, then sleep on a futex;
+ * - local:  the shm engine over heap memory, ranks being threads of one
+ *           process (tests of parallel plans).
+ * An NCCL backend fits the same calls: counts are explicit, every data
+ * collective takes the element type of a reduction and a stream to order
+ * it on, there are no callbacks, and every buffer is caller-owned.
+ *
+ * Control and data: a parallel plan's executor keeps its control channel
+ * (step broadcast, start-up, reports, keep-alives: small messages between
+ * the driver and its ranks, always on a CPU backend) apart from the data
+ * communicators the forward pass reduces and exchanges activations on (the
+ * TP, CP and EP groups and the PP neighbours), so a device backend can take
+ * the data path while control stays on shared memory.
  *
  * Collective calls (everything except rank/size, send/recv and destroy)
  * must be made by every rank of the communicator, in the same order, with
@@ -21,10 +30,12 @@
  * time; a rank's communicators (the world and its splits) are used from
  * one thread in turn, never concurrently.
  *
- * Floating-point reductions are over float32 and combine in rank order
- * 0..n-1 of the communicator: ((x0 op x1) op x2) ..., computed once per
- * element, so every rank receives the same bits, equal to that serial
- * order.
+ * Reductions combine in rank order 0..n-1 of the communicator:
+ * ((x0 op x1) op x2) ..., computed once per element, so every rank
+ * receives the same bits, equal to that serial order. float32 elements
+ * combine in float32; float16 and bfloat16 elements are widened to
+ * float32, combined in float32 in that order and rounded once to their
+ * type (to nearest, ties to even).
  *
  * Failures: every wait has a deadline (td_comm_params.timeout_s). A rank
  * that dies or stops calling makes the others return TD_ERR_IO after the
@@ -42,6 +53,22 @@ typedef enum {
     TD_COMM_SUM = 0,
     TD_COMM_MAX = 1,
 } td_comm_op;
+
+/* The element type of a reduction. */
+typedef enum {
+    TD_COMM_F32 = 0,
+    TD_COMM_F16 = 1,  /* IEEE binary16 */
+    TD_COMM_BF16 = 2, /* bfloat16 */
+} td_comm_dtype;
+#define TD_COMM_N_DTYPES 3
+/* Bytes of one element; 0 for a value that is no td_comm_dtype. */
+size_t td_comm_dtype_size(td_comm_dtype dt);
+
+/* What a data collective is ordered on: a device backend's stream (a
+ * cudaStream_t for NCCL), on which the call is enqueued. The CPU backends
+ * complete every call before it returns and take NULL only
+ * (TD_ERR_INVALID otherwise). */
+typedef void *td_comm_stream;
 
 /* Largest world the shared-memory backends support. */
 #define TD_COMM_MAX_RANKS 64
@@ -116,43 +143,52 @@ int td_comm_size(const td_comm *comm);
 
 /* ---- collectives (every rank of comm, same order) ---- */
 
+/* The control channel's meeting point (no data, no stream). */
 td_status td_comm_barrier(td_comm *comm);
 
+/* The data collectives: the byte movers take bytes (a device backend moves
+ * them as bytes), the reductions n elements of dtype; all take the stream
+ * they are ordered on (NULL on the CPU backends). */
+
 /* buf (bytes) on root is copied to buf on every rank. */
-td_status td_comm_broadcast(td_comm *comm, void *buf, size_t bytes, int root);
+td_status td_comm_broadcast(td_comm *comm, void *buf, size_t bytes, int root,
+                            td_comm_stream stream);
 
 /* Root's send (size * bytes_per_rank) is split in rank order: block r goes
  * to recv (bytes_per_rank) of rank r. send is read on root only. */
 td_status td_comm_scatter(td_comm *comm, const void *send, void *recv, size_t bytes_per_rank,
-                          int root);
+                          int root, td_comm_stream stream);
 
 /* Every rank's send (bytes_per_rank) lands at block r of root's recv
  * (size * bytes_per_rank). recv is written on root only. */
 td_status td_comm_gather(td_comm *comm, const void *send, void *recv, size_t bytes_per_rank,
-                         int root);
+                         int root, td_comm_stream stream);
 
 /* Every rank's send (bytes_per_rank) lands at block r of every rank's recv
  * (size * bytes_per_rank). send may equal recv + rank * bytes_per_rank. */
-td_status td_comm_all_gather(td_comm *comm, const void *send, void *recv, size_t bytes_per_rank);
+td_status td_comm_all_gather(td_comm *comm, const void *send, void *recv, size_t bytes_per_rank,
+                             td_comm_stream stream);
 
-/* recv[i] on root = send[i] of rank 0 op send[i] of rank 1 ... (n floats);
- * recv is written on root only and may equal send. */
-td_status td_comm_reduce(td_comm *comm, const float *send, float *recv, size_t n, td_comm_op op,
-                         int root);
+/* recv[i] on root = send[i] of rank 0 op send[i] of rank 1 ... (n elements
+ * of dtype); recv is written on root only and may equal send. */
+td_status td_comm_reduce(td_comm *comm, const void *send, void *recv, size_t n, td_comm_dtype dtype,
+                         td_comm_op op, int root, td_comm_stream stream);
 
-/* In place: buf[i] = buf[i] of rank 0 op ... on every rank (n floats). */
-td_status td_comm_all_reduce(td_comm *comm, float *buf, size_t n, td_comm_op op);
-td_status td_comm_all_reduce_sum(td_comm *comm, float *buf, size_t n);
+/* In place: buf[i] = buf[i] of rank 0 op ... on every rank (n elements). */
+td_status td_comm_all_reduce(td_comm *comm, void *buf, size_t n, td_comm_dtype dtype, td_comm_op op,
+                             td_comm_stream stream);
 
-/* send is size blocks of n_per_rank floats; rank r receives block r reduced
- * over all ranks in recv (n_per_rank floats). recv must not overlap send. */
-td_status td_comm_reduce_scatter(td_comm *comm, const float *send, float *recv, size_t n_per_rank,
-                                 td_comm_op op);
+/* send is size blocks of n_per_rank elements; rank r receives block r
+ * reduced over all ranks in recv (n_per_rank elements). recv must not
+ * overlap send. */
+td_status td_comm_reduce_scatter(td_comm *comm, const void *send, void *recv, size_t n_per_rank,
+                                 td_comm_dtype dtype, td_comm_op op, td_comm_stream stream);
 
 /* Block j (bytes_per_rank) of every rank's send goes to rank j, landing at
  * block (sender) of its recv. send and recv are size * bytes_per_rank and
  * must not overlap. */
-td_status td_comm_all_to_all(td_comm *comm, const void *send, void *recv, size_t bytes_per_rank);
+td_status td_comm_all_to_all(td_comm *comm, const void *send, void *recv, size_t bytes_per_rank,
+                             td_comm_stream stream);
 
 /* All-to-all with per-rank sizes (bytes): send_bytes[j] bytes at
  * send + send_displs[j] go to rank j, which receives them at
@@ -160,17 +196,19 @@ td_status td_comm_all_to_all(td_comm *comm, const void *send, void *recv, size_t
  * arrays have size entries. Buffers must not overlap. */
 td_status td_comm_all_to_all_v(td_comm *comm, const void *send, const size_t *send_bytes,
                                const size_t *send_displs, void *recv, const size_t *recv_bytes,
-                               const size_t *recv_displs);
+                               const size_t *recv_displs, td_comm_stream stream);
 
 /* ---- point to point (the two ranks only) ---- */
 
 /* Blocking rendezvous send of bytes to rank peer of comm: returns once the
- * receiver has taken all of them. The receiver must post a matching
- * td_comm_recv with the same byte count (TD_ERR_INVALID on both sides
- * otherwise). Messages between two processes are received in the order
- * sent, whichever of their communicators carries them; two ranks that
- * exchange must order their calls (one sends first). peer != own rank. */
-td_status td_comm_send(td_comm *comm, const void *buf, size_t bytes, int peer);
-td_status td_comm_recv(td_comm *comm, void *buf, size_t bytes, int peer);
+ * receiver has taken all of them (a device backend: once enqueued on
+ * stream). The receiver must post a matching td_comm_recv with the same
+ * byte count (TD_ERR_INVALID on both sides otherwise). Messages between two
+ * processes are received in the order sent, whichever of their
+ * communicators carries them; two ranks that exchange must order their
+ * calls (one sends first). peer != own rank. */
+td_status td_comm_send(td_comm *comm, const void *buf, size_t bytes, int peer,
+                       td_comm_stream stream);
+td_status td_comm_recv(td_comm *comm, void *buf, size_t bytes, int peer, td_comm_stream stream);
 
 #endif

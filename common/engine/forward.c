@@ -143,7 +143,8 @@ struct td_engine {
  * over) to comm_bytes; calls on a communicator of one rank are not timed
  * (they are no-ops). It evaluates to the call's td_status:
  *   if ((st = ENGINE_COMM(e, e->comm, n * sizeof(float),
- *                         td_comm_all_reduce_sum(e->comm, buf, n))))
+ *                         td_comm_all_reduce(e->comm, buf, n, TD_COMM_F32, TD_COMM_SUM,
+ *                                            CSTREAM(e)))))
  *       return st;
  * The comma operator times exactly the call: the clock starts before it is
  * evaluated and stops after. The call reaches backend memory through
@@ -151,6 +152,10 @@ struct td_engine {
 #define ENGINE_COMM(e, comm, bytes, call)                                                          \
     (engine_comm_start((e), (comm)), engine_comm_stop((e), (bytes), (call)))
 #define CPTR(e, view) OP(e, comm_ptr)((e)->be, (view))
+/* The stream the data collectives are ordered on: none while the data
+ * communicators are CPU ones (a device backend stages its views for them
+ * between comm_begin and comm_end). */
+#define CSTREAM(e) ((void)(e), (td_comm_stream)NULL)
 
 static void engine_comm_start(td_engine *e, const td_comm *comm) {
     e->comm_timed = comm && td_comm_size(comm) > 1;
@@ -173,7 +178,9 @@ static td_status engine_comm_stop(td_engine *e, size_t bytes, td_status st) {
  * nothing to add: no call at all, so a device backend stages nothing. */
 static td_status all_reduce(td_engine *e, td_comm *comm, td_bview v, size_t n) {
     if (td_comm_size(comm) == 1) return TD_OK;
-    return ENGINE_COMM(e, comm, n * sizeof(float), td_comm_all_reduce_sum(comm, CPTR(e, v), n));
+    return ENGINE_COMM(
+        e, comm, n * sizeof(float),
+        td_comm_all_reduce(comm, CPTR(e, v), n, TD_COMM_F32, TD_COMM_SUM, CSTREAM(e)));
 }
 
 td_engine_params td_engine_default_params(void) {
@@ -761,7 +768,7 @@ static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
 
     if ((st = ENGINE_COMM(e, e->rg_comm, (size_t)NE * sizeof(int32_t),
                           td_comm_all_gather(e->rg_comm, CPTR(e, mine), CPTR(e, BV(e->ep_cnt)),
-                                             (size_t)NE * sizeof(int32_t)))))
+                                             (size_t)NE * sizeof(int32_t), CSTREAM(e)))))
         return st;
     OP(e, count_sum)
     (e->be, BI(e->load_cnt, (size_t)li * (size_t)NE), BV(e->ep_cnt), e->rg_size, NE);
@@ -778,7 +785,7 @@ static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
      * expert-major into xg. */
     if ((st = ENGINE_COMM(e, e->p.ep_comm, (size_t)P * (size_t)cap * row,
                           td_comm_all_to_all_v(e->p.ep_comm, CPTR(e, BV(e->ep_send)), sb, sd,
-                                               CPTR(e, BV(e->ep_recv)), rb, rd))))
+                                               CPTR(e, BV(e->ep_recv)), rb, rd, CSTREAM(e)))))
         return st;
     td_backend_ep xp = {.blocks = BV(e->ep_recv),
                         .slots = BV(e->xg),
@@ -810,7 +817,7 @@ static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
     OP(e, moe_ep_permute)(e->be, &xp, false);
     if ((st = ENGINE_COMM(e, e->p.ep_comm, n_recv * row,
                           td_comm_all_to_all_v(e->p.ep_comm, CPTR(e, BV(e->ep_recv)), rb, rd,
-                                               CPTR(e, BV(e->ep_send)), sb, sd))))
+                                               CPTR(e, BV(e->ep_send)), sb, sd, CSTREAM(e)))))
         return st;
     OP(e, moe_ep_pack)
     (e->be, BV(e->ep_send), BV(e->yg), BV(e->exp_off), P, NL, cap, e->n_embd, false);
@@ -843,7 +850,7 @@ static td_status moe_ffn_ep(td_engine *e, const td_layer_weights *lw, int li) {
  * all-gather sends its block to each of the other ranks). */
 static td_status cp_all_gather(td_engine *e, const void *send, void *recv, size_t bytes) {
     e->timing.cp_bytes += bytes * (size_t)(e->cp_n - 1);
-    return ENGINE_COMM(e, e->cp, bytes, td_comm_all_gather(e->cp, send, recv, bytes));
+    return ENGINE_COMM(e, e->cp, bytes, td_comm_all_gather(e->cp, send, recv, bytes, CSTREAM(e)));
 }
 
 /* Every CP rank must run the same batch, or their collectives would pair
@@ -1028,16 +1035,20 @@ static td_status cp_pcp_ring(td_engine *e, const td_backend_kv *own, int32_t seq
         size_t in_bytes = 2 * (size_t)in_held * blk * sizeof(float);
         td_status st;
         if (me % 2 == 0) {
-            if ((st = ENGINE_COMM(e, e->cp, out_bytes,
-                                  td_comm_send(e->cp, CPTR(e, buf[0]), out_bytes, next))) ||
-                (st = ENGINE_COMM(e, e->cp, 0,
-                                  td_comm_recv(e->cp, CPTR(e, buf[1]), in_bytes, prev))))
+            if ((st = ENGINE_COMM(
+                     e, e->cp, out_bytes,
+                     td_comm_send(e->cp, CPTR(e, buf[0]), out_bytes, next, CSTREAM(e)))) ||
+                (st =
+                     ENGINE_COMM(e, e->cp, 0,
+                                 td_comm_recv(e->cp, CPTR(e, buf[1]), in_bytes, prev, CSTREAM(e)))))
                 return st;
         } else {
-            if ((st = ENGINE_COMM(e, e->cp, 0,
-                                  td_comm_recv(e->cp, CPTR(e, buf[1]), in_bytes, prev))) ||
-                (st = ENGINE_COMM(e, e->cp, out_bytes,
-                                  td_comm_send(e->cp, CPTR(e, buf[0]), out_bytes, next))))
+            if ((st = ENGINE_COMM(
+                     e, e->cp, 0,
+                     td_comm_recv(e->cp, CPTR(e, buf[1]), in_bytes, prev, CSTREAM(e)))) ||
+                (st = ENGINE_COMM(
+                     e, e->cp, out_bytes,
+                     td_comm_send(e->cp, CPTR(e, buf[0]), out_bytes, next, CSTREAM(e)))))
                 return st;
         }
         e->timing.cp_bytes += out_bytes;
@@ -1100,9 +1111,9 @@ static td_status cp_gather_logit_rows(td_engine *e) {
         sb[0] = (size_t)e->cp_k[me] * row;
         e->timing.cp_bytes += sb[0];
     }
-    return ENGINE_COMM(
-        e, e->cp, sb[0],
-        td_comm_all_to_all_v(e->cp, CPTR(e, BV(e->xn)), sb, sd, CPTR(e, BV(e->x)), rb, rd));
+    return ENGINE_COMM(e, e->cp, sb[0],
+                       td_comm_all_to_all_v(e->cp, CPTR(e, BV(e->xn)), sb, sd, CPTR(e, BV(e->x)),
+                                            rb, rd, CSTREAM(e)));
 }
 
 /* ---------------------------------------------------------------- forward */
@@ -1207,9 +1218,9 @@ static td_status ep_logits(td_engine *e, const td_seq_chunk *seqs, int32_t n_seq
         rd[k] = n_all * row;
         n_all += n;
     }
-    td_status st = ENGINE_COMM(
-        e, e->p.ep_comm, sb[0],
-        td_comm_all_to_all_v(e->p.ep_comm, CPTR(e, BV(e->xn)), sb, sd, CPTR(e, BV(e->o)), rb, rd));
+    td_status st = ENGINE_COMM(e, e->p.ep_comm, sb[0],
+                               td_comm_all_to_all_v(e->p.ep_comm, CPTR(e, BV(e->xn)), sb, sd,
+                                                    CPTR(e, BV(e->o)), rb, rd, CSTREAM(e)));
     if (st || e->ep_rank != 0 || n_all == 0) return st;
     /* Sender-major (each sender's rows in its sequences' order) to the
      * order of seqs; rd becomes each sender's read cursor, in rows. */
@@ -1300,7 +1311,7 @@ static td_status head_vocab_parallel(td_engine *e, int32_t n_logit, float *logit
         td_status st =
             ENGINE_COMM(e, e->comm, blk * sizeof(float),
                         td_comm_all_gather(e->comm, CPTR(e, yh[0]), CPTR(e, BV(e->head_buf)),
-                                           blk * sizeof(float)));
+                                           blk * sizeof(float), CSTREAM(e)));
         if (st) return st;
         /* g <= head_rows <= head_out_rows: the group fits in lg */
         OP(e, head_place)

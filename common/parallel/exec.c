@@ -77,8 +77,15 @@ struct td_exec {
     td_model *model;
     td_kv_pool *kv;
     td_engine *engine;
-    bool wrapped;  /* td_exec_wrap: engine, kv and model are borrowed */
-    td_comm *comm; /* the world */
+    bool wrapped; /* td_exec_wrap: engine, kv and model are borrowed */
+    /* The control channel: the driver's world (start-up, the step and its
+     * directives, the reports, keep-alives); always a CPU backend. */
+    td_comm *ctl;
+    /* The data world and the groups split from it: what the forward pass
+     * reduces and exchanges activations on (TP, CP, EP; PP neighbours over
+     * data itself). Split from ctl today; a device backend would make it
+     * its own. */
+    td_comm *data;
     td_comm *tp_comm, *cp_comm, *ep_comm;
     int32_t n_vocab, n_embd;
     int32_t n_expert;      /* MoE: routed experts; 0 for dense models */
@@ -107,7 +114,7 @@ struct td_exec {
     double last_use;
     atomic_bool failed;
     _Atomic int cancel;     /* set by the monitor: rank 0's waits fail (td_comm_params.cancel) */
-    atomic_bool comm_ready; /* x->comm exists: the monitor may abort it */
+    atomic_bool comm_ready; /* x->ctl exists: the monitor may abort it (and data with it) */
     td_comm_params comm_params;
     pthread_mutex_t times_mu;
     td_rank_time *times; /* (world) */
@@ -149,24 +156,26 @@ static int world_rank_of(const td_exec *x, int tp_rank, int cp_rank, int pp_rank
     return (pp_rank * x->cp + cp_rank) * x->tp + tp_rank;
 }
 
-/* Splits the groups (collective over the world: every rank, same order). */
+/* The data world and its groups (collective over the control world: every
+ * rank, same order). */
 static td_status split_groups(td_exec *x) {
     const td_plan_params *p = &x->cfg.plan;
     td_status st;
+    if ((st = td_comm_split(x->ctl, 0, x->rank, &x->data))) return st;
     /* --attn-dp: attention is whole on every rank, so no TP group (the
      * ranks only meet in the EP group). */
     bool tp_group = p->tp > 1 && !p->attn_dp;
     if (tp_group &&
-        (st = td_comm_split(x->comm, x->pp_rank * x->cp + x->cp_rank, x->tp_rank, &x->tp_comm)))
+        (st = td_comm_split(x->data, x->pp_rank * x->cp + x->cp_rank, x->tp_rank, &x->tp_comm)))
         return st;
     if (!tp_group && (st = td_comm_create_single(&x->tp_comm))) return st;
     if (p->cp > 1 &&
-        (st = td_comm_split(x->comm, x->pp_rank * x->tp + x->tp_rank, x->cp_rank, &x->cp_comm)))
+        (st = td_comm_split(x->data, x->pp_rank * x->tp + x->tp_rank, x->cp_rank, &x->cp_comm)))
         return st;
     if (p->ep > 1) {
         int in_stage = x->cp_rank * x->tp + x->tp_rank;
         int groups = p->tp * p->cp / p->ep;
-        if ((st = td_comm_split(x->comm, x->pp_rank * groups + in_stage / p->ep, in_stage % p->ep,
+        if ((st = td_comm_split(x->data, x->pp_rank * groups + in_stage / p->ep, in_stage % p->ep,
                                 &x->ep_comm)))
             return st;
     }
@@ -238,7 +247,7 @@ static td_status load_shard(td_exec *x) {
 /* Every rank learns whether every rank is up (collective). */
 static td_status agree(td_exec *x, td_status mine) {
     float v = mine != TD_OK ? 1.0f : 0.0f; /* statuses are negative: agree on failed or not */
-    td_status st = td_comm_all_reduce(x->comm, &v, 1, TD_COMM_MAX);
+    td_status st = td_comm_all_reduce(x->ctl, &v, 1, TD_COMM_F32, TD_COMM_MAX, NULL);
     if (st) return st;
     return v > 0 ? TD_ERR_IO : TD_OK;
 }
@@ -254,7 +263,8 @@ static void release_shard(td_exec *x) {
     td_comm_destroy(x->ep_comm);
     td_comm_destroy(x->cp_comm);
     td_comm_destroy(x->tp_comm);
-    td_comm_destroy(x->comm);
+    td_comm_destroy(x->data);
+    td_comm_destroy(x->ctl);
     free(x->payload);
     free(x->chunks);
     free(x->x_in);
@@ -270,14 +280,14 @@ static void release_shard(td_exec *x) {
 
 static td_status timed_send(td_exec *x, const void *buf, size_t bytes, int peer) {
     double t0 = td_time_s();
-    td_status st = td_comm_send(x->comm, buf, bytes, peer);
+    td_status st = td_comm_send(x->data, buf, bytes, peer, NULL);
     x->comm_s += td_time_s() - t0;
     return st;
 }
 
 static td_status timed_recv(td_exec *x, void *buf, size_t bytes, int peer) {
     double t0 = td_time_s();
-    td_status st = td_comm_recv(x->comm, buf, bytes, peer);
+    td_status st = td_comm_recv(x->data, buf, bytes, peer, NULL);
     x->comm_s += td_time_s() - t0;
     return st;
 }
@@ -434,7 +444,7 @@ static td_status report(td_exec *x, double t0, td_status step_st) {
     x->tags = NULL;
     r.compute_s = td_time_s() - t0 - x->comm_s;
     if (r.compute_s < 0) r.compute_s = 0;
-    td_status st = td_comm_gather(x->comm, &r, x->reports, sizeof r, 0);
+    td_status st = td_comm_gather(x->ctl, &r, x->reports, sizeof r, 0, NULL);
     if (st || x->n_expert == 0) return st;
     /* MoE: tokens per expert over the whole model. Every rank of a stage's
      * TP / EP group counts the same tokens (td_engine_expert_load), so one
@@ -444,8 +454,8 @@ static td_status report(td_exec *x, double t0, td_status step_st) {
     bool mine = x->tp_rank == 0 && x->cp_rank == 0;
     for (int32_t i = 0; i < x->n_expert; i++)
         x->expert_sum[i] = mine ? (float)x->expert_step[i] : 0.0f;
-    if ((st = td_comm_reduce(x->comm, x->expert_sum, x->expert_sum, (size_t)x->n_expert,
-                             TD_COMM_SUM, 0)))
+    if ((st = td_comm_reduce(x->ctl, x->expert_sum, x->expert_sum, (size_t)x->n_expert, TD_COMM_F32,
+                             TD_COMM_SUM, 0, NULL)))
         return st;
     if (x->rank == 0) {
         pthread_mutex_lock(&x->times_mu);
@@ -459,7 +469,7 @@ static td_status report(td_exec *x, double t0, td_status step_st) {
 /* ------------------------------------------------------------- workers */
 
 static td_status broadcast_hdr(td_exec *x, step_hdr *h) {
-    return td_comm_broadcast(x->comm, h, sizeof *h, 0);
+    return td_comm_broadcast(x->ctl, h, sizeof *h, 0, NULL);
 }
 
 static td_status ext_setup_rank(td_exec *x, void *ctx, int32_t arg, uint8_t **table);
@@ -487,8 +497,8 @@ static int worker_loop(td_exec *x) {
             if (h.n_ext_words < 0 || h.n_ext_words > (1 << 24)) return 1;
             step_hdr d = {.n_ext_words = h.n_ext_words};
             if ((st = grow_payload(x, payload_words(&d)))) return 1;
-            if ((st = td_comm_broadcast(x->comm, x->payload, payload_words(&d) * sizeof(int32_t),
-                                        0)))
+            if ((st = td_comm_broadcast(x->ctl, x->payload, payload_words(&d) * sizeof(int32_t), 0,
+                                        NULL)))
                 return 1;
             double t0 = td_time_s();
             x->comm_s = 0;
@@ -504,7 +514,8 @@ static int worker_loop(td_exec *x) {
             return 1;
         }
         if ((st = grow_payload(x, payload_words(&h)))) return 1;
-        if ((st = td_comm_broadcast(x->comm, x->payload, payload_words(&h) * sizeof(int32_t), 0)))
+        if ((st = td_comm_broadcast(x->ctl, x->payload, payload_words(&h) * sizeof(int32_t), 0,
+                                    NULL)))
             return 1;
         double t0 = td_time_s();
         x->comm_s = 0;
@@ -556,8 +567,8 @@ int td_exec_rank_main(int argc, char **argv, const td_exec_ext_ops *ext) {
     cp.chunk_bytes = (size_t)chunk;
     cp.timeout_s = (double)timeout_ms / 1e3;
     int rc = 1;
-    if (td_comm_shm_create(argv[1], x->world, x->rank, &cp, &x->comm)) goto done;
-    if (td_comm_broadcast(x->comm, &x->cfg, sizeof x->cfg, 0)) goto done;
+    if (td_comm_shm_create(argv[1], x->world, x->rank, &cp, &x->ctl)) goto done;
+    if (td_comm_broadcast(x->ctl, &x->cfg, sizeof x->cfg, 0, NULL)) goto done;
     const td_plan_params *pl = &x->cfg.plan;
     bool ok = x->cfg.magic == CFG_MAGIC && pl->tp >= 1 && pl->cp >= 1 && pl->pp >= 1 &&
               pl->pp <= TD_PLAN_MAX_PP && (long)pl->tp * pl->cp * pl->pp == world && pl->ep >= 1 &&
@@ -577,7 +588,7 @@ int td_exec_rank_main(int argc, char **argv, const td_exec_ext_ops *ext) {
     if (agree(x, st) || st) goto done;
     rc = worker_loop(x);
 done:
-    if (rc && x->comm) td_comm_abort(x->comm);
+    if (rc && x->ctl) td_comm_abort(x->ctl);
     release_shard(x);
     free(x);
     return rc;
@@ -614,7 +625,7 @@ static void *monitor_main(void *arg) {
                              (int)w, WEXITSTATUS(status));
             atomic_store(&x->failed, true);
             atomic_store(&x->cancel, 1); /* rank 0 may still wait for the others to attach */
-            if (atomic_load(&x->comm_ready)) td_comm_abort(x->comm);
+            if (atomic_load(&x->comm_ready)) td_comm_abort(x->ctl);
         }
     }
     free(fds);
@@ -631,7 +642,7 @@ static void *keepalive_main(void *arg) {
             step_hdr h = {.op = OP_NOOP};
             if (broadcast_hdr(x, &h)) {
                 atomic_store(&x->failed, true);
-                td_comm_abort(x->comm);
+                td_comm_abort(x->ctl);
             }
             x->last_use = td_time_s();
             continue;
@@ -940,8 +951,7 @@ td_status td_exec_create(const td_exec_params *p, td_exec **x_p) {
     x->rank = 0;
     rank_coords(x);
     if (x->world == 1) {
-        if ((st = td_comm_create_single(&x->comm)) || (st = split_groups(x)) ||
-            (st = load_shard(x)))
+        if ((st = td_comm_create_single(&x->ctl)) || (st = split_groups(x)) || (st = load_shard(x)))
             goto fail;
         *x_p = x;
         return TD_OK;
@@ -971,9 +981,9 @@ td_status td_exec_create(const td_exec_params *p, td_exec **x_p) {
     x->monitor_started = true;
     td_comm_params cp = x->comm_params; /* the ranks get it through argv */
     cp.cancel = &x->cancel;
-    if ((st = td_comm_shm_create(name, x->world, 0, &cp, &x->comm))) goto fail;
+    if ((st = td_comm_shm_create(name, x->world, 0, &cp, &x->ctl))) goto fail;
     atomic_store(&x->comm_ready, true);
-    if ((st = td_comm_broadcast(x->comm, &x->cfg, sizeof x->cfg, 0))) goto fail;
+    if ((st = td_comm_broadcast(x->ctl, &x->cfg, sizeof x->cfg, 0, NULL))) goto fail;
     td_status mine = split_groups(x);
     if (!mine) mine = load_shard(x);
     if ((st = agree(x, mine))) {
@@ -995,7 +1005,7 @@ fail:
     pthread_mutex_lock(&x->mu);
     atomic_store(&x->stopping, true);
     pthread_mutex_unlock(&x->mu);
-    if (x->comm) td_comm_abort(x->comm);
+    if (x->ctl) td_comm_abort(x->ctl);
     stop_monitor(x);
     reap_ranks(x, false);
     exec_free(x);
@@ -1029,7 +1039,7 @@ void td_exec_destroy(td_exec *x) {
         pthread_cond_broadcast(&x->cv);
         pthread_mutex_unlock(&x->mu);
         if (x->keepalive_started) pthread_join(x->keepalive, NULL);
-        if (!ok) td_comm_abort(x->comm);
+        if (!ok) td_comm_abort(x->ctl);
         stop_monitor(x);
         reap_ranks(x, ok);
     }
@@ -1177,7 +1187,7 @@ td_status td_exec_forward_tagged(td_exec *x, const td_seq_chunk *seqs, int32_t n
     double t0 = td_time_s();
     x->comm_s = 0;
     if (!(st = broadcast_hdr(x, &h)))
-        st = td_comm_broadcast(x->comm, x->payload, payload_words(&h) * sizeof(int32_t), 0);
+        st = td_comm_broadcast(x->ctl, x->payload, payload_words(&h) * sizeof(int32_t), 0, NULL);
     x->comm_s += td_time_s() - t0;
     /* Run the step on the driver from the same payload the ranks got. */
     if (!st && !(st = unpack(x, &h, false)) && !(st = ext_before(x, &h)))
@@ -1200,7 +1210,7 @@ td_status td_exec_forward_tagged(td_exec *x, const td_seq_chunk *seqs, int32_t n
     if (st) {
         if (!atomic_exchange(&x->failed, true))
             TD_LOG_ERROR("step failed on the ranks (%s): the instance fails", td_status_str(st));
-        td_comm_abort(x->comm);
+        td_comm_abort(x->ctl);
         st = TD_ERR_IO;
     }
     pthread_mutex_unlock(&x->mu);
@@ -1241,7 +1251,7 @@ static td_status gather_replies(td_exec *x, td_status st, uint8_t *mine, size_t 
     }
     uint64_t n64 = st ? 0 : (uint64_t)len;
     memcpy(mine, &n64, 8);
-    td_status gst = x->world == 1 ? TD_OK : td_comm_gather(x->comm, mine, all, REPLY_SLOT, 0);
+    td_status gst = x->world == 1 ? TD_OK : td_comm_gather(x->ctl, mine, all, REPLY_SLOT, 0, NULL);
     if (x->world == 1) memcpy(all, mine, REPLY_SLOT);
     free(mine);
     if (table && x->rank == 0 && !gst)
@@ -1297,7 +1307,7 @@ static td_status broadcast_op(td_exec *x, step_hdr *h) {
     if (x->world == 1) return TD_OK;
     if (broadcast_hdr(x, h)) {
         atomic_store(&x->failed, true);
-        td_comm_abort(x->comm);
+        td_comm_abort(x->ctl);
         return TD_ERR_IO;
     }
     return TD_OK;
@@ -1382,7 +1392,7 @@ td_status td_exec_ext_control(td_exec *x, int32_t op, int32_t arg, const char *w
         if (!atomic_exchange(&x->failed, true))
             TD_LOG_ERROR("a rank-extension operation (%s) failed on the ranks: the instance fails",
                          what);
-        td_comm_abort(x->comm); /* no rank waits on a collective that will not come */
+        td_comm_abort(x->ctl); /* no rank waits on a collective that will not come */
     }
     x->last_use = td_time_s();
     pthread_mutex_unlock(&x->mu);
@@ -1423,7 +1433,8 @@ td_status td_exec_ext_sync(td_exec *x) {
         double t0 = td_time_s();
         x->comm_s = 0;
         if (!(st = broadcast_hdr(x, &h)))
-            st = td_comm_broadcast(x->comm, x->payload, payload_words(&h) * sizeof(int32_t), 0);
+            st =
+                td_comm_broadcast(x->ctl, x->payload, payload_words(&h) * sizeof(int32_t), 0, NULL);
         if (!st) st = ext_before(x, &h);
         if (!st) st = report(x, t0, TD_OK);
         if (!st) merge_rank_reports(x);
@@ -1434,7 +1445,7 @@ td_status td_exec_ext_sync(td_exec *x) {
         if (!atomic_exchange(&x->failed, true))
             TD_LOG_ERROR("rank-extension step failed on the ranks (%s): the instance fails",
                          td_status_str(st));
-        td_comm_abort(x->comm);
+        td_comm_abort(x->ctl);
         st = TD_ERR_IO;
     }
     pthread_mutex_unlock(&x->mu);

@@ -1,11 +1,11 @@
 /* Conformance suite for the comm interface: one set of checks (conform())
- * runs on every backend — single; local with 1-4 thread ranks; shm with
- * 1-4 rank processes forked here — for every collective, send/recv and
- * sub-group splits, with sizes from one element to a few MiB (larger than
- * the 64 KiB staging buffers used here, so chunking is exercised).
- * Expected values are computed serially in the test from the same
- * deterministic per-rank inputs every rank can regenerate. Data movement
- * is compared exactly; reductions too: the interface combines in rank
+ * runs on every backend, through its table of operations — single; local
+ * with 1-4 thread ranks; shm with 1-4 rank processes forked here — for
+ * every collective, every reduction in every element type (float32,
+ * float16, bfloat16), send/recv and sub-group splits, with sizes from one element to a few MiB
+ * (larger than the 64 KiB staging buffers used here, so chunking is exercised). Expected values are
+ * computed serially in the test from the same deterministic per-rank inputs every rank can
+ * regenerate. Data movement is compared exactly; reductions too: the interface combines in rank
  * order 0..n-1, so the result must equal the serial float32 fold
  * ((x0 + x1) + x2) + x3 bit for bit (the inputs span 16 binary exponents,
  * so any other order would differ in many elements). Dead-rank tests check
@@ -109,32 +109,32 @@ static int check_bytes_ops(td_comm *c, uint32_t seed, size_t B, bool all_roots) 
     for (int root = all_roots ? 0 : n - 1; root < n && !rc; root++) {
         /* broadcast */
         fill_bytes(a, B, seed + 1, me, 0);
-        OK(c, td_comm_broadcast(c, a, B, root));
+        OK(c, td_comm_broadcast(c, a, B, root, NULL));
         CHECK(c, bytes_are(a, B, seed + 1, root, 0));
         /* scatter: root's block r goes to rank r */
         fill_bytes(a, nB, seed + 2, me, 0);
         memset(b, 0xab, B);
-        OK(c, td_comm_scatter(c, a, b, B, root));
+        OK(c, td_comm_scatter(c, a, b, B, root, NULL));
         CHECK(c, bytes_are(b, B, seed + 2, root, (size_t)me * B));
         /* gather: recv written on root only */
         fill_bytes(a, B, seed + 3, me, 0);
         memset(b, 0xcd, nB);
-        OK(c, td_comm_gather(c, a, b, B, root));
+        OK(c, td_comm_gather(c, a, b, B, root, NULL));
         for (int k = 0; k < n; k++)
             CHECK(c, me == root ? bytes_are(b + (size_t)k * B, B, seed + 3, k, 0)
                                 : all_equal(b + (size_t)k * B, B, 0xcd));
     }
     /* all-gather, then in place (send inside recv) */
     fill_bytes(a, B, seed + 4, me, 0);
-    OK(c, td_comm_all_gather(c, a, b, B));
+    OK(c, td_comm_all_gather(c, a, b, B, NULL));
     for (int k = 0; k < n; k++) CHECK(c, bytes_are(b + (size_t)k * B, B, seed + 4, k, 0));
     memset(b, 0, nB);
     fill_bytes(b + (size_t)me * B, B, seed + 5, me, 0);
-    OK(c, td_comm_all_gather(c, b + (size_t)me * B, b, B));
+    OK(c, td_comm_all_gather(c, b + (size_t)me * B, b, B, NULL));
     for (int k = 0; k < n; k++) CHECK(c, bytes_are(b + (size_t)k * B, B, seed + 5, k, 0));
     /* all-to-all: block j of rank k's send lands at block k of rank j */
     fill_bytes(a, nB, seed + 6, me, 0);
-    OK(c, td_comm_all_to_all(c, a, b, B));
+    OK(c, td_comm_all_to_all(c, a, b, B, NULL));
     for (int k = 0; k < n; k++)
         CHECK(c, bytes_are(b + (size_t)k * B, B, seed + 6, k, (size_t)me * B));
     free(a);
@@ -154,18 +154,18 @@ static int check_float_ops(td_comm *c, uint32_t seed, size_t N, bool all_roots) 
         for (size_t i = 0; i < N; i++) want[i] = serial(s, n, i, op);
         /* all-reduce, in place: identical bits on every rank */
         for (size_t i = 0; i < N; i++) a[i] = val_of(s, me, i);
-        OK(c, td_comm_all_reduce(c, a, N, op));
+        OK(c, td_comm_all_reduce(c, a, N, TD_COMM_F32, op, NULL));
         CHECK(c, memcmp(a, want, N * sizeof(float)) == 0);
         if (op == TD_COMM_SUM) {
             for (size_t i = 0; i < N; i++) a[i] = val_of(s, me, i);
-            OK(c, td_comm_all_reduce_sum(c, a, N));
+            OK(c, td_comm_all_reduce(c, a, N, TD_COMM_F32, TD_COMM_SUM, NULL));
             CHECK(c, memcmp(a, want, N * sizeof(float)) == 0);
         }
         /* reduce to a root: recv written on root only */
         for (int root = all_roots ? 0 : n - 1; root < n; root++) {
             for (size_t i = 0; i < N; i++) a[i] = val_of(s, me, i);
             for (size_t i = 0; i < N; i++) b[i] = -7.0f;
-            OK(c, td_comm_reduce(c, a, b, N, op, root));
+            OK(c, td_comm_reduce(c, a, b, N, TD_COMM_F32, op, root, NULL));
             if (me == root)
                 CHECK(c, memcmp(b, want, N * sizeof(float)) == 0);
             else
@@ -173,7 +173,7 @@ static int check_float_ops(td_comm *c, uint32_t seed, size_t N, bool all_roots) 
         }
         /* reduce-scatter: block r of the fold goes to rank r */
         for (size_t i = 0; i < nN; i++) a[i] = val_of(s + 1, me, i);
-        OK(c, td_comm_reduce_scatter(c, a, b, N, op));
+        OK(c, td_comm_reduce_scatter(c, a, b, N, TD_COMM_F32, op, NULL));
         for (size_t i = 0; i < N; i++)
             CHECK(c, memcmp(&b[i], &(float){serial(s + 1, n, (size_t)me * N + i, op)},
                             sizeof(float)) == 0);
@@ -181,6 +181,114 @@ static int check_float_ops(td_comm *c, uint32_t seed, size_t N, bool all_roots) 
     free(a);
     free(b);
     free(want);
+    return 0;
+}
+
+/* ---- float16 and bfloat16 ----
+ * The reference conversions are the compiler's (_Float16) and a bfloat16
+ * rounding written here from its definition (the upper 16 bits of the
+ * float32, rounded to nearest, ties to even), not the kernels' helpers the
+ * backends use. */
+
+static float h_to_f32(td_comm_dtype dt, uint16_t h) {
+    if (dt == TD_COMM_F16) {
+        _Float16 v;
+        memcpy(&v, &h, 2);
+        return (float)v;
+    }
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint16_t f32_to_h(td_comm_dtype dt, float f) {
+    if (dt == TD_COMM_F16) {
+        _Float16 v = (_Float16)f;
+        uint16_t h;
+        memcpy(&h, &v, 2);
+        return h;
+    }
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t low = u & 0xffffu, up = u >> 16;
+    if (low > 0x8000u || (low == 0x8000u && (up & 1u))) up++;
+    return (uint16_t)up;
+}
+
+/* Values of the type, signed, over 16 binary exponents (in float16's range). */
+static uint16_t hval_of(td_comm_dtype dt, uint32_t seed, int rank, size_t i) {
+    uint32_t h = hash3(seed, (uint32_t)rank, i);
+    float f = ((float)(int32_t)(h % 2001u) - 1000.0f) * ldexpf(1.0f, (int)(h >> 28) - 10);
+    return f32_to_h(dt, f);
+}
+
+/* The fold in float32 in rank order, rounded once. */
+static uint16_t hserial(td_comm_dtype dt, uint32_t seed, int n, size_t i, td_comm_op op) {
+    float s = h_to_f32(dt, hval_of(dt, seed, 0, i));
+    for (int r = 1; r < n; r++) {
+        float x = h_to_f32(dt, hval_of(dt, seed, r, i));
+        s = op == TD_COMM_SUM ? s + x : fmaxf(s, x);
+    }
+    return f32_to_h(dt, s);
+}
+
+static int check_half_ops(td_comm *c, td_comm_dtype dt, uint32_t seed, size_t N) {
+    int me = td_comm_rank(c), n = td_comm_size(c);
+    size_t nN = (size_t)n * N;
+    uint16_t *a = malloc((nN + 1) * 2), *b = malloc((nN + 1) * 2), *want = malloc((N + 1) * 2);
+    CHECK(c, a && b && want);
+    for (int o = 0; o < 2; o++) {
+        td_comm_op op = o ? TD_COMM_MAX : TD_COMM_SUM;
+        uint32_t s = seed + 10 * (uint32_t)o;
+        for (size_t i = 0; i < N; i++) want[i] = hserial(dt, s, n, i, op);
+        for (size_t i = 0; i < N; i++) a[i] = hval_of(dt, s, me, i);
+        OK(c, td_comm_all_reduce(c, a, N, dt, op, NULL));
+        CHECK(c, memcmp(a, want, N * 2) == 0);
+        for (int root = 0; root < n; root++) {
+            for (size_t i = 0; i < N; i++) a[i] = hval_of(dt, s, me, i);
+            for (size_t i = 0; i < N; i++) b[i] = 0x7777;
+            OK(c, td_comm_reduce(c, a, b, N, dt, op, root, NULL));
+            if (me == root)
+                CHECK(c, memcmp(b, want, N * 2) == 0);
+            else
+                for (size_t i = 0; i < N; i++) CHECK(c, b[i] == 0x7777);
+        }
+        for (size_t i = 0; i < nN; i++) a[i] = hval_of(dt, s + 1, me, i);
+        OK(c, td_comm_reduce_scatter(c, a, b, N, dt, op, NULL));
+        for (size_t i = 0; i < N; i++)
+            CHECK(c, b[i] == hserial(dt, s + 1, n, (size_t)me * N + i, op));
+    }
+    free(a);
+    free(b);
+    free(want);
+    return 0;
+}
+
+/* Every reduction in every element type; ranks that disagree on the type
+ * are all told; a stream or an unknown type is refused on the CPU
+ * backends. */
+static int check_dtypes(td_comm *c, uint32_t seed, bool big) {
+    int me = td_comm_rank(c), n = td_comm_size(c);
+    CHECK(c, td_comm_dtype_size(TD_COMM_F32) == 4 && td_comm_dtype_size(TD_COMM_F16) == 2 &&
+                 td_comm_dtype_size(TD_COMM_BF16) == 2 &&
+                 td_comm_dtype_size((td_comm_dtype)TD_COMM_N_DTYPES) == 0);
+    static const size_t sizes[] = {0, 1, 7, 1001};
+    for (int d = TD_COMM_F16; d <= TD_COMM_BF16; d++)
+        for (size_t i = 0; i < TD_ARRAY_SIZE(sizes); i++)
+            if (check_half_ops(c, (td_comm_dtype)d, seed + (uint32_t)(d * 100 + i), sizes[i]))
+                return 1;
+    /* several rounds of the staging buffers */
+    if (big && check_half_ops(c, TD_COMM_BF16, seed + 7, (size_t)3 * CHUNK + 5)) return 1;
+    uint16_t x[4] = {0};
+    td_comm_dtype mine = me == n - 1 && n > 1 ? TD_COMM_F16 : TD_COMM_BF16;
+    CHECK(c,
+          td_comm_all_reduce(c, x, 4, mine, TD_COMM_SUM, NULL) == (n > 1 ? TD_ERR_INVALID : TD_OK));
+    CHECK(c, td_comm_all_reduce(c, x, 4, (td_comm_dtype)9, TD_COMM_SUM, NULL) == TD_ERR_INVALID);
+    int stream;
+    CHECK(c, td_comm_all_reduce(c, x, 2, TD_COMM_F32, TD_COMM_SUM, &stream) == TD_ERR_INVALID);
+    CHECK(c, td_comm_broadcast(c, x, 2, 0, &stream) == TD_ERR_INVALID);
+    CHECK(c, td_comm_all_gather(c, x, x, 0, &stream) == TD_ERR_INVALID);
     return 0;
 }
 
@@ -206,12 +314,12 @@ static int check_all_to_all_v(td_comm *c, uint32_t seed, size_t unit) {
     uint8_t *s = malloc(st + 1), *r = malloc(rt + 1);
     CHECK(c, s && r);
     for (int j = 0; j < n; j++) fill_bytes(s + sd[j], sb[j], seed, me, (size_t)j << 32);
-    OK(c, td_comm_all_to_all_v(c, s, sb, sd, r, rb, rd));
+    OK(c, td_comm_all_to_all_v(c, s, sb, sd, r, rb, rd, NULL));
     for (int k = 0; k < n; k++) CHECK(c, bytes_are(r + rd[k], rb[k], seed, k, (size_t)me << 32));
     /* a receiver that expects a different count: every rank is told */
     if (n > 1) {
         if (me == 1) rb[0]++;
-        CHECK(c, td_comm_all_to_all_v(c, s, sb, sd, r, rb, rd) == TD_ERR_INVALID);
+        CHECK(c, td_comm_all_to_all_v(c, s, sb, sd, r, rb, rd, NULL) == TD_ERR_INVALID);
     }
     free(s);
     free(r);
@@ -222,7 +330,7 @@ static int check_p2p(td_comm *c, uint32_t seed, size_t B) {
     int me = td_comm_rank(c), n = td_comm_size(c);
     if (n == 1) {
         uint8_t x = 0;
-        CHECK(c, td_comm_send(c, &x, 1, 0) == TD_ERR_INVALID);
+        CHECK(c, td_comm_send(c, &x, 1, 0, NULL) == TD_ERR_INVALID);
         return 0;
     }
     uint8_t *buf = malloc(B + 16); /* room for the 10/12-byte mismatch below */
@@ -231,28 +339,28 @@ static int check_p2p(td_comm *c, uint32_t seed, size_t B) {
      * forwards to the next (the PP stage boundary) */
     if (me == 0) {
         fill_bytes(buf, B, seed, 0, 0);
-        OK(c, td_comm_send(c, buf, B, 1));
+        OK(c, td_comm_send(c, buf, B, 1, NULL));
     } else {
         memset(buf, 0, B);
-        OK(c, td_comm_recv(c, buf, B, me - 1));
+        OK(c, td_comm_recv(c, buf, B, me - 1, NULL));
         CHECK(c, bytes_are(buf, B, seed, 0, 0));
-        if (me + 1 < n) OK(c, td_comm_send(c, buf, B, me + 1));
+        if (me + 1 < n) OK(c, td_comm_send(c, buf, B, me + 1, NULL));
     }
     /* a ring, even ranks sending first */
     int next = (me + 1) % n, prev = (me + n - 1) % n;
     uint8_t *in = malloc(B + 16);
     CHECK(c, in);
     fill_bytes(buf, B, seed + 1, me, 0);
-    if (me % 2 == 0) OK(c, td_comm_send(c, buf, B, next));
-    OK(c, td_comm_recv(c, in, B, prev));
-    if (me % 2 == 1) OK(c, td_comm_send(c, buf, B, next));
+    if (me % 2 == 0) OK(c, td_comm_send(c, buf, B, next, NULL));
+    OK(c, td_comm_recv(c, in, B, prev, NULL));
+    if (me % 2 == 1) OK(c, td_comm_send(c, buf, B, next, NULL));
     CHECK(c, bytes_are(in, B, seed + 1, prev, 0));
     /* a size mismatch fails on both sides and leaves the channel usable */
-    if (me == 0) CHECK(c, td_comm_send(c, buf, 10, 1) == TD_ERR_INVALID);
-    if (me == 1) CHECK(c, td_comm_recv(c, in, 12, 0) == TD_ERR_INVALID);
-    if (me == 0) OK(c, td_comm_send(c, buf, 3, 1));
+    if (me == 0) CHECK(c, td_comm_send(c, buf, 10, 1, NULL) == TD_ERR_INVALID);
+    if (me == 1) CHECK(c, td_comm_recv(c, in, 12, 0, NULL) == TD_ERR_INVALID);
+    if (me == 0) OK(c, td_comm_send(c, buf, 3, 1, NULL));
     if (me == 1) {
-        OK(c, td_comm_recv(c, in, 3, 0));
+        OK(c, td_comm_recv(c, in, 3, 0, NULL));
         CHECK(c, bytes_are(in, 3, seed + 1, 0, 0));
     }
     free(in);
@@ -264,16 +372,16 @@ static int check_p2p(td_comm *c, uint32_t seed, size_t B) {
 static int check_literal(td_comm *c) {
     int me = td_comm_rank(c);
     float mine[2] = {me ? 3.0f : 1.0f, me ? 4.0f : 2.0f}, out[4] = {0};
-    OK(c, td_comm_all_gather(c, mine, out, sizeof mine));
+    OK(c, td_comm_all_gather(c, mine, out, sizeof mine, NULL));
     CHECK(c, out[0] == 1 && out[1] == 2 && out[2] == 3 && out[3] == 4);
     float ar[2] = {mine[0], mine[1]};
-    OK(c, td_comm_all_reduce(c, ar, 2, TD_COMM_SUM));
+    OK(c, td_comm_all_reduce(c, ar, 2, TD_COMM_F32, TD_COMM_SUM, NULL));
     CHECK(c, ar[0] == 4 && ar[1] == 6);
     float rs = 0;
-    OK(c, td_comm_reduce_scatter(c, mine, &rs, 1, TD_COMM_SUM));
+    OK(c, td_comm_reduce_scatter(c, mine, &rs, 1, TD_COMM_F32, TD_COMM_SUM, NULL));
     CHECK(c, rs == (me ? 6.0f : 4.0f));
     float a2a[2] = {0};
-    OK(c, td_comm_all_to_all(c, mine, a2a, sizeof(float)));
+    OK(c, td_comm_all_to_all(c, mine, a2a, sizeof(float), NULL));
     CHECK(c, me ? (a2a[0] == 2 && a2a[1] == 4) : (a2a[0] == 1 && a2a[1] == 3));
     return 0;
 }
@@ -299,7 +407,7 @@ static int check_split(td_comm *c, uint32_t seed) {
     OK(c, td_comm_split(c, me % 2, 0, &half));
     CHECK(c, td_comm_size(half) == (n - me % 2 + 1) / 2 && td_comm_rank(half) == me / 2);
     float v = (float)(me + 1);
-    OK(c, td_comm_all_reduce_sum(half, &v, 1));
+    OK(c, td_comm_all_reduce(half, &v, 1, TD_COMM_F32, TD_COMM_SUM, NULL));
     float w = 0;
     for (int k = me % 2; k < n; k += 2) w += (float)(k + 1);
     CHECK(c, v == w);
@@ -307,7 +415,7 @@ static int check_split(td_comm *c, uint32_t seed) {
     OK(c, td_comm_split(c, 7, -me, &rev));
     CHECK(c, td_comm_rank(rev) == n - 1 - me);
     int got[TD_COMM_MAX_RANKS];
-    OK(c, td_comm_all_gather(rev, &me, got, sizeof me));
+    OK(c, td_comm_all_gather(rev, &me, got, sizeof me, NULL));
     for (int k = 0; k < n; k++) CHECK(c, got[k] == n - 1 - k);
     /* a negative color: no communicator, the others still split */
     OK(c, td_comm_split(c, me == 0 ? -1 : 3, 0, &none));
@@ -334,6 +442,7 @@ static int conform(td_comm *c, uint32_t seed, int depth) {
     if (check_all_to_all_v(c, seed + 60, 1)) return 1;
     if (check_all_to_all_v(c, seed + 61, 40000)) return 1;
     if (check_p2p(c, seed + 70, 5)) return 1;
+    if (check_dtypes(c, seed + 75, depth == 0)) return 1;
     if (depth == 0) { /* several MiB: many chunks of the 64 KiB staging buffers */
         if (check_bytes_ops(c, seed + 80, BIG_BYTES, false)) return 1;
         if (check_float_ops(c, seed + 90, BIG_FLOATS, false)) return 1;
@@ -342,9 +451,9 @@ static int conform(td_comm *c, uint32_t seed, int depth) {
     if (n == 2 && check_literal(c)) return 1;
     /* ranks that disagree on a collective are all told, and may go on */
     float x[3] = {1, 2, 3};
-    CHECK(c, td_comm_all_reduce(c, x, td_comm_rank(c) == n - 1 && n > 1 ? 2 : 3, TD_COMM_SUM) ==
-                 (n > 1 ? TD_ERR_INVALID : TD_OK));
-    CHECK(c, td_comm_broadcast(c, x, 4, n) == TD_ERR_INVALID); /* root out of range: local */
+    CHECK(c, td_comm_all_reduce(c, x, td_comm_rank(c) == n - 1 && n > 1 ? 2 : 3, TD_COMM_F32,
+                                TD_COMM_SUM, NULL) == (n > 1 ? TD_ERR_INVALID : TD_OK));
+    CHECK(c, td_comm_broadcast(c, x, 4, n, NULL) == TD_ERR_INVALID); /* root out of range: local */
     if (depth == 0 && check_split(c, seed + 300)) return 1;
     OK(c, td_comm_barrier(c));
     return 0;
@@ -527,7 +636,8 @@ static int dead_mid_body(const char *name, int n, int rank) {
     if (rank == 2) _exit(0);
     double t0 = now_s();
     float x[4] = {0};
-    td_status st = rank == 0 ? td_comm_all_reduce_sum(c, x, 4) : td_comm_recv(c, x, 16, 2);
+    td_status st = rank == 0 ? td_comm_all_reduce(c, x, 4, TD_COMM_F32, TD_COMM_SUM, NULL)
+                             : td_comm_recv(c, x, 16, 2, NULL);
     double el = now_s() - t0;
     if (st != TD_ERR_IO) return 4;
     if (el > DEAD_TIMEOUT_S + DEAD_MARGIN_S) return 5;
@@ -576,7 +686,7 @@ static void *local_dead_main(void *arg) {
     if (!j->skip) {
         double t0 = now_s();
         float x[2] = {1, 2};
-        td_status st = td_comm_all_reduce_sum(c, x, 2);
+        td_status st = td_comm_all_reduce(c, x, 2, TD_COMM_F32, TD_COMM_SUM, NULL);
         j->elapsed = now_s() - t0;
         j->result = st == TD_ERR_IO && td_comm_barrier(c) == TD_ERR_IO ? 0 : 1;
     } else {
@@ -623,9 +733,11 @@ static void test_bad_args(void **state) {
     assert_null(g);
     assert_int_equal(td_comm_create_single(&c), TD_OK);
     float x = 1;
-    assert_int_equal(td_comm_all_reduce(c, &x, 1, (td_comm_op)7), TD_ERR_INVALID);
-    assert_int_equal(td_comm_reduce(c, &x, &x, 1, TD_COMM_SUM, 1), TD_ERR_INVALID);
-    assert_int_equal(td_comm_recv(c, &x, 4, 0), TD_ERR_INVALID);
+    assert_int_equal(td_comm_all_reduce(c, &x, 1, TD_COMM_F32, (td_comm_op)7, NULL),
+                     TD_ERR_INVALID);
+    assert_int_equal(td_comm_reduce(c, &x, &x, 1, TD_COMM_F32, TD_COMM_SUM, 1, NULL),
+                     TD_ERR_INVALID);
+    assert_int_equal(td_comm_recv(c, &x, 4, 0, NULL), TD_ERR_INVALID);
     td_comm_destroy(c);
     td_comm_destroy(NULL);
     td_comm_group_destroy(NULL);

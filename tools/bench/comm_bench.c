@@ -53,15 +53,15 @@ static int rank_main(const char *name, const opts *o, int rank) {
         for (int which = 0; which < 2 && !rc; which++) {
             td_status st = TD_OK;
             for (int w = 0; w < 2 && !st; w++) /* warm-up */
-                st = which ? td_comm_all_gather(c, buf, gathered, per * sizeof(float))
-                           : td_comm_all_reduce_sum(c, buf, n);
+                st = which ? td_comm_all_gather(c, buf, gathered, per * sizeof(float), NULL)
+                           : td_comm_all_reduce(c, buf, n, TD_COMM_F32, TD_COMM_SUM, NULL);
             if (!st) st = td_comm_barrier(c);
             double t0 = td_time_s();
             for (int i = 0; i < iters && !st; i++)
-                st = which ? td_comm_all_gather(c, buf, gathered, per * sizeof(float))
-                           : td_comm_all_reduce_sum(c, buf, n);
+                st = which ? td_comm_all_gather(c, buf, gathered, per * sizeof(float), NULL)
+                           : td_comm_all_reduce(c, buf, n, TD_COMM_F32, TD_COMM_SUM, NULL);
             t[which] = (float)((td_time_s() - t0) / iters);
-            if (st || td_comm_all_reduce(c, &t[which], 1, TD_COMM_MAX)) rc = 1;
+            if (st || td_comm_all_reduce(c, &t[which], 1, TD_COMM_F32, TD_COMM_MAX, NULL)) rc = 1;
         }
         if (rank == 0 && !rc) {
             double ag_bytes = (double)(per * sizeof(float)) * nr;
