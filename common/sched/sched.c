@@ -1,71 +1,15 @@
 /* The scheduler: one thread owns the engine, the KV pool and every
- * sequence; API threads only touch td_gen_stream (under its mutex) and the
- * inbox (under the scheduler's mutex). */
+ * sequence; API threads only touch their td_gen_stream (stream.c, the
+ * hand-off) and the inbox (under the scheduler's mutex). */
 #include "sched.h"
 
-#include <errno.h>
 #include <math.h>
-#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
 
 #include "common/kv/hmap.h"
 #include "stop.h"
-
-/* ---- streams ---- */
-
-struct td_gen_stream {
-    pthread_mutex_t mu;
-    int efd; /* readable while there is unread news */
-    atomic_int refs;
-    atomic_bool cancel;
-    /* Published by the scheduler (under mu). tokens/logprobs never move:
-     * they are sized for the whole output at submit. */
-    int32_t *tokens;      /* (cap) */
-    td_sample_result *lp; /* (cap) or NULL */
-    int32_t cap;
-    int32_t n_pub;
-    char *text; /* (text_cap) */
-    size_t text_len, text_cap;
-    int32_t n_prompt, n_cached;
-    bool finished;
-    td_finish_reason finish;
-    int stop_index;
-    int32_t stop_token;
-    td_status error;
-    char *error_message; /* td_gen_stream_fail's, or NULL */
-    /* Reader side. */
-    int32_t n_read;
-    size_t text_read;
-    bool end_reported;
-    char *r_text; /* reader's copy of the new text */
-    size_t r_text_cap;
-    struct td_sched *sched; /* to wake on cancel; NULL: an owner's stream */
-    td_gen_stream_owner owner;
-    td_sched_ticket ticket;
-};
-
-static void stream_unref(td_gen_stream *st) {
-    if (atomic_fetch_sub(&st->refs, 1) != 1) return;
-    if (st->owner.freed) st->owner.freed(st->owner.ctx);
-    close(st->efd);
-    pthread_mutex_destroy(&st->mu);
-    free(st->tokens);
-    free(st->lp);
-    free(st->text);
-    free(st->r_text);
-    free(st->error_message);
-    free(st);
-}
-
-static void stream_notify(td_gen_stream *st) {
-    uint64_t one = 1;
-    ssize_t r = write(st->efd, &one, sizeof one);
-    TD_UNUSED(r); /* EAGAIN only when the counter is saturated: still readable */
-}
 
 /* ---- sequences ---- */
 
@@ -229,6 +173,21 @@ static bool queue_full(td_sched *s) {
     return atomic_load(&s->n_waiting_total) >= s->p.max_waiting + TD_MAX(free_slots, 0);
 }
 
+/* The owner of the scheduler's streams (stream.h): a reader's cancel wakes
+ * the scheduler thread, which ends the sequence at its next step; its
+ * release ends the stream's count among the live ones. */
+static void stream_cancelled(void *ctx) {
+    td_sched *s = ctx;
+    pthread_mutex_lock(&s->mu);
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void stream_released(void *ctx) {
+    td_sched *s = ctx;
+    atomic_fetch_sub(&s->n_live_streams, 1);
+}
+
 td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **st_p) {
     if (!s || !r || !st_p || !r->prompt || r->n_prompt < 1 || r->max_tokens < 1 ||
         r->min_tokens < 0 || r->n_stop < 0 || r->n_stop_ids < 0) {
@@ -256,8 +215,8 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
 
     td_status st = TD_ERR_NOMEM;
     seq *q = calloc(1, sizeof *q);
-    td_gen_stream *gs = calloc(1, sizeof *gs);
-    if (!q || !gs) goto fail;
+    td_gen_stream *gs = NULL;
+    if (!q) goto fail;
     int64_t out_cap = TD_MIN((int64_t)r->max_tokens, (int64_t)s->p.max_ctx - r->n_prompt);
     q->max_tokens = (int32_t)out_cap;
     q->min_tokens = TD_MIN(r->min_tokens, q->max_tokens);
@@ -312,32 +271,13 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
     double now = td_time_s();
     q->t_arrival = r->t_arrival > 0 ? r->t_arrival : now;
 
-    if (pthread_mutex_init(&gs->mu, NULL) != 0) goto fail;
-    gs->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (gs->efd < 0) {
-        TD_LOG_ERROR("eventfd: %s", strerror(errno));
-        pthread_mutex_destroy(&gs->mu);
-        st = TD_ERR_IO;
-        goto fail;
+    td_gen_stream_owner owner = {.cancel = stream_cancelled, .released = stream_released, .ctx = s};
+    if ((st = td_gen_stream_create(q->max_tokens, q->logprobs, r->n_prompt, &owner, &gs))) {
+        q->im.release = NULL; /* the caller keeps its context (the cause is logged) */
+        seq_free(q);
+        return st;
     }
-    gs->cap = q->max_tokens;
-    gs->tokens = malloc((size_t)gs->cap * sizeof *gs->tokens);
-    gs->lp = q->logprobs ? malloc((size_t)gs->cap * sizeof *gs->lp) : NULL;
-    gs->text_cap = 256;
-    gs->text = malloc(gs->text_cap);
-    if (!gs->tokens || (q->logprobs && !gs->lp) || !gs->text) {
-        close(gs->efd);
-        pthread_mutex_destroy(&gs->mu);
-        st = TD_ERR_NOMEM;
-        goto fail;
-    }
-    gs->n_prompt = r->n_prompt;
-    gs->stop_index = -1;
-    gs->stop_token = -1;
-    gs->sched = s;
-    gs->ticket = q->ticket;
-    atomic_init(&gs->refs, 2); /* reader + scheduler */
-    atomic_init(&gs->cancel, false);
+    td_gen_stream_set_ticket(gs, q->ticket);
     q->st = gs;
 
     pthread_mutex_lock(&s->mu);
@@ -347,8 +287,8 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
                                                              : TD_OK;
     if (refused != TD_OK) {
         pthread_mutex_unlock(&s->mu);
-        atomic_store(&gs->refs, 1);
-        stream_unref(gs);
+        td_gen_stream_unref(gs); /* the reader's reference, never handed out */
+        td_gen_stream_unref(gs);
         q->st = NULL;
         q->im.release = NULL; /* the caller keeps its context */
         seq_free(q);
@@ -370,247 +310,12 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
 
 fail:
     if (st == TD_ERR_NOMEM) TD_LOG_ERROR("out of memory");
-    if (gs) {
-        free(gs->tokens);
-        free(gs->lp);
-        free(gs->text);
-        free(gs);
-    }
     if (q) q->im.release = NULL; /* the caller keeps its context */
     seq_free(q);
     return st;
 }
 
-/* ---- stream reader side ---- */
-
-td_status td_gen_stream_read(td_gen_stream *st, int timeout_ms, td_gen_delta *d) {
-    double deadline = timeout_ms > 0 ? td_time_s() + timeout_ms / 1000.0 : 0;
-    for (;;) {
-        pthread_mutex_lock(&st->mu);
-        bool news = st->n_pub > st->n_read || st->text_len > st->text_read ||
-                    (st->finished && !st->end_reported) || st->end_reported;
-        if (news) {
-            uint64_t v;
-            ssize_t r = read(st->efd, &v, sizeof v);
-            TD_UNUSED(r);
-            memset(d, 0, sizeof *d);
-            d->tokens = st->tokens + st->n_read;
-            d->logprobs = st->lp ? st->lp + st->n_read : NULL;
-            d->n_tokens = st->n_pub - st->n_read;
-            size_t nt = st->text_len - st->text_read;
-            if (nt > st->r_text_cap) {
-                size_t cap = TD_MAX(nt, 2 * st->r_text_cap);
-                char *p = realloc(st->r_text, cap);
-                if (!p) {
-                    pthread_mutex_unlock(&st->mu);
-                    TD_LOG_ERROR("out of memory");
-                    return TD_ERR_NOMEM;
-                }
-                st->r_text = p;
-                st->r_text_cap = cap;
-            }
-            if (nt) memcpy(st->r_text, st->text + st->text_read, nt);
-            d->text = st->r_text;
-            d->text_len = nt;
-            st->n_read = st->n_pub;
-            st->text_read = st->text_len;
-            d->n_prompt_tokens = st->n_prompt;
-            d->n_cached_tokens = st->n_cached;
-            d->n_output_tokens = st->n_pub;
-            d->stop_index = st->stop_index;
-            d->stop_token = st->stop_token;
-            if (st->finished) {
-                d->finished = true;
-                d->finish = st->finish;
-                d->error = st->error;
-                d->error_message = st->error_message;
-                st->end_reported = true;
-                /* Keep the fd readable so pollers see the end every time. */
-                stream_notify(st);
-            }
-            pthread_mutex_unlock(&st->mu);
-            return TD_OK;
-        }
-        /* Nothing new: clear a wake-up that an earlier read already
-         * consumed the news of, so pollers do not spin on a readable fd
-         * (news is published under mu before its notify, so none is lost). */
-        uint64_t stale;
-        ssize_t rr = read(st->efd, &stale, sizeof stale);
-        TD_UNUSED(rr);
-        pthread_mutex_unlock(&st->mu);
-        if (timeout_ms == 0) return TD_AGAIN;
-        int wait_ms = -1;
-        if (timeout_ms > 0) {
-            double left = deadline - td_time_s();
-            if (left <= 0) return TD_AGAIN;
-            wait_ms = (int)ceil(left * 1000.0);
-        }
-        struct pollfd pfd = {.fd = st->efd, .events = POLLIN};
-        int pr = poll(&pfd, 1, wait_ms);
-        if (pr == 0) return TD_AGAIN;
-        if (pr < 0 && errno != EINTR) {
-            TD_LOG_ERROR("poll: %s", strerror(errno));
-            return TD_ERR_IO;
-        }
-    }
-}
-
-int td_gen_stream_fd(const td_gen_stream *st) { return st->efd; }
-
-td_sched_ticket td_gen_stream_ticket(const td_gen_stream *st) { return st->ticket; }
-
-void td_gen_stream_cancel(td_gen_stream *st) {
-    if (!st) return;
-    /* A finished stream may outlive its scheduler: touch nothing else. */
-    pthread_mutex_lock(&st->mu);
-    bool done = st->finished;
-    pthread_mutex_unlock(&st->mu);
-    if (done || atomic_exchange(&st->cancel, true)) return;
-    if (!st->sched) {
-        if (st->owner.cancel) st->owner.cancel(st->owner.ctx);
-        return;
-    }
-    td_sched *s = st->sched;
-    pthread_mutex_lock(&s->mu);
-    pthread_cond_signal(&s->cv);
-    pthread_mutex_unlock(&s->mu);
-}
-
-void td_gen_stream_release(td_gen_stream *st) {
-    if (!st) return;
-    td_gen_stream_cancel(st);
-    if (st->sched) atomic_fetch_sub(&st->sched->n_live_streams, 1);
-    stream_unref(st);
-}
-
-td_status td_gen_stream_create(int32_t max_tokens, bool logprobs, int32_t n_prompt,
-                               const td_gen_stream_owner *owner, td_gen_stream **st_p) {
-    if (max_tokens < 1 || n_prompt < 0 || !st_p) return TD_ERR_INVALID;
-    td_gen_stream *gs = calloc(1, sizeof *gs);
-    if (!gs) goto nomem;
-    gs->cap = max_tokens;
-    gs->tokens = malloc((size_t)gs->cap * sizeof *gs->tokens);
-    gs->lp = logprobs ? malloc((size_t)gs->cap * sizeof *gs->lp) : NULL;
-    gs->text_cap = 256;
-    gs->text = malloc(gs->text_cap);
-    if (!gs->tokens || (logprobs && !gs->lp) || !gs->text) goto nomem;
-    if (pthread_mutex_init(&gs->mu, NULL) != 0) goto nomem;
-    gs->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (gs->efd < 0) {
-        TD_LOG_ERROR("eventfd: %s", strerror(errno));
-        pthread_mutex_destroy(&gs->mu);
-        free(gs->tokens);
-        free(gs->lp);
-        free(gs->text);
-        free(gs);
-        return TD_ERR_IO;
-    }
-    gs->n_prompt = n_prompt;
-    gs->stop_index = -1;
-    gs->stop_token = -1;
-    if (owner) gs->owner = *owner;
-    atomic_init(&gs->refs, 2); /* reader + producer */
-    atomic_init(&gs->cancel, false);
-    *st_p = gs;
-    return TD_OK;
-nomem:
-    TD_LOG_ERROR("out of memory");
-    if (gs) {
-        free(gs->tokens);
-        free(gs->lp);
-        free(gs->text);
-        free(gs);
-    }
-    return TD_ERR_NOMEM;
-}
-
-static bool stream_text_append(td_gen_stream *st, const char *p, size_t n);
-
-td_status td_gen_stream_push(td_gen_stream *st, const int32_t *tokens, const td_sample_result *lp,
-                             int32_t n, const char *text, size_t text_len) {
-    if (n < 0 || (n > 0 && !tokens)) return TD_ERR_INVALID;
-    pthread_mutex_lock(&st->mu);
-    td_status rc = TD_OK;
-    if (st->finished)
-        rc = TD_ERR_INVALID;
-    else if (n > st->cap - st->n_pub)
-        rc = TD_ERR_RANGE;
-    else if (!stream_text_append(st, text, text_len))
-        rc = TD_ERR_NOMEM;
-    if (rc == TD_OK && n > 0) {
-        memcpy(st->tokens + st->n_pub, tokens, (size_t)n * sizeof *tokens);
-        if (st->lp) {
-            if (lp)
-                memcpy(st->lp + st->n_pub, lp, (size_t)n * sizeof *lp);
-            else
-                for (int32_t i = 0; i < n; i++)
-                    st->lp[st->n_pub + i] = (td_sample_result){.token = tokens[i]};
-        }
-        st->n_pub += n;
-    }
-    pthread_mutex_unlock(&st->mu);
-    if (rc == TD_OK) stream_notify(st);
-    return rc;
-}
-
-void td_gen_stream_set_prompt(td_gen_stream *st, int32_t n_prompt, int32_t n_cached) {
-    pthread_mutex_lock(&st->mu);
-    st->n_prompt = n_prompt;
-    st->n_cached = n_cached;
-    pthread_mutex_unlock(&st->mu);
-}
-
-void td_gen_stream_finish(td_gen_stream *st, td_finish_reason why, td_status err, int stop_index,
-                          int32_t stop_token) {
-    pthread_mutex_lock(&st->mu);
-    bool was = st->finished;
-    if (!was) {
-        st->finished = true;
-        st->finish = why;
-        st->error = err;
-        st->stop_index = stop_index;
-        st->stop_token = stop_token;
-    }
-    pthread_mutex_unlock(&st->mu);
-    if (!was) stream_notify(st);
-}
-
-void td_gen_stream_fail(td_gen_stream *st, td_status err, const char *message) {
-    pthread_mutex_lock(&st->mu);
-    if (!st->finished && message && !st->error_message) st->error_message = strdup(message);
-    pthread_mutex_unlock(&st->mu);
-    td_gen_stream_finish(st, TD_FINISH_ERROR, err, -1, -1);
-}
-
-bool td_gen_stream_cancelled(const td_gen_stream *st) { return atomic_load(&st->cancel); }
-
-int32_t td_gen_stream_n_tokens(td_gen_stream *st) {
-    pthread_mutex_lock(&st->mu);
-    int32_t n = st->n_pub;
-    pthread_mutex_unlock(&st->mu);
-    return n;
-}
-
-void td_gen_stream_unref(td_gen_stream *st) {
-    if (st) stream_unref(st);
-}
-
 /* ---- scheduler thread ---- */
-
-/* Appends bytes to the stream's text (under its mutex). */
-static bool stream_text_append(td_gen_stream *st, const char *p, size_t n) {
-    if (n == 0) return true;
-    if (st->text_len + n > st->text_cap) {
-        size_t cap = TD_MAX(st->text_len + n, 2 * st->text_cap);
-        char *t = realloc(st->text, cap);
-        if (!t) return false;
-        st->text = t;
-        st->text_cap = cap;
-    }
-    memcpy(st->text + st->text_len, p, n);
-    st->text_len += n;
-    return true;
-}
 
 static void publish_stats(td_sched *s) {
     td_sched_stats x;
@@ -692,23 +397,16 @@ static void seq_finish(td_sched *s, seq *q, td_finish_reason why, td_status err,
     size_t nf = (why == TD_FINISH_LENGTH || why == TD_FINISH_STOP) && stop_index < 0
                     ? td_detok_flush(&q->detok, flushed, sizeof flushed)
                     : 0;
-    pthread_mutex_lock(&st->mu);
-    bool ok = stream_text_append(st, tail, tail_len) && stream_text_append(st, flushed, nf);
-    st->finished = true;
-    st->finish = ok ? why : TD_FINISH_ERROR;
-    st->error = ok ? err : TD_ERR_NOMEM;
-    st->stop_index = stop_index;
-    st->stop_token = stop_token;
-    int32_t n_out = st->n_pub;
-    pthread_mutex_unlock(&st->mu);
-    stream_notify(st);
+    td_finish_reason finish;
+    int32_t n_out = td_gen_stream_end(st, tail, tail_len, flushed, nf, why, err, stop_index,
+                                      stop_token, &finish);
 
     if (s->metrics) {
         td_request_record rec = {.id = q->id,
                                  .n_prompt_tokens = q->n_prompt,
                                  .n_cached_tokens = q->n_cached_tokens,
                                  .n_output_tokens = n_out,
-                                 .finish = st->finish,
+                                 .finish = finish,
                                  .t_arrival = q->t_arrival,
                                  .t_scheduled = q->t_scheduled,
                                  .t_first_token = q->t_first,
@@ -734,7 +432,7 @@ static void seq_finish(td_sched *s, seq *q, td_finish_reason why, td_status err,
     }
     if (q->state == SEQ_WAITING) atomic_fetch_sub(&s->n_waiting_total, 1);
     atomic_fetch_sub(&s->n_active, 1);
-    stream_unref(st);
+    td_gen_stream_unref(st);
     q->st = NULL;
     seq_free(q);
 }
@@ -758,7 +456,7 @@ static void take_inbox_and_cancels(td_sched *s) {
     bool all = atomic_load(&s->abort_all);
     for (seq **pp = &s->waiting; *pp;) {
         seq *q = *pp;
-        if (all || atomic_load(&q->st->cancel)) {
+        if (all || td_gen_stream_cancelled(q->st)) {
             *pp = q->next;
             q->next = NULL;
             seq_finish(s, q, TD_FINISH_ABORT, TD_ERR_CANCELLED, -1, -1);
@@ -768,7 +466,7 @@ static void take_inbox_and_cancels(td_sched *s) {
     }
     for (int32_t i = 0; i < s->n_running;) {
         seq *q = s->running[i];
-        if (all || atomic_load(&q->st->cancel)) {
+        if (all || td_gen_stream_cancelled(q->st)) {
             running_remove(s, i);
             seq_finish(s, q, TD_FINISH_ABORT, TD_ERR_CANCELLED, -1, -1);
         } else {
@@ -853,9 +551,7 @@ static bool admit_one(td_sched *s, seq *q) {
     q->admit_order = ++s->admit_counter;
     if (q->t_scheduled == 0) q->t_scheduled = td_time_s();
     if (q->n_preemptions == 0) {
-        pthread_mutex_lock(&q->st->mu);
-        q->st->n_cached = q->n_cached_tokens;
-        pthread_mutex_unlock(&q->st->mu);
+        td_gen_stream_set_prompt(q->st, q->n_prompt, q->n_cached_tokens);
     }
     return true;
 }
@@ -1042,14 +738,7 @@ static bool take_token(td_sched *s, seq *q, const td_sample_result *rp, double n
             td_stop_feed(q->stop, piece, np, &text, &text_len, &stop_str);
         }
     }
-    pthread_mutex_lock(&gs->mu);
-    gs->tokens[gs->n_pub] = r.token;
-    if (gs->lp) gs->lp[gs->n_pub] = r;
-    gs->n_pub++;
-    bool ok = stream_text_append(gs, text, text_len);
-    pthread_mutex_unlock(&gs->mu);
-    stream_notify(gs);
-    if (!ok) {
+    if (td_gen_stream_push(gs, &r.token, &r, 1, text, text_len) != TD_OK) {
         TD_LOG_ERROR("out of memory");
         seq_finish(s, q, TD_FINISH_ERROR, TD_ERR_NOMEM, -1, -1);
     } else if (stop_tok) {
@@ -1089,14 +778,12 @@ static void remote_done(td_sched *s, rev *e) {
     if (q->n_preemptions == 0 && e->remote_cached > 0) {
         /* the usage's cached tokens: none of these were computed, here or there */
         q->n_cached_tokens = TD_MIN(q->n_prompt, q->n_cached_tokens + e->remote_cached);
-        pthread_mutex_lock(&q->st->mu);
-        q->st->n_cached = q->n_cached_tokens;
-        pthread_mutex_unlock(&q->st->mu);
+        td_gen_stream_set_prompt(q->st, q->n_prompt, q->n_cached_tokens);
     }
     publish_blocks(s, q);
     if (e->has_state && td_sampler_state_set(q->sampler, e->state, sizeof e->state) != TD_OK)
         TD_LOG_INFO("request %s: remote sampler state ignored", q->id);
-    if (atomic_load(&q->st->cancel)) return; /* the cancel pass ends it */
+    if (td_gen_stream_cancelled(q->st)) return; /* the cancel pass ends it */
     if (take_token(s, q, &e->first, td_time_s())) running_remove(s, i);
 }
 
@@ -1264,7 +951,7 @@ static bool step(td_sched *s) {
         publish_blocks(s, q);
         if (!has_logits) continue;
         /* A cancel that arrived during the forward pass wins over the token. */
-        if (atomic_load(&q->st->cancel)) continue;
+        if (td_gen_stream_cancelled(q->st)) continue;
         /* A finished sequence has been freed: drop it from running. */
         if (sample_one(s, q, lg, now)) running_remove(s, idx);
     }

@@ -1,7 +1,8 @@
 /* The scheduler of one instance: one thread that owns the engine, the KV
  * pool and every sequence, running continuous batching with chunked
  * prefill (DESIGN.md §5). API threads (HTTP, gRPC) submit requests and read
- * their output through a td_gen_stream; that stream is the only hand-off.
+ * their output through a td_gen_stream (stream.h); that stream is the only
+ * hand-off.
  *
  * Each step the scheduler
  *   1. takes new submissions and cancellations;
@@ -41,6 +42,7 @@
 #include "common/parallel/exec.h"
 #include "common/tokenizer/tokenizer.h"
 #include "sampler.h"
+#include "stream.h"
 
 typedef struct {
     int32_t max_running;      /* sequences decoding at once (default 16) */
@@ -58,9 +60,7 @@ td_sched_params td_sched_default_params(void);
 
 /* One generation request. Everything is copied by td_sched_submit. */
 /* ---- Disaggregation hooks (prefill and decode pools) ----
- * A ticket names one submitted sequence in the calls below (unique per
- * scheduler, never 0). */
-typedef uint64_t td_sched_ticket;
+ * A ticket (stream.h) names one submitted sequence in the calls below. */
 
 /* Prefill side: the sequence's KV goes to a peer as it is computed: its
  * steps carry `slot` to the ranks (td_exec_forward_tagged, the slot its tag), whose transfer
@@ -124,30 +124,6 @@ typedef struct {
 
 void td_gen_request_init(td_gen_request *r); /* defaults; prompt NULL */
 
-typedef struct td_gen_stream td_gen_stream;
-
-/* What a reader gets from td_gen_stream_read: everything published since
- * its previous read. Pointers stay valid until the next read or release. */
-typedef struct {
-    const int32_t *tokens; /* (n_tokens) newly generated ids */
-    const td_sample_result
-        *logprobs; /* (n_tokens) when the request asked for logprobs, else NULL */
-    int32_t n_tokens;
-    const char *text; /* text now final (stop-string hold-back applied), not NUL-terminated */
-    size_t text_len;
-    /* Totals so far. */
-    int32_t n_prompt_tokens;
-    int32_t n_cached_tokens;
-    int32_t n_output_tokens;
-    /* Set once, on the read that sees the end. */
-    bool finished;
-    td_finish_reason finish;
-    int stop_index;            /* index of the matched stop string, or -1 */
-    int32_t stop_token;        /* the stop / EOG token that ended it, or -1 */
-    td_status error;           /* TD_OK, or why it failed (finish == TD_FINISH_ERROR / ABORT) */
-    const char *error_message; /* a producer's words for it (td_gen_stream_fail), or NULL */
-} td_gen_delta;
-
 typedef struct td_sched td_sched;
 
 /* Starts the scheduler thread. exec (the instance's ranks: each step runs
@@ -162,74 +138,13 @@ td_status td_sched_create(const td_sched_params *p, td_exec *exec, td_kv_pool *k
                           const td_tokenizer *tok, td_metrics *metrics, td_sched **s_p);
 void td_sched_destroy(td_sched *s); /* accepts NULL */
 
-/* Queues a request. On success *st_p is a stream the caller reads and must
- * release. TD_AGAIN: more than max_waiting requests wait (HTTP 429);
+/* Queues a request. On success *st_p is a stream the caller reads
+ * (td_gen_stream_read) and must release (td_gen_stream_release), before
+ * td_sched_destroy. TD_AGAIN: more than max_waiting requests wait (HTTP 429);
  * TD_ERR_UNAVAILABLE: draining; TD_ERR_RANGE: n_prompt + 1 > max_ctx
  * (context_length_exceeded), or a prompt that can never fit in the pool;
  * TD_ERR_INVALID: bad parameters (logged). */
 td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **st_p);
-
-/* Waits up to timeout_ms (0: no wait, < 0: forever) for news on the stream
- * and fills *d with it. Returns TD_OK when *d holds news (tokens, text or
- * the end), TD_AGAIN on timeout with nothing new, TD_ERR_NOMEM / TD_ERR_IO
- * (logged) when the copy or the wait fails. After the read that
- * reported finished, every read returns TD_OK with n_tokens 0 and finished. */
-td_status td_gen_stream_read(td_gen_stream *st, int timeout_ms, td_gen_delta *d);
-/* File descriptor that is readable while the stream has unread news
- * (an eventfd), for callers that poll it with a socket. */
-int td_gen_stream_fd(const td_gen_stream *st);
-/* Asks the scheduler to cancel (idempotent; a finished stream is unchanged).
- * The scheduler frees the sequence's blocks at its next step and the
- * stream finishes with TD_FINISH_ABORT. */
-void td_gen_stream_cancel(td_gen_stream *st);
-/* The reader is done: cancels if unfinished, and frees the stream once the
- * scheduler has let go of it too. Release every stream before
- * td_sched_destroy (the count of live streams lives in the scheduler). */
-void td_gen_stream_release(td_gen_stream *st);
-
-/* ---- Streams fed from outside a scheduler ----
- * A front end without a scheduler of its own (the router, which proxies
- * requests to decode instances) creates the streams its readers (the HTTP
- * and gRPC front ends) read exactly as they read a scheduler's. */
-typedef struct {
-    /* The reader asked to cancel (td_gen_stream_cancel, or its release of
-     * an unfinished stream); any thread, at most once; it may race with
-     * the producer's finish. */
-    void (*cancel)(void *ctx);
-    /* Both the reader and the producer let go: the stream is freed and ctx
-     * is never used again. */
-    void (*freed)(void *ctx);
-    void *ctx;
-} td_gen_stream_owner;
-
-/* A stream for up to max_tokens tokens (with room for logprobs when
- * logprobs), of a prompt of n_prompt tokens. Two references: the reader's
- * (td_gen_stream_release) and the producer's (td_gen_stream_unref).
- * TD_ERR_NOMEM / TD_ERR_IO (logged). */
-td_status td_gen_stream_create(int32_t max_tokens, bool logprobs, int32_t n_prompt,
-                               const td_gen_stream_owner *owner, td_gen_stream **st_p);
-/* Producer: publishes n new tokens (lp: n results, or NULL) and text bytes
- * (final text). TD_ERR_RANGE when the tokens would exceed max_tokens,
- * TD_ERR_NOMEM; nothing is published then. TD_ERR_INVALID once finished. */
-td_status td_gen_stream_push(td_gen_stream *st, const int32_t *tokens, const td_sample_result *lp,
-                             int32_t n, const char *text, size_t text_len);
-/* Producer: the prompt's totals (tokens, of which served from a cache). */
-void td_gen_stream_set_prompt(td_gen_stream *st, int32_t n_prompt, int32_t n_cached);
-/* Producer: the end (once; later calls change nothing). */
-void td_gen_stream_finish(td_gen_stream *st, td_finish_reason why, td_status err, int stop_index,
-                          int32_t stop_token);
-/* Producer: the end with an error and the client-facing words for it
- * (copied; the reader's delta carries them). */
-void td_gen_stream_fail(td_gen_stream *st, td_status err, const char *message);
-/* Producer: whether the reader asked to cancel. */
-bool td_gen_stream_cancelled(const td_gen_stream *st);
-/* Producer: tokens published so far. */
-int32_t td_gen_stream_n_tokens(td_gen_stream *st);
-/* Producer: lets go of its reference. */
-void td_gen_stream_unref(td_gen_stream *st);
-
-/* The ticket of a submitted sequence. */
-td_sched_ticket td_gen_stream_ticket(const td_gen_stream *st);
 
 /* A remote prefill finished: first is the first token as the prefill
  * instance sampled it (with its logprobs when asked), state that
