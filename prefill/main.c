@@ -1,18 +1,18 @@
-/* tandem-prefill: a prefill instance (DESIGN.md §1, §2). The service is
- * the shared server of common/serve/serve.c in its prefill role, with the
- * prefill side of the KV transfer (xfer-prefill.c). */
+/* tandem-prefill: a prefill instance (DESIGN.md §1, §2): the shared server of
+ * common/serve/serve.c in the prefill role (service.c: its options, its
+ * --help, its side of the KV transfer in xfer-prefill.c). */
 #include <string.h>
 
 #include "common/parallel/exec.h"
 #include "common/runtime/cli.h"
 #include "common/serve/serve.h"
 #include "common/transfer/xext.h"
-#include "xfer-prefill.h"
+#include "service.h"
 
 int main(int argc, char **argv) {
     if (!td_process_init("tandem-prefill")) return 1;
     /* internal: a rank process of a parallel plan, started by the driver */
     if (argc > 1 && strcmp(argv[1], "rank") == 0)
         return td_exec_rank_main(argc - 1, argv + 1, &td_xext_ops);
-    return td_serve_main(argc, argv, TD_ROLE_PREFILL, &td_xfer_prefill_side);
+    return td_serve_main(argc, argv, &td_prefill_service);
 }

@@ -2,4 +2,4 @@
 #include "common/serve/serve.h"
 #include "tools.h"
 
-int td_cmd_serve(int argc, char **argv) { return td_serve_main(argc, argv, TD_ROLE_SERVE, NULL); }
+int td_cmd_serve(int argc, char **argv) { return td_serve_main(argc, argv, NULL); }

@@ -56,6 +56,15 @@ bool td_cli_parse_long(const char *s, long lo, long hi, long *out) {
     return true;
 }
 
+bool td_cli_parse_seconds(const char *s, double *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !isfinite(v) || v < 0 || v > 86400) return false;
+    *out = v;
+    return true;
+}
+
 bool td_cli_parse_float(const char *s, float *out) {
     char *end;
     errno = 0;

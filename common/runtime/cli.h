@@ -24,8 +24,9 @@ const char *td_cli_model_help(void);
 
 /* Strict option parsing: the whole string, in range; false otherwise. */
 bool td_cli_parse_long(const char *s, long lo, long hi, long *out);
-bool td_cli_parse_float(const char *s, float *out);  /* finite */
-bool td_cli_parse_u64(const char *s, uint64_t *out); /* no sign */
+bool td_cli_parse_float(const char *s, float *out);    /* finite */
+bool td_cli_parse_u64(const char *s, uint64_t *out);   /* no sign */
+bool td_cli_parse_seconds(const char *s, double *out); /* 0 .. 86400, finite */
 /* The first line of a secret file (the cluster token), malloc'd; NULL
  * (logged) when it cannot be read or is empty. */
 char *td_cli_read_secret(const char *path);

@@ -1,20 +1,16 @@
 /* tandem serve: one colocated instance (prefill and decode in one process)
  * behind the OpenAI HTTP API and the gRPC service. SIGTERM drains.
  *
- * The same server runs tandem-prefill (prefill only: KV exported to decode
- * instances over UCX, internal HTTP endpoints only) and tandem-decode (the
- * public API, with the prompt's KV imported from prefill instances); see
- * common/transfer/xfer.h. */
-#include <arpa/inet.h>
+ * The same server runs the services in their roles (serve.h): tandem-prefill
+ * (prefill/service.c: KV exported to decode instances over UCX, internal
+ * HTTP endpoints only) and tandem-decode (decode/service.c: the public API,
+ * with the prompt's KV imported from prefill instances); the role brings
+ * its options and its side of the transfer (common/transfer/xfer.h). */
 #include <errno.h>
-#include <ifaddrs.h>
-#include <math.h>
-#include <net/if.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -31,50 +27,13 @@
 #include "common/transfer/xfer.h"
 #include "serve.h"
 
-#define SERVE_MAX_KEYS    16
-#define SERVE_MAX_PREFILL 16
+#define SERVE_MAX_KEYS 16
 
-static const char *role_name(td_serve_role role) {
-    return role == TD_ROLE_PREFILL  ? "tandem-prefill"
-           : role == TD_ROLE_DECODE ? "tandem-decode"
-                                    : "tandem serve";
+static const char *role_name(const td_serve_role_def *role) {
+    return role ? role->prog : "tandem serve";
 }
 
-/* The options of each role (the tables print --help too). */
-enum { P_KV_LISTEN, P_NO_LAYERWISE, P_N };
-static const td_opt k_prefill_opts[P_N] = {
-    [P_KV_LISTEN] = {"kv-listen", 0, "HOST[:PORT]",
-                     "the network interface UCX uses for KV (the one that\n"
-                     "holds HOST; sets UCX_NET_DEVICES unless set; the\n"
-                     "port is not used: peers connect by worker address)"},
-    [P_NO_LAYERWISE] = {"no-layerwise", 0, NULL,
-                        "push the KV after the last layer, not layer by layer\n"
-                        "(for measurements)"},
-};
-
-enum { D_PREFILL, D_DNS_INTERVAL, D_FORGET, D_LOCAL_THRESHOLD, D_DEADLINE, D_LEASE, D_N };
-static const td_opt k_decode_opts[D_N] = {
-    [D_PREFILL] = {"prefill", 0, "HOST:PORT[,...]",
-                   "prefill instances' HTTP ports (repeatable): every\n"
-                   "address a name resolves to is an instance (a\n"
-                   "headless Service: every ready pod)"},
-    [D_DNS_INTERVAL] = {"dns-interval", 0, "S",
-                        "the --prefill names are resolved again every S\n"
-                        "seconds (default 5)"},
-    [D_FORGET] = {"forget-prefill-after", 0, "S",
-                  "a prefill instance unlinked, no longer resolved\n"
-                  "and not named by the router for S seconds is\n"
-                  "forgotten (default 60)"},
-    [D_LOCAL_THRESHOLD] = {"local-prefill-threshold", 0, "N",
-                           "prefill here when fewer than N prompt tokens are\n"
-                           "uncached (default 0: always remote)"},
-    [D_DEADLINE] = {"transfer-deadline-ms", 0, "N",
-                    "deadline of one remote prefill (default 30000)"},
-    [D_LEASE] = {"lease-ms", 0, "N",
-                 "lease renewed with the prefill instance while it\n"
-                 "works (default 3000)"},
-};
-
+/* The options every service has (a role adds its own: serve.h). */
 enum { C_TOKEN, C_TOKEN_FILE, C_INSTANCE_ID, C_N };
 static const td_opt k_cluster_opts[C_N] = {
     [C_TOKEN] = {"cluster-token", 0, "T",
@@ -149,35 +108,10 @@ static td_opt k_serve_opts[S_N] = {
 };
 
 static void serve_usage(FILE *f, void *ctx) {
-    td_serve_role role = *(const td_serve_role *)ctx;
-    if (role == TD_ROLE_PREFILL) {
-        fprintf(f, "usage: tandem-prefill --cluster-token[-file] T [--model PATH] [--kv-listen "
-                   "HOST[:PORT]] [options]\n"
-                   "\n"
-                   "A prefill instance: takes prefill jobs from decode instances (UCX active\n"
-                   "messages), batches them with chunked prefill and its own prefix cache, and\n"
-                   "puts each layer's KV into the decode instance's blocks as soon as it is\n"
-                   "computed. Its HTTP port serves /health, /ready, /metrics,\n"
-                   "/internal/v1/state and /internal/v1/kv/exchange (the cluster token is\n"
-                   "required on /internal/). Prints 'tandem-prefill: listening http=HOST:PORT'.\n"
-                   "SIGTERM drains: new jobs are rejected, the process exits once the KV it\n"
-                   "produced has been consumed (or the drain timeout).\n"
-                   "\n");
-        td_opts_print(f, k_prefill_opts, P_N);
-    } else if (role == TD_ROLE_DECODE) {
-        fprintf(f,
-                "usage: tandem-decode --prefill HOST:PORT[,...] --cluster-token[-file] T "
-                "[--model PATH] [options]\n"
-                "\n"
-                "A decode instance: the public OpenAI HTTP API and gRPC, like tandem serve, with\n"
-                "each prompt prefilled on a prefill instance (round-robin) that writes the KV\n"
-                "into this instance's blocks over UCX; local prefill below\n"
-                "--local-prefill-threshold uncached tokens, when no prefill instance is\n"
-                "reachable, and as the fallback when one fails or misses its deadline.\n"
-                "\n");
-        td_opts_print(f, k_decode_opts, D_N);
-    }
-    if (role != TD_ROLE_SERVE) {
+    const td_serve_role_def *role = ctx;
+    if (role) {
+        fputs(role->usage, f);
+        td_opts_print(f, role->opts, role->n_opts);
         td_opts_print(f, k_cluster_opts, C_N);
         fprintf(f, "UCX: UCX_POSIX_ERROR_HANDLING=y and UCX_SYSV_ERROR_HANDLING=y are set unless\n"
                    "given (shared-memory transports with peer error handling); UCX_TLS and the\n"
@@ -190,20 +124,11 @@ static void serve_usage(FILE *f, void *ctx) {
             "SIGTERM drains: /ready answers 503, new requests get 503, running ones finish\n"
             "within the drain timeout, then the process exits 0.\n"
             "\n",
-            role == TD_ROLE_SERVE ? "usage: tandem serve [--model PATH] [options]\n\n"
-                                  : "Common options (as tandem serve):\n");
+            !role ? "usage: tandem serve [--model PATH] [options]\n\n"
+                  : "Common options (as tandem serve):\n");
     td_opts_print(f, k_serve_opts, S_N);
     fprintf(f, "\nparallel plan (validated against the model; --plan-dry-run shows it):\n");
     td_cli_plan_usage(f);
-}
-
-static bool parse_seconds(const char *s, double *out) {
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || end == s || *end || !isfinite(v) || v < 0 || v > 86400) return false;
-    *out = v;
-    return true;
 }
 
 /* "1073741824", "512M", "2G", "64k" (binary units). */
@@ -256,57 +181,16 @@ typedef struct {
     double drain_timeout, ping_interval;
     td_cli_plan plan;
     /* prefill / decode */
-    td_serve_role role;
-    const char *cluster_token, *cluster_token_file, *instance_id, *kv_listen;
-    char *prefill[SERVE_MAX_PREFILL];
-    int n_prefill;
-    long local_threshold, deadline_ms, lease_ms;
-    double dns_interval, forget_after;
-    bool no_layerwise;
+    const td_serve_role_def *role; /* NULL: tandem serve */
+    const char *cluster_token, *cluster_token_file, *instance_id;
+    td_xfer_params xp; /* the role's options land here */
 } serve_args;
 
-/* "a:1,b:2" appended to a->prefill (copies). */
-static bool add_prefill(serve_args *a, const char *val) {
-    const char *p = val;
-    while (*p) {
-        const char *e = strchr(p, ',');
-        size_t n = e ? (size_t)(e - p) : strlen(p);
-        if (n == 0 || n > 255 || a->n_prefill == SERVE_MAX_PREFILL || !memchr(p, ':', n))
-            return false;
-        a->prefill[a->n_prefill] = strndup(p, n);
-        if (!a->prefill[a->n_prefill]) return false;
-        a->n_prefill++;
-        p = e ? e + 1 : p + n;
-    }
-    return true;
-}
-
-static bool set_prefill_opt(void *ctx, int i, const char *val, bool *printed) {
+/* A role's option: into the transfer parameters. */
+static bool set_role_opt(void *ctx, int i, const char *val, bool *printed) {
     serve_args *a = ctx;
     TD_UNUSED(printed);
-    switch (i) {
-    case P_KV_LISTEN: a->kv_listen = val; return true;
-    case P_NO_LAYERWISE: a->no_layerwise = true; return true;
-    }
-    return false;
-}
-
-static bool set_decode_opt(void *ctx, int i, const char *val, bool *printed) {
-    serve_args *a = ctx;
-    TD_UNUSED(printed);
-    switch (i) {
-    case D_PREFILL: return add_prefill(a, val);
-    case D_DNS_INTERVAL:
-        return parse_seconds(val, &a->dns_interval) && a->dns_interval >= 0.05 &&
-               a->dns_interval <= 3600;
-    case D_FORGET:
-        return parse_seconds(val, &a->forget_after) && a->forget_after >= 0.05 &&
-               a->forget_after <= 86400;
-    case D_LOCAL_THRESHOLD: return td_cli_parse_long(val, 0, 1 << 24, &a->local_threshold);
-    case D_DEADLINE: return td_cli_parse_long(val, 1, 600000, &a->deadline_ms);
-    case D_LEASE: return td_cli_parse_long(val, 3, 600000, &a->lease_ms);
-    }
-    return false;
+    return a->role->set(&a->xp, i, val);
 }
 
 static bool set_cluster_opt(void *ctx, int i, const char *val, bool *printed) {
@@ -351,8 +235,9 @@ static bool set_serve_opt(void *ctx, int i, const char *val, bool *printed) {
     case S_MAX_WAITING: return td_cli_parse_long(val, 0, 1 << 20, &a->max_waiting);
     case S_RESERVE_OUTPUT: return td_cli_parse_long(val, 0, 1 << 24, &a->reserve_output);
     case S_NO_PREFIX_CACHE: a->no_prefix_cache = true; return true;
-    case S_DRAIN_TIMEOUT: return parse_seconds(val, &a->drain_timeout);
-    case S_PING_INTERVAL: return parse_seconds(val, &a->ping_interval) && a->ping_interval >= 0.05;
+    case S_DRAIN_TIMEOUT: return td_cli_parse_seconds(val, &a->drain_timeout);
+    case S_PING_INTERVAL:
+        return td_cli_parse_seconds(val, &a->ping_interval) && a->ping_interval >= 0.05;
     case S_ISA: a->isa = val; return true;
     case S_DEVICE: a->device = val; return true;
     }
@@ -362,15 +247,15 @@ static bool set_serve_opt(void *ctx, int i, const char *val, bool *printed) {
 /* 0 to go on, -1 after --help, else the exit status. */
 static int parse_args(int argc, char **argv, serve_args *a) {
     k_serve_opts[S_MODEL].help = td_cli_model_help();
-    td_optset sets[5];
+    td_optset sets[4];
     int n = 0;
-    if (a->role == TD_ROLE_PREFILL)
-        sets[n++] = (td_optset){k_prefill_opts, P_N, set_prefill_opt, a};
-    if (a->role == TD_ROLE_DECODE) sets[n++] = (td_optset){k_decode_opts, D_N, set_decode_opt, a};
-    if (a->role != TD_ROLE_SERVE) sets[n++] = (td_optset){k_cluster_opts, C_N, set_cluster_opt, a};
+    if (a->role) {
+        sets[n++] = (td_optset){a->role->opts, a->role->n_opts, set_role_opt, a};
+        sets[n++] = (td_optset){k_cluster_opts, C_N, set_cluster_opt, a};
+    }
     sets[n++] = (td_optset){k_serve_opts, S_N, set_serve_opt, a};
     sets[n++] = td_cli_plan_optset(&a->plan);
-    int rc = td_opts_parse(role_name(a->role), argc, argv, sets, n, serve_usage, &a->role);
+    int rc = td_opts_parse(role_name(a->role), argc, argv, sets, n, serve_usage, (void *)a->role);
     if (rc == 1) return -1;
     if (rc) return rc;
     if (a->max_batch_tokens < a->max_running) {
@@ -378,15 +263,12 @@ static int parse_args(int argc, char **argv, serve_args *a) {
                 role_name(a->role), a->max_batch_tokens, a->max_running);
         return 2;
     }
-    if (a->role != TD_ROLE_SERVE && !a->cluster_token == !a->cluster_token_file) {
+    if (a->role && !a->cluster_token == !a->cluster_token_file) {
         fprintf(stderr, "%s: give the cluster token: --cluster-token or --cluster-token-file\n",
                 role_name(a->role));
         return 2;
     }
-    if (a->role == TD_ROLE_DECODE && a->n_prefill == 0) {
-        fprintf(stderr, "tandem-decode: --prefill HOST:PORT is required\n");
-        return 2;
-    }
+    if (a->role && a->role->check && !a->role->check(&a->xp)) return 2;
     if (a->key_file &&
         !(a->key_file_buf = td_cli_read_keys(a->key_file, a->keys, &a->n_keys, SERVE_MAX_KEYS))) {
         fprintf(stderr, "%s: bad value '%s' for --api-key-file\n", role_name(a->role), a->key_file);
@@ -399,65 +281,6 @@ static int parse_args(int argc, char **argv, serve_args *a) {
 static char *read_token(const serve_args *a) {
     if (a->cluster_token) return strdup(a->cluster_token);
     return td_cli_read_secret(a->cluster_token_file);
-}
-
-/* --kv-listen HOST: UCX's network device is the interface holding HOST. */
-static bool kv_listen_device(const char *spec) {
-    char host[256];
-    snprintf(host, sizeof host, "%s", spec);
-    if (host[0] == '[') { /* [v6]:port */
-        char *e = strchr(host, ']');
-        if (!e) return false;
-        *e = 0;
-        memmove(host, host + 1, strlen(host));
-    } else {
-        char *c = strchr(host, ':');
-        if (c && !strchr(c + 1, ':')) *c = 0; /* v4:port */
-    }
-    unsigned char want[16];
-    int fam = inet_pton(AF_INET, host, want) == 1    ? AF_INET
-              : inet_pton(AF_INET6, host, want) == 1 ? AF_INET6
-                                                     : 0;
-    if (!fam) {
-        TD_LOG_ERROR("--kv-listen: '%s' is not an IP address", host);
-        return false;
-    }
-    struct ifaddrs *ifs = NULL;
-    if (getifaddrs(&ifs) != 0) return false;
-    /* the interface with that address, else the loopback interface when
-     * its subnet holds it (127.0.0.2 is on lo, whose address is
-     * 127.0.0.1/8); any other address must be an interface's own */
-    char dev[IF_NAMESIZE + 1] = "", net_dev[IF_NAMESIZE + 1] = "";
-    size_t len = fam == AF_INET ? 4 : 16;
-    for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
-        if (!i->ifa_addr || i->ifa_addr->sa_family != fam) continue;
-        const unsigned char *a =
-            fam == AF_INET
-                ? (const unsigned char *)&((struct sockaddr_in *)i->ifa_addr)->sin_addr
-                : (const unsigned char *)&((struct sockaddr_in6 *)i->ifa_addr)->sin6_addr;
-        if (memcmp(a, want, len) == 0) {
-            snprintf(dev, sizeof dev, "%s", i->ifa_name);
-            break;
-        }
-        if (!i->ifa_netmask || net_dev[0] || !(i->ifa_flags & IFF_LOOPBACK)) continue;
-        const unsigned char *m =
-            fam == AF_INET
-                ? (const unsigned char *)&((struct sockaddr_in *)i->ifa_netmask)->sin_addr
-                : (const unsigned char *)&((struct sockaddr_in6 *)i->ifa_netmask)->sin6_addr;
-        bool in = m[0] != 0; /* not a /0 */
-        for (size_t k = 0; k < len && in; k++) in = (a[k] & m[k]) == (want[k] & m[k]);
-        if (in) snprintf(net_dev, sizeof net_dev, "%s", i->ifa_name);
-    }
-    if (!dev[0]) snprintf(dev, sizeof dev, "%s", net_dev);
-    freeifaddrs(ifs);
-    if (!dev[0]) {
-        TD_LOG_ERROR("--kv-listen: no interface holds %s", host);
-        return false;
-    }
-    if (!getenv("UCX_NET_DEVICES")) setenv("UCX_NET_DEVICES", dev, 1);
-    TD_LOG_INFO("KV transfers on interface %s (UCX_NET_DEVICES=%s)", dev,
-                getenv("UCX_NET_DEVICES"));
-    return true;
 }
 
 /* Compatibility hash of this instance's blocks (DESIGN.md §4). */
@@ -487,8 +310,6 @@ static td_chat_template pick_template(const serve_args *a, const td_tokenizer *t
 }
 
 static void free_args(serve_args *a) {
-    for (int i = 0; i < a->n_prefill; i++) free(a->prefill[i]);
-    a->n_prefill = 0;
     free(a->key_file_buf);
     a->key_file_buf = NULL;
     a->n_keys = 0;
@@ -500,15 +321,12 @@ static bool exec_failed(void *exec) { return td_exec_failed(exec); }
  * its own type, never through a cast of td_xfer_gauges'. */
 static void xfer_gauges(void *ctx, td_metrics_gauges *g) { td_xfer_gauges(ctx, g); }
 
-int td_serve_main(int argc, char **argv, td_serve_role role, const td_xfer_side *side) {
+int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
     serve_args a = {.host = "127.0.0.1",
                     .role = role,
                     .port = 8000,
-                    .grpc_port = role == TD_ROLE_PREFILL ? -1 : 50051,
-                    .deadline_ms = 30000,
-                    .lease_ms = 3000,
-                    .dns_interval = 5,
-                    .forget_after = 60,
+                    .grpc_port = role && !role->public_api ? -1 : 50051,
+                    .xp = td_xfer_default_params(),
                     .block_size = 16,
                     .max_running = 16,
                     .max_batch_tokens = 512,
@@ -529,11 +347,11 @@ int td_serve_main(int argc, char **argv, td_serve_role role, const td_xfer_side 
         return rc;
     }
     char *token = NULL;
-    if (role != TD_ROLE_SERVE && !(token = read_token(&a))) {
+    if (role && !(token = read_token(&a))) {
         free_args(&a);
         return 2;
     }
-    if (role == TD_ROLE_PREFILL && !kv_listen_device(a.kv_listen ? a.kv_listen : a.host)) {
+    if (role && role->prepare && !role->prepare(a.host)) {
         free(token);
         free_args(&a);
         return 2;
@@ -600,14 +418,14 @@ int td_serve_main(int argc, char **argv, td_serve_role role, const td_xfer_side 
     if (a.instance_id)
         snprintf(inst, sizeof inst, "%s", a.instance_id);
     else if (a.port != 0)
-        snprintf(inst, sizeof inst, "%s-%s%s%s:%ld", role == TD_ROLE_PREFILL ? "prefill" : "decode",
-                 br0, a.host, bl0, a.port);
+        snprintf(inst, sizeof inst, "%s-%s%s%s:%ld", role ? role->kind : "serve", br0, a.host, bl0,
+                 a.port);
     else /* an ephemeral port is not known yet: the process id tells instances apart */
-        snprintf(inst, sizeof inst, "%s-%s%s%s-pid%ld",
-                 role == TD_ROLE_PREFILL ? "prefill" : "decode", br0, a.host, bl0, (long)getpid());
-    if (role != TD_ROLE_SERVE) {
-        td_xfer_params xp = td_xfer_default_params();
-        xp.side = side;
+        snprintf(inst, sizeof inst, "%s-%s%s%s-pid%ld", role ? role->kind : "serve", br0, a.host,
+                 bl0, (long)getpid());
+    if (role) {
+        td_xfer_params xp = a.xp; /* with the role's options */
+        xp.side = role->side;
         xp.instance_id = inst;
         xp.cluster_token = token;
         xp.sched = sched;
@@ -615,14 +433,6 @@ int td_serve_main(int argc, char **argv, td_serve_role role, const td_xfer_side 
         xp.metrics = metrics;
         xp.compat = sp.compat;
         xp.max_ctx = max_ctx;
-        xp.deadline_ms = (int)a.deadline_ms;
-        xp.lease_ms = (int)a.lease_ms;
-        xp.prefill = (const char *const *)a.prefill;
-        xp.n_prefill = a.n_prefill;
-        xp.dns_interval_ms = (int)(a.dns_interval * 1000);
-        xp.forget_ms = (int)(a.forget_after * 1000);
-        xp.local_prefill_threshold = (int32_t)a.local_threshold;
-        xp.layerwise = !a.no_layerwise;
         if (td_xfer_create(&xp, &xfer) != TD_OK) goto free_sched;
     }
 
@@ -641,14 +451,14 @@ int td_serve_main(int argc, char **argv, td_serve_role role, const td_xfer_side 
     hp.metrics_need_key = a.metrics_need_key;
     hp.ping_interval_s = a.ping_interval;
     hp.kv_block_size = kp->block_size;
-    hp.role = role == TD_ROLE_PREFILL ? "prefill" : role == TD_ROLE_DECODE ? "decode" : "colocated";
+    hp.role = role ? role->kind : "colocated";
     if (xfer) {
         hp.cluster_token = token;
         hp.instance_id = inst;
         hp.internal_ctx = xfer;
         hp.state_transfer = td_xfer_state_json;
         hp.gauges = xfer_gauges;
-        if (role == TD_ROLE_PREFILL) {
+        if (!role->public_api) {
             hp.kv_exchange = td_xfer_exchange;
             hp.internal_only = true;
         } else {
@@ -665,7 +475,7 @@ int td_serve_main(int argc, char **argv, td_serve_role role, const td_xfer_side 
         gp.model = mdl;
         gp.api_keys = a.keys;
         gp.n_api_keys = a.n_keys;
-        if (xfer && role == TD_ROLE_DECODE) {
+        if (xfer && role->public_api) {
             gp.submit_hook = (td_api_submit_hook){.fn = td_xfer_submit_hook, .ctx = xfer};
             gp.cluster_token = token; /* the router's internal Generate */
         }
