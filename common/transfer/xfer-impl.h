@@ -33,9 +33,10 @@
 #define TD_XFER_ID_LEN         64
 
 typedef Tandem__Internal__V1__ControlMessage td_xfer_cmsg;
+typedef Tandem__Internal__V1__Exchange td_xfer_exchange_msg;
+/* Each side's own state, defined in its file. */
 typedef struct td_xfer_prefill td_xfer_prefill; /* prefill/xfer-prefill.c */
 typedef struct td_xfer_decode td_xfer_decode;   /* decode/xfer-decode.c */
-typedef Tandem__Internal__V1__Exchange td_xfer_exchange_msg;
 
 /* A decoded control message and when it arrived (the exposed transfer
  * tail and the transfer time are measured at arrival, not after the hop to
