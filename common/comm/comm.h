@@ -23,8 +23,9 @@
  *
  * Collective calls (everything except rank/size, send/recv and destroy)
  * must be made by every rank of the communicator, in the same order, with
- * matching arguments (same count, op and root; for all_to_all_v each
- * sender's send_bytes[j] equals receiver j's recv_bytes[sender]). The
+ * matching arguments (same count, op, element type and root; for
+ * all_to_all_v each sender's send_bytes[j] equals receiver j's
+ * recv_bytes[sender]). The
  * shared-memory backends check this and return TD_ERR_INVALID on every
  * rank when the ranks disagree. A communicator is used by one thread at a
  * time; a rank's communicators (the world and its splits) are used from

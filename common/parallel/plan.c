@@ -57,33 +57,27 @@ static bool parse_layers(const char *s, td_plan_params *p) {
     return true;
 }
 
-int td_plan_parse_flag(td_plan_params *p, const char *opt, const char *val) {
-    if (!strcmp(opt, "--attn-dp")) {
-        p->attn_dp = true;
-        return 1;
+bool td_plan_set_flag(td_plan_params *p, td_plan_flag f, const char *val) {
+    switch (f) {
+    case TD_PLAN_FLAG_TP: return parse_int(val, 1, TD_PLAN_MAX_WORLD, &p->tp);
+    case TD_PLAN_FLAG_PP: return parse_int(val, 1, TD_PLAN_MAX_PP, &p->pp);
+    case TD_PLAN_FLAG_CP: return parse_int(val, 1, TD_PLAN_MAX_WORLD, &p->cp);
+    case TD_PLAN_FLAG_EP: return parse_int(val, 1, TD_PLAN_MAX_WORLD, &p->ep);
+    case TD_PLAN_FLAG_PP_LAYERS: return parse_layers(val, p);
+    case TD_PLAN_FLAG_CP_MODE:
+        if (!val || (strcmp(val, "allgather") != 0 && strcmp(val, "ring") != 0)) return false;
+        p->cp_mode = !strcmp(val, "ring") ? TD_CP_RING : TD_CP_ALLGATHER;
+        return true;
+    case TD_PLAN_FLAG_CP_MIN_TOKENS: {
+        int v;
+        if (!parse_int(val, 0, 1 << 30, &v)) return false;
+        p->cp_min_tokens = v;
+        return true;
     }
-    bool ok;
-    int x = 0;
-    if (!strcmp(opt, "--tp")) {
-        ok = parse_int(val, 1, TD_PLAN_MAX_WORLD, &p->tp);
-    } else if (!strcmp(opt, "--pp")) {
-        ok = parse_int(val, 1, TD_PLAN_MAX_PP, &p->pp);
-    } else if (!strcmp(opt, "--cp")) {
-        ok = parse_int(val, 1, TD_PLAN_MAX_WORLD, &p->cp);
-    } else if (!strcmp(opt, "--ep")) {
-        ok = parse_int(val, 1, TD_PLAN_MAX_WORLD, &p->ep);
-    } else if (!strcmp(opt, "--pp-layers")) {
-        ok = parse_layers(val, p);
-    } else if (!strcmp(opt, "--cp-mode")) {
-        ok = val && (!strcmp(val, "allgather") || !strcmp(val, "ring"));
-        if (ok) p->cp_mode = !strcmp(val, "ring") ? TD_CP_RING : TD_CP_ALLGATHER;
-    } else if (!strcmp(opt, "--cp-min-tokens")) {
-        ok = parse_int(val, 0, 1 << 30, &x);
-        if (ok) p->cp_min_tokens = x;
-    } else {
-        return 0;
+    case TD_PLAN_FLAG_ATTN_DP: p->attn_dp = true; return true;
+    case TD_PLAN_N_FLAGS: break;
     }
-    return ok ? 2 : -1;
+    return false;
 }
 
 static int kv_heads_local(const td_model_config *c, int tp) {

@@ -42,12 +42,24 @@ typedef struct {
 
 td_plan_params td_plan_default_params(void);
 
-/* Command-line flags shared by every command that takes a plan:
- * --tp N, --pp N, --pp-layers A,B,..., --cp N, --cp-mode allgather|ring,
- * --cp-min-tokens N, --ep N, --attn-dp (no value). Returns the number of
- * argv words consumed (1 or 2), 0 when opt is not a plan flag, -1 for a bad
- * value (the caller says so). val may be NULL (then only --attn-dp can match). */
-int td_plan_parse_flag(td_plan_params *p, const char *opt, const char *val);
+/* The plan's command-line flags, shared by every command that takes a
+ * plan (their option table: runtime/plan-flags.c): --tp N, --pp N,
+ * --pp-layers A,B,..., --cp N, --cp-mode allgather|ring, --cp-min-tokens N,
+ * --ep N, --attn-dp (no value). */
+typedef enum {
+    TD_PLAN_FLAG_TP,
+    TD_PLAN_FLAG_PP,
+    TD_PLAN_FLAG_PP_LAYERS,
+    TD_PLAN_FLAG_CP,
+    TD_PLAN_FLAG_CP_MODE,
+    TD_PLAN_FLAG_CP_MIN_TOKENS,
+    TD_PLAN_FLAG_EP,
+    TD_PLAN_FLAG_ATTN_DP,
+    TD_PLAN_N_FLAGS
+} td_plan_flag;
+/* Sets flag f from val (NULL for --attn-dp); false for a bad or missing
+ * value or an unknown flag (the caller says so), p then unchanged. */
+bool td_plan_set_flag(td_plan_params *p, td_plan_flag f, const char *val);
 
 /* Coordinates of one rank. */
 typedef struct {

@@ -7,34 +7,39 @@
 #include "common/model/model.h"
 #include "common/parallel/plan.h"
 
+/* The plan's flags in td_plan_flag's order, then --plan-dry-run. */
+#define PLAN_DRY_RUN TD_PLAN_N_FLAGS
 const td_opt td_cli_plan_opts[] = {
-    {"tp", 0, "N", "tensor-parallel ranks (heads and FFN columns split)"},
-    {"pp", 0, "N", "pipeline stages (contiguous layer ranges)"},
-    {"pp-layers", 0, "A,B,...", "layers per stage (default: even split)"},
-    {"cp", 0, "N",
-     "context-parallel ranks (prompt tokens in prefill, KV\n"
-     "positions in decode; block b on CP rank b mod N)"},
-    {"cp-mode", 0, "MODE", "prefill K/V exchange: allgather (default) or ring"},
-    {"cp-min-tokens", 0, "N", "prompts shorter than N are not split over CP (default 256)"},
-    {"ep", 0, "N", "expert-parallel ranks for MoE models (default: the TP group)"},
-    {"attn-dp", 0, NULL, "MoE: attention data-parallel over the EP ranks"},
-    {"plan-dry-run", 0, NULL,
-     "print the plan (per rank: layers, weight and KV bytes,\n"
-     "bytes sent per step) and exit"},
+    [TD_PLAN_FLAG_TP] = {"tp", 0, "N", "tensor-parallel ranks (heads and FFN columns split)"},
+    [TD_PLAN_FLAG_PP] = {"pp", 0, "N", "pipeline stages (contiguous layer ranges)"},
+    [TD_PLAN_FLAG_PP_LAYERS] = {"pp-layers", 0, "A,B,...",
+                                "layers per stage (default: even split)"},
+    [TD_PLAN_FLAG_CP] = {"cp", 0, "N",
+                         "context-parallel ranks (prompt tokens in prefill, KV\n"
+                         "positions in decode; block b on CP rank b mod N)"},
+    [TD_PLAN_FLAG_CP_MODE] = {"cp-mode", 0, "MODE",
+                              "prefill K/V exchange: allgather (default) or ring"},
+    [TD_PLAN_FLAG_CP_MIN_TOKENS] = {"cp-min-tokens", 0, "N",
+                                    "prompts shorter than N are not split over CP (default 256)"},
+    [TD_PLAN_FLAG_EP] = {"ep", 0, "N",
+                         "expert-parallel ranks for MoE models (default: the TP group)"},
+    [TD_PLAN_FLAG_ATTN_DP] = {"attn-dp", 0, NULL, "MoE: attention data-parallel over the EP ranks"},
+    [PLAN_DRY_RUN] = {"plan-dry-run", 0, NULL,
+                      "print the plan (per rank: layers, weight and KV bytes,\n"
+                      "bytes sent per step) and exit"},
 };
 const int td_cli_plan_n_opts = (int)(sizeof td_cli_plan_opts / sizeof td_cli_plan_opts[0]);
+_Static_assert(sizeof td_cli_plan_opts / sizeof td_cli_plan_opts[0] == PLAN_DRY_RUN + 1,
+               "a table entry for every plan flag");
 
 static bool plan_set(void *ctx, int i, const char *val, bool *printed) {
     td_cli_plan *cp = ctx;
-    const char *name = td_cli_plan_opts[i].name;
-    if (!strcmp(name, "plan-dry-run")) {
+    TD_UNUSED(printed);
+    if (i == PLAN_DRY_RUN) {
         cp->dry_run = true;
         return true;
     }
-    char flag[32];
-    snprintf(flag, sizeof flag, "--%s", name);
-    TD_UNUSED(printed);
-    if (td_plan_parse_flag(&cp->p, flag, val) < 0) return false;
+    if (!td_plan_set_flag(&cp->p, (td_plan_flag)i, val)) return false;
     cp->given = true;
     return true;
 }

@@ -234,23 +234,29 @@ static void test_traffic(void **state) {
 static void test_flags(void **state) {
     (void)state;
     td_plan_params p = td_plan_default_params();
-    assert_int_equal(td_plan_parse_flag(&p, "--tp", "4"), 2);
+    assert_true(td_plan_set_flag(&p, TD_PLAN_FLAG_TP, "4"));
     assert_int_equal(p.tp, 4);
-    assert_int_equal(td_plan_parse_flag(&p, "--pp-layers", "3,5,7"), 2);
+    assert_true(td_plan_set_flag(&p, TD_PLAN_FLAG_PP_LAYERS, "3,5,7"));
     assert_int_equal(p.pp_layers[0], 3);
     assert_int_equal(p.pp_layers[2], 7);
     assert_int_equal(p.pp_layers[3], 0);
-    assert_int_equal(td_plan_parse_flag(&p, "--cp-mode", "ring"), 2);
+    assert_true(td_plan_set_flag(&p, TD_PLAN_FLAG_CP_MODE, "ring"));
     assert_int_equal(p.cp_mode, TD_CP_RING);
-    assert_int_equal(td_plan_parse_flag(&p, "--attn-dp", NULL), 1);
+    assert_true(td_plan_set_flag(&p, TD_PLAN_FLAG_CP_MIN_TOKENS, "0"));
+    assert_int_equal(p.cp_min_tokens, 0);
+    assert_true(td_plan_set_flag(&p, TD_PLAN_FLAG_ATTN_DP, NULL));
     assert_true(p.attn_dp);
-    assert_int_equal(td_plan_parse_flag(&p, "--model", "x"), 0);
-    assert_int_equal(td_plan_parse_flag(&p, "--tp", "0"), -1);
-    assert_int_equal(td_plan_parse_flag(&p, "--tp", "2x"), -1);
-    assert_int_equal(td_plan_parse_flag(&p, "--pp-layers", "3,,4"), -1);
-    assert_int_equal(td_plan_parse_flag(&p, "--pp-layers", "3,0"), -1);
-    assert_int_equal(td_plan_parse_flag(&p, "--cp-mode", "mesh"), -1);
-    assert_int_equal(td_plan_parse_flag(&p, "--cp", NULL), -1);
+    assert_false(td_plan_set_flag(&p, TD_PLAN_N_FLAGS, "x"));
+    /* a bad value leaves the plan as it was */
+    td_plan_params before = p;
+    assert_false(td_plan_set_flag(&p, TD_PLAN_FLAG_TP, "0"));
+    assert_false(td_plan_set_flag(&p, TD_PLAN_FLAG_TP, "2x"));
+    assert_false(td_plan_set_flag(&p, TD_PLAN_FLAG_PP_LAYERS, "3,,4"));
+    assert_false(td_plan_set_flag(&p, TD_PLAN_FLAG_PP_LAYERS, "3,0"));
+    assert_false(td_plan_set_flag(&p, TD_PLAN_FLAG_CP_MODE, "mesh"));
+    assert_false(td_plan_set_flag(&p, TD_PLAN_FLAG_CP, NULL));
+    assert_false(td_plan_set_flag(&p, TD_PLAN_FLAG_CP_MIN_TOKENS, "-1"));
+    assert_memory_equal(&p, &before, sizeof p);
 }
 
 /* The report loads each shard: the weight bytes of a 1-rank plan equal a
