@@ -185,17 +185,40 @@ static int check_float_ops(td_comm *c, uint32_t seed, size_t N, bool all_roots) 
 }
 
 /* ---- float16 and bfloat16 ----
- * The reference conversions are the compiler's (_Float16) and a bfloat16
- * rounding written here from its definition (the upper 16 bits of the
- * float32, rounded to nearest, ties to even), not the kernels' helpers the
- * backends use. */
+ * The reference conversions are written here from the formats'
+ * definitions, not the kernels' helpers the backends use: a float16 is
+ * read as its value (ldexpf of its significand), and a float32 is rounded
+ * to the nearest float16 by a search over the finite float16 values (which
+ * grow with their bit patterns), ties to the even one; a bfloat16 is the
+ * upper 16 bits of a float32, rounded to nearest, ties to even. */
+
+static float f16_value(uint16_t h) {
+    int e = (h >> 10) & 31, m = h & 1023;
+    float v = e == 0    ? ldexpf((float)m, -24)
+              : e == 31 ? (m ? NAN : INFINITY)
+                        : ldexpf((float)(1024 + m), e - 25);
+    return (h & 0x8000) ? -v : v;
+}
+
+static uint16_t f16_nearest(float f) {
+    uint16_t sign = signbit(f) ? 0x8000 : 0;
+    float a = fabsf(f);
+    if (a >= 65520.0f) return sign | 0x7c00; /* beyond half-way past the largest: inf */
+    uint16_t lo = 0, hi = 0x7bff;            /* f16_value(lo) <= a < f16_value(hi), or a at hi */
+    if (a >= f16_value(hi)) return sign | hi;
+    while (hi - lo > 1) {
+        uint16_t mid = (uint16_t)((lo + hi) / 2);
+        if (f16_value(mid) <= a)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    float dl = a - f16_value(lo), dh = f16_value(hi) - a;
+    return sign | (dl < dh || (dl == dh && !(lo & 1)) ? lo : hi);
+}
 
 static float h_to_f32(td_comm_dtype dt, uint16_t h) {
-    if (dt == TD_COMM_F16) {
-        _Float16 v;
-        memcpy(&v, &h, 2);
-        return (float)v;
-    }
+    if (dt == TD_COMM_F16) return f16_value(h);
     uint32_t u = (uint32_t)h << 16;
     float f;
     memcpy(&f, &u, 4);
@@ -203,12 +226,7 @@ static float h_to_f32(td_comm_dtype dt, uint16_t h) {
 }
 
 static uint16_t f32_to_h(td_comm_dtype dt, float f) {
-    if (dt == TD_COMM_F16) {
-        _Float16 v = (_Float16)f;
-        uint16_t h;
-        memcpy(&h, &v, 2);
-        return h;
-    }
+    if (dt == TD_COMM_F16) return f16_nearest(f);
     uint32_t u;
     memcpy(&u, &f, 4);
     uint32_t low = u & 0xffffu, up = u >> 16;
