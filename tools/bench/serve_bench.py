@@ -5,6 +5,8 @@ Standard library only (threads + http.client), so it runs wherever Python 3.9+
 does, against Tandem, vLLM, SGLang or llama.cpp's llama-server alike.
 """
 import argparse
+import csv
+import datetime
 import http.client
 import json
 import math
@@ -32,16 +34,34 @@ datasets:
                    {"prompt": "text", "output_len": 128}
                  (--num-prompts takes the first N lines; all by default)
 
+  --trace FILE   a recorded trace, replayed with its timing (below)
+
   Lengths N[:M] are uniform integers in [N, M]. Prompt lengths are fitted with
   the server's /tokenize when it has one (vLLM-style {"prompt"} or llama.cpp's
   {"content"}), otherwise assumed one token per word; they count the prompt
   text's tokens, without the BOS or chat-template tokens the server adds (the
   report's input tokens are the server's own usage figures).
 
+traces (--trace FILE, --trace-format auto | azure | burstgpt | mooncake):
+  azure     Azure LLM inference trace CSV: TIMESTAMP,ContextTokens,GeneratedTokens
+            (TIMESTAMP a date and time, e.g. 2023-11-16 18:15:46.6805900)
+  burstgpt  BurstGPT CSV: Timestamp (seconds),Model,Request tokens,Response
+            tokens,Total tokens,Log Type; rows with 0 response tokens (failed
+            requests in the trace) are left out and counted in the notes
+  mooncake  Mooncake JSON Lines: {"timestamp": ms, "input_length": N,
+            "output_length": M, "hash_ids": [...]}; each hash id names a block
+            of 512 prompt tokens: requests that share a hash id share that
+            block's text, so the trace's prefix-cache hits happen here too
+  Request i is sent at (its timestamp - the first one's) / --trace-speed
+  seconds, with a prompt of its recorded length (random words, a block's
+  words fixed by its hash id) and its recorded output length
+  (--trace-length-scale scales both, for small models); --num-prompts takes
+  the first N requests in time order.
+
 load:
   --request-rate R   Poisson arrivals at R requests/s ("inf": all at once)
   --concurrency C    C requests in flight at all times
-  Neither given: --request-rate inf.
+  Neither given: --request-rate inf; a trace brings its own arrivals.
 
 measurements (vLLM's definitions):
   TTFT   time from sending the request to the first chunk with non-empty text
@@ -101,6 +121,10 @@ WORDS = (
 
 class UsageError(Exception):
     pass
+
+
+TRACE_FORMATS = ("azure", "burstgpt", "mooncake")
+MOONCAKE_BLOCK = 512  # prompt tokens per hash id in Mooncake traces
 
 
 # ---------------------------------------------------------------- arguments
@@ -188,6 +212,13 @@ def build_parser():
                    "the requested length (default: on for the synthetic datasets, off for FILE)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--trace", metavar="FILE", help="replay a recorded trace with its timing")
+    p.add_argument("--trace-format", choices=("auto",) + TRACE_FORMATS, default="auto",
+                   help="the trace's format (default: from its header or first line)")
+    p.add_argument("--trace-speed", type=float, default=1.0,
+                   help="replay this many times faster than recorded (default 1)")
+    p.add_argument("--trace-length-scale", type=float, default=1.0,
+                   help="scale the recorded prompt and output lengths (default 1)")
     return p
 
 
@@ -286,6 +317,8 @@ class Item:
         self.prefix = ""  # shared system prompt (shared-prefix)
         self.text = ""  # this request's own prompt text / question
         self.answer = ""  # filled in when it completes (multi-turn)
+        self.arrival = None  # seconds after the start (traces)
+        self.blocks = None  # [(hash id, tokens)] of its prompt (Mooncake traces)
         self.done = threading.Event()
 
 
@@ -379,7 +412,151 @@ def load_file(path, limit):
     return items
 
 
+# ---------------------------------------------------------------- traces
+
+
+def _trace_int(path, lineno, what, v, minimum):
+    try:
+        n = int(str(v).strip())
+    except ValueError:
+        raise UsageError(f"{path}:{lineno}: {what} is not an integer: {v!r}")
+    if n < minimum:
+        raise UsageError(f"{path}:{lineno}: {what} must be >= {minimum}, not {n}")
+    return n
+
+
+def _azure_time(path, lineno, v):
+    text = str(v).strip()
+    head, _, frac = text.partition(".")
+    try:  # up to 7 fractional digits in the published traces; datetime takes 6
+        t = datetime.datetime.strptime(head, "%Y-%m-%d %H:%M:%S")
+        return t.timestamp() + (float("0." + frac) if frac else 0.0)
+    except ValueError:
+        raise UsageError(f"{path}:{lineno}: TIMESTAMP is not a date and time: {text!r}")
+
+
+def _trace_seconds(path, lineno, v):
+    try:
+        t = float(str(v).strip())
+    except ValueError:
+        raise UsageError(f"{path}:{lineno}: Timestamp is not a number: {v!r}")
+    if not math.isfinite(t) or t < 0:
+        raise UsageError(f"{path}:{lineno}: Timestamp must be a finite number >= 0, not {t}")
+    return t
+
+
+def read_trace(path, fmt, notes):
+    """The requests of a trace file as (arrival s, input tokens, output
+    tokens, hash ids or None), in time order, arrivals from 0."""
+    try:
+        f = open(path, encoding="utf-8", newline="")
+    except OSError as e:
+        raise UsageError(f"--trace {path}: {e.strerror}")
+    with f:
+        first = f.readline()
+        f.seek(0)
+        if fmt == "auto":
+            head = first.strip().lstrip("\ufeff")
+            fmt = ("mooncake" if head.startswith("{") else
+                   "azure" if head.startswith("TIMESTAMP") else
+                   "burstgpt" if head.startswith("Timestamp") else None)
+            if fmt is None:
+                raise UsageError(f"{path}: not a trace tandem bench knows (give --trace-format)")
+        rows = []
+        if fmt == "mooncake":
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    o = json.loads(line)
+                except ValueError as e:
+                    raise UsageError(f"{path}:{lineno}: not JSON ({e})")
+                if not isinstance(o, dict):
+                    raise UsageError(f"{path}:{lineno}: expected an object")
+                for k in ("timestamp", "input_length", "output_length"):
+                    if not isinstance(o.get(k), int) or isinstance(o.get(k), bool):
+                        raise UsageError(f"{path}:{lineno}: {k} must be an integer")
+                t = _trace_int(path, lineno, "timestamp", o["timestamp"], 0) / 1000.0
+                n_in = _trace_int(path, lineno, "input_length", o["input_length"], 1)
+                n_out = _trace_int(path, lineno, "output_length", o["output_length"], 1)
+                ids = o.get("hash_ids", [])
+                if (not isinstance(ids, list)
+                        or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids)):
+                    raise UsageError(f"{path}:{lineno}: hash_ids must be a list of integers")
+                if len(ids) != (n_in + MOONCAKE_BLOCK - 1) // MOONCAKE_BLOCK:
+                    raise UsageError(f"{path}:{lineno}: {len(ids)} hash_ids for {n_in} tokens "
+                                     f"(one per {MOONCAKE_BLOCK})")
+                rows.append((t, n_in, n_out, ids))
+        else:
+            cols = (("TIMESTAMP", "ContextTokens", "GeneratedTokens") if fmt == "azure"
+                    else ("Timestamp", "Request tokens", "Response tokens"))
+            reader = csv.DictReader(f)
+            missing = [c for c in cols if c not in (reader.fieldnames or [])]
+            if missing:
+                raise UsageError(f"{path}:1: the {fmt} format needs the columns {', '.join(cols)} "
+                                 f"(missing {', '.join(missing)})")
+            failed = 0
+            for lineno, r in enumerate(reader, 2):
+                if fmt == "azure":
+                    t = _azure_time(path, lineno, r[cols[0]])
+                else:
+                    t = _trace_seconds(path, lineno, r[cols[0]])
+                n_in = _trace_int(path, lineno, cols[1], r[cols[1]], 1)
+                n_out = _trace_int(path, lineno, cols[2], r[cols[2]], 0)
+                if n_out == 0:
+                    failed += 1
+                    continue
+                rows.append((t, n_in, n_out, None))
+            if failed:
+                notes.add(f"{failed} requests of the trace with 0 response tokens left out")
+    if not rows:
+        raise UsageError(f"{path}: no requests")
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0]
+    return fmt, [(t - t0, n_in, n_out, ids) for (t, n_in, n_out, ids) in rows]
+
+
+def trace_items(args, rng, counter, notes):
+    fmt, rows = read_trace(args.trace, args.trace_format, notes)
+    args.trace_format_used = fmt
+    if args.num_prompts is not None:
+        rows = rows[: args.num_prompts]
+    scale = args.trace_length_scale
+    items = []
+    blocks = {}  # hash id -> tokens of its text
+    for i, (t, n_in, n_out, ids) in enumerate(rows):
+        it = Item(i, max(1, round(n_in * scale)), max(1, round(n_out * scale)))
+        it.arrival = t / args.trace_speed
+        if ids is not None:
+            it.blocks = []
+            left = it.in_len
+            for h in ids:
+                n = min(left, max(1, round(MOONCAKE_BLOCK * scale)))
+                if n <= 0:
+                    break
+                it.blocks.append((h, n))
+                blocks.setdefault((h, n), None)
+                left -= n
+        items.append(it)
+    plain = [it for it in items if it.blocks is None]
+    seeds = [rng.getrandbits(64) for _ in plain]
+    texts = parallel_map(fit_prompt, [(random.Random(seeds[k]), it.in_len, counter, notes)
+                                      for k, it in enumerate(plain)])
+    for it, t in zip(plain, texts):
+        it.text = t
+    keys = sorted(blocks)
+    btexts = parallel_map(fit_prompt, [(random.Random((args.seed << 32) ^ h), n, counter, notes)
+                                       for (h, n) in keys])
+    blocks = dict(zip(keys, btexts))
+    for it in items:
+        if it.blocks is not None:
+            it.text = "".join(blocks[b] for b in it.blocks)
+    return items
+
+
 def build_dataset(args, rng, counter, notes):
+    if args.trace:
+        return trace_items(args, rng, counter, notes)
     kind = args.dataset
     if kind not in ("random", "shared-prefix", "multi-turn"):
         return load_file(kind, args.num_prompts)
@@ -687,7 +864,11 @@ def run_load(server, args, items, progress):
         threads = []
         t_next = 0.0
         for it in items:
-            if rate != math.inf:
+            if it.arrival is not None:  # a trace's own timing
+                delay = t_bench + it.arrival - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+            elif rate != math.inf:
                 delay = t_bench + t_next - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
@@ -750,12 +931,16 @@ def make_report(args, server, records, duration, notes, calibrated):
     good = sum(1 for r in ok if is_good(r, args.slo)) if args.slo else None
     itl = [x for r in ok for x in r["itl_ms"]]
     mode = ({"concurrency": args.concurrency} if args.concurrency is not None
+            else {"trace_arrivals": True} if args.trace
             else {"request_rate": None if args.rate == math.inf else args.rate})
     return {
         "url": server.display,
         "endpoint": args.endpoint,
         "model": args.model,
-        "dataset": args.dataset,
+        "dataset": f"trace:{args.trace_format_used}" if args.trace else args.dataset,
+        "trace": ({"file": args.trace, "format": args.trace_format_used,
+                   "speed": args.trace_speed, "length_scale": args.trace_length_scale}
+                  if args.trace else None),
         "num_prompts": len(records),
         "input_len": args.input_len,
         "output_len": args.output_len,
@@ -807,10 +992,16 @@ def print_table(rep, out):
         ds += f" ({rep['num_groups']} groups, prefix {rep['prefix_len']})"
     elif ds == "multi-turn":
         ds += f" ({rep['num_groups']} conversations)"
-    row("Dataset:", f"{ds}, input {rep['input_len']}, output {rep['output_len']}")
+    if rep["trace"]:
+        tr = rep["trace"]
+        row("Dataset:", f"{ds} {tr['file']} (lengths x{tr['length_scale']:g})")
+    else:
+        row("Dataset:", f"{ds}, input {rep['input_len']}, output {rep['output_len']}")
     m = rep["mode"]
     if "concurrency" in m:
         row("Load:", f"concurrency {m['concurrency']}")
+    elif "trace_arrivals" in m:
+        row("Load:", f"the trace's arrivals, x{rep['trace']['speed']:g} speed")
     else:
         row("Load:", "all at once" if m["request_rate"] is None
             else f"Poisson, {m['request_rate']:g} req/s")
@@ -871,10 +1062,21 @@ def main(argv):
         if not args.timeout > 0:
             raise UsageError("--timeout must be > 0")
         synthetic = args.dataset in ("random", "shared-prefix", "multi-turn")
+        if args.trace:
+            if args.request_rate is not None or args.concurrency is not None:
+                raise UsageError("--trace brings its own arrivals: no --request-rate or "
+                                 "--concurrency")
+            if args.dataset != "random":
+                raise UsageError("--trace replaces --dataset")
+            if not (math.isfinite(args.trace_speed) and args.trace_speed > 0):
+                raise UsageError("--trace-speed must be > 0")
+            if not (math.isfinite(args.trace_length_scale) and args.trace_length_scale > 0):
+                raise UsageError("--trace-length-scale must be > 0")
+        args.trace_format_used = None
         if args.ignore_eos is None:
-            args.ignore_eos = synthetic
+            args.ignore_eos = synthetic or bool(args.trace)
         server = Server(args.url, args.api_key, args.timeout)
-        if not synthetic and not os.path.isfile(args.dataset):
+        if not args.trace and not synthetic and not os.path.isfile(args.dataset):
             raise UsageError(f"--dataset: {args.dataset!r} is neither random, shared-prefix, "
                              "multi-turn nor a file")
     except UsageError as e:
@@ -894,7 +1096,7 @@ def main(argv):
 
     rng = random.Random(args.seed)
     counter = None
-    if args.dataset in ("random", "shared-prefix", "multi-turn"):
+    if args.trace or args.dataset in ("random", "shared-prefix", "multi-turn"):
         counter = TokenCounter(server, args.model)
         if counter.style is None:
             notes.add("the server has no usable /tokenize: prompt lengths assume 1 token per word")
