@@ -44,18 +44,27 @@ uint64_t td_xfer_unix_ns(void) {
 
 /* --------------------------------------------------------------- messages */
 
-td_status td_xfer_send(td_xfer *x, td_ucx_ep *ep, td_xfer_cmsg *m) {
-    if (!ep) return TD_ERR_IO;
+/* m with this instance as sender and the cluster token, packed into a
+ * malloc'd buffer of *n bytes; NULL when out of memory. */
+static uint8_t *pack_msg(td_xfer *x, td_xfer_cmsg *m, size_t *n) {
     Tandem__Internal__V1__Peer from = TANDEM__INTERNAL__V1__PEER__INIT;
     from.instance_id = x->instance_id;
     from.epoch = x->epoch;
     m->from = &from;
     m->cluster_token.data = (uint8_t *)x->token;
     m->cluster_token.len = x->token_len;
-    size_t n = protobuf_c_message_get_packed_size(&m->base);
-    uint8_t *buf = malloc(n ? n : 1);
+    *n = protobuf_c_message_get_packed_size(&m->base);
+    uint8_t *buf = malloc(*n ? *n : 1);
+    if (buf) protobuf_c_message_pack(&m->base, buf);
+    m->from = NULL; /* (it pointed at this frame) */
+    return buf;
+}
+
+td_status td_xfer_send(td_xfer *x, td_ucx_ep *ep, td_xfer_cmsg *m) {
+    if (!ep) return TD_ERR_IO;
+    size_t n;
+    uint8_t *buf = pack_msg(x, m, &n);
     if (!buf) return TD_ERR_NOMEM;
-    protobuf_c_message_pack(&m->base, buf);
     td_status st = td_ucx_send(ep, buf, n);
     free(buf);
     return st;
@@ -328,19 +337,9 @@ td_status td_xfer_exchange(void *ctx, uint8_t **buf, size_t *len) {
     td_status st = td_xfer_build_exchange(x, &oe, x->exchange_id, -1);
     if (st) return st;
     td_xfer_cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
-    Tandem__Internal__V1__Peer from = TANDEM__INTERNAL__V1__PEER__INIT;
-    from.instance_id = x->instance_id;
-    from.epoch = x->epoch;
-    m.from = &from;
-    m.cluster_token.data = (uint8_t *)x->token;
-    m.cluster_token.len = x->token_len;
     m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_EXCHANGE;
     m.exchange = &oe.ex;
-    size_t n = protobuf_c_message_get_packed_size(&m.base);
-    *buf = malloc(n ? n : 1);
-    if (!*buf) return TD_ERR_NOMEM;
-    protobuf_c_message_pack(&m.base, *buf);
-    *len = n;
+    if (!(*buf = pack_msg(x, &m, len))) return TD_ERR_NOMEM;
     return TD_OK;
 }
 

@@ -385,6 +385,17 @@ def parallel_map(fn, args, workers=4):
     return out
 
 
+def json_lines(path, f):
+    """(line number, object) of every non-blank line of a JSON Lines file."""
+    for lineno, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except ValueError as e:
+            raise UsageError(f"{path}:{lineno}: not JSON ({e})")
+
+
 def load_file(path, limit):
     items = []
     try:
@@ -392,13 +403,7 @@ def load_file(path, limit):
     except OSError as e:
         raise UsageError(f"--dataset {path}: {e.strerror}")
     with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise UsageError(f"{path}:{lineno}: not JSON ({e})")
+        for lineno, obj in json_lines(path, f):
             if (not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str)
                     or not isinstance(obj.get("output_len"), int) or obj["output_len"] < 1):
                 raise UsageError(f'{path}:{lineno}: expected {{"prompt": str, "output_len": int >= 1}}')
@@ -464,13 +469,7 @@ def read_trace(path, fmt, notes):
                 raise UsageError(f"{path}: not a trace tandem bench knows (give --trace-format)")
         rows = []
         if fmt == "mooncake":
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    o = json.loads(line)
-                except ValueError as e:
-                    raise UsageError(f"{path}:{lineno}: not JSON ({e})")
+            for lineno, o in json_lines(path, f):
                 if not isinstance(o, dict):
                     raise UsageError(f"{path}:{lineno}: expected an object")
                 for k in ("timestamp", "input_length", "output_length"):
