@@ -18,7 +18,7 @@
 
 #include "common/api/request.h"
 #include "common/obs/metrics.h"
-#include "score.h"
+#include "common/route/score.h"
 
 typedef struct {
     const char *cluster_token; /* required (copied) */

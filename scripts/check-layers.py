@@ -38,10 +38,12 @@ LAYERS = [
     ("engine", ["common/engine"]),
     ("parallel", ["common/parallel"]),
     ("sched", ["common/sched"]),
+    ("route", ["common/route"]),
     ("api", ["common/api"]),
     ("transfer", ["common/transfer"]),
     ("runtime", ["common/runtime"]),
     ("serve", ["common/serve"]),
+    ("planner", ["planner"]),
     ("services", ["prefill", "decode", "router", "tools"]),
 ]
 LEVEL = {d: i for i, (_, dirs) in enumerate(LAYERS) for d in dirs}

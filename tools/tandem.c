@@ -21,6 +21,7 @@ static const struct {
     {"bench", td_cmd_bench, "load-test an OpenAI-compatible endpoint"},
     {"bench-transfer", td_cmd_bench_transfer,
      "KV transfer channel put throughput (ucx_perftest ucp_put_bw style)"},
+    {"replay", td_cmd_replay, "check the scheduling core against a scheduler's step trace"},
 };
 
 static void usage(FILE *f) {

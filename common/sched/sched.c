@@ -8,31 +8,16 @@
 #include <stdatomic.h>
 #include <string.h>
 
-#include "common/kv/hmap.h"
+#include "core.h"
 #include "stop.h"
 
 /* ---- sequences ---- */
 
-typedef enum { SEQ_WAITING = 0, SEQ_RUNNING = 1 } seq_state;
-
 typedef struct seq {
-    struct seq *next; /* in the inbox / waiting list / running list */
+    td_sched_seq c; /* first: the core's lists hold &q->c */
     char id[64];
     td_gen_stream *st;
-    seq_state state;
-    int32_t *tokens; /* (tok_cap) prompt then output */
-    int32_t tok_cap;
-    int32_t n_prompt, n_tokens;
-    int32_t n_computed; /* tokens whose KV is in the cache */
-    int32_t max_tokens, min_tokens;
-    int32_t *blocks; /* (blk_cap) block table */
-    int32_t blk_cap, n_blocks;
-    int32_t n_reserved;   /* blocks still promised to this sequence */
-    td_kv_hash *hashes;   /* (blk_cap) chain hashes of its full blocks */
-    int32_t n_published;  /* leading blocks published to (or matched in) the prefix cache */
-    int32_t n_hash_valid; /* leading entries of hashes[] computed (tokens never change) */
-    int32_t n_pend_end;   /* blocks [n_published, n_pend_end) are in the pending map */
-    int32_t n_cached_tokens;
+    int32_t min_tokens;
     td_sampler *sampler;
     td_stop *stop;
     td_detok detok;
@@ -42,20 +27,17 @@ typedef struct seq {
     bool logprobs;
     bool stop_strings;
     double t_arrival, t_scheduled, t_first, t_last;
-    int32_t n_preemptions;
     double prefill_compute; /* forward time of the steps that carried it before its first token */
-    uint64_t admit_order;
-    int32_t chunk; /* tokens fed in the current step (0: not in the batch) */
     /* Disaggregation. */
     td_sched_ticket ticket;
     td_kv_export ex;
     td_kv_import im;
-    bool remote_wait;        /* import: admitted, waiting for the remote prefill */
-    bool local_only;         /* import: prefill here (threshold or fallback) */
     bool have_first;         /* export: first holds the sampled first token */
     td_sample_result first;  /* export */
     struct parked *park_rec; /* export / import: the record its blocks are parked in */
 } seq;
+
+static seq *SEQ(td_sched_seq *c) { return (seq *)c; }
 
 /* Blocks kept past their sequence: an export's sources until the puts are
  * flushed, an import's destinations until the peer is fenced. */
@@ -87,7 +69,6 @@ struct td_sched {
     const td_tokenizer *tok;
     td_metrics *metrics;
     int32_t n_vocab;
-    int32_t block_size;
     pthread_t thread;
     /* Inbox and wake-up (under mu). */
     pthread_mutex_t mu;
@@ -102,18 +83,10 @@ struct td_sched {
     atomic_int n_active;        /* submitted, not yet finished */
     atomic_int n_running_pub;   /* running count as of the last step */
     /* Owned by the scheduler thread. */
-    seq *waiting;  /* FCFS; preempted sequences go back to the head */
-    seq **running; /* (max_running) in admission order */
-    int32_t n_running;
-    uint64_t admit_counter;
-    float *logits; /* (max_running, n_vocab) */
+    td_sched_core core; /* the policy: queue, running list, batch, prefix bookkeeping */
+    float *logits;      /* (max_running, n_vocab) */
     td_seq_chunk *chunks;
-    seq **batch;
-    uint64_t steps, preemptions;
-    /* Hashes of prompt blocks a running sequence is computing now: a
-     * request whose next uncached block is among them waits for it to be
-     * published instead of computing the same prefix again. */
-    td_kv_hmap pending;
+    uint64_t steps;
     /* Published figures (under stats_mu). */
     pthread_mutex_t stats_mu;
     pthread_cond_t stats_cv;
@@ -124,6 +97,13 @@ struct td_sched {
     rev *ev_head, *ev_tail; /* under mu */
     parked *parked;         /* scheduler thread */
     int32_t *slots;         /* (max_running) the step's transfer job slots */
+    /* The step trace (params.step_trace): this step's events, written out
+     * when the step did anything. */
+    FILE *tr_step;
+    char *tr_buf;
+    size_t tr_len;
+    int tr_n; /* events in this step's line */
+    double tr_t0;
 };
 
 td_sched_params td_sched_default_params(void) {
@@ -153,15 +133,63 @@ static void seq_free(seq *s) {
     }
     td_sampler_destroy(s->sampler);
     td_stop_destroy(s->stop);
-    free(s->tokens);
-    free(s->blocks);
-    free(s->hashes);
+    td_sched_seq_free(&s->c);
     free(s->ban);
     free(s);
 }
 
 static int32_t blocks_for(const td_sched *s, int64_t n_tokens) {
-    return (int32_t)((n_tokens + s->block_size - 1) / s->block_size);
+    return td_sched_core_blocks_for(&s->core, n_tokens);
+}
+
+/* ---- the step trace ---- */
+
+/* Starts an event of this step's line ('[' then the kind); false: no trace. */
+static bool tr_event(td_sched *s, const char *kind) {
+    if (!s->tr_step) return false;
+    fprintf(s->tr_step, "%s[\"%s\"", s->tr_n++ ? "," : "", kind);
+    return true;
+}
+
+static void tr_ticket_event(td_sched *s, const char *kind, td_sched_ticket t) {
+    if (tr_event(s, kind)) fprintf(s->tr_step, ",%llu]", (unsigned long long)t);
+}
+
+static void tr_header(td_sched *s) {
+    const td_kv_params *kp = td_kv_pool_params(s->kv);
+    const td_sched_params *p = &s->p;
+    char compat[33];
+    td_kv_hash_hex(p->compat, compat);
+    s->tr_t0 = td_time_s();
+    fprintf(p->step_trace,
+            "{\"tandem_step_trace\":1,\"max_running\":%d,\"max_batch_tokens\":%d,"
+            "\"max_waiting\":%d,\"reserve_output_tokens\":%d,\"max_ctx\":%d,"
+            "\"prefix_cache\":%s,\"compat\":\"%s\",\"n_blocks\":%d,\"block_size\":%d,"
+            "\"t0\":%.6f}\n",
+            p->max_running, p->max_batch_tokens, p->max_waiting, p->reserve_output_tokens,
+            p->max_ctx, p->prefix_cache ? "true" : "false", compat, kp->n_blocks, kp->block_size,
+            s->tr_t0);
+    fflush(p->step_trace);
+}
+
+static void tr_step_begin(td_sched *s) {
+    if (!s->p.step_trace) return;
+    s->tr_step = open_memstream(&s->tr_buf, &s->tr_len);
+    s->tr_n = 0;
+    if (s->tr_step) fprintf(s->tr_step, "{\"step\":%llu,\"ev\":[", (unsigned long long)s->steps);
+}
+
+static void tr_step_end(td_sched *s) {
+    if (!s->tr_step) return;
+    fputs("]}\n", s->tr_step);
+    fclose(s->tr_step);
+    s->tr_step = NULL;
+    if (s->tr_n) {
+        fwrite(s->tr_buf, 1, s->tr_len, s->p.step_trace);
+        fflush(s->p.step_trace);
+    }
+    free(s->tr_buf);
+    s->tr_buf = NULL;
 }
 
 /* ---- submit ---- */
@@ -217,27 +245,20 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
     seq *q = calloc(1, sizeof *q);
     td_gen_stream *gs = NULL;
     if (!q) goto fail;
-    int64_t out_cap = TD_MIN((int64_t)r->max_tokens, (int64_t)s->p.max_ctx - r->n_prompt);
-    q->max_tokens = (int32_t)out_cap;
-    q->min_tokens = TD_MIN(r->min_tokens, q->max_tokens);
-    q->tok_cap = r->n_prompt + q->max_tokens;
-    q->tokens = malloc((size_t)q->tok_cap * sizeof *q->tokens);
-    q->blk_cap = blocks_for(s, q->tok_cap);
-    q->blocks = malloc((size_t)q->blk_cap * sizeof *q->blocks);
-    q->hashes = malloc((size_t)q->blk_cap * sizeof *q->hashes);
-    if (!q->tokens || !q->blocks || !q->hashes) goto fail;
-    memcpy(q->tokens, r->prompt, (size_t)r->n_prompt * sizeof *q->tokens);
+    if (td_sched_seq_init(&q->c, &s->core, r->prompt, r->n_prompt, r->max_tokens) != TD_OK)
+        goto fail;
+    q->min_tokens = TD_MIN(r->min_tokens, q->c.max_tokens);
+    q->c.pinned = r->kv_export.ended != NULL;
     q->ex = r->kv_export;
     q->im = r->kv_import;
     if (q->ex.ended || q->im.start) {
         /* Allocated now so that parking the blocks later cannot fail. */
         q->park_rec = calloc(1, sizeof *q->park_rec);
         if (!q->park_rec) goto fail;
-        q->park_rec->blocks = malloc((size_t)q->blk_cap * sizeof(int32_t));
+        q->park_rec->blocks = malloc((size_t)q->c.blk_cap * sizeof(int32_t));
         if (!q->park_rec->blocks) goto fail;
     }
     q->ticket = atomic_fetch_add(&s->next_ticket, 1) + 1;
-    q->n_prompt = q->n_tokens = r->n_prompt;
     snprintf(q->id, sizeof q->id, "%s", r->id ? r->id : "-");
 
     if ((st = td_sampler_create(&r->sampling, s->n_vocab, &q->sampler)) != TD_OK) goto fail;
@@ -272,7 +293,7 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
     q->t_arrival = r->t_arrival > 0 ? r->t_arrival : now;
 
     td_gen_stream_owner owner = {.cancel = stream_cancelled, .released = stream_released, .ctx = s};
-    if ((st = td_gen_stream_create(q->max_tokens, q->logprobs, r->n_prompt, &owner, &gs))) {
+    if ((st = td_gen_stream_create(q->c.max_tokens, q->logprobs, r->n_prompt, &owner, &gs))) {
         q->im.release = NULL; /* the caller keeps its context (the cause is logged) */
         seq_free(q);
         return st;
@@ -298,7 +319,7 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
     atomic_fetch_add(&s->n_live_streams, 1);
     atomic_fetch_add(&s->n_active, 1);
     if (s->inbox_tail)
-        s->inbox_tail->next = q;
+        s->inbox_tail->c.next = &q->c;
     else
         s->inbox_head = q;
     s->inbox_tail = q;
@@ -320,21 +341,11 @@ fail:
 static void publish_stats(td_sched *s) {
     td_sched_stats x;
     memset(&x, 0, sizeof x);
-    x.running = s->n_running;
-    int32_t n_wait = 0;
-    int64_t queued = 0;
-    for (seq *q = s->waiting; q; q = q->next) {
-        n_wait++;
-        queued += q->n_tokens - q->n_computed;
-    }
-    for (int32_t i = 0; i < s->n_running; i++) {
-        seq *q = s->running[i];
-        if (q->remote_wait) {
-            x.remote_waiting++;
-            continue; /* its prefill runs elsewhere */
-        }
-        if (q->n_tokens - q->n_computed > 1) queued += q->n_tokens - q->n_computed;
-    }
+    const td_sched_core *c = &s->core;
+    x.running = c->n_running;
+    int32_t n_wait = td_sched_core_n_waiting(c);
+    int64_t queued = td_sched_core_queued_prefill_tokens(c);
+    for (int32_t i = 0; i < c->n_running; i++) x.remote_waiting += c->running[i]->remote_wait;
     for (const parked *pk = s->parked; pk; pk = pk->next) {
         x.n_parked++;
         if (pk->quarantine)
@@ -344,16 +355,17 @@ static void publish_stats(td_sched *s) {
     }
     pthread_mutex_lock(&s->mu);
     n_wait += s->n_inbox;
-    for (seq *q = s->inbox_head; q; q = q->next) queued += q->n_tokens;
+    for (const td_sched_seq *q = s->inbox_head ? &s->inbox_head->c : NULL; q; q = q->next)
+        queued += q->n_tokens;
     pthread_mutex_unlock(&s->mu);
     x.waiting = n_wait;
     x.queued_prefill_tokens = queued;
     td_kv_pool_counts(s->kv, &x.kv);
     x.steps = s->steps;
-    x.preemptions = s->preemptions;
+    x.preemptions = c->preemptions;
     x.draining = atomic_load(&s->draining);
     int32_t active = atomic_load(&s->n_active);
-    atomic_store(&s->n_running_pub, s->n_running);
+    atomic_store(&s->n_running_pub, c->n_running);
     pthread_mutex_lock(&s->stats_mu);
     s->stats = x;
     s->stats_active = active;
@@ -361,32 +373,28 @@ static void publish_stats(td_sched *s) {
     pthread_mutex_unlock(&s->stats_mu);
 }
 
-/* Forgets the pending prefix blocks q registered and did not publish. */
-static void pending_drop(td_sched *s, seq *q) {
-    for (int32_t b = q->n_published; b < q->n_pend_end; b++)
-        td_kv_hmap_del(&s->pending, q->hashes[b]);
-    q->n_pend_end = 0;
-}
-
 /* Moves q's blocks (and their references) to its parking record, kept
  * until td_sched_release names its ticket. */
 static void park_blocks(td_sched *s, seq *q, bool quarantine) {
     parked *pk = q->park_rec;
-    TD_ASSERT(pk && q->n_blocks <= q->blk_cap);
-    memcpy(pk->blocks, q->blocks, (size_t)q->n_blocks * sizeof(int32_t));
-    pk->n_blocks = q->n_blocks;
+    TD_ASSERT(pk && q->c.n_blocks <= q->c.blk_cap);
+    memcpy(pk->blocks, q->c.blocks, (size_t)q->c.n_blocks * sizeof(int32_t));
+    pk->n_blocks = q->c.n_blocks;
     pk->ticket = q->ticket;
     pk->quarantine = quarantine;
     pk->next = s->parked;
     s->parked = pk;
     q->park_rec = NULL;
-    q->n_blocks = 0;
+    q->c.n_blocks = 0;
 }
 
-/* Ends a sequence: publishes the end, records metrics, frees its blocks
- * and reservation, and lets go of the stream. s must not be on any list. */
+/* Ends a sequence: takes it off its list, publishes the end, records
+ * metrics, frees its blocks and reservation, and lets go of the stream. */
 static void seq_finish(td_sched *s, seq *q, td_finish_reason why, td_status err, int stop_index,
                        int32_t stop_token) {
+    bool was_waiting = !q->c.running;
+    td_sched_core_unlink(&s->core, &q->c);
+    tr_ticket_event(s, "end", q->ticket);
     td_gen_stream *st = q->st;
     const char *tail = NULL;
     size_t tail_len = 0;
@@ -403,26 +411,22 @@ static void seq_finish(td_sched *s, seq *q, td_finish_reason why, td_status err,
 
     if (s->metrics) {
         td_request_record rec = {.id = q->id,
-                                 .n_prompt_tokens = q->n_prompt,
-                                 .n_cached_tokens = q->n_cached_tokens,
+                                 .n_prompt_tokens = q->c.n_prompt,
+                                 .n_cached_tokens = q->c.n_cached_tokens,
                                  .n_output_tokens = n_out,
                                  .finish = finish,
                                  .t_arrival = q->t_arrival,
                                  .t_scheduled = q->t_scheduled,
                                  .t_first_token = q->t_first,
                                  .t_finished = td_time_s(),
-                                 .n_preemptions = q->n_preemptions,
+                                 .n_preemptions = q->c.n_preemptions,
                                  .prefill_compute_s = q->prefill_compute};
         td_metrics_request_finished(s->metrics, &rec);
     }
-    pending_drop(s, q);
-    bool was_remote = q->remote_wait;
-    if (q->n_blocks && (was_remote || q->ex.ended))
+    bool was_remote = q->c.remote_wait;
+    if (q->c.n_blocks && (was_remote || q->ex.ended))
         park_blocks(s, q, was_remote); /* puts may be in flight into or out of them */
-    if (q->n_blocks) td_kv_block_free(s->kv, q->blocks, q->n_blocks);
-    if (q->n_reserved) td_kv_unreserve(s->kv, q->n_reserved);
-    q->n_blocks = q->n_reserved = 0;
-    q->remote_wait = false;
+    td_sched_core_release(&s->core, &q->c);
     if (was_remote && q->im.cancelled) q->im.cancelled(q->im.ctx, q->ticket);
     if (q->ex.ended) {
         uint8_t state[TD_SAMPLER_STATE_BYTES];
@@ -430,44 +434,43 @@ static void seq_finish(td_sched *s, seq *q, td_finish_reason why, td_status err,
         q->ex.ended(q->ex.ctx, q->ticket, q->have_first ? &q->first : NULL,
                     q->have_first ? state : NULL);
     }
-    if (q->state == SEQ_WAITING) atomic_fetch_sub(&s->n_waiting_total, 1);
+    if (was_waiting) atomic_fetch_sub(&s->n_waiting_total, 1);
     atomic_fetch_sub(&s->n_active, 1);
     td_gen_stream_unref(st);
     q->st = NULL;
     seq_free(q);
 }
 
-static void running_remove(td_sched *s, int32_t i) {
-    memmove(&s->running[i], &s->running[i + 1], (size_t)(s->n_running - i - 1) * sizeof(seq *));
-    s->n_running--;
-}
-
 /* Takes the inbox; handles cancellations of waiting and running sequences. */
 static void take_inbox_and_cancels(td_sched *s) {
+    td_sched_core *c = &s->core;
     pthread_mutex_lock(&s->mu);
     seq *in = s->inbox_head;
     s->inbox_head = s->inbox_tail = NULL;
     s->n_inbox = 0;
     pthread_mutex_unlock(&s->mu);
-    seq **tail = &s->waiting;
-    while (*tail) tail = &(*tail)->next;
-    *tail = in;
+    if (in) td_sched_core_enqueue(c, &in->c);
+    for (td_sched_seq *q = in ? &in->c : NULL; q && tr_event(s, "in"); q = q->next) {
+        fprintf(s->tr_step, ",%llu,%d,[", (unsigned long long)SEQ(q)->ticket, q->max_tokens);
+        for (int32_t i = 0; i < q->n_prompt; i++)
+            fprintf(s->tr_step, i ? ",%d" : "%d", q->tokens[i]);
+        fprintf(s->tr_step, "],%.6f]", SEQ(q)->t_arrival - s->tr_t0);
+    }
 
     bool all = atomic_load(&s->abort_all);
-    for (seq **pp = &s->waiting; *pp;) {
-        seq *q = *pp;
+    for (td_sched_seq **pp = &c->waiting; *pp;) {
+        seq *q = SEQ(*pp);
         if (all || td_gen_stream_cancelled(q->st)) {
-            *pp = q->next;
-            q->next = NULL;
+            *pp = q->c.next;
+            q->c.next = NULL;
             seq_finish(s, q, TD_FINISH_ABORT, TD_ERR_CANCELLED, -1, -1);
         } else {
-            pp = &q->next;
+            pp = &q->c.next;
         }
     }
-    for (int32_t i = 0; i < s->n_running;) {
-        seq *q = s->running[i];
+    for (int32_t i = 0; i < c->n_running;) {
+        seq *q = SEQ(c->running[i]);
         if (all || td_gen_stream_cancelled(q->st)) {
-            running_remove(s, i);
             seq_finish(s, q, TD_FINISH_ABORT, TD_ERR_CANCELLED, -1, -1);
         } else {
             i++;
@@ -476,210 +479,44 @@ static void take_inbox_and_cancels(td_sched *s) {
     if (all) atomic_store(&s->abort_all, false);
 }
 
-/* Blocks the sequence keeps beyond its tokens: the output it may still
- * produce, capped by reserve_output_tokens, not past max_tokens. */
-static int32_t reserve_target(const td_sched *s, const seq *q) {
-    int32_t produced = q->n_tokens - q->n_prompt;
-    int64_t left = (int64_t)q->max_tokens - produced;
-    int64_t want = TD_MIN(left, (int64_t)s->p.reserve_output_tokens);
-    int64_t final_tokens = (int64_t)q->n_tokens + want;
-    int32_t have_for_tokens = blocks_for(s, q->n_tokens);
-    return TD_MAX(0, blocks_for(s, final_tokens) - have_for_tokens);
-}
-
-/* Extends q's chain of block hashes to its first n full blocks (a token
- * never changes, so each block is hashed once). */
-static void hash_blocks(const td_sched *s, seq *q, int32_t n) {
-    int32_t bs = s->block_size;
-    for (; q->n_hash_valid < n; q->n_hash_valid++) {
-        int32_t b = q->n_hash_valid;
-        td_kv_hash parent = b == 0 ? s->p.compat : q->hashes[b - 1];
-        q->hashes[b] = td_kv_hash_block(parent, q->tokens + (size_t)b * (size_t)bs, bs, NULL, 0);
-    }
-}
-
-/* Tries to admit the head of the waiting queue. */
-static bool admit_one(td_sched *s, seq *q) {
-    int32_t bs = s->block_size;
-    int32_t matched = 0;
-    if (s->p.prefix_cache) {
-        /* Hash the full blocks of what must be computed, keeping at least the
-         * last token to run (its logits give the next token). */
-        int32_t n_full = (q->n_tokens - 1) / bs;
-        hash_blocks(s, q, n_full);
-        matched = td_kv_cache_acquire(s->kv, q->hashes, n_full, q->blocks);
-        if (matched < n_full && s->n_running > 0 &&
-            td_kv_hmap_get(&s->pending, q->hashes[matched]) >= 0) {
-            /* Another sequence is computing this very block: wait one or
-             * two steps for it rather than compute the prefix twice. */
-            td_kv_block_free(s->kv, q->blocks, matched);
-            return false;
-        }
-    }
-    int32_t need_now = blocks_for(s, q->n_tokens) - matched;
-    int32_t reserve = reserve_target(s, q);
-    int32_t n_free = td_kv_pool_n_free(s->kv);
-    if (need_now + reserve > n_free) {
-        if (s->n_running == 0 && need_now <= n_free) {
-            reserve = n_free - need_now; /* alone: take what there is */
-        } else {
-            td_kv_block_free(s->kv, q->blocks, matched);
-            return false;
-        }
-    }
-    td_status st = td_kv_block_alloc(s->kv, need_now, q->blocks + matched);
-    TD_ASSERT(st == TD_OK);
-    st = td_kv_reserve(s->kv, reserve);
-    TD_ASSERT(st == TD_OK);
+/* The core admitted q: its stream learns the prompt's cached share, and a
+ * decode instance may hand its prefill to a peer. */
+static bool core_admitted(void *ctx, td_sched_seq *cq) {
+    td_sched *s = ctx;
+    seq *q = SEQ(cq);
+    atomic_fetch_sub(&s->n_waiting_total, 1);
     if (s->p.prefix_cache && s->metrics)
-        td_metrics_prefix_cache(s->metrics, q->n_tokens, (int64_t)matched * bs);
-    q->n_blocks = matched + need_now;
-    q->n_reserved = reserve;
-    q->n_published = matched;
-    q->n_pend_end = matched;
-    if (s->p.prefix_cache) {
-        int32_t n_full = (q->n_tokens - 1) / bs;
-        td_status pst = TD_OK;
-        while (q->n_pend_end < n_full && pst == TD_OK) {
-            if (!td_kv_hmap_put(&s->pending, q->hashes[q->n_pend_end], 1, &pst)) break;
-            q->n_pend_end++;
-        }
-    }
-    q->n_computed = matched * bs;
-    if (q->n_preemptions == 0) q->n_cached_tokens = matched * bs;
-    q->state = SEQ_RUNNING;
-    q->admit_order = ++s->admit_counter;
+        td_metrics_prefix_cache(s->metrics, cq->n_tokens, cq->n_computed);
     if (q->t_scheduled == 0) q->t_scheduled = td_time_s();
-    if (q->n_preemptions == 0) {
-        td_gen_stream_set_prompt(q->st, q->n_prompt, q->n_cached_tokens);
-    }
-    return true;
+    if (cq->n_preemptions == 0) td_gen_stream_set_prompt(q->st, cq->n_prompt, cq->n_cached_tokens);
+    bool remote = q->im.start && !cq->local_only && cq->n_computed < cq->n_tokens - 1 &&
+                  q->im.start(q->im.ctx, q->ticket, cq->blocks, cq->n_blocks, cq->n_computed);
+    if (tr_event(s, "adm")) fprintf(s->tr_step, ",%llu,%d]", (unsigned long long)q->ticket, remote);
+    return remote;
 }
 
-static void admit(td_sched *s) {
-    while (s->waiting && s->n_running < s->p.max_running) {
-        seq *q = s->waiting;
-        if (!admit_one(s, q)) break;
-        s->waiting = q->next;
-        q->next = NULL;
-        atomic_fetch_sub(&s->n_waiting_total, 1);
-        s->running[s->n_running++] = q;
-        if (q->im.start && !q->local_only && q->n_computed < q->n_tokens - 1 &&
-            q->im.start(q->im.ctx, q->ticket, q->blocks, q->n_blocks, q->n_computed))
-            q->remote_wait = true;
-    }
-}
-
-/* Puts a running sequence back at the head of the queue, freeing its KV;
- * it recomputes prompt + output so far when admitted again. */
-static void preempt(td_sched *s, int32_t i) {
-    seq *q = s->running[i];
-    running_remove(s, i);
-    pending_drop(s, q);
-    td_kv_block_free(s->kv, q->blocks, q->n_blocks);
-    if (q->n_reserved) td_kv_unreserve(s->kv, q->n_reserved);
-    q->n_blocks = q->n_reserved = 0;
-    q->n_computed = 0;
-    q->n_published = 0;
-    q->chunk = 0;
-    q->state = SEQ_WAITING;
-    q->n_preemptions++;
-    q->next = s->waiting;
-    s->waiting = q;
+static void core_preempted(void *ctx, td_sched_seq *cq) {
+    td_sched *s = ctx;
     atomic_fetch_add(&s->n_waiting_total, 1);
-    s->preemptions++;
     if (s->metrics) td_metrics_preemption(s->metrics);
-    TD_LOG_INFO("preempted %s (KV exhausted; it will recompute %d tokens)", q->id, q->n_tokens);
+    tr_ticket_event(s, "pre", SEQ(cq)->ticket);
+    TD_LOG_INFO("preempted %s (KV exhausted; it will recompute %d tokens)", SEQ(cq)->id,
+                cq->n_tokens);
 }
 
-/* Gives q the blocks to hold `upto` tokens; preempts the latest admitted
- * other sequences when the pool is dry. False if q itself had to go. */
-static bool grow_blocks(td_sched *s, seq *q, int32_t upto) {
-    int32_t need = blocks_for(s, upto) - q->n_blocks;
-    while (need > 0) {
-        if (q->n_reserved > 0) {
-            int32_t k = TD_MIN(need, q->n_reserved);
-            td_kv_block_alloc_reserved(s->kv, k, q->blocks + q->n_blocks);
-            q->n_reserved -= k;
-            q->n_blocks += k;
-            need -= k;
-            continue;
-        }
-        if (td_kv_block_alloc(s->kv, need, q->blocks + q->n_blocks) == TD_OK) {
-            q->n_blocks += need;
-            return true;
-        }
-        /* Last resort: recompute the most recently admitted sequence (the
-         * running list is in admission order, so it is the last one). */
-        int32_t victim = s->n_running - 1;
-        /* Never one whose blocks a peer writes or reads (remote prefill,
-         * export): q itself always qualifies (it is computing). */
-        while (victim >= 0 && (s->running[victim]->remote_wait || s->running[victim]->ex.ended))
-            victim--;
-        TD_ASSERT(victim >= 0);
-        bool self = s->running[victim] == q;
-        preempt(s, victim);
-        if (self) return false;
-    }
-    return true;
-}
-
-/* Publishes the hashes of q's newly full, computed blocks. */
-static void publish_blocks(td_sched *s, seq *q) {
-    if (!s->p.prefix_cache) return;
-    int32_t full = q->n_computed / s->block_size;
-    hash_blocks(s, q, full);
-    while (q->n_published < full) {
-        int32_t b = q->n_published;
-        td_kv_cache_insert(s->kv, q->blocks[b], q->hashes[b]);
-        if (b < q->n_pend_end) td_kv_hmap_del(&s->pending, q->hashes[b]);
-        q->n_published++;
-    }
-}
-
-/* Builds the step's batch: decodes first, then prefill chunks in admission
- * order within the token budget. Returns the number of sequences. */
+/* The core's batch as the engine's chunks. Returns the number of sequences. */
 static int32_t build_batch(td_sched *s) {
-    int32_t budget = s->p.max_batch_tokens, n = 0;
-    for (int pass = 0; pass < 2; pass++) {
-        for (int32_t i = 0; i < s->n_running && budget > 0;) {
-            seq *q = s->running[i];
-            int32_t left = q->n_tokens - q->n_computed;
-            bool decode = left == 1;
-            if ((pass == 0) != decode || q->chunk > 0 || q->remote_wait) {
-                i++;
-                continue;
-            }
-            int32_t take = TD_MIN(left, budget);
-            if (!grow_blocks(s, q, q->n_computed + take)) {
-                /* q was preempted; the list shifted. Restart the pass so
-                 * sequences already chosen keep their blocks. */
-                n = 0;
-                budget = s->p.max_batch_tokens;
-                for (int32_t k = 0; k < s->n_running; k++) s->running[k]->chunk = 0;
-                pass = -1;
-                break;
-            }
-            /* grow_blocks may have preempted later sequences, never an
-             * earlier one, so index i still names q. */
-            q->chunk = take;
-            budget -= take;
-            i++;
-        }
-    }
-    /* Collect in running order (preemptions may have removed chosen ones). */
-    for (int32_t i = 0; i < s->n_running; i++) {
-        seq *q = s->running[i];
-        if (q->chunk <= 0) continue;
-        td_seq_chunk *c = &s->chunks[n];
-        c->tokens = q->tokens + q->n_computed;
-        c->n_tokens = q->chunk;
-        c->pos0 = q->n_computed;
-        c->block_table = q->blocks;
-        c->n_blocks = q->n_blocks;
-        c->logits_all = false;
-        c->no_logits = q->n_computed + q->chunk < q->n_tokens;
-        s->batch[n++] = q;
+    int32_t n = td_sched_core_build_batch(&s->core);
+    for (int32_t i = 0; i < n; i++) {
+        td_sched_seq *q = s->core.batch[i];
+        td_seq_chunk *ch = &s->chunks[i];
+        ch->tokens = q->tokens + q->n_computed;
+        ch->n_tokens = q->chunk;
+        ch->pos0 = q->n_computed;
+        ch->block_table = q->blocks;
+        ch->n_blocks = q->n_blocks;
+        ch->logits_all = false;
+        ch->no_logits = !td_sched_core_has_logits(q);
     }
     return n;
 }
@@ -689,7 +526,7 @@ static bool take_token(td_sched *s, seq *q, const td_sample_result *rp, double n
 /* Samples q's next token from its logits row and applies the stop rules.
  * Returns true when q ended (and was freed). */
 static bool sample_one(td_sched *s, seq *q, float *logits, double now) {
-    int32_t n_out = q->n_tokens - q->n_prompt;
+    int32_t n_out = q->c.n_tokens - q->c.n_prompt;
     if (n_out < q->min_tokens)
         for (int32_t i = 0; i < q->n_ban; i++) logits[q->ban[i]] = -INFINITY;
     td_sample_result r;
@@ -705,13 +542,15 @@ static bool sample_one(td_sched *s, seq *q, float *logits, double now) {
  * and applies the stop rules. Returns true when q ended (and was freed). */
 static bool take_token(td_sched *s, seq *q, const td_sample_result *rp, double now) {
     td_sample_result r = *rp;
-    int32_t n_out = q->n_tokens - q->n_prompt;
+    int32_t n_out = q->c.n_tokens - q->c.n_prompt;
     if (q->ex.ended && !q->have_first) {
         q->first = r;
         q->have_first = true;
     }
     td_sampler_accept(q->sampler, r.token);
-    q->tokens[q->n_tokens++] = r.token;
+    td_sched_core_append(&s->core, &q->c, r.token);
+    if (tr_event(s, "tok"))
+        fprintf(s->tr_step, ",%llu,%d]", (unsigned long long)q->ticket, r.token);
     n_out++;
     if (q->t_first == 0) {
         q->t_first = now;
@@ -745,7 +584,7 @@ static bool take_token(td_sched *s, seq *q, const td_sample_result *rp, double n
         seq_finish(s, q, TD_FINISH_STOP, TD_OK, -1, r.token);
     } else if (stop_str) {
         seq_finish(s, q, TD_FINISH_STOP, TD_OK, td_stop_matched(q->stop), -1);
-    } else if (n_out >= q->max_tokens || q->n_tokens >= s->p.max_ctx) {
+    } else if (n_out >= q->c.max_tokens || q->c.n_tokens >= s->p.max_ctx) {
         seq_finish(s, q, TD_FINISH_LENGTH, TD_OK, -1, -1);
     } else {
         return false;
@@ -755,16 +594,18 @@ static bool take_token(td_sched *s, seq *q, const td_sample_result *rp, double n
 
 /* ---- remote prefill events ---- */
 
-static int32_t running_find(const td_sched *s, td_sched_ticket t) {
-    for (int32_t i = 0; i < s->n_running; i++)
-        if (s->running[i]->ticket == t) return i;
-    return -1;
+/* The running sequence of ticket t that waits for a remote prefill, or NULL. */
+static seq *remote_waiter(const td_sched *s, td_sched_ticket t) {
+    for (int32_t i = 0; i < s->core.n_running; i++) {
+        seq *q = SEQ(s->core.running[i]);
+        if (q->ticket == t) return q->c.remote_wait ? q : NULL;
+    }
+    return NULL;
 }
 
 static void remote_done(td_sched *s, rev *e) {
-    int32_t i = running_find(s, e->ticket);
-    if (i < 0 || !s->running[i]->remote_wait) return; /* cancelled or failed meanwhile */
-    seq *q = s->running[i];
+    seq *q = remote_waiter(s, e->ticket);
+    if (!q) return; /* cancelled or failed meanwhile */
     if (e->first.token < 0 || e->first.token >= s->n_vocab) {
         TD_LOG_ERROR("request %s: remote first token %d outside the vocabulary", q->id,
                      e->first.token);
@@ -773,50 +614,37 @@ static void remote_done(td_sched *s, rev *e) {
         e->local = true;
         return;
     }
-    q->remote_wait = false;
-    q->n_computed = q->n_tokens;
-    if (q->n_preemptions == 0 && e->remote_cached > 0) {
+    if (q->c.n_preemptions == 0 && e->remote_cached > 0) {
         /* the usage's cached tokens: none of these were computed, here or there */
-        q->n_cached_tokens = TD_MIN(q->n_prompt, q->n_cached_tokens + e->remote_cached);
-        td_gen_stream_set_prompt(q->st, q->n_prompt, q->n_cached_tokens);
+        q->c.n_cached_tokens = TD_MIN(q->c.n_prompt, q->c.n_cached_tokens + e->remote_cached);
+        td_gen_stream_set_prompt(q->st, q->c.n_prompt, q->c.n_cached_tokens);
     }
-    publish_blocks(s, q);
+    if (tr_event(s, "rdone"))
+        fprintf(s->tr_step, ",%llu,%.6f]", (unsigned long long)q->ticket, td_time_s() - s->tr_t0);
+    td_sched_core_remote_computed(&s->core, &q->c);
     if (e->has_state && td_sampler_state_set(q->sampler, e->state, sizeof e->state) != TD_OK)
         TD_LOG_INFO("request %s: remote sampler state ignored", q->id);
     if (td_gen_stream_cancelled(q->st)) return; /* the cancel pass ends it */
-    if (take_token(s, q, &e->first, td_time_s())) running_remove(s, i);
+    take_token(s, q, &e->first, td_time_s());
 }
 
 static void remote_failed(td_sched *s, const rev *e) {
-    int32_t i = running_find(s, e->ticket);
-    if (i < 0 || !s->running[i]->remote_wait) return;
-    seq *q = s->running[i];
-    pending_drop(s, q);
-    q->remote_wait = false;
-    q->local_only = true;
-    if (e->quarantine && q->n_blocks) {
+    seq *q = remote_waiter(s, e->ticket);
+    if (!q) return;
+    if (tr_event(s, "rfail"))
+        fprintf(s->tr_step, ",%llu,%d,%d]", (unsigned long long)q->ticket,
+                e->quarantine && q->c.n_blocks > 0, e->local);
+    td_sched_core_remote_failed(&s->core, &q->c);
+    if (e->quarantine && q->c.n_blocks) {
         /* The blocks stay held until the peer is fenced; a local prefill
          * starts over in fresh ones, from the head of the queue. */
         park_blocks(s, q, true);
-        if (q->n_reserved) td_kv_unreserve(s->kv, q->n_reserved);
-        q->n_reserved = 0;
-        q->n_computed = 0;
-        q->n_published = 0;
-        running_remove(s, i);
-        if (!e->local) {
-            seq_finish(s, q, TD_FINISH_ERROR, e->err, -1, -1);
-            return;
-        }
-        q->state = SEQ_WAITING;
-        q->next = s->waiting;
-        s->waiting = q;
+        td_sched_core_restart(&s->core, &q->c);
         atomic_fetch_add(&s->n_waiting_total, 1);
+        if (!e->local) seq_finish(s, q, TD_FINISH_ERROR, e->err, -1, -1);
         return;
     }
-    if (!e->local) {
-        running_remove(s, i);
-        seq_finish(s, q, TD_FINISH_ERROR, e->err, -1, -1);
-    }
+    if (!e->local) seq_finish(s, q, TD_FINISH_ERROR, e->err, -1, -1);
     /* else: the blocks are safe; the next batch prefills it here. */
 }
 
@@ -895,10 +723,10 @@ void td_sched_remote_failed(td_sched *s, td_sched_ticket t, bool quarantine, boo
 void td_sched_release(td_sched *s, td_sched_ticket t) { post_event(s, event_new(EV_RELEASE, t)); }
 
 /* One scheduling step. Returns false when there was nothing to run. */
-static bool step(td_sched *s) {
+static bool step_run(td_sched *s) {
     take_inbox_and_cancels(s);
     take_events(s);
-    admit(s);
+    td_sched_core_admit(&s->core);
     int32_t n = build_batch(s);
     if (n == 0) return false;
     int32_t n_tok = 0;
@@ -906,12 +734,21 @@ static bool step(td_sched *s) {
     double t0 = td_time_s();
     bool any_slot = false;
     for (int32_t i = 0; i < n; i++) {
-        s->slots[i] = s->batch[i]->ex.ended ? s->batch[i]->ex.slot : -1;
+        const seq *q = SEQ(s->core.batch[i]);
+        s->slots[i] = q->ex.ended ? q->ex.slot : -1;
         any_slot |= s->slots[i] >= 0;
     }
     td_status st =
         td_exec_forward_tagged(s->exec, s->chunks, n, any_slot ? s->slots : NULL, s->logits);
     double dt = td_time_s() - t0;
+    if (tr_event(s, "b")) {
+        fprintf(s->tr_step, ",%.6f,%.6f,[", t0 - s->tr_t0, dt);
+        for (int32_t i = 0; i < n; i++)
+            fprintf(s->tr_step, "%s[%llu,%d,%d]", i ? "," : "",
+                    (unsigned long long)SEQ(s->core.batch[i])->ticket, s->chunks[i].pos0,
+                    s->chunks[i].n_tokens);
+        fputs("]]", s->tr_step);
+    }
     s->steps++;
     if (s->metrics) {
         td_metrics_iteration(s->metrics, n_tok);
@@ -931,31 +768,31 @@ static bool step(td_sched *s) {
     double now = td_time_s();
     int32_t row = 0;
     for (int32_t i = 0; i < n; i++) {
-        seq *q = s->batch[i];
-        int32_t chunk = q->chunk;
-        q->chunk = 0;
+        seq *q = SEQ(s->core.batch[i]);
         bool has_logits = !s->chunks[i].no_logits;
         float *lg = has_logits ? s->logits + (size_t)row++ * (size_t)s->n_vocab : NULL;
-        int32_t idx = -1;
-        for (int32_t k = 0; k < s->n_running; k++)
-            if (s->running[k] == q) idx = k;
-        TD_ASSERT(idx >= 0);
         if (st != TD_OK) {
             TD_LOG_ERROR("forward pass failed (%s): ending request %s", td_status_str(st), q->id);
-            running_remove(s, idx);
+            q->c.chunk = 0;
             seq_finish(s, q, TD_FINISH_ERROR, st, -1, -1);
             continue;
         }
-        q->n_computed += chunk;
+        td_sched_core_computed(&s->core, &q->c);
         if (q->t_first == 0) q->prefill_compute += dt;
-        publish_blocks(s, q);
         if (!has_logits) continue;
         /* A cancel that arrived during the forward pass wins over the token. */
         if (td_gen_stream_cancelled(q->st)) continue;
         /* A finished sequence has been freed: drop it from running. */
-        if (sample_one(s, q, lg, now)) running_remove(s, idx);
+        sample_one(s, q, lg, now); /* a sequence that ended is freed */
     }
     return true;
+}
+
+static bool step(td_sched *s) {
+    tr_step_begin(s);
+    bool worked = step_run(s);
+    tr_step_end(s);
+    return worked;
 }
 
 static void *sched_main(void *arg) {
@@ -988,8 +825,10 @@ static void *sched_main(void *arg) {
     }
     /* Shutting down: end everything still queued or running. */
     atomic_store(&s->abort_all, true);
+    tr_step_begin(s);
     take_inbox_and_cancels(s);
     take_events(s);
+    tr_step_end(s);
     publish_stats(s);
     return NULL;
 }
@@ -1021,14 +860,16 @@ td_status td_sched_create(const td_sched_params *p, td_exec *exec, td_kv_pool *k
     s->tok = tok;
     s->metrics = metrics;
     s->n_vocab = td_tokenizer_n_vocab(tok);
-    s->block_size = kp->block_size;
-    s->running = calloc((size_t)p->max_running, sizeof *s->running);
-    s->batch = calloc((size_t)p->max_running, sizeof *s->batch);
+    td_sched_core_hooks hooks = {.ctx = s, .admitted = core_admitted, .preempted = core_preempted};
+    if (td_sched_core_init(&s->core, p, kv, &hooks) != TD_OK) {
+        TD_LOG_ERROR("out of memory");
+        free(s);
+        return TD_ERR_NOMEM;
+    }
     s->chunks = calloc((size_t)p->max_running, sizeof *s->chunks);
     s->slots = calloc((size_t)p->max_running, sizeof *s->slots);
     s->logits = malloc((size_t)p->max_running * (size_t)s->n_vocab * sizeof(float));
-    if (!s->running || !s->batch || !s->chunks || !s->slots || !s->logits ||
-        td_kv_hmap_init(&s->pending, 1024) != TD_OK) {
+    if (!s->chunks || !s->slots || !s->logits) {
         TD_LOG_ERROR("out of memory");
         goto free_s;
     }
@@ -1036,6 +877,7 @@ td_status td_sched_create(const td_sched_params *p, td_exec *exec, td_kv_pool *k
     pthread_cond_init(&s->cv, NULL);
     pthread_mutex_init(&s->stats_mu, NULL);
     pthread_cond_init(&s->stats_cv, NULL);
+    if (p->step_trace) tr_header(s);
     publish_stats(s);
     int rc = pthread_create(&s->thread, NULL, sched_main, s);
     if (rc != 0) {
@@ -1050,12 +892,10 @@ td_status td_sched_create(const td_sched_params *p, td_exec *exec, td_kv_pool *k
     return TD_OK;
 
 free_s:
-    td_kv_hmap_free(&s->pending);
+    td_sched_core_free(&s->core);
     free(s->logits);
     free(s->chunks);
     free(s->slots);
-    free(s->batch);
-    free(s->running);
     free(s);
     return TD_ERR_NOMEM;
 }
@@ -1083,12 +923,10 @@ void td_sched_destroy(td_sched *s) {
     pthread_mutex_destroy(&s->stats_mu);
     pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);
-    td_kv_hmap_free(&s->pending);
+    td_sched_core_free(&s->core);
     free(s->logits);
     free(s->chunks);
     free(s->slots);
-    free(s->batch);
-    free(s->running);
     free(s);
 }
 

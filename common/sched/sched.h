@@ -35,6 +35,7 @@
 
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "common/engine/forward.h"
 #include "common/kv/kv.h"
@@ -54,6 +55,20 @@ typedef struct {
     int32_t max_ctx;           /* longest sequence (prompt + output) (required) */
     bool prefix_cache;         /* reuse cached full blocks (default true) */
     td_kv_hash compat;         /* root of the block hash chain (compatibility hash) */
+    /* Where the scheduler writes its step trace, JSON Lines: a header
+     * {"tandem_step_trace": 1, these parameters, "n_blocks", "block_size",
+     * "t0": td_time_s() at the start}, then for every step that did
+     * anything {"step": N, "ev": [...]}, its events in the order they
+     * happened (times in seconds since t0):
+     *   ["in", ticket, max_tokens, [prompt ids], t_arrival]  taken from the inbox
+     *   ["end", ticket]                   ended (stop, length, cancel, error)
+     *   ["rdone", ticket, t] / ["rfail", ticket, quarantined, local]  remote prefill
+     *   ["adm", ticket, remote]           admitted (remote: 1 when a peer prefills it)
+     *   ["pre", ticket]                   preempted
+     *   ["b", t, dt, [[ticket, pos0, n_tokens], ...]]  the batch, its start and forward time
+     *   ["tok", ticket, token]            a token taken
+     * Borrowed (the caller opens and closes it); NULL: none. */
+    FILE *step_trace;
 } td_sched_params;
 
 td_sched_params td_sched_default_params(void);

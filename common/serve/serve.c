@@ -63,6 +63,7 @@ enum {
     S_MAX_WAITING,
     S_RESERVE_OUTPUT,
     S_NO_PREFIX_CACHE,
+    S_STEP_TRACE,
     S_DRAIN_TIMEOUT,
     S_PING_INTERVAL,
     S_ISA,
@@ -99,6 +100,9 @@ static td_opt k_serve_opts[S_N] = {
     [S_RESERVE_OUTPUT] = {"reserve-output-tokens", 0, "N",
                           "output tokens reserved at admission (default 256)"},
     [S_NO_PREFIX_CACHE] = {"no-prefix-cache", 0, NULL, "do not reuse cached KV blocks"},
+    [S_STEP_TRACE] = {"step-trace", 0, "PATH",
+                      "write the scheduler's step trace (JSON Lines) to PATH:\n"
+                      "what each step admitted, batched and produced, and its time"},
     [S_DRAIN_TIMEOUT] = {"drain-timeout", 0, "S",
                          "seconds running requests get after SIGTERM (default 30)"},
     [S_PING_INTERVAL] = {"ping-interval", 0, "S", "SSE ': ping' comment interval (default 5)"},
@@ -178,6 +182,7 @@ typedef struct {
         reserve_output;
     size_t kv_memory;
     bool no_prefix_cache;
+    const char *step_trace;
     double drain_timeout, ping_interval;
     td_cli_plan plan;
     /* prefill / decode */
@@ -235,6 +240,7 @@ static bool set_serve_opt(void *ctx, int i, const char *val, bool *printed) {
     case S_MAX_WAITING: return td_cli_parse_long(val, 0, 1 << 20, &a->max_waiting);
     case S_RESERVE_OUTPUT: return td_cli_parse_long(val, 0, 1 << 24, &a->reserve_output);
     case S_NO_PREFIX_CACHE: a->no_prefix_cache = true; return true;
+    case S_STEP_TRACE: a->step_trace = val; return *val != '\0';
     case S_DRAIN_TIMEOUT: return td_cli_parse_seconds(val, &a->drain_timeout);
     case S_PING_INTERVAL:
         return td_cli_parse_seconds(val, &a->ping_interval) && a->ping_interval >= 0.05;
@@ -381,6 +387,7 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
     int exit_code = 1;
     td_metrics *metrics = NULL;
     td_sched *sched = NULL;
+    FILE *step_trace = NULL;
     td_http_server *http = NULL;
     td_grpc_server *grpc = NULL;
     td_xfer *xfer = NULL;
@@ -411,6 +418,10 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
     sp.max_ctx = max_ctx;
     sp.prefix_cache = !a.no_prefix_cache;
     sp.compat = compat_hash(rt, model_path);
+    if (a.step_trace && !(sp.step_trace = step_trace = fopen(a.step_trace, "w"))) {
+        TD_LOG_ERROR("--step-trace %s: %s", a.step_trace, strerror(errno));
+        goto free_metrics;
+    }
     if (td_sched_create(&sp, rt->exec, rt->kv, rt->tok, metrics, &sched) != TD_OK)
         goto free_metrics;
     char inst[300];
@@ -543,6 +554,7 @@ free_sched:
     td_sched_destroy(sched);
     td_xfer_destroy(xfer);
 free_metrics:
+    if (step_trace) fclose(step_trace);
     td_metrics_destroy(metrics);
 close_rt:
     td_runtime_close(rt);

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from conftest import run_tandem
+from conftest import run_tandem, scaled
 from serve_util import serve  # noqa: F401  (serve is a fixture)
 
 MODEL = "gguf/llama2-f32.gguf"  # vocab 512, context 256
@@ -71,8 +71,10 @@ def test_replay_timing_and_lengths(serve, test_models, tmp_path, fmt, speed, sca
     assert rep["num_prompts"] == len(want) and rep["failed"] == 0, rep["errors"]
     reqs = sorted(rep["requests"], key=lambda q: q["index"])
     for q, (t, n_in, n_out, _) in zip(reqs, want):
-        # sent at the recorded offset, sped up; never early
-        assert t / speed - 0.005 <= q["start_s"] <= t / speed + 0.5, (q["index"], q["start_s"], t)
+        # sent at the recorded offset, sped up; never early, and late only by
+        # what a loaded 2-core machine costs the sender's thread
+        assert t / speed - 0.005 <= q["start_s"] <= t / speed + scaled(2.0), \
+            (q["index"], q["start_s"], t)
         # the recorded output length, scaled (ignore_eos: exact)
         assert q["output_tokens"] == max(1, round(n_out * scale)), q
         assert q["output_len"] == max(1, round(n_out * scale))

@@ -1,4 +1,4 @@
-/* The router's scoring (router/score.h): the headroom filter, the prefill
+/* The router's scoring (common/route/score.h): the headroom filter, the prefill
  * and decode costs with the overlap credit, the measured transfer cost,
  * conditional disaggregation and its reasons, compatibility groups, and
  * the comparison policies. Expected choices are worked out by hand from
@@ -10,7 +10,7 @@
 
 #include <cmocka.h>
 
-#include "router/score.h"
+#include "common/route/score.h"
 
 #define N 4 /* P0, P1, D2, D3 */
 

@@ -14,7 +14,7 @@
  * generated before timing (a random document's prefix of random length,
  * then random tokens up to T) and used in turn; each decision hashes its
  * prompt into blocks, matches them against every instance and scores
- * every (prefill, decode) pair (router/score.h; the first half of the
+ * every (prefill, decode) pair (common/route/score.h; the first half of the
  * instances prefill, the rest decode, with random load figures). Prints one
  * line for people and, with --json, {"instances", "blocks_per_instance",
  * "prompt_tokens", "decisions", "seconds", "decisions_per_s", "index_size",
@@ -27,8 +27,8 @@
 
 #include "common/base/base.h"
 #include "common/kv/hash.h"
+#include "common/route/score.h"
 #include "router/index.h"
-#include "router/score.h"
 
 #define BLOCK   16
 #define N_VOCAB 32000
