@@ -68,11 +68,11 @@ static bool get_int(json_t *o, const char *k, int64_t lo, int64_t hi, int64_t *v
 }
 
 static td_status open_header(replay *rp, json_t *h) {
-    int64_t max_running, mbt, mw, rot, max_ctx, n_blocks, bs;
+    int64_t version, max_running, mbt, mw, rot, max_ctx, n_blocks, bs;
     json_t *pc = json_object_get(h, "prefix_cache");
     const char *compat = json_string_value(json_object_get(h, "compat"));
     td_kv_hash ch;
-    if (!json_is_object(h) || !get_int(h, "tandem_step_trace", 1, 1, &bs) ||
+    if (!json_is_object(h) || !get_int(h, "tandem_step_trace", 1, 1, &version) ||
         !get_int(h, "max_running", 1, 1024, &max_running) ||
         !get_int(h, "max_batch_tokens", max_running, 1 << 20, &mbt) ||
         !get_int(h, "max_waiting", 0, 1 << 20, &mw) ||
@@ -229,10 +229,9 @@ static td_status replay_step(replay *rp, json_t *line) {
             seq_drop(rp, q);
         } else if (!strcmp(k, "rdone") || !strcmp(k, "rfail") ||
                    (!strcmp(k, "adm") && json_integer_value(json_array_get(e, 2)) != 0)) {
-            fail(rp, TD_ERR_UNSUPPORTED,
-                 "the trace has remote prefills (a decode instance's): "
-                 "the replay covers colocated instances");
-            return TD_ERR_UNSUPPORTED;
+            return fail(rp, TD_ERR_UNSUPPORTED,
+                        "the trace has remote prefills (a decode instance's): the replay covers "
+                        "colocated instances");
         } else if (!strcmp(k, "adm") || !strcmp(k, "pre") || !strcmp(k, "b")) {
             break;
         } else {
