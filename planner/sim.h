@@ -1,0 +1,111 @@
+/* A discrete-event simulation of a Tandem cluster on a virtual clock
+ * (DESIGN.md §11). Every instance runs the real scheduling core
+ * (common/sched/core.h: admission with KV reservation, chunked prefill
+ * under the step budget, preemption, the prefix cache over a real KV
+ * pool's bookkeeping) and requests are routed by the router's real scoring
+ * (common/route/score.h: the same weights and thresholds, conditional
+ * disaggregation); only the durations come from a profile: each step's
+ * from its batch (td_step_model), each KV transfer's exposed tail from the
+ * tokens moved. So a change to the scheduler or the router changes the
+ * simulation with it.
+ *
+ * What is modelled, in the order a request meets it:
+ *   arrival -> (router: td_rt_choose over the instances' exact figures;
+ *   no headroom: the router's FIFO queue, retried whenever an instance
+ *   frees something) -> the decode (or colocated) instance's queue ->
+ *   admission -> local prefill in its batches, or a remote one: the
+ *   request joins the prefill instance's queue as a one-token sequence,
+ *   whose blocks stay held until the transfer's tail has passed -> the
+ *   first token -> one token per decode step -> the end at its output
+ *   length (outputs have exact lengths, as with ignore_eos).
+ * Not modelled: the router's poll lag (it sees exact figures), failures
+ * and retries after them, stop strings, a router queue limit. */
+#ifndef TD_PLANNER_SIM_H
+#define TD_PLANNER_SIM_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/route/score.h"
+#include "common/sched/sched.h"
+
+/* A step's duration in seconds from its batch:
+ *   c0 + c_tok N + c_tok2 N^2 + c_attn A + c_seq B
+ * N: tokens in the batch (a decode counts 1), A: attention pairs
+ * (sum over entries of chunk x (pos0 + (chunk + 1) / 2), the keys each new
+ * token reads), B: sequences in the batch. DistServe's prefill form
+ * (a + b T + c T^2) and decode form (a + b sum(context) + c batch) are
+ * both cases of it. */
+typedef struct {
+    double c0, c_tok, c_tok2, c_attn, c_seq;
+} td_step_model;
+
+double td_step_model_eval(const td_step_model *m, int64_t n_tok, double attn, int32_t n_seq);
+
+typedef enum { TD_SIM_COLOCATED = 0, TD_SIM_PREFILL = 1, TD_SIM_DECODE = 2 } td_sim_role;
+
+typedef struct {
+    td_sim_role role;
+    td_sched_params sched; /* max_running, max_batch_tokens, max_waiting,
+                            * reserve_output_tokens, max_ctx, prefix_cache, compat */
+    int32_t n_blocks, block_size;
+    td_step_model step;
+    double step_overhead_s; /* the scheduler's own time per step, added to each */
+} td_sim_instance;
+
+#define TD_SIM_MAX_INSTANCES 64
+
+typedef struct {
+    td_sim_instance inst[TD_SIM_MAX_INSTANCES];
+    int32_t n_inst;
+    bool router; /* behind a router; false: one instance, clients send to it */
+    td_rt_score_params score;
+    double xfer_s_per_token;   /* exposed transfer tail per prompt token moved P -> D */
+    double xfer_fixed_s;       /* per transfer (PrefillDone, the control round trips) */
+    double request_overhead_s; /* client-side time outside the scheduler (HTTP,
+                                * tokenizing, the router's hop) added to TTFT and E2E */
+} td_sim_cluster;
+
+/* The prompt as segments of tokens: segment id >= 0 names a shared
+ * segment whose tokens are the same in every request that has it (a
+ * system prompt, a Mooncake block); -1 a segment unique to the request. */
+typedef struct {
+    int64_t id;
+    int32_t n_tokens;
+} td_sim_segment;
+
+typedef struct {
+    double t_arrival; /* seconds */
+    const td_sim_segment *seg;
+    int32_t n_seg;
+    int32_t n_output; /* >= 1 */
+} td_sim_request;
+
+typedef struct {
+    double ttft, e2e, tpot; /* seconds; tpot: (e2e - ttft) / (n_output - 1), 0 for one token */
+    double itl_max;
+    int32_t d, p;               /* instances (p -1: prefilled on d) */
+    int32_t n_prompt, n_cached; /* prompt tokens; served by d's prefix cache at admission */
+    int32_t n_preemptions;
+    bool failed; /* refused: can never fit, or the instance's queue was full */
+} td_sim_outcome;
+
+typedef struct {
+    double t_end; /* virtual time of the last event */
+    int64_t steps, preemptions, remote_prefills, events;
+    int64_t max_router_queue;
+    int32_t n_failed;
+    double busy_s[TD_SIM_MAX_INSTANCES]; /* time each instance spent stepping */
+    float *itl;                          /* every inter-token gap, seconds (n_itl); free() it */
+    int64_t n_itl;
+} td_sim_stats;
+
+/* Runs the requests (sorted by arrival) through the cluster; out[i] for
+ * reqs[i]. TD_ERR_INVALID (with a message in why) for a cluster or a
+ * request that cannot be simulated; TD_ERR_NOMEM. stats->itl is allocated
+ * when collect_itl. */
+td_status td_sim_run(const td_sim_cluster *c, const td_sim_request *reqs, int32_t n,
+                     bool collect_itl, td_sim_outcome *out, td_sim_stats *stats, char *why,
+                     size_t why_len);
+
+#endif

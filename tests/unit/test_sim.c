@@ -1,0 +1,163 @@
+/* The cluster simulator (planner/sim.h) against cases worked out by hand,
+ * with a step model of c0 = 10 ms plus 1 ms per batch token:
+ *   - one request: a 100-token prefill (110 ms), then 11 ms per token;
+ *   - chunked prefill: the same prompt in chunks of 32, 32, 32, 4;
+ *   - a full batch: max_running 2, three requests at once, the third
+ *     admitted when the first two end;
+ *   - KV exhaustion: two sequences outgrow a 3-block pool, the later one
+ *     is preempted once and both finish;
+ *   - a saturated prefill pool: one prefill instance taking 100 ms per
+ *     prompt behind the router, a prompt every 50 ms, so the k-th waits
+ *     for the k before it: TTFT_k = 0.1 (k + 1) + 10 ms transfer - 0.05 k. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "planner/sim.h"
+
+static td_sim_cluster one(int32_t max_running, int32_t mbt, int32_t n_blocks, int32_t max_ctx,
+                          int32_t reserve) {
+    td_sim_cluster c;
+    memset(&c, 0, sizeof c);
+    c.n_inst = 1;
+    td_sim_instance *x = &c.inst[0];
+    x->role = TD_SIM_COLOCATED;
+    x->sched = td_sched_default_params();
+    x->sched.max_running = max_running;
+    x->sched.max_batch_tokens = mbt;
+    x->sched.max_ctx = max_ctx;
+    x->sched.reserve_output_tokens = reserve;
+    x->n_blocks = n_blocks;
+    x->block_size = 16;
+    x->step = (td_step_model){.c0 = 0.010, .c_tok = 0.001};
+    c.score = td_rt_score_default_params();
+    return c;
+}
+
+static void run(const td_sim_cluster *c, const td_sim_request *r, int32_t n, td_sim_outcome *o,
+                td_sim_stats *st) {
+    char why[256] = "";
+    assert_int_equal(td_sim_run(c, r, n, true, o, st, why, sizeof why), TD_OK);
+}
+
+static void test_one_request(void **state) {
+    (void)state;
+    td_sim_cluster c = one(16, 512, 64, 512, 256);
+    td_sim_segment seg = {-1, 100};
+    td_sim_request r = {.t_arrival = 0, .seg = &seg, .n_seg = 1, .n_output = 5};
+    td_sim_outcome o;
+    td_sim_stats st;
+    run(&c, &r, 1, &o, &st);
+    assert_false(o.failed);
+    assert_float_equal(o.ttft, 0.110, 1e-9);
+    assert_float_equal(o.e2e, 0.110 + 4 * 0.011, 1e-9);
+    assert_float_equal(o.tpot, 0.011, 1e-9);
+    assert_int_equal(st.steps, 5);
+    assert_int_equal(st.n_itl, 4);
+    free(st.itl);
+}
+
+static void test_chunked_prefill(void **state) {
+    (void)state;
+    td_sim_cluster c = one(16, 32, 64, 512, 256);
+    td_sim_segment seg = {-1, 100};
+    td_sim_request r = {.t_arrival = 0.5, .seg = &seg, .n_seg = 1, .n_output = 2};
+    td_sim_outcome o;
+    td_sim_stats st;
+    run(&c, &r, 1, &o, &st);
+    assert_float_equal(o.ttft, 3 * 0.042 + 0.014, 1e-9);
+    assert_float_equal(o.e2e, 3 * 0.042 + 0.014 + 0.011, 1e-9);
+    free(st.itl);
+}
+
+static void test_full_batch(void **state) {
+    (void)state;
+    td_sim_cluster c = one(2, 512, 64, 512, 256);
+    td_sim_segment seg = {-1, 10};
+    td_sim_request r[3];
+    for (int i = 0; i < 3; i++) r[i] = (td_sim_request){0, &seg, 1, 3};
+    td_sim_outcome o[3];
+    td_sim_stats st;
+    run(&c, r, 3, o, &st);
+    for (int i = 0; i < 2; i++) {
+        assert_float_equal(o[i].ttft, 0.030, 1e-9);
+        assert_float_equal(o[i].e2e, 0.030 + 2 * 0.012, 1e-9);
+    }
+    assert_float_equal(o[2].ttft, 0.054 + 0.020, 1e-9);
+    assert_float_equal(o[2].e2e, 0.074 + 2 * 0.011, 1e-9);
+    free(st.itl);
+}
+
+static void test_kv_exhaustion(void **state) {
+    (void)state;
+    td_sim_cluster c = one(4, 512, 3, 48, 0);
+    td_sim_segment seg = {-1, 16};
+    td_sim_request r[2] = {{0, &seg, 1, 17}, {0, &seg, 1, 17}};
+    td_sim_outcome o[2];
+    td_sim_stats st;
+    run(&c, r, 2, o, &st);
+    assert_int_equal(st.preemptions, 1);
+    assert_false(o[0].failed || o[1].failed);
+    assert_int_equal(o[0].n_preemptions, 0);
+    assert_int_equal(o[1].n_preemptions, 1);
+    assert_float_equal(o[0].ttft, 0.042, 1e-9); /* both prompts in the first step */
+    assert_float_equal(o[1].ttft, 0.042, 1e-9); /* its first token came before the preemption */
+    assert_true(o[1].e2e > o[0].e2e);
+    free(st.itl);
+}
+
+static void test_saturated_prefill_pool(void **state) {
+    (void)state;
+    td_sim_cluster c = one(16, 1024, 1024, 1024, 256);
+    c.router = true;
+    c.n_inst = 2;
+    c.inst[1] = c.inst[0];
+    c.inst[1].role = TD_SIM_DECODE;
+    td_sim_instance *p = &c.inst[0];
+    p->role = TD_SIM_PREFILL;
+    p->sched.max_running = 1;
+    p->n_blocks = 128;
+    p->step = (td_step_model){.c0 = 0.100};
+    c.xfer_fixed_s = 0.010;
+    enum { N = 10 };
+    td_sim_segment seg = {-1, 600}; /* over the router's local threshold (512) */
+    td_sim_request r[N];
+    for (int k = 0; k < N; k++) r[k] = (td_sim_request){0.05 * k, &seg, 1, 1};
+    td_sim_outcome o[N];
+    td_sim_stats st;
+    run(&c, r, N, o, &st);
+    assert_int_equal(st.remote_prefills, N);
+    for (int k = 0; k < N; k++) {
+        assert_int_equal(o[k].p, 0);
+        assert_int_equal(o[k].d, 1);
+        assert_float_equal(o[k].ttft, 0.05 * k + 0.11, 1e-9);
+    }
+    assert_float_equal(st.busy_s[0], N * 0.100, 1e-9);
+    free(st.itl);
+}
+
+static void test_bad_cluster(void **state) {
+    (void)state;
+    td_sim_cluster c = one(16, 8, 64, 512, 256); /* max_batch_tokens < max_running */
+    td_sim_segment seg = {-1, 10};
+    td_sim_request r = {0, &seg, 1, 2};
+    td_sim_outcome o;
+    td_sim_stats st;
+    char why[256] = "";
+    assert_int_equal(td_sim_run(&c, &r, 1, false, &o, &st, why, sizeof why), TD_ERR_INVALID);
+    assert_non_null(strstr(why, "max_batch_tokens"));
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_one_request),
+                                       cmocka_unit_test(test_chunked_prefill),
+                                       cmocka_unit_test(test_full_batch),
+                                       cmocka_unit_test(test_kv_exhaustion),
+                                       cmocka_unit_test(test_saturated_prefill_pool),
+                                       cmocka_unit_test(test_bad_cluster)};
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
