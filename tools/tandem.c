@@ -22,6 +22,7 @@ static const struct {
     {"bench-transfer", td_cmd_bench_transfer,
      "KV transfer channel put throughput (ucx_perftest ucp_put_bw style)"},
     {"replay", td_cmd_replay, "check the scheduling core against a scheduler's step trace"},
+    {"simulate", td_cmd_simulate, "run a workload through simulated clusters (the planner's core)"},
 };
 
 static void usage(FILE *f) {

@@ -12,5 +12,6 @@ int td_cmd_up(int argc, char **argv);
 int td_cmd_bench(int argc, char **argv);
 int td_cmd_bench_transfer(int argc, char **argv);
 int td_cmd_replay(int argc, char **argv);
+int td_cmd_simulate(int argc, char **argv);
 
 #endif
