@@ -65,8 +65,12 @@ static void apply_state(td_router *r, int32_t i, const char *body, size_t len) {
     pthread_mutex_lock(&r->mu);
     inst *x = &r->in[i];
     bool prefill = x->prefill;
-    if (!bad && strcmp(json_string_value(role), prefill ? "prefill" : "decode") != 0)
-        bad = prefill ? "not a prefill instance" : "not a decode instance";
+    /* a colocated instance (tandem serve) serves as a decode instance that
+     * prefills everything itself */
+    const char *rs = bad ? "" : json_string_value(role);
+    if (!bad && (prefill ? strcmp(rs, "prefill") != 0
+                         : strcmp(rs, "decode") != 0 && strcmp(rs, "colocated") != 0))
+        bad = prefill ? "not a prefill instance" : "not a decode or colocated instance";
     int64_t bs = bad ? 0 : json_integer_value(json_object_get(kv, "block_size"));
     if (!bad && (bs < 1 || bs > 4096)) bad = "bad block size";
     bool restarted = !bad && x->have_state && x->epoch != epoch;

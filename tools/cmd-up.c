@@ -17,6 +17,7 @@
 #include <jansson.h>
 #include <limits.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdbool.h>
@@ -44,10 +45,15 @@ extern char **environ;
 #define UP_POLL_READY_MS 250
 #define UP_HTTP_BODY_MAX (4u << 20)
 
-typedef enum { UP_PREFILL, UP_DECODE, UP_ROUTER } up_role;
+typedef enum { UP_PREFILL, UP_DECODE, UP_ROUTER, UP_COLOCATED } up_role;
 
-static const char *const k_bins[] = {"tandem-prefill", "tandem-decode", "tandem-router"};
-static const char *const k_roles[] = {"prefill", "decode", "router"};
+/* A colocated instance is `tandem serve`, in the router's decode pool. */
+static const char *const k_bins[] = {"tandem-prefill", "tandem-decode", "tandem-router", "tandem"};
+static const char *const k_roles[] = {"prefill", "decode", "router", "colocated"};
+static const char *const k_pool_roles[] = {"prefill", "decode", "router", "decode"};
+
+#define UP_MAX_ARGS 16 /* --prefill-arg / --decode-arg each */
+#define UP_MAX_CPUS 1024
 
 typedef struct {
     int fd; /* -1 once closed */
@@ -68,7 +74,12 @@ typedef struct {
 } up_child;
 
 typedef struct {
-    long n_prefill, n_decode, port, grpc_port, threads;
+    long n_prefill, n_decode, n_colocated, port, grpc_port, threads;
+    bool pools_given; /* --prefill or --decode */
+    const char *prefill_args[UP_MAX_ARGS], *decode_args[UP_MAX_ARGS];
+    int n_prefill_args, n_decode_args;
+    int cpus[UP_MAX_CPUS]; /* --cpus */
+    int n_cpus;
     const char *model, *host, *token_file;
     double ready_timeout, drain_timeout;
     const char *chat; /* --chat: one request through the router, then stop */
@@ -86,11 +97,13 @@ typedef struct {
     bool ready;    /* the ready line was printed */
     up_child kids[UP_MAX_KIDS];
     int n_kids;
+    int n_pinned; /* instances given their --cpus so far */
 } up_state;
 
 enum {
     U_PREFILL,
     U_DECODE,
+    U_COLOCATED,
     U_MODEL,
     U_HOST,
     U_PORT,
@@ -101,6 +114,9 @@ enum {
     U_DRAIN_TIMEOUT,
     U_CHAT,
     U_MAX_TOKENS,
+    U_CPUS,
+    U_PREFILL_ARG,
+    U_DECODE_ARG,
     U_N
 };
 static td_opt k_up_opts[U_N] = {
@@ -109,6 +125,10 @@ static td_opt k_up_opts[U_N] = {
                    "prefill instances (default 1, at most " TD_STR(UP_MAX_POOL) ")"},
     [U_DECODE] = {"decode", 0, "M",
                   "decode instances (default 1, at most " TD_STR(UP_MAX_POOL) ")"},
+    [U_COLOCATED] = {"colocated", 0, "K",
+                     "instead of the two pools: K colocated instances\n"
+                     "(tandem serve, prefill and decode in one) behind the\n"
+                     "router (at most " TD_STR(UP_MAX_POOL) ")"},
     [U_MODEL] = {"model", 'm', "PATH", "GGUF file or Hugging Face directory"},
     [U_HOST] = {"host", 0, "ADDR",
                 "the router's address (default 127.0.0.1; the instances\n"
@@ -132,28 +152,42 @@ static td_opt k_up_opts[U_N] = {
                 "router (greedy), print the answer on stdout and stop\n"
                 "everything (exit 0 when the answer came)"},
     [U_MAX_TOKENS] = {"max-tokens", 0, "N", "the --chat answer's limit (default 128)"},
+    [U_CPUS] = {"cpus", 0, "LIST",
+                "pin the instances to these cores (e.g. 0,1 or 0-3), T\n"
+                "each in start order (prefill, decode, colocated),\n"
+                "wrapping round; the router is not pinned"},
+    [U_PREFILL_ARG] = {"prefill-arg", 0, "ARG",
+                       "one more argument for every prefill instance\n"
+                       "(repeatable; {i} becomes the instance's index),\n"
+                       "e.g. --prefill-arg=--max-batch-tokens=256"},
+    [U_DECODE_ARG] = {"decode-arg", 0, "ARG",
+                      "the same for every decode or colocated instance,\n"
+                      "e.g. --decode-arg=--step-trace=/tmp/d{i}.jsonl"},
 };
 
 static void up_usage(FILE *f, void *ctx) {
     TD_UNUSED(ctx);
-    fprintf(f,
-            "usage: tandem up [--prefill N] [--decode M] [--model PATH] [--port 8000] [--grpc-port "
-            "50051] [options]\n"
-            "\n"
-            "Runs a whole cluster on this machine: N tandem-prefill and M tandem-decode instances\n"
-            "on loopback (ephemeral ports; every decode instance knows every prefill instance)\n"
-            "behind one tandem-router on --host:--port, all started from the directory of this\n"
-            "binary and sharing a fresh cluster token. Prints\n"
-            "  tandem up: ready http=http://HOST:PORT grpc=HOST:PORT (prefill N, decode M)\n"
-            "on stdout once the router answers /ready and sees every instance ready. The\n"
-            "instances' output goes to stderr, each line behind the instance's name.\n"
-            "Ctrl-C or SIGTERM stops everything: the router first, then the decode, then the\n"
-            "prefill instances, each given --drain-timeout plus %.0f s before it is killed; a\n"
-            "second Ctrl-C kills at once. Exits 0 after a clean stop; 1 when an instance exits\n"
-            "on its own, fails to start or is not ready in time (everything else is stopped);\n"
-            "2 for bad usage.\n"
-            "\n",
-            UP_STOP_MARGIN_S);
+    fprintf(
+        f,
+        "usage: tandem up [--prefill N] [--decode M | --colocated K] [--model PATH] [--port 8000]\n"
+        "                 [--grpc-port 50051] [--cpus LIST] [options]\n"
+        "\n"
+        "Runs a whole cluster on this machine: N tandem-prefill and M tandem-decode instances\n"
+        "on loopback (ephemeral ports; every decode instance knows every prefill instance)\n"
+        "behind one tandem-router on --host:--port, all started from the directory of this\n"
+        "binary and sharing a fresh cluster token; with --colocated K, K tandem serve\n"
+        "instances (prefill and decode in one process) behind the router instead. Prints\n"
+        "  tandem up: ready http=http://HOST:PORT grpc=HOST:PORT (prefill N, decode M)\n"
+        "(or (colocated K))\n"
+        "on stdout once the router answers /ready and sees every instance ready. The\n"
+        "instances' output goes to stderr, each line behind the instance's name.\n"
+        "Ctrl-C or SIGTERM stops everything: the router first, then the decode, then the\n"
+        "prefill instances, each given --drain-timeout plus %.0f s before it is killed; a\n"
+        "second Ctrl-C kills at once. Exits 0 after a clean stop; 1 when an instance exits\n"
+        "on its own, fails to start or is not ready in time (everything else is stopped);\n"
+        "2 for bad usage.\n"
+        "\n",
+        UP_STOP_MARGIN_S);
     td_opts_print(f, k_up_opts, U_N);
 }
 
@@ -164,12 +198,51 @@ static bool parse_seconds(const char *s, double lo, double *out) {
     return true;
 }
 
+/* "0,1", "0-3,8": each core once, in the order given. */
+static bool parse_cpus(const char *s, up_args *a) {
+    a->n_cpus = 0;
+    while (*s) {
+        char *end;
+        long lo = strtol(s, &end, 10), hi = lo;
+        if (end == s || lo < 0 || lo >= CPU_SETSIZE) return false;
+        s = end;
+        if (*s == '-') {
+            hi = strtol(s + 1, &end, 10);
+            if (end == s + 1 || hi < lo || hi >= CPU_SETSIZE) return false;
+            s = end;
+        }
+        for (long c = lo; c <= hi; c++) {
+            if (a->n_cpus == UP_MAX_CPUS) return false;
+            a->cpus[a->n_cpus++] = (int)c;
+        }
+        if (*s == ',' && s[1])
+            s++;
+        else if (*s)
+            return false;
+    }
+    return a->n_cpus > 0;
+}
+
 static bool set_up_opt(void *ctx, int i, const char *val, bool *printed) {
     up_args *a = ctx;
     TD_UNUSED(printed);
     switch (i) {
-    case U_PREFILL: return td_cli_parse_long(val, 1, UP_MAX_POOL, &a->n_prefill);
-    case U_DECODE: return td_cli_parse_long(val, 1, UP_MAX_POOL, &a->n_decode);
+    case U_PREFILL:
+        a->pools_given = true;
+        return td_cli_parse_long(val, 1, UP_MAX_POOL, &a->n_prefill);
+    case U_DECODE:
+        a->pools_given = true;
+        return td_cli_parse_long(val, 1, UP_MAX_POOL, &a->n_decode);
+    case U_COLOCATED: return td_cli_parse_long(val, 1, UP_MAX_POOL, &a->n_colocated);
+    case U_CPUS: return parse_cpus(val, a);
+    case U_PREFILL_ARG:
+        if (a->n_prefill_args == UP_MAX_ARGS) return false;
+        a->prefill_args[a->n_prefill_args++] = val;
+        return true;
+    case U_DECODE_ARG:
+        if (a->n_decode_args == UP_MAX_ARGS) return false;
+        a->decode_args[a->n_decode_args++] = val;
+        return true;
     case U_MODEL: return *(a->model = val) != '\0';
     case U_HOST: return *(a->host = val) != '\0' && strlen(val) < 200;
     case U_PORT: return td_cli_parse_long(val, 0, 65535, &a->port);
@@ -473,9 +546,11 @@ static up_child *start_child(up_state *u, up_role role, int index, const char *c
     snprintf(grpc_port, sizeof grpc_port, "%ld", role == UP_ROUTER ? u->a.grpc_port : 0L);
     char drain[32];
     snprintf(drain, sizeof drain, "%g", u->a.drain_timeout);
-    const char *argv[48];
+    const char *argv[48 + UP_MAX_ARGS];
+    char subst[UP_MAX_ARGS][512];
     int n = 0;
     argv[n++] = k_bins[role];
+    if (role == UP_COLOCATED) argv[n++] = "serve";
     argv[n++] = "--cluster-token-file";
     argv[n++] = u->token_path;
     argv[n++] = "--host";
@@ -500,8 +575,39 @@ static up_child *start_child(up_state *u, up_role role, int index, const char *c
         TD_ASSERT(n < (int)TD_ARRAY_SIZE(argv) - 1);
         argv[n++] = extra[i];
     }
+    /* --prefill-arg / --decode-arg, {i} the index */
+    const char *const *more = role == UP_PREFILL ? u->a.prefill_args : u->a.decode_args;
+    int n_more = role == UP_ROUTER    ? 0
+                 : role == UP_PREFILL ? u->a.n_prefill_args
+                                      : u->a.n_decode_args;
+    for (int i = 0; i < n_more; i++) {
+        const char *at = strstr(more[i], "{i}");
+        if (at)
+            snprintf(subst[i], sizeof subst[i], "%.*s%d%s", (int)(at - more[i]), more[i], index,
+                     at + 3);
+        argv[n++] = at ? subst[i] : more[i];
+    }
     argv[n] = NULL;
-    if (!spawn_child(u, c, (char *const *)argv)) {
+    /* --cpus: the instance's T cores (inherited through the spawn) */
+    cpu_set_t old_set;
+    bool pinned = false;
+    if (role != UP_ROUTER && u->a.n_cpus > 0) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        for (long j = 0; j < u->a.threads; j++)
+            CPU_SET(u->a.cpus[(u->n_pinned * u->a.threads + j) % u->a.n_cpus], &set);
+        u->n_pinned++;
+        pinned = sched_getaffinity(0, sizeof old_set, &old_set) == 0;
+        if (!pinned || sched_setaffinity(0, sizeof set, &set) != 0) {
+            fprintf(stderr, "tandem up: cannot pin %s to --cpus: %s\n", c->name, strerror(errno));
+            if (pinned) sched_setaffinity(0, sizeof old_set, &old_set);
+            u->n_kids--;
+            return NULL;
+        }
+    }
+    bool ok = spawn_child(u, c, (char *const *)argv);
+    if (pinned) sched_setaffinity(0, sizeof old_set, &old_set);
+    if (!ok) {
         u->n_kids--;
         return NULL;
     }
@@ -620,7 +726,7 @@ static bool cluster_ready(up_state *u, const up_child *router, char *why, size_t
         json_array_foreach(insts, k, e) {
             const char *role = json_string_value(json_object_get(e, "role"));
             const char *a = json_string_value(json_object_get(e, "address"));
-            if (!role || !a || strcmp(role, k_roles[c->role]) || strcmp(a, c->http)) continue;
+            if (!role || !a || strcmp(role, k_pool_roles[c->role]) || strcmp(a, c->http)) continue;
             state = json_is_true(json_object_get(e, "ready")) ? 2 : 1;
             break;
         }
@@ -664,7 +770,7 @@ static void kill_child(up_child *c, const char *why) {
  * stopping kills everything at once. Returns whether every child it stopped
  * exited 0 on its own (those that exited before are reported by the caller). */
 static bool stop_all(up_state *u) {
-    static const up_role k_order[] = {UP_ROUTER, UP_DECODE, UP_PREFILL};
+    static const up_role k_order[] = {UP_ROUTER, UP_DECODE, UP_COLOCATED, UP_PREFILL};
     int signals_at_start = u->n_signals;
     bool forced = false;
     for (size_t s = 0; s < TD_ARRAY_SIZE(k_order); s++) {
@@ -801,7 +907,38 @@ static up_outcome chat_once(up_state *u, const up_child *router) {
     return o;
 }
 
+/* Ready: the --chat request, or serving until a signal or a child's exit. */
+static up_outcome serve_until_stopped(up_state *u, up_child *router) {
+    u->ready = true;
+    if (u->a.chat) return chat_once(u, router);
+    for (;;) {
+        up_outcome o = check_going(u);
+        if (o != UP_GO_ON) return o;
+        pump(u, 1000);
+    }
+}
+
+static up_outcome run_colocated(up_state *u) {
+    double deadline = td_time_s() + u->a.ready_timeout;
+    for (int i = 0; i < u->a.n_colocated; i++)
+        if (!start_child(u, UP_COLOCATED, i, NULL)) return UP_STOP_FAILED;
+    up_outcome o = wait_listening(u, 0, deadline);
+    if (o != UP_GO_ON) return o;
+    char decodes[UP_MAX_POOL * (UP_ADDR_MAX + 1)];
+    join_addrs(u, UP_COLOCATED, decodes, sizeof decodes);
+    const char *extra[] = {"--decode", decodes, NULL};
+    up_child *router = start_child(u, UP_ROUTER, 0, extra);
+    if (!router) return UP_STOP_FAILED;
+    if ((o = wait_listening(u, u->n_kids - 1, deadline)) != UP_GO_ON) return o;
+    if ((o = wait_ready(u, router, deadline)) != UP_GO_ON) return o;
+    printf("tandem up: ready http=http://%s grpc=%s (colocated %ld)\n", router->http, router->grpc,
+           u->a.n_colocated);
+    fflush(stdout);
+    return serve_until_stopped(u, router);
+}
+
 static up_outcome run_cluster(up_state *u) {
+    if (u->a.n_colocated > 0) return run_colocated(u);
     double deadline = td_time_s() + u->a.ready_timeout;
     for (int i = 0; i < u->a.n_prefill; i++)
         if (!start_child(u, UP_PREFILL, i, NULL)) return UP_STOP_FAILED;
@@ -827,13 +964,7 @@ static up_outcome run_cluster(up_state *u) {
     printf("tandem up: ready http=http://%s grpc=%s (prefill %ld, decode %ld)\n", router->http,
            router->grpc, u->a.n_prefill, u->a.n_decode);
     fflush(stdout);
-    u->ready = true;
-    if (u->a.chat) return chat_once(u, router);
-    for (;;) {
-        o = check_going(u);
-        if (o != UP_GO_ON) return o;
-        pump(u, 1000);
-    }
+    return serve_until_stopped(u, router);
 }
 
 int td_cmd_up(int argc, char **argv) {
@@ -856,9 +987,15 @@ int td_cmd_up(int argc, char **argv) {
         free(u);
         return rc < 0 ? 0 : rc;
     }
+    if (u->a.n_colocated > 0 && u->a.pools_given) {
+        fprintf(stderr, "tandem up: --colocated runs no prefill or decode pool: give it alone\n");
+        free(u);
+        return 2;
+    }
+    long n_inst = u->a.n_colocated > 0 ? u->a.n_colocated : u->a.n_prefill + u->a.n_decode;
     if (!u->a.threads) {
-        long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        u->a.threads = TD_MAX(1L, cores / (u->a.n_prefill + u->a.n_decode));
+        long cores = u->a.n_cpus > 0 ? u->a.n_cpus : sysconf(_SC_NPROCESSORS_ONLN);
+        u->a.threads = TD_MAX(1L, cores / n_inst);
     }
     const char *model = u->a.model ? u->a.model : td_default_model_path();
     if (access(model, R_OK) != 0) {
@@ -894,10 +1031,16 @@ int td_cmd_up(int argc, char **argv) {
         fprintf(stderr, "tandem up: signalfd: %s\n", strerror(errno));
         goto restore_signals;
     }
-    fprintf(stderr,
-            "tandem up: starting %ld prefill and %ld decode instance(s), %ld thread(s) "
-            "each, and the router (binaries in %s)\n",
-            u->a.n_prefill, u->a.n_decode, u->a.threads, u->bin_dir);
+    if (u->a.n_colocated > 0)
+        fprintf(stderr,
+                "tandem up: starting %ld colocated instance(s), %ld thread(s) each, and the "
+                "router (binaries in %s)\n",
+                u->a.n_colocated, u->a.threads, u->bin_dir);
+    else
+        fprintf(stderr,
+                "tandem up: starting %ld prefill and %ld decode instance(s), %ld thread(s) "
+                "each, and the router (binaries in %s)\n",
+                u->a.n_prefill, u->a.n_decode, u->a.threads, u->bin_dir);
 
     up_outcome o = run_cluster(u);
     bool clean = stop_all(u);

@@ -131,6 +131,11 @@ static void serve_usage(FILE *f, void *ctx) {
             !role ? "usage: tandem serve [--model PATH] [options]\n\n"
                   : "Common options (as tandem serve):\n");
     td_opts_print(f, k_serve_opts, S_N);
+    if (!role) {
+        fprintf(f, "\nbehind tandem-router (--decode HOST:PORT) as a colocated instance, with the\n"
+                   "cluster's token: its /internal/v1/state and the router's internal Generate\n");
+        td_opts_print(f, k_cluster_opts, C_N);
+    }
     fprintf(f, "\nparallel plan (validated against the model; --plan-dry-run shows it):\n");
     td_cli_plan_usage(f);
 }
@@ -255,10 +260,10 @@ static int parse_args(int argc, char **argv, serve_args *a) {
     k_serve_opts[S_MODEL].help = td_cli_model_help();
     td_optset sets[4];
     int n = 0;
-    if (a->role) {
-        sets[n++] = (td_optset){a->role->opts, a->role->n_opts, set_role_opt, a};
-        sets[n++] = (td_optset){k_cluster_opts, C_N, set_cluster_opt, a};
-    }
+    if (a->role) sets[n++] = (td_optset){a->role->opts, a->role->n_opts, set_role_opt, a};
+    /* tandem serve takes a token too: then it also answers the router (its
+     * state and the internal Generate) as a colocated instance */
+    sets[n++] = (td_optset){k_cluster_opts, C_N, set_cluster_opt, a};
     sets[n++] = (td_optset){k_serve_opts, S_N, set_serve_opt, a};
     sets[n++] = td_cli_plan_optset(&a->plan);
     int rc = td_opts_parse(role_name(a->role), argc, argv, sets, n, serve_usage, (void *)a->role);
@@ -269,7 +274,8 @@ static int parse_args(int argc, char **argv, serve_args *a) {
                 role_name(a->role), a->max_batch_tokens, a->max_running);
         return 2;
     }
-    if (a->role && !a->cluster_token == !a->cluster_token_file) {
+    if ((a->role && !a->cluster_token == !a->cluster_token_file) ||
+        (a->cluster_token && a->cluster_token_file)) {
         fprintf(stderr, "%s: give the cluster token: --cluster-token or --cluster-token-file\n",
                 role_name(a->role));
         return 2;
@@ -353,7 +359,7 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
         return rc;
     }
     char *token = NULL;
-    if (role && !(token = read_token(&a))) {
+    if ((role || a.cluster_token || a.cluster_token_file) && !(token = read_token(&a))) {
         free_args(&a);
         return 2;
     }
@@ -463,9 +469,11 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
     hp.ping_interval_s = a.ping_interval;
     hp.kv_block_size = kp->block_size;
     hp.role = role ? role->kind : "colocated";
-    if (xfer) {
+    if (token) {
         hp.cluster_token = token;
         hp.instance_id = inst;
+    }
+    if (xfer) {
         hp.internal_ctx = xfer;
         hp.state_transfer = td_xfer_state_json;
         hp.gauges = xfer_gauges;
@@ -486,10 +494,10 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
         gp.model = mdl;
         gp.api_keys = a.keys;
         gp.n_api_keys = a.n_keys;
-        if (xfer && role->public_api) {
+        if (xfer && role->public_api)
             gp.submit_hook = (td_api_submit_hook){.fn = td_xfer_submit_hook, .ctx = xfer};
-            gp.cluster_token = token; /* the router's internal Generate */
-        }
+        if (!role || (xfer && role->public_api))
+            gp.cluster_token = token; /* the router's internal Generate (NULL: none) */
         if (td_grpc_server_start(&gp, &grpc) != TD_OK) goto stop_http;
         td_http_server_set_grpc_port(http, td_grpc_server_port(grpc));
     }

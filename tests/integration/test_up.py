@@ -2,7 +2,9 @@
 on loopback, started from the binaries next to `tandem`; one ready line on
 stdout once the router is ready and lists every instance as ready; SIGTERM
 stops every child and exits 0; a child that dies stops the rest and makes
-`up` exit 1; bad usage exits 2 with a message naming the flag."""
+`up` exit 1; bad usage exits 2 with a message naming the flag. With
+--colocated K, K `tandem serve` instances stand behind the router instead;
+--cpus pins the instances, --prefill-arg/--decode-arg pass flags on."""
 
 import http.client
 import json
@@ -21,9 +23,10 @@ from openai import OpenAI
 from conftest import manifest_model, register_log, run_tandem, scaled, wait_until
 
 READY_RE = re.compile(r"^tandem up: ready http=http://(\S+):(\d+) grpc=(\S+):(\d+) "
-                      r"\(prefill (\d+), decode (\d+)\)$", re.M)
+                      r"\((?:prefill (\d+), decode (\d+)|colocated (\d+))\)$", re.M)
 CHILD_RE = re.compile(r"^tandem up: (\S+) \(pid (\d+)\): (\S+)", re.M)
-BINARY = {"prefill": "tandem-prefill", "decode": "tandem-decode", "router": "tandem-router"}
+BINARY = {"prefill": "tandem-prefill", "decode": "tandem-decode", "router": "tandem-router",
+          "colocated": "tandem"}
 
 
 def alive(pid):
@@ -146,7 +149,10 @@ def test_usage_errors(tandem, manifest, test_models):
                        (["--drain-timeout", "nan"], "--drain-timeout"), (["--decode"], "--decode"),
                        (["--model", model, "--cluster-token-file", "/nonexistent/token"],
                         "/nonexistent/token"),
-                       (["--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf")):
+                       (["--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf"),
+                       (["--colocated", "2", "--prefill", "1"], "--colocated"),
+                       (["--colocated", "0"], "--colocated"), (["--cpus", "1-0"], "--cpus"),
+                       (["--cpus", "0,,1"], "--cpus"), (["--cpus", "x"], "--cpus")):
         r = tandem("up", *args, check=False, timeout=30)
         assert r.returncode == 2, r.describe()
         assert flag in r.stderr and r.stdout == "", r.describe()
@@ -299,3 +305,54 @@ def test_chat_once(tandem, manifest, test_models):
                  "--max-tokens", "12", "--temperature", "0", "--threads", "1")
     assert answer == ref.stdout, r.describe()
     assert "tandem up: stopped\n" in r.stderr
+
+
+def cpus_allowed(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return re.search(r"^Cpus_allowed_list:\s*(\S+)$", f.read(), re.M).group(1)
+
+
+def test_up_colocated_pinned(up, manifest, test_models, tmp_path):
+    """--colocated 2: two tandem serve instances behind the router, each on
+    the core --cpus gives it (in start order, wrapping round), each with the
+    --decode-arg flags ({i} its index)."""
+    model = manifest_model(manifest, test_models, "llama2-f32-gguf")
+    n_cpu = os.cpu_count()
+    cpus = [n_cpu - 1, 0]
+    u = up("--colocated", 2, "--model", model, "--port", 0, "--grpc-port", 0, "--threads", 1,
+           "--cpus", ",".join(map(str, cpus)), f"--decode-arg=--step-trace={tmp_path}/c{{i}}.jsonl",
+           "--decode-arg=--max-running=3", "--ready-timeout", scaled(60))
+    m = u.wait_ready()
+    host, port = m.group(1), int(m.group(2))
+    assert m.group(7) == "2"
+    kids = u.children()
+    assert sorted(kids) == ["colocated-0", "colocated-1", "router"], u.describe()
+    for k in range(2):
+        pid = kids[f"colocated-{k}"]
+        argv = cmdline(pid)
+        assert argv[1] == "serve" and os.path.basename(argv[0]) == "tandem", argv
+        assert f"--step-trace={tmp_path}/c{k}.jsonl" in argv
+        assert cpus_allowed(pid) == str(cpus[k])
+    assert cpus_allowed(kids["router"]) == cpus_allowed(u.proc.pid)  # the router unpinned
+    argv = cmdline(kids["router"])
+    token = pathlib.Path(argv[argv.index("--cluster-token-file") + 1]).read_text().strip()
+    status, body = http_get(host, port, "/internal/v1/cluster", {"X-Tandem-Cluster-Token": token})
+    assert status == 200, body
+    insts = json.loads(body)["instances"]
+    assert [i["role"] for i in insts] == ["decode", "decode"] and all(i["ready"] for i in insts)
+
+    client = OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused",
+                    timeout=scaled(60), max_retries=0)
+    name = client.models.list().data[0].id
+    for k in range(4):
+        r = client.completions.create(model=name, prompt=f"Count to {k}", max_tokens=4,
+                                      temperature=0)
+        assert r.usage.completion_tokens >= 1
+    u.proc.send_signal(signal.SIGTERM)
+    assert u.wait_exit() == 0, u.describe()
+    served = 0
+    for k in range(2):
+        lines = (tmp_path / f"c{k}.jsonl").read_text().splitlines()
+        assert json.loads(lines[0])["max_running"] == 3
+        served += sum(1 for x in lines[1:] for e in json.loads(x)["ev"] if e[0] == "in")
+    assert served == 4
