@@ -8,9 +8,21 @@
 #include "common/kv/hash.h"
 #include "common/sched/core.h"
 
-double td_step_model_eval(const td_step_model *m, int64_t n_tok, double attn, int32_t n_seq) {
+/* sum of j and of j^2 for j = 1 .. n */
+static double sum1(double n) { return n * (n + 1) / 2; }
+static double sum2(double n) { return n * (n + 1) * (2 * n + 1) / 6; }
+
+void td_step_attn(int64_t pos0, int64_t chunk, double *a, double *a2) {
+    double lo = (double)pos0, hi = (double)(pos0 + chunk);
+    *a = sum1(hi) - sum1(lo);
+    *a2 = sum2(hi) - sum2(lo);
+}
+
+double td_step_model_eval(const td_step_model *m, int64_t n_tok, double attn, double attn2,
+                          double ctx, int32_t n_seq) {
     double n = (double)n_tok;
-    double t = m->c0 + m->c_tok * n + m->c_tok2 * n * n + m->c_attn * attn + m->c_seq * n_seq;
+    double t = m->c0 + m->c_tok * n + m->c_tok2 * n * n + m->c_attn * attn + m->c_attn2 * attn2 +
+               m->c_ctx * ctx + m->c_seq * n_seq;
     return t > 0 ? t : 0;
 }
 
@@ -386,13 +398,18 @@ static void step_start(sinst *in) {
         return;
     }
     int64_t n_tok = 0;
-    double attn = 0;
+    double attn = 0, attn2 = 0, ctx = 0;
     for (int32_t j = 0; j < n; j++) {
         const td_sched_seq *q = in->core.batch[j];
+        double a, a2;
+        td_step_attn(q->n_computed, q->chunk, &a, &a2);
         n_tok += q->chunk;
-        attn += (double)q->chunk * ((double)q->n_computed + (q->chunk + 1) * 0.5);
+        attn += a;
+        attn2 += a2;
+        ctx += (double)(q->n_computed + q->chunk);
     }
-    double dt = td_step_model_eval(&in->cfg.step, n_tok, attn, n) + in->cfg.step_overhead_s;
+    double dt =
+        td_step_model_eval(&in->cfg.step, n_tok, attn, attn2, ctx, n) + in->cfg.step_overhead_s;
     in->busy = true;
     s->st->steps++;
     s->st->busy_s[in->index] += dt;

@@ -30,17 +30,23 @@
 #include "common/sched/sched.h"
 
 /* A step's duration in seconds from its batch:
- *   c0 + c_tok N + c_tok2 N^2 + c_attn A + c_seq B
- * N: tokens in the batch (a decode counts 1), A: attention pairs
- * (sum over entries of chunk x (pos0 + (chunk + 1) / 2), the keys each new
- * token reads), B: sequences in the batch. DistServe's prefill form
- * (a + b T + c T^2) and decode form (a + b sum(context) + c batch) are
- * both cases of it. */
+ *   c0 + c_tok N + c_tok2 N^2 + c_attn A + c_attn2 A2 + c_ctx C + c_seq B
+ * N: tokens in the batch (a decode counts 1), A: attention pairs (over
+ * the new tokens, the keys each reads: sum of positions pos0 + 1 ..
+ * pos0 + chunk), A2: the same sum of squared positions (attention whose
+ * cost per key grows with the context, as when the keys outgrow the
+ * caches), C: the context the entries read (sum of pos0 + chunk: each
+ * entry's keys and values read once, as a decode step reads them), B:
+ * sequences in the batch. DistServe's prefill form (a + b T + c T^2) and
+ * decode form (a + b sum(context) + c batch) are both cases of it. */
 typedef struct {
-    double c0, c_tok, c_tok2, c_attn, c_seq;
+    double c0, c_tok, c_tok2, c_attn, c_attn2, c_ctx, c_seq;
 } td_step_model;
 
-double td_step_model_eval(const td_step_model *m, int64_t n_tok, double attn, int32_t n_seq);
+/* A and A2 of one batch entry: chunk new tokens after pos0. */
+void td_step_attn(int64_t pos0, int64_t chunk, double *a, double *a2);
+double td_step_model_eval(const td_step_model *m, int64_t n_tok, double attn, double attn2,
+                          double ctx, int32_t n_seq);
 
 typedef enum { TD_SIM_COLOCATED = 0, TD_SIM_PREFILL = 1, TD_SIM_DECODE = 2 } td_sim_role;
 

@@ -113,7 +113,9 @@ static td_status parse_instance(json_t *o, td_sim_instance *x, int32_t *count, c
     td_step_model *m = &x->step;
     if (!opt_num(step, "c0", -10, 100, &m->c0) || !opt_num(step, "c_tok", -1, 1, &m->c_tok) ||
         !opt_num(step, "c_tok2", -1, 1, &m->c_tok2) ||
-        !opt_num(step, "c_attn", -1, 1, &m->c_attn) || !opt_num(step, "c_seq", -1, 1, &m->c_seq) ||
+        !opt_num(step, "c_attn", -1, 1, &m->c_attn) ||
+        !opt_num(step, "c_attn2", -1, 1, &m->c_attn2) ||
+        !opt_num(step, "c_ctx", -1, 1, &m->c_ctx) || !opt_num(step, "c_seq", -1, 1, &m->c_seq) ||
         !opt_num(o, "step_overhead_s", 0, 100, &x->step_overhead_s))
         return bad(why, n, "%s: a step coefficient is not a number or out of range", where);
     return TD_OK;

@@ -14,7 +14,8 @@
  *                   "n_blocks": N, "block_size": 16,
  *                   "sched": {"max_running", "max_batch_tokens", "max_waiting",
  *                             "reserve_output_tokens", "max_ctx", "prefix_cache"},
- *                   "step": {"c0", "c_tok", "c_tok2", "c_attn", "c_seq"},
+ *                   "step": {"c0", "c_tok", "c_tok2", "c_attn", "c_attn2",
+ *                            "c_ctx", "c_seq"},
  *                   "step_overhead_s": 0}, ...]}
  * A workload, JSON Lines, one request per line in arrival order:
  *   {"t": seconds, "seg": [[id, tokens], ...], "out": tokens}

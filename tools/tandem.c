@@ -23,6 +23,8 @@ static const struct {
      "KV transfer channel put throughput (ucx_perftest ucp_put_bw style)"},
     {"replay", td_cmd_replay, "check the scheduling core against a scheduler's step trace"},
     {"simulate", td_cmd_simulate, "run a workload through simulated clusters (the planner's core)"},
+    {"profile", td_cmd_profile, "measure an instance plan's step, transfer and KV figures"},
+    {"plan", td_cmd_plan, "size the pools against TTFT/TPOT SLOs for a workload"},
 };
 
 static void usage(FILE *f) {

@@ -13,5 +13,7 @@ int td_cmd_bench(int argc, char **argv);
 int td_cmd_bench_transfer(int argc, char **argv);
 int td_cmd_replay(int argc, char **argv);
 int td_cmd_simulate(int argc, char **argv);
+int td_cmd_profile(int argc, char **argv);
+int td_cmd_plan(int argc, char **argv);
 
 #endif

@@ -132,8 +132,8 @@ static void serve_usage(FILE *f, void *ctx) {
                   : "Common options (as tandem serve):\n");
     td_opts_print(f, k_serve_opts, S_N);
     if (!role) {
-        fprintf(f, "\nbehind tandem-router (--decode HOST:PORT) as a colocated instance, with the\n"
-                   "cluster's token: its /internal/v1/state and the router's internal Generate\n");
+        fprintf(f, "\nbehind tandem-router as a colocated instance (in the router's decode list),\n"
+                   "with the cluster's token: its /internal/v1/state and the internal Generate\n");
         td_opts_print(f, k_cluster_opts, C_N);
     }
     fprintf(f, "\nparallel plan (validated against the model; --plan-dry-run shows it):\n");

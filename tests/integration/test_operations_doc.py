@@ -36,6 +36,9 @@ BINARIES = {
     "`tandem-router`": (["tandem-router", "--help"], False),
     "`tandem up`": (["tandem", "up", "--help"], False),
     "`tandem bench`": (["tandem", "bench", "--help"], False),
+    "`tandem profile`": (["tandem", "profile", "--help"], False),
+    "`tandem plan`": (["tandem", "plan", "--help"], False),
+    "`tandem simulate`": (["tandem", "simulate", "--help"], False),
 }
 WHO = {"R": "router", "P": "prefill", "D": "decode"}
 

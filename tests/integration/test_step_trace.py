@@ -37,7 +37,9 @@ def load(base_url, n=24, conc=8, seed=7):
     reqs = []
     for i in range(n):
         body = [rng.randrange(3, 512) for _ in range(rng.randrange(8, 60))]
-        reqs.append(((prefix if i % 3 == 0 else []) + body, rng.randrange(20, 70)))
+        # long outputs: the sequences overlap (and exhaust the pool) however
+        # slowly the client threads start
+        reqs.append(((prefix if i % 3 == 0 else []) + body, rng.randrange(90, 140)))
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0,
                            timeout=scaled(120))
 

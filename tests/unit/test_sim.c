@@ -140,6 +140,21 @@ static void test_saturated_prefill_pool(void **state) {
     free(st.itl);
 }
 
+static void test_step_features(void **state) {
+    (void)state;
+    double a, a2;
+    td_step_attn(2, 3, &a, &a2); /* positions 3, 4, 5 */
+    assert_float_equal(a, 12, 1e-12);
+    assert_float_equal(a2, 50, 1e-12);
+    td_step_attn(0, 1, &a, &a2);
+    assert_float_equal(a, 1, 1e-12);
+    assert_float_equal(a2, 1, 1e-12);
+    td_step_model m = {
+        .c0 = 1, .c_tok = 2, .c_tok2 = 3, .c_attn = 4, .c_attn2 = 5, .c_ctx = 6, .c_seq = 7};
+    assert_float_equal(td_step_model_eval(&m, 10, 100, 1000, 50, 2),
+                       1 + 20 + 300 + 400 + 5000 + 300 + 14, 1e-9);
+}
+
 static void test_bad_cluster(void **state) {
     (void)state;
     td_sim_cluster c = one(16, 8, 64, 512, 256); /* max_batch_tokens < max_running */
@@ -158,6 +173,7 @@ int main(void) {
                                        cmocka_unit_test(test_full_batch),
                                        cmocka_unit_test(test_kv_exhaustion),
                                        cmocka_unit_test(test_saturated_prefill_pool),
+                                       cmocka_unit_test(test_step_features),
                                        cmocka_unit_test(test_bad_cluster)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,251 @@
+"""`tandem profile` and `tandem plan` (tools/planner) on a tiny model.
+
+- profile (--quick) of a colocated instance and of a prefill + decode pair:
+  the JSON holds the machine, model, plan, the fitted step model with its
+  residuals, the KV pool as the instance itself logged it, and (the pair)
+  the transfer fit;
+- plan: the cheapest configuration meeting generous SLOs, its kustomize
+  overlay (valid YAML, the replicas of the answer), KEDA thresholds; an SLO
+  no configuration can meet: a clear answer naming the SLO and by how much,
+  and the best found; --method mean (Dynamo's formula) answers and is
+  simulated; a configuration checked against a real run of the same trace
+  (its TTFT P50 within a factor of 3: the tiny model's steps are a few ms,
+  so this is a sanity bound, the validation is docs/PERFORMANCE.md's);
+- the report opens in headless Chromium with its plots and no console
+  error;
+- bad input: truncated, foreign-version, incomplete and other-model
+  profiles, unknown and malformed workloads, each a one-line error, exit 1.
+"""
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from conftest import manifest_model, scaled
+
+SLO_EASY = "ttft_p90:60000,tpot_p90:10000"
+
+
+def run(tandem_bin, *args, timeout=300, check=True):
+    p = subprocess.run([str(tandem_bin), *map(str, args)], capture_output=True, text=True,
+                       timeout=scaled(timeout))
+    if check:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+@pytest.fixture(scope="module")
+def model(manifest, test_models):
+    return manifest_model(manifest, test_models, "llama2-f32-gguf")
+
+
+@pytest.fixture(scope="module")
+def profiles(tandem_bin, model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("profiles")
+    out = {}
+    for role, extra in (("colocated", ["--cpus", "0"]),
+                        ("both", ["--cpus", "0,1"])):
+        path = d / f"{role}.json"
+        run(tandem_bin, "profile", "--model", model, "--role", role, "--out", path,
+            *extra, timeout=600)
+        out[role] = path
+    return out
+
+
+def workload(tmp_path, **kw):
+    spec = {"rate": 4.0, "num_requests": 60, "input": {"uniform": [20, 120]},
+            "output": {"uniform": [4, 24]}, "seed": 5}
+    spec.update(kw)
+    p = tmp_path / "w.json"
+    p.write_text(json.dumps(spec))
+    return p
+
+
+def test_profile_contents(profiles, model):
+    p = json.loads(profiles["colocated"].read_text())
+    assert p["tandem_profile"] == 1
+    assert p["model"]["file"] == os.path.basename(model) and p["model"]["size_bytes"] > 0
+    assert p["plan"]["threads"] == 1 and p["plan"]["cpus"] == "0"
+    assert p["machine"]["cores"] == os.cpu_count()
+    r = p["roles"]["colocated"]
+    # the KV pool as the instance logged it at its start
+    log = (pathlib.Path(p["workdir"]) / "up.err").read_text()
+    m = re.search(r"KV pool (\d+) blocks x (\d+) tokens", log)
+    assert (r["n_blocks"], r["block_size"]) == (int(m.group(1)), int(m.group(2)))
+    assert set(r["step"]) == {"c0", "c_tok", "c_tok2", "c_attn", "c_attn2", "c_ctx", "c_seq"}
+    assert all(v >= 0 for v in r["step"].values()) and r["step"]["c0"] + r["step"]["c_tok"] > 0
+    fit = r["fit"]
+    assert fit["n"] >= 20 and fit["by_kind"]["decode"]["n"] > 0
+    assert fit["by_kind"]["prefill"]["n"] > 0
+    assert 0 <= fit["rel_err_p50"] < 0.5, fit  # a model of the steps, not noise
+    pd = json.loads(profiles["both"].read_text())
+    assert set(pd["roles"]) == {"prefill", "decode"}
+    t = pd["transfer"]
+    assert t["n"] >= 2 and t["fixed_s"] >= 0 and t["s_per_token"] >= 0
+
+
+def plan(tandem_bin, profiles, w, *extra, check=True):
+    return run(tandem_bin, "plan", "--profile", profiles["colocated"], "--profile",
+               profiles["both"], "--workload", w, *extra, check=check)
+
+
+def test_plan_answer_and_deploy(tandem_bin, profiles, tmp_path):
+    w = workload(tmp_path)
+    out = json.loads(plan(tandem_bin, profiles, w, "--slo", SLO_EASY, "--max-instances", 3,
+                          "--json").stdout)
+    names = [c["config"] for c in out["configs"]]
+    assert {"1C@1t", "2C@1t", "3C@1t", "1P+1D@1t", "1P+2D@1t", "2P+1D@1t"} <= set(names)
+    ans = out["answer"]
+    assert ans and ans["meets"]
+    assert ans["cost"] == min(c["cost"] for c in out["configs"] if c["meets"])
+    assert out["simulated_requests"] == 60 * len(names)
+    overlay = yaml.safe_load(out["kustomize"])
+    reps = {r["name"]: r["count"] for r in overlay["replicas"]}
+    if "colocated" in ans["shape"]:
+        assert reps["tandem-decode"] == ans["shape"]["colocated"] and reps["tandem-prefill"] == 0
+    else:
+        assert (reps["tandem-prefill"], reps["tandem-decode"]) == (ans["shape"]["prefill"],
+                                                                   ans["shape"]["decode"])
+    assert out["keda"]["tandem-decode"]["threshold"] >= 1
+    text = plan(tandem_bin, profiles, w, "--slo", SLO_EASY, "--max-instances", 3).stdout
+    assert f"answer: {ans['config']}" in text and "kustomize overlay" in text
+
+
+def test_unmeetable_slo(tandem_bin, profiles, tmp_path):
+    w = workload(tmp_path)
+    p = plan(tandem_bin, profiles, w, "--slo", "ttft_p99:0.01,tpot_p90:10000", "--max-instances",
+             2)
+    assert "no configuration within 2 instances meets the SLOs" in p.stdout
+    assert re.search(r"misses ttft_p99 by \d+%", p.stdout), p.stdout
+    out = json.loads(plan(tandem_bin, profiles, w, "--slo", "ttft_p99:0.01", "--max-instances",
+                          2, "--json").stdout)
+    assert out["answer"] is None and "ttft_p99" in out["best"]["misses"]
+    assert out["best"]["misses"]["ttft_p99"]["over_pct"] > 0
+
+
+def test_mean_method(tandem_bin, profiles, tmp_path):
+    w = workload(tmp_path)
+    out = json.loads(plan(tandem_bin, profiles, w, "--slo", SLO_EASY, "--method", "mean",
+                          "--json").stdout)
+    assert len(out["configs"]) == 1 and out["mean_method"]["prefill_tokens_per_s"] > 0
+    assert out["configs"][0]["predicted"]["ttft_p90"] > 0
+
+
+def test_prediction_against_a_real_run(tandem_bin, profiles, model, tmp_path):
+    w = workload(tmp_path, rate=2.0, num_requests=30)
+    trace = tmp_path / "w.mooncake.jsonl"
+    out = json.loads(plan(tandem_bin, profiles, w, "--slo", SLO_EASY, "--config", "colocated=1",
+                          "--write-trace", trace, "--json").stdout)
+    pred = out["configs"][0]["result"]["ttft_ms"]["p50"]
+    up = subprocess.Popen([str(tandem_bin), "up", "--colocated", "1", "--model", model,
+                           "--port", "0", "--grpc-port", "-1", "--threads", "1", "--cpus", "0"],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          start_new_session=True)
+    try:
+        line = up.stdout.readline()
+        url = re.match(r"^tandem up: ready http=(\S+) ", line).group(1)
+        rep = tmp_path / "bench.json"
+        run(tandem_bin, "bench", "--url", url, "--trace", trace, "--no-progress", "--json", rep)
+        meas = json.loads(rep.read_text())
+    finally:
+        up.terminate()
+        up.wait(timeout=scaled(60))
+    assert meas["completed"] == 30
+    assert meas["ttft_ms"]["p50"] / 3 <= pred <= meas["ttft_ms"]["p50"] * 3, (pred, meas["ttft_ms"])
+
+
+def test_report_renders(tandem_bin, profiles, tmp_path):
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is not installed (scripts/setup.sh installs it)"
+    w = workload(tmp_path)
+    page = tmp_path / "plan.html"
+    plan(tandem_bin, profiles, w, "--slo", SLO_EASY, "--max-instances", 2, "--report", page)
+    html = page.read_text()
+    assert "<script" not in html and "src=\"http" not in html and "href=\"http" not in html
+    p = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu",
+                        "--enable-logging=stderr", "--v=0", "--dump-dom", page.as_uri()],
+                       capture_output=True, text=True, timeout=scaled(120))
+    assert p.returncode == 0, p.stderr[-2000:]
+    dom = p.stdout
+    assert dom.count("<svg") >= 2 and "id=\"attainment\"" in dom and "id=\"cdf\"" in dom
+    assert "Answer:" in dom
+    console = [x for x in p.stderr.splitlines() if "CONSOLE" in x or "Uncaught" in x]
+    assert not console, console
+
+
+def test_bad_profiles(tandem_bin, profiles, model, tmp_path):
+    good = json.loads(profiles["colocated"].read_text())
+    w = workload(tmp_path)
+    text = profiles["colocated"].read_text()
+    cases = {
+        "truncated": (text[: len(text) // 2], "not JSON, or truncated"),
+        "version": (json.dumps({**good, "tandem_profile": 7}), "profile version 7"),
+        "foreign": (json.dumps({"hello": 1}), "not a tandem profile"),
+        "no-step": (json.dumps({**good, "roles": {"colocated": {
+            k: v for k, v in good["roles"]["colocated"].items() if k != "step"}}}),
+            "missing step"),
+        "bad-coef": (json.dumps({**good, "roles": {"colocated": {
+            **good["roles"]["colocated"], "step": {**good["roles"]["colocated"]["step"],
+                                                   "c_tok": "fast"}}}}), "c_tok has the wrong type"),
+        "other-model": (json.dumps({**good, "model": {**good["model"], "size_bytes": 1}}),
+                        "profiles of different models"),
+    }
+    for name, (body, msg) in cases.items():
+        bad = tmp_path / f"{name}.json"
+        bad.write_text(body)
+        p = run(tandem_bin, "plan", "--profile", bad, "--profile", profiles["colocated"],
+                "--workload", w, "--slo", SLO_EASY, check=False)
+        assert p.returncode == 1 and msg in p.stderr, (name, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1, (name, p.stderr)
+    # a profile of another model than the one planned for
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF" + b"\0" * 64)
+    p = run(tandem_bin, "plan", "--profile", profiles["colocated"], "--workload", w, "--slo",
+            SLO_EASY, "--model", other, check=False)
+    assert p.returncode == 1 and "is not the model profiled" in p.stderr
+    p = run(tandem_bin, "plan", "--profile", profiles["colocated"], "--workload", w, "--slo",
+            SLO_EASY, "--plan-flags", "--tp 2", check=False)
+    assert p.returncode == 1 and "measured with the instance flags" in p.stderr
+
+
+BAD_WORKLOADS = [
+    ("w.csv", "what,is,this\n1,2,3\n", "not a trace tandem bench knows"),
+    ("w.jsonl", '{"timestamp": 0, "input_length": 10, "output_length": 3, "hash_ids": [1]}\n'
+                '{"timestamp": 5, "input_len', ":2: not JSON"),
+    ("a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6,x,3\n",
+     "ContextTokens"),
+    ("d.json", '{"rate": 1, "speed": 3}', "unknown field 'speed'"),
+    ("e.json", '{"rate": 1, "input": {"poisson": 3}}', "unknown distribution 'poisson'"),
+    ("f.json", '{"rate": -1}', "rate must be in"),
+    ("g.json", '{"rate": 1, "shared_prefix": {"share": 0.5, "tokens": 700}}', "multiple of 512"),
+    ("h.json", '{"rate": 1, "diurnal": [[0, 1], [1, 2]]}', "needs duration_s"),
+    ("i.json", '{"rate": 1, "input": {"histogram": [[5, 2, 1]]}}', "hi must be in"),
+    ("j.json", "{", "not JSON"),
+]
+
+
+@pytest.mark.parametrize("name,body,msg", BAD_WORKLOADS)
+def test_bad_workload(tandem_bin, profiles, tmp_path, name, body, msg):
+    w = tmp_path / name
+    w.write_text(body)
+    p = run(tandem_bin, "plan", "--profile", profiles["colocated"], "--workload", w, "--slo",
+            SLO_EASY, check=False)
+    assert p.returncode == 1 and msg in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_bad_slo_and_usage(tandem_bin, profiles, tmp_path):
+    w = workload(tmp_path)
+    for slo, msg in (("ttft:100", "METRIC_STAT"), ("ttft_p42:100", "METRIC_STAT"),
+                     ("ttft_p99:-4", "must be > 0")):
+        p = run(tandem_bin, "plan", "--profile", profiles["colocated"], "--workload", w, "--slo",
+                slo, check=False)
+        assert p.returncode == 1 and msg in p.stderr, p.stderr
+    p = run(tandem_bin, "plan", "--workload", w, "--slo", SLO_EASY, check=False)
+    assert p.returncode == 2

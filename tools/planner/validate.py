@@ -1,0 +1,162 @@
+"""The planner against measured runs: for each case (a cluster shape and a
+workload), the simulator's prediction (tandem plan --config SHAPE) and
+real runs of the same workload (tandem up with the shape, pinned with
+--cpus; tandem bench --trace with the workload's arrivals), side by side.
+
+  python3 tools/planner/validate.py --cases CASES.json --out RESULTS.json [--repeats 3]
+
+CASES.json: {"slo": "ttft_p90:MS,tpot_p90:MS",
+             "profiles": {"NAME": "PROFILE.json", ...},
+             "cases": [{"name": ..., "profile": NAME, "config": "colocated=1",
+                        "threads": 1, "cpus": "0", "workload": "W.json or trace",
+                        "num_requests": N, "length_scale": S,
+                        "local_prefill_threshold": T}, ...]}
+Percentiles compared: P50 and P90 of TTFT and TPOT (P99 only where a run
+holds >= 1000 requests), and goodput; each prediction's error against the
+median of the repeats, and the repeats' own spread (max - min over median).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+READY_RE = re.compile(r"^tandem up: ready http=(http://\S+) ")
+STATS = [("ttft", "p50"), ("ttft", "p90"), ("tpot", "p50"), ("tpot", "p90")]
+
+
+def tandem():
+    return os.environ.get("TANDEM_BIN") or str(HERE.parent.parent / "build" / "tandem")
+
+
+def up_argv(case, model):
+    cfg = dict(kv.split("=") for kv in case["config"].split(","))
+    argv = [tandem(), "up", "--port", "0", "--grpc-port", "-1", "--threads",
+            str(case.get("threads", 1)), "--cpus", case["cpus"]]
+    if model:
+        argv += ["--model", model]
+    if "colocated" in cfg:
+        argv += ["--colocated", cfg["colocated"]]
+    else:
+        argv += ["--prefill", cfg["prefill"], "--decode", cfg["decode"],
+                 f"--router-arg=--local-prefill-threshold={case.get('local_prefill_threshold', 512)}"]
+    return argv
+
+
+def real_run(case, trace, model, slo, workdir, k):
+    err = open(workdir / f"{case['name']}-{k}.up.err", "wb")
+    proc = subprocess.Popen(up_argv(case, model), stdout=subprocess.PIPE, stderr=err, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        url = None
+        while url is None:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"tandem up exited: see {err.name}")
+            m = READY_RE.match(line)
+            url = m.group(1) if m else None
+        out = workdir / f"{case['name']}-{k}.bench.json"
+        bench_slo = ",".join(f"{m}:{v}" for m, v in slo_bounds(slo).items())
+        argv = [tandem(), "bench", "--url", url, "--trace", str(trace), "--no-progress",
+                "--json", str(out), "--slo", bench_slo, "--seed", str(k + 1)]
+        if case.get("num_requests"):
+            argv += ["--num-prompts", str(case["num_requests"])]
+        if case.get("length_scale"):
+            argv += ["--trace-length-scale", str(case["length_scale"])]
+        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+        rep = json.loads(out.read_text())
+        rep.pop("requests", None)
+        return rep
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        err.close()
+
+
+def slo_bounds(slo):
+    out = {}
+    for part in slo.split(","):
+        k, _, v = part.partition(":")
+        m = k.split("_")[0]
+        out[m] = min(float(v), out.get(m, float("inf")))
+    return out
+
+
+def main(argv):
+    p = argparse.ArgumentParser(prog="validate.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--only", help="run only the cases whose name contains this")
+    p.add_argument("--model")
+    args = p.parse_args(argv)
+    spec = json.loads(pathlib.Path(args.cases).read_text())
+    base = pathlib.Path(args.cases).parent
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-validate-"))
+    results = json.loads(pathlib.Path(args.out).read_text()) if os.path.exists(args.out) else {}
+    for case in spec["cases"]:
+        if args.only and args.only not in case["name"]:
+            continue
+        prof = base / spec["profiles"][case["profile"]]
+        wpath = base / case["workload"]
+        trace = wpath
+        plan = [tandem(), "plan", "--profile", str(prof), "--workload", str(wpath), "--config",
+                case["config"], "--slo", spec["slo"], "--json", "--margin", "0",
+                "--local-prefill-threshold", str(case.get("local_prefill_threshold", 512))]
+        if case.get("num_requests"):
+            plan += ["--num-requests", str(case["num_requests"])]
+        if case.get("length_scale"):
+            plan += ["--trace-length-scale", str(case["length_scale"])]
+        if str(wpath).endswith(".json"):
+            trace = workdir / f"{case['name']}.mooncake.jsonl"
+            plan += ["--write-trace", str(trace)]
+        pred = json.loads(subprocess.run(plan, check=True, capture_output=True,
+                                         text=True).stdout)
+        cfg = pred["configs"][0]
+        runs = []
+        for k in range(args.repeats):
+            t0 = time.monotonic()
+            runs.append(real_run(case, trace, args.model, spec["slo"], workdir, k))
+            sys.stderr.write(f"validate: {case['name']} run {k + 1}/{args.repeats} "
+                             f"({time.monotonic() - t0:.0f} s)\n")
+        row = {"config": case["config"], "workload": case["workload"], "profile": str(prof),
+               "predicted_meets": cfg["meets"], "compare": {}}
+        n = runs[0]["num_prompts"]
+        stats = STATS + ([("ttft", "p99"), ("tpot", "p99")] if n >= 1000 else [])
+        for m, s in stats:
+            meas = [r[f"{m}_ms"][s] for r in runs]
+            med = statistics.median(meas)
+            pv = cfg["result"][f"{m}_ms"][s]
+            row["compare"][f"{m}_{s}"] = {
+                "predicted": pv, "measured": meas, "measured_median": med,
+                "error": (pv - med) / med if med else None,
+                "spread": (max(meas) - min(meas)) / med if med else None}
+        good = [r["good_requests"] / r["num_prompts"] for r in runs]
+        row["goodput"] = {"predicted": cfg["goodput_fraction"], "measured": good}
+        slo = dict((k, float(v)) for k, v in (x.split(":") for x in spec["slo"].split(",")))
+        row["measured_meets"] = [all(r[f"{k.split('_')[0]}_ms"][k.split("_")[1]] <= v
+                                     for k, v in slo.items()) and r["failed"] == 0 for r in runs]
+        row["utilisation"] = cfg["result"]["busy"]
+        results[case["name"]] = row
+        pathlib.Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+        errs = ", ".join(f"{k} {v['error']:+.0%} (spread {v['spread']:.0%})"
+                         for k, v in row["compare"].items() if v["error"] is not None)
+        sys.stderr.write(f"validate: {case['name']}: {errs}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
