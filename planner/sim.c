@@ -8,6 +8,8 @@
 #include "common/kv/hash.h"
 #include "common/sched/core.h"
 
+const int32_t TD_STEP_HINGES[TD_STEP_N_HINGES] = {2, 4, 8, 16};
+
 /* sum of j and of j^2 for j = 1 .. n */
 static double sum1(double n) { return n * (n + 1) / 2; }
 static double sum2(double n) { return n * (n + 1) * (2 * n + 1) / 6; }
@@ -23,6 +25,8 @@ double td_step_model_eval(const td_step_model *m, int64_t n_tok, double attn, do
     double n = (double)n_tok;
     double t = m->c0 + m->c_tok * n + m->c_tok2 * n * n + m->c_attn * attn + m->c_attn2 * attn2 +
                m->c_ctx * ctx + m->c_seq * n_seq;
+    for (int k = 0; k < TD_STEP_N_HINGES; k++)
+        if (n_tok > TD_STEP_HINGES[k]) t += m->c_n[k] * (double)(n_tok - TD_STEP_HINGES[k]);
     return t > 0 ? t : 0;
 }
 

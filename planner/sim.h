@@ -31,16 +31,23 @@
 
 /* A step's duration in seconds from its batch:
  *   c0 + c_tok N + c_tok2 N^2 + c_attn A + c_attn2 A2 + c_ctx C + c_seq B
+ *      + sum over k of c_n[k] max(0, N - TD_STEP_HINGES[k])
  * N: tokens in the batch (a decode counts 1), A: attention pairs (over
  * the new tokens, the keys each reads: sum of positions pos0 + 1 ..
  * pos0 + chunk), A2: the same sum of squared positions (attention whose
  * cost per key grows with the context, as when the keys outgrow the
  * caches), C: the context the entries read (sum of pos0 + chunk: each
  * entry's keys and values read once, as a decode step reads them), B:
- * sequences in the batch. DistServe's prefill form (a + b T + c T^2) and
- * decode form (a + b sum(context) + c batch) are both cases of it. */
+ * sequences in the batch; the hinges make the cost per token piecewise
+ * linear in N (a matmul's batch regimes: their coefficients may be
+ * negative). DistServe's prefill form (a + b T + c T^2) and decode form
+ * (a + b sum(context) + c batch) are both cases of it. */
+#define TD_STEP_N_HINGES 4
+extern const int32_t TD_STEP_HINGES[TD_STEP_N_HINGES]; /* 2, 4, 8, 16 */
+
 typedef struct {
     double c0, c_tok, c_tok2, c_attn, c_attn2, c_ctx, c_seq;
+    double c_n[TD_STEP_N_HINGES];
 } td_step_model;
 
 /* A and A2 of one batch entry: chunk new tokens after pos0. */

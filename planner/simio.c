@@ -116,6 +116,8 @@ static td_status parse_instance(json_t *o, td_sim_instance *x, int32_t *count, c
         !opt_num(step, "c_attn", -1, 1, &m->c_attn) ||
         !opt_num(step, "c_attn2", -1, 1, &m->c_attn2) ||
         !opt_num(step, "c_ctx", -1, 1, &m->c_ctx) || !opt_num(step, "c_seq", -1, 1, &m->c_seq) ||
+        !opt_num(step, "c_n2", -1, 1, &m->c_n[0]) || !opt_num(step, "c_n4", -1, 1, &m->c_n[1]) ||
+        !opt_num(step, "c_n8", -1, 1, &m->c_n[2]) || !opt_num(step, "c_n16", -1, 1, &m->c_n[3]) ||
         !opt_num(o, "step_overhead_s", 0, 100, &x->step_overhead_s))
         return bad(why, n, "%s: a step coefficient is not a number or out of range", where);
     return TD_OK;

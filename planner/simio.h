@@ -15,7 +15,7 @@
  *                   "sched": {"max_running", "max_batch_tokens", "max_waiting",
  *                             "reserve_output_tokens", "max_ctx", "prefix_cache"},
  *                   "step": {"c0", "c_tok", "c_tok2", "c_attn", "c_attn2",
- *                            "c_ctx", "c_seq"},
+ *                            "c_ctx", "c_seq", "c_n2", "c_n4", "c_n8", "c_n16"},
  *                   "step_overhead_s": 0}, ...]}
  * A workload, JSON Lines, one request per line in arrival order:
  *   {"t": seconds, "seg": [[id, tokens], ...], "out": tokens}

@@ -78,8 +78,10 @@ def test_profile_contents(profiles, model):
     log = (pathlib.Path(p["workdir"]) / "up.err").read_text()
     m = re.search(r"KV pool (\d+) blocks x (\d+) tokens", log)
     assert (r["n_blocks"], r["block_size"]) == (int(m.group(1)), int(m.group(2)))
-    assert set(r["step"]) == {"c0", "c_tok", "c_tok2", "c_attn", "c_attn2", "c_ctx", "c_seq"}
-    assert all(v >= 0 for v in r["step"].values()) and r["step"]["c0"] + r["step"]["c_tok"] > 0
+    assert set(r["step"]) == {"c0", "c_tok", "c_tok2", "c_attn", "c_attn2", "c_ctx", "c_seq",
+                              "c_n2", "c_n4", "c_n8", "c_n16"}
+    assert all(v >= 0 for k, v in r["step"].items() if not k.startswith("c_n"))
+    assert r["step"]["c0"] + r["step"]["c_tok"] > 0
     fit = r["fit"]
     assert fit["n"] >= 20 and fit["by_kind"]["decode"]["n"] > 0
     assert fit["by_kind"]["prefill"]["n"] > 0

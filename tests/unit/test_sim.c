@@ -153,6 +153,13 @@ static void test_step_features(void **state) {
         .c0 = 1, .c_tok = 2, .c_tok2 = 3, .c_attn = 4, .c_attn2 = 5, .c_ctx = 6, .c_seq = 7};
     assert_float_equal(td_step_model_eval(&m, 10, 100, 1000, 50, 2),
                        1 + 20 + 300 + 400 + 5000 + 300 + 14, 1e-9);
+    /* the hinges at 2, 4, 8, 16 tokens: 10 tokens pass the first three */
+    m.c_n[0] = 0.5;
+    m.c_n[1] = -0.25;
+    m.c_n[2] = 1;
+    m.c_n[3] = 100;
+    assert_float_equal(td_step_model_eval(&m, 10, 100, 1000, 50, 2),
+                       1 + 20 + 300 + 400 + 5000 + 300 + 14 + 0.5 * 8 - 0.25 * 6 + 1 * 2, 1e-9);
 }
 
 static void test_bad_cluster(void **state) {

@@ -46,7 +46,9 @@ PROFILE_VERSION = 1
 SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
 SLO_STATS = ("p50", "p90", "p95", "p99", "mean")
 ROLE_KEYS = ("sched", "n_blocks", "block_size", "step", "fit", "overhead", "compat")
-STEP_KEYS = ("c0", "c_tok", "c_tok2", "c_attn", "c_attn2", "c_ctx", "c_seq")
+STEP_KEYS = ("c0", "c_tok", "c_tok2", "c_attn", "c_attn2", "c_ctx", "c_seq",
+             "c_n2", "c_n4", "c_n8", "c_n16")
+SIGNED_KEYS = ("c_n2", "c_n4", "c_n8", "c_n16")  # the hinges may lower the slope
 
 
 class PlanError(Exception):
@@ -109,8 +111,9 @@ def check_role(r, where):
         if k not in r:
             raise PlanError(f"{where}: missing {k}")
     for k in STEP_KEYS:
-        if _need(r["step"], k, "num", f"{where}.step") < 0:
-            raise PlanError(f"{where}.step: {k} is negative")
+        v = _need(r["step"], k, "num", f"{where}.step")
+        if (v < 0 and k not in SIGNED_KEYS) or abs(v) > 100:
+            raise PlanError(f"{where}.step: {k} is {'negative' if v < 0 else 'too large'}")
     for k in ("max_running", "max_batch_tokens", "max_waiting", "reserve_output_tokens",
               "max_ctx"):
         if _need(r["sched"], k, int, f"{where}.sched") < 0:
@@ -349,7 +352,8 @@ def step_time(role, n_tok, pos_tokens, n_seq):
     a = n_seq * (hi * (hi + 1) - lo * (lo + 1)) / 2.0
     a2 = n_seq * (hi * (hi + 1) * (2 * hi + 1) - lo * (lo + 1) * (2 * lo + 1)) / 6.0
     return (s["c0"] + s["c_tok"] * n_tok + s["c_tok2"] * n_tok ** 2 + s["c_attn"] * a
-            + s["c_attn2"] * a2 + s["c_ctx"] * n_seq * hi + s["c_seq"] * n_seq + ovh)
+            + s["c_attn2"] * a2 + s["c_ctx"] * n_seq * hi + s["c_seq"] * n_seq + ovh
+            + sum(s[f"c_n{k}"] * max(0.0, n_tok - k) for k in (2, 4, 8, 16)))
 
 
 def prefill_time(role, isl):

@@ -6,9 +6,11 @@ scheduler writing its step trace), sends controlled loads through the
 router with tandem bench's client, stops them, and fits from the traces:
 
   step model   forward = c0 + c_tok N + c_tok2 N^2 + c_attn A + c_attn2 A2
-               + c_ctx C + c_seq B over every step (N batch tokens, A
-               attention pairs, A2 their squared positions, C the context
-               read, B sequences: planner/sim.h), a non-negative
+               + c_ctx C + c_seq B + sum_k c_nk max(0, N - k) over every
+               step (N batch tokens, A attention pairs, A2 their squared
+               positions, C the context read, B sequences, the hinges at
+               k = 2, 4, 8, 16 a piecewise-linear cost per token: the
+               matmul's batch regimes; planner/sim.h), a
                least-squares fit of the relative error; it holds prefill as
                a function of the batch's new tokens and of its cached
                prefix (A grows with pos0), and decode as a function of the
@@ -52,14 +54,14 @@ import tempfile
 import time
 
 import numpy as np
-from scipy.optimize import nnls
+from scipy.optimize import lsq_linear, nnls
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "bench"))
 sys.path.insert(0, str(HERE))
 
 import serve_bench  # noqa: E402
-from steptrace import FEATURES, Trace, TraceError  # noqa: E402
+from steptrace import FEATURES, HINGES, SIGNED, Trace, TraceError  # noqa: E402
 
 PROFILE_VERSION = 1
 READY_RE = re.compile(r"^tandem up: ready http=(http://\S+) ")
@@ -227,8 +229,8 @@ def fit_steps(steps):
     count = {k: int((kinds == k).sum()) for k in set(kinds)}
     w = np.array([1.0 / np.sqrt(count[k]) for k in kinds])
     scale = np.maximum(np.abs(X).max(axis=0), 1e-30)  # conditioning
-    coef, _ = nnls(X / scale * (w / y)[:, None], w)
-    coef = coef / scale
+    lower = [-np.inf if f in SIGNED else 0.0 for f in FEATURES]
+    coef = lsq_linear(X / scale * (w / y)[:, None], w, bounds=(lower, np.inf)).x / scale
     pred = X @ coef
     rel = np.abs(pred - y) / y
 
@@ -239,9 +241,14 @@ def fit_steps(steps):
                 "rel_err_p90": float(np.percentile(rel[mask], 90)),
                 "rms_ms": float(1e3 * np.sqrt(np.mean((pred[mask] - y[mask]) ** 2)))}
 
-    fit = {"form": "forward = c0 + c_tok N + c_tok2 N^2 + c_attn A + c_attn2 A2 + c_ctx C + c_seq B",
-           "method": "non-negative least squares of the relative error, each step kind "
-                     "weighing the same",
+    c = dict(zip(FEATURES, coef))
+    slopes = [c["c_tok"] + sum(c[f"c_n{k}"] for k in HINGES if k < edge) for edge in
+              (*HINGES, HINGES[-1] + 1)]
+    fit = {"form": "forward = c0 + c_tok N + c_tok2 N^2 + c_attn A + c_attn2 A2 + c_ctx C + c_seq B"
+                   " + sum_k c_nk max(0, N - k), k in 2, 4, 8, 16",
+           "method": "least squares of the relative error, each step kind weighing the same; "
+                     "every coefficient >= 0 but the hinges'",
+           "monotone_in_tokens": bool(min(slopes) >= 0),
            **stats(np.ones(len(y), bool)),
            "by_kind": {k: stats(kinds == k) for k in ("prefill", "decode", "mixed")}}
     gaps = np.array([s.gap for s in steps if s.gap is not None and s.gap >= 0]) \

@@ -104,7 +104,8 @@ def write(out, path, runs):
         "<title>tandem plan</title><style>body{font-family:sans-serif;margin:2em;max-width:1000px}"
         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;"
         "text-align:right}tr.ok{background:#eaffea}tr.miss{background:#fff0f0}"
-        ".answer{font-size:1.2em}figure{margin:1em 0}</style></head><body>",
+        ".answer{font-size:1.2em}figure{margin:1em 0}pre{white-space:pre-wrap}</style>"
+        "</head><body>",
         "<h1>tandem plan</h1>",
         f"<p>Workload {e(str(w.get('file', '')))}: {w['requests']} requests at "
         f"{w['rate']:.3g} req/s, mean input {w['input_mean']:.0f} and output "

@@ -7,6 +7,7 @@ of their positions pos0 + 1 .. pos0 + chunk), A2 the sum of the squared
 positions, C the context the entries read (sum of pos0 + chunk), B
 sequences. The step model is
     forward = c0 + c_tok N + c_tok2 N^2 + c_attn A + c_attn2 A2 + c_ctx C + c_seq B
+              + sum over k in (2, 4, 8, 16) of c_nk max(0, N - k)
 fitted to each step's forward time; the scheduler's own time per step is
 the gap from a step's end to the next one's start while it is busy (the
 next step continues a sequence of this one).
@@ -14,7 +15,10 @@ next step continues a sequence of this one).
 
 import json
 
-FEATURES = ("c0", "c_tok", "c_tok2", "c_attn", "c_attn2", "c_ctx", "c_seq")
+FEATURES = ("c0", "c_tok", "c_tok2", "c_attn", "c_attn2", "c_ctx", "c_seq",
+            "c_n2", "c_n4", "c_n8", "c_n16")
+HINGES = (2, 4, 8, 16)  # max(0, N - k): the cost per token piecewise linear in N
+SIGNED = ("c_n2", "c_n4", "c_n8", "c_n16")  # a hinge may lower the slope
 
 
 def attn(pos0, chunk):
@@ -44,7 +48,8 @@ class Step:
             a += x
             a2 += x2
             c += pos0 + chunk
-        return (1.0, float(n), float(n) * n, a, a2, c, float(len(self.entries)))
+        return (1.0, float(n), float(n) * n, a, a2, c, float(len(self.entries)),
+                *(float(max(0, n - k)) for k in HINGES))
 
     def kind(self):
         if all(e[2] == 1 for e in self.entries):

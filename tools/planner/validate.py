@@ -86,6 +86,20 @@ def real_run(case, trace, model, slo, workdir, k):
         err.close()
 
 
+def measured_runs(row, n_prompts):
+    """The runs of an earlier result, as far as the comparison needs them."""
+    n = len(row["goodput"]["measured"])
+    runs = [{"num_prompts": n_prompts, "failed": 0} for _ in range(n)]
+    for key, c in row["compare"].items():
+        m, s = key.split("_")
+        for r, v in zip(runs, c["measured"]):
+            r.setdefault(f"{m}_ms", {})[s] = v
+    for r, g, ok in zip(runs, row["goodput"]["measured"], row["measured_meets"]):
+        r["good_fraction"] = g
+        r["meets"] = ok
+    return runs
+
+
 def slo_bounds(slo):
     out = {}
     for part in slo.split(","):
@@ -102,11 +116,15 @@ def main(argv):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", help="run only the cases whose name contains this")
     p.add_argument("--model")
+    p.add_argument("--reuse", metavar="RESULTS.json",
+                   help="take the measured runs from an earlier result (the same cases and "
+                   "workloads) and predict again: for a changed profile or model")
     args = p.parse_args(argv)
     spec = json.loads(pathlib.Path(args.cases).read_text())
     base = pathlib.Path(args.cases).parent
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-validate-"))
     results = json.loads(pathlib.Path(args.out).read_text()) if os.path.exists(args.out) else {}
+    reuse = json.loads(pathlib.Path(args.reuse).read_text()) if args.reuse else {}
     for case in spec["cases"]:
         if args.only and args.only not in case["name"]:
             continue
@@ -127,7 +145,9 @@ def main(argv):
                                          text=True).stdout)
         cfg = pred["configs"][0]
         runs = []
-        for k in range(args.repeats):
+        if case["name"] in reuse:
+            runs = measured_runs(reuse[case["name"]], pred["workload"]["requests"])
+        for k in range(len(runs), args.repeats):
             t0 = time.monotonic()
             runs.append(real_run(case, trace, args.model, spec["slo"], workdir, k))
             sys.stderr.write(f"validate: {case['name']} run {k + 1}/{args.repeats} "
@@ -144,10 +164,13 @@ def main(argv):
                 "predicted": pv, "measured": meas, "measured_median": med,
                 "error": (pv - med) / med if med else None,
                 "spread": (max(meas) - min(meas)) / med if med else None}
-        good = [r["good_requests"] / r["num_prompts"] for r in runs]
+        good = [r["good_fraction"] if "good_fraction" in r else r["good_requests"] / r["num_prompts"]
+                for r in runs]
         row["goodput"] = {"predicted": cfg["goodput_fraction"], "measured": good}
+        row["num_prompts"] = n
         slo = dict((k, float(v)) for k, v in (x.split(":") for x in spec["slo"].split(",")))
-        row["measured_meets"] = [all(r[f"{k.split('_')[0]}_ms"][k.split("_")[1]] <= v
+        row["measured_meets"] = [r["meets"] if "meets" in r else
+                                 all(r[f"{k.split('_')[0]}_ms"][k.split("_")[1]] <= v
                                      for k, v in slo.items()) and r["failed"] == 0 for r in runs]
         row["utilisation"] = cfg["result"]["busy"]
         results[case["name"]] = row
