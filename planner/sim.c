@@ -469,7 +469,7 @@ static void xfer_done(sim *s, int32_t ri) {
 
 /* ---- the run ---- */
 
-static td_status bad(char *why, size_t n, const char *fmt, ...) {
+td_status td_sim_invalid(char *why, size_t n, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     if (why && n) vsnprintf(why, n, fmt, ap);
@@ -479,7 +479,7 @@ static td_status bad(char *why, size_t n, const char *fmt, ...) {
 
 static td_status check_cluster(const td_sim_cluster *c, char *why, size_t n) {
     if (c->n_inst < 1 || c->n_inst > TD_SIM_MAX_INSTANCES)
-        return bad(why, n, "a cluster has 1 to %d instances", TD_SIM_MAX_INSTANCES);
+        return td_sim_invalid(why, n, "a cluster has 1 to %d instances", TD_SIM_MAX_INSTANCES);
     int32_t n_d = 0, n_p = 0;
     for (int32_t i = 0; i < c->n_inst; i++) {
         const td_sim_instance *x = &c->inst[i];
@@ -487,22 +487,24 @@ static td_status check_cluster(const td_sim_cluster *c, char *why, size_t n) {
         if (p->max_running < 1 || p->max_batch_tokens < p->max_running || p->max_waiting < 0 ||
             p->reserve_output_tokens < 0 || p->max_ctx < 2 || x->block_size < 1 ||
             x->n_blocks < 1 || (int64_t)x->n_blocks * x->block_size < p->max_ctx)
-            return bad(why, n,
-                       "instance %d: its scheduler parameters or pool cannot run (a pool of at "
-                       "least max_ctx tokens, max_batch_tokens >= max_running)",
-                       i);
+            return td_sim_invalid(
+                why, n,
+                "instance %d: its scheduler parameters or pool cannot run (a pool of at "
+                "least max_ctx tokens, max_batch_tokens >= max_running)",
+                i);
         if (x->block_size != c->inst[0].block_size ||
             memcmp(&p->compat, &c->inst[0].sched.compat, sizeof p->compat) != 0)
-            return bad(why, n, "instance %d: another block size or compatibility hash", i);
+            return td_sim_invalid(why, n, "instance %d: another block size or compatibility hash",
+                                  i);
         n_p += x->role == TD_SIM_PREFILL;
         n_d += x->role != TD_SIM_PREFILL;
         if (x->role == TD_SIM_DECODE && !c->router)
-            return bad(why, n, "decode instances need the router");
+            return td_sim_invalid(why, n, "decode instances need the router");
     }
-    if (n_d == 0) return bad(why, n, "no decode or colocated instance");
+    if (n_d == 0) return td_sim_invalid(why, n, "no decode or colocated instance");
     if (!c->router && c->n_inst != 1)
-        return bad(why, n, "without the router a cluster is one instance");
-    if (n_p && !c->router) return bad(why, n, "prefill instances need the router");
+        return td_sim_invalid(why, n, "without the router a cluster is one instance");
+    if (n_p && !c->router) return td_sim_invalid(why, n, "prefill instances need the router");
     return TD_OK;
 }
 
@@ -515,15 +517,17 @@ td_status td_sim_run(const td_sim_cluster *c, const td_sim_request *reqs, int32_
     for (int32_t i = 0; i < n; i++) {
         int64_t len = 0;
         for (int32_t k = 0; k < reqs[i].n_seg; k++) {
-            if (reqs[i].seg[k].n_tokens < 0) return bad(why, why_len, "request %d: bad segment", i);
+            if (reqs[i].seg[k].n_tokens < 0)
+                return td_sim_invalid(why, why_len, "request %d: bad segment", i);
             len += reqs[i].seg[k].n_tokens;
         }
         if (len < 1 || len > (1 << 24) || reqs[i].n_output < 1 || !(reqs[i].t_arrival >= 0) ||
             (i > 0 && reqs[i].t_arrival < reqs[i - 1].t_arrival))
-            return bad(why, why_len,
-                       "request %d: a prompt of 1 to 2^24 tokens, an output of >= 1, arrivals "
-                       "in order",
-                       i);
+            return td_sim_invalid(
+                why, why_len,
+                "request %d: a prompt of 1 to 2^24 tokens, an output of >= 1, arrivals "
+                "in order",
+                i);
     }
     memset(out, 0, (size_t)n * sizeof *out);
     sim *s = calloc(1, sizeof *s);

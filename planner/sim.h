@@ -24,6 +24,7 @@
 #define TD_PLANNER_SIM_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "common/route/score.h"
@@ -120,5 +121,9 @@ typedef struct {
 td_status td_sim_run(const td_sim_cluster *c, const td_sim_request *reqs, int32_t n,
                      bool collect_itl, td_sim_outcome *out, td_sim_stats *stats, char *why,
                      size_t why_len);
+
+/* TD_ERR_INVALID, with the message written into why (why_len; NULL: none). */
+td_status td_sim_invalid(char *why, size_t why_len, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 
 #endif

@@ -3,18 +3,9 @@
 
 #include <errno.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static td_status bad(char *why, size_t n, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    if (why && n) vsnprintf(why, n, fmt, ap);
-    va_end(ap);
-    return TD_ERR_INVALID;
-}
 
 /* ---- clusters ---- */
 
@@ -50,13 +41,13 @@ static td_status parse_score(json_t *o, td_rt_score_params *sp, const char *wher
                              size_t n) {
     *sp = td_rt_score_default_params();
     if (!o) return TD_OK;
-    if (!json_is_object(o)) return bad(why, n, "%s: score must be an object", where);
+    if (!json_is_object(o)) return td_sim_invalid(why, n, "%s: score must be an object", where);
     json_t *pol = json_object_get(o, "policy");
     if (pol) {
         int p = json_is_string(pol) ? td_rt_policy_parse(json_string_value(pol)) : -1;
         if (p < 0)
-            return bad(why, n, "%s: score.policy is kv-aware, round-robin, random or least-loaded",
-                       where);
+            return td_sim_invalid(
+                why, n, "%s: score.policy is kv-aware, round-robin, random or least-loaded", where);
         sp->policy = (td_rt_policy)p;
     }
     int32_t sat = sp->prefill_saturated_tokens > INT32_MAX ? INT32_MAX
@@ -70,17 +61,18 @@ static td_status parse_score(json_t *o, td_rt_score_params *sp, const char *wher
         !opt_int(o, "local_prefill_max_tokens", 0, 1 << 24, &sp->local_prefill_max_tokens) ||
         !opt_int(o, "prefill_saturated_tokens", 1, INT32_MAX, &sat) ||
         !opt_int(o, "reserve_output_tokens", 0, 1 << 24, &sp->reserve_output_tokens))
-        return bad(why, n, "%s: a score field out of range or not a number", where);
+        return td_sim_invalid(why, n, "%s: a score field out of range or not a number", where);
     sp->prefill_saturated_tokens = sat;
     return TD_OK;
 }
 
 static td_status parse_instance(json_t *o, td_sim_instance *x, int32_t *count, const char *where,
                                 char *why, size_t n) {
-    if (!json_is_object(o)) return bad(why, n, "%s: an instance must be an object", where);
+    if (!json_is_object(o))
+        return td_sim_invalid(why, n, "%s: an instance must be an object", where);
     memset(x, 0, sizeof *x);
     const char *role = json_string_value(json_object_get(o, "role"));
-    if (!role) return bad(why, n, "%s: role is colocated, prefill or decode", where);
+    if (!role) return td_sim_invalid(why, n, "%s: role is colocated, prefill or decode", where);
     if (strcmp(role, "colocated") == 0)
         x->role = TD_SIM_COLOCATED;
     else if (strcmp(role, "prefill") == 0)
@@ -88,7 +80,8 @@ static td_status parse_instance(json_t *o, td_sim_instance *x, int32_t *count, c
     else if (strcmp(role, "decode") == 0)
         x->role = TD_SIM_DECODE;
     else
-        return bad(why, n, "%s: role '%s' is not colocated, prefill or decode", where, role);
+        return td_sim_invalid(why, n, "%s: role '%s' is not colocated, prefill or decode", where,
+                              role);
     *count = 1;
     x->block_size = 16;
     x->n_blocks = 0;
@@ -97,10 +90,11 @@ static td_status parse_instance(json_t *o, td_sim_instance *x, int32_t *count, c
     if (!opt_int(o, "count", 1, TD_SIM_MAX_INSTANCES, count) ||
         !opt_int(o, "block_size", 1, 4096, &x->block_size) ||
         !opt_int(o, "n_blocks", 1, 1 << 24, &x->n_blocks) || x->n_blocks < 1)
-        return bad(why, n, "%s: count (1-%d), n_blocks (required, >= 1) or block_size bad", where,
-                   TD_SIM_MAX_INSTANCES);
+        return td_sim_invalid(why, n,
+                              "%s: count (1-%d), n_blocks (required, >= 1) or block_size bad",
+                              where, TD_SIM_MAX_INSTANCES);
     if (!json_is_object(sc) || !json_is_object(step))
-        return bad(why, n, "%s: sched and step must be objects", where);
+        return td_sim_invalid(why, n, "%s: sched and step must be objects", where);
     td_sched_params *p = &x->sched;
     p->max_ctx = 0;
     if (!opt_int(sc, "max_running", 1, 1 << 16, &p->max_running) ||
@@ -109,7 +103,7 @@ static td_status parse_instance(json_t *o, td_sim_instance *x, int32_t *count, c
         !opt_int(sc, "reserve_output_tokens", 0, 1 << 24, &p->reserve_output_tokens) ||
         !opt_int(sc, "max_ctx", 2, 1 << 24, &p->max_ctx) || p->max_ctx < 2 ||
         !opt_bool(sc, "prefix_cache", &p->prefix_cache))
-        return bad(why, n, "%s: a sched field out of range (max_ctx required)", where);
+        return td_sim_invalid(why, n, "%s: a sched field out of range (max_ctx required)", where);
     td_step_model *m = &x->step;
     if (!opt_num(step, "c0", -10, 100, &m->c0) || !opt_num(step, "c_tok", -1, 1, &m->c_tok) ||
         !opt_num(step, "c_tok2", -1, 1, &m->c_tok2) ||
@@ -119,14 +113,15 @@ static td_status parse_instance(json_t *o, td_sim_instance *x, int32_t *count, c
         !opt_num(step, "c_n2", -1, 1, &m->c_n[0]) || !opt_num(step, "c_n4", -1, 1, &m->c_n[1]) ||
         !opt_num(step, "c_n8", -1, 1, &m->c_n[2]) || !opt_num(step, "c_n16", -1, 1, &m->c_n[3]) ||
         !opt_num(o, "step_overhead_s", 0, 100, &x->step_overhead_s))
-        return bad(why, n, "%s: a step coefficient is not a number or out of range", where);
+        return td_sim_invalid(why, n, "%s: a step coefficient is not a number or out of range",
+                              where);
     return TD_OK;
 }
 
 static td_status parse_cluster(json_t *o, td_sim_named_cluster *nc, const char *where, char *why,
                                size_t n) {
     memset(nc, 0, sizeof *nc);
-    if (!json_is_object(o)) return bad(why, n, "%s: a cluster must be an object", where);
+    if (!json_is_object(o)) return td_sim_invalid(why, n, "%s: a cluster must be an object", where);
     td_sim_cluster *c = &nc->c;
     const char *name = json_string_value(json_object_get(o, "name"));
     snprintf(nc->name, sizeof nc->name, "%s", name ? name : "");
@@ -135,13 +130,13 @@ static td_status parse_cluster(json_t *o, td_sim_named_cluster *nc, const char *
         !opt_num(o, "xfer_s_per_token", 0, 1, &c->xfer_s_per_token) ||
         !opt_num(o, "xfer_fixed_s", 0, 100, &c->xfer_fixed_s) ||
         !opt_num(o, "request_overhead_s", 0, 100, &c->request_overhead_s))
-        return bad(why, n, "%s: router, xfer_s_per_token, xfer_fixed_s or request_overhead_s bad",
-                   where);
+        return td_sim_invalid(
+            why, n, "%s: router, xfer_s_per_token, xfer_fixed_s or request_overhead_s bad", where);
     td_status st = parse_score(json_object_get(o, "score"), &c->score, where, why, n);
     if (st != TD_OK) return st;
     json_t *arr = json_object_get(o, "instances");
     if (!json_is_array(arr) || json_array_size(arr) == 0)
-        return bad(why, n, "%s: instances must be a non-empty array", where);
+        return td_sim_invalid(why, n, "%s: instances must be a non-empty array", where);
     size_t i;
     json_t *v;
     json_array_foreach(arr, i, v) {
@@ -152,7 +147,8 @@ static td_status parse_cluster(json_t *o, td_sim_named_cluster *nc, const char *
         st = parse_instance(v, &x, &count, w, why, n);
         if (st != TD_OK) return st;
         if (c->n_inst + count > TD_SIM_MAX_INSTANCES)
-            return bad(why, n, "%s: more than %d instances", where, TD_SIM_MAX_INSTANCES);
+            return td_sim_invalid(why, n, "%s: more than %d instances", where,
+                                  TD_SIM_MAX_INSTANCES);
         for (int32_t k = 0; k < count; k++) c->inst[c->n_inst++] = x;
     }
     return TD_OK;
@@ -165,10 +161,10 @@ td_status td_sim_read_clusters(const char *path, td_sim_named_cluster **out, int
     *is_array = false;
     json_error_t err;
     json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &err);
-    if (!root) return bad(why, why_len, "%s:%d: %s", path, err.line, err.text);
+    if (!root) return td_sim_invalid(why, why_len, "%s:%d: %s", path, err.line, err.text);
     size_t count = json_is_array(root) ? json_array_size(root) : 1;
     td_status st = TD_OK;
-    if (count == 0 || count > 100000) st = bad(why, why_len, "%s: no cluster", path);
+    if (count == 0 || count > 100000) st = td_sim_invalid(why, why_len, "%s: no cluster", path);
     td_sim_named_cluster *v = st == TD_OK ? calloc(count, sizeof *v) : NULL;
     if (st == TD_OK && !v) st = TD_ERR_NOMEM;
     for (size_t i = 0; st == TD_OK && i < count; i++) {
@@ -248,7 +244,7 @@ static bool parse_request(json_t *o, td_sim_workload *w, int64_t *seg_cap, td_si
 td_status td_sim_read_workload(const char *path, td_sim_workload *w, char *why, size_t why_len) {
     memset(w, 0, sizeof *w);
     FILE *f = fopen(path, "r");
-    if (!f) return bad(why, why_len, "%s: %s", path, strerror(errno));
+    if (!f) return td_sim_invalid(why, why_len, "%s: %s", path, strerror(errno));
     int64_t cap = 0, seg_cap = 0, *seg_at = NULL, at_cap = 0, line = 0;
     char *buf = NULL;
     size_t buf_len = 0;
@@ -264,7 +260,8 @@ td_status td_sim_read_workload(const char *path, td_sim_workload *w, char *why, 
             k++;
         if (k == (size_t)len) continue; /* a blank line */
         if (w->n >= (1 << 24)) {
-            st = bad(why, why_len, "%s:%lld: more than 2^24 requests", path, (long long)line);
+            st = td_sim_invalid(why, why_len, "%s:%lld: more than 2^24 requests", path,
+                                (long long)line);
             break;
         }
         if (!grow((void **)&w->reqs, &cap, w->n + 1, sizeof *w->reqs) ||
@@ -282,22 +279,24 @@ td_status td_sim_read_workload(const char *path, td_sim_workload *w, char *why, 
             break;
         }
         if (!ok) {
-            st = bad(why, why_len,
-                     o ? "%s:%lld: expected {\"t\": seconds >= 0, \"seg\": [[id >= -1, tokens "
-                         ">= 1], ...], \"out\": tokens >= 1}"
-                       : "%s:%lld: not JSON",
-                     path, (long long)line);
+            st = td_sim_invalid(
+                why, why_len,
+                o ? "%s:%lld: expected {\"t\": seconds >= 0, \"seg\": [[id >= -1, tokens "
+                    ">= 1], ...], \"out\": tokens >= 1}"
+                  : "%s:%lld: not JSON",
+                path, (long long)line);
             break;
         }
         if (w->n > 0 && r->t_arrival < w->reqs[w->n - 1].t_arrival) {
-            st = bad(why, why_len, "%s:%lld: arrivals must be in order (t %.6g after %.6g)", path,
-                     (long long)line, r->t_arrival, w->reqs[w->n - 1].t_arrival);
+            st = td_sim_invalid(why, why_len,
+                                "%s:%lld: arrivals must be in order (t %.6g after %.6g)", path,
+                                (long long)line, r->t_arrival, w->reqs[w->n - 1].t_arrival);
             break;
         }
         w->n++;
     }
-    if (st == TD_OK && ferror(f)) st = bad(why, why_len, "%s: read error", path);
-    if (st == TD_OK && w->n == 0) st = bad(why, why_len, "%s: no requests", path);
+    if (st == TD_OK && ferror(f)) st = td_sim_invalid(why, why_len, "%s: read error", path);
+    if (st == TD_OK && w->n == 0) st = td_sim_invalid(why, why_len, "%s: no requests", path);
     fclose(f);
     free(buf);
     for (int32_t i = 0; st == TD_OK && i < w->n; i++) w->reqs[i].seg = w->segs + seg_at[i];
