@@ -32,9 +32,9 @@ from conftest import manifest_model, scaled
 SLO_EASY = "ttft_p90:60000,tpot_p90:10000"
 
 
-def run(tandem_bin, *args, timeout=300, check=True):
+def run(tandem_bin, *args, timeout=300, check=True, env=None):
     p = subprocess.run([str(tandem_bin), *map(str, args)], capture_output=True, text=True,
-                       timeout=scaled(timeout))
+                       timeout=scaled(timeout), env=env)
     if check:
         assert p.returncode == 0, p.stderr[-3000:]
     return p
@@ -115,8 +115,13 @@ def test_plan_answer_and_deploy(tandem_bin, profiles, tmp_path):
         assert (reps["tandem-prefill"], reps["tandem-decode"]) == (ans["shape"]["prefill"],
                                                                    ans["shape"]["decode"])
     assert out["keda"]["tandem-decode"]["threshold"] >= 1
-    text = plan(tandem_bin, profiles, w, "--slo", SLO_EASY, "--max-instances", 3).stdout
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    text = run(tandem_bin, "plan", "--profile", profiles["colocated"], "--profile",
+               profiles["both"], "--workload", w, "--slo", SLO_EASY, "--max-instances", 3,
+               env=dict(os.environ, TMPDIR=str(tmp))).stdout
     assert f"answer: {ans['config']}" in text and "kustomize overlay" in text
+    assert not list(tmp.iterdir())  # its work directory removed
 
 
 def test_unmeetable_slo(tandem_bin, profiles, tmp_path):

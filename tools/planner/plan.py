@@ -32,6 +32,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -604,6 +605,13 @@ def run(args):
     rows, summary, scale = wl.load(args.workload, args.trace_format, args.trace_speed,
                                    args.trace_length_scale, args.num_requests)
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-plan-"))
+    try:
+        return plan_in(args, t_start, slo, cost, profiles, rows, summary, scale, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def plan_in(args, t_start, slo, cost, profiles, rows, summary, scale, workdir):
     if args.write_trace:
         wl.write_mooncake(rows, args.write_trace)
     wpath = workdir / "workload.jsonl"
@@ -669,7 +677,7 @@ def run(args):
             for k, r in best["margin_ratio"].items() if r > 1.0}}
         if best["failed"]:
             out["best"]["misses"]["failed_requests"] = {"predicted": best["failed"], "bound": 0,
-                                                       "over_pct": math.inf}
+                                                       "over_pct": None}
     for c in configs:  # the per-config result stays in --json, trimmed
         c["result"] = {k: c["result"][k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "busy",
                                                     "preemptions", "remote_prefills",
@@ -677,8 +685,18 @@ def run(args):
                                                     "sim_requests_per_s", "duration_s")}
     if args.report:
         import report
-        report.write(out, args.report, [json.loads(pathlib.Path(v).read_text())
-                                        for v in args.validation])
+        runs = []
+        for v in args.validation:
+            try:
+                runs.append(json.loads(pathlib.Path(v).read_text()))
+            except (OSError, ValueError) as e:
+                raise PlanError(f"--validation {v}: not a readable tandem bench --json report ({e})")
+            if not isinstance(runs[-1], dict) or "ttft_ms" not in runs[-1]:
+                raise PlanError(f"--validation {v}: not a tandem bench --json report")
+        try:
+            report.write(out, args.report, runs)
+        except OSError as e:
+            raise PlanError(f"--report {args.report}: {e.strerror}")
     return out
 
 

@@ -218,9 +218,9 @@ def fit_steps(steps):
     time; its coefficients, residuals and the scheduler's own time per
     step (the gap before the next step that continued it)."""
     rows = [s for s in steps if s.dt > 0]
-    if len(rows) < 2 * len(FEATURES):
+    if len(rows) < len(FEATURES) + 2:
         raise ProfileError(f"only {len(rows)} steps to fit the step model from (need "
-                           f"{2 * len(FEATURES)})")
+                           f"{len(FEATURES) + 2})")
     X = np.array([s.features() for s in rows])
     y = np.array([s.dt for s in rows])
     kinds = np.array([s.kind() for s in rows])

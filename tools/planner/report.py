@@ -97,7 +97,9 @@ def write(out, path, runs):
         b = out["best"]
         head = (f"<p class='answer miss'>No configuration within {out['max_instances']} "
                 f"instances meets the SLOs; the best, <b>{e(b['config'])}</b>, misses "
-                + ", ".join(f"{e(k)} by {m['over_pct']:.0f}%" for k, m in b["misses"].items())
+                + ", ".join(f"{e(k)} by {m['over_pct']:.0f}%" if m["over_pct"] is not None
+                            else f"{m['predicted']} failed requests"
+                            for k, m in b["misses"].items())
                 + ".</p>")
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
