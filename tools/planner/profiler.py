@@ -347,11 +347,11 @@ def run(args, extra):
             if plan is None:
                 plan = loads(int(wait_header(workdir / f"{first}{tag}.jsonl")["max_ctx"]),
                              args.quick)
-            todo = [x for x in plan if which == "all" or x[2]]
-            for k, (name, flags, _) in enumerate(todo):
-                progress(k, len(todo), tag[1:] + " " + name if tag else name)
+            to_run = [x for x in plan if which == "all" or x[2]]
+            for k, (name, flags, _) in enumerate(to_run):
+                progress(k, len(to_run), tag[1:] + " " + name if tag else name)
                 reports[tag + name] = bench(cl.url, workdir, tag + name, 1000 + k, *flags)
-            progress(len(todo), len(todo), "done")
+            progress(len(to_run), len(to_run), "done")
         finally:
             cl.stop()
     return analyse(args, extra, model, workdir, plan, reports)
