@@ -48,6 +48,10 @@ typedef struct {
     td_sched_core core;
     bool busy, kick_pending;
     int32_t n_batch;
+    /* the router's view of it (poll_interval_s > 0) */
+    td_rt_inst polled;                       /* its figures at the last poll */
+    int64_t pending_blocks, pending_prefill; /* routed to it since that poll */
+    int32_t in_flight;                       /* requests it decodes, routed and not ended */
 } sinst;
 
 typedef struct {
@@ -63,7 +67,7 @@ typedef struct {
     bool done;
 } sreq;
 
-typedef enum { EV_ARRIVAL, EV_STEP_END, EV_XFER_DONE, EV_KICK } ev_kind;
+typedef enum { EV_ARRIVAL, EV_STEP_END, EV_XFER_DONE, EV_KICK, EV_POLL } ev_kind;
 
 typedef struct {
     double t;
@@ -93,6 +97,7 @@ struct sim {
     int32_t *overlap;
     int32_t block_size;
     td_kv_hash compat;
+    bool changed; /* an instance stepped or took a transfer since the last poll */
     bool oom;
 };
 
@@ -186,6 +191,7 @@ static void req_finish(sim *s, int32_t ri) {
     o->e2e = r->t_last - s->reqs[ri].t_arrival + ov;
     o->tpot = r->n_out > 1 ? (r->t_last - r->t_first) / (r->n_out - 1) : 0;
     r->done = true;
+    if (s->c->router) s->inst[r->d].in_flight--;
 }
 
 static void req_fail(sim *s, int32_t ri) {
@@ -266,6 +272,22 @@ static void on_preempted(void *ctx, td_sched_seq *cq) {
     in->s->st->preemptions++;
 }
 
+/* The figures an instance publishes (sched.c publish_stats, the state the
+ * router polls). */
+static void inst_figures(const sinst *in, td_rt_inst *x) {
+    td_kv_counts kc;
+    td_kv_pool_counts(in->kv, &kc);
+    memset(x, 0, sizeof *x);
+    x->prefill = in->cfg.role == TD_SIM_PREFILL;
+    x->block_size = in->cfg.block_size;
+    x->queued_prefill_tokens = td_sched_core_queued_prefill_tokens(&in->core);
+    x->kv_free = td_kv_pool_n_free(in->kv);
+    x->kv_used = kc.used;
+    x->kv_total = kc.total;
+    x->running = in->core.n_running;
+    x->waiting = td_sched_core_n_waiting(&in->core);
+}
+
 /* Instance i can take request ri into its queue now (the submit checks of
  * td_sched_submit: the queue's bound). */
 static bool queue_has_room(const sinst *in) {
@@ -314,18 +336,16 @@ static bool route(sim *s, int32_t ri) {
     for (int32_t i = 0; i < c->n_inst; i++) {
         sinst *in = &s->inst[i];
         td_rt_inst *x = &s->rt[i];
-        td_kv_counts kc;
-        td_kv_pool_counts(in->kv, &kc);
-        memset(x, 0, sizeof *x);
-        x->prefill = in->cfg.role == TD_SIM_PREFILL;
+        if (c->poll_interval_s > 0) {
+            /* as router/route.c adds them up */
+            *x = in->polled;
+            x->queued_prefill_tokens += in->pending_prefill;
+            x->pending_blocks = in->pending_blocks;
+            x->running += in->in_flight;
+        } else {
+            inst_figures(in, x);
+        }
         x->usable = x->prefill || queue_has_room(in);
-        x->block_size = in->cfg.block_size;
-        x->queued_prefill_tokens = td_sched_core_queued_prefill_tokens(&in->core);
-        x->kv_free = td_kv_pool_n_free(in->kv);
-        x->kv_used = kc.used;
-        x->kv_total = kc.total;
-        x->running = in->core.n_running;
-        x->waiting = td_sched_core_n_waiting(&in->core);
         s->overlap[i] = td_kv_cache_probe(in->kv, r->hashes, n_full);
     }
     td_rt_choice ch;
@@ -339,6 +359,12 @@ static bool route(sim *s, int32_t ri) {
         req_fail(s, ri);
         return true;
     }
+    /* what the router adds to its view until its next poll */
+    sinst *pi = &s->inst[ch.p >= 0 ? ch.p : ch.d];
+    int64_t uncached = (int64_t)r->n_prompt - (int64_t)s->overlap[pi->index] * s->block_size;
+    pi->pending_prefill += TD_MAX(uncached, 0);
+    s->inst[ch.d].pending_blocks += ch.need_blocks;
+    s->inst[ch.d].in_flight++;
     submit_to(s, ri, ch.d, ch.p);
     return true;
 }
@@ -350,6 +376,22 @@ static void drain_router_queue(sim *s) {
         s->q_head++;
         s->q_len--;
     }
+}
+
+/* The router's poll round: every instance's figures afresh, what it routed
+ * since forgotten, its queue tried again (router/poller.c). The next round
+ * is due while anything can still change. */
+static void poll_round(sim *s) {
+    for (int32_t i = 0; i < s->c->n_inst; i++) {
+        sinst *in = &s->inst[i];
+        inst_figures(in, &in->polled);
+        in->pending_blocks = in->pending_prefill = 0;
+    }
+    s->st->polls++;
+    s->changed = false;
+    drain_router_queue(s);
+    if (s->n_heap > 0 || (s->q_len > 0 && s->changed))
+        push(s, s->now + s->c->poll_interval_s, EV_POLL, 0);
 }
 
 static void arrive(sim *s, int32_t ri) {
@@ -422,6 +464,7 @@ static void step_start(sinst *in) {
 
 static void step_end(sinst *in) {
     sim *s = in->s;
+    s->changed = true;
     for (int32_t j = 0; j < in->n_batch; j++) {
         sseq *q = (sseq *)in->core.batch[j];
         bool logits = td_sched_core_has_logits(&q->c);
@@ -454,6 +497,7 @@ static void step_end(sinst *in) {
 
 static void xfer_done(sim *s, int32_t ri) {
     sreq *r = &s->r[ri];
+    s->changed = true;
     sinst *p = &s->inst[r->p], *d = &s->inst[r->d];
     td_kv_block_free(p->kv, r->held, r->n_held);
     free(r->held);
@@ -502,6 +546,8 @@ static td_status check_cluster(const td_sim_cluster *c, char *why, size_t n) {
             return td_sim_invalid(why, n, "decode instances need the router");
     }
     if (n_d == 0) return td_sim_invalid(why, n, "no decode or colocated instance");
+    if (!(c->poll_interval_s == 0 || (c->poll_interval_s >= 1e-3 && c->poll_interval_s <= 60)))
+        return td_sim_invalid(why, n, "the router's poll interval is 0 or 0.001 to 60 s");
     if (!c->router && c->n_inst != 1)
         return td_sim_invalid(why, n, "without the router a cluster is one instance");
     if (n_p && !c->router) return td_sim_invalid(why, n, "prefill instances need the router");
@@ -564,6 +610,7 @@ td_status td_sim_run(const td_sim_cluster *c, const td_sim_request *reqs, int32_
         else
             n_open++;
     }
+    if (st == TD_OK && c->router && c->poll_interval_s > 0) push(s, 0, EV_POLL, 0);
     for (int32_t i = 0; st == TD_OK && i < n; i++) push(s, reqs[i].t_arrival, EV_ARRIVAL, i);
     while (st == TD_OK && s->n_heap > 0 && !s->oom) {
         event e = pop(s);
@@ -584,6 +631,7 @@ td_status td_sim_run(const td_sim_cluster *c, const td_sim_request *reqs, int32_
             s->inst[e.idx].kick_pending = false;
             if (!s->inst[e.idx].busy) step_start(&s->inst[e.idx]);
             break;
+        case EV_POLL: poll_round(s); break;
         }
     }
     if (s->oom) st = TD_ERR_NOMEM;

@@ -10,16 +10,25 @@
  * simulation with it.
  *
  * What is modelled, in the order a request meets it:
- *   arrival -> (router: td_rt_choose over the instances' exact figures;
- *   no headroom: the router's FIFO queue, retried whenever an instance
- *   frees something) -> the decode (or colocated) instance's queue ->
+ *   arrival -> (router: td_rt_choose over the instances' figures, as of
+ *   its last poll plus what it routed since, or exact; no headroom: the
+ *   router's FIFO queue, retried whenever an instance frees something, or
+ *   at its next poll) -> the decode (or colocated) instance's queue ->
  *   admission -> local prefill in its batches, or a remote one: the
  *   request joins the prefill instance's queue as a one-token sequence,
  *   whose blocks stay held until the transfer's tail has passed -> the
  *   first token -> one token per decode step -> the end at its output
  *   length (outputs have exact lengths, as with ignore_eos).
- * Not modelled: the router's poll lag (it sees exact figures), failures
- * and retries after them, stop strings, a router queue limit. */
+ * The router's view (poll_interval_s > 0) is the real router's
+ * (router/poller.c, route.c): every instance's running, waiting, queued
+ * prefill tokens and KV counts as they stood at the last poll, the polls
+ * poll_interval_s apart; the blocks and prefill tokens it routed to an
+ * instance since that poll added on (reset by the poll), and the requests
+ * it has in flight on an instance counted live. Its prefix overlaps are
+ * exact (the real one's index is fed by KV events at each poll and by the
+ * entries it predicts at each decision, which cover the gap).
+ * Not modelled: failures and retries after them, stop strings, a router
+ * queue limit. */
 #ifndef TD_PLANNER_SIM_H
 #define TD_PLANNER_SIM_H
 
@@ -78,6 +87,8 @@ typedef struct {
     double xfer_fixed_s;       /* per transfer (PrefillDone, the control round trips) */
     double request_overhead_s; /* client-side time outside the scheduler (HTTP,
                                 * tokenizing, the router's hop) added to TTFT and E2E */
+    double poll_interval_s;    /* the router's state polls (--poll-interval-ms);
+                                * 0: it sees every instance's exact figures */
 } td_sim_cluster;
 
 /* The prompt as segments of tokens: segment id >= 0 names a shared
@@ -108,6 +119,7 @@ typedef struct {
     double t_end; /* virtual time of the last event */
     int64_t steps, preemptions, remote_prefills, events;
     int64_t max_router_queue;
+    int64_t polls; /* the router's state polls (poll_interval_s > 0) */
     int32_t n_failed;
     double busy_s[TD_SIM_MAX_INSTANCES]; /* time each instance spent stepping */
     float *itl;                          /* every inter-token gap, seconds (n_itl); free() it */

@@ -129,9 +129,13 @@ static td_status parse_cluster(json_t *o, td_sim_named_cluster *nc, const char *
     if (!opt_bool(o, "router", &c->router) ||
         !opt_num(o, "xfer_s_per_token", 0, 1, &c->xfer_s_per_token) ||
         !opt_num(o, "xfer_fixed_s", 0, 100, &c->xfer_fixed_s) ||
-        !opt_num(o, "request_overhead_s", 0, 100, &c->request_overhead_s))
-        return td_sim_invalid(
-            why, n, "%s: router, xfer_s_per_token, xfer_fixed_s or request_overhead_s bad", where);
+        !opt_num(o, "request_overhead_s", 0, 100, &c->request_overhead_s) ||
+        !opt_num(o, "poll_interval_s", 0, 60, &c->poll_interval_s) ||
+        (c->poll_interval_s > 0 && c->poll_interval_s < 1e-3))
+        return td_sim_invalid(why, n,
+                              "%s: router, xfer_s_per_token, xfer_fixed_s, request_overhead_s or "
+                              "poll_interval_s (0, or 0.001 to 60) bad",
+                              where);
     td_status st = parse_score(json_object_get(o, "score"), &c->score, where, why, n);
     if (st != TD_OK) return st;
     json_t *arr = json_object_get(o, "instances");
@@ -369,14 +373,15 @@ json_t *td_sim_result_json(const td_sim_named_cluster *nc, const td_sim_workload
     for (int32_t i = 0; i < nc->c.n_inst; i++)
         json_array_append_new(busy, json_real(dur > 0 ? st->busy_s[i] / dur : 0));
     json_t *r = json_pack(
-        "{s:s,s:i,s:I,s:I,s:f,s:f,s:o,s:o,s:I,s:I,s:I,s:I,s:o,s:f,s:f}", "name", nc->name,
+        "{s:s,s:i,s:I,s:I,s:f,s:f,s:o,s:o,s:I,s:I,s:I,s:I,s:I,s:o,s:f,s:f}", "name", nc->name,
         "num_prompts", n, "completed", (json_int_t)n_ok, "failed", (json_int_t)(n - n_ok),
         "duration_s", dur, "request_throughput", dur > 0 ? (double)n_ok / dur : 0.0,
         "good_requests", has_slo ? json_integer(n_good) : json_null(), "goodput",
         has_slo ? json_real(dur > 0 ? (double)n_good / dur : 0.0) : json_null(), "steps",
         (json_int_t)st->steps, "preemptions", (json_int_t)st->preemptions, "remote_prefills",
         (json_int_t)st->remote_prefills, "max_router_queue", (json_int_t)st->max_router_queue,
-        "busy", busy, "wall_s", wall_s, "sim_requests_per_s", wall_s > 0 ? n / wall_s : 0.0);
+        "polls", (json_int_t)st->polls, "busy", busy, "wall_s", wall_s, "sim_requests_per_s",
+        wall_s > 0 ? n / wall_s : 0.0);
     json_t *c = json_object();
     int64_t k = 0;
     for (int32_t i = 0; i < n; i++)

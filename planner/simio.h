@@ -10,6 +10,7 @@
  *                                         the router's (common/route/score.h),
  *                                         each optional, defaults as there
  *    "xfer_s_per_token": 0, "xfer_fixed_s": 0, "request_overhead_s": 0,
+ *    "poll_interval_s": 0,                the router's state polls (0: exact view)
  *    "instances": [{"role": "colocated" | "prefill" | "decode", "count": 1,
  *                   "n_blocks": N, "block_size": 16,
  *                   "sched": {"max_running", "max_batch_tokens", "max_waiting",
@@ -57,7 +58,7 @@ typedef struct {
 /* A run's result with tandem bench's report keys: completed, failed,
  * duration_s, request_throughput, good_requests, goodput, ttft_ms / tpot_ms
  * / e2e_ms / itl_ms {count, mean, min, p50, p90, p95, p99, max}, and the
- * simulator's own: steps, preemptions, remote_prefills, max_router_queue,
+ * simulator's own: steps, preemptions, remote_prefills, max_router_queue, polls,
  * busy (each instance's share of the run spent stepping), cdf {ttft_ms,
  * tpot_ms: the 101 percentiles 0..100}, wall_s, sim_requests_per_s. */
 json_t *td_sim_result_json(const td_sim_named_cluster *nc, const td_sim_workload *w,

@@ -82,6 +82,7 @@ static void usage(FILE *f, void *ctx) {
             "percentiles, goodput) and the simulator's own (steps, preemptions, busy).\n\n"
             "cluster: {\"name\", \"router\": bool, \"score\": {router weights},\n"
             "          \"xfer_s_per_token\", \"xfer_fixed_s\", \"request_overhead_s\",\n"
+            "          \"poll_interval_s\" (the router's state polls; 0: exact figures),\n"
             "          \"instances\": [{\"role\": colocated|prefill|decode, \"count\",\n"
             "                         \"n_blocks\", \"block_size\", \"sched\": {max_running,\n"
             "                         max_batch_tokens, max_waiting, reserve_output_tokens,\n"

@@ -80,6 +80,25 @@ def test_prefill_decode_by_hand(tandem_bin, tmp_path):
     assert r["ttft_ms"]["max"] == pytest.approx(522 + 498 + 15.0, abs=1e-6)
 
 
+def test_router_poll_lag(tandem_bin, tmp_path):
+    # The cluster file's poll_interval_s reaches the simulator: two colocated
+    # instances behind the router, a burst of 8 equal prompts in 80 ms; the
+    # router polling every 10 s sees both idle all along and spreads the
+    # burst by what it routed since its poll, as evenly as with exact
+    # figures (the decisions themselves: tests/unit/test_sim.c).
+    inst = colocated()["instances"][0]
+    reqs = [{"t": 0.01 * i, "seg": [[-1, 100]], "out": 4} for i in range(8)]
+    runs = {}
+    for poll in (0, 10.0):
+        c = {"name": f"poll{poll}", "router": True, "poll_interval_s": poll,
+             "instances": [dict(inst, count=2)]}
+        runs[poll] = ok(simulate(tandem_bin, tmp_path, c, reqs))
+    assert runs[0]["polls"] == 0 and runs[10.0]["polls"] >= 1
+    for r in runs.values():
+        assert r["completed"] == 8
+        assert r["busy"][0] == pytest.approx(r["busy"][1], rel=0.05)
+
+
 def test_clusters_in_parallel_in_order(tandem_bin, tmp_path):
     reqs = [{"t": 0.05 * i, "seg": [[0, 64], [-1, 50 + 7 * (i % 13)]], "out": 4 + i % 5}
             for i in range(300)]
@@ -108,6 +127,10 @@ BAD_CLUSTERS = [
      "need the router"),
     ('{"router": true, "instances": [{"role": "prefill", "n_blocks": 8, "sched": {"max_ctx": 64},'
      ' "step": {}}]}', "no decode or colocated"),
+    ('{"router": true, "poll_interval_s": 1e-6, "instances": [{"role": "colocated", '
+     '"n_blocks": 8, "sched": {"max_ctx": 64}, "step": {}}]}', "poll_interval_s"),
+    ('{"router": true, "poll_interval_s": -1, "instances": [{"role": "colocated", '
+     '"n_blocks": 8, "sched": {"max_ctx": 64}, "step": {}}]}', "poll_interval_s"),
 ]
 
 

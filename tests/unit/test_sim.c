@@ -8,7 +8,15 @@
  *     is preempted once and both finish;
  *   - a saturated prefill pool: one prefill instance taking 100 ms per
  *     prompt behind the router, a prompt every 50 ms, so the k-th waits
- *     for the k before it: TTFT_k = 0.1 (k + 1) + 10 ms transfer - 0.05 k. */
+ *     for the k before it: TTFT_k = 0.1 (k + 1) + 10 ms transfer - 0.05 k;
+ *   - the router's poll lag: two colocated instances polled at 0 (idle),
+ *     r0 (16 + 150 tokens: 11 blocks) routed to 0 at 0.01, r1 (300 + 1:
+ *     19 blocks) to 1 at 0.02, done at 0.33 while r0 decodes until ~1.7 s.
+ *     At 0.5 r2 (16 + 2) sees, polling every second, 0's 11 routed blocks
+ *     against 1's 19 (cost 11 + 2 + 1 + 1 = 15 against 19 + 2 + 19 + 1 =
+ *     41): instance 0; seeing exact figures, 0 busy and 1 idle: instance
+ *     1. At 1.5 r3 (the same) goes to 1 either way: the poll at 1.0 has
+ *     forgotten what was routed and sees 0 busy. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -140,6 +148,40 @@ static void test_saturated_prefill_pool(void **state) {
     free(st.itl);
 }
 
+static void test_poll_lag(void **state) {
+    (void)state;
+    td_sim_cluster c = one(16, 1024, 1024, 1024, 256);
+    c.router = true;
+    c.n_inst = 2;
+    c.inst[1] = c.inst[0];
+    td_sim_segment s16 = {-1, 16}, s300 = {-1, 300};
+    td_sim_request r[4] = {
+        {0.01, &s16, 1, 150}, {0.02, &s300, 1, 1}, {0.5, &s16, 1, 2}, {1.5, &s16, 1, 2}};
+    td_sim_outcome o[4];
+    td_sim_stats st;
+    const int32_t want_d[2][4] = {{0, 1, 1, 1}, {0, 1, 0, 1}}; /* exact, polled every 1 s */
+    for (int lag = 0; lag < 2; lag++) {
+        c.poll_interval_s = lag ? 1.0 : 0;
+        run(&c, r, 4, o, &st);
+        for (int k = 0; k < 4; k++) {
+            assert_false(o[k].failed);
+            assert_int_equal(o[k].d, want_d[lag][k]);
+        }
+        assert_float_equal(o[1].ttft, 0.310, 1e-9); /* alone on instance 1 */
+        if (lag) {
+            /* polls at 0, 1, 2 and while r0 still decodes; none once all ended */
+            assert_true(st.polls >= 2 && st.polls <= (int64_t)st.t_end + 2);
+        } else {
+            assert_int_equal(st.polls, 0);
+        }
+        free(st.itl);
+    }
+    c.poll_interval_s = 1e-4; /* a poll per 100 us would only burn events */
+    char why[256] = "";
+    assert_int_equal(td_sim_run(&c, r, 4, false, o, &st, why, sizeof why), TD_ERR_INVALID);
+    assert_non_null(strstr(why, "poll"));
+}
+
 static void test_step_features(void **state) {
     (void)state;
     double a, a2;
@@ -180,6 +222,7 @@ int main(void) {
                                        cmocka_unit_test(test_full_batch),
                                        cmocka_unit_test(test_kv_exhaustion),
                                        cmocka_unit_test(test_saturated_prefill_pool),
+                                       cmocka_unit_test(test_poll_lag),
                                        cmocka_unit_test(test_step_features),
                                        cmocka_unit_test(test_bad_cluster)};
     return cmocka_run_group_tests(tests, NULL, NULL);

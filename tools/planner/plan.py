@@ -201,11 +201,12 @@ def instance(role_name, r, count):
             "step_overhead_s": r["overhead"]["step_overhead_s"]}
 
 
-def cluster(prof, shape, name, local_threshold):
+def cluster(prof, shape, name, local_threshold, poll_ms):
     """The simulator's cluster of a shape {"colocated": K} or {"prefill": P,
-    "decode": D} on a profile."""
+    "decode": D} on a profile, behind a router polling every poll_ms."""
     roles = prof["roles"]
-    c = {"name": name, "router": True, "score": {"local_prefill_tokens": local_threshold}}
+    c = {"name": name, "router": True, "poll_interval_s": poll_ms / 1000.0,
+         "score": {"local_prefill_tokens": local_threshold}}
     if "colocated" in shape:
         r = roles["colocated"]
         c["instances"] = [instance("colocated", r, shape["colocated"])]
@@ -279,17 +280,23 @@ def parse_config(text, profiles):
 
 # ---------------------------------------------------------------- simulation
 
+def goodput_bounds(slo):
+    """The bounds a good request must hold, as tandem bench --slo takes them
+    (ttft:MS,tpot:MS): the tightest SLO of each metric."""
+    bounds = {}
+    for k, v in slo.items():
+        m = k.split("_")[0]
+        if m in ("ttft", "tpot", "e2e"):
+            bounds[m] = min(bounds.get(m, v), v)
+    return ",".join(f"{m}:{v:g}" for m, v in bounds.items())
+
+
 def simulate(clusters, sim_workload, slo, workdir):
     tandem = os.environ.get("TANDEM_BIN") or str(HERE.parent.parent / "build" / "tandem")
     cpath = workdir / "clusters.json"
     cpath.write_text(json.dumps(clusters))
     argv = [tandem, "simulate", "--cluster", str(cpath), "--workload", str(sim_workload)]
-    bounds = {}
-    for k, v in slo.items():  # goodput: the tightest bound of each metric
-        m = k.split("_")[0]
-        if m in ("ttft", "tpot", "e2e"):
-            bounds[m] = min(bounds.get(m, v), v)
-    bench_slo = ",".join(f"{m}:{v:g}" for m, v in bounds.items())
+    bench_slo = goodput_bounds(slo)
     if bench_slo:
         argv += ["--slo", bench_slo]
     try:
@@ -556,6 +563,9 @@ def main(argv):
     p.add_argument("--local-prefill-threshold", type=int, default=512, metavar="N",
                    help="the router's: prompts with fewer uncached tokens are prefilled on the "
                    "decode instance (default 512)")
+    p.add_argument("--poll-interval-ms", type=float, default=100, metavar="MS",
+                   help="the router's state polls, as its --poll-interval-ms: the simulated "
+                   "router sees the instances as of its last poll (default 100; 0: exact)")
     p.add_argument("--plan-flags", metavar="FLAGS",
                    help="the instance flags the plan is for (checked against the profiles)")
     p.add_argument("--trace-format", default="auto", metavar="FMT",
@@ -593,6 +603,8 @@ def run(args):
         raise PlanError("--max-instances must be 1 to 64")
     if not 0 <= args.local_prefill_threshold <= 1 << 24:
         raise PlanError("--local-prefill-threshold must be 0 to 2^24")
+    if not (args.poll_interval_ms == 0 or 1 <= args.poll_interval_ms <= 60000):
+        raise PlanError("--poll-interval-ms must be 0 or 1 to 60000")
     if not (0 <= args.margin < 10):
         raise PlanError("--margin must be in [0, 10)")
     slo = parse_slo(args.slo)
@@ -629,7 +641,8 @@ def plan_in(args, t_start, slo, cost, profiles, rows, summary, scale, workdir):
         shapes = enumerate_shapes(profiles, args.max_instances, args.max_cores)
         if not shapes:
             raise PlanError(f"no configuration fits in --max-cores {args.max_cores}")
-    clusters = [cluster(profiles[i], s, shape_name(s, profiles[i]), args.local_prefill_threshold)
+    clusters = [cluster(profiles[i], s, shape_name(s, profiles[i]), args.local_prefill_threshold,
+                        args.poll_interval_ms)
                 for i, s in shapes]
     results = simulate(clusters, wpath, slo, workdir)
     configs = []
