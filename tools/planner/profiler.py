@@ -47,7 +47,6 @@ import os
 import pathlib
 import platform
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -62,9 +61,9 @@ sys.path.insert(0, str(HERE))
 
 import serve_bench  # noqa: E402
 from steptrace import FEATURES, HINGES, SIGNED, Trace, TraceError  # noqa: E402
+from upctl import Up, UpError, stop_on_sigterm  # noqa: E402
 
 PROFILE_VERSION = 1
-READY_RE = re.compile(r"^tandem up: ready http=(http://\S+) ")
 
 
 class ProfileError(Exception):
@@ -115,53 +114,23 @@ def model_identity(path):
     return {"file": p.name, "size_bytes": st.st_size, "sha256_ends": h.hexdigest()}
 
 
-class Cluster:
-    """A `tandem up` run with its step traces; stop() ends it (always)."""
-
-    def __init__(self, tandem, args, extra, workdir, tag, threshold):
-        self.workdir = workdir
-        up = [tandem, "up", "--port", "0", "--grpc-port", "-1", "--threads", str(args.threads),
-              "--cpus", args.cpus, "--ready-timeout", "300"]
-        if args.model:
-            up += ["--model", args.model]
-        if args.role == "colocated":
-            up += ["--colocated", "1", f"--decode-arg=--step-trace={workdir}/colocated{tag}.jsonl"]
-        else:
-            up += ["--prefill", "1", "--decode", "1",
-                   f"--prefill-arg=--step-trace={workdir}/prefill{tag}.jsonl",
-                   f"--decode-arg=--step-trace={workdir}/decode{tag}.jsonl",
-                   f"--router-arg=--local-prefill-threshold={threshold}"]
-        for a in extra:
-            up += [f"--decode-arg={a}"] + ([f"--prefill-arg={a}"] if args.role != "colocated"
-                                           else [])
-        self.argv = up
-        self.err = open(workdir / f"up{tag}.err", "wb")
-        self.proc = subprocess.Popen(up, stdout=subprocess.PIPE, stderr=self.err,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, text=True)
-        self.url = None
-        deadline = time.monotonic() + 330
-        while self.url is None:
-            line = self.proc.stdout.readline()
-            if not line:
-                self.stop()
-                tail = (workdir / f"up{tag}.err").read_text(errors="replace")[-2000:]
-                raise ProfileError(f"tandem up exited before ready:\n{tail}")
-            m = READY_RE.match(line)
-            if m:
-                self.url = m.group(1)
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ProfileError("tandem up not ready after 330 s")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.err.close()
+def cluster_argv(tandem, args, extra, workdir, tag, threshold):
+    """tandem up for one phase of loads: the plan pinned to its cores, the
+    step traces written into workdir."""
+    up = [tandem, "up", "--port", "0", "--grpc-port", "-1", "--threads", str(args.threads),
+          "--cpus", args.cpus, "--ready-timeout", "300"]
+    if args.model:
+        up += ["--model", args.model]
+    if args.role == "colocated":
+        up += ["--colocated", "1", f"--decode-arg=--step-trace={workdir}/colocated{tag}.jsonl"]
+    else:
+        up += ["--prefill", "1", "--decode", "1",
+               f"--prefill-arg=--step-trace={workdir}/prefill{tag}.jsonl",
+               f"--decode-arg=--step-trace={workdir}/decode{tag}.jsonl",
+               f"--router-arg=--local-prefill-threshold={threshold}"]
+    for a in extra:
+        up += [f"--decode-arg={a}"] + ([f"--prefill-arg={a}"] if args.role != "colocated" else [])
+    return up
 
 
 def bench(url, workdir, name, seed, *flags):
@@ -342,7 +311,11 @@ def run(args, extra):
     plan = None
     ph = phases(args)
     for tag, threshold, which in ph:
-        cl = Cluster(tandem, args, extra, workdir, tag, threshold)
+        try:
+            cl = Up(cluster_argv(tandem, args, extra, workdir, tag, threshold),
+                    workdir / f"up{tag}.err")
+        except UpError as e:
+            raise ProfileError(str(e))
         try:
             if plan is None:
                 plan = loads(int(wait_header(workdir / f"{first}{tag}.jsonl")["max_ctx"]),
@@ -454,6 +427,7 @@ def main(argv):
     if args.cpus is None:
         n = args.threads * (1 if args.role == "colocated" else 2)
         args.cpus = ",".join(str(i % (os.cpu_count() or 1)) for i in range(n))
+    stop_on_sigterm()
     try:
         prof = run(args, extra)
     except (ProfileError, TraceError, serve_bench.UsageError) as e:

@@ -9,7 +9,7 @@ CASES.json: {"slo": "ttft_p90:MS,tpot_p90:MS",
              "profiles": {"NAME": "PROFILE.json", ...},
              "cases": [{"name": ..., "profile": NAME, "config": "colocated=1",
                         "threads": 1, "cpus": "0", "workload": "W.json or trace",
-                        "num_requests": N, "length_scale": S,
+                        "num_requests": N, "length_scale": S, "trace_speed": X,
                         "local_prefill_threshold": T}, ...]}
 Percentiles compared: P50 and P90 of TTFT and TPOT (P99 only where a run
 holds >= 1000 requests), and goodput; each prediction's error against the
@@ -20,8 +20,6 @@ import argparse
 import json
 import os
 import pathlib
-import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -29,7 +27,11 @@ import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-READY_RE = re.compile(r"^tandem up: ready http=(http://\S+) ")
+sys.path.insert(0, str(HERE))
+
+import plan  # noqa: E402
+from upctl import Up, stop_on_sigterm  # noqa: E402
+
 STATS = [("ttft", "p50"), ("ttft", "p90"), ("tpot", "p50"), ("tpot", "p90")]
 
 
@@ -52,38 +54,24 @@ def up_argv(case, model):
 
 
 def real_run(case, trace, model, slo, workdir, k):
-    err = open(workdir / f"{case['name']}-{k}.up.err", "wb")
-    proc = subprocess.Popen(up_argv(case, model), stdout=subprocess.PIPE, stderr=err, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    up = Up(up_argv(case, model), workdir / f"{case['name']}-{k}.up.err")
     try:
-        url = None
-        while url is None:
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"tandem up exited: see {err.name}")
-            m = READY_RE.match(line)
-            url = m.group(1) if m else None
         out = workdir / f"{case['name']}-{k}.bench.json"
-        bench_slo = ",".join(f"{m}:{v}" for m, v in slo_bounds(slo).items())
-        argv = [tandem(), "bench", "--url", url, "--trace", str(trace), "--no-progress",
-                "--json", str(out), "--slo", bench_slo, "--seed", str(k + 1)]
+        argv = [tandem(), "bench", "--url", up.url, "--trace", str(trace), "--no-progress",
+                "--json", str(out), "--slo", plan.goodput_bounds(plan.parse_slo(slo)),
+                "--seed", str(k + 1)]
         if case.get("num_requests"):
             argv += ["--num-prompts", str(case["num_requests"])]
         if case.get("length_scale"):
             argv += ["--trace-length-scale", str(case["length_scale"])]
+        if case.get("trace_speed"):
+            argv += ["--trace-speed", str(case["trace_speed"])]
         subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
         rep = json.loads(out.read_text())
         rep.pop("requests", None)
         return rep
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        err.close()
+        up.stop()
 
 
 def measured_runs(row, n_prompts):
@@ -100,15 +88,6 @@ def measured_runs(row, n_prompts):
     return runs
 
 
-def slo_bounds(slo):
-    out = {}
-    for part in slo.split(","):
-        k, _, v = part.partition(":")
-        m = k.split("_")[0]
-        out[m] = min(float(v), out.get(m, float("inf")))
-    return out
-
-
 def main(argv):
     p = argparse.ArgumentParser(prog="validate.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", required=True)
@@ -116,10 +95,13 @@ def main(argv):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", help="run only the cases whose name contains this")
     p.add_argument("--model")
+    p.add_argument("--plan-arg", action="append", default=[], metavar="FLAG",
+                   help="a flag for tandem plan's prediction, e.g. --plan-arg=--poll-interval-ms=0")
     p.add_argument("--reuse", metavar="RESULTS.json",
                    help="take the measured runs from an earlier result (the same cases and "
                    "workloads) and predict again: for a changed profile or model")
     args = p.parse_args(argv)
+    stop_on_sigterm()
     spec = json.loads(pathlib.Path(args.cases).read_text())
     base = pathlib.Path(args.cases).parent
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-validate-"))
@@ -131,17 +113,20 @@ def main(argv):
         prof = base / spec["profiles"][case["profile"]]
         wpath = base / case["workload"]
         trace = wpath
-        plan = [tandem(), "plan", "--profile", str(prof), "--workload", str(wpath), "--config",
+        pargv = [tandem(), "plan", "--profile", str(prof), "--workload", str(wpath), "--config",
                 case["config"], "--slo", spec["slo"], "--json", "--margin", "0",
                 "--local-prefill-threshold", str(case.get("local_prefill_threshold", 512))]
+        pargv += args.plan_arg
         if case.get("num_requests"):
-            plan += ["--num-requests", str(case["num_requests"])]
+            pargv += ["--num-requests", str(case["num_requests"])]
         if case.get("length_scale"):
-            plan += ["--trace-length-scale", str(case["length_scale"])]
+            pargv += ["--trace-length-scale", str(case["length_scale"])]
+        if case.get("trace_speed"):
+            pargv += ["--trace-speed", str(case["trace_speed"])]
         if str(wpath).endswith(".json"):
             trace = workdir / f"{case['name']}.mooncake.jsonl"
-            plan += ["--write-trace", str(trace)]
-        pred = json.loads(subprocess.run(plan, check=True, capture_output=True,
+            pargv += ["--write-trace", str(trace)]
+        pred = json.loads(subprocess.run(pargv, check=True, capture_output=True,
                                          text=True).stdout)
         cfg = pred["configs"][0]
         runs = []
@@ -168,11 +153,14 @@ def main(argv):
                 for r in runs]
         row["goodput"] = {"predicted": cfg["goodput_fraction"], "measured": good}
         row["num_prompts"] = n
-        slo = dict((k, float(v)) for k, v in (x.split(":") for x in spec["slo"].split(",")))
+        slo = plan.parse_slo(spec["slo"])
         row["measured_meets"] = [r["meets"] if "meets" in r else
                                  all(r[f"{k.split('_')[0]}_ms"][k.split("_")[1]] <= v
                                      for k, v in slo.items()) and r["failed"] == 0 for r in runs]
         row["utilisation"] = cfg["result"]["busy"]
+        if all("p99" in r.get("ttft_ms", {}) for r in runs):  # runs measured here, not reused
+            row["measured_p99"] = {m: [r[f"{m}_ms"]["p99"] for r in runs] for m in ("ttft", "tpot")}
+            row["predicted_p99"] = {m: cfg["result"][f"{m}_ms"]["p99"] for m in ("ttft", "tpot")}
         results[case["name"]] = row
         pathlib.Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
         errs = ", ".join(f"{k} {v['error']:+.0%} (spread {v['spread']:.0%})"
