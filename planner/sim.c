@@ -547,7 +547,7 @@ static td_status check_cluster(const td_sim_cluster *c, char *why, size_t n) {
     }
     if (n_d == 0) return td_sim_invalid(why, n, "no decode or colocated instance");
     if (!(c->poll_interval_s == 0 || (c->poll_interval_s >= 1e-3 && c->poll_interval_s <= 60)))
-        return td_sim_invalid(why, n, "the router's poll interval is 0 or 0.001 to 60 s");
+        return td_sim_invalid(why, n, "poll_interval_s (the router's polls) is 0 or 0.001 to 60 s");
     if (!c->router && c->n_inst != 1)
         return td_sim_invalid(why, n, "without the router a cluster is one instance");
     if (n_p && !c->router) return td_sim_invalid(why, n, "prefill instances need the router");

@@ -130,12 +130,11 @@ static td_status parse_cluster(json_t *o, td_sim_named_cluster *nc, const char *
         !opt_num(o, "xfer_s_per_token", 0, 1, &c->xfer_s_per_token) ||
         !opt_num(o, "xfer_fixed_s", 0, 100, &c->xfer_fixed_s) ||
         !opt_num(o, "request_overhead_s", 0, 100, &c->request_overhead_s) ||
-        !opt_num(o, "poll_interval_s", 0, 60, &c->poll_interval_s) ||
-        (c->poll_interval_s > 0 && c->poll_interval_s < 1e-3))
-        return td_sim_invalid(why, n,
-                              "%s: router, xfer_s_per_token, xfer_fixed_s, request_overhead_s or "
-                              "poll_interval_s (0, or 0.001 to 60) bad",
-                              where);
+        !opt_num(o, "poll_interval_s", 0, 60, &c->poll_interval_s))
+        return td_sim_invalid(
+            why, n,
+            "%s: router, xfer_s_per_token, xfer_fixed_s, request_overhead_s or poll_interval_s bad",
+            where);
     td_status st = parse_score(json_object_get(o, "score"), &c->score, where, why, n);
     if (st != TD_OK) return st;
     json_t *arr = json_object_get(o, "instances");
