@@ -522,10 +522,10 @@ def print_text(out, f):
     ch = out["answer"]
     if ch:
         w(f"answer: {ch['config']} (cost {ch['cost']:g}), profile {ch['profile']}\n")
-        w(f"  predicted: " + ", ".join(f"{k} {fmt_ms(v)} ms" for k, v in ch["predicted"].items())
+        w("  predicted: " + ", ".join(f"{k} {fmt_ms(v)} ms" for k, v in ch["predicted"].items())
           + f"; goodput {ch['goodput_fraction']:.1%} of requests\n")
         w(f"  bottleneck: {ch['bottleneck']}\n")
-        w(f"  KEDA thresholds: " + ", ".join(f"{d} {v['query']} > {v['threshold']}"
+        w("  KEDA thresholds: " + ", ".join(f"{d} {v['query']} > {v['threshold']}"
                                             for d, v in out["keda"].items()) + "\n")
         w("  kustomize overlay:\n" + "".join(f"    {x}\n" for x in out["kustomize"].splitlines()))
     else:

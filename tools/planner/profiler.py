@@ -47,7 +47,6 @@ import os
 import pathlib
 import platform
 import re
-import subprocess
 import sys
 import tempfile
 import time
