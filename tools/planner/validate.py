@@ -39,7 +39,7 @@ def tandem():
     return os.environ.get("TANDEM_BIN") or str(HERE.parent.parent / "build" / "tandem")
 
 
-def up_argv(case, model):
+def up_argv(case, model, traces=None):
     cfg = dict(kv.split("=") for kv in case["config"].split(","))
     argv = [tandem(), "up", "--port", "0", "--grpc-port", "-1", "--threads",
             str(case.get("threads", 1)), "--cpus", case["cpus"]]
@@ -50,11 +50,17 @@ def up_argv(case, model):
     else:
         argv += ["--prefill", cfg["prefill"], "--decode", cfg["decode"],
                  f"--router-arg=--local-prefill-threshold={case.get('local_prefill_threshold', 512)}"]
+    if traces:  # one step trace per instance ({i}: its index)
+        argv += [f"--decode-arg=--step-trace={traces}-" + ("colocated" if "colocated" in cfg
+                                                          else "decode") + "{i}.jsonl"]
+        if "prefill" in cfg:
+            argv += [f"--prefill-arg=--step-trace={traces}-prefill{{i}}.jsonl"]
     return argv
 
 
-def real_run(case, trace, model, slo, workdir, k):
-    up = Up(up_argv(case, model), workdir / f"{case['name']}-{k}.up.err")
+def real_run(case, trace, model, slo, workdir, k, trace_dir=None):
+    traces = f"{trace_dir}/{case['name']}-{k}" if trace_dir else None
+    up = Up(up_argv(case, model, traces), workdir / f"{case['name']}-{k}.up.err")
     try:
         out = workdir / f"{case['name']}-{k}.bench.json"
         argv = [tandem(), "bench", "--url", up.url, "--trace", str(trace), "--no-progress",
@@ -95,6 +101,8 @@ def main(argv):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", help="run only the cases whose name contains this")
     p.add_argument("--model")
+    p.add_argument("--step-traces", metavar="DIR",
+                   help="keep every instance's step trace of every run here (for stepcheck.py)")
     p.add_argument("--plan-arg", action="append", default=[], metavar="FLAG",
                    help="a flag for tandem plan's prediction, e.g. --plan-arg=--poll-interval-ms=0")
     p.add_argument("--reuse", metavar="RESULTS.json",
@@ -102,6 +110,8 @@ def main(argv):
                    "workloads) and predict again: for a changed profile or model")
     args = p.parse_args(argv)
     stop_on_sigterm()
+    if args.step_traces:
+        pathlib.Path(args.step_traces).mkdir(parents=True, exist_ok=True)
     spec = json.loads(pathlib.Path(args.cases).read_text())
     base = pathlib.Path(args.cases).parent
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-validate-"))
@@ -134,7 +144,8 @@ def main(argv):
             runs = measured_runs(reuse[case["name"]], pred["workload"]["requests"])
         for k in range(len(runs), args.repeats):
             t0 = time.monotonic()
-            runs.append(real_run(case, trace, args.model, spec["slo"], workdir, k))
+            runs.append(real_run(case, trace, args.model, spec["slo"], workdir, k,
+                                 args.step_traces))
             sys.stderr.write(f"validate: {case['name']} run {k + 1}/{args.repeats} "
                              f"({time.monotonic() - t0:.0f} s)\n")
         row = {"config": case["config"], "workload": case["workload"], "profile": str(prof),

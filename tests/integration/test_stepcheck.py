@@ -1,0 +1,69 @@
+"""tools/planner/stepcheck.py: a profile's step model against a run's step
+trace, on a trace written by hand.
+
+The model is c0 = 10 ms + c_seq = 1 ms per sequence. The trace: a
+100-token prefill taking exactly the model's 11 ms, a decode step of 2
+sequences taking twice the model's 12 ms, a decode step of 3 taking the
+model's 13 ms, 0.5 ms and 1 ms apart. So prefill 1.0x, decode 1.5x median
+(2.0x at 2 sequences, 1.0x at 3), 37 ms measured against 25 ms, gaps of
+median 0.75 ms. Bad input (a truncated trace, a profile without the role)
+is a one-line error, exit 1.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+TOOL = pathlib.Path(__file__).resolve().parents[2] / "tools" / "planner" / "stepcheck.py"
+PROFILE = {"roles": {"colocated": {"step": {"c0": 0.010, "c_tok": 0, "c_tok2": 0, "c_attn": 0,
+                                            "c_attn2": 0, "c_ctx": 0, "c_seq": 0.001, "c_n2": 0,
+                                            "c_n4": 0, "c_n8": 0, "c_n16": 0},
+                                   "overhead": {"step_overhead_s": 0.0005}}}}
+STEPS = [(0.0, 0.011, [[1, 0, 100]]),
+         (0.0115, 0.024, [[1, 100, 1], [2, 50, 1]]),
+         (0.0365, 0.013, [[1, 101, 1], [2, 51, 1], [3, 40, 1]])]
+
+
+def write(tmp_path, steps=STEPS, tail=""):
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps(PROFILE))
+    tr = tmp_path / "trace.jsonl"
+    lines = [json.dumps({"tandem_step_trace": 1, "t0": 0.0})]
+    lines += [json.dumps({"step": k, "ev": [["b", t, dt, e]]}) for k, (t, dt, e) in enumerate(steps)]
+    tr.write_text("\n".join(lines) + "\n" + tail)
+    return prof, tr
+
+
+def run(*args):
+    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_ratios_by_hand(tmp_path):
+    prof, tr = write(tmp_path)
+    p = run(prof, tr, "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    k = out["kinds"]
+    assert k["prefill"]["steps"] == 1 and k["prefill"]["median_ratio"] == pytest.approx(1.0)
+    assert k["decode"]["steps"] == 2 and k["decode"]["median_ratio"] == pytest.approx(1.5)
+    assert k["decode"]["measured_s"] == pytest.approx(0.037)
+    assert k["decode"]["model_s"] == pytest.approx(0.025)
+    by = out["decode_by_batch"]
+    assert by["2"]["median_ratio"] == pytest.approx(2.0) and by["3"]["median_ratio"] == pytest.approx(1.0)
+    assert out["gap_ms"]["median"] == pytest.approx(0.75) and out["gap_ms"]["profile"] == pytest.approx(0.5)
+    text = run(prof, tr)
+    assert text.returncode == 0 and "decode by batch size" in text.stdout
+
+
+def test_bad_input(tmp_path):
+    prof, tr = write(tmp_path, tail='{"step": 3, "ev": [["b", 0.05,')
+    p = run(prof, tr)
+    assert p.returncode == 1 and "not JSON" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    prof, tr = write(tmp_path)
+    p = run(prof, tr, "--role", "prefill")
+    assert p.returncode == 1 and "no 'prefill' role" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
