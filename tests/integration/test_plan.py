@@ -69,7 +69,7 @@ def workload(tmp_path, **kw):
 
 def test_profile_contents(profiles, model):
     p = json.loads(profiles["colocated"].read_text())
-    assert p["tandem_profile"] == 1
+    assert p["tandem_profile"] == 1 and p["neighbour"] is None  # taken alone
     assert p["model"]["file"] == os.path.basename(model) and p["model"]["size_bytes"] > 0
     assert p["plan"]["threads"] == 1 and p["plan"]["cpus"] == "0"
     assert p["machine"]["cores"] == os.cpu_count()
@@ -90,6 +90,28 @@ def test_profile_contents(profiles, model):
     assert set(pd["roles"]) == {"prefill", "decode"}
     t = pd["transfer"]
     assert t["n"] >= 2 and t["fixed_s"] >= 0 and t["s_per_token"] >= 0
+
+
+def test_profile_beside_a_neighbour(tandem_bin, model, tmp_path):
+    # --neighbour-cpus: another instance of the plan on core 1, kept busy by
+    # its own load for the whole profile; the profile says so with how many
+    # requests the neighbour served, and the neighbour's cluster stopped
+    if (os.cpu_count() or 1) < 2:
+        pytest.fail("needs 2 cores")
+    out = tmp_path / "nb.json"
+    run(tandem_bin, "profile", "--model", model, "--cpus", "0", "--neighbour-cpus", "1",
+        "--neighbour-load", "2", "--quick", "--out", out, timeout=600)
+    p = json.loads(out.read_text())
+    nb = p["neighbour"]
+    assert (nb["cpus"], nb["load_concurrency"]) == ("1", 2)
+    assert nb["requests_served"] >= 1, nb  # while this one was measured
+    assert p["roles"]["colocated"]["fit"]["n"] >= 20
+    log = (pathlib.Path(p["workdir"]) / "neighbour-up.err").read_text()
+    assert "tandem up: stopped" in log, log[-2000:]
+    for bad in (["--role", "both"], ["--neighbour-load", "0"]):
+        r = run(tandem_bin, "profile", "--model", model, "--neighbour-cpus", "1", *bad,
+                "--out", tmp_path / "x.json", check=False)
+        assert r.returncode == 2 and "neighbour" in r.stderr, r.stderr
 
 
 def plan(tandem_bin, profiles, w, *extra, check=True):
@@ -202,6 +224,8 @@ def test_bad_profiles(tandem_bin, profiles, model, tmp_path):
                                                    "c_tok": "fast"}}}}), "c_tok has the wrong type"),
         "other-model": (json.dumps({**good, "model": {**good["model"], "size_bytes": 1}}),
                         "profiles of different models"),
+        "neighbour": (json.dumps({**good, "neighbour": {"cpus": "1", "load_concurrency": 4}}),
+                      "taken beside a busy neighbour"),
     }
     for name, (body, msg) in cases.items():
         bad = tmp_path / f"{name}.json"

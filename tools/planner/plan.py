@@ -142,6 +142,11 @@ def load_profile(path):
     for k in ("model", "plan", "roles", "machine"):
         if not isinstance(p.get(k), dict):
             raise PlanError(f"--profile {path}: missing {k}")
+    if p.get("neighbour"):
+        raise PlanError(f"--profile {path}: taken beside a busy neighbour (tandem profile "
+                        f"--neighbour-cpus), which measures how much a neighbour slows an "
+                        f"instance; the simulator does not model that yet: plan with a profile "
+                        f"taken alone")
     roles = p["roles"]
     if set(roles) not in ({"colocated"}, {"prefill", "decode"}):
         raise PlanError(f"--profile {path}: roles must be colocated, or prefill and decode")

@@ -47,9 +47,13 @@ import os
 import pathlib
 import platform
 import re
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 
 import numpy as np
 from scipy.optimize import lsq_linear, nnls
@@ -130,6 +134,85 @@ def cluster_argv(tandem, args, extra, workdir, tag, threshold):
     for a in extra:
         up += [f"--decode-arg={a}"] + ([f"--prefill-arg={a}"] if args.role != "colocated" else [])
     return up
+
+
+class Neighbour:
+    """Another instance of the same plan on other cores (--neighbour-cpus),
+    kept busy for the whole profile by a steady load of its own (C requests
+    in flight, 64-512-token prompts, 16-64 output tokens: tandem bench runs
+    of 100 requests one after another), so the profiled instance is
+    measured as it runs in a shape of several instances: next to a busy
+    one, sharing the machine's caches, memory bandwidth and perhaps its
+    physical cores. stop() ends both, always."""
+
+    def __init__(self, tandem, args, workdir):
+        argv = [tandem, "up", "--port", "0", "--grpc-port", "-1", "--threads", str(args.threads),
+                "--cpus", args.neighbour_cpus, "--colocated", "1", "--ready-timeout", "300"]
+        if args.model:
+            argv += ["--model", args.model]
+        self.proc = None
+        try:
+            self.up = Up(argv, workdir / "neighbour-up.err")
+        except UpError as e:
+            raise ProfileError(f"the neighbour instance: {e}")
+        self.bench = [tandem, "bench", "--url", self.up.url, "--concurrency",
+                      str(args.neighbour_load), "--num-prompts", "100", "--input-len", "64:512",
+                      "--output-len", "16:64", "--no-progress", "--seed"]
+        self.err = open(workdir / "neighbour-load.err", "wb")
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._load, daemon=True)
+        self.thread.start()
+        # measuring starts once the neighbour is in its stride
+        try:
+            deadline = time.monotonic() + 120
+            while self.served() < args.neighbour_load:
+                if time.monotonic() > deadline:
+                    raise ProfileError("the neighbour instance completed no load in 120 s: "
+                                       f"see {workdir}/neighbour-load.err")
+                time.sleep(0.2)
+            self.served_at_start = self.served()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _load(self):
+        k = 0
+        while not self.done.is_set():
+            with self.lock:
+                if self.done.is_set():
+                    return
+                self.proc = subprocess.Popen(self.bench + [str(77 + k)], stdout=subprocess.DEVNULL,
+                                             stderr=self.err, stdin=subprocess.DEVNULL,
+                                             start_new_session=True)
+            if self.proc.wait() != 0:
+                self.done.wait(1.0)  # a failing load is retried, not spun on
+            k += 1
+
+    def served(self):
+        """Requests the neighbour has completed (its router's metrics)."""
+        try:
+            with urllib.request.urlopen(self.up.url + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except (OSError, ValueError) as e:
+            raise ProfileError(f"the neighbour instance's metrics: {e}")
+        return int(sum(float(v) for v in re.findall(
+            r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M)))
+
+    def stop(self):
+        with self.lock:
+            self.done.set()
+            p = self.proc
+        if p is not None and p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.thread.join(timeout=60)
+        self.err.close()
+        self.up.stop()
 
 
 def bench(url, workdir, name, seed, *flags):
@@ -307,9 +390,22 @@ def run(args, extra):
         return analyse(args, extra, model, workdir, plan, reports)
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-profile-"))
     reports = {}
+    nb = Neighbour(tandem, args, workdir) if args.neighbour_cpus else None
+    try:
+        plan = measure(tandem, args, extra, workdir, first, reports)
+        if nb:
+            args.neighbour_served = nb.served() - nb.served_at_start
+    finally:
+        if nb:
+            nb.stop()
+    return analyse(args, extra, model, workdir, plan, reports)
+
+
+def measure(tandem, args, extra, workdir, first, reports):
+    """Runs every phase's loads against its cluster; the loads (reports by
+    load name into reports)."""
     plan = None
-    ph = phases(args)
-    for tag, threshold, which in ph:
+    for tag, threshold, which in phases(args):
         try:
             cl = Up(cluster_argv(tandem, args, extra, workdir, tag, threshold),
                     workdir / f"up{tag}.err")
@@ -326,7 +422,7 @@ def run(args, extra):
             progress(len(to_run), len(to_run), "done")
         finally:
             cl.stop()
-    return analyse(args, extra, model, workdir, plan, reports)
+    return plan
 
 
 def analyse(args, extra, model, workdir, plan, reports):
@@ -338,6 +434,10 @@ def analyse(args, extra, model, workdir, plan, reports):
             "machine": machine(), "model": model_identity(model),
             "plan": {"role": args.role, "threads": args.threads, "cpus": args.cpus,
                      "flags": extra},
+            # a busy instance of the same plan beside it (None: it ran alone)
+            "neighbour": ({"cpus": args.neighbour_cpus, "load_concurrency": args.neighbour_load,
+                           "requests_served": args.neighbour_served}
+                          if getattr(args, "neighbour_cpus", None) else None),
             "command": ["tandem", "profile", *sys.argv[1:]],
             "prompt_extra_tokens": int(np.median(prompt_extra)) if prompt_extra else 0,
             "roles": {}}
@@ -416,6 +516,11 @@ def main(argv):
     p.add_argument("--threads", type=int, default=1, metavar="T",
                    help="threads per instance (default 1)")
     p.add_argument("--out", metavar="FILE.json", help="write the profile here (default: stdout)")
+    p.add_argument("--neighbour-cpus", metavar="LIST",
+                   help="run another instance of the plan on these cores, busy all along, and "
+                   "measure this one beside it: for shapes of several instances (colocated)")
+    p.add_argument("--neighbour-load", type=int, default=4, metavar="C",
+                   help="requests the neighbour keeps in flight (default 4)")
     p.add_argument("--quick", action="store_true", help="fewer, shorter loads (tests)")
     p.add_argument("--refit", metavar="DIR",
                    help="fit again from the traces and loads a run left in DIR (its work "
@@ -423,6 +528,10 @@ def main(argv):
     args, extra = p.parse_known_args(argv)
     if args.threads < 1:
         p.error("--threads must be >= 1")
+    if args.neighbour_cpus and (args.role != "colocated" or args.refit):
+        p.error("--neighbour-cpus profiles one colocated instance (not with --role both or --refit)")
+    if args.neighbour_load < 1:
+        p.error("--neighbour-load must be >= 1")
     if args.cpus is None:
         n = args.threads * (1 if args.role == "colocated" else 2)
         args.cpus = ",".join(str(i % (os.cpu_count() or 1)) for i in range(n))
