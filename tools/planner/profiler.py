@@ -437,7 +437,7 @@ def analyse(args, extra, model, workdir, plan, reports):
             # a busy instance of the same plan beside it (None: it ran alone)
             "neighbour": ({"cpus": args.neighbour_cpus, "load_concurrency": args.neighbour_load,
                            "requests_served": args.neighbour_served}
-                          if getattr(args, "neighbour_cpus", None) else None),
+                          if args.neighbour_cpus else None),
             "command": ["tandem", "profile", *sys.argv[1:]],
             "prompt_extra_tokens": int(np.median(prompt_extra)) if prompt_extra else 0,
             "roles": {}}

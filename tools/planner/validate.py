@@ -58,6 +58,16 @@ def up_argv(case, model, traces=None):
     return argv
 
 
+def replay_flags(case):
+    """A trace case's replay, the same for tandem plan and tandem bench."""
+    out = []
+    if case.get("length_scale"):
+        out += ["--trace-length-scale", str(case["length_scale"])]
+    if case.get("trace_speed"):
+        out += ["--trace-speed", str(case["trace_speed"])]
+    return out
+
+
 def real_run(case, trace, model, slo, workdir, k, trace_dir=None):
     traces = f"{trace_dir}/{case['name']}-{k}" if trace_dir else None
     up = Up(up_argv(case, model, traces), workdir / f"{case['name']}-{k}.up.err")
@@ -68,11 +78,7 @@ def real_run(case, trace, model, slo, workdir, k, trace_dir=None):
                 "--seed", str(k + 1)]
         if case.get("num_requests"):
             argv += ["--num-prompts", str(case["num_requests"])]
-        if case.get("length_scale"):
-            argv += ["--trace-length-scale", str(case["length_scale"])]
-        if case.get("trace_speed"):
-            argv += ["--trace-speed", str(case["trace_speed"])]
-        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(argv + replay_flags(case), check=True, stdout=subprocess.DEVNULL)
         rep = json.loads(out.read_text())
         rep.pop("requests", None)
         return rep
@@ -129,10 +135,7 @@ def main(argv):
         pargv += args.plan_arg
         if case.get("num_requests"):
             pargv += ["--num-requests", str(case["num_requests"])]
-        if case.get("length_scale"):
-            pargv += ["--trace-length-scale", str(case["length_scale"])]
-        if case.get("trace_speed"):
-            pargv += ["--trace-speed", str(case["trace_speed"])]
+        pargv += replay_flags(case)
         if str(wpath).endswith(".json"):
             trace = workdir / f"{case['name']}.mooncake.jsonl"
             pargv += ["--write-trace", str(trace)]
