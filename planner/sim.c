@@ -48,6 +48,13 @@ typedef struct {
     td_sched_core core;
     bool busy, kick_pending;
     int32_t n_batch;
+    /* the step in progress: the share of it done as of t_mark, its duration
+     * alone and beside a stepping neighbour, whether a neighbour steps now
+     * (and did at any time of this step), its start, and the generation of
+     * its end event (a neighbour starting or ending moves the end) */
+    double done, t_mark, d_alone, d_beside, t_start;
+    bool beside_now, beside_any;
+    uint32_t gen;
     /* the router's view of it (poll_interval_s > 0) */
     td_rt_inst polled;                       /* its figures at the last poll */
     int64_t pending_blocks, pending_prefill; /* routed to it since that poll */
@@ -74,6 +81,7 @@ typedef struct {
     uint64_t order; /* ties: first scheduled, first run */
     ev_kind kind;
     int32_t idx;
+    uint32_t gen; /* EV_STEP_END: the step's end as of this generation (older: moved) */
 } event;
 
 struct sim {
@@ -122,7 +130,7 @@ static bool ev_before(const event *a, const event *b) {
     return a->t < b->t || (a->t == b->t && a->order < b->order);
 }
 
-static void push(sim *s, double t, ev_kind kind, int32_t idx) {
+static void push_gen(sim *s, double t, ev_kind kind, int32_t idx, uint32_t gen) {
     if (s->n_heap == s->cap_heap) {
         int64_t cap = s->cap_heap ? s->cap_heap * 2 : 1024;
         event *h = realloc(s->heap, (size_t)cap * sizeof *h);
@@ -133,7 +141,7 @@ static void push(sim *s, double t, ev_kind kind, int32_t idx) {
         s->heap = h;
         s->cap_heap = cap;
     }
-    event e = {.t = t, .order = s->order++, .kind = kind, .idx = idx};
+    event e = {.t = t, .order = s->order++, .kind = kind, .idx = idx, .gen = gen};
     int64_t i = s->n_heap++;
     while (i > 0) {
         int64_t up = (i - 1) / 2;
@@ -143,6 +151,8 @@ static void push(sim *s, double t, ev_kind kind, int32_t idx) {
     }
     s->heap[i] = e;
 }
+
+static void push(sim *s, double t, ev_kind kind, int32_t idx) { push_gen(s, t, kind, idx, 0); }
 
 static event pop(sim *s) {
     event top = s->heap[0], last = s->heap[--s->n_heap];
@@ -434,6 +444,44 @@ static void arrive(sim *s, int32_t ri) {
 
 /* ---- instance steps ---- */
 
+/* Another instance on in's host is in a step now. */
+static bool neighbour_stepping(const sinst *in) {
+    if (in->cfg.host < 0) return false;
+    const sim *s = in->s;
+    for (int32_t i = 0; i < s->c->n_inst; i++)
+        if (i != in->index && s->inst[i].cfg.host == in->cfg.host && s->inst[i].busy) return true;
+    return false;
+}
+
+/* Brings in's step up to now at the pace it had, and (re)schedules its
+ * end at the pace it has from now: beside a stepping neighbour, d_beside
+ * for the whole step; alone, d_alone. */
+static void step_pace(sinst *in, bool force) {
+    sim *s = in->s;
+    bool beside = in->cfg.has_beside && neighbour_stepping(in);
+    if (beside == in->beside_now && !force) return;
+    if (s->now > in->t_mark) {
+        double d = in->beside_now ? in->d_beside : in->d_alone;
+        in->done += d > 0 ? (s->now - in->t_mark) / d : 1;
+    }
+    in->t_mark = s->now;
+    in->beside_now = beside;
+    in->beside_any |= beside;
+    double left = in->done < 1 ? 1 - in->done : 0;
+    push_gen(s, s->now + left * (beside ? in->d_beside : in->d_alone), EV_STEP_END, in->index,
+             ++in->gen);
+}
+
+/* An instance of this host started or ended a step: the others' pace. */
+static void host_changed(sinst *in) {
+    sim *s = in->s;
+    if (in->cfg.host < 0) return;
+    for (int32_t i = 0; i < s->c->n_inst; i++) {
+        sinst *x = &s->inst[i];
+        if (x != in && x->busy && x->cfg.host == in->cfg.host) step_pace(x, false);
+    }
+}
+
 static void step_start(sinst *in) {
     sim *s = in->s;
     td_sched_core_admit(&in->core);
@@ -454,12 +502,21 @@ static void step_start(sinst *in) {
         attn2 += a2;
         ctx += (double)(q->n_computed + q->chunk);
     }
-    double dt =
+    in->d_alone =
         td_step_model_eval(&in->cfg.step, n_tok, attn, attn2, ctx, n) + in->cfg.step_overhead_s;
+    in->d_beside = in->cfg.has_beside
+                       ? td_step_model_eval(&in->cfg.step_beside, n_tok, attn, attn2, ctx, n) +
+                             in->cfg.beside_overhead_s
+                       : in->d_alone;
+    /* a step of no time (a model of zeros) still ends */
+    if (!(in->d_alone > 0)) in->d_alone = 0;
+    if (!(in->d_beside > 0)) in->d_beside = in->d_alone > 0 ? in->d_alone : 0;
     in->busy = true;
+    in->done = 0;
+    in->t_mark = in->t_start = s->now;
+    in->beside_now = in->beside_any = false;
     s->st->steps++;
-    s->st->busy_s[in->index] += dt;
-    push(s, s->now + dt, EV_STEP_END, in->index);
+    step_pace(in, true);
 }
 
 static void step_end(sinst *in) {
@@ -493,6 +550,8 @@ static void step_end(sinst *in) {
     }
     in->n_batch = 0;
     in->busy = false;
+    s->st->busy_s[in->index] += s->now - in->t_start;
+    s->st->steps_beside += in->beside_any;
 }
 
 static void xfer_done(sim *s, int32_t ri) {
@@ -540,6 +599,9 @@ static td_status check_cluster(const td_sim_cluster *c, char *why, size_t n) {
             memcmp(&p->compat, &c->inst[0].sched.compat, sizeof p->compat) != 0)
             return td_sim_invalid(why, n, "instance %d: another block size or compatibility hash",
                                   i);
+        if (x->host < -1 || x->host >= TD_SIM_MAX_INSTANCES || !(x->beside_overhead_s >= 0))
+            return td_sim_invalid(why, n, "instance %d: host is -1 to %d, beside overhead >= 0", i,
+                                  TD_SIM_MAX_INSTANCES - 1);
         n_p += x->role == TD_SIM_PREFILL;
         n_d += x->role != TD_SIM_PREFILL;
         if (x->role == TD_SIM_DECODE && !c->router)
@@ -619,9 +681,11 @@ td_status td_sim_run(const td_sim_cluster *c, const td_sim_request *reqs, int32_
         switch (e.kind) {
         case EV_ARRIVAL: arrive(s, e.idx); break;
         case EV_STEP_END:
+            if (!s->inst[e.idx].busy || e.gen != s->inst[e.idx].gen) break; /* moved since */
             step_end(&s->inst[e.idx]);
             drain_router_queue(s);
             step_start(&s->inst[e.idx]);
+            host_changed(&s->inst[e.idx]);
             break;
         case EV_XFER_DONE:
             xfer_done(s, e.idx);
@@ -629,7 +693,10 @@ td_status td_sim_run(const td_sim_cluster *c, const td_sim_request *reqs, int32_
             break;
         case EV_KICK:
             s->inst[e.idx].kick_pending = false;
-            if (!s->inst[e.idx].busy) step_start(&s->inst[e.idx]);
+            if (!s->inst[e.idx].busy) {
+                step_start(&s->inst[e.idx]);
+                host_changed(&s->inst[e.idx]);
+            }
             break;
         case EV_POLL: poll_round(s); break;
         }

@@ -27,6 +27,10 @@
  * it has in flight on an instance counted live. Its prefix overlaps are
  * exact (the real one's index is fed by KV events at each poll and by the
  * entries it predicts at each decision, which cover the gap).
+ * Instances that share a machine (the same host) slow each other: the
+ * part of a step that overlaps another instance's step on its host runs at
+ * the pace of the step model measured beside a busy neighbour
+ * (td_sim_instance.step_beside).
  * Not modelled: failures and retries after them, stop strings, a router
  * queue limit. */
 #ifndef TD_PLANNER_SIM_H
@@ -74,6 +78,18 @@ typedef struct {
     int32_t n_blocks, block_size;
     td_step_model step;
     double step_overhead_s; /* the scheduler's own time per step, added to each */
+    /* Instances with the same host >= 0 share a machine (its caches, memory
+     * bandwidth, perhaps physical cores); -1: a machine of its own. With
+     * has_beside, a step progresses at the pace of step_beside +
+     * beside_overhead_s (the profile measured beside a neighbour running
+     * the same loads) while another instance of its host is stepping, and
+     * at the pace of step + step_overhead_s while none is: a step that a
+     * neighbour's overlaps for half its time is stretched by half the
+     * difference. */
+    int32_t host;
+    bool has_beside;
+    td_step_model step_beside;
+    double beside_overhead_s;
 } td_sim_instance;
 
 #define TD_SIM_MAX_INSTANCES 64
@@ -118,6 +134,7 @@ typedef struct {
 typedef struct {
     double t_end; /* virtual time of the last event */
     int64_t steps, preemptions, remote_prefills, events;
+    int64_t steps_beside; /* steps overlapped, for some of their time, by a neighbour's */
     int64_t max_router_queue;
     int64_t polls; /* the router's state polls (poll_interval_s > 0) */
     int32_t n_failed;

@@ -66,6 +66,17 @@ static td_status parse_score(json_t *o, td_rt_score_params *sp, const char *wher
     return TD_OK;
 }
 
+/* A step model's coefficients (absent ones 0). */
+static bool parse_step(json_t *step, td_step_model *m) {
+    return opt_num(step, "c0", -10, 100, &m->c0) && opt_num(step, "c_tok", -1, 1, &m->c_tok) &&
+           opt_num(step, "c_tok2", -1, 1, &m->c_tok2) &&
+           opt_num(step, "c_attn", -1, 1, &m->c_attn) &&
+           opt_num(step, "c_attn2", -1, 1, &m->c_attn2) &&
+           opt_num(step, "c_ctx", -1, 1, &m->c_ctx) && opt_num(step, "c_seq", -1, 1, &m->c_seq) &&
+           opt_num(step, "c_n2", -1, 1, &m->c_n[0]) && opt_num(step, "c_n4", -1, 1, &m->c_n[1]) &&
+           opt_num(step, "c_n8", -1, 1, &m->c_n[2]) && opt_num(step, "c_n16", -1, 1, &m->c_n[3]);
+}
+
 static td_status parse_instance(json_t *o, td_sim_instance *x, int32_t *count, const char *where,
                                 char *why, size_t n) {
     if (!json_is_object(o))
@@ -104,17 +115,25 @@ static td_status parse_instance(json_t *o, td_sim_instance *x, int32_t *count, c
         !opt_int(sc, "max_ctx", 2, 1 << 24, &p->max_ctx) || p->max_ctx < 2 ||
         !opt_bool(sc, "prefix_cache", &p->prefix_cache))
         return td_sim_invalid(why, n, "%s: a sched field out of range (max_ctx required)", where);
-    td_step_model *m = &x->step;
-    if (!opt_num(step, "c0", -10, 100, &m->c0) || !opt_num(step, "c_tok", -1, 1, &m->c_tok) ||
-        !opt_num(step, "c_tok2", -1, 1, &m->c_tok2) ||
-        !opt_num(step, "c_attn", -1, 1, &m->c_attn) ||
-        !opt_num(step, "c_attn2", -1, 1, &m->c_attn2) ||
-        !opt_num(step, "c_ctx", -1, 1, &m->c_ctx) || !opt_num(step, "c_seq", -1, 1, &m->c_seq) ||
-        !opt_num(step, "c_n2", -1, 1, &m->c_n[0]) || !opt_num(step, "c_n4", -1, 1, &m->c_n[1]) ||
-        !opt_num(step, "c_n8", -1, 1, &m->c_n[2]) || !opt_num(step, "c_n16", -1, 1, &m->c_n[3]) ||
-        !opt_num(o, "step_overhead_s", 0, 100, &x->step_overhead_s))
+    if (!parse_step(step, &x->step) || !opt_num(o, "step_overhead_s", 0, 100, &x->step_overhead_s))
         return td_sim_invalid(why, n, "%s: a step coefficient is not a number or out of range",
                               where);
+    x->host = -1;
+    json_t *beside = json_object_get(o, "beside");
+    if (!opt_int(o, "host", -1, TD_SIM_MAX_INSTANCES - 1, &x->host))
+        return td_sim_invalid(why, n, "%s: host is -1 to %d", where, TD_SIM_MAX_INSTANCES - 1);
+    if (beside) {
+        json_t *bstep = json_object_get(beside, "step");
+        if (!json_is_object(beside) || !json_is_object(bstep) ||
+            !parse_step(bstep, &x->step_beside) ||
+            !opt_num(beside, "step_overhead_s", 0, 100, &x->beside_overhead_s))
+            return td_sim_invalid(
+                why, n,
+                "%s: beside is {\"step\": {coefficients}, \"step_overhead_s\": s}, "
+                "its numbers in range",
+                where);
+        x->has_beside = true;
+    }
     return TD_OK;
 }
 
@@ -372,15 +391,15 @@ json_t *td_sim_result_json(const td_sim_named_cluster *nc, const td_sim_workload
     for (int32_t i = 0; i < nc->c.n_inst; i++)
         json_array_append_new(busy, json_real(dur > 0 ? st->busy_s[i] / dur : 0));
     json_t *r = json_pack(
-        "{s:s,s:i,s:I,s:I,s:f,s:f,s:o,s:o,s:I,s:I,s:I,s:I,s:I,s:o,s:f,s:f}", "name", nc->name,
+        "{s:s,s:i,s:I,s:I,s:f,s:f,s:o,s:o,s:I,s:I,s:I,s:I,s:I,s:I,s:o,s:f,s:f}", "name", nc->name,
         "num_prompts", n, "completed", (json_int_t)n_ok, "failed", (json_int_t)(n - n_ok),
         "duration_s", dur, "request_throughput", dur > 0 ? (double)n_ok / dur : 0.0,
         "good_requests", has_slo ? json_integer(n_good) : json_null(), "goodput",
         has_slo ? json_real(dur > 0 ? (double)n_good / dur : 0.0) : json_null(), "steps",
         (json_int_t)st->steps, "preemptions", (json_int_t)st->preemptions, "remote_prefills",
         (json_int_t)st->remote_prefills, "max_router_queue", (json_int_t)st->max_router_queue,
-        "polls", (json_int_t)st->polls, "busy", busy, "wall_s", wall_s, "sim_requests_per_s",
-        wall_s > 0 ? n / wall_s : 0.0);
+        "polls", (json_int_t)st->polls, "steps_beside", (json_int_t)st->steps_beside, "busy", busy,
+        "wall_s", wall_s, "sim_requests_per_s", wall_s > 0 ? n / wall_s : 0.0);
     json_t *c = json_object();
     int64_t k = 0;
     for (int32_t i = 0; i < n; i++)

@@ -88,7 +88,11 @@ static void usage(FILE *f, void *ctx) {
             "                         max_batch_tokens, max_waiting, reserve_output_tokens,\n"
             "                         max_ctx, prefix_cache}, \"step\": {c0, c_tok, c_tok2,\n"
             "                         c_attn, c_attn2, c_ctx, c_seq, c_n2..c_n16}, "
-            "\"step_overhead_s\"}]}\n"
+            "\"step_overhead_s\",\n"
+            "                         \"host\" (instances of one host >= 0 share a machine;\n"
+            "                         default -1: their own), \"beside\": {\"step\": {...},\n"
+            "                         \"step_overhead_s\"} (the step model while another\n"
+            "                         instance of the host steps)}]}\n"
             "workload: one request per line, {\"t\": s, \"seg\": [[id, tokens], ...], \"out\": n}\n"
             "          (id >= 0: a segment shared by the requests naming it; -1: its own)\n\n");
     td_opts_print(f, k_sim_opts, S_N);

@@ -99,6 +99,26 @@ def test_router_poll_lag(tandem_bin, tmp_path):
         assert r["busy"][0] == pytest.approx(r["busy"][1], rel=0.05)
 
 
+def test_neighbours_on_a_host(tandem_bin, tmp_path):
+    # Two colocated instances on one machine (host 0), their step model
+    # beside a stepping neighbour twice the alone one (220 ms against 110
+    # for a 100-token prompt): one prompt at 0, the next at 50 ms on the
+    # other instance; the first step's last 60/110 run at the beside pace
+    # (120 ms, ending at 170 ms), the second's first 120 ms too, and its
+    # rest alone (50 ms): both TTFTs 170 ms. Without a host (-1, the
+    # default) or without "beside", both 110 ms.
+    inst = dict(colocated()["instances"][0], count=2)
+    beside = {"step": {"c0": 0.020, "c_tok": 0.002}, "step_overhead_s": 0}
+    reqs = [{"t": 0.0, "seg": [[-1, 100]], "out": 1}, {"t": 0.05, "seg": [[-1, 100]], "out": 1}]
+    for extra, want, n_beside in (({"host": 0, "beside": beside}, 170.0, 2),
+                                  ({"beside": beside}, 110.0, 0), ({"host": 0}, 110.0, 0)):
+        c = {"name": "2C", "router": True, "instances": [dict(inst, **extra)]}
+        r = ok(simulate(tandem_bin, tmp_path, c, reqs))
+        assert r["ttft_ms"]["min"] == pytest.approx(want, abs=1e-6)
+        assert r["ttft_ms"]["max"] == pytest.approx(want, abs=1e-6)
+        assert r["steps_beside"] == n_beside
+
+
 def test_clusters_in_parallel_in_order(tandem_bin, tmp_path):
     reqs = [{"t": 0.05 * i, "seg": [[0, 64], [-1, 50 + 7 * (i % 13)]], "out": 4 + i % 5}
             for i in range(300)]
@@ -131,6 +151,12 @@ BAD_CLUSTERS = [
      '"n_blocks": 8, "sched": {"max_ctx": 64}, "step": {}}]}', "poll_interval_s"),
     ('{"router": true, "poll_interval_s": -1, "instances": [{"role": "colocated", '
      '"n_blocks": 8, "sched": {"max_ctx": 64}, "step": {}}]}', "poll_interval_s"),
+    ('{"router": true, "instances": [{"role": "colocated", "host": 99, '
+     '"n_blocks": 8, "sched": {"max_ctx": 64}, "step": {}}]}', "host is -1 to 63"),
+    ('{"router": true, "instances": [{"role": "colocated", "host": 0, "beside": {"step": 1}, '
+     '"n_blocks": 8, "sched": {"max_ctx": 64}, "step": {}}]}', "beside is"),
+    ('{"router": true, "instances": [{"role": "colocated", "host": 0, "beside": {"step": '
+     '{"c0": 1e9}}, "n_blocks": 8, "sched": {"max_ctx": 64}, "step": {}}]}', "beside is"),
 ]
 
 

@@ -16,7 +16,16 @@
  *     against 1's 19 (cost 11 + 2 + 1 + 1 = 15 against 19 + 2 + 19 + 1 =
  *     41): instance 0; seeing exact figures, 0 busy and 1 idle: instance
  *     1. At 1.5 r3 (the same) goes to 1 either way: the poll at 1.0 has
- *     forgotten what was routed and sees 0 busy. */
+ *     forgotten what was routed and sees 0 busy.
+ *   - neighbours on one machine: two colocated instances on host 0 whose
+ *     step model beside a stepping neighbour is twice the alone one (110
+ *     against 220 ms for a 100-token prompt); r0 (100 tokens, one output
+ *     token) starts on an idle machine at 0; r1 (the same) at 0.05 goes to
+ *     the other instance: r0's step is 50/110 done and its rest takes
+ *     60/110 x 220 = 120 ms, ending at 0.17; r1's, beside until then, is
+ *     120/220 done, and its rest alone takes 50 ms: both TTFTs 170 ms. r2
+ *     at 1.0, the machine idle again: 110 ms. On two hosts, or with no
+ *     beside model, all three take 110 ms. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -182,6 +191,40 @@ static void test_poll_lag(void **state) {
     assert_non_null(strstr(why, "poll"));
 }
 
+static void test_neighbours(void **state) {
+    (void)state;
+    td_sim_cluster c = one(16, 1024, 1024, 1024, 256);
+    c.router = true;
+    c.n_inst = 2;
+    c.inst[0].has_beside = true;
+    c.inst[0].step_beside = (td_step_model){.c0 = 0.020, .c_tok = 0.002};
+    c.inst[1] = c.inst[0];
+    td_sim_segment seg = {-1, 100};
+    td_sim_request r[3] = {{0, &seg, 1, 1}, {0.05, &seg, 1, 1}, {1.0, &seg, 1, 1}};
+    td_sim_outcome o[3];
+    td_sim_stats st;
+    run(&c, r, 3, o, &st);
+    assert_int_not_equal(o[0].d, o[1].d);
+    assert_float_equal(o[0].ttft, 0.170, 1e-9);
+    assert_float_equal(o[1].ttft, 0.170, 1e-9);
+    assert_float_equal(o[2].ttft, 0.110, 1e-9);
+    assert_int_equal(st.steps_beside, 2);
+    assert_float_equal(st.busy_s[0] + st.busy_s[1], 0.170 + 0.170 + 0.110, 1e-9);
+    free(st.itl);
+    for (int k = 0; k < 2; k++) { /* a machine each; no beside model */
+        c.inst[1].host = k == 0 ? 1 : 0;
+        c.inst[0].has_beside = c.inst[1].has_beside = k == 0;
+        run(&c, r, 3, o, &st);
+        for (int i = 0; i < 3; i++) assert_float_equal(o[i].ttft, 0.110, 1e-9);
+        assert_int_equal(st.steps_beside, 0);
+        free(st.itl);
+    }
+    c.inst[1].host = -2;
+    char why[256] = "";
+    assert_int_equal(td_sim_run(&c, r, 3, false, o, &st, why, sizeof why), TD_ERR_INVALID);
+    assert_non_null(strstr(why, "host"));
+}
+
 static void test_step_features(void **state) {
     (void)state;
     double a, a2;
@@ -223,6 +266,7 @@ int main(void) {
                                        cmocka_unit_test(test_kv_exhaustion),
                                        cmocka_unit_test(test_saturated_prefill_pool),
                                        cmocka_unit_test(test_poll_lag),
+                                       cmocka_unit_test(test_neighbours),
                                        cmocka_unit_test(test_step_features),
                                        cmocka_unit_test(test_bad_cluster)};
     return cmocka_run_group_tests(tests, NULL, NULL);
