@@ -93,25 +93,44 @@ def test_profile_contents(profiles, model):
 
 
 def test_profile_beside_a_neighbour(tandem_bin, model, tmp_path):
-    # --neighbour-cpus: another instance of the plan on core 1, kept busy by
-    # its own load for the whole profile; the profile says so with how many
-    # requests the neighbour served, and the neighbour's cluster stopped
+    # --neighbour-cpus: the loads again on this instance (core 0) and a
+    # second one of its plan (core 1) at once; the profile holds the step
+    # model measured alone and the one beside, both clusters stopped; tandem
+    # plan charges the beside model only to instances sharing a machine
+    # (--host-cores), and a neighbour that slows each step 3x shows
     if (os.cpu_count() or 1) < 2:
         pytest.fail("needs 2 cores")
     out = tmp_path / "nb.json"
     run(tandem_bin, "profile", "--model", model, "--cpus", "0", "--neighbour-cpus", "1",
-        "--neighbour-load", "2", "--quick", "--out", out, timeout=600)
+        "--quick", "--out", out, timeout=900)
     p = json.loads(out.read_text())
-    nb = p["neighbour"]
-    assert (nb["cpus"], nb["load_concurrency"]) == ("1", 2)
-    assert nb["requests_served"] >= 1, nb  # while this one was measured
-    assert p["roles"]["colocated"]["fit"]["n"] >= 20
-    log = (pathlib.Path(p["workdir"]) / "neighbour-up.err").read_text()
-    assert "tandem up: stopped" in log, log[-2000:]
-    for bad in (["--role", "both"], ["--neighbour-load", "0"]):
-        r = run(tandem_bin, "profile", "--model", model, "--neighbour-cpus", "1", *bad,
-                "--out", tmp_path / "x.json", check=False)
-        assert r.returncode == 2 and "neighbour" in r.stderr, r.stderr
+    assert p["neighbour"] == {"cpus": "1"}
+    r = p["roles"]["colocated"]
+    assert r["fit"]["n"] >= 20
+    b = r["beside"]
+    assert set(b["step"]) == set(r["step"]) and b["fit"]["n"] >= 40  # both instances' steps
+    assert b["overhead"]["step_overhead_s"] >= 0
+    assert all(v > 0 for v in b["over_alone_p50"].values() if v is not None)
+    for name in ("colocated", "neighbour"):
+        log = (pathlib.Path(p["workdir"]) / f"up-beside-{name}.err").read_text()
+        assert "tandem up: stopped" in log, log[-2000:]
+    slow = tmp_path / "slow.json"
+    b["step"] = {k: 3 * v for k, v in r["step"].items()}
+    slow.write_text(json.dumps(p))
+    w = workload(tmp_path, rate=20.0)
+    got = {}
+    for hc in (0, 1, 2):
+        o = json.loads(run(tandem_bin, "plan", "--profile", slow, "--workload", w, "--slo",
+                           SLO_EASY, "--config", "colocated=2", "--host-cores", hc,
+                           "--json").stdout)
+        c = o["configs"][0]
+        assert o["host_cores"] == hc and c["neighbours_modelled"] == (hc == 2)
+        assert (c["result"]["steps_beside"] > 0) == (hc == 2)
+        got[hc] = c["predicted"]["ttft_p90"]
+    assert got[0] == got[1] < got[2]
+    r = run(tandem_bin, "profile", "--model", model, "--neighbour-cpus", "1", "--role", "both",
+            "--out", tmp_path / "x.json", check=False)
+    assert r.returncode == 2 and "neighbour" in r.stderr, r.stderr
 
 
 def plan(tandem_bin, profiles, w, *extra, check=True):
@@ -224,8 +243,9 @@ def test_bad_profiles(tandem_bin, profiles, model, tmp_path):
                                                    "c_tok": "fast"}}}}), "c_tok has the wrong type"),
         "other-model": (json.dumps({**good, "model": {**good["model"], "size_bytes": 1}}),
                         "profiles of different models"),
-        "neighbour": (json.dumps({**good, "neighbour": {"cpus": "1", "load_concurrency": 4}}),
-                      "taken beside a busy neighbour"),
+        "bad-beside": (json.dumps({**good, "roles": {"colocated": {
+            **good["roles"]["colocated"], "beside": {"step": "x", "overhead": {}}}}}),
+            "roles.colocated.beside: must be an object with step and overhead"),
     }
     for name, (body, msg) in cases.items():
         bad = tmp_path / f"{name}.json"

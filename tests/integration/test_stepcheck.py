@@ -6,7 +6,8 @@ The model is c0 = 10 ms + c_seq = 1 ms per sequence. The trace: a
 sequences taking twice the model's 12 ms, a decode step of 3 taking the
 model's 13 ms, 0.5 ms and 1 ms apart. So prefill 1.0x, decode 1.5x median
 (2.0x at 2 sequences, 1.0x at 3), 37 ms measured against 25 ms, gaps of
-median 0.75 ms. Bad input (a truncated trace, a profile without the role)
+median 0.75 ms. Against a beside model (--beside) of c0 = 20 ms + 2 ms per
+sequence, each step at half its ratio to the alone one. Bad input (a truncated trace, a profile without the role)
 is a one-line error, exit 1.
 """
 
@@ -18,18 +19,20 @@ import sys
 import pytest
 
 TOOL = pathlib.Path(__file__).resolve().parents[2] / "tools" / "planner" / "stepcheck.py"
-PROFILE = {"roles": {"colocated": {"step": {"c0": 0.010, "c_tok": 0, "c_tok2": 0, "c_attn": 0,
-                                            "c_attn2": 0, "c_ctx": 0, "c_seq": 0.001, "c_n2": 0,
-                                            "c_n4": 0, "c_n8": 0, "c_n16": 0},
-                                   "overhead": {"step_overhead_s": 0.0005}}}}
+ALONE = {"c0": 0.010, "c_tok": 0, "c_tok2": 0, "c_attn": 0, "c_attn2": 0, "c_ctx": 0,
+         "c_seq": 0.001, "c_n2": 0, "c_n4": 0, "c_n8": 0, "c_n16": 0}
+PROFILE = {"roles": {"colocated": {
+    "step": ALONE, "overhead": {"step_overhead_s": 0.0005},
+    "beside": {"step": {k: 2 * v for k, v in ALONE.items()},
+               "overhead": {"step_overhead_s": 0.001}}}}}
 STEPS = [(0.0, 0.011, [[1, 0, 100]]),
          (0.0115, 0.024, [[1, 100, 1], [2, 50, 1]]),
          (0.0365, 0.013, [[1, 101, 1], [2, 51, 1], [3, 40, 1]])]
 
 
-def write(tmp_path, steps=STEPS, tail=""):
+def write(tmp_path, steps=STEPS, tail="", profile=PROFILE):
     prof = tmp_path / "profile.json"
-    prof.write_text(json.dumps(PROFILE))
+    prof.write_text(json.dumps(profile))
     tr = tmp_path / "trace.jsonl"
     lines = [json.dumps({"tandem_step_trace": 1, "t0": 0.0})]
     lines += [json.dumps({"step": k, "ev": [["b", t, dt, e]]}) for k, (t, dt, e) in enumerate(steps)]
@@ -57,6 +60,12 @@ def test_ratios_by_hand(tmp_path):
     assert out["gap_ms"]["median"] == pytest.approx(0.75) and out["gap_ms"]["profile"] == pytest.approx(0.5)
     text = run(prof, tr)
     assert text.returncode == 0 and "decode by batch size" in text.stdout
+    p = run(prof, tr, "--json", "--beside")
+    assert p.returncode == 0, p.stderr
+    b = json.loads(p.stdout)
+    assert b["kinds"]["prefill"]["median_ratio"] == pytest.approx(0.5)
+    assert b["kinds"]["decode"]["median_ratio"] == pytest.approx(0.75)
+    assert b["gap_ms"]["profile"] == pytest.approx(1.0)
 
 
 def test_bad_input(tmp_path):
@@ -67,3 +76,7 @@ def test_bad_input(tmp_path):
     p = run(prof, tr, "--role", "prefill")
     assert p.returncode == 1 and "no 'prefill' role" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+    alone = {k: v for k, v in PROFILE["roles"]["colocated"].items() if k != "beside"}
+    prof, tr = write(tmp_path, profile={"roles": {"colocated": alone}})
+    p = run(prof, tr, "--beside")
+    assert p.returncode == 1 and "no step model beside" in p.stderr, p.stderr

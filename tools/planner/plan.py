@@ -126,6 +126,19 @@ def check_role(r, where):
         raise PlanError(f"{where}.overhead: step_overhead_s must be 0 to 10 s")
 
 
+def check_beside(b, where):
+    """The step model measured beside a neighbour (tandem profile --neighbour-cpus)."""
+    if not isinstance(b, dict) or not isinstance(b.get("step"), dict) or \
+            not isinstance(b.get("overhead"), dict):
+        raise PlanError(f"{where}: must be an object with step and overhead")
+    for k in STEP_KEYS:
+        v = _need(b["step"], k, "num", f"{where}.step")
+        if (v < 0 and k not in SIGNED_KEYS) or abs(v) > 100:
+            raise PlanError(f"{where}.step: {k} is {'negative' if v < 0 else 'too large'}")
+    if not 0 <= _need(b["overhead"], "step_overhead_s", "num", f"{where}.overhead") < 10:
+        raise PlanError(f"{where}.overhead: step_overhead_s must be 0 to 10 s")
+
+
 def load_profile(path):
     try:
         with open(path, encoding="utf-8") as f:
@@ -142,16 +155,13 @@ def load_profile(path):
     for k in ("model", "plan", "roles", "machine"):
         if not isinstance(p.get(k), dict):
             raise PlanError(f"--profile {path}: missing {k}")
-    if p.get("neighbour"):
-        raise PlanError(f"--profile {path}: taken beside a busy neighbour (tandem profile "
-                        f"--neighbour-cpus), which measures how much a neighbour slows an "
-                        f"instance; the simulator does not model that yet: plan with a profile "
-                        f"taken alone")
     roles = p["roles"]
     if set(roles) not in ({"colocated"}, {"prefill", "decode"}):
         raise PlanError(f"--profile {path}: roles must be colocated, or prefill and decode")
     for name, r in roles.items():
         check_role(r, f"--profile {path}: roles.{name}")
+        if "beside" in r:
+            check_beside(r["beside"], f"--profile {path}: roles.{name}.beside")
     extra = p.get("prompt_extra_tokens", 0)
     if not isinstance(extra, int) or isinstance(extra, bool) or not 0 <= extra < 64:
         raise PlanError(f"--profile {path}: prompt_extra_tokens must be an integer 0 to 63")
@@ -199,22 +209,35 @@ def check_plan_flags(profiles, flags):
 
 # ---------------------------------------------------------------- configurations
 
-def instance(role_name, r, count):
-    return {"role": role_name, "count": count, "n_blocks": r["n_blocks"],
-            "block_size": r["block_size"], "sched": r["sched"],
-            "step": {k: r["step"][k] for k in STEP_KEYS},
-            "step_overhead_s": r["overhead"]["step_overhead_s"]}
+def instance(role_name, r, count, host=-1):
+    x = {"role": role_name, "count": count, "n_blocks": r["n_blocks"],
+         "block_size": r["block_size"], "sched": r["sched"],
+         "step": {k: r["step"][k] for k in STEP_KEYS},
+         "step_overhead_s": r["overhead"]["step_overhead_s"], "host": host}
+    if host >= 0 and "beside" in r:
+        b = r["beside"]
+        x["beside"] = {"step": {k: b["step"][k] for k in STEP_KEYS},
+                       "step_overhead_s": b["overhead"]["step_overhead_s"]}
+    return x
 
 
-def cluster(prof, shape, name, local_threshold, poll_ms):
+def cluster(prof, shape, name, local_threshold, poll_ms, host_cores=0):
     """The simulator's cluster of a shape {"colocated": K} or {"prefill": P,
-    "decode": D} on a profile, behind a router polling every poll_ms."""
+    "decode": D} on a profile, behind a router polling every poll_ms. With
+    host_cores, colocated instances fill machines of that many cores in
+    turn, and those that share one step at the profile's beside model
+    while a neighbour steps (when the profile has it)."""
     roles = prof["roles"]
     c = {"name": name, "router": True, "poll_interval_s": poll_ms / 1000.0,
          "score": {"local_prefill_tokens": local_threshold}}
     if "colocated" in shape:
-        r = roles["colocated"]
-        c["instances"] = [instance("colocated", r, shape["colocated"])]
+        r, k = roles["colocated"], shape["colocated"]
+        per_host = max(1, host_cores // threads(prof)) if host_cores else 0
+        if per_host > 1:
+            c["instances"] = [instance("colocated", r, min(per_host, k - h * per_host), h)
+                              for h in range((k + per_host - 1) // per_host)]
+        else:
+            c["instances"] = [instance("colocated", r, k)]
     else:
         r = roles["decode"]
         c["instances"] = [instance("prefill", roles["prefill"], shape["prefill"]),
@@ -571,6 +594,11 @@ def main(argv):
     p.add_argument("--poll-interval-ms", type=float, default=100, metavar="MS",
                    help="the router's state polls, as its --poll-interval-ms: the simulated "
                    "router sees the instances as of its last poll (default 100; 0: exact)")
+    p.add_argument("--host-cores", type=int, default=0, metavar="C",
+                   help="the instances share machines of C cores, filled in turn: those "
+                   "sharing one are charged the step model their profile measured beside a "
+                   "busy neighbour (tandem profile --neighbour-cpus) while a neighbour steps "
+                   "(default 0: a machine each)")
     p.add_argument("--plan-flags", metavar="FLAGS",
                    help="the instance flags the plan is for (checked against the profiles)")
     p.add_argument("--trace-format", default="auto", metavar="FMT",
@@ -610,6 +638,8 @@ def run(args):
         raise PlanError("--local-prefill-threshold must be 0 to 2^24")
     if not (args.poll_interval_ms == 0 or 1 <= args.poll_interval_ms <= 60000):
         raise PlanError("--poll-interval-ms must be 0 or 1 to 60000")
+    if not 0 <= args.host_cores <= 4096:
+        raise PlanError("--host-cores must be 0 to 4096")
     if not (0 <= args.margin < 10):
         raise PlanError("--margin must be in [0, 10)")
     slo = parse_slo(args.slo)
@@ -647,17 +677,19 @@ def plan_in(args, t_start, slo, cost, profiles, rows, summary, scale, workdir):
         if not shapes:
             raise PlanError(f"no configuration fits in --max-cores {args.max_cores}")
     clusters = [cluster(profiles[i], s, shape_name(s, profiles[i]), args.local_prefill_threshold,
-                        args.poll_interval_ms)
+                        args.poll_interval_ms, args.host_cores)
                 for i, s in shapes]
     results = simulate(clusters, wpath, slo, workdir)
     configs = []
-    for (i, shape), res in zip(shapes, results):
+    for (i, shape), cl, res in zip(shapes, clusters, results):
         ok, detail = verdict(res, slo, args.margin)
         configs.append({
             "config": shape_name(shape, profiles[i]), "shape": shape,
             "profile": profiles[i]["path"], "cost": shape_cost(shape, cost, profiles[i]),
             "instances": sum(shape.values()), "cores": shape_cores(shape, profiles[i]),
             "meets": ok,
+            # steps charged at the profile's beside model: instances sharing a machine
+            "neighbours_modelled": any("beside" in x for x in cl["instances"]),
             "predicted": {k: stat_of(res, k) for k in slo},
             "margin_ratio": {k: d[2] for k, d in detail.items()},
             "failed": res["failed"],
@@ -670,6 +702,7 @@ def plan_in(args, t_start, slo, cost, profiles, rows, summary, scale, workdir):
     answer = meeting[0] if meeting else None
     out = {"tandem_plan": 1, "method": args.method, "workload": summary, "slo": slo,
            "margin": args.margin, "max_instances": args.max_instances, "cost": cost,
+           "host_cores": args.host_cores,
            "answer": answer, "configs": configs,
            "wall_s": time.monotonic() - t_start,
            "simulated_requests": len(rows) * len(configs),
@@ -699,7 +732,7 @@ def plan_in(args, t_start, slo, cost, profiles, rows, summary, scale, workdir):
     for c in configs:  # the per-config result stays in --json, trimmed
         c["result"] = {k: c["result"][k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "busy",
                                                     "preemptions", "remote_prefills",
-                                                    "max_router_queue", "steps", "cdf",
+                                                    "max_router_queue", "steps", "steps_beside", "cdf",
                                                     "sim_requests_per_s", "duration_s")}
     if args.report:
         import report

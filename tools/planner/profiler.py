@@ -29,9 +29,16 @@ router with tandem bench's client, stops them, and fits from the traces:
                prompt prefilled on the decode instance (its own prefill)
   KV capacity  the pool's blocks and block size, and the scheduler's
                parameters, from the trace's header
+  beside       (--neighbour-cpus LIST, colocated) every load again on this
+               instance and on a second one of the plan pinned to LIST,
+               sent to both at once: the step model and gap of an instance
+               stepping beside a busy neighbour (sharing the machine's
+               caches, memory bandwidth, perhaps its physical cores), which
+               tandem plan --host-cores charges while a neighbour steps
 
 usage: tandem profile [--model PATH] [--role colocated|both] [--cpus LIST]
-                      [--threads T] [--out FILE.json] [--quick] [INSTANCE FLAGS...]
+                      [--threads T] [--neighbour-cpus LIST] [--out FILE.json] [--quick]
+                      [INSTANCE FLAGS...]
 
 Flags it does not know go to every instance (plan flags such as --tp 2,
 --kv-blocks N, --max-batch-tokens N, --kv-dtype ...). --role both profiles
@@ -47,13 +54,10 @@ import os
 import pathlib
 import platform
 import re
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 
 import numpy as np
 from scipy.optimize import lsq_linear, nnls
@@ -63,7 +67,7 @@ sys.path.insert(0, str(HERE.parent / "bench"))
 sys.path.insert(0, str(HERE))
 
 import serve_bench  # noqa: E402
-from steptrace import FEATURES, HINGES, SIGNED, Trace, TraceError  # noqa: E402
+from steptrace import FEATURES, HINGES, SIGNED, Trace, TraceError, predict  # noqa: E402
 from upctl import Up, UpError, stop_on_sigterm  # noqa: E402
 
 PROFILE_VERSION = 1
@@ -117,15 +121,16 @@ def model_identity(path):
     return {"file": p.name, "size_bytes": st.st_size, "sha256_ends": h.hexdigest()}
 
 
-def cluster_argv(tandem, args, extra, workdir, tag, threshold):
-    """tandem up for one phase of loads: the plan pinned to its cores, the
-    step traces written into workdir."""
+def cluster_argv(tandem, args, extra, workdir, tag, threshold, cpus=None, name="colocated"):
+    """tandem up for one phase of loads: the plan pinned to its cores (cpus,
+    default --cpus), the step traces written into workdir (a colocated
+    instance's as NAME{tag}.jsonl)."""
     up = [tandem, "up", "--port", "0", "--grpc-port", "-1", "--threads", str(args.threads),
-          "--cpus", args.cpus, "--ready-timeout", "300"]
+          "--cpus", cpus or args.cpus, "--ready-timeout", "300"]
     if args.model:
         up += ["--model", args.model]
     if args.role == "colocated":
-        up += ["--colocated", "1", f"--decode-arg=--step-trace={workdir}/colocated{tag}.jsonl"]
+        up += ["--colocated", "1", f"--decode-arg=--step-trace={workdir}/{name}{tag}.jsonl"]
     else:
         up += ["--prefill", "1", "--decode", "1",
                f"--prefill-arg=--step-trace={workdir}/prefill{tag}.jsonl",
@@ -134,85 +139,6 @@ def cluster_argv(tandem, args, extra, workdir, tag, threshold):
     for a in extra:
         up += [f"--decode-arg={a}"] + ([f"--prefill-arg={a}"] if args.role != "colocated" else [])
     return up
-
-
-class Neighbour:
-    """Another instance of the same plan on other cores (--neighbour-cpus),
-    kept busy for the whole profile by a steady load of its own (C requests
-    in flight, 64-512-token prompts, 16-64 output tokens: tandem bench runs
-    of 100 requests one after another), so the profiled instance is
-    measured as it runs in a shape of several instances: next to a busy
-    one, sharing the machine's caches, memory bandwidth and perhaps its
-    physical cores. stop() ends both, always."""
-
-    def __init__(self, tandem, args, workdir):
-        argv = [tandem, "up", "--port", "0", "--grpc-port", "-1", "--threads", str(args.threads),
-                "--cpus", args.neighbour_cpus, "--colocated", "1", "--ready-timeout", "300"]
-        if args.model:
-            argv += ["--model", args.model]
-        self.proc = None
-        try:
-            self.up = Up(argv, workdir / "neighbour-up.err")
-        except UpError as e:
-            raise ProfileError(f"the neighbour instance: {e}")
-        self.bench = [tandem, "bench", "--url", self.up.url, "--concurrency",
-                      str(args.neighbour_load), "--num-prompts", "100", "--input-len", "64:512",
-                      "--output-len", "16:64", "--no-progress", "--seed"]
-        self.err = open(workdir / "neighbour-load.err", "wb")
-        self.done = threading.Event()
-        self.lock = threading.Lock()
-        self.thread = threading.Thread(target=self._load, daemon=True)
-        self.thread.start()
-        # measuring starts once the neighbour is in its stride
-        try:
-            deadline = time.monotonic() + 120
-            while self.served() < args.neighbour_load:
-                if time.monotonic() > deadline:
-                    raise ProfileError("the neighbour instance completed no load in 120 s: "
-                                       f"see {workdir}/neighbour-load.err")
-                time.sleep(0.2)
-            self.served_at_start = self.served()
-        except BaseException:
-            self.stop()
-            raise
-
-    def _load(self):
-        k = 0
-        while not self.done.is_set():
-            with self.lock:
-                if self.done.is_set():
-                    return
-                self.proc = subprocess.Popen(self.bench + [str(77 + k)], stdout=subprocess.DEVNULL,
-                                             stderr=self.err, stdin=subprocess.DEVNULL,
-                                             start_new_session=True)
-            if self.proc.wait() != 0:
-                self.done.wait(1.0)  # a failing load is retried, not spun on
-            k += 1
-
-    def served(self):
-        """Requests the neighbour has completed (its router's metrics)."""
-        try:
-            with urllib.request.urlopen(self.up.url + "/metrics", timeout=10) as r:
-                text = r.read().decode()
-        except (OSError, ValueError) as e:
-            raise ProfileError(f"the neighbour instance's metrics: {e}")
-        return int(sum(float(v) for v in re.findall(
-            r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M)))
-
-    def stop(self):
-        with self.lock:
-            self.done.set()
-            p = self.proc
-        if p is not None and p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        self.thread.join(timeout=60)
-        self.err.close()
-        self.up.stop()
 
 
 def bench(url, workdir, name, seed, *flags):
@@ -390,15 +316,47 @@ def run(args, extra):
         return analyse(args, extra, model, workdir, plan, reports)
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-profile-"))
     reports = {}
-    nb = Neighbour(tandem, args, workdir) if args.neighbour_cpus else None
-    try:
-        plan = measure(tandem, args, extra, workdir, first, reports)
-        if nb:
-            args.neighbour_served = nb.served() - nb.served_at_start
-    finally:
-        if nb:
-            nb.stop()
+    plan = measure(tandem, args, extra, workdir, first, reports)
+    if args.neighbour_cpus:
+        measure_beside(tandem, args, extra, workdir, plan)
     return analyse(args, extra, model, workdir, plan, reports)
+
+
+def measure_beside(tandem, args, extra, workdir, plan):
+    """The loads again, on the instance (--cpus) and a second instance of
+    its plan (--neighbour-cpus) at once, each load sent to both at the
+    same moment: every step measured beside a neighbour that runs a step
+    like it, as the instances of a shape of several run side by side under
+    a router that spreads the load evenly (sharing the machine's caches,
+    memory bandwidth and perhaps physical cores). The two step traces are
+    colocated-beside.jsonl and neighbour-beside.jsonl."""
+    clusters = []
+    try:
+        for name, cpus in (("colocated", args.cpus), ("neighbour", args.neighbour_cpus)):
+            try:
+                clusters.append(Up(cluster_argv(tandem, args, extra, workdir, "-beside", None,
+                                                cpus, name), workdir / f"up-beside-{name}.err"))
+            except UpError as e:
+                raise ProfileError(f"the {name} instance side by side: {e}")
+        for k, (load, flags, _) in enumerate(plan):
+            progress(k, len(plan), "side by side " + load)
+            procs = []
+            for cl, name in zip(clusters, ("colocated", "neighbour")):
+                tag = f"beside-{name}-{load}"
+                argv = [sys.executable, serve_bench.__file__, "--url", cl.url, "--no-progress",
+                        "--json", str(workdir / f"bench-{tag}.json"), "--seed", str(1000 + k),
+                        *map(str, flags)]
+                with open(workdir / f"bench-{tag}.txt", "w") as f:
+                    procs.append((subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
+                                                   stdin=subprocess.DEVNULL), tag))
+            failed = [tag for p, tag in procs if p.wait() != 0]
+            if failed:
+                raise ProfileError(f"tandem bench failed side by side: see "
+                                   f"{workdir}/bench-{failed[0]}.txt")
+        progress(len(plan), len(plan), "done")
+    finally:
+        for cl in clusters:
+            cl.stop()
 
 
 def measure(tandem, args, extra, workdir, first, reports):
@@ -434,10 +392,8 @@ def analyse(args, extra, model, workdir, plan, reports):
             "machine": machine(), "model": model_identity(model),
             "plan": {"role": args.role, "threads": args.threads, "cpus": args.cpus,
                      "flags": extra},
-            # a busy instance of the same plan beside it (None: it ran alone)
-            "neighbour": ({"cpus": args.neighbour_cpus, "load_concurrency": args.neighbour_load,
-                           "requests_served": args.neighbour_served}
-                          if args.neighbour_cpus else None),
+            # the second instance of the side-by-side loads (None: measured alone only)
+            "neighbour": {"cpus": args.neighbour_cpus} if args.neighbour_cpus else None,
             "command": ["tandem", "profile", *sys.argv[1:]],
             "prompt_extra_tokens": int(np.median(prompt_extra)) if prompt_extra else 0,
             "roles": {}}
@@ -448,6 +404,8 @@ def analyse(args, extra, model, workdir, plan, reports):
         co = client_overhead(tr, list(tr.arrivals)[:n_iso], iso)
         ovh["request_overhead_s"] = float(np.median(co)) if co else 0.0
         prof["roles"]["colocated"] = role_section(tr, coef, fit, ovh)
+        if args.neighbour_cpus:
+            prof["roles"]["colocated"]["beside"] = fit_beside(workdir, coef)
     else:
         pt, dt = Trace(workdir / "prefill.jsonl"), Trace(workdir / "decode.jsonl")
         dl = Trace(workdir / "decode-local.jsonl")
@@ -462,6 +420,22 @@ def analyse(args, extra, model, workdir, plan, reports):
         prof["transfer"] = fit_transfer(pt, dt, list(dt.arrivals)[:n_iso])
     prof["workdir"] = str(workdir)
     return prof
+
+
+def fit_beside(workdir, alone):
+    """The step model of the side-by-side loads (both instances' steps),
+    its scheduler gap, and how the steps compare with the model measured
+    alone (median measured / alone model, by step kind)."""
+    steps = []
+    for name in ("colocated", "neighbour"):
+        steps += Trace(workdir / f"{name}-beside.jsonl").steps
+    coef, fit, ovh = fit_steps(steps)
+    ratio = {}
+    for kind in ("prefill", "decode", "mixed"):
+        r = [s.dt / m for s in steps if s.dt > 0 and s.kind() == kind
+             for m in [predict(alone, s.features())] if m > 0]
+        ratio[kind] = float(np.median(r)) if r else None
+    return {"step": coef, "fit": fit, "overhead": ovh, "over_alone_p50": ratio}
 
 
 def fit_transfer(pt, dt, d_tickets):
@@ -517,10 +491,9 @@ def main(argv):
                    help="threads per instance (default 1)")
     p.add_argument("--out", metavar="FILE.json", help="write the profile here (default: stdout)")
     p.add_argument("--neighbour-cpus", metavar="LIST",
-                   help="run another instance of the plan on these cores, busy all along, and "
-                   "measure this one beside it: for shapes of several instances (colocated)")
-    p.add_argument("--neighbour-load", type=int, default=4, metavar="C",
-                   help="requests the neighbour keeps in flight (default 4)")
+                   help="then run every load again on this instance and a second one of its "
+                   "plan on these cores at once, for the step model beside a busy neighbour "
+                   "(colocated; tandem plan --host-cores uses it)")
     p.add_argument("--quick", action="store_true", help="fewer, shorter loads (tests)")
     p.add_argument("--refit", metavar="DIR",
                    help="fit again from the traces and loads a run left in DIR (its work "
@@ -528,10 +501,8 @@ def main(argv):
     args, extra = p.parse_known_args(argv)
     if args.threads < 1:
         p.error("--threads must be >= 1")
-    if args.neighbour_cpus and (args.role != "colocated" or args.refit):
-        p.error("--neighbour-cpus profiles one colocated instance (not with --role both or --refit)")
-    if args.neighbour_load < 1:
-        p.error("--neighbour-load must be >= 1")
+    if args.neighbour_cpus and args.role != "colocated":
+        p.error("--neighbour-cpus profiles colocated instances side by side (not --role both)")
     if args.cpus is None:
         n = args.threads * (1 if args.role == "colocated" else 2)
         args.cpus = ",".join(str(i % (os.cpu_count() or 1)) for i in range(n))

@@ -6,6 +6,10 @@ computed slower than its profile (and at which batches) or the time went
 elsewhere.
 
   python3 tools/planner/stepcheck.py PROFILE.json TRACE.jsonl [--role colocated|decode|prefill]
+                                     [--beside]
+
+--beside: against the role's step model measured beside a busy neighbour
+(tandem profile --neighbour-cpus) instead of the one measured alone.
 
 TRACE: a --step-trace of the run (validate.py --step-traces DIR keeps
 one per instance and run)."""
@@ -23,12 +27,17 @@ sys.path.insert(0, str(HERE))
 from steptrace import Trace, TraceError, predict  # noqa: E402
 
 
-def check(prof, role, trace):
+def check(prof, role, trace, beside=False):
     roles = prof.get("roles") if isinstance(prof, dict) else None
     if not isinstance(roles, dict) or role not in roles:
         have = ", ".join(roles) if isinstance(roles, dict) else "none"
         raise ValueError(f"the profile has no {role!r} role (it has: {have})")
     r = roles[role]
+    if beside:
+        if "beside" not in r:
+            raise ValueError(f"the profile's {role} role has no step model beside a neighbour "
+                             f"(tandem profile --neighbour-cpus)")
+        r = r["beside"]
     coef, out = r["step"], {"kinds": {}, "decode_by_batch": {}}
     by_kind, by_batch = collections.defaultdict(list), collections.defaultdict(list)
     for s in trace.steps:
@@ -55,11 +64,13 @@ def main(argv):
     p.add_argument("trace")
     p.add_argument("--role", default="colocated")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--beside", action="store_true",
+                   help="the step model measured beside a busy neighbour")
     args = p.parse_args(argv)
     try:
         prof = json.loads(pathlib.Path(args.profile).read_text())
         trace = Trace(args.trace)
-        out = check(prof, args.role, trace)
+        out = check(prof, args.role, trace, args.beside)
     except (OSError, ValueError, KeyError, TypeError, TraceError) as e:
         sys.stderr.write(f"stepcheck.py: {e}\n")
         return 1

@@ -5,12 +5,14 @@ real runs of the same workload (tandem up with the shape, pinned with
 
   python3 tools/planner/validate.py --cases CASES.json --out RESULTS.json [--repeats 3]
 
-CASES.json: {"slo": "ttft_p90:MS,tpot_p90:MS",
+CASES.json: {"slo": "ttft_p90:MS,tpot_p90:MS", "host_cores": C,
              "profiles": {"NAME": "PROFILE.json", ...},
              "cases": [{"name": ..., "profile": NAME, "config": "colocated=1",
                         "threads": 1, "cpus": "0", "workload": "W.json or trace",
                         "num_requests": N, "length_scale": S, "trace_speed": X,
                         "local_prefill_threshold": T}, ...]}
+host_cores (default 0): the cores of the machine the runs share, for
+tandem plan --host-cores (instances side by side slow each other).
 Percentiles compared: P50 and P90 of TTFT and TPOT (P99 only where a run
 holds >= 1000 requests), and goodput; each prediction's error against the
 median of the repeats, and the repeats' own spread (max - min over median).
@@ -131,7 +133,8 @@ def main(argv):
         trace = wpath
         pargv = [tandem(), "plan", "--profile", str(prof), "--workload", str(wpath), "--config",
                 case["config"], "--slo", spec["slo"], "--json", "--margin", "0",
-                "--local-prefill-threshold", str(case.get("local_prefill_threshold", 512))]
+                "--local-prefill-threshold", str(case.get("local_prefill_threshold", 512)),
+                "--host-cores", str(spec.get("host_cores", 0))]
         pargv += args.plan_arg
         if case.get("num_requests"):
             pargv += ["--num-requests", str(case["num_requests"])]
