@@ -70,6 +70,12 @@ def workload(tmp_path, **kw):
 def test_profile_contents(profiles, model):
     p = json.loads(profiles["colocated"].read_text())
     assert p["tandem_profile"] == 1 and p["neighbour"] is None  # taken alone
+    # the traffic load (--quick: one, at 70% of the instance's time), its
+    # Poisson rate from the loads before it, run at that rate
+    rates = p["traffic_rates"]
+    assert list(rates) == ["traffic-70"] and rates["traffic-70"] > 0
+    rep = json.loads((pathlib.Path(p["workdir"]) / "bench-traffic-70.json").read_text())
+    assert rep["completed"] == 16 and rep["failed"] == 0
     assert p["model"]["file"] == os.path.basename(model) and p["model"]["size_bytes"] > 0
     assert p["plan"]["threads"] == 1 and p["plan"]["cpus"] == "0"
     assert p["machine"]["cores"] == os.cpu_count()

@@ -5,6 +5,10 @@ It starts the instances itself with `tandem up` (pinned with --cpus, every
 scheduler writing its step trace), sends controlled loads through the
 router with tandem bench's client, stops them, and fits from the traces:
 
+  loads        isolated prompts of 16 to 3072 tokens, a cached prefix, decode
+               batches of 1-16 sequences at three contexts (lockstep: sent
+               at once), then two traffic loads of Poisson arrivals with
+               mixed lengths at 35% and 70% of the instance's time
   step model   forward = c0 + c_tok N + c_tok2 N^2 + c_attn A + c_attn2 A2
                + c_ctx C + c_seq B + sum_k c_nk max(0, N - k) over every
                step (N batch tokens, A attention pairs, A2 their squared
@@ -71,6 +75,11 @@ from steptrace import FEATURES, HINGES, SIGNED, Trace, TraceError, predict  # no
 from upctl import Up, UpError, stop_on_sigterm  # noqa: E402
 
 PROFILE_VERSION = 1
+# The traffic loads: Poisson arrivals of mixed lengths keeping the instance
+# this share of its time busy, so the fit sees steps as serving runs them
+# (arrivals, tokenizing and streaming on the instance's cores between and
+# during its steps), not only the lockstep batches of the loads above.
+TRAFFIC = (0.35, 0.7)
 
 
 class ProfileError(Exception):
@@ -187,7 +196,34 @@ def loads(max_ctx, quick):
         for n in ctxs:
             out.append((f"decode-c{c}-{n}", ["--input-len", n, "--output-len", 24 if quick else 48,
                                              "--num-prompts", c, "--concurrency", c], False))
+    hi = max(33, min(512, room))
+    for u in TRAFFIC[-1:] if quick else TRAFFIC:
+        # the rate (None here) is set from the loads before it (traffic_rate)
+        out.append((f"traffic-{round(100 * u)}", ["--request-rate", None, "--input-len",
+                                                  f"32:{hi}", "--output-len", "16:48",
+                                                  "--num-prompts", 16 if quick else 40], False))
     return out
+
+
+def traffic_rate(name, flags, reports):
+    """A traffic load's Poisson rate: its share u of the instance's time
+    over one request's service time alone, the isolated prefill of its mean
+    prompt (interpolated between the prefill loads' TTFTs) plus 32 decode
+    steps of one sequence (the decode-c1 load's TPOT)."""
+    u = int(name.split("-")[1]) / 100
+    lo, hi = map(int, flags[flags.index("--input-len") + 1].split(":"))
+    pre = sorted((int(n.split("-")[1]), r["ttft_ms"]["p50"]) for n, r in reports.items()
+                 if re.fullmatch(r"prefill-\d+", n))
+    dec = [r["tpot_ms"]["p50"] for n, r in reports.items() if n.startswith("decode-c1-")]
+    if not pre or not dec:
+        raise ProfileError("the traffic loads need the isolated prefill and decode-c1 loads")
+    service_s = (np.interp((lo + hi) / 2, [n for n, _ in pre], [t for _, t in pre]) +
+                 32 * dec[0]) / 1e3
+    return u / service_s
+
+
+def with_rate(flags, rate):
+    return [f"{rate:.4f}" if f is None else f for f in flags]
 
 
 def fit_steps(steps):
@@ -316,6 +352,7 @@ def run(args, extra):
         return analyse(args, extra, model, workdir, plan, reports)
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-profile-"))
     reports = {}
+    args.rates = {}  # the traffic loads' rates, set by the first phase
     plan = measure(tandem, args, extra, workdir, first, reports)
     if args.neighbour_cpus:
         measure_beside(tandem, args, extra, workdir, plan)
@@ -345,7 +382,7 @@ def measure_beside(tandem, args, extra, workdir, plan):
                 tag = f"beside-{name}-{load}"
                 argv = [sys.executable, serve_bench.__file__, "--url", cl.url, "--no-progress",
                         "--json", str(workdir / f"bench-{tag}.json"), "--seed", str(1000 + k),
-                        *map(str, flags)]
+                        *map(str, with_rate(flags, args.rates.get(load, 0)))]
                 with open(workdir / f"bench-{tag}.txt", "w") as f:
                     procs.append((subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
                                                    stdin=subprocess.DEVNULL), tag))
@@ -376,6 +413,9 @@ def measure(tandem, args, extra, workdir, first, reports):
             to_run = [x for x in plan if which == "all" or x[2]]
             for k, (name, flags, _) in enumerate(to_run):
                 progress(k, len(to_run), tag[1:] + " " + name if tag else name)
+                if None in flags:
+                    args.rates[name] = args.rates.get(name) or traffic_rate(name, flags, reports)
+                    flags = with_rate(flags, args.rates[name])
                 reports[tag + name] = bench(cl.url, workdir, tag + name, 1000 + k, *flags)
             progress(len(to_run), len(to_run), "done")
         finally:
@@ -396,6 +436,8 @@ def analyse(args, extra, model, workdir, plan, reports):
             "neighbour": {"cpus": args.neighbour_cpus} if args.neighbour_cpus else None,
             "command": ["tandem", "profile", *sys.argv[1:]],
             "prompt_extra_tokens": int(np.median(prompt_extra)) if prompt_extra else 0,
+            # requests/s of each traffic load (None: refitted, see the workdir's bench-*.txt)
+            "traffic_rates": getattr(args, "rates", None),
             "roles": {}}
     n_iso = len(iso)
     if args.role == "colocated":
