@@ -58,6 +58,11 @@ def test_ratios_by_hand(tmp_path):
     by = out["decode_by_batch"]
     assert by["2"]["median_ratio"] == pytest.approx(2.0) and by["3"]["median_ratio"] == pytest.approx(1.0)
     assert out["gap_ms"]["median"] == pytest.approx(0.75) and out["gap_ms"]["profile"] == pytest.approx(0.5)
+    # ratios 1, 2, 1: one step of three over 1.3x, adding 12 of the 48 ms
+    assert out["ratio_quantiles"]["p50"] == pytest.approx(1.0)
+    assert out["ratio_quantiles"]["p99"] == pytest.approx(2.0)
+    assert out["slow_steps"]["share"] == pytest.approx(1 / 3)
+    assert out["slow_steps"]["excess_share_of_busy"] == pytest.approx(12 / 48)
     text = run(prof, tr)
     assert text.returncode == 0 and "decode by batch size" in text.stdout
     p = run(prof, tr, "--json", "--beside")

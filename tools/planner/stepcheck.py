@@ -1,7 +1,8 @@
 """A profile's step model against the steps of another run: each step's
 measured forward time over the model's, by step kind and, for decode
-steps, by batch size; and the scheduler's gap between steps against the
-profile's. Where a prediction misses, this says whether the instance
+steps, by batch size; the quantiles of every step's ratio and the slow
+steps (over 1.3x: how often, and how much of the time stepping they add);
+and the scheduler's gap between steps against the profile's. Where a prediction misses, this says whether the instance
 computed slower than its profile (and at which batches) or the time went
 elsewhere.
 
@@ -27,6 +28,9 @@ sys.path.insert(0, str(HERE))
 from steptrace import Trace, TraceError, predict  # noqa: E402
 
 
+SLOW = 1.3  # a step this many times its model's or more counts as slow
+
+
 def check(prof, role, trace, beside=False):
     roles = prof.get("roles") if isinstance(prof, dict) else None
     if not isinstance(roles, dict) or role not in roles:
@@ -47,6 +51,14 @@ def check(prof, role, trace, beside=False):
         by_kind[s.kind()].append((s.dt, m))
         if s.kind() == "decode":
             by_batch[len(s.entries)].append(s.dt / m)
+    ratios = sorted(a / b for v in by_kind.values() for a, b in v)
+    slow = [(a, b) for v in by_kind.values() for a, b in v if a > SLOW * b]
+    busy = sum(a for v in by_kind.values() for a, _ in v)
+    if ratios:
+        out["ratio_quantiles"] = {f"p{q}": ratios[min(len(ratios) - 1, int(q / 100 * len(ratios)))]
+                                  for q in (50, 90, 99)}
+        out["slow_steps"] = {"over": SLOW, "share": len(slow) / len(ratios),
+                             "excess_share_of_busy": sum(a - b for a, b in slow) / busy}
     for k, v in by_kind.items():
         out["kinds"][k] = {"steps": len(v), "median_ratio": statistics.median(a / b for a, b in v),
                            "measured_s": sum(a for a, _ in v), "model_s": sum(b for _, b in v)}
@@ -83,6 +95,11 @@ def main(argv):
               f"({v['measured_s'] / v['model_s']:.3f})")
     print("decode by batch size (steps, median measured / model): " + ", ".join(
         f"{b}: {v['steps']} {v['median_ratio']:.2f}" for b, v in out["decode_by_batch"].items()))
+    if "ratio_quantiles" in out:
+        q, sl = out["ratio_quantiles"], out["slow_steps"]
+        print(f"every step, measured / model: p50 {q['p50']:.2f}, p90 {q['p90']:.2f}, "
+              f"p99 {q['p99']:.2f}; {sl['share']:.1%} of the steps over {SLOW}x, their time "
+              f"beyond the model {sl['excess_share_of_busy']:.1%} of the time stepping")
     g = out["gap_ms"]
     if g["median"] is not None:
         print(f"gap between steps: median {g['median']:.2f} ms (profile {g['profile']:.2f} ms)")
