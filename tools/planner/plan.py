@@ -732,7 +732,8 @@ def plan_in(args, t_start, slo, cost, profiles, rows, summary, scale, workdir):
     for c in configs:  # the per-config result stays in --json, trimmed
         c["result"] = {k: c["result"][k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "busy",
                                                     "preemptions", "remote_prefills",
-                                                    "max_router_queue", "steps", "steps_beside", "cdf",
+                                                    "max_router_queue", "steps", "steps_beside",
+                                                    "cdf",
                                                     "sim_requests_per_s", "duration_s")}
     if args.report:
         import report

@@ -378,15 +378,22 @@ def measure_beside(tandem, args, extra, workdir, plan):
         for k, (load, flags, _) in enumerate(plan):
             progress(k, len(plan), "side by side " + load)
             procs = []
-            for cl, name in zip(clusters, ("colocated", "neighbour")):
-                tag = f"beside-{name}-{load}"
-                argv = [sys.executable, serve_bench.__file__, "--url", cl.url, "--no-progress",
-                        "--json", str(workdir / f"bench-{tag}.json"), "--seed", str(1000 + k),
-                        *map(str, with_rate(flags, args.rates.get(load, 0)))]
-                with open(workdir / f"bench-{tag}.txt", "w") as f:
-                    procs.append((subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
-                                                   stdin=subprocess.DEVNULL), tag))
-            failed = [tag for p, tag in procs if p.wait() != 0]
+            try:
+                for cl, name in zip(clusters, ("colocated", "neighbour")):
+                    tag = f"beside-{name}-{load}"
+                    argv = [sys.executable, serve_bench.__file__, "--url", cl.url,
+                            "--no-progress", "--json", str(workdir / f"bench-{tag}.json"),
+                            "--seed", str(1000 + k),
+                            *map(str, with_rate(flags, args.rates.get(load, 0)))]
+                    with open(workdir / f"bench-{tag}.txt", "w") as f:
+                        procs.append((subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
+                                                       stdin=subprocess.DEVNULL), tag))
+                failed = [tag for p, tag in procs if p.wait() != 0]
+            finally:  # interrupted: no load left running
+                for p, _ in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
             if failed:
                 raise ProfileError(f"tandem bench failed side by side: see "
                                    f"{workdir}/bench-{failed[0]}.txt")

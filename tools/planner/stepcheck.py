@@ -2,9 +2,10 @@
 measured forward time over the model's, by step kind and, for decode
 steps, by batch size; the quantiles of every step's ratio and the slow
 steps (over 1.3x: how often, and how much of the time stepping they add);
-and the scheduler's gap between steps against the profile's. Where a prediction misses, this says whether the instance
-computed slower than its profile (and at which batches) or the time went
-elsewhere.
+and the scheduler's gap between steps against the profile's. Where a
+prediction misses, this says whether the instance computed slower than
+its profile (and at which batches, or in a tail of slow steps: a noisy
+machine) or the time went elsewhere.
 
   python3 tools/planner/stepcheck.py PROFILE.json TRACE.jsonl [--role colocated|decode|prefill]
                                      [--beside]
