@@ -70,12 +70,16 @@ def workload(tmp_path, **kw):
 def test_profile_contents(profiles, model):
     p = json.loads(profiles["colocated"].read_text())
     assert p["tandem_profile"] == 1 and p["neighbour"] is None  # taken alone
-    # the traffic load (--quick: one, at 70% of the instance's time), its
-    # Poisson rate from the loads before it, run at that rate
+    # the traffic loads at 35% and 70% of the instance's time: Poisson
+    # rates from the loads before them (the higher share, twice the rate),
+    # run at those rates
     rates = p["traffic_rates"]
-    assert list(rates) == ["traffic-70"] and rates["traffic-70"] > 0
-    rep = json.loads((pathlib.Path(p["workdir"]) / "bench-traffic-70.json").read_text())
-    assert rep["completed"] == 16 and rep["failed"] == 0
+    assert list(rates) == ["traffic-35", "traffic-70"] and rates["traffic-35"] > 0
+    assert rates["traffic-70"] == pytest.approx(2 * rates["traffic-35"])
+    for name in rates:
+        rep = json.loads((pathlib.Path(p["workdir"]) / f"bench-{name}.json").read_text())
+        assert rep["completed"] == 40 and rep["failed"] == 0
+        assert rep["mode"]["request_rate"] == pytest.approx(rates[name], rel=1e-3)
     assert p["model"]["file"] == os.path.basename(model) and p["model"]["size_bytes"] > 0
     assert p["plan"]["threads"] == 1 and p["plan"]["cpus"] == "0"
     assert p["machine"]["cores"] == os.cpu_count()

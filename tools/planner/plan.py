@@ -597,7 +597,7 @@ def main(argv):
     p.add_argument("--host-cores", type=int, default=0, metavar="C",
                    help="the instances share machines of C cores, filled in turn: those "
                    "sharing one are charged the step model their profile measured beside a "
-                   "busy neighbour (tandem profile --neighbour-cpus) while a neighbour steps "
+                   "busy neighbour (a side-by-side profile) while a neighbour steps "
                    "(default 0: a machine each)")
     p.add_argument("--plan-flags", metavar="FLAGS",
                    help="the instance flags the plan is for (checked against the profiles)")

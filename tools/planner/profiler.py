@@ -542,7 +542,7 @@ def main(argv):
     p.add_argument("--neighbour-cpus", metavar="LIST",
                    help="then run every load again on this instance and a second one of its "
                    "plan on these cores at once, for the step model beside a busy neighbour "
-                   "(colocated; tandem plan --host-cores uses it)")
+                   "(colocated; tandem plan charges it to instances sharing a machine)")
     p.add_argument("--quick", action="store_true", help="fewer, shorter loads (tests)")
     p.add_argument("--refit", metavar="DIR",
                    help="fit again from the traces and loads a run left in DIR (its work "
