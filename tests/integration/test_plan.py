@@ -138,6 +138,9 @@ def test_profile_beside_a_neighbour(tandem_bin, model, tmp_path):
         assert (c["result"]["steps_beside"] > 0) == (hc == 2)
         got[hc] = c["predicted"]["ttft_p90"]
     assert got[0] == got[1] < got[2]
+    o = json.loads(run(tandem_bin, "plan", "--profile", slow, "--workload", w, "--slo", SLO_EASY,
+                       "--config", "colocated=1", "--host-cores", 2, "--json").stdout)
+    assert not o["configs"][0]["neighbours_modelled"]  # alone on its machine
     r = run(tandem_bin, "profile", "--model", model, "--neighbour-cpus", "1", "--role", "both",
             "--out", tmp_path / "x.json", check=False)
     assert r.returncode == 2 and "neighbour" in r.stderr, r.stderr

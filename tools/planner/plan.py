@@ -233,9 +233,10 @@ def cluster(prof, shape, name, local_threshold, poll_ms, host_cores=0):
     if "colocated" in shape:
         r, k = roles["colocated"], shape["colocated"]
         per_host = max(1, host_cores // threads(prof)) if host_cores else 0
-        if per_host > 1:
-            c["instances"] = [instance("colocated", r, min(per_host, k - h * per_host), h)
-                              for h in range((k + per_host - 1) // per_host)]
+        if per_host > 1:  # an instance alone on its machine has no neighbour
+            counts = [min(per_host, k - h * per_host) for h in range((k + per_host - 1) // per_host)]
+            c["instances"] = [instance("colocated", r, n, h if n > 1 else -1)
+                              for h, n in enumerate(counts)]
         else:
             c["instances"] = [instance("colocated", r, k)]
     else:
