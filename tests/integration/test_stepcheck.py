@@ -8,7 +8,8 @@ model's 13 ms, 0.5 ms and 1 ms apart. So prefill 1.0x, decode 1.5x median
 (2.0x at 2 sequences, 1.0x at 3), 37 ms measured against 25 ms, gaps of
 median 0.75 ms. Against a beside model (--beside) of c0 = 20 ms + 2 ms per
 sequence, each step at half its ratio to the alone one. Bad input (a truncated trace, a profile without the role)
-is a one-line error, exit 1.
+is a one-line error, exit 1. validate.py keeps the same figures for each
+run and instance from the traces its runs leave.
 """
 
 import json
@@ -85,3 +86,24 @@ def test_bad_input(tmp_path):
     prof, tr = write(tmp_path, profile={"roles": {"colocated": alone}})
     p = run(prof, tr, "--beside")
     assert p.returncode == 1 and "no step model beside" in p.stderr, p.stderr
+
+
+def test_validate_keeps_each_runs_steps(tmp_path):
+    # validate.py --step-traces: each instance's steps of run k against the
+    # profile, from the traces named {case}-{k}-{instance}.jsonl; the same
+    # figures as above (48 ms measured against 36 in all, one step of three
+    # slow), and against the beside model for instances sharing a machine
+    sys.path.insert(0, str(TOOL.parent))
+    import validate
+    prof, tr = write(tmp_path)
+    tr.rename(tmp_path / "2C-0-colocated1.jsonl")
+    (tmp_path / "2C-0-colocated0.jsonl").write_text("{")  # a broken one: an error, no crash
+    got = validate.run_steps({"name": "2C"}, prof, tmp_path, 0, False)
+    assert set(got) == {"colocated0", "colocated1"} and "error" in got["colocated0"]
+    c = got["colocated1"]
+    assert c["model"] == "alone" and c["in_all"] == pytest.approx(48 / 36)
+    assert c["slow_share"] == pytest.approx(1 / 3) and c["ratio_p99"] == pytest.approx(2.0)
+    b = validate.run_steps({"name": "2C"}, prof, tmp_path, 0, True)["colocated1"]
+    assert b["model"] == "beside" and b["in_all"] == pytest.approx(48 / 72)
+    assert validate.run_steps({"name": "2C"}, prof, tmp_path, 1, False) == {}
+

@@ -32,6 +32,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import plan  # noqa: E402
+import stepcheck  # noqa: E402
+from steptrace import Trace, TraceError  # noqa: E402
 from upctl import Up, stop_on_sigterm  # noqa: E402
 
 STATS = [("ttft", "p50"), ("ttft", "p90"), ("tpot", "p50"), ("tpot", "p90")]
@@ -88,6 +90,30 @@ def real_run(case, trace, model, slo, workdir, k, trace_dir=None):
         up.stop()
 
 
+def run_steps(case, prof_path, trace_dir, k, beside):
+    """Each instance's steps in run k against its profile (stepcheck.py):
+    how much slower than the model it computed in all, the median and p99
+    of its steps' ratios, and the slow steps; a noisy run shows there."""
+    prof = json.loads(pathlib.Path(prof_path).read_text())
+    out = {}
+    for path in sorted(pathlib.Path(trace_dir).glob(f"{case['name']}-{k}-*.jsonl")):
+        inst = path.stem[len(f"{case['name']}-{k}-"):]
+        role = inst.rstrip("0123456789")
+        try:
+            c = stepcheck.check(prof, role, Trace(path), beside and role == "colocated")
+            kinds = c["kinds"].values()
+            out[inst] = {"model": "beside" if beside and role == "colocated" else "alone",
+                         "in_all": sum(v["measured_s"] for v in kinds) /
+                         max(1e-12, sum(v["model_s"] for v in kinds)),
+                         "ratio_p50": c["ratio_quantiles"]["p50"],
+                         "ratio_p99": c["ratio_quantiles"]["p99"],
+                         "slow_share": c["slow_steps"]["share"],
+                         "slow_excess_of_busy": c["slow_steps"]["excess_share_of_busy"]}
+        except (TraceError, ValueError, KeyError) as e:  # a trace with no steps, a bad one
+            out[inst] = {"error": str(e)}
+    return out
+
+
 def measured_runs(row, n_prompts):
     """The runs of an earlier result, as far as the comparison needs them."""
     n = len(row["goodput"]["measured"])
@@ -110,7 +136,9 @@ def main(argv):
     p.add_argument("--only", help="run only the cases whose name contains this")
     p.add_argument("--model")
     p.add_argument("--step-traces", metavar="DIR",
-                   help="keep every instance's step trace of every run here (for stepcheck.py)")
+                   help="keep every instance's step trace of every run here, and each run's "
+                   "steps against the profile in the result (stepcheck.py; with --reuse, from "
+                   "the traces an earlier run left here)")
     p.add_argument("--plan-arg", action="append", default=[], metavar="FLAG",
                    help="a flag for tandem plan's prediction, e.g. --plan-arg=--poll-interval-ms=0")
     p.add_argument("--reuse", metavar="RESULTS.json",
@@ -175,6 +203,9 @@ def main(argv):
                                  all(r[f"{k.split('_')[0]}_ms"][k.split("_")[1]] <= v
                                      for k, v in slo.items()) and r["failed"] == 0 for r in runs]
         row["utilisation"] = cfg["result"]["busy"]
+        if args.step_traces:  # the runs' traces kept there (or left there by an earlier run)
+            row["steps"] = [run_steps(case, prof, args.step_traces, k, cfg["neighbours_modelled"])
+                            for k in range(len(runs))]
         if all("p99" in r.get("ttft_ms", {}) for r in runs):  # runs measured here, not reused
             row["measured_p99"] = {m: [r[f"{m}_ms"]["p99"] for r in runs] for m in ("ttft", "tpot")}
             row["predicted_p99"] = {m: cfg["result"][f"{m}_ms"]["p99"] for m in ("ttft", "tpot")}
