@@ -95,7 +95,8 @@ def test_validate_keeps_each_runs_steps(tmp_path):
     # slow), and against the beside model for instances sharing a machine
     sys.path.insert(0, str(TOOL.parent))
     import validate
-    prof, tr = write(tmp_path)
+    path, tr = write(tmp_path)
+    prof = json.loads(path.read_text())
     tr.rename(tmp_path / "2C-0-colocated1.jsonl")
     (tmp_path / "2C-0-colocated0.jsonl").write_text("{")  # a broken one: an error, no crash
     got = validate.run_steps({"name": "2C"}, prof, tmp_path, 0, False)

@@ -111,10 +111,7 @@ def check_role(r, where):
     for k in ROLE_KEYS:
         if k not in r:
             raise PlanError(f"{where}: missing {k}")
-    for k in STEP_KEYS:
-        v = _need(r["step"], k, "num", f"{where}.step")
-        if (v < 0 and k not in SIGNED_KEYS) or abs(v) > 100:
-            raise PlanError(f"{where}.step: {k} is {'negative' if v < 0 else 'too large'}")
+    check_step_model(r, where)
     for k in ("max_running", "max_batch_tokens", "max_waiting", "reserve_output_tokens",
               "max_ctx"):
         if _need(r["sched"], k, int, f"{where}.sched") < 0:
@@ -122,7 +119,16 @@ def check_role(r, where):
     if _need(r, "n_blocks", int, where) < 1 or _need(r, "block_size", int, where) < 1:
         raise PlanError(f"{where}: n_blocks and block_size must be >= 1")
     _need(r["overhead"], "request_overhead_s", "num", f"{where}.overhead")
-    if not 0 <= _need(r["overhead"], "step_overhead_s", "num", f"{where}.overhead") < 10:
+
+
+def check_step_model(m, where):
+    """A step model as a profile holds it: its coefficients (m["step"]) and
+    the scheduler's time per step (m["overhead"]["step_overhead_s"])."""
+    for k in STEP_KEYS:
+        v = _need(m["step"], k, "num", f"{where}.step")
+        if (v < 0 and k not in SIGNED_KEYS) or abs(v) > 100:
+            raise PlanError(f"{where}.step: {k} is {'negative' if v < 0 else 'too large'}")
+    if not 0 <= _need(m["overhead"], "step_overhead_s", "num", f"{where}.overhead") < 10:
         raise PlanError(f"{where}.overhead: step_overhead_s must be 0 to 10 s")
 
 
@@ -131,12 +137,7 @@ def check_beside(b, where):
     if not isinstance(b, dict) or not isinstance(b.get("step"), dict) or \
             not isinstance(b.get("overhead"), dict):
         raise PlanError(f"{where}: must be an object with step and overhead")
-    for k in STEP_KEYS:
-        v = _need(b["step"], k, "num", f"{where}.step")
-        if (v < 0 and k not in SIGNED_KEYS) or abs(v) > 100:
-            raise PlanError(f"{where}.step: {k} is {'negative' if v < 0 else 'too large'}")
-    if not 0 <= _need(b["overhead"], "step_overhead_s", "num", f"{where}.overhead") < 10:
-        raise PlanError(f"{where}.overhead: step_overhead_s must be 0 to 10 s")
+    check_step_model(b, where)
 
 
 def load_profile(path):

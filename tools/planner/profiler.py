@@ -150,13 +150,18 @@ def cluster_argv(tandem, args, extra, workdir, tag, threshold, cpus=None, name="
     return up
 
 
+def bench_argv(url, workdir, name, seed, flags):
+    """tandem bench's flags for one load, its report into bench-NAME.json."""
+    return ["--url", url, "--no-progress", "--json", str(workdir / f"bench-{name}.json"),
+            "--seed", str(seed), *map(str, flags)]
+
+
 def bench(url, workdir, name, seed, *flags):
     """One tandem bench run through the router; its report. Each load has
     its own seed: prompts of one load are no prefix of another's (the
     prefix cache would serve them)."""
     out = workdir / f"bench-{name}.json"
-    argv = ["--url", url, "--no-progress", "--json", str(out), "--seed", str(seed),
-            *map(str, flags)]
+    argv = bench_argv(url, workdir, name, seed, flags)
     with open(workdir / f"bench-{name}.txt", "w") as f:
         old = sys.stdout
         sys.stdout = f
@@ -381,10 +386,9 @@ def measure_beside(tandem, args, extra, workdir, plan):
             try:
                 for cl, name in zip(clusters, ("colocated", "neighbour")):
                     tag = f"beside-{name}-{load}"
-                    argv = [sys.executable, serve_bench.__file__, "--url", cl.url,
-                            "--no-progress", "--json", str(workdir / f"bench-{tag}.json"),
-                            "--seed", str(1000 + k),
-                            *map(str, with_rate(flags, args.rates.get(load, 0)))]
+                    argv = [sys.executable, serve_bench.__file__,
+                            *bench_argv(cl.url, workdir, tag, 1000 + k,
+                                        with_rate(flags, args.rates.get(load, 0)))]
                     with open(workdir / f"bench-{tag}.txt", "w") as f:
                         procs.append((subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
                                                        stdin=subprocess.DEVNULL), tag))

@@ -90,11 +90,11 @@ def real_run(case, trace, model, slo, workdir, k, trace_dir=None):
         up.stop()
 
 
-def run_steps(case, prof_path, trace_dir, k, beside):
-    """Each instance's steps in run k against its profile (stepcheck.py):
-    how much slower than the model it computed in all, the median and p99
-    of its steps' ratios, and the slow steps; a noisy run shows there."""
-    prof = json.loads(pathlib.Path(prof_path).read_text())
+def run_steps(case, prof, trace_dir, k, beside):
+    """Each instance's steps in run k against its profile (stepcheck.py;
+    prof: the profile's JSON): how much slower than the model it computed
+    in all, the median and p99 of its steps' ratios, and the slow steps; a
+    noisy run shows there."""
     out = {}
     for path in sorted(pathlib.Path(trace_dir).glob(f"{case['name']}-{k}-*.jsonl")):
         inst = path.stem[len(f"{case['name']}-{k}-"):]
@@ -204,8 +204,9 @@ def main(argv):
                                      for k, v in slo.items()) and r["failed"] == 0 for r in runs]
         row["utilisation"] = cfg["result"]["busy"]
         if args.step_traces:  # the runs' traces kept there (or left there by an earlier run)
-            row["steps"] = [run_steps(case, prof, args.step_traces, k, cfg["neighbours_modelled"])
-                            for k in range(len(runs))]
+            prof_json = json.loads(prof.read_text())
+            row["steps"] = [run_steps(case, prof_json, args.step_traces, k,
+                                      cfg["neighbours_modelled"]) for k in range(len(runs))]
         if all("p99" in r.get("ttft_ms", {}) for r in runs):  # runs measured here, not reused
             row["measured_p99"] = {m: [r[f"{m}_ms"]["p99"] for r in runs] for m in ("ttft", "tpot")}
             row["predicted_p99"] = {m: cfg["result"][f"{m}_ms"]["p99"] for m in ("ttft", "tpot")}
