@@ -16,6 +16,9 @@ tandem plan --host-cores (instances side by side slow each other).
 Percentiles compared: P50 and P90 of TTFT and TPOT (P99 only where a run
 holds >= 1000 requests), and goodput; each prediction's error against the
 median of the repeats, and the repeats' own spread (max - min over median).
+The repeats run in rounds (every case once, then every case again), so a
+case's repeats lie minutes apart and their spread includes the machine's
+drift over the validation; each run's start time is kept ("started").
 """
 
 import argparse
@@ -74,6 +77,7 @@ def replay_flags(case):
 
 def real_run(case, trace, model, slo, workdir, k, trace_dir=None):
     traces = f"{trace_dir}/{case['name']}-{k}" if trace_dir else None
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     up = Up(up_argv(case, model, traces), workdir / f"{case['name']}-{k}.up.err")
     try:
         out = workdir / f"{case['name']}-{k}.bench.json"
@@ -85,6 +89,7 @@ def real_run(case, trace, model, slo, workdir, k, trace_dir=None):
         subprocess.run(argv + replay_flags(case), check=True, stdout=subprocess.DEVNULL)
         rep = json.loads(out.read_text())
         rep.pop("requests", None)
+        rep["started"] = started
         return rep
     finally:
         up.stop()
@@ -128,6 +133,66 @@ def measured_runs(row, n_prompts):
     return runs
 
 
+def predict(case, spec, base, workdir, plan_args):
+    """The simulator's prediction for a case (tandem plan --config; its
+    JSON) and the trace its real runs replay (a workload description
+    written out as the Mooncake trace the prediction simulated)."""
+    wpath = base / case["workload"]
+    trace = wpath
+    pargv = [tandem(), "plan", "--profile", str(base / spec["profiles"][case["profile"]]),
+             "--workload", str(wpath), "--config", case["config"], "--slo", spec["slo"],
+             "--json", "--margin", "0",
+             "--local-prefill-threshold", str(case.get("local_prefill_threshold", 512)),
+             "--host-cores", str(spec.get("host_cores", 0)), *plan_args]
+    if case.get("num_requests"):
+        pargv += ["--num-requests", str(case["num_requests"])]
+    pargv += replay_flags(case)
+    if str(wpath).endswith(".json"):
+        trace = workdir / f"{case['name']}.mooncake.jsonl"
+        pargv += ["--write-trace", str(trace)]
+    return json.loads(subprocess.run(pargv, check=True, capture_output=True,
+                                     text=True).stdout), trace
+
+
+def compare(case, spec, base, pred, runs, trace_dir):
+    """A case's result: each predicted percentile against the median and
+    spread of its runs, goodput, the verdicts, and (with trace_dir) each
+    run's steps against the profile."""
+    prof = base / spec["profiles"][case["profile"]]
+    cfg = pred["configs"][0]
+    row = {"config": case["config"], "workload": case["workload"], "profile": str(prof),
+           "predicted_meets": cfg["meets"], "compare": {}}
+    n = runs[0]["num_prompts"]
+    stats = STATS + ([("ttft", "p99"), ("tpot", "p99")] if n >= 1000 else [])
+    for m, s in stats:
+        meas = [r[f"{m}_ms"][s] for r in runs]
+        med = statistics.median(meas)
+        pv = cfg["result"][f"{m}_ms"][s]
+        row["compare"][f"{m}_{s}"] = {
+            "predicted": pv, "measured": meas, "measured_median": med,
+            "error": (pv - med) / med if med else None,
+            "spread": (max(meas) - min(meas)) / med if med else None}
+    good = [r["good_fraction"] if "good_fraction" in r else r["good_requests"] / r["num_prompts"]
+            for r in runs]
+    row["goodput"] = {"predicted": cfg["goodput_fraction"], "measured": good}
+    row["num_prompts"] = n
+    slo = plan.parse_slo(spec["slo"])
+    row["measured_meets"] = [r["meets"] if "meets" in r else
+                             all(r[f"{k.split('_')[0]}_ms"][k.split("_")[1]] <= v
+                                 for k, v in slo.items()) and r["failed"] == 0 for r in runs]
+    row["utilisation"] = cfg["result"]["busy"]
+    if all("started" in r for r in runs):
+        row["started"] = [r["started"] for r in runs]
+    if trace_dir:  # the runs' traces kept there (or left there by an earlier run)
+        prof_json = json.loads(prof.read_text())
+        row["steps"] = [run_steps(case, prof_json, trace_dir, k, cfg["neighbours_modelled"])
+                        for k in range(len(runs))]
+    if all("p99" in r.get("ttft_ms", {}) for r in runs):  # runs measured here, not reused
+        row["measured_p99"] = {m: [r[f"{m}_ms"]["p99"] for r in runs] for m in ("ttft", "tpot")}
+        row["predicted_p99"] = {m: cfg["result"][f"{m}_ms"]["p99"] for m in ("ttft", "tpot")}
+    return row
+
+
 def main(argv):
     p = argparse.ArgumentParser(prog="validate.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", required=True)
@@ -153,68 +218,35 @@ def main(argv):
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-validate-"))
     results = json.loads(pathlib.Path(args.out).read_text()) if os.path.exists(args.out) else {}
     reuse = json.loads(pathlib.Path(args.reuse).read_text()) if args.reuse else {}
-    for case in spec["cases"]:
-        if args.only and args.only not in case["name"]:
-            continue
-        prof = base / spec["profiles"][case["profile"]]
-        wpath = base / case["workload"]
-        trace = wpath
-        pargv = [tandem(), "plan", "--profile", str(prof), "--workload", str(wpath), "--config",
-                case["config"], "--slo", spec["slo"], "--json", "--margin", "0",
-                "--local-prefill-threshold", str(case.get("local_prefill_threshold", 512)),
-                "--host-cores", str(spec.get("host_cores", 0))]
-        pargv += args.plan_arg
-        if case.get("num_requests"):
-            pargv += ["--num-requests", str(case["num_requests"])]
-        pargv += replay_flags(case)
-        if str(wpath).endswith(".json"):
-            trace = workdir / f"{case['name']}.mooncake.jsonl"
-            pargv += ["--write-trace", str(trace)]
-        pred = json.loads(subprocess.run(pargv, check=True, capture_output=True,
-                                         text=True).stdout)
-        cfg = pred["configs"][0]
-        runs = []
-        if case["name"] in reuse:
-            runs = measured_runs(reuse[case["name"]], pred["workload"]["requests"])
-        for k in range(len(runs), args.repeats):
+    cases = [c for c in spec["cases"] if not args.only or args.only in c["name"]]
+    preds, runs = {}, {}
+    for case in cases:
+        preds[case["name"]] = predict(case, spec, base, workdir, args.plan_arg)
+        runs[case["name"]] = (measured_runs(reuse[case["name"]],
+                                            preds[case["name"]][0]["workload"]["requests"])
+                              if case["name"] in reuse else [])
+    # Round k runs every case's k-th repeat: a case's repeats lie minutes
+    # apart, so their spread samples how the machine's speed drifts over
+    # the validation rather than three moments of the same state.
+    for k in range(args.repeats):
+        for case in cases:
+            if len(runs[case["name"]]) > k:
+                continue
             t0 = time.monotonic()
-            runs.append(real_run(case, trace, args.model, spec["slo"], workdir, k,
-                                 args.step_traces))
+            runs[case["name"]].append(real_run(case, preds[case["name"]][1], args.model,
+                                               spec["slo"], workdir, k, args.step_traces))
             sys.stderr.write(f"validate: {case['name']} run {k + 1}/{args.repeats} "
                              f"({time.monotonic() - t0:.0f} s)\n")
-        row = {"config": case["config"], "workload": case["workload"], "profile": str(prof),
-               "predicted_meets": cfg["meets"], "compare": {}}
-        n = runs[0]["num_prompts"]
-        stats = STATS + ([("ttft", "p99"), ("tpot", "p99")] if n >= 1000 else [])
-        for m, s in stats:
-            meas = [r[f"{m}_ms"][s] for r in runs]
-            med = statistics.median(meas)
-            pv = cfg["result"][f"{m}_ms"][s]
-            row["compare"][f"{m}_{s}"] = {
-                "predicted": pv, "measured": meas, "measured_median": med,
-                "error": (pv - med) / med if med else None,
-                "spread": (max(meas) - min(meas)) / med if med else None}
-        good = [r["good_fraction"] if "good_fraction" in r else r["good_requests"] / r["num_prompts"]
-                for r in runs]
-        row["goodput"] = {"predicted": cfg["goodput_fraction"], "measured": good}
-        row["num_prompts"] = n
-        slo = plan.parse_slo(spec["slo"])
-        row["measured_meets"] = [r["meets"] if "meets" in r else
-                                 all(r[f"{k.split('_')[0]}_ms"][k.split("_")[1]] <= v
-                                     for k, v in slo.items()) and r["failed"] == 0 for r in runs]
-        row["utilisation"] = cfg["result"]["busy"]
-        if args.step_traces:  # the runs' traces kept there (or left there by an earlier run)
-            prof_json = json.loads(prof.read_text())
-            row["steps"] = [run_steps(case, prof_json, args.step_traces, k,
-                                      cfg["neighbours_modelled"]) for k in range(len(runs))]
-        if all("p99" in r.get("ttft_ms", {}) for r in runs):  # runs measured here, not reused
-            row["measured_p99"] = {m: [r[f"{m}_ms"]["p99"] for r in runs] for m in ("ttft", "tpot")}
-            row["predicted_p99"] = {m: cfg["result"][f"{m}_ms"]["p99"] for m in ("ttft", "tpot")}
-        results[case["name"]] = row
-        pathlib.Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+            results[case["name"]] = compare(case, spec, base, preds[case["name"]][0],
+                                            runs[case["name"]], args.step_traces)
+            pathlib.Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    for case in cases:
+        row = results[case["name"]] = compare(case, spec, base, preds[case["name"]][0],
+                                              runs[case["name"]], args.step_traces)
         errs = ", ".join(f"{k} {v['error']:+.0%} (spread {v['spread']:.0%})"
                          for k, v in row["compare"].items() if v["error"] is not None)
         sys.stderr.write(f"validate: {case['name']}: {errs}\n")
+    pathlib.Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 
