@@ -190,6 +190,53 @@ def test_unmeetable_slo(tandem_bin, profiles, tmp_path):
     assert out["best"]["misses"]["ttft_p99"]["over_pct"] > 0
 
 
+def test_speed_drift_warning(tandem_bin, profiles, tmp_path):
+    # the profile's speed check (its first decode load repeated at the end)
+    p = json.loads(profiles["colocated"].read_text())
+    sc = p["speed_check"]
+    assert sc["load"].startswith("decode-c4-") and len(sc["tpot_ms_p50"]) == 2
+    assert sc["change"] == pytest.approx(sc["tpot_ms_p50"][1] / sc["tpot_ms_p50"][0] - 1)
+    assert sc["minutes_apart"] > 0
+    # a machine that slowed by 30% while it was profiled: tandem plan says
+    # so (text and JSON) unless the margin covers it
+    p["speed_check"]["change"] = 0.3
+    drift = tmp_path / "drift.json"
+    drift.write_text(json.dumps(p))
+    w = workload(tmp_path)
+    args = ["plan", "--profile", drift, "--workload", w, "--slo", SLO_EASY]
+    t = run(tandem_bin, *args).stdout
+    assert t.startswith(f"warning: profile {drift}: the machine's speed moved by +30%"), t
+    assert "--margin of at least 0.30" in t
+    o = json.loads(run(tandem_bin, *args, "--json").stdout)
+    assert len(o["warnings"]) == 1 and "+30%" in o["warnings"][0]
+    o = json.loads(run(tandem_bin, *args, "--json", "--margin", "0.3").stdout)
+    assert o["warnings"] == []
+
+
+def test_validate_at_run_speed(tandem_bin, profiles, tmp_path, monkeypatch):
+    # validate.py --at-run-speed: each run predicted again with the
+    # profile's step model scaled to the speed its steps showed; a run at
+    # twice the profile's step time has a TPOT P50 near twice as long (a
+    # light load: a token is a step), and each error is against that run
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools" / "planner"))
+    import validate
+    monkeypatch.setenv("TANDEM_BIN", str(tandem_bin))
+    w = workload(tmp_path, rate=0.5, num_requests=20)
+    spec = {"slo": SLO_EASY, "profiles": {"c": str(profiles["colocated"])}}
+    case = {"name": "c1", "profile": "c", "config": "colocated=1", "workload": str(w)}
+    row = {"compare": {"tpot_p50": {"measured": [10.0, 10.0]}},
+           "steps": [{"colocated0": {"in_all": 1.0}}, {"colocated0": {"in_all": 2.0}}]}
+    got = validate.at_run_speed(case, spec, pathlib.Path("/"), tmp_path, [], row)
+    assert got["speeds"] == [1.0, 2.0]
+    a, b = got["compare"]["tpot_p50"]["predicted"]
+    assert 1.7 * a < b < 2.0 * a, (a, b)
+    assert got["compare"]["tpot_p50"]["errors"] == pytest.approx([a / 10 - 1, b / 10 - 1])
+    # a run without its steps: no answer rather than a wrong one
+    row["steps"][1] = {"colocated0": {"error": "no steps"}}
+    assert validate.at_run_speed(case, spec, pathlib.Path("/"), tmp_path, [], row) is None
+
+
 def test_mean_method(tandem_bin, profiles, tmp_path):
     w = workload(tmp_path)
     out = json.loads(plan(tandem_bin, profiles, w, "--slo", SLO_EASY, "--method", "mean",
@@ -259,6 +306,8 @@ def test_bad_profiles(tandem_bin, profiles, model, tmp_path):
         "bad-beside": (json.dumps({**good, "roles": {"colocated": {
             **good["roles"]["colocated"], "beside": {"step": "x", "overhead": {}}}}}),
             "roles.colocated.beside: must be an object with step and overhead"),
+        "bad-speed-check": (json.dumps({**good, "speed_check": {"change": "slow"}}),
+                            "speed_check: change has the wrong type"),
     }
     for name, (body, msg) in cases.items():
         bad = tmp_path / f"{name}.json"

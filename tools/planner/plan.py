@@ -163,6 +163,8 @@ def load_profile(path):
         check_role(r, f"--profile {path}: roles.{name}")
         if "beside" in r:
             check_beside(r["beside"], f"--profile {path}: roles.{name}.beside")
+    if p.get("speed_check") is not None:
+        _need(p["speed_check"], "change", "num", f"--profile {path}: speed_check")
     extra = p.get("prompt_extra_tokens", 0)
     if not isinstance(extra, int) or isinstance(extra, bool) or not 0 <= extra < 64:
         raise PlanError(f"--profile {path}: prompt_extra_tokens must be an integer 0 to 63")
@@ -175,6 +177,21 @@ def load_profile(path):
                 raise PlanError(f"--profile {path}: transfer.{k} is negative")
     p["path"] = str(path)
     return p
+
+
+def drift_warnings(profiles, margin):
+    """The profiles whose machine changed speed while they were measured
+    (the speed check: a load repeated at the end of the profile) by more
+    than the margin: the predictions carry that error."""
+    out = []
+    for p in profiles:
+        sc = p.get("speed_check")
+        if sc and abs(sc["change"]) > margin:
+            out.append(f"profile {p['path']}: the machine's speed moved by {sc['change']:+.0%} "
+                       f"while it was profiled ({sc.get('load', 'a load')} repeated at the end); "
+                       f"the predictions may be off by as much: take a --margin of at least "
+                       f"{abs(sc['change']):.2f}, or profile again on a quieter machine")
+    return out
 
 
 def check_same_model(profiles, model_path):
@@ -536,6 +553,8 @@ def fmt_ms(v):
 
 def print_text(out, f):
     w = f.write
+    for x in out["warnings"]:
+        w(f"warning: {x}\n")
     s = out["workload"]
     w(f"workload: {s.get('file', '')} {s['requests']} requests, {s['rate']:.3g} req/s, mean "
       f"input {s['input_mean']:.0f}, output {s['output_mean']:.0f} tokens\n")
@@ -705,6 +724,7 @@ def plan_in(args, t_start, slo, cost, profiles, rows, summary, scale, workdir):
     out = {"tandem_plan": 1, "method": args.method, "workload": summary, "slo": slo,
            "margin": args.margin, "max_instances": args.max_instances, "cost": cost,
            "host_cores": args.host_cores,
+           "warnings": drift_warnings(profiles, args.margin),
            "answer": answer, "configs": configs,
            "wall_s": time.monotonic() - t_start,
            "simulated_requests": len(rows) * len(configs),

@@ -39,6 +39,10 @@ router with tandem bench's client, stops them, and fits from the traces:
                stepping beside a busy neighbour (sharing the machine's
                caches, memory bandwidth, perhaps its physical cores), which
                tandem plan --host-cores charges while a neighbour steps
+  speed check  the first phase's lockstep decode load of 4 sequences at the
+               middle context repeated at its end: how far the machine's
+               speed moved while it was profiled (the change of its TPOT
+               P50); tandem plan warns when that exceeds its --margin
 
 usage: tandem profile [--model PATH] [--role colocated|both] [--cpus LIST]
                       [--threads T] [--neighbour-cpus LIST] [--out FILE.json] [--quick]
@@ -80,6 +84,7 @@ PROFILE_VERSION = 1
 # (arrivals, tokenizing and streaming on the instance's cores between and
 # during its steps), not only the lockstep batches of the loads above.
 TRAFFIC = (0.35, 0.7)
+SPEED_CHECK = "speed-check"  # a decode load repeated at the end of the loads
 
 
 class ProfileError(Exception):
@@ -207,7 +212,21 @@ def loads(max_ctx, quick):
         out.append((f"traffic-{round(100 * u)}", ["--request-rate", None, "--input-len",
                                                   f"32:{hi}", "--output-len", "16:48",
                                                   "--num-prompts", 16 if quick else 40], False))
+    ref = f"decode-c4-{ctxs[min(1, len(ctxs) - 1)]}"
+    out.append((SPEED_CHECK, next(f for n, f, _ in out if n == ref), False))
     return out
+
+
+def speed_check(plan, reports, started):
+    """The speed check's load against the same load earlier (None where a
+    refitted work directory has no speed check)."""
+    ref = next(n for n, f, _ in plan if n != SPEED_CHECK and f == plan[-1][1])
+    if SPEED_CHECK not in reports:
+        return None
+    a, b = reports[ref]["tpot_ms"]["p50"], reports[SPEED_CHECK]["tpot_ms"]["p50"]
+    return {"load": ref, "tpot_ms_p50": [a, b], "change": b / a - 1,
+            "minutes_apart": (started[SPEED_CHECK] - started[ref]) / 60
+            if SPEED_CHECK in started and ref in started else None}
 
 
 def traffic_rate(name, flags, reports):
@@ -348,9 +367,9 @@ def run(args, extra):
             reports = {}
             for tag, _, which in phases(args):
                 for n, _, iso in plan:
-                    if which == "all" or iso:
-                        reports[tag + n] = json.loads((workdir / f"bench-{tag}{n}.json")
-                                                      .read_text())
+                    f = workdir / f"bench-{tag}{n}.json"
+                    if (which == "all" or iso) and (n != SPEED_CHECK or f.exists()):
+                        reports[tag + n] = json.loads(f.read_text())
         except (OSError, ValueError, KeyError) as e:
             raise ProfileError(f"--refit {workdir}: not the work directory of a profile run of "
                                f"this --role and --quick ({e})")
@@ -358,6 +377,7 @@ def run(args, extra):
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="tandem-profile-"))
     reports = {}
     args.rates = {}  # the traffic loads' rates, set by the first phase
+    args.started = {}  # the first phase's loads' start times (time.time())
     plan = measure(tandem, args, extra, workdir, first, reports)
     if args.neighbour_cpus:
         measure_beside(tandem, args, extra, workdir, plan)
@@ -380,6 +400,7 @@ def measure_beside(tandem, args, extra, workdir, plan):
                                                 cpus, name), workdir / f"up-beside-{name}.err"))
             except UpError as e:
                 raise ProfileError(f"the {name} instance side by side: {e}")
+        plan = [x for x in plan if x[0] != SPEED_CHECK]
         for k, (load, flags, _) in enumerate(plan):
             progress(k, len(plan), "side by side " + load)
             procs = []
@@ -424,6 +445,8 @@ def measure(tandem, args, extra, workdir, first, reports):
             to_run = [x for x in plan if which == "all" or x[2]]
             for k, (name, flags, _) in enumerate(to_run):
                 progress(k, len(to_run), tag[1:] + " " + name if tag else name)
+                if not tag:
+                    args.started[name] = time.time()
                 if None in flags:
                     args.rates[name] = args.rates.get(name) or traffic_rate(name, flags, reports)
                     flags = with_rate(flags, args.rates[name])
@@ -449,6 +472,8 @@ def analyse(args, extra, model, workdir, plan, reports):
             "prompt_extra_tokens": int(np.median(prompt_extra)) if prompt_extra else 0,
             # requests/s of each traffic load (None: refitted, see the workdir's bench-*.txt)
             "traffic_rates": getattr(args, "rates", None),
+            # the first decode load repeated at the end: the machine's drift
+            "speed_check": speed_check(plan, reports, getattr(args, "started", {})),
             "roles": {}}
     n_iso = len(iso)
     if args.role == "colocated":
