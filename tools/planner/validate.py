@@ -154,6 +154,44 @@ def predict(case, spec, base, workdir, plan_args):
                                      text=True).stdout), trace
 
 
+def run_speed(steps):
+    """How much slower than its profile the machine computed in one run:
+    its instances' step time over the model's (their mean), or None."""
+    v = [i["in_all"] for i in steps.values() if "in_all" in i]
+    return statistics.mean(v) if v else None
+
+
+def at_run_speed(case, spec, base, workdir, plan_args, row):
+    """The prediction again for each run with the profile's step models
+    scaled to the speed that run's steps show (a diagnostic, made after
+    the runs: what is left of an error once the machine's speed in the run
+    is known is the model's; the rest is the machine drifting from its
+    profile). Per percentile: each run's error and their median."""
+    prof = json.loads((base / spec["profiles"][case["profile"]]).read_text())
+    speeds = [run_speed(r) for r in row["steps"]]
+    out = {"speeds": speeds, "compare": {k: {"predicted": [], "errors": []}
+                                         for k in row["compare"]}}
+    for k, sp in enumerate(speeds):
+        if sp is None:
+            return None
+        p = json.loads(json.dumps(prof))
+        for r in p["roles"].values():
+            for m in [r] + ([r["beside"]] if "beside" in r else []):
+                m["step"] = {c: v * sp for c, v in m["step"].items()}
+        path = workdir / f"{case['name']}-at-run-{k}.json"
+        path.write_text(json.dumps(p))
+        pred, _ = predict(case, {**spec, "profiles": {case["profile"]: str(path.resolve())}},
+                          base, workdir, plan_args)
+        res = pred["configs"][0]["result"]
+        for key, c in out["compare"].items():
+            m, q = key.split("_")
+            c["predicted"].append(res[f"{m}_ms"][q])
+            c["errors"].append(res[f"{m}_ms"][q] / row["compare"][key]["measured"][k] - 1)
+    for c in out["compare"].values():
+        c["error"] = statistics.median(c["errors"])
+    return out
+
+
 def compare(case, spec, base, pred, runs, trace_dir):
     """A case's result: each predicted percentile against the median and
     spread of its runs, goodput, the verdicts, and (with trace_dir) each
@@ -206,10 +244,15 @@ def main(argv):
                    "the traces an earlier run left here)")
     p.add_argument("--plan-arg", action="append", default=[], metavar="FLAG",
                    help="a flag for tandem plan's prediction, e.g. --plan-arg=--poll-interval-ms=0")
+    p.add_argument("--at-run-speed", action="store_true",
+                   help="with --step-traces: predict each run again at the speed its steps "
+                   "show against the profile (model error apart from the machine's drift)")
     p.add_argument("--reuse", metavar="RESULTS.json",
                    help="take the measured runs from an earlier result (the same cases and "
                    "workloads) and predict again: for a changed profile or model")
     args = p.parse_args(argv)
+    if args.at_run_speed and not args.step_traces:
+        p.error("--at-run-speed needs --step-traces (the runs' steps give their speed)")
     stop_on_sigterm()
     if args.step_traces:
         pathlib.Path(args.step_traces).mkdir(parents=True, exist_ok=True)
@@ -243,6 +286,8 @@ def main(argv):
     for case in cases:
         row = results[case["name"]] = compare(case, spec, base, preds[case["name"]][0],
                                               runs[case["name"]], args.step_traces)
+        if args.at_run_speed and args.step_traces:
+            row["at_run_speed"] = at_run_speed(case, spec, base, workdir, args.plan_arg, row)
         errs = ", ".join(f"{k} {v['error']:+.0%} (spread {v['spread']:.0%})"
                          for k, v in row["compare"].items() if v["error"] is not None)
         sys.stderr.write(f"validate: {case['name']}: {errs}\n")
