@@ -44,7 +44,10 @@ static const pre_type *find_pre(const char *name) {
     return NULL;
 }
 
-static td_status get_id(const td_gguf *g, const char *key, int32_t *id_p) {
+/* A special token's id: -1 (or its u32 form) means "none"; any other id
+ * outside the vocabulary is an error naming the key (a BOS out of range
+ * would otherwise leave the model generating without its BOS). */
+static td_status get_id(const td_gguf *g, const char *key, int32_t n_vocab, int32_t *id_p) {
     int64_t v;
     td_status st = td_gguf_get_i64(g, key, &v);
     if (st == TD_ERR_NOT_FOUND) return TD_OK;
@@ -52,8 +55,16 @@ static td_status get_id(const td_gguf *g, const char *key, int32_t *id_p) {
         TD_LOG_ERROR("%s: %s has a non-integer type", td_gguf_path(g), key);
         return st;
     }
-    /* -1 (or its u32 form) means "none" */
-    *id_p = (v < 0 || v >= INT32_MAX || v == 0xFFFFFFFFll) ? -1 : (int32_t)v;
+    if (v == -1 || v == 0xFFFFFFFFll) {
+        *id_p = -1;
+        return TD_OK;
+    }
+    if (v < 0 || v >= n_vocab) {
+        TD_LOG_ERROR("%s: %s = %lld is outside the vocabulary (%d tokens)", td_gguf_path(g), key,
+                     (long long)v, (int)n_vocab);
+        return TD_ERR_FORMAT;
+    }
+    *id_p = (int32_t)v;
     return TD_OK;
 }
 
@@ -242,12 +253,12 @@ td_status td_tokenizer_from_gguf(const td_gguf *g, td_tokenizer **tok_p) {
     }
 
     bool asp = tok->model == TD_TOK_MODEL_SPM;
-    if ((st = get_id(g, "tokenizer.ggml.bos_token_id", &tok->bos)) ||
-        (st = get_id(g, "tokenizer.ggml.eos_token_id", &tok->eos)) ||
-        (st = get_id(g, "tokenizer.ggml.unknown_token_id", &tok->unk)) ||
-        (st = get_id(g, "tokenizer.ggml.padding_token_id", &tok->pad)) ||
-        (st = get_id(g, "tokenizer.ggml.eot_token_id", &tok->eot)) ||
-        (st = get_id(g, "tokenizer.ggml.eom_token_id", &tok->eom)) ||
+    if ((st = get_id(g, "tokenizer.ggml.bos_token_id", tok->n_vocab, &tok->bos)) ||
+        (st = get_id(g, "tokenizer.ggml.eos_token_id", tok->n_vocab, &tok->eos)) ||
+        (st = get_id(g, "tokenizer.ggml.unknown_token_id", tok->n_vocab, &tok->unk)) ||
+        (st = get_id(g, "tokenizer.ggml.padding_token_id", tok->n_vocab, &tok->pad)) ||
+        (st = get_id(g, "tokenizer.ggml.eot_token_id", tok->n_vocab, &tok->eot)) ||
+        (st = get_id(g, "tokenizer.ggml.eom_token_id", tok->n_vocab, &tok->eom)) ||
         (st = get_flag(g, "tokenizer.ggml.add_bos_token", &tok->add_bos)) ||
         (st = get_flag(g, "tokenizer.ggml.add_eos_token", &tok->add_eos)) ||
         (st = get_flag(g, "tokenizer.ggml.add_space_prefix", &asp)))

@@ -1,6 +1,7 @@
 """Corrupt model files through the real CLI: every variant of a tiny test
 model (tests/models) that is truncated, lies about a size or offset, names an
-unknown or unsupported type, lacks a tensor or has a wrong shape makes
+unknown or unsupported type, lacks a tensor, has a wrong shape or a special
+token id outside its vocabulary makes
 `tandem generate` exit with a nonzero status and a one-line error naming the
 file (and the tensor where there is one): never a signal, never a sanitizer
 report. The GGUF header is walked here from the spec, independently of the
@@ -98,6 +99,14 @@ def gguf_variants(b):
     up = t["blk.0.ffn_up.weight"]
     ne0, ne1 = up["ne_values"][:2]
     out["wrong_shape"] = (patched(up["ne"], "<QQ", ne1, ne0), "blk.0.ffn_up.weight")
+    # a special token id one past the vocabulary (the u32 value after each
+    # key this file has: its name's length, the name, the type)
+    def key_value(key):
+        return h["kv"][key] + 8 + len(key) + 4
+    (n_vocab,) = struct.unpack_from("<Q", b, key_value("tokenizer.ggml.tokens") + 4)
+    for k in ("bos", "eos"):
+        key = f"tokenizer.ggml.{k}_token_id"
+        out[f"{k}_out_of_vocab"] = (patched(key_value(key), "<I", n_vocab), key)
     return out
 
 
@@ -150,7 +159,8 @@ def check_clean_failure(r, path, tensor):
 def _gguf_cases():
     return ["bad_magic", "version_9", "huge_n_kv", "huge_n_tensors", "key_length_lie",
             "truncated", "n_dims_5", "unknown_type", "unsupported_type", "offset_misaligned",
-            "offset_past_end", "missing_tensor", "wrong_shape"]
+            "offset_past_end", "missing_tensor", "wrong_shape", "bos_out_of_vocab",
+            "eos_out_of_vocab"]
 
 
 @pytest.mark.parametrize("case", _gguf_cases())

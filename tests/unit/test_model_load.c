@@ -3,9 +3,9 @@
  * pointers against the tensors as td_gguf reports them, RoPE frequencies
  * against the formulas, and model files that are valid GGUF / HF but lie
  * about the model (missing tensor, wrong shape, q4_K tensor, head counts
- * that do not divide, vocabulary mismatch, unknown architecture, bad
- * config.json): each must fail with a negative status and exactly one
- * error line naming the file and the tensor or key, without crashing.
+ * that do not divide, vocabulary mismatch, a special token id outside the
+ * vocabulary, unknown architecture, bad config.json): each must fail with a negative status and
+ * exactly one error line naming the file and the tensor or key, without crashing.
  *
  * The corrupt GGUF files are made by re-writing a valid test model through
  * td_gguf's reader with one change, so every other byte stays valid. */
@@ -694,6 +694,33 @@ static void test_vocab_mismatch(void **state) {
     corrupt_case("gguf/llama2-f32.gguf", &mu2, (const char *[]){"512", "544", NULL});
 }
 
+/* A special token id outside the vocabulary (512 tokens) is an error naming
+ * the key and the id, one case per key; the last id (511) loads. */
+static void test_special_token_out_of_vocab(void **state) {
+    (void)state;
+    need_models();
+    static const char *keys[] = {
+        "tokenizer.ggml.bos_token_id",     "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",     "tokenizer.ggml.eom_token_id",
+        "tokenizer.ggml.padding_token_id", "tokenizer.ggml.unknown_token_id"};
+    for (size_t i = 0; i < sizeof keys / sizeof *keys; i++) {
+        mutation mu = {.set_u32_key = keys[i], .set_u32 = 512};
+        corrupt_case("gguf/llama2-f32.gguf", &mu,
+                     (const char *[]){keys[i], "= 512", "outside the vocabulary", NULL});
+    }
+    char src[4096], dst[512];
+    model_path("gguf/llama2-f32.gguf", src, sizeof src);
+    snprintf(dst, sizeof dst, "%s/last-id.gguf", g_tmp);
+    mutation ok = {.set_u32_key = "tokenizer.ggml.eot_token_id", .set_u32 = 511};
+    rewrite(src, dst, &ok);
+    td_model_params p = td_model_default_params();
+    p.path = dst;
+    td_model *m = NULL;
+    assert_int_equal(td_model_load(&p, &m), TD_OK);
+    td_model_free(m);
+    unlink(dst);
+}
+
 /* A bias the forward pass has no place for is refused, not ignored. */
 static void test_unsupported_bias(void **state) {
     (void)state;
@@ -850,13 +877,21 @@ static int teardown(void **state) {
 int main(void) {
     td_backend_isa_select(td_backend_isa_best());
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_configs),          cmocka_unit_test(test_rope_llama3),
-        cmocka_unit_test(test_shards),           cmocka_unit_test(test_rewrite_control),
-        cmocka_unit_test(test_missing_tensor),   cmocka_unit_test(test_wrong_shape),
-        cmocka_unit_test(test_unsupported_type), cmocka_unit_test(test_bad_heads),
-        cmocka_unit_test(test_vocab_mismatch),   cmocka_unit_test(test_unknown_arch),
-        cmocka_unit_test(test_unsupported_bias), cmocka_unit_test(test_hf_corrupt),
-        cmocka_unit_test(test_rope_linear_gguf), cmocka_unit_test(test_missing_file),
+        cmocka_unit_test(test_configs),
+        cmocka_unit_test(test_rope_llama3),
+        cmocka_unit_test(test_shards),
+        cmocka_unit_test(test_rewrite_control),
+        cmocka_unit_test(test_missing_tensor),
+        cmocka_unit_test(test_wrong_shape),
+        cmocka_unit_test(test_unsupported_type),
+        cmocka_unit_test(test_bad_heads),
+        cmocka_unit_test(test_vocab_mismatch),
+        cmocka_unit_test(test_unknown_arch),
+        cmocka_unit_test(test_unsupported_bias),
+        cmocka_unit_test(test_hf_corrupt),
+        cmocka_unit_test(test_special_token_out_of_vocab),
+        cmocka_unit_test(test_rope_linear_gguf),
+        cmocka_unit_test(test_missing_file),
         cmocka_unit_test(test_describe),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
