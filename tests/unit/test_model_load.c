@@ -4,8 +4,9 @@
  * against the formulas, and model files that are valid GGUF / HF but lie
  * about the model (missing tensor, wrong shape, q4_K tensor, head counts
  * that do not divide, vocabulary mismatch, a special token id outside the
- * vocabulary, unknown architecture, bad config.json): each must fail with a negative status and
- * exactly one error line naming the file and the tensor or key, without crashing.
+ * vocabulary, unknown architecture, bad config.json): each must fail with a
+ * negative status and exactly one error line naming the file and the tensor
+ * or key, without crashing.
  *
  * The corrupt GGUF files are made by re-writing a valid test model through
  * td_gguf's reader with one change, so every other byte stays valid. */
