@@ -216,8 +216,9 @@ def test_speed_drift_warning(tandem_bin, profiles, tmp_path):
 def test_validate_at_run_speed(tandem_bin, profiles, tmp_path, monkeypatch):
     # validate.py --at-run-speed: each run predicted again with the
     # profile's step model scaled to the speed its steps showed; a run at
-    # twice the profile's step time has a TPOT P50 near twice as long (a
-    # light load: a token is a step), and each error is against that run
+    # twice the profile's step time has a longer TPOT P50, at most twice as
+    # long (a light load: a token is a step plus the scheduler's gap, which
+    # is not scaled), and each error is against that run
     import sys
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools" / "planner"))
     import validate
@@ -230,7 +231,7 @@ def test_validate_at_run_speed(tandem_bin, profiles, tmp_path, monkeypatch):
     got = validate.at_run_speed(case, spec, pathlib.Path("/"), tmp_path, [], row)
     assert got["speeds"] == [1.0, 2.0]
     a, b = got["compare"]["tpot_p50"]["predicted"]
-    assert 1.7 * a < b < 2.0 * a, (a, b)
+    assert 1.2 * a < b <= 2.0 * a, (a, b)
     assert got["compare"]["tpot_p50"]["errors"] == pytest.approx([a / 10 - 1, b / 10 - 1])
     # a run without its steps: no answer rather than a wrong one
     row["steps"][1] = {"colocated0": {"error": "no steps"}}
