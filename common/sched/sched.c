@@ -87,6 +87,7 @@ struct td_sched {
     float *logits;      /* (max_running, n_vocab) */
     td_seq_chunk *chunks;
     uint64_t steps;
+    double prefill_rate; /* prompt tokens per second (scheduler thread; published) */
     /* Published figures (under stats_mu). */
     pthread_mutex_t stats_mu;
     pthread_cond_t stats_cv;
@@ -324,6 +325,13 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
         s->inbox_head = q;
     s->inbox_tail = q;
     s->n_inbox++;
+    /* The published figures count it at once (a prefill instance judges
+     * the next job's start from them); the scheduler thread publishes them
+     * afresh from its queues after its step. */
+    pthread_mutex_lock(&s->stats_mu);
+    s->stats.waiting++;
+    s->stats.queued_prefill_tokens += q->c.n_tokens;
+    pthread_mutex_unlock(&s->stats_mu);
     pthread_cond_signal(&s->cv);
     pthread_mutex_unlock(&s->mu);
     *st_p = gs;
@@ -362,6 +370,7 @@ static void publish_stats(td_sched *s) {
     x.queued_prefill_tokens = queued;
     td_kv_pool_counts(s->kv, &x.kv);
     x.steps = s->steps;
+    x.prefill_tokens_per_s = s->prefill_rate;
     x.preemptions = c->preemptions;
     x.draining = atomic_load(&s->draining);
     int32_t active = atomic_load(&s->n_active);
@@ -766,6 +775,15 @@ static bool step_run(td_sched *s) {
         if (st == TD_OK && ne > 0) td_metrics_expert_load(s->metrics, ne, load);
     }
     double now = td_time_s();
+    if (st == TD_OK && dt > 0) {
+        int32_t n_prompt = 0; /* prompt tokens this step computed */
+        for (int32_t i = 0; i < n; i++)
+            if (SEQ(s->core.batch[i])->t_first == 0) n_prompt += s->chunks[i].n_tokens;
+        if (n_prompt >= 16) {
+            double r = n_prompt / dt;
+            s->prefill_rate = s->prefill_rate > 0 ? 0.8 * s->prefill_rate + 0.2 * r : r;
+        }
+    }
     int32_t row = 0;
     for (int32_t i = 0; i < n; i++) {
         seq *q = SEQ(s->core.batch[i]);

@@ -181,7 +181,9 @@ void td_sched_remote_failed(td_sched *s, td_sched_ticket t, bool quarantine, boo
  * quarantined ones); unknown tickets are ignored. */
 void td_sched_release(td_sched *s, td_sched_ticket t);
 
-/* Instantaneous load and block figures (also the metrics gauges). */
+/* Instantaneous load and block figures (also the metrics gauges), as the
+ * scheduler thread published them after its last step; a submission adds
+ * to waiting and queued_prefill_tokens at once. */
 typedef struct {
     int32_t running;
     int32_t remote_waiting;     /* admitted, waiting for a remote prefill */
@@ -190,6 +192,8 @@ typedef struct {
     int32_t n_parked;           /* tickets with held or quarantined blocks */
     int32_t waiting;
     int64_t queued_prefill_tokens; /* prompt tokens admitted or waiting, not yet computed */
+    double prefill_tokens_per_s;   /* prompt tokens per second of the steps that computed at
+                                    * least 16 of them (a moving average; 0: none yet) */
     td_kv_counts kv;
     uint64_t steps;
     uint64_t preemptions;
