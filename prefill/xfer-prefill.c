@@ -97,8 +97,11 @@ static void p_ended(void *ctx, td_sched_ticket t, const td_sample_result *first,
     td_xfer_wake(x);
 }
 
-static void p_reject(td_xfer *x, dpeer *d, const char *id, Tandem__Internal__V1__RejectReason why,
-                     const char *msg) {
+/* PrefillRejected to D; start_ms: when our queue would let the job start
+ * (REJECT_WOULD_MISS_DEADLINE; also the retry hint), else 0. */
+static void p_reject_at(td_xfer *x, dpeer *d, const char *id,
+                        Tandem__Internal__V1__RejectReason why, const char *msg,
+                        uint32_t start_ms) {
     TD_LOG_INFO("prefill %s rejected: %s", id, msg);
     if (!d || !d->ep) return; /* no way back: D's deadline covers it */
     td_xfer_cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
@@ -106,10 +109,40 @@ static void p_reject(td_xfer *x, dpeer *d, const char *id, Tandem__Internal__V1_
     r.request_id = (char *)id;
     r.reason = why;
     r.message = (char *)msg;
-    r.retry_after_ms = why == TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_BUSY ? 100 : 0;
+    r.retry_after_ms = why == TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_BUSY ? 100 : start_ms;
+    r.expected_start_ms = start_ms;
     m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_REJECTED;
     m.prefill_rejected = &r;
     td_xfer_send(x, d->ep, &m);
+}
+
+static void p_reject(td_xfer *x, dpeer *d, const char *id, Tandem__Internal__V1__RejectReason why,
+                     const char *msg) {
+    p_reject_at(x, d, id, why, msg, 0);
+}
+
+/* Whether the queue of our scheduler (its prompt tokens not yet computed,
+ * at the prefill speed its steps measured) would not let this job start
+ * and finish before its deadline: then D is told at once, with when it
+ * could start, instead of waiting for a job that misses the deadline and
+ * has P fenced. No speed measured yet: the job is taken. The job's own
+ * tokens count what D has not cached (our prefix cache may save more). */
+static bool would_miss(td_xfer *x, const Tandem__Internal__V1__PrefillRequest *req,
+                       double deadline_s, uint32_t *start_ms, char *why, size_t why_len) {
+    td_sched_stats ss;
+    td_sched_stats_get(x->p.sched, &ss);
+    int64_t own = (int64_t)req->n_tokens - (int64_t)req->cached_tokens;
+    double start;
+    if (!td_xfer_would_miss(ss.queued_prefill_tokens, ss.prefill_tokens_per_s, own, deadline_s,
+                            &start))
+        return false;
+    *start_ms = (uint32_t)TD_MIN(start * 1e3, 600000.0);
+    snprintf(why, why_len,
+             "would miss its deadline (%.0f ms): %lld queued prompt tokens at %.0f tokens/s start "
+             "it in %u ms, and its %lld take %.0f ms more",
+             deadline_s * 1e3, (long long)ss.queued_prefill_tokens, ss.prefill_tokens_per_s,
+             *start_ms, (long long)own, own / ss.prefill_tokens_per_s * 1e3);
+    return true;
 }
 
 static dpeer *dpeer_find(td_xfer *x, const char *inst, uint64_t epoch) {
@@ -243,6 +276,8 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
     }
     pjob *j = NULL;
     td_logit_bias *bias = NULL;
+    uint32_t start_ms = 0;
+    char miss[256];
     /* The earlier of the relative deadline and D's point in time (a request
      * that waited in our queue gets what is left of it, not a fresh one). */
     double deadline_s = req->deadline_ms / 1000.0;
@@ -260,6 +295,9 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
     } else if (td_sched_draining(x->p.sched)) {
         why = "draining";
         reason = TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_DRAINING;
+    } else if (would_miss(x, req, deadline_s, &start_ms, miss, sizeof miss)) {
+        why = miss;
+        reason = TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_WOULD_MISS_DEADLINE;
     } else {
         for (pjob *o = x->pf->pjobs; o && !why; o = o->next)
             if (o->peer == d && strcmp(o->id, id) == 0) why = "request id already in flight";
@@ -285,7 +323,7 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
         x->pf->job_slot_used[slot] = false;
     }
     if (why) {
-        p_reject(x, d, id, reason, why);
+        p_reject_at(x, d, id, reason, why, start_ms);
         if (!kept) td_xfer_msg_free(m);
         return;
     }

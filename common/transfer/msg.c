@@ -244,10 +244,10 @@ static bool body_ok(const td_xfer_msg *m, const td_xfer_limits *lim, errbuf *e) 
         if (!id_ok(r->request_id) || !text_ok(r->message))
             return fail(e, "prefill rejected: bad request id or message");
         if (r->reason < TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_BUSY ||
-            r->reason > TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_UNKNOWN_EXCHANGE ||
-            r->retry_after_ms > MAX_MS)
-            return fail(e, "prefill rejected %s: reason %d, retry after %u ms", r->request_id,
-                        (int)r->reason, r->retry_after_ms);
+            r->reason > TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_WOULD_MISS_DEADLINE ||
+            r->retry_after_ms > MAX_MS || r->expected_start_ms > MAX_MS)
+            return fail(e, "prefill rejected %s: reason %d, retry after %u ms, start in %u ms",
+                        r->request_id, (int)r->reason, r->retry_after_ms, r->expected_start_ms);
         return true;
     }
     case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_TRANSFER_FAILED:
@@ -314,4 +314,14 @@ td_status td_xfer_msg_decode(const td_xfer_limits *lim, const uint8_t *buf, size
 
 void td_xfer_msg_free(td_xfer_msg *msg) {
     if (msg) tandem__internal__v1__control_message__free_unpacked(msg, NULL);
+}
+
+bool td_xfer_would_miss(int64_t queued_tokens, double tokens_per_s, int64_t own_tokens,
+                        double deadline_s, double *start_s) {
+    if (!(tokens_per_s > 0) || !isfinite(tokens_per_s)) return false;
+    double start = (double)TD_MAX(queued_tokens, 0) / tokens_per_s;
+    double end = start + (double)TD_MAX(own_tokens, 0) / tokens_per_s;
+    if (end <= deadline_s) return false;
+    if (start_s) *start_s = start;
+    return true;
 }

@@ -28,11 +28,12 @@
  *   prefix_tokens_reused <= max_ctx; sampler state <= 256 bytes.
  * - PrefillRejected, TransferFailed, Abort, TransferConsumed: request id;
  *   a known reason; messages of at most 1024 bytes of valid UTF-8;
- *   retry_after <= 600000 ms.
+ *   retry_after and expected_start <= 600000 ms.
  * - LeaseRenewal: 1 .. 1024 request ids; lease 1 .. 600000 ms. */
 #ifndef TD_TRANSFER_MSG_H
 #define TD_TRANSFER_MSG_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -72,5 +73,13 @@ uint64_t td_xfer_rank_kv_bytes(const Tandem__Internal__V1__Plan *plan,
  * ceil(n_tokens / block_size) block ids in [0, n_blocks). */
 td_status td_xfer_check_dest(const Tandem__Internal__V1__PrefillRequest *req,
                              const Tandem__Internal__V1__Exchange *ex, char *err, size_t err_len);
+
+/* P's admission of a prefill job (REJECT_WOULD_MISS_DEADLINE): with
+ * queued_tokens prompt tokens ahead of it at tokens_per_s, the job of
+ * own_tokens starts after queued / rate and ends own / rate later; true
+ * when that end is past deadline_s (both from now), with *start_s set.
+ * No speed measured yet (tokens_per_s <= 0, or not finite): false. */
+bool td_xfer_would_miss(int64_t queued_tokens, double tokens_per_s, int64_t own_tokens,
+                        double deadline_s, double *start_s);
 
 #endif

@@ -17,6 +17,9 @@
  * Every wait is bounded: D's deadline (and P's, slightly shorter) and the
  * leases D renews while it waits; every failure is explicit
  * (PrefillRejected: nothing was written, the blocks are reused at once;
+ * among its reasons WOULD_MISS_DEADLINE: P's queue, at the prefill speed
+ * its steps measured, would not let it finish the job in time, so it says
+ * so on arrival with when it could start, and D prefills locally at once;
  * TransferFailed: P flushed and stopped writing; Abort from D when the
  * client goes). When D gives up without P's word (deadline, endpoint
  * error), it fences that P epoch: the destination blocks stay quarantined

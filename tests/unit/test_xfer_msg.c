@@ -339,6 +339,12 @@ static void test_replies(void **state) {
     r.m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_REJECTED;
     r.m.prefill_rejected = &j;
     check(&r.m, NULL);
+    j.reason = TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_WOULD_MISS_DEADLINE;
+    j.expected_start_ms = 4200; /* when P's queue would let it start */
+    check(&r.m, NULL);
+    j.expected_start_ms = 600001;
+    check(&r.m, "start in 600001 ms");
+    j.expected_start_ms = 0;
     j.reason = TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_UNSPECIFIED;
     check(&r.m, "reason 0");
     j.reason = (Tandem__Internal__V1__RejectReason)99;
@@ -429,11 +435,33 @@ static void test_rank_kv_bytes(void **state) {
     assert_false(td_secret_eq("abc", 3, "", 0));
 }
 
+/* P's admission estimate, worked by hand: 2,000 queued prompt tokens at
+ * 1,000 tokens/s start a 500-token job at 2.0 s, ending it at 2.5 s. */
+static void test_would_miss(void **state) {
+    (void)state;
+    double start = -1;
+    assert_false(td_xfer_would_miss(2000, 1000.0, 500, 3.0, &start));
+    assert_true(start == -1);                                         /* untouched when it fits */
+    assert_false(td_xfer_would_miss(2000, 1000.0, 500, 2.5, &start)); /* ends at the deadline */
+    assert_true(td_xfer_would_miss(2000, 1000.0, 500, 2.4, &start));
+    assert_true(fabs(start - 2.0) < 1e-12);
+    /* an empty queue and a job longer than the deadline: it starts now */
+    assert_true(td_xfer_would_miss(0, 1000.0, 3000, 2.9, &start));
+    assert_true(start == 0.0);
+    /* no speed measured yet, or none that means anything: taken */
+    assert_false(td_xfer_would_miss(1 << 30, 0.0, 500, 0.001, &start));
+    assert_false(td_xfer_would_miss(1 << 30, -5.0, 500, 0.001, &start));
+    assert_false(td_xfer_would_miss(1 << 30, NAN, 500, 0.001, &start));
+    assert_false(td_xfer_would_miss(1 << 30, INFINITY, 500, 0.001, &start));
+    /* negative counts are none */
+    assert_false(td_xfer_would_miss(-100, 1000.0, -5, 0.001, NULL));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_prefill_request), cmocka_unit_test(test_exchange),
-        cmocka_unit_test(test_replies),         cmocka_unit_test(test_raw_bytes),
-        cmocka_unit_test(test_rank_kv_bytes),
+        cmocka_unit_test(test_would_miss), cmocka_unit_test(test_prefill_request),
+        cmocka_unit_test(test_exchange),   cmocka_unit_test(test_replies),
+        cmocka_unit_test(test_raw_bytes),  cmocka_unit_test(test_rank_kv_bytes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
