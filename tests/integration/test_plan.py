@@ -191,7 +191,8 @@ def test_unmeetable_slo(tandem_bin, profiles, tmp_path):
 
 
 def test_speed_drift_warning(tandem_bin, profiles, tmp_path):
-    # the profile's speed check (its first decode load repeated at the end)
+    # the profile's speed check (its decode load of 4 sequences repeated at
+    # the end)
     p = json.loads(profiles["colocated"].read_text())
     sc = p["speed_check"]
     assert sc["load"].startswith("decode-c4-") and len(sc["tpot_ms_p50"]) == 2

@@ -472,7 +472,7 @@ def analyse(args, extra, model, workdir, plan, reports):
             "prompt_extra_tokens": int(np.median(prompt_extra)) if prompt_extra else 0,
             # requests/s of each traffic load (None: refitted, see the workdir's bench-*.txt)
             "traffic_rates": getattr(args, "rates", None),
-            # the first decode load repeated at the end: the machine's drift
+            # a decode load repeated at the end: how far the machine drifted
             "speed_check": speed_check(plan, reports, getattr(args, "started", {})),
             "roles": {}}
     n_iso = len(iso)
