@@ -573,21 +573,26 @@ static void corrupt_case(const char *base, const mutation *mu, const char **need
     unlink(dst);
 }
 
-static void test_rewrite_control(void **state) {
-    (void)state;
-    need_models();
-    /* The unmodified re-write loads: the corrupt cases below differ only by their change. */
+/* A re-write of base with mu's change that must load. */
+static void rewrite_loads(const char *base, const mutation *mu) {
     char src[4096], dst[512];
-    model_path("gguf/smollm2-mixed.gguf", src, sizeof src);
-    snprintf(dst, sizeof dst, "%s/control.gguf", g_tmp);
-    mutation mu = {0};
-    rewrite(src, dst, &mu);
+    model_path(base, src, sizeof src);
+    snprintf(dst, sizeof dst, "%s/loads.gguf", g_tmp);
+    rewrite(src, dst, mu);
     td_model_params p = td_model_default_params();
     p.path = dst;
     td_model *m = NULL;
     assert_int_equal(td_model_load(&p, &m), TD_OK);
     td_model_free(m);
     unlink(dst);
+}
+
+static void test_rewrite_control(void **state) {
+    (void)state;
+    need_models();
+    /* The unmodified re-write loads: the corrupt cases below differ only by their change. */
+    mutation mu = {0};
+    rewrite_loads("gguf/smollm2-mixed.gguf", &mu);
 }
 
 /* Linear RoPE scaling from GGUF metadata divides every frequency by the
@@ -709,17 +714,8 @@ static void test_special_token_out_of_vocab(void **state) {
         corrupt_case("gguf/llama2-f32.gguf", &mu,
                      (const char *[]){keys[i], "= 512", "outside the vocabulary", NULL});
     }
-    char src[4096], dst[512];
-    model_path("gguf/llama2-f32.gguf", src, sizeof src);
-    snprintf(dst, sizeof dst, "%s/last-id.gguf", g_tmp);
     mutation ok = {.set_u32_key = "tokenizer.ggml.eot_token_id", .set_u32 = 511};
-    rewrite(src, dst, &ok);
-    td_model_params p = td_model_default_params();
-    p.path = dst;
-    td_model *m = NULL;
-    assert_int_equal(td_model_load(&p, &m), TD_OK);
-    td_model_free(m);
-    unlink(dst);
+    rewrite_loads("gguf/llama2-f32.gguf", &ok);
 }
 
 /* A bias the forward pass has no place for is refused, not ignored. */
