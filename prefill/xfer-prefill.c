@@ -295,12 +295,13 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
     } else if (td_sched_draining(x->p.sched)) {
         why = "draining";
         reason = TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_DRAINING;
-    } else if (would_miss(x, req, deadline_s, &start_ms, miss, sizeof miss)) {
-        why = miss;
-        reason = TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_WOULD_MISS_DEADLINE;
     } else {
         for (pjob *o = x->pf->pjobs; o && !why; o = o->next)
             if (o->peer == d && strcmp(o->id, id) == 0) why = "request id already in flight";
+    }
+    if (!why && would_miss(x, req, deadline_s, &start_ms, miss, sizeof miss)) {
+        why = miss;
+        reason = TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_WOULD_MISS_DEADLINE;
     }
     int32_t slot = why ? -1 : slot_take(x->pf->job_slot_used, TD_XRANK_MAX_JOBS);
     if (!why && slot < 0) {
