@@ -107,4 +107,3 @@ def test_validate_keeps_each_runs_steps(tmp_path):
     b = validate.run_steps({"name": "2C"}, prof, tmp_path, 0, True)["colocated1"]
     assert b["model"] == "beside" and b["in_all"] == pytest.approx(48 / 72)
     assert validate.run_steps({"name": "2C"}, prof, tmp_path, 1, False) == {}
-

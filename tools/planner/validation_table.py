@@ -14,26 +14,30 @@ runs), which leaves the model's error once the machine's drift from its
 profile is taken out."""
 
 import json
+import pathlib
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from validate import run_speed  # noqa: E402
 
 
 def bound(key, spread):
     return max(0.15 if key.endswith("p50") else 0.25, spread or 0)
 
 
-SATURATED = 0.90  # goodput below this: the shape is past what it serves
+SATURATED = 0.90  # predicted goodput below this: the shape is past what it serves
+
+
+def saturated(r):
+    return r["goodput"]["predicted"] < SATURATED
 
 
 def speeds(r):
-    """Each run's step time over the profile's model (its instances'
-    mean), or None where the runs' steps are not in the result."""
-    out = []
-    for run in r.get("steps") or []:
-        v = [i["in_all"] for i in run.values() if "in_all" in i]
-        if not v:
-            return None
-        out.append(sum(v) / len(v))
-    return out or None
+    """Each run's step time over the profile's model (validate.run_speed),
+    or None where the runs' steps are not in the result."""
+    out = [run_speed(run) for run in r.get("steps") or []]
+    return None if not out or None in out else out
 
 
 def main(argv):
@@ -46,7 +50,7 @@ def main(argv):
     for name, r in res.items():
         g = r["goodput"]
         gm = sorted(g["measured"])[len(g["measured"]) // 2]
-        saturated = g["predicted"] < SATURATED
+        sat = saturated(r)
         cells = []
         for k in keys:
             c = r["compare"].get(k)
@@ -54,8 +58,8 @@ def main(argv):
                 cells.append("-")
                 continue
             ok = abs(c["error"]) <= bound(k, c["spread"])
-            n_in += ok and not saturated
-            n_all += not saturated
+            n_in += ok and not sat
+            n_all += not sat
             cells.append(f"{c['predicted']:.0f} / {c['measured_median']:.0f} ({c['spread']:.0%}) "
                          f"{c['error']:+.0%}{'' if ok else ' **out**'}")
         vm = r["measured_meets"]
@@ -63,7 +67,7 @@ def main(argv):
                         else f"{sum(vm)}/{len(vm)} meet")
         right = (r["predicted_meets"] and all(vm)) or (not r["predicted_meets"] and not any(vm))
         sp = speeds(r)
-        print(f"| {name}{' (saturated)' if saturated else ''} | " + " | ".join(cells)
+        print(f"| {name}{' (saturated)' if sat else ''} | " + " | ".join(cells)
               + f" | {g['predicted']:.0%} / {gm:.0%} | "
               f"{'meets' if r['predicted_meets'] else 'misses'} / {verdict_meas}"
               f"{'' if right else ' **wrong**'} | "
@@ -79,7 +83,7 @@ def main(argv):
     print("|---|" + "---|" * len(keys))
     n_in = n_all = 0
     for name, r in rows.items():
-        saturated = r["goodput"]["predicted"] < SATURATED
+        sat = saturated(r)
         cells = []
         for k in keys:
             a = r["at_run_speed"]["compare"].get(k)
@@ -87,10 +91,10 @@ def main(argv):
                 cells.append("-")
                 continue
             ok = abs(a["error"]) <= bound(k, r["compare"][k]["spread"])
-            n_in += ok and not saturated
-            n_all += not saturated
+            n_in += ok and not sat
+            n_all += not sat
             cells.append(f"{a['error']:+.0%}{'' if ok else ' **out**'}")
-        print(f"| {name}{' (saturated)' if saturated else ''} | " + " | ".join(cells) + " |")
+        print(f"| {name}{' (saturated)' if sat else ''} | " + " | ".join(cells) + " |")
     print(f"\n{n_in} of {n_all} within their bound at the runs' speed.")
     return 0
 
