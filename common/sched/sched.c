@@ -775,16 +775,8 @@ static bool step_run(td_sched *s) {
         if (st == TD_OK && ne > 0) td_metrics_expert_load(s->metrics, ne, load);
     }
     double now = td_time_s();
-    if (st == TD_OK && dt > 0) {
-        int32_t n_prompt = 0; /* prompt tokens this step computed */
-        for (int32_t i = 0; i < n; i++)
-            if (SEQ(s->core.batch[i])->t_first == 0) n_prompt += s->chunks[i].n_tokens;
-        if (n_prompt >= 16) {
-            double r = n_prompt / dt;
-            s->prefill_rate = s->prefill_rate > 0 ? 0.8 * s->prefill_rate + 0.2 * r : r;
-        }
-    }
     int32_t row = 0;
+    int32_t n_prompt = 0; /* prompt tokens this step computed */
     for (int32_t i = 0; i < n; i++) {
         seq *q = SEQ(s->core.batch[i]);
         bool has_logits = !s->chunks[i].no_logits;
@@ -796,12 +788,19 @@ static bool step_run(td_sched *s) {
             continue;
         }
         td_sched_core_computed(&s->core, &q->c);
-        if (q->t_first == 0) q->prefill_compute += dt;
+        if (q->t_first == 0) {
+            q->prefill_compute += dt;
+            n_prompt += s->chunks[i].n_tokens;
+        }
         if (!has_logits) continue;
         /* A cancel that arrived during the forward pass wins over the token. */
         if (td_gen_stream_cancelled(q->st)) continue;
         /* A finished sequence has been freed: drop it from running. */
         sample_one(s, q, lg, now); /* a sequence that ended is freed */
+    }
+    if (st == TD_OK && dt > 0 && n_prompt >= 16) {
+        double r = n_prompt / dt;
+        s->prefill_rate = s->prefill_rate > 0 ? 0.8 * s->prefill_rate + 0.2 * r : r;
     }
     return true;
 }
