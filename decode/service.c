@@ -27,10 +27,11 @@ static const td_opt k_opts[D_N] = {
                            "prefill here when fewer than N prompt tokens are\n"
                            "uncached (default 0: always remote)"},
     [D_DEADLINE] = {"transfer-deadline-ms", 0, "N",
-                    "deadline of one remote prefill (default 30000)"},
+                    "by when the prefill instance must start one remote\n"
+                    "prefill (default 30000)"},
     [D_LEASE] = {"lease-ms", 0, "N",
                  "lease renewed with the prefill instance while it\n"
-                 "works (default 3000)"},
+                 "works; longer silence gives the job up (default 3000)"},
 };
 
 /* The --prefill names, split at commas (the process's, for its one instance). */

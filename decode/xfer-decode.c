@@ -21,6 +21,7 @@
 
 #include "common/api/sampling.h"
 #include "common/base/httpc.h"
+#include "common/transfer/jobstate.h"
 #include "common/transfer/xfer-impl.h"
 #include "xfer-decode.h"
 
@@ -55,12 +56,6 @@ typedef struct ppeer {
     int alias_of;
 } ppeer;
 
-/* NEW: not sent; SENT: waiting for P; CANCELLED: the client went while
- * it waited (blocks quarantined until P answers or is fenced); QUARANTINED:
- * D gave up (deadline, endpoint error), fencing; ANSWERED: P answered (no
- * more writes), out of the table. */
-typedef enum { DJ_NEW, DJ_SENT, DJ_CANCELLED, DJ_QUARANTINED, DJ_ANSWERED } dj_state;
-
 /* A request on D with a KV import. */
 typedef struct djob {
     struct djob *next; /* x->dc->djobs while in flight */
@@ -77,12 +72,13 @@ typedef struct djob {
     int32_t n_stop_ids;
     td_sched_ticket ticket;
     ppeer *peer;
-    dj_state state;
+    bool sent; /* in the table: fsm is its state there */
+    td_dj fsm; /* jobstate.h: waiting, running, aborting, fencing, ended */
     int32_t n_blocks, n_cached;
-    double t_sent, deadline;
-    double q_until; /* quarantined blocks stay at least until then (P's deadline has passed) */
-    bool abort_pending;
-    char want_peer[256]; /* the router's choice of prefill instance, or "" */
+    double t_sent;
+    uint64_t deadline_unix_ns; /* P's start deadline as sent (for the Abort) */
+    bool abort_pending;        /* the client went: the service thread sends the Abort */
+    char want_peer[256];       /* the router's choice of prefill instance, or "" */
 } djob;
 
 /* The decode side's state (x->dc). */
@@ -125,6 +121,18 @@ static void djob_unref(djob *j) {
 }
 
 static void d_release(void *ctx) { djob_unref(ctx); }
+
+/* D's protocol times (jobstate.h) from the parameters: a started job is
+ * given up after a lease of silence, and a job given up waits for P's
+ * word a lease more after P's last lease ended. */
+static td_dj_timing d_timing(const td_xfer *x) {
+    td_dj_timing t = {.start_s = x->p.deadline_ms / 1000.0,
+                      .lease_s = x->p.lease_ms / 1000.0,
+                      .silence_s = x->p.lease_ms / 1000.0,
+                      .grace_s = x->p.lease_ms / 1000.0,
+                      .margin_s = 1.0};
+    return t;
+}
 
 static void table_remove(td_xfer *x, djob *j) {
     for (djob **pp = &x->dc->djobs; *pp; pp = &(*pp)->next)
@@ -170,6 +178,7 @@ static td_status send_request(td_xfer *x, ppeer *pp, djob *j, const int32_t *blo
     int margin = TD_MAX(50, x->p.deadline_ms / 10);
     r.deadline_ms = (uint32_t)TD_MAX(1, x->p.deadline_ms - margin);
     r.deadline_unix_ns = td_xfer_unix_ns() + (uint64_t)r.deadline_ms * 1000000ull;
+    j->deadline_unix_ns = r.deadline_unix_ns;
     r.lease_ms = (uint32_t)x->p.lease_ms;
     uint8_t compat[16];
     td_kv_hash_bytes(x->p.compat, compat);
@@ -247,21 +256,19 @@ static bool d_start(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t
     x->dc->rr++;
     /* In the table before the request leaves, so its answer finds it. */
     j->peer = pp;
-    j->state = DJ_SENT;
+    j->sent = true;
     j->n_blocks = n_blocks;
     j->n_cached = n_cached;
     j->t_sent = td_time_s();
-    j->deadline = j->t_sent + x->p.deadline_ms / 1000.0;
-    /* P stops writing at its own deadline, which ends before ours; the
-     * second beyond it covers the check-to-put window and clock steps */
-    j->q_until = j->deadline + 1.0;
+    td_dj_timing tm = d_timing(x);
+    td_dj_sent(&j->fsm, &tm, j->t_sent);
     atomic_fetch_add(&j->refs, 1);
     j->next = x->dc->djobs;
     x->dc->djobs = j;
     td_status st = send_request(x, pp, j, blocks, n_blocks, n_cached);
     if (st != TD_OK) {
         table_remove(x, j);
-        j->state = DJ_NEW;
+        j->sent = false;
         pthread_mutex_unlock(&x->mu);
         TD_LOG_WARN("request %s: sending the prefill request to %s failed (%s): prefilling here",
                     j->id, pp->addr, td_status_str(st));
@@ -278,11 +285,12 @@ static void d_cancelled(void *ctx, td_sched_ticket t) {
     djob *j = ctx;
     td_xfer *x = j->x;
     pthread_mutex_lock(&x->mu);
-    if (j->state == DJ_SENT) {
-        j->state = DJ_CANCELLED; /* blocks quarantined until P answers or is fenced */
-        j->abort_pending = true;
+    if (j->sent && td_dj_live(&j->fsm)) {
+        /* Abort; the blocks are held until P's word (or the fence) */
+        td_dj_timing tm = d_timing(x);
+        j->abort_pending = td_dj_cancel(&j->fsm, &tm, td_time_s()) & TD_DJ_ABORT;
         td_metrics_kv_transfer_failure(x->p.metrics, TD_XFER_FAIL_ABORTED);
-    } else if (j->state == DJ_ANSWERED) {
+    } else if (j->sent && j->fsm.state == TD_DJ_ENDED) {
         /* P's answer came first (its event was still queued): nothing
          * writes into the blocks any more */
         td_sched_release(x->p.sched, t);
@@ -391,7 +399,8 @@ static void d_notify(td_xfer *x, djob *j, bool abort) {
     Tandem__Internal__V1__Abort ab = TANDEM__INTERNAL__V1__ABORT__INIT;
     if (abort) {
         ab.request_id = j->id;
-        ab.message = "cancelled";
+        ab.message = j->fsm.gone ? "cancelled" : "given up";
+        ab.deadline_unix_ns = j->deadline_unix_ns;
         m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_ABORT;
         m.abort = &ab;
     } else {
@@ -402,18 +411,91 @@ static void d_notify(td_xfer *x, djob *j, bool abort) {
     td_xfer_send(x, j->peer->ep, &m);
 }
 
+/* Carries out what D's job machine decided (jobstate.h), and takes an
+ * ended job out of the table. Caller holds x->mu. */
+static void d_apply(td_xfer *x, djob *j, int a) {
+    if (a & (TD_DJ_LOCAL | TD_DJ_LOCAL_FRESH))
+        td_metrics_prefill_route(x->p.metrics, false, TD_LOCAL_PREFILL_FALLBACK);
+    /* LOCAL: nothing writes into the blocks (P rejected it, or flushed and
+     * stopped); LOCAL_FRESH: P may still, so they stay held */
+    if (a & TD_DJ_LOCAL)
+        td_sched_remote_failed(x->p.sched, j->ticket, false, true, TD_ERR_UNAVAILABLE);
+    if (a & TD_DJ_LOCAL_FRESH)
+        td_sched_remote_failed(x->p.sched, j->ticket, true, true, TD_ERR_UNAVAILABLE);
+    if (a & TD_DJ_RELEASE) td_sched_release(x->p.sched, j->ticket);
+    if (a & TD_DJ_ABORT) d_notify(x, j, true);
+    if (a & TD_DJ_FENCE) {
+        TD_LOG_WARN("request %s: prefill instance %s did not answer its abort within the grace: "
+                    "fencing it",
+                    j->id, j->peer->addr);
+        td_metrics_kv_transfer_failure(x->p.metrics, TD_XFER_FAIL_PEER_ERROR);
+        j->peer->fence = true;
+    }
+    if (j->fsm.state == TD_DJ_ENDED) table_remove(x, j);
+}
+
+/* P's first token: the sequence decodes on. Caller holds x->mu. */
+static void d_take_answer(td_xfer *x, djob *j, const Tandem__Internal__V1__PrefillDone *pd,
+                          const td_xfer_inbox_msg *im) {
+    double now = im->arrival_s;
+    td_sample_result r;
+    memset(&r, 0, sizeof r);
+    r.token = pd->first_token;
+    r.logprob = pd->logprob;
+    r.n_top = (int32_t)TD_MIN(pd->n_top_logprobs, (size_t)TD_SAMPLER_MAX_LOGPROBS);
+    for (int32_t i = 0; i < r.n_top; i++) {
+        r.top[i].token = pd->top_logprobs[i]->token_id;
+        r.top[i].logprob = pd->top_logprobs[i]->logprob;
+    }
+    /* the first token goes to the scheduler before anything else */
+    td_sched_remote_done(x->p.sched, j->ticket, &r, pd->sampler_state.data, pd->sampler_state.len,
+                         (int32_t)TD_MIN(pd->prefix_tokens_reused, (uint32_t)j->n_tokens));
+    uint64_t bytes =
+        (uint64_t)(j->n_tokens - j->n_cached) * x->row_bytes * 2u * (uint64_t)x->n_layer;
+    td_metrics_kv_transfer(x->p.metrics, bytes, now - j->t_sent);
+    uint64_t arrival = im->arrival_unix_ns;
+    if (pd->last_layer_unix_ns > 0 && pd->last_layer_unix_ns <= arrival) {
+        double tail = (double)(arrival - pd->last_layer_unix_ns) * 1e-9;
+        td_metrics_kv_transfer_tail(x->p.metrics, tail);
+        j->peer->tail_ms =
+            j->peer->tail_ms > 0 ? 0.8 * j->peer->tail_ms + 0.2 * tail * 1e3 : tail * 1e3;
+    }
+    double ms = (now - j->t_sent) * 1e3;
+    j->peer->avg_ms = j->peer->avg_ms > 0 ? 0.8 * j->peer->avg_ms + 0.2 * ms : ms;
+}
+
 static void d_on_msg(td_xfer *x, const td_xfer_inbox_msg *im) {
     td_xfer_msg *m = im->m;
-    const char *id = NULL;
+    const char *id = NULL, *text = NULL, *what = NULL;
+    td_dj_msg k;
+    int32_t tokens = 0;
     switch (m->body_case) {
     case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_DONE:
         id = m->prefill_done->request_id;
+        k = TD_DJ_MSG_DONE;
         break;
     case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_REJECTED:
         id = m->prefill_rejected->request_id;
+        text = m->prefill_rejected->message;
+        what = "rejected it";
+        k = TD_DJ_MSG_REJECTED;
         break;
     case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_TRANSFER_FAILED:
         id = m->transfer_failed->request_id;
+        text = m->transfer_failed->message;
+        what = "failed it";
+        k = TD_DJ_MSG_FAILED;
+        break;
+    case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_JOB_PROGRESS:
+        id = m->job_progress->request_id;
+        tokens = (int32_t)m->job_progress->tokens;
+        k = TD_DJ_MSG_PROGRESS;
+        break;
+    case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_JOB_ABORTED:
+        id = m->job_aborted->request_id;
+        text = m->job_aborted->message;
+        what = "stopped it";
+        k = TD_DJ_MSG_ABORTED;
         break;
     default:
         TD_LOG_INFO("decode: ignoring control message %d from %s", (int)m->body_case,
@@ -422,68 +504,31 @@ static void d_on_msg(td_xfer *x, const td_xfer_inbox_msg *im) {
         return;
     }
     djob *j = djob_find(x, id, m->from);
-    if (!j || (j->state != DJ_SENT && j->state != DJ_CANCELLED)) {
-        /* late (after our deadline, fenced) or unknown: nothing to do */
-        TD_LOG_INFO("decode: answer for %s from %s ignored (not in flight)", id,
-                    m->from->instance_id);
+    td_dj_state was = j ? j->fsm.state : TD_DJ_ENDED;
+    if (!j || was == TD_DJ_FENCING) {
+        /* late (fenced, or after P's word) or unknown: nothing to do */
+        if (k != TD_DJ_MSG_PROGRESS)
+            TD_LOG_INFO("decode: answer for %s from %s ignored (not in flight)", id,
+                        m->from->instance_id);
         td_xfer_msg_free(m);
         return;
     }
-    double now = im->arrival_s;
-    bool cancelled = j->state == DJ_CANCELLED;
-    if (m->body_case == TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_DONE) {
-        const Tandem__Internal__V1__PrefillDone *pd = m->prefill_done;
-        if (cancelled) {
-            td_sched_release(x->p.sched, j->ticket); /* P flushed: the blocks are safe */
-        } else {
-            td_sample_result r;
-            memset(&r, 0, sizeof r);
-            r.token = pd->first_token;
-            r.logprob = pd->logprob;
-            r.n_top = (int32_t)TD_MIN(pd->n_top_logprobs, (size_t)TD_SAMPLER_MAX_LOGPROBS);
-            for (int32_t i = 0; i < r.n_top; i++) {
-                r.top[i].token = pd->top_logprobs[i]->token_id;
-                r.top[i].logprob = pd->top_logprobs[i]->logprob;
-            }
-            /* the first token goes to the scheduler before anything else */
-            td_sched_remote_done(x->p.sched, j->ticket, &r, pd->sampler_state.data,
-                                 pd->sampler_state.len,
-                                 (int32_t)TD_MIN(pd->prefix_tokens_reused, (uint32_t)j->n_tokens));
-            uint64_t bytes =
-                (uint64_t)(j->n_tokens - j->n_cached) * x->row_bytes * 2u * (uint64_t)x->n_layer;
-            td_metrics_kv_transfer(x->p.metrics, bytes, now - j->t_sent);
-            uint64_t arrival = im->arrival_unix_ns;
-            if (pd->last_layer_unix_ns > 0 && pd->last_layer_unix_ns <= arrival) {
-                double tail = (double)(arrival - pd->last_layer_unix_ns) * 1e-9;
-                td_metrics_kv_transfer_tail(x->p.metrics, tail);
-                j->peer->tail_ms =
-                    j->peer->tail_ms > 0 ? 0.8 * j->peer->tail_ms + 0.2 * tail * 1e3 : tail * 1e3;
-            }
-            double ms = (now - j->t_sent) * 1e3;
-            j->peer->avg_ms = j->peer->avg_ms > 0 ? 0.8 * j->peer->avg_ms + 0.2 * ms : ms;
-        }
+    int a = td_dj_on_msg(&j->fsm, k, tokens, im->arrival_s);
+    if (k == TD_DJ_MSG_REJECTED &&
+        m->prefill_rejected->reason == TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_UNKNOWN_EXCHANGE)
+        j->peer->need_exchange = true;
+    if (what)
+        TD_LOG_INFO("request %s: prefill instance %s %s: %s", j->id, j->peer->addr, what, text);
+    if (was == TD_DJ_ABORTING && k == TD_DJ_MSG_DONE)
+        TD_LOG_INFO("request %s: prefill instance %s answered after it was given up: blocks freed",
+                    j->id, j->peer->addr);
+    if (a & TD_DJ_LOCAL)
+        td_metrics_kv_transfer_failure(x->p.metrics, k == TD_DJ_MSG_REJECTED ? TD_XFER_FAIL_REJECTED
+                                                                             : TD_XFER_FAIL_FAILED);
+    if (a & TD_DJ_DECODE) d_take_answer(x, j, m->prefill_done, im);
+    if (k == TD_DJ_MSG_DONE && (a & (TD_DJ_DECODE | TD_DJ_RELEASE)))
         d_notify(x, j, false); /* TransferConsumed: P may release its side */
-    } else {
-        bool rej = m->body_case == TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_REJECTED;
-        if (rej && m->prefill_rejected->reason ==
-                       TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_UNKNOWN_EXCHANGE)
-            j->peer->need_exchange = true;
-        TD_LOG_INFO("request %s: prefill instance %s %s: %s", j->id, j->peer->addr,
-                    rej ? "rejected it" : "failed it",
-                    rej ? m->prefill_rejected->message : m->transfer_failed->message);
-        /* Rejected: nothing was written. TransferFailed: P flushed and
-         * stopped. Either way the blocks are safe to reuse. */
-        if (cancelled) {
-            td_sched_release(x->p.sched, j->ticket);
-        } else {
-            td_metrics_kv_transfer_failure(x->p.metrics,
-                                           rej ? TD_XFER_FAIL_REJECTED : TD_XFER_FAIL_FAILED);
-            td_metrics_prefill_route(x->p.metrics, false, TD_LOCAL_PREFILL_FALLBACK);
-            td_sched_remote_failed(x->p.sched, j->ticket, false, true, TD_ERR_UNAVAILABLE);
-        }
-    }
-    j->state = DJ_ANSWERED;
-    table_remove(x, j);
+    d_apply(x, j, a);
     td_xfer_msg_free(m);
 }
 
@@ -621,17 +666,27 @@ static void d_link(td_xfer *x, ppeer *pp) {
 /* One pass over D's jobs and peers. Caller holds x->mu. */
 static void d_service(td_xfer *x) {
     double now = td_time_s();
-    for (djob *j = x->dc->djobs; j; j = j->next) {
+    td_dj_timing tm = d_timing(x);
+    for (djob *j = x->dc->djobs, *next; j; j = next) {
+        next = j->next; /* d_apply may take j out */
         if (j->abort_pending) {
             j->abort_pending = false;
             d_notify(x, j, true);
         }
-        if ((j->state == DJ_SENT || j->state == DJ_CANCELLED) && now > j->deadline) {
-            TD_LOG_WARN("request %s: prefill instance %s missed the deadline (%d ms): fencing it",
-                        j->id, j->peer->addr, x->p.deadline_ms);
+        td_dj_state was = j->fsm.state;
+        int a = td_dj_tick(&j->fsm, &tm, now);
+        if (a & TD_DJ_ABORT) {
             td_metrics_kv_transfer_failure(x->p.metrics, TD_XFER_FAIL_DEADLINE);
-            j->peer->fence = true;
+            if (was == TD_DJ_WAITING)
+                TD_LOG_WARN("request %s: prefill instance %s did not start it within %d ms: "
+                            "aborting it there, prefilling here",
+                            j->id, j->peer->addr, x->p.deadline_ms);
+            else
+                TD_LOG_WARN("request %s: no word from prefill instance %s for %d ms (%d prompt "
+                            "tokens started): aborting it there, prefilling here",
+                            j->id, j->peer->addr, x->p.lease_ms, j->fsm.tokens);
         }
+        d_apply(x, j, a);
     }
     for (int k = 0; k < x->dc->n_ppeers; k++) {
         ppeer *pp = &x->dc->ppeers[k];
@@ -641,15 +696,12 @@ static void d_service(td_xfer *x) {
             pp->fence = true;
         }
         if (pp->fence && !pp->closing) {
-            /* Every job still waiting on this P is quarantined; the blocks
-             * are freed once our endpoint to it is closed. */
-            for (djob *j = x->dc->djobs; j; j = j->next) {
-                if (j->peer != pp) continue;
-                if (j->state == DJ_SENT) {
-                    td_metrics_prefill_route(x->p.metrics, false, TD_LOCAL_PREFILL_FALLBACK);
-                    td_sched_remote_failed(x->p.sched, j->ticket, true, true, TD_ERR_UNAVAILABLE);
-                }
-                j->state = DJ_QUARANTINED;
+            /* Every job still on this P is fenced: a waiting one falls back
+             * to a local prefill in fresh blocks; the blocks are freed once
+             * our endpoint to it is closed and its last lease has passed. */
+            for (djob *j = x->dc->djobs, *next; j; j = next) {
+                next = j->next;
+                if (j->peer == pp) d_apply(x, j, td_dj_fenced(&j->fsm));
             }
             pp->ready = false;
             pp->closing = true;
@@ -668,8 +720,8 @@ static void d_service(td_xfer *x) {
             /* Our endpoint is closed and the link workers P put into are
              * destroyed: relink (new link workers, a new endpoint, a new
              * exchange id inline, so P drops whatever it still has from
-             * before). The blocks stay until P's deadline has surely passed
-             * too (P's own puts into shared memory are bounded by it). */
+             * before). The blocks stay until P's last lease has surely
+             * passed too (P's own puts into shared memory are bounded by it). */
             pp->closing = false;
             pp->fence = false;
             pp->next_link = now;
@@ -677,14 +729,10 @@ static void d_service(td_xfer *x) {
             TD_LOG_INFO("prefill instance %s fenced", pp->addr);
         }
     }
-    for (djob *j = x->dc->djobs; j;) {
-        djob *next = j->next;
-        if (j->state == DJ_QUARANTINED && !j->peer->closing && !j->peer->fence &&
-            now >= j->q_until) {
-            td_sched_release(x->p.sched, j->ticket);
-            table_remove(x, j);
-        }
-        j = next;
+    for (djob *j = x->dc->djobs, *next; j; j = next) {
+        next = j->next;
+        if (j->fsm.state == TD_DJ_FENCING && !j->peer->closing && !j->peer->fence)
+            d_apply(x, j, td_dj_fence_done(&j->fsm, &tm, now));
     }
     if (now >= x->dc->next_lease) {
         x->dc->next_lease = now + x->p.lease_ms / 3000.0;
@@ -694,7 +742,8 @@ static void d_service(td_xfer *x) {
             char *ids[256];
             size_t n = 0;
             for (djob *j = x->dc->djobs;; j = j->next) {
-                if (j && j->peer == pp && j->state == DJ_SENT) ids[n++] = j->id;
+                /* the jobs D still waits for: their leases run on */
+                if (j && j->peer == pp && td_dj_renew(&j->fsm, &tm, now)) ids[n++] = j->id;
                 if ((!j && n > 0) || n == 256) { /* a message per 256 ids */
                     td_xfer_cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
                     Tandem__Internal__V1__LeaseRenewal lr =
@@ -702,6 +751,7 @@ static void d_service(td_xfer *x) {
                     lr.n_request_ids = n;
                     lr.request_ids = ids;
                     lr.lease_ms = (uint32_t)x->p.lease_ms;
+                    lr.until_unix_ns = td_xfer_unix_ns() + (uint64_t)x->p.lease_ms * 1000000ull;
                     m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_LEASE_RENEWAL;
                     m.lease_renewal = &lr;
                     td_xfer_send(x, pp->ep, &m);
@@ -960,7 +1010,7 @@ static void d_free(td_xfer *x) {
 static void d_stats(td_xfer *x, const td_sched_stats *ss, td_xfer_stats *st) {
     TD_UNUSED(ss);
     for (djob *j = x->dc->djobs; j; j = j->next)
-        if (j->state == DJ_SENT) {
+        if (td_dj_live(&j->fsm)) {
             st->in_flight++;
             st->leased_blocks += j->n_blocks;
         }

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "common/api/sampling.h"
+#include "common/transfer/jobstate.h"
 #include "common/transfer/xfer-impl.h"
 #include "xfer-prefill.h"
 
@@ -42,7 +43,11 @@ typedef struct pjob {
     td_sched_ticket ticket;
     int32_t slot; /* job slot on the ranks */
     int32_t n_prompt, d_cached;
-    double t_recv, deadline, lease_until;
+    td_pj pj;          /* its start deadline and lease (jobstate.h) */
+    double t_recv;     /* when it arrived */
+    double hold_until; /* answered: its sources are held for D's TransferConsumed until then */
+    int32_t progress;  /* a chunk through this position is starting: JobProgress owed */
+    const char *why;   /* why P stopped it (TransferFailed's message) */
     bool ended, have_first, cancelled, replied, dropped, ok, consumed;
     td_sample_result first;
     uint8_t sstate[TD_SAMPLER_STATE_BYTES];
@@ -52,6 +57,8 @@ typedef struct pjob {
 struct td_xfer_prefill {
     dpeer *dpeers;
     pjob *pjobs;
+    td_xfer_seen
+        *seen; /* every request id taken or refused, and aborted ones, until their deadline */
     bool job_slot_used[TD_XRANK_MAX_JOBS];
     bool peer_slot_used[TD_XRANK_MAX_PEERS];
 };
@@ -97,6 +104,18 @@ static void p_ended(void *ctx, td_sched_ticket t, const td_sample_result *first,
     td_xfer_wake(x);
 }
 
+/* The scheduler starts a chunk of the job: D hears of it (JobProgress). */
+static void p_progress(void *ctx, td_sched_ticket t, int32_t through) {
+    pjob *j = ctx;
+    td_xfer *x = j->x;
+    TD_UNUSED(t);
+    pthread_mutex_lock(&x->mu);
+    j->pj.started = true;
+    j->progress = TD_MIN(through, j->n_prompt);
+    pthread_mutex_unlock(&x->mu);
+    td_xfer_wake(x);
+}
+
 /* PrefillRejected to D; start_ms: when our queue would let the job start
  * (REJECT_WOULD_MISS_DEADLINE; also the retry hint), else 0. */
 static void p_reject_at(td_xfer *x, dpeer *d, const char *id,
@@ -123,26 +142,31 @@ static void p_reject(td_xfer *x, dpeer *d, const char *id, Tandem__Internal__V1_
 
 /* Whether the queue of our scheduler (its prompt tokens not yet computed,
  * at the prefill speed its steps measured) would not let this job start
- * and finish before its deadline: then D is told at once, with when it
- * could start, instead of waiting for a job that misses the deadline and
- * has P fenced. No speed measured yet: the job is taken. The job's own
- * tokens count what D has not cached (our prefix cache may save more). */
-static bool would_miss(td_xfer *x, const Tandem__Internal__V1__PrefillRequest *req,
-                       double deadline_s, uint32_t *start_ms, char *why, size_t why_len) {
+ * before its deadline: then D is told at once, with when it could start,
+ * instead of waiting for a job that cannot start in time. No speed
+ * measured yet: the job is taken. */
+static bool would_miss(td_xfer *x, double deadline_s, uint32_t *start_ms, char *why,
+                       size_t why_len) {
     td_sched_stats ss;
     td_sched_stats_get(x->p.sched, &ss);
-    int64_t own = (int64_t)req->n_tokens - (int64_t)req->cached_tokens;
     double start;
-    if (!td_xfer_would_miss(ss.queued_prefill_tokens, ss.prefill_tokens_per_s, own, deadline_s,
-                            &start))
+    if (!td_xfer_would_miss(ss.queued_prefill_tokens, ss.prefill_tokens_per_s, deadline_s, &start))
         return false;
     *start_ms = (uint32_t)TD_MIN(start * 1e3, 600000.0);
     snprintf(why, why_len,
              "would miss its deadline (%.0f ms): %lld queued prompt tokens at %.0f tokens/s start "
-             "it in %u ms, and its %lld take %.0f ms more",
+             "it in %u ms",
              deadline_s * 1e3, (long long)ss.queued_prefill_tokens, ss.prefill_tokens_per_s,
-             *start_ms, (long long)own, own / ss.prefill_tokens_per_s * 1e3);
+             *start_ms);
     return true;
+}
+
+/* What is left at now of a time D gave both as a relative span (from
+ * receipt) and as a point on its clock (Unix ns; 0: none): the earlier. */
+static double left_s(uint32_t rel_ms, uint64_t unix_ns) {
+    double left = rel_ms / 1000.0;
+    if (unix_ns) left = TD_MIN(left, ((double)unix_ns - (double)td_xfer_unix_ns()) * 1e-9);
+    return left;
 }
 
 static dpeer *dpeer_find(td_xfer *x, const char *inst, uint64_t epoch) {
@@ -237,10 +261,40 @@ static bool dest_uniform(const Tandem__Internal__V1__PrefillRequest *req) {
     return req->n_dest > 0;
 }
 
+static pjob *pjob_find(td_xfer *x, const char *id, const td_xfer_msg *m) {
+    for (pjob *j = x->pf->pjobs; j; j = j->next)
+        if (strcmp(j->id, id) == 0 && j->peer->epoch == m->from->epoch &&
+            strcmp(j->peer->instance, m->from->instance_id) == 0)
+            return j;
+    return NULL;
+}
+
 /* PrefillRequest from D. Takes ownership of m. Caller holds x->mu. */
 static void p_on_request(td_xfer *x, td_xfer_msg *m) {
     const Tandem__Internal__V1__PrefillRequest *req = m->prefill_request;
     const char *id = req->request_id;
+    /* The earlier of the relative deadline and D's point in time (a request
+     * that waited in our queue gets what is left of it, not a fresh one);
+     * it bounds the job's start. */
+    double deadline_s = left_s(req->deadline_ms, req->deadline_unix_ns);
+    /* An id is taken (or refused) once: a copy (a duplicated message, one
+     * overtaken by D's Abort) is dropped without a word, since D's job may
+     * be under way or over and its blocks reused. Until the deadline: a
+     * copy arriving after it is refused as late anyway. */
+    double now = td_time_s();
+    int seen = td_xfer_seen_add(x->pf->seen, m->from->instance_id, m->from->epoch, id,
+                                now + TD_MAX(deadline_s, 0.0), now);
+    if (seen == 1 && pjob_find(x, id, m)) seen = 0; /* its job outlived the deadline */
+    if (seen <= 0) {
+        if (seen == 0)
+            TD_LOG_WARN("prefill %s from %s: seen before (a copy, or aborted): dropped", id,
+                        m->from->instance_id);
+        else
+            TD_LOG_WARN("prefill %s from %s: too many request ids in flight to remember: dropped",
+                        id, m->from->instance_id);
+        td_xfer_msg_free(m);
+        return;
+    }
     dpeer *d = dpeer_find(x, m->from->instance_id, m->from->epoch);
     bool kept = false;
     const char *why = NULL;
@@ -278,13 +332,6 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
     td_logit_bias *bias = NULL;
     uint32_t start_ms = 0;
     char miss[256];
-    /* The earlier of the relative deadline and D's point in time (a request
-     * that waited in our queue gets what is left of it, not a fresh one). */
-    double deadline_s = req->deadline_ms / 1000.0;
-    if (req->deadline_unix_ns) {
-        double left = ((double)req->deadline_unix_ns - (double)td_xfer_unix_ns()) * 1e-9;
-        deadline_s = TD_MIN(deadline_s, left);
-    }
     if (deadline_s <= 0) {
         why = "past its deadline on arrival";
         reason = TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_BUSY;
@@ -295,11 +342,8 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
     } else if (td_sched_draining(x->p.sched)) {
         why = "draining";
         reason = TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_DRAINING;
-    } else {
-        for (pjob *o = x->pf->pjobs; o && !why; o = o->next)
-            if (o->peer == d && strcmp(o->id, id) == 0) why = "request id already in flight";
     }
-    if (!why && would_miss(x, req, deadline_s, &start_ms, miss, sizeof miss)) {
+    if (!why && would_miss(x, deadline_s, &start_ms, miss, sizeof miss)) {
         why = miss;
         reason = TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_WOULD_MISS_DEADLINE;
     }
@@ -335,13 +379,19 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
     j->n_prompt = (int32_t)req->n_tokens;
     j->d_cached = (int32_t)req->cached_tokens;
     j->t_recv = td_time_s();
-    j->deadline = j->t_recv + deadline_s;
-    j->lease_until = j->t_recv + (req->lease_ms ? req->lease_ms : (uint32_t)x->p.lease_ms) / 1000.0;
-    /* The ranks learn the job before its first chunk runs. */
+    /* The first lease runs from when D sent the request (its deadline's
+     * point in time less its span), or from receipt. */
+    uint32_t lease_ms = req->lease_ms ? req->lease_ms : (uint32_t)x->p.lease_ms;
+    uint64_t sent_ns = req->deadline_unix_ns > (uint64_t)req->deadline_ms * 1000000ull
+                           ? req->deadline_unix_ns - (uint64_t)req->deadline_ms * 1000000ull
+                           : 0;
+    double lease_s = left_s(lease_ms, sent_ns ? sent_ns + (uint64_t)lease_ms * 1000000ull : 0);
+    td_pj_init(&j->pj, j->t_recv, deadline_s, TD_MAX(lease_s, 0.0));
+    /* The ranks learn the job before its first chunk runs; they put
+     * nothing past its lease. */
     td_xdir_buf b = {0};
-    td_xdir_job(&b, slot, d->slot, j->n_prompt, j->d_cached,
-                td_time_ns() + (uint64_t)(deadline_s * 1e9), req->dest[0]->block_ids,
-                (int32_t)req->dest[0]->n_block_ids);
+    td_xdir_job(&b, slot, d->slot, j->n_prompt, j->d_cached, (uint64_t)(j->pj.put_until * 1e9),
+                req->dest[0]->block_ids, (int32_t)req->dest[0]->n_block_ids);
     td_xext_post(x->xext, &b);
     td_xdir_free(&b);
 
@@ -355,6 +405,7 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
     g.kv_export.ctx = j;
     g.kv_export.slot = slot;
     g.kv_export.ended = p_ended;
+    g.kv_export.progress = p_progress;
     td_status st = td_sched_submit(x->p.sched, &g, &j->st);
     free(bias); /* copied by the sampler */
     if (st != TD_OK) {
@@ -378,36 +429,73 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
     if (!kept) td_xfer_msg_free(m);
 }
 
+/* JobAborted to D: every put of the job is flushed and none will follow. */
+static void send_aborted(td_xfer *x, dpeer *d, const char *id, const char *msg) {
+    if (!d || !d->ep || atomic_load(&d->failed) || d->closed) return; /* D's grace covers it */
+    td_xfer_cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
+    Tandem__Internal__V1__JobAborted ja = TANDEM__INTERNAL__V1__JOB_ABORTED__INIT;
+    ja.request_id = (char *)id;
+    ja.message = (char *)msg;
+    m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_JOB_ABORTED;
+    m.job_aborted = &ja;
+    td_xfer_send(x, d->ep, &m);
+}
+
+/* Abort from D: the job stops, and D hears JobAborted once its puts are
+ * flushed (at once when they are, or when we never had the job: its id is
+ * then refused until the Abort's deadline). Caller holds x->mu. */
+static void p_on_abort(td_xfer *x, const td_xfer_msg *m) {
+    const Tandem__Internal__V1__Abort *ab = m->abort;
+    pjob *j = pjob_find(x, ab->request_id, m);
+    if (j) {
+        j->pj.aborted = true;
+        if (!j->ended && !j->cancelled && j->st) {
+            j->cancelled = true; /* the scheduler ends it; p_after_sync answers */
+            td_gen_stream_cancel(j->st);
+        } else if (j->dropped) {
+            j->consumed = true; /* answered and flushed: nothing for D to consume */
+            send_aborted(x, j->peer, j->id, "already answered");
+        }
+        return;
+    }
+    double now = td_time_s();
+    double until = now + (ab->deadline_unix_ns ? left_s(600000, ab->deadline_unix_ns) : 600.0);
+    int r = td_xfer_seen_add(x->pf->seen, m->from->instance_id, m->from->epoch, ab->request_id,
+                             TD_MAX(until, now), now);
+    if (r < 0) {
+        TD_LOG_WARN("abort of %s from %s: too many request ids to remember: not acknowledged",
+                    ab->request_id, m->from->instance_id);
+        return;
+    }
+    send_aborted(x, dpeer_find(x, m->from->instance_id, m->from->epoch), ab->request_id,
+                 r ? "never had it" : "over");
+}
+
 static void p_on_msg(td_xfer *x, td_xfer_msg *m) {
     switch (m->body_case) {
     case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_PREFILL_REQUEST:
         p_on_request(x, m); /* takes m */
         return;
-    case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_ABORT:
+    case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_ABORT: p_on_abort(x, m); break;
     case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_TRANSFER_CONSUMED: {
-        bool abort = m->body_case == TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_ABORT;
-        const char *id = abort ? m->abort->request_id : m->transfer_consumed->request_id;
-        for (pjob *j = x->pf->pjobs; j; j = j->next) {
-            if (strcmp(j->id, id) != 0 || j->peer->epoch != m->from->epoch ||
-                strcmp(j->peer->instance, m->from->instance_id) != 0)
-                continue;
-            if (abort) {
-                j->cancelled = true;
-                if (!j->ended && j->st) td_gen_stream_cancel(j->st);
-            } else {
-                j->consumed = true;
-            }
-        }
+        pjob *j = pjob_find(x, m->transfer_consumed->request_id, m);
+        if (j) j->consumed = true;
         break;
     }
     case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_LEASE_RENEWAL: {
+        /* the earlier of the span and D's point in time: a renewal arriving
+         * late never lets us write past what D granted */
         const Tandem__Internal__V1__LeaseRenewal *lr = m->lease_renewal;
-        double until = td_time_s() + lr->lease_ms / 1000.0;
-        for (size_t i = 0; i < lr->n_request_ids; i++)
-            for (pjob *j = x->pf->pjobs; j; j = j->next)
-                if (strcmp(j->id, lr->request_ids[i]) == 0 && j->peer->epoch == m->from->epoch &&
-                    strcmp(j->peer->instance, m->from->instance_id) == 0)
-                    j->lease_until = until;
+        double now = td_time_s(), lease_s = left_s(lr->lease_ms, lr->until_unix_ns);
+        for (size_t i = 0; i < lr->n_request_ids; i++) {
+            pjob *j = pjob_find(x, lr->request_ids[i], m);
+            if (!j || j->replied || !td_pj_renew(&j->pj, now, lease_s)) continue;
+            /* the ranks' bound on its puts moves with it */
+            td_xdir_buf b = {0};
+            td_xdir_extend(&b, j->slot, (uint64_t)(j->pj.put_until * 1e9));
+            td_xext_post(x->xext, &b);
+            td_xdir_free(&b);
+        }
         break;
     }
     default:
@@ -489,12 +577,24 @@ static bool p_service(td_xfer *x, bool *answer_waits) {
     }
     for (pjob *j = x->pf->pjobs; j; j = j->next) {
         bool peer_gone = atomic_load(&j->peer->failed) || j->peer->closed || j->peer->superseded;
-        if (!j->ended && !j->cancelled &&
-            (peer_gone || now > j->deadline || now > j->lease_until)) {
+        const char *expired = j->replied ? NULL : td_pj_expired(&j->pj, now);
+        if (!j->ended && !j->cancelled && (peer_gone || expired)) {
             j->cancelled = true; /* the scheduler ends it: p_ended */
+            j->why = peer_gone ? "decode instance gone" : expired;
             td_gen_stream_cancel(j->st);
         }
-        if (j->ended && !j->replied && !j->cancelled && now <= j->deadline &&
+        if (!j->replied && j->progress > 0 && !j->cancelled && !peer_gone) {
+            /* a chunk is starting: D waits on (its lease covers the rest) */
+            td_xfer_cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
+            Tandem__Internal__V1__JobProgress jp = TANDEM__INTERNAL__V1__JOB_PROGRESS__INIT;
+            jp.request_id = j->id;
+            jp.tokens = (uint32_t)j->progress;
+            m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_JOB_PROGRESS;
+            m.job_progress = &jp;
+            td_xfer_send(x, j->peer->ep, &m);
+            j->progress = 0;
+        }
+        if (j->ended && !j->replied && !j->cancelled && now <= j->pj.put_until &&
             td_xext_busy(x->xext, j->slot)) {
             need_sync = true; /* a rank is still flushing it: ask again */
             *answer_waits = true;
@@ -502,8 +602,13 @@ static bool p_service(td_xfer *x, bool *answer_waits) {
         }
         if (j->ended && !j->replied) {
             j->replied = true;
-            j->ok = j->have_first && !j->cancelled && !peer_gone && now <= j->deadline &&
-                    !td_xext_failed(x->xext, j->slot);
+            bool computed =
+                j->have_first && !j->cancelled && !peer_gone && !td_xext_failed(x->xext, j->slot);
+            j->ok = td_pj_answer_of(&j->pj, computed, now) == TD_PJ_DONE;
+            if (!j->ok && !j->why)
+                j->why = !j->have_first          ? "prefill failed"
+                         : now > j->pj.put_until ? "its lease ran out"
+                                                 : "transfer error";
             /* Every rank has flushed the job: PrefillDone may go. */
             if (j->ok && !(j->ok = send_done(x, j)))
                 TD_LOG_WARN("prefill %s: PrefillDone could not be sent", j->id);
@@ -512,7 +617,7 @@ static bool p_service(td_xfer *x, bool *answer_waits) {
                                  (uint64_t)x->row_bytes;
                 td_metrics_kv_transfer(x->p.metrics, bytes, now - j->t_recv);
                 atomic_fetch_add(&x->bytes_put, bytes);
-                j->lease_until = now + x->p.lease_ms / 1000.0;
+                j->hold_until = now + x->p.lease_ms / 1000.0;
             }
             td_xdir_buf b = {0};
             td_xdir_drop(&b, j->slot);
@@ -541,31 +646,34 @@ static void p_after_sync(td_xfer *x) {
         }
         if (j->replied && !j->dropped) {
             j->dropped = true;
-            if (!j->ok) {
+            if (j->pj.aborted) {
+                /* D's Abort: flushed, stopped (or answered already) */
+                TD_LOG_INFO("prefill %s for %s aborted", j->id, j->peer->instance);
+                send_aborted(x, j->peer, j->id, j->ok ? "already answered" : "aborted");
+                if (!j->ok) td_metrics_kv_transfer_failure(x->p.metrics, TD_XFER_FAIL_ABORTED);
+                j->consumed = true;
+            } else if (!j->ok) {
                 td_xfer_cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
                 Tandem__Internal__V1__TransferFailed tf =
                     TANDEM__INTERNAL__V1__TRANSFER_FAILED__INIT;
                 tf.request_id = j->id;
-                tf.message = j->cancelled        ? "aborted"
-                             : now > j->deadline ? "deadline"
-                             : !j->have_first    ? "prefill failed"
-                                                 : "transfer error";
+                tf.message = (char *)(j->why ? j->why : "transfer error");
                 m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_TRANSFER_FAILED;
                 m.transfer_failed = &tf;
                 TD_LOG_INFO("prefill %s for %s failed: %s", j->id, j->peer->instance, tf.message);
                 if (!atomic_load(&j->peer->failed) && !j->peer->closed)
                     td_xfer_send(x, j->peer->ep, &m);
-                td_metrics_kv_transfer_failure(x->p.metrics, j->cancelled ? TD_XFER_FAIL_ABORTED
-                                                             : now > j->deadline
-                                                                 ? TD_XFER_FAIL_DEADLINE
-                                                                 : TD_XFER_FAIL_FAILED);
+                bool late = j->why && (!strcmp(j->why, "its lease ran out") ||
+                                       !strcmp(j->why, "not started before its deadline"));
+                td_metrics_kv_transfer_failure(x->p.metrics,
+                                               late ? TD_XFER_FAIL_DEADLINE : TD_XFER_FAIL_FAILED);
                 j->consumed = true; /* nothing for D to consume */
             }
             td_sched_release(x->p.sched, j->ticket);
             x->pf->job_slot_used[j->slot] = false;
             j->slot = -1;
         }
-        if (j->dropped && (j->consumed || now > j->lease_until)) {
+        if (j->dropped && (j->consumed || now > j->hold_until)) {
             *pp = j->next;
             pjob_free(x, j);
             continue;
@@ -581,7 +689,9 @@ static void p_on_inbox(td_xfer *x, const td_xfer_inbox_msg *im) { p_on_msg(x, im
 static td_status p_init(td_xfer *x, const td_xfer_params *p) {
     TD_UNUSED(p);
     x->pf = calloc(1, sizeof *x->pf);
-    return x->pf ? TD_OK : TD_ERR_NOMEM;
+    if (!x->pf) return TD_ERR_NOMEM;
+    x->pf->seen = td_xfer_seen_create(1 << 16);
+    return x->pf->seen ? TD_OK : TD_ERR_NOMEM;
 }
 
 static void p_ep_failed(void *user) { atomic_store(&((dpeer *)user)->failed, true); }
@@ -612,6 +722,7 @@ static void p_free(td_xfer *x) {
         free(d);
         d = next;
     }
+    td_xfer_seen_destroy(x->pf->seen);
     free(x->pf);
     x->pf = NULL;
 }

@@ -746,6 +746,8 @@ static bool step_run(td_sched *s) {
         const seq *q = SEQ(s->core.batch[i]);
         s->slots[i] = q->ex.ended ? q->ex.slot : -1;
         any_slot |= s->slots[i] >= 0;
+        if (q->ex.progress)
+            q->ex.progress(q->ex.ctx, q->ticket, s->chunks[i].pos0 + s->chunks[i].n_tokens);
     }
     td_status st =
         td_exec_forward_tagged(s->exec, s->chunks, n, any_slot ? s->slots : NULL, s->logits);

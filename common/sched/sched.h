@@ -91,6 +91,10 @@ typedef struct {
      * puts from them may still be in flight. */
     void (*ended)(void *ctx, td_sched_ticket t, const td_sample_result *first,
                   const uint8_t *sampler_state);
+    /* A chunk of the prompt is about to be computed, through position
+     * `through` (exclusive): the first call says the job started. NULL:
+     * not told. */
+    void (*progress)(void *ctx, td_sched_ticket t, int32_t through);
 } td_kv_export;
 
 /* Decode side: the prompt's KV comes from a prefill instance. */

@@ -274,6 +274,16 @@ static bool body_ok(const td_xfer_msg *m, const td_xfer_limits *lim, errbuf *e) 
     }
     case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_EXCHANGE:
         return exchange_ok(m->exchange, lim, e);
+    case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_JOB_PROGRESS:
+        if (!id_ok(m->job_progress->request_id)) return fail(e, "job progress: bad request id");
+        if (m->job_progress->tokens < 1 || m->job_progress->tokens > (uint32_t)lim->max_ctx)
+            return fail(e, "job progress %s: %u tokens (1 .. %d)", m->job_progress->request_id,
+                        m->job_progress->tokens, lim->max_ctx);
+        return true;
+    case TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_JOB_ABORTED:
+        if (!id_ok(m->job_aborted->request_id) || !text_ok(m->job_aborted->message))
+            return fail(e, "job aborted: bad request id or message");
+        return true;
     default: return fail(e, "control message without a body");
     }
 }
@@ -316,12 +326,11 @@ void td_xfer_msg_free(td_xfer_msg *msg) {
     if (msg) tandem__internal__v1__control_message__free_unpacked(msg, NULL);
 }
 
-bool td_xfer_would_miss(int64_t queued_tokens, double tokens_per_s, int64_t own_tokens,
-                        double deadline_s, double *start_s) {
+bool td_xfer_would_miss(int64_t queued_tokens, double tokens_per_s, double deadline_s,
+                        double *start_s) {
     if (!(tokens_per_s > 0) || !isfinite(tokens_per_s)) return false;
     double start = (double)TD_MAX(queued_tokens, 0) / tokens_per_s;
-    double end = start + (double)TD_MAX(own_tokens, 0) / tokens_per_s;
-    if (end <= deadline_s) return false;
+    if (start <= deadline_s) return false;
     if (start_s) *start_s = start;
     return true;
 }

@@ -75,11 +75,11 @@ td_status td_xfer_check_dest(const Tandem__Internal__V1__PrefillRequest *req,
                              const Tandem__Internal__V1__Exchange *ex, char *err, size_t err_len);
 
 /* P's admission of a prefill job (REJECT_WOULD_MISS_DEADLINE): with
- * queued_tokens prompt tokens ahead of it at tokens_per_s, the job of
- * own_tokens starts after queued / rate and ends own / rate later; true
- * when that end is past deadline_s (both from now), with *start_s set.
+ * queued_tokens prompt tokens ahead of it at tokens_per_s, the job starts
+ * after queued / rate; true when that start is past deadline_s (the
+ * request's deadline bounds its start, both from now), with *start_s set.
  * No speed measured yet (tokens_per_s <= 0, or not finite): false. */
-bool td_xfer_would_miss(int64_t queued_tokens, double tokens_per_s, int64_t own_tokens,
-                        double deadline_s, double *start_s);
+bool td_xfer_would_miss(int64_t queued_tokens, double tokens_per_s, double deadline_s,
+                        double *start_s);
 
 #endif

@@ -14,20 +14,32 @@
  * region); after the first token it flushes, then sends PrefillDone (first
  * token, logprobs, sampler state). D then decodes.
  *
- * Every wait is bounded: D's deadline (and P's, slightly shorter) and the
- * leases D renews while it waits; every failure is explicit
- * (PrefillRejected: nothing was written, the blocks are reused at once;
- * among its reasons WOULD_MISS_DEADLINE: P's queue, at the prefill speed
- * its steps measured, would not let it finish the job in time, so it says
- * so on arrival with when it could start, and D prefills locally at once;
- * TransferFailed: P flushed and stopped writing; Abort from D when the
- * client goes). When D gives up without P's word (deadline, endpoint
- * error), it fences that P epoch: the destination blocks stay quarantined
- * until D has force-closed its endpoint to P, destroyed the link workers
- * P puts into (below) and P's deadline has passed, and only then are they
- * freed; the request falls back to a local prefill in fresh blocks. P never frees source blocks
- * while its puts are in flight: it waits for the flush, and on its own deadline force-closes the
- * endpoint so that they complete.
+ * Every wait is bounded and every failure explicit; the per-job states of
+ * both ends are jobstate.h's. The request's deadline bounds when P must
+ * *start* the job (or refuse it: PrefillRejected, nothing written, the
+ * blocks reused at once; among its reasons WOULD_MISS_DEADLINE: P's queue,
+ * at the prefill speed its steps measured, would not let it start in time,
+ * so it says so on arrival with when it could start, and D prefills
+ * locally at once). Once started, P sends JobProgress as each chunk starts
+ * and D waits on while it hears from P at least once a lease: a long
+ * prompt on a busy but live P is never given up on for being long. P puts
+ * nothing past its lease, which D renews (LeaseRenewal, with its end as a
+ * point in time) only while it still wants the job; P fails a job it
+ * could not start in time or whose lease ran out (TransferFailed: flushed
+ * and stopped, the blocks reused). When D gives up on one job (no start
+ * by the deadline, a lease of silence) or the client goes, it sends Abort
+ * and stops renewing; P stops the job, flushes and answers JobAborted
+ * (also for a job it never had, whose id it then refuses), and D frees
+ * the blocks on it; the request prefills locally at once in fresh blocks.
+ * Only silence fences: no word from P within a grace after its last lease
+ * ended, an endpoint error, or a new epoch of P's. Fencing quarantines
+ * the destination blocks until D has force-closed its endpoint to P,
+ * destroyed the link workers P puts into (below) and P's last lease (plus
+ * a second) has passed, and only then frees them. P takes a request id at
+ * most once (it remembers every id until its deadline), so a duplicated
+ * or late copy never writes into blocks D has reused. P never frees source
+ * blocks while its puts are in flight: it waits for the flush, and at the
+ * end of its lease force-closes the endpoint so that they complete.
  *
  * Parallel plans: every rank of both instances has its own UCP worker and
  * its KV pool in UCX memory; the exchange lists every rank's endpoint.
@@ -46,8 +58,8 @@
  * arrive, instead of being applied by D's worker into blocks that now
  * belong to another sequence (closing D's own endpoint does not close the
  * connection P opened). A relink opens new ones. Over shared memory P
- * writes D's segment itself; there P's deadline, checked before every put,
- * bounds it, and D's quarantine outlasts that deadline by a second.
+ * writes D's segment itself; there P's lease, checked before every put,
+ * bounds it, and D's quarantine outlasts that lease by a second.
  *
  * Threads: UCX callbacks only record what happened and wake this module's
  * service thread, which does the follow-up (messages, fencing, releases,
@@ -80,8 +92,11 @@ typedef struct {
     td_metrics *metrics;       /* borrowed; may be NULL */
     td_kv_hash compat;         /* the instance's compatibility hash */
     int32_t max_ctx;           /* longest sequence */
-    int deadline_ms;           /* D: per remote prefill (default 30000) */
-    int lease_ms;              /* lease D asks for and renews every lease/3 (default 3000) */
+    int deadline_ms;           /* D: by when P must start a remote prefill (default 30000) */
+    int lease_ms;              /* lease D asks for and renews every lease/3; a started job with
+                                * no word from P for this long is given up, and P's word on an
+                                * aborted one is awaited this long after P's last lease
+                                * (default 3000) */
     /* decode */
     /* NAME:PORT of P's HTTP endpoints (copied): each name is resolved every
      * dns_interval_ms and every address it has is a P instance (a headless

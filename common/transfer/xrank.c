@@ -312,6 +312,13 @@ void td_xdir_job(td_xdir_buf *b, int32_t slot, int32_t peer, int32_t n_prompt, i
     dir_put(b, dest, (size_t)n_dest);
 }
 
+void td_xdir_extend(td_xdir_buf *b, int32_t slot, uint64_t deadline_ns) {
+    dir_head(b, TD_XDIR_EXTEND, 3);
+    int32_t h[3] = {slot, (int32_t)(uint32_t)(deadline_ns & 0xffffffffu),
+                    (int32_t)(uint32_t)(deadline_ns >> 32)};
+    dir_put(b, h, 3);
+}
+
 void td_xdir_drop(td_xdir_buf *b, int32_t slot) {
     dir_head(b, TD_XDIR_DROP, 1);
     dir_put(b, &slot, 1);
@@ -447,6 +454,14 @@ td_status td_xrank_apply(td_xrank *xr, const int32_t *w, size_t n) {
             if (!pe->used || pe->failed) j->failed = true;
             for (int32_t b = 0; b < j->n_dest && !j->failed; b++)
                 if (j->dest[b] < 0 || j->dest[b] >= pe->d_blocks) j->failed = true;
+            break;
+        }
+        case TD_XDIR_EXTEND: {
+            if (words != 3 || a[0] < 0 || a[0] >= TD_XRANK_MAX_JOBS) goto bad;
+            xjob *j = &xr->jobs[a[0]];
+            uint64_t ns = (uint64_t)(uint32_t)a[1] | ((uint64_t)(uint32_t)a[2] << 32);
+            /* a dropped job keeps the deadline its flush runs against */
+            if (j->used && !j->dropping && ns > j->deadline_ns) j->deadline_ns = ns;
             break;
         }
         case TD_XDIR_DROP:

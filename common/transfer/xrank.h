@@ -11,8 +11,10 @@
  *   PEER  slot, a decode instance's Exchange (packed protobuf, validated by
  *         the driver): its plan, geometry and every rank's endpoint;
  *   JOB   slot, peer slot, prompt length, tokens the decode side already
- *         holds, deadline, the destination block ids (the same on every
- *         decode rank);
+ *         holds, deadline (the end of the job's lease: no put after it),
+ *         the destination block ids (the same on every decode rank);
+ *   EXTEND slot, deadline: the decode side renewed the lease (never
+ *         earlier than before);
  *   DROP  slot: the job is over; its puts are flushed (or, past the
  *         deadline, its endpoints force-closed); once no rank reports it
  *         busy the driver may free the source blocks;
@@ -48,7 +50,13 @@
 #define TD_XRANK_BLOB_MAX  8192
 #define TD_XRANK_MAX_ENDED 16 /* last-layer stamps reported per step */
 
-enum { TD_XDIR_PEER = 1, TD_XDIR_JOB = 2, TD_XDIR_DROP = 3, TD_XDIR_UNPEER = 4 };
+enum {
+    TD_XDIR_PEER = 1,
+    TD_XDIR_JOB = 2,
+    TD_XDIR_DROP = 3,
+    TD_XDIR_UNPEER = 4,
+    TD_XDIR_EXTEND = 5
+};
 
 typedef struct {
     td_xfer_plan plan;                    /* this instance's plan */
@@ -124,6 +132,7 @@ typedef struct {
 void td_xdir_peer(td_xdir_buf *b, int32_t slot, const uint8_t *exchange, size_t len);
 void td_xdir_job(td_xdir_buf *b, int32_t slot, int32_t peer, int32_t n_prompt, int32_t d_cached,
                  uint64_t deadline_ns, const int32_t *dest, int32_t n_dest);
+void td_xdir_extend(td_xdir_buf *b, int32_t slot, uint64_t deadline_ns);
 void td_xdir_drop(td_xdir_buf *b, int32_t slot);
 void td_xdir_unpeer(td_xdir_buf *b, int32_t slot);
 void td_xdir_free(td_xdir_buf *b);

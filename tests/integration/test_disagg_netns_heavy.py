@@ -44,17 +44,20 @@ Then, in both:
 
 What the logs show (2 shared cores, heavily loaded: the long prompt took
 ~6 s in the reference, so the base deadline was ~18 s):
-  - silent: P notices first: D's lease renewals stop reaching it, so its
-    lease (1.5 s) ends the job ("failed: aborted") unless its compute ended
-    first ("failed: deadline"); its puts stay stuck until its own deadline,
-    when it force-closes its endpoint to D ("puts still in flight past the
-    deadline"). D notices at its deadline ("missed the deadline: fencing
-    it"), the forced close completes at once, and the client has the
-    fallback's answer about deadline + one local prefill after the request.
-    After the link comes back D relinks within ~1 s and everything works.
+  - silent: D's lease renewals stop reaching P, so its lease (1.5 s) ends
+    the job ("failed: its lease ran out"); its puts stay stuck until then,
+    when it force-closes its endpoint to D ("puts still in flight at its
+    deadline"). D hears no progress for a lease and gives the job up ("no
+    word from prefill instance ... aborting it there, prefilling here"): the
+    client has the fallback's answer about a lease + one local prefill
+    after the cut. The Abort does not reach P, no acknowledgement comes
+    back, and a lease after P's last one D fences P ("did not answer its
+    abort within the grace: fencing it"). After the link comes back D
+    relinks within ~1 s and everything works.
   - unreachable: D's probe (every 2 s) fences P 1-2 s after the cut ("is
-    gone ... Couldn't connect to server", counted as a peer_error failure);
-    the answer comes one local prefill later (~6 s).
+    gone ... Couldn't connect to server", counted as a peer_error failure),
+    or D gives the silent job up first (a lease without progress); the
+    answer comes one local prefill later.
   - after the relink (both variants): P takes D's new exchange id as a new
     peer (the review fixes); the first request is answered within its
     deadline, remotely or, when the TCP connection left from before the cut
@@ -307,9 +310,8 @@ def test_link_cut_mid_transfer(cut, net, ref, tandem_bin, default_model, tmp_pat
     want, deadline_ms = ref
     unreachable = cut == "unreachable"
     if unreachable:
-        # D's probe fences P long before this; the longer deadline keeps P's
-        # job (and its stuck puts) alive until after the link is back and
-        # the canary has been read again
+        # D's probe fences P long before this (P's job, and its stuck puts,
+        # end with its lease, 1.5 s after D's renewals stop reaching it)
         deadline_ms += 6000
     bin_dir = tandem_bin.parent
     env = {"UCX_TLS": "tcp"}
@@ -374,7 +376,7 @@ def test_link_cut_mid_transfer(cut, net, ref, tandem_bin, default_model, tmp_pat
     # routed to P twice, one transfer completed (the warm-up's)
     assert metric(m, "tandem:remote_prefill_total") == 2
     assert metric(m, "tandem:kv_transfer_seconds_count") == 1
-    fenced_by = "deadline" if log_lines(d, r"missed the deadline") else \
+    fenced_by = "silence" if log_lines(d, r"did not answer its abort within the grace") else \
         "probe" if log_lines(d, r"is gone .*: fencing it") else \
         "endpoint error" if log_lines(d, r"endpoint error: fencing it") else "?"
     if unreachable:

@@ -1,8 +1,19 @@
-"""A prefill instance that knows its queue (default model, 1P+1D, one
-thread each): a job its queue cannot start and finish before the deadline
-is rejected on arrival (PrefillRejected, reason would-miss-deadline, with
-when it could start), and the decode instance prefills it locally at once
-instead of waiting out the deadline and fencing a live P.
+"""Overload between one prefill and one decode instance (default model, one
+thread each), without fencing a live P.
+
+test_busy_prefill_is_never_fenced: the scenario of issue 19 (D's deadline
+3 s, twelve distinct ~400-token prompts at concurrency 4 sent to D). P is
+alive and busy; before, D fenced it again and again ("missed the deadline")
+and threw away the answers P computed anyway. Now the deadline bounds the
+start, P's progress keeps a started job alive, a job P cannot start in time
+is refused or failed by P itself, and D gives up on one job with an Abort
+that P acknowledges: zero fences, zero answers thrown away, every answer
+equal to a colocated instance's, the remote share printed.
+
+test_would_miss_is_rejected_at_once: a job its queue cannot start before
+the deadline is rejected on arrival (PrefillRejected, reason
+would-miss-deadline, with when it could start), and the decode instance
+prefills it locally at once.
 
 The deadline is set from this machine's own speed: a reference instance's
 TTFT of one ~400-token prompt (t1) gives D a deadline of 3 x t1 (at least
@@ -20,6 +31,48 @@ from serve_util import Pair, Server, metric
 
 def prompt(rng, n):
     return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def test_busy_prefill_is_never_fenced(tandem_bin, default_model, tmp_path):
+    rng = random.Random(1)
+    bodies = [{"prompt": prompt(rng, rng.randrange(380, 420)), "max_tokens": 16,
+               "temperature": 0} for _ in range(12)]
+    ref = Server.start(tandem_bin, default_model, ["--threads", "1"], tmp_path / "ref",
+                       ready_timeout=120)
+    try:
+        want = []
+        for b in bodies:
+            st, out = ref.post_json("/v1/completions", b, timeout=300)
+            assert st == 200, out
+            want.append(out["choices"][0]["text"])
+    finally:
+        ref.close()
+    pr = Pair(tandem_bin, tmp_path, default_model, ready_timeout=120,
+              d_args=["--transfer-deadline-ms", 3000, "--local-prefill-threshold", 0])
+    try:
+        with cf.ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(lambda b: pr.d.post_json("/v1/completions", b, timeout=300),
+                              bodies))
+        for i, ((st, out), w) in enumerate(zip(got, want)):
+            assert st == 200, (i, out)
+            assert out["choices"][0]["text"] == w, i
+        pr.d.wait_idle(timeout=60)
+        pr.p.wait_idle(timeout=60)
+        d_log, p_log = pr.d.log_tail(400000), pr.p.log_tail(400000)
+        fences = re.findall(r"fencing it|prefill instance \S+ fenced", d_log)
+        thrown = re.findall(r"ignored \(not in flight\)|answered after it was given up", d_log)
+        assert not fences and not thrown, d_log[-6000:]
+        m = pr.d.metrics()
+        sent = metric(m, "tandem:remote_prefill_total")  # sent to P
+        fallback = metric(m, "tandem:local_prefill_total", reason="fallback")
+        assert sent + metric(m, "tandem:local_prefill_total") - fallback == len(bodies)
+        print(f"\nremote share: {sent - fallback:.0f} of {len(bodies)} prefills done on P; "
+              f"{fallback:.0f} sent there prefilled here instead (P refused "
+              f"{p_log.count('would miss its deadline')} on arrival and failed "
+              f"{p_log.count('not started before its deadline')} it could not start in time; "
+              f"D gave up on {len(re.findall(r'aborting it there', d_log))})")
+    finally:
+        pr.close()
 
 
 def test_would_miss_is_rejected_at_once(tandem_bin, default_model, tmp_path):

@@ -380,6 +380,31 @@ static void test_replies(void **state) {
     check(&r.m, NULL);
     a.request_id = "";
     check(&r.m, "abort: bad request id");
+
+    Tandem__Internal__V1__JobProgress jp;
+    tandem__internal__v1__job_progress__init(&jp);
+    jp.request_id = "cmpl-1";
+    jp.tokens = 256; /* the whole context */
+    r.m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_JOB_PROGRESS;
+    r.m.job_progress = &jp;
+    check(&r.m, NULL);
+    jp.tokens = 257;
+    check(&r.m, "257 tokens (1 .. 256)");
+    jp.tokens = 0;
+    check(&r.m, "0 tokens");
+    jp.tokens = 1;
+    jp.request_id = "a\x01";
+    check(&r.m, "job progress: bad request id");
+
+    Tandem__Internal__V1__JobAborted ja;
+    tandem__internal__v1__job_aborted__init(&ja);
+    ja.request_id = "cmpl-1";
+    ja.message = "aborted";
+    r.m.body_case = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__BODY_JOB_ABORTED;
+    r.m.job_aborted = &ja;
+    check(&r.m, NULL);
+    ja.message = "\xff";
+    check(&r.m, "job aborted: bad request id or message");
 }
 
 static void test_raw_bytes(void **state) {
@@ -436,25 +461,24 @@ static void test_rank_kv_bytes(void **state) {
 }
 
 /* P's admission estimate, worked by hand: 2,000 queued prompt tokens at
- * 1,000 tokens/s start a 500-token job at 2.0 s, ending it at 2.5 s. */
+ * 1,000 tokens/s start the job at 2.0 s; the deadline bounds the start. */
 static void test_would_miss(void **state) {
     (void)state;
     double start = -1;
-    assert_false(td_xfer_would_miss(2000, 1000.0, 500, 3.0, &start));
-    assert_true(start == -1);                                         /* untouched when it fits */
-    assert_false(td_xfer_would_miss(2000, 1000.0, 500, 2.5, &start)); /* ends at the deadline */
-    assert_true(td_xfer_would_miss(2000, 1000.0, 500, 2.4, &start));
+    assert_false(td_xfer_would_miss(2000, 1000.0, 3.0, &start));
+    assert_true(start == -1);                                    /* untouched when it fits */
+    assert_false(td_xfer_would_miss(2000, 1000.0, 2.0, &start)); /* starts at the deadline */
+    assert_true(td_xfer_would_miss(2000, 1000.0, 1.9, &start));
     assert_true(fabs(start - 2.0) < 1e-12);
-    /* an empty queue and a job longer than the deadline: it starts now */
-    assert_true(td_xfer_would_miss(0, 1000.0, 3000, 2.9, &start));
-    assert_true(start == 0.0);
+    /* an empty queue starts now, however long the job */
+    assert_false(td_xfer_would_miss(0, 1000.0, 0.001, &start));
     /* no speed measured yet, or none that means anything: taken */
-    assert_false(td_xfer_would_miss(1 << 30, 0.0, 500, 0.001, &start));
-    assert_false(td_xfer_would_miss(1 << 30, -5.0, 500, 0.001, &start));
-    assert_false(td_xfer_would_miss(1 << 30, NAN, 500, 0.001, &start));
-    assert_false(td_xfer_would_miss(1 << 30, INFINITY, 500, 0.001, &start));
+    assert_false(td_xfer_would_miss(1 << 30, 0.0, 0.001, &start));
+    assert_false(td_xfer_would_miss(1 << 30, -5.0, 0.001, &start));
+    assert_false(td_xfer_would_miss(1 << 30, NAN, 0.001, &start));
+    assert_false(td_xfer_would_miss(1 << 30, INFINITY, 0.001, &start));
     /* negative counts are none */
-    assert_false(td_xfer_would_miss(-100, 1000.0, -5, 0.001, NULL));
+    assert_false(td_xfer_would_miss(-100, 1000.0, 0.001, NULL));
 }
 
 int main(void) {
