@@ -42,6 +42,8 @@ typedef struct ppeer {
                              * drops whatever it still had from before */
     double next_link;
     double next_probe; /* when the linked P's exchange is read again */
+    double busy_until; /* P said it could not start a job in time before then (its
+                        * rejections: would miss the deadline, busy): new jobs go elsewhere */
     double avg_ms;     /* moving average of request sent -> PrefillDone */
     double tail_ms;    /* moving average of the exposed transfer tail (P's last layer ->
                         * PrefillDone here): what the pair adds beyond P's compute */
@@ -72,8 +74,10 @@ typedef struct djob {
     int32_t n_stop_ids;
     td_sched_ticket ticket;
     ppeer *peer;
-    bool sent; /* in the table: fsm is its state there */
-    td_dj fsm; /* jobstate.h: waiting, running, aborting, fencing, ended */
+    int32_t *blocks; /* its destination blocks (a copy: a rejected job is offered to another P) */
+    uint64_t tried;  /* bit k: P slot k was offered the job */
+    bool sent;       /* in the table: fsm is its state there */
+    td_dj fsm;       /* jobstate.h: waiting, running, aborting, fencing, ended */
     int32_t n_blocks, n_cached;
     double t_sent;
     uint64_t deadline_unix_ns; /* P's start deadline as sent (for the Abort) */
@@ -117,6 +121,7 @@ static void djob_unref(djob *j) {
     free(j->tokens);
     free(j->bias);
     free(j->stop_ids);
+    free(j->blocks);
     free(j);
 }
 
@@ -214,6 +219,44 @@ static bool peer_resolved(td_xfer *x, const ppeer *c) {
     return false;
 }
 
+/* Whether P instance c can take a job now. Caller holds x->mu. */
+static bool peer_usable(ppeer *c) {
+    return c->ready && c->ep && !c->fence && !c->closing && !atomic_load(&c->err);
+}
+
+/* The P instance for job j: the router's choice, else D's own
+ * round-robin over the linked P, leaving out one that has left every
+ * --prefill name (a pod draining away) unless the router still names it,
+ * and never one already offered the job or one that said it is saturated
+ * (*saturated: a usable P was left out for that). Caller holds x->mu. */
+static ppeer *choose_peer(td_xfer *x, djob *j, double now, bool *saturated) {
+    *saturated = false;
+    for (int k = 0; k < x->dc->n_ppeers && j->want_peer[0]; k++) {
+        ppeer *c = &x->dc->ppeers[k];
+        if (strcmp(c->addr, j->want_peer) != 0) continue;
+        if (!c->ready && c->alias_of > 0) c = &x->dc->ppeers[c->alias_of - 1];
+        if (!peer_usable(c) || (j->tried >> (c - x->dc->ppeers)) & 1) continue;
+        if (now < c->busy_until)
+            *saturated = true;
+        else
+            return c;
+    }
+    for (int k = 0; k < x->dc->n_ppeers; k++) {
+        ppeer *c = &x->dc->ppeers[(x->dc->rr + (unsigned)k) % (unsigned)x->dc->n_ppeers];
+        if (x->dc->n_names > 0 && !peer_resolved(x, c) &&
+            !(c->last_named > 0 && now - c->last_named < x->p.forget_ms / 1000.0))
+            continue;
+        if (!peer_usable(c) || (j->tried >> (c - x->dc->ppeers)) & 1) continue;
+        if (now < c->busy_until) {
+            *saturated = true;
+            continue;
+        }
+        x->dc->rr++;
+        return c;
+    }
+    return NULL;
+}
+
 static bool d_start(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t n_blocks,
                     int32_t n_cached) {
     djob *j = ctx;
@@ -229,33 +272,26 @@ static bool d_start(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t
         td_metrics_prefill_route(x->p.metrics, false, TD_LOCAL_PREFILL_THRESHOLD);
         return false;
     }
-    pthread_mutex_lock(&x->mu);
-    ppeer *pp = NULL;
-    for (int k = 0; k < x->dc->n_ppeers && j->want_peer[0]; k++) {
-        ppeer *c = &x->dc->ppeers[k];
-        if (strcmp(c->addr, j->want_peer) != 0) continue;
-        if (!c->ready && c->alias_of > 0) c = &x->dc->ppeers[c->alias_of - 1];
-        if (c->ready && c->ep && !c->fence && !c->closing && !atomic_load(&c->err)) pp = c;
-    }
-    /* D's own choice: round-robin over the linked P, leaving out one that
-     * has left every --prefill name (a pod draining away) unless the
-     * router still names it */
-    double now = td_time_s();
-    for (int k = 0; k < x->dc->n_ppeers && !pp; k++) {
-        ppeer *c = &x->dc->ppeers[(x->dc->rr + (unsigned)k) % (unsigned)x->dc->n_ppeers];
-        if (x->dc->n_names > 0 && !peer_resolved(x, c) &&
-            !(c->last_named > 0 && now - c->last_named < x->p.forget_ms / 1000.0))
-            continue;
-        if (c->ready && c->ep && !c->fence && !c->closing && !atomic_load(&c->err)) pp = c;
-    }
-    if (!pp) {
-        pthread_mutex_unlock(&x->mu);
+    int32_t *copy = malloc((size_t)n_blocks * sizeof *copy);
+    if (!copy) {
         td_metrics_prefill_route(x->p.metrics, false, TD_LOCAL_PREFILL_NO_PEER);
         return false;
     }
-    x->dc->rr++;
+    memcpy(copy, blocks, (size_t)n_blocks * sizeof *copy);
+    free(j->blocks);
+    j->blocks = copy;
+    pthread_mutex_lock(&x->mu);
+    bool saturated = false;
+    ppeer *pp = choose_peer(x, j, td_time_s(), &saturated);
+    if (!pp) {
+        pthread_mutex_unlock(&x->mu);
+        td_metrics_prefill_route(x->p.metrics, false,
+                                 saturated ? TD_LOCAL_PREFILL_SATURATED : TD_LOCAL_PREFILL_NO_PEER);
+        return false;
+    }
     /* In the table before the request leaves, so its answer finds it. */
     j->peer = pp;
+    j->tried |= 1ull << (pp - x->dc->ppeers);
     j->sent = true;
     j->n_blocks = n_blocks;
     j->n_cached = n_cached;
@@ -265,7 +301,7 @@ static bool d_start(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t
     atomic_fetch_add(&j->refs, 1);
     j->next = x->dc->djobs;
     x->dc->djobs = j;
-    td_status st = send_request(x, pp, j, blocks, n_blocks, n_cached);
+    td_status st = send_request(x, pp, j, j->blocks, n_blocks, n_cached);
     if (st != TD_OK) {
         table_remove(x, j);
         j->sent = false;
@@ -464,6 +500,48 @@ static void d_take_answer(td_xfer *x, djob *j, const Tandem__Internal__V1__Prefi
     j->peer->avg_ms = j->peer->avg_ms > 0 ? 0.8 * j->peer->avg_ms + 0.2 * ms : ms;
 }
 
+/* P refused job j (nothing written): what the refusal says of P's queue,
+ * and the job offered to another P that has not refused it and does not
+ * say it is saturated. Returns true when it went there (the table keeps
+ * it); false: the caller prefills it here. Caller holds x->mu. */
+static bool d_rejected(td_xfer *x, djob *j, const Tandem__Internal__V1__PrefillRejected *r, int a,
+                       double now) {
+    ppeer *from = j->peer;
+    switch (r->reason) {
+    case TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_UNKNOWN_EXCHANGE:
+        from->need_exchange = true;
+        break;
+    case TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_WOULD_MISS_DEADLINE: {
+        /* its queue starts a job in expected_start_ms, past the deadline D
+         * gives: saturated until that much of it has drained */
+        int margin = TD_MAX(50, x->p.deadline_ms / 10);
+        double over = (r->expected_start_ms - (double)TD_MAX(1, x->p.deadline_ms - margin)) / 1e3;
+        from->busy_until = TD_MAX(from->busy_until, now + TD_MAX(over, 0.1));
+        break;
+    }
+    case TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_BUSY:
+        from->busy_until = TD_MAX(from->busy_until, now + r->retry_after_ms / 1e3);
+        break;
+    default: break;
+    }
+    if (!(a & TD_DJ_LOCAL)) return false;
+    bool saturated;
+    ppeer *to = choose_peer(x, j, now, &saturated);
+    if (!to) return false;
+    /* the same job (id, blocks) to another P: a new deadline from now */
+    td_status st = send_request(x, to, j, j->blocks, j->n_blocks, j->n_cached);
+    if (st != TD_OK) return false;
+    to->need_exchange = false;
+    TD_LOG_INFO("request %s: offered to prefill instance %s instead", j->id, to->addr);
+    td_metrics_kv_transfer_failure(x->p.metrics, TD_XFER_FAIL_REJECTED);
+    j->peer = to;
+    j->tried |= 1ull << (to - x->dc->ppeers);
+    j->t_sent = now;
+    td_dj_timing tm = d_timing(x);
+    td_dj_sent(&j->fsm, &tm, now);
+    return true;
+}
+
 static void d_on_msg(td_xfer *x, const td_xfer_inbox_msg *im) {
     td_xfer_msg *m = im->m;
     const char *id = NULL, *text = NULL, *what = NULL;
@@ -514,11 +592,12 @@ static void d_on_msg(td_xfer *x, const td_xfer_inbox_msg *im) {
         return;
     }
     int a = td_dj_on_msg(&j->fsm, k, tokens, im->arrival_s);
-    if (k == TD_DJ_MSG_REJECTED &&
-        m->prefill_rejected->reason == TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_UNKNOWN_EXCHANGE)
-        j->peer->need_exchange = true;
     if (what)
         TD_LOG_INFO("request %s: prefill instance %s %s: %s", j->id, j->peer->addr, what, text);
+    if (k == TD_DJ_MSG_REJECTED && d_rejected(x, j, m->prefill_rejected, a, im->arrival_s)) {
+        td_xfer_msg_free(m); /* offered to another P */
+        return;
+    }
     if (was == TD_DJ_ABORTING && k == TD_DJ_MSG_DONE)
         TD_LOG_INFO("request %s: prefill instance %s answered after it was given up: blocks freed",
                     j->id, j->peer->addr);

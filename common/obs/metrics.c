@@ -98,8 +98,8 @@ static void hist_observe(td_hist *h, double v);
 
 static const char *const k_xfer_fail[TD_XFER_FAIL_COUNT] = {"deadline", "peer_error", "rejected",
                                                             "failed",   "aborted",    "invalid"};
-static const char *const k_local_prefill[TD_LOCAL_PREFILL_COUNT] = {"threshold", "no_peer",
-                                                                    "fallback", "router"};
+static const char *const k_local_prefill[TD_LOCAL_PREFILL_COUNT] = {
+    "threshold", "no_peer", "fallback", "router", "saturated"};
 
 void td_metrics_kv_transfer(td_metrics *m, uint64_t bytes, double seconds) {
     if (!m) return;

@@ -79,6 +79,7 @@ typedef enum {
     TD_LOCAL_PREFILL_NO_PEER,   /* no prefill instance reachable */
     TD_LOCAL_PREFILL_FALLBACK,  /* the remote prefill failed */
     TD_LOCAL_PREFILL_ROUTER,    /* the router asked for it */
+    TD_LOCAL_PREFILL_SATURATED, /* every reachable prefill instance said it is saturated */
     TD_LOCAL_PREFILL_COUNT
 } td_local_prefill;
 typedef struct td_metrics td_metrics;

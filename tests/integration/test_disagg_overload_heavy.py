@@ -15,6 +15,10 @@ the deadline is rejected on arrival (PrefillRejected, reason
 would-miss-deadline, with when it could start), and the decode instance
 prefills it locally at once.
 
+test_refused_job_goes_to_another_prefill: with two prefill instances, a
+job one refuses goes to the other, and one that said it is saturated gets
+no new jobs for a while.
+
 The deadline is set from this machine's own speed: a reference instance's
 TTFT of one ~400-token prompt (t1) gives D a deadline of 3 x t1 (at least
 one second), and 8 such prompts sent at once queue about 8 x t1 of work on
@@ -26,7 +30,10 @@ import random
 import re
 import time
 
-from serve_util import Pair, Server, metric
+from conftest import wait_until
+from grpc_stubs import load_stubs
+from serve_util import TOKEN, Pair, Server, metric
+from test_disagg_internal import call, internal_generate, public
 
 
 def prompt(rng, n):
@@ -125,3 +132,75 @@ def test_would_miss_is_rejected_at_once(tandem_bin, default_model, tmp_path):
         pr.p.wait_idle(timeout=60)
     finally:
         pr.close()
+
+
+def test_refused_job_goes_to_another_prefill(tandem_bin, default_model, tmp_path, source_dir):
+    """Two prefill instances; the router names the first for every one of 8
+    long prompts sent at once (internal Generate). The first refuses the
+    ones its queue cannot start in time; D offers each to the second
+    instead of prefilling it here, and, told the first is saturated, sends
+    the next ones the router names it for to the second directly (local
+    prefill reason `saturated` only when both say so). Every answer equals
+    a colocated instance's; both prefill instances and D end idle."""
+    stubs = load_stubs(source_dir, tmp_path / "stubs")
+    pb = stubs.tandem
+    rng = random.Random(23)
+    warm = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt(rng, 400)),
+                              sampling=pb.SamplingParams(temperature=0, max_tokens=2))
+    reqs = [pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt(rng, rng.randrange(380, 420))),
+                               sampling=pb.SamplingParams(temperature=0, max_tokens=6))
+            for _ in range(8)]
+    ref = Server.start(tandem_bin, default_model, ["--threads", "1", "--grpc-port", "0"],
+                       tmp_path / "ref", ready_timeout=120)
+    try:
+        public(stubs, ref, warm)
+        t0 = time.monotonic()
+        public(stubs, ref, reqs[0])
+        t1 = time.monotonic() - t0
+        want = [public(stubs, ref, r) for r in reqs]
+    finally:
+        ref.close()
+    deadline_ms = max(1000, int(3 * t1 * 1e3))
+    ps, d = [], None
+    try:
+        for i in range(2):
+            ps.append(Server.start(tandem_bin, default_model,
+                                   ["--cluster-token", TOKEN, "--threads", 1],
+                                   tmp_path / f"p{i}", cmd=[tandem_bin.parent / "tandem-prefill"],
+                                   cluster_token=TOKEN, ready_timeout=120))
+        names = [f"127.0.0.1:{p.port}" for p in ps]
+        d = Server.start(tandem_bin, default_model,
+                         ["--prefill", ",".join(names), "--cluster-token", TOKEN,
+                          "--threads", 1, "--grpc-port", "0", "--max-running", 8,
+                          "--transfer-deadline-ms", deadline_ms, "--local-prefill-threshold", 0],
+                         tmp_path / "d", cmd=[tandem_bin.parent / "tandem-decode"],
+                         cluster_token=TOKEN, ready_timeout=120)
+        wait_until(lambda: sum(p["ready"] for p in d.state()["transfer"]["peers"]) == 2,
+                   timeout=30, what="both prefill instances linked", proc=d.proc)
+        tok = TOKEN.encode()
+        for name in names:  # each measures its prefill speed
+            call(stubs, d, internal_generate(tok, warm, prefill=name), timeout=300)
+        with cf.ThreadPoolExecutor(len(reqs)) as ex:
+            got = list(ex.map(lambda r: call(stubs, d, internal_generate(tok, r, prefill=names[0]),
+                                             timeout=300), reqs))
+        assert got == want
+        d_log = d.log_tail(200000)
+        offered = re.findall(r"offered to prefill instance (\S+) instead", d_log)
+        assert offered and set(offered) == {names[1]}, d_log[-6000:]
+        m = d.metrics()
+        second = metric(ps[1].metrics(), "tandem:kv_transfer_seconds_count") - 1  # less warm-up
+        refused_2 = len(re.findall(rf"prefill instance {re.escape(names[1])} rejected it", d_log))
+        print(f"\ndeadline {deadline_ms} ms: {len(offered)} refused by the first and offered to "
+              f"the second, which prefilled {second:.0f} and refused {refused_2}; local "
+              f"{metric(m, 'tandem:local_prefill_total'):.0f} (saturated "
+              f"{metric(m, 'tandem:local_prefill_total', reason='saturated'):.0f})")
+        # each job the second did not refuse was prefilled there
+        assert second >= 1 and second + refused_2 >= len(offered)
+        d.wait_idle(timeout=60)
+        for p in ps:
+            p.wait_idle(timeout=60)
+    finally:
+        if d:
+            d.close()
+        for p in ps:
+            p.close()
