@@ -97,6 +97,12 @@ static td_status open_header(replay *rp, json_t *h) {
     sp.max_ctx = (int32_t)max_ctx;
     sp.prefix_cache = json_is_true(pc);
     sp.compat = ch;
+    /* absent in traces from before it existed: no limit */
+    json_t *share = json_object_get(h, "prefill_share");
+    if (share &&
+        (!json_is_number(share) || json_number_value(share) <= 0 || json_number_value(share) > 1))
+        return fail(rp, TD_ERR_FORMAT, "step-trace header: prefill_share must be in (0, 1]");
+    sp.prefill_share = share ? json_number_value(share) : 1;
     td_sched_core_hooks hooks = {.ctx = rp, .admitted = on_admitted, .preempted = on_preempted};
     rp->cap_dec = (int32_t)max_running;
     rp->adm = calloc((size_t)rp->cap_dec, sizeof *rp->adm);

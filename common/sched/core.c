@@ -271,8 +271,13 @@ static void publish_blocks(td_sched_core *c, td_sched_seq *q) {
 }
 
 int32_t td_sched_core_build_batch(td_sched_core *c) {
-    int32_t budget = c->p.max_batch_tokens, n = 0;
+    int32_t budget = c->p.max_batch_tokens, n = 0, n_decode = 0;
+    /* the prompt tokens a step that decodes may take (prefill_share) */
+    int32_t share = c->p.prefill_share > 0 && c->p.prefill_share < 1
+                        ? TD_MAX(1, (int32_t)(c->p.prefill_share * c->p.max_batch_tokens))
+                        : c->p.max_batch_tokens;
     for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1 && n_decode > 0) budget = TD_MIN(budget, share);
         for (int32_t i = 0; i < c->n_running && budget > 0;) {
             td_sched_seq *q = c->running[i];
             int32_t left = q->n_tokens - q->n_computed;
@@ -286,6 +291,7 @@ int32_t td_sched_core_build_batch(td_sched_core *c) {
                 /* q was preempted; the list shifted. Restart the pass so
                  * sequences already chosen keep their blocks. */
                 budget = c->p.max_batch_tokens;
+                n_decode = 0;
                 for (int32_t k = 0; k < c->n_running; k++) c->running[k]->chunk = 0;
                 pass = -1;
                 break;
@@ -294,6 +300,7 @@ int32_t td_sched_core_build_batch(td_sched_core *c) {
              * earlier one, so index i still names q. */
             q->chunk = take;
             budget -= take;
+            n_decode += decode;
             i++;
         }
     }

@@ -166,10 +166,10 @@ static void tr_header(td_sched *s) {
             "{\"tandem_step_trace\":1,\"max_running\":%d,\"max_batch_tokens\":%d,"
             "\"max_waiting\":%d,\"reserve_output_tokens\":%d,\"max_ctx\":%d,"
             "\"prefix_cache\":%s,\"compat\":\"%s\",\"n_blocks\":%d,\"block_size\":%d,"
-            "\"t0\":%.6f}\n",
+            "\"prefill_share\":%.17g,\"t0\":%.6f}\n",
             p->max_running, p->max_batch_tokens, p->max_waiting, p->reserve_output_tokens,
             p->max_ctx, p->prefix_cache ? "true" : "false", compat, kp->n_blocks, kp->block_size,
-            s->tr_t0);
+            p->prefill_share > 0 && p->prefill_share < 1 ? p->prefill_share : 1.0, s->tr_t0);
     fflush(p->step_trace);
 }
 

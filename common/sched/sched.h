@@ -49,7 +49,12 @@ typedef struct {
     int32_t max_running;      /* sequences decoding at once (default 16) */
     int32_t max_batch_tokens; /* tokens per step, decode + prefill chunks (default 512);
                                * must not exceed the engine's max_batch_tokens */
-    int32_t max_waiting;      /* queued requests beyond which submit says TD_AGAIN (default 256) */
+    /* In a step that also decodes, prompt chunks take at most this share
+     * of max_batch_tokens (at least one token), so that a prompt arriving
+     * at a busy instance stretches its decodes' step by a bounded amount;
+     * 0 or 1: no limit beyond max_batch_tokens (default). */
+    double prefill_share;
+    int32_t max_waiting; /* queued requests beyond which submit says TD_AGAIN (default 256) */
     int32_t
         reserve_output_tokens; /* cap on the output tokens reserved at admission (default 256) */
     int32_t max_ctx;           /* longest sequence (prompt + output) (required) */

@@ -60,6 +60,7 @@ enum {
     S_BLOCK_SIZE,
     S_MAX_RUNNING,
     S_MAX_BATCH_TOKENS,
+    S_PREFILL_SHARE,
     S_MAX_WAITING,
     S_RESERVE_OUTPUT,
     S_NO_PREFIX_CACHE,
@@ -96,6 +97,9 @@ static td_opt k_serve_opts[S_N] = {
     [S_MAX_RUNNING] = {"max-running", 0, "N", "sequences decoding at once (default 16)"},
     [S_MAX_BATCH_TOKENS] = {"max-batch-tokens", 0, "N",
                             "tokens per step, decode + prefill chunks (default 512)"},
+    [S_PREFILL_SHARE] = {"prefill-share", 0, "F",
+                         "share of --max-batch-tokens prompt chunks may take in a\n"
+                         "step that also decodes, 0 < F <= 1 (default 1)"},
     [S_MAX_WAITING] = {"max-waiting", 0, "N", "queued requests before 429 (default 256)"},
     [S_RESERVE_OUTPUT] = {"reserve-output-tokens", 0, "N",
                           "output tokens reserved at admission (default 256)"},
@@ -185,6 +189,7 @@ typedef struct {
     const char *device;
     long threads, ctx, kv_blocks, block_size, max_running, max_batch_tokens, max_waiting,
         reserve_output;
+    double prefill_share;
     size_t kv_memory;
     bool no_prefix_cache;
     const char *step_trace;
@@ -242,6 +247,12 @@ static bool set_serve_opt(void *ctx, int i, const char *val, bool *printed) {
     case S_BLOCK_SIZE: return td_cli_parse_long(val, 1, 1024, &a->block_size);
     case S_MAX_RUNNING: return td_cli_parse_long(val, 1, 1024, &a->max_running);
     case S_MAX_BATCH_TOKENS: return td_cli_parse_long(val, 1, 1 << 20, &a->max_batch_tokens);
+    case S_PREFILL_SHARE: {
+        char *end;
+        errno = 0;
+        a->prefill_share = strtod(val, &end);
+        return !errno && end != val && !*end && a->prefill_share > 0 && a->prefill_share <= 1;
+    }
     case S_MAX_WAITING: return td_cli_parse_long(val, 0, 1 << 20, &a->max_waiting);
     case S_RESERVE_OUTPUT: return td_cli_parse_long(val, 0, 1 << 24, &a->reserve_output);
     case S_NO_PREFIX_CACHE: a->no_prefix_cache = true; return true;
@@ -342,6 +353,7 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
                     .block_size = 16,
                     .max_running = 16,
                     .max_batch_tokens = 512,
+                    .prefill_share = 1,
                     .max_waiting = 256,
                     .reserve_output = 256,
                     .kv_memory = (size_t)1 << 30,
@@ -419,6 +431,7 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
     td_sched_params sp = td_sched_default_params();
     sp.max_running = (int32_t)a.max_running;
     sp.max_batch_tokens = (int32_t)a.max_batch_tokens;
+    sp.prefill_share = a.prefill_share;
     sp.max_waiting = (int32_t)a.max_waiting;
     sp.reserve_output_tokens = (int32_t)a.reserve_output;
     sp.max_ctx = max_ctx;

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include <cmocka.h>
+#include <jansson.h>
 
 #include "common/base/threadpool.h"
 #include "common/comm/comm.h"
@@ -29,6 +30,11 @@
 
 #define MAX_CTX 192
 #define N_REQ   12
+
+/* Applied by the next h_open (then reset): the scheduler's prefill share
+ * and step trace. */
+static double g_prefill_share;
+static FILE *g_trace;
 
 typedef struct {
     td_model *m;
@@ -73,6 +79,10 @@ static void h_open(harness *h, int32_t n_blocks, int32_t max_running, int32_t ba
     sp.max_ctx = MAX_CTX;
     sp.prefix_cache = prefix_cache;
     sp.compat.lo = 42;
+    sp.prefill_share = g_prefill_share;
+    sp.step_trace = g_trace;
+    g_prefill_share = 0;
+    g_trace = NULL;
     assert_int_equal(td_exec_wrap(h->e, h->kv, h->m, &h->x), TD_OK);
     assert_int_equal(td_sched_create(&sp, h->x, h->kv, td_model_tokenizer(h->m), NULL, &h->s),
                      TD_OK);
@@ -210,6 +220,69 @@ static void test_batching_equals_alone(void **state) {
     }
 }
 
+/* prefill_share 0.1 of 512: a step that also decodes takes at most 51
+ * prompt tokens, one that does not takes up to 512 (read from the step
+ * trace: the prompt lengths from "in", the chunks from "b"); the outputs
+ * equal each request alone. */
+static void test_prefill_share(void **state) {
+    (void)state;
+    compute_solo();
+    harness h;
+    FILE *tr = tmpfile();
+    assert_non_null(tr);
+    g_prefill_share = 0.1;
+    g_trace = tr;
+    h_open(&h, 512, 16, 512, 256, true);
+    job jobs[N_REQ];
+    make_jobs(jobs, N_REQ, h.V, 7);
+    run_together(&h, jobs, N_REQ);
+    assert_same_outputs(g_solo, jobs, N_REQ);
+    h_close(&h);
+    rewind(tr);
+    char line[1 << 16];
+    int64_t n_prompt[64] = {0};
+    int mixed = 0, big_alone = 0;
+    assert_non_null(fgets(line, sizeof line, tr)); /* the header */
+    assert_non_null(strstr(line, "\"prefill_share\":0.10000000000000001"));
+    while (fgets(line, sizeof line, tr)) {
+        json_t *o = json_loads(line, 0, NULL);
+        assert_non_null(o);
+        json_t *ev, *e;
+        size_t i;
+        ev = json_object_get(o, "ev");
+        json_array_foreach(ev, i, e) {
+            const char *k = json_string_value(json_array_get(e, 0));
+            json_int_t t = json_integer_value(json_array_get(e, 1));
+            assert_true(t >= 0 && t < 64);
+            if (!strcmp(k, "in")) n_prompt[t] = (int64_t)json_array_size(json_array_get(e, 3));
+            if (strcmp(k, "b") != 0) continue;
+            json_t *c;
+            size_t ci;
+            int64_t prompt = 0, decodes = 0;
+            json_array_foreach(json_array_get(e, 3), ci, c) {
+                json_int_t ct = json_integer_value(json_array_get(c, 0));
+                json_int_t pos0 = json_integer_value(json_array_get(c, 1));
+                json_int_t n = json_integer_value(json_array_get(c, 2));
+                assert_true(ct >= 0 && ct < 64 && n_prompt[ct] > 0);
+                if (pos0 >= n_prompt[ct])
+                    decodes++;
+                else
+                    prompt += n;
+            }
+            if (decodes > 0) {
+                assert_true(prompt <= 51);
+                mixed += prompt > 0;
+            } else if (prompt > 51) {
+                big_alone++;
+            }
+        }
+        json_decref(o);
+    }
+    fclose(tr);
+    assert_true(mixed > 0);     /* prompts joined decoding steps, capped */
+    assert_true(big_alone > 0); /* and took the whole budget without decodes */
+}
+
 static void test_preemption_recomputes(void **state) {
     (void)state;
     compute_solo();
@@ -315,9 +388,9 @@ static void test_drain_and_limits(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_batching_equals_alone), cmocka_unit_test(test_preemption_recomputes),
-        cmocka_unit_test(test_prefix_cache_hit),      cmocka_unit_test(test_cancel_frees),
-        cmocka_unit_test(test_drain_and_limits),
+        cmocka_unit_test(test_batching_equals_alone), cmocka_unit_test(test_prefill_share),
+        cmocka_unit_test(test_preemption_recomputes), cmocka_unit_test(test_prefix_cache_hit),
+        cmocka_unit_test(test_cancel_frees),          cmocka_unit_test(test_drain_and_limits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
