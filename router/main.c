@@ -57,11 +57,14 @@ enum {
     O_LOCAL_FRACTION,
     O_LOCAL_MAX_TOKENS,
     O_PREFILL_SATURATED,
+    O_PREFILL_SATURATED_MS,
     O_RESERVE_OUTPUT,
     O_PREDICT_TTL,
     O_MAX_RETRIES,
     O_MAX_QUEUED,
     O_QUEUE_TIMEOUT,
+    O_REJECT_UNMEETABLE,
+    O_TTFT_SLO,
     O_SEED,
     /* front end */
     O_HOST,
@@ -103,11 +106,17 @@ static td_opt k_opts[O_N] = {
     [O_LOCAL_FRACTION] = {"local-prefill-fraction", 0, "F", g_help[O_LOCAL_FRACTION]},
     [O_LOCAL_MAX_TOKENS] = {"local-prefill-max-tokens", 0, "N", g_help[O_LOCAL_MAX_TOKENS]},
     [O_PREFILL_SATURATED] = {"prefill-saturated-tokens", 0, "N", g_help[O_PREFILL_SATURATED]},
+    [O_PREFILL_SATURATED_MS] = {"prefill-saturated-ms", 0, "N", g_help[O_PREFILL_SATURATED_MS]},
     [O_RESERVE_OUTPUT] = {"reserve-output-tokens", 0, "N", g_help[O_RESERVE_OUTPUT]},
     [O_PREDICT_TTL] = {"predict-ttl", 0, "S", g_help[O_PREDICT_TTL]},
     [O_MAX_RETRIES] = {"max-retries", 0, "N", g_help[O_MAX_RETRIES]},
     [O_MAX_QUEUED] = {"max-queued", 0, "N", g_help[O_MAX_QUEUED]},
     [O_QUEUE_TIMEOUT] = {"queue-timeout", 0, "S", g_help[O_QUEUE_TIMEOUT]},
+    [O_REJECT_UNMEETABLE] = {"reject-unmeetable", 0, NULL,
+                             "answer 429 at once when a new request's first token\n"
+                             "cannot come within --ttft-slo-ms (the chosen instance's\n"
+                             "queued prompt tokens at its measured prefill speed)"},
+    [O_TTFT_SLO] = {"ttft-slo-ms", 0, "N", "the time-to-first-token SLO --reject-unmeetable keeps"},
     [O_SEED] = {"seed", 0, "N", "random policy and temperature draws (default: random)"},
     [O_HOST] = {"host", 0, "H", "address to bind (default 127.0.0.1)"},
     [O_PORT] = {"port", 0, "N", "HTTP port (default 8000; 0: ephemeral)"},
@@ -159,6 +168,11 @@ static void fill_help(void) {
          "a prefill instance with N queued prefill tokens is\n"
          "saturated; all saturated: local prefill (default %lld)",
          (long long)d.prefill_saturated_tokens);
+    HELP(O_PREFILL_SATURATED_MS,
+         "or one that, at its measured speed, starts a new prompt\n"
+         "N ms later or more (0: off; default %.0f: P's start\n"
+         "deadline from tandem-decode's default)",
+         d.prefill_saturated_ms);
     HELP(O_RESERVE_OUTPUT, "output tokens a decode instance reserves (default %d)",
          d.reserve_output_tokens);
     HELP(O_PREDICT_TTL,
@@ -265,6 +279,7 @@ static bool set_opt(void *ctx, int i, const char *val, bool *printed) {
         ok = td_cli_parse_long(val, 1, 1L << 40, &l);
         sp->prefill_saturated_tokens = l;
         return ok;
+    case O_PREFILL_SATURATED_MS: return parse_double(val, 0, 3.6e6, &sp->prefill_saturated_ms);
     case O_RESERVE_OUTPUT:
         ok = td_cli_parse_long(val, 0, 1 << 20, &l);
         sp->reserve_output_tokens = (int32_t)l;
@@ -279,6 +294,8 @@ static bool set_opt(void *ctx, int i, const char *val, bool *printed) {
         a->rp.max_queued = (int)l;
         return ok;
     case O_QUEUE_TIMEOUT: return parse_double(val, 0.001, 86400, &a->rp.queue_timeout_s);
+    case O_REJECT_UNMEETABLE: a->rp.reject_unmeetable = true; return true;
+    case O_TTFT_SLO: return parse_double(val, 1, 3.6e6, &a->rp.ttft_slo_ms);
     case O_SEED:
         ok = td_cli_parse_u64(val, &u);
         a->rp.seed = u;
@@ -323,6 +340,10 @@ static int parse_args(int argc, char **argv, args *a) {
     if (!a->token == !a->token_file) {
         fprintf(stderr, "tandem-router: give the cluster token: --cluster-token or "
                         "--cluster-token-file\n");
+        return 2;
+    }
+    if (a->rp.reject_unmeetable && !(a->rp.ttft_slo_ms > 0)) {
+        fprintf(stderr, "tandem-router: --reject-unmeetable needs --ttft-slo-ms\n");
         return 2;
     }
     if (a->n_decode == 0 && !a->rp.decode_dns) {

@@ -3,6 +3,7 @@
  * DNS names resolve to, and runs the queue. */
 #include <inttypes.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -147,6 +148,8 @@ static void apply_state(td_router *r, int32_t i, const char *body, size_t len) {
     x->running = (int32_t)TD_MIN(fig(json_object_get(load, "running")), 1 << 30);
     x->waiting = (int32_t)TD_MIN(fig(json_object_get(load, "waiting")), 1 << 30);
     x->queued_prefill_tokens = fig(json_object_get(load, "queued_prefill_tokens"));
+    double rate = json_number_value(json_object_get(load, "prefill_tokens_per_s"));
+    x->prefill_tokens_per_s = isfinite(rate) && rate > 0 && rate < 1e12 ? rate : 0;
     x->kv_total = fig(json_object_get(kv, "total"));
     x->kv_free = fig(json_object_get(kv, "free"));
     x->kv_used = fig(json_object_get(kv, "used"));

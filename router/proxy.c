@@ -138,6 +138,10 @@ static td_status dispatch_locked(td_router *r, rt_req *q) {
     for (;;) {
         td_rt_choice c;
         td_status st = td_rt_route_locked(r, q, &c);
+        if (st == TD_ERR_TIMEOUT) { /* unmeetable (--reject-unmeetable) */
+            r->unmeetable++;
+            return TD_AGAIN;
+        }
         if (st == TD_AGAIN) {
             if (r->n_queued >= r->p.max_queued) {
                 r->rejected++;
@@ -425,7 +429,9 @@ static td_status router_submit(void *ctx, const td_gen_request *g, td_gen_stream
     }
     q->st = st;
     pthread_mutex_lock(&r->mu);
+    q->admitting = true;
     rc = r->draining || r->stop ? TD_ERR_UNAVAILABLE : dispatch_locked(r, q);
+    q->admitting = false;
     if (rc == TD_OK) {
         r->n_active++;
         q->all_next = r->all;

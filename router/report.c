@@ -58,6 +58,13 @@ char *td_router_metrics_text(void *ctx) {
              r->n_queued, r->rejected, r->timeouts);
     td_strbuf_puts(&b, line);
     snprintf(line, sizeof line,
+             "# HELP tandem:router_unmeetable_total Requests answered 429 at once: their first "
+             "token could not come within --ttft-slo-ms (--reject-unmeetable).\n"
+             "# TYPE tandem:router_unmeetable_total counter\n"
+             "tandem:router_unmeetable_total %" PRIu64 "\n",
+             r->unmeetable);
+    td_strbuf_puts(&b, line);
+    snprintf(line, sizeof line,
              "# HELP tandem:router_retries_total Requests sent again to another instance "
              "before their first token.\n"
              "# TYPE tandem:router_retries_total counter\ntandem:router_retries_total %" PRIu64 "\n"
@@ -130,6 +137,9 @@ char *td_router_cluster_json(void *ctx) {
             (json_int_t)x->pending_blocks, "routed", (json_int_t)x->routed, "failures",
             (json_int_t)x->failures, "error", x->err);
         if (o && !x->prefill) json_object_set_new(o, "grpc_target", json_string(x->target));
+        if (o)
+            json_object_set_new(json_object_get(o, "load"), "prefill_tokens_per_s",
+                                json_real(x->prefill_tokens_per_s));
         json_array_append_new(list, o);
     }
     for (int32_t p = 0; pairs && p < r->n_slots; p++)

@@ -59,6 +59,7 @@ td_status td_rt_route_locked(td_router *r, rt_req *q, td_rt_choice *c) {
                              .group = x->group,
                              .block_size = x->block_size,
                              .queued_prefill_tokens = x->queued_prefill_tokens + x->pending_prefill,
+                             .prefill_tokens_per_s = x->prefill_tokens_per_s,
                              .kv_free = x->kv_free,
                              .kv_used = x->kv_used,
                              .kv_total = x->kv_total,
@@ -89,6 +90,19 @@ td_status td_rt_route_locked(td_router *r, rt_req *q, td_rt_choice *c) {
     if (st != TD_OK) {
         free(hashes);
         return st;
+    }
+    if (q->admitting && r->p.reject_unmeetable && r->p.ttft_slo_ms > 0) {
+        /* the chosen pair's queue at its measured speed (unknown: taken) */
+        int32_t at = c->p >= 0 ? c->p : c->d;
+        int32_t abs = vi[at].block_size > 0 ? vi[at].block_size : 16;
+        double ms = td_rt_expected_ms(&vi[at], (int64_t)q->n_prompt - (int64_t)overlap[at] * abs);
+        if (ms > r->p.ttft_slo_ms) {
+            TD_LOG_INFO("request %s: its first token expected in %.0f ms on %s, past the %.0f ms "
+                        "SLO: 429",
+                        q->id, ms, r->in[at].addr, r->p.ttft_slo_ms);
+            free(hashes);
+            return TD_ERR_TIMEOUT;
+        }
     }
     r->counter++;
     inst *D = &r->in[c->d];

@@ -46,7 +46,8 @@ typedef struct {
     int32_t block_size, max_ctx, grpc_port;
     int32_t running, waiting;
     int64_t queued_prefill_tokens, kv_total, kv_free, kv_used, kv_cached;
-    char target[160]; /* HOST:GRPC_PORT (decode instances) */
+    double prefill_tokens_per_s; /* its measured prefill speed (0: unknown) */
+    char target[160];            /* HOST:GRPC_PORT (decode instances) */
     /* Router side (under r->mu). */
     int64_t pending_blocks, pending_prefill;
     int32_t in_flight;
@@ -79,7 +80,8 @@ typedef struct rt_req {
     int attempts;
     td_rt_mask excluded;
     bool got_first, cancelled, finished, retry_hint, producer_done;
-    bool counted; /* in r->n_streams */
+    bool admitting; /* its first routing (the unmeetable check applies) */
+    bool counted;   /* in r->n_streams */
     int32_t d, p;
     double t_arrival, t_queued, t_dispatch, t_first, t_last;
     char last_error[400];     /* for the logs: names the instance */
@@ -124,7 +126,8 @@ struct td_router {
     /* Counters (under mu). */
     uint64_t decisions[TD_RT_N_POLICIES][TD_RT_N_REASONS];
     uint64_t hit_prefill_tokens, hit_decode_tokens, prompt_tokens, retries, rejected, timeouts;
-    uint64_t failed[2]; /* requests that ended in an error, before / after their first token */
+    uint64_t unmeetable; /* answered 429: their first token could not come within the SLO */
+    uint64_t failed[2];  /* requests that ended in an error, before / after their first token */
     double decide_s;
     uint64_t n_decide;
 };

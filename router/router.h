@@ -38,12 +38,17 @@ typedef struct {
     int max_retries;        /* further attempts before the first token, default 2 */
     int max_queued;         /* requests waiting for headroom, default 256 (then 429) */
     double queue_timeout_s; /* longest wait in that queue (then 503), default 30 */
-    double predict_ttl_s;   /* predicted index entries, from the decision and again from
-                             * the first token, default 10 */
-    double call_timeout_s;  /* whole proxied call, 0: none (default) */
-    int32_t block_size;     /* the prompt hashes' block size, default 16 */
-    td_metrics *metrics;    /* vllm:* request metrics as the router sees them; may be NULL */
-    uint64_t seed;          /* random policy and temperature; 0: from the OS */
+    /* Admission: a new request whose first token the chosen pair's queue
+     * and measured prefill speed put past ttft_slo_ms is answered 429 at
+     * once (reject_unmeetable; off by default). */
+    bool reject_unmeetable;
+    double ttft_slo_ms;
+    double predict_ttl_s;  /* predicted index entries, from the decision and again from
+                            * the first token, default 10 */
+    double call_timeout_s; /* whole proxied call, 0: none (default) */
+    int32_t block_size;    /* the prompt hashes' block size, default 16 */
+    td_metrics *metrics;   /* vllm:* request metrics as the router sees them; may be NULL */
+    uint64_t seed;         /* random policy and temperature; 0: from the OS */
 } td_router_params;
 
 td_router_params td_router_default_params(void);

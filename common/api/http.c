@@ -1076,6 +1076,10 @@ static enum MHD_Result handle_state(td_http_server *srv, struct MHD_Connection *
         json_object_set_new(root, "draining", json_boolean(stats.draining));
         json_object_set_new(root, "max_ctx", json_integer(srv->p.model.max_ctx));
         json_object_set_new(root, "grpc_port", json_integer(atomic_load(&srv->grpc_port)));
+        /* the prefill speed its steps measured (0: none yet): with the
+         * queued prompt tokens, when a new prompt could start */
+        json_object_set_new(json_object_get(root, "load"), "prefill_tokens_per_s",
+                            json_real(stats.prefill_tokens_per_s));
     }
     char *extra = srv->p.state_transfer ? srv->p.state_transfer(srv->p.internal_ctx) : NULL;
     if (root && extra) {

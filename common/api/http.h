@@ -13,6 +13,7 @@
  *                "hash": "32 hex"}]          (full == false: the diff after since)
  *    "hashes": ["32 hex", ...]               (full == true: every stored hash)
  *    "load": {"running", "waiting", "queued_prefill_tokens",
+ *             "prefill_tokens_per_s" (the prefill speed its steps measured; 0: none yet),
  *             "kv": {"total", "empty", "cached", "used", "reserved",
  *                    "free" (empty + cached - reserved), "block_size"}},
  *    "role": "prefill"|"decode"|"colocated", "draining": bool,

@@ -34,6 +34,7 @@ td_rt_score_params td_rt_score_default_params(void) {
                                 .local_prefill_fraction = 0.7,
                                 .local_prefill_max_tokens = 2048,
                                 .prefill_saturated_tokens = 65536,
+                                .prefill_saturated_ms = 27000,
                                 .reserve_output_tokens = 256};
 }
 
@@ -57,6 +58,18 @@ static double prefill_cost(const td_rt_score_params *sp, const td_rt_inst *in, i
     if (uncached < 0) uncached = 0;
     return sp->overlap_weight * (double)uncached +
            (double)blocks_of(in->queued_prefill_tokens > 0 ? in->queued_prefill_tokens : 0, bs);
+}
+
+bool td_rt_saturated(const td_rt_score_params *sp, const td_rt_inst *P) {
+    if (P->queued_prefill_tokens >= sp->prefill_saturated_tokens) return true;
+    double start = td_rt_expected_ms(P, 0);
+    return sp->prefill_saturated_ms > 0 && start >= sp->prefill_saturated_ms;
+}
+
+double td_rt_expected_ms(const td_rt_inst *in, int64_t tokens) {
+    if (!(in->prefill_tokens_per_s > 0)) return -1;
+    int64_t q = in->queued_prefill_tokens > 0 ? in->queued_prefill_tokens : 0;
+    return (double)(q + (tokens > 0 ? tokens : 0)) / in->prefill_tokens_per_s * 1e3;
 }
 
 /* A decode candidate with its best prefill instance. */
@@ -96,7 +109,7 @@ td_status td_rt_choose(const td_rt_score_params *sp, const td_rt_inst *inst, int
             const td_rt_inst *P = &inst[p];
             if (!P->prefill || !P->usable || P->group != D->group) continue;
             n_p++;
-            if (P->queued_prefill_tokens < sp->prefill_saturated_tokens) n_p_ok++;
+            if (!td_rt_saturated(sp, P)) n_p_ok++;
         }
         td_rt_reason why = TD_RT_REMOTE;
         if (uncached_tok < sp->local_prefill_tokens)
@@ -129,8 +142,7 @@ td_status td_rt_choose(const td_rt_score_params *sp, const td_rt_inst *inst, int
                                  (uint64_t)n_p_ok);
             for (int32_t p = 0; p < n; p++) {
                 const td_rt_inst *P = &inst[p];
-                if (!P->prefill || !P->usable || P->group != D->group ||
-                    P->queued_prefill_tokens >= sp->prefill_saturated_tokens)
+                if (!P->prefill || !P->usable || P->group != D->group || td_rt_saturated(sp, P))
                     continue;
                 double pc;
                 if (pick >= 0) {

@@ -17,8 +17,11 @@
  * D is short (< local_prefill_tokens, or < local_prefill_fraction of the
  * prompt and < local_prefill_max_tokens), when no compatible prefill
  * instance is usable, or when every one is saturated (queued prefill
- * tokens >= prefill_saturated_tokens); otherwise its best prefill
- * instance is the one of lowest prefill + transfer cost.
+ * tokens >= prefill_saturated_tokens, or, its prefill speed known, a new
+ * prompt could not start within prefill_saturated_ms: the rule a
+ * prefill instance refuses jobs by, against a decode instance's
+ * deadline); otherwise its best prefill instance is the one of lowest
+ * prefill + transfer cost.
  * temperature 0: the lowest total cost wins (ties rotate with the
  * request counter); > 0: a draw among the candidates with weights
  * exp(-normalised cost / temperature), the costs normalised to [0, 1].
@@ -65,6 +68,8 @@ typedef struct {
     double local_prefill_fraction;    /* default 0.7 */
     int32_t local_prefill_max_tokens; /* default 2048 */
     int64_t prefill_saturated_tokens; /* default 65536 */
+    double prefill_saturated_ms;      /* 0: off; default 27000 (tandem-decode's default
+                                       * start deadline as P sees it: 30000 less 10%) */
     int32_t reserve_output_tokens;    /* default 256 (tandem-decode's default) */
 } td_rt_score_params;
 
@@ -80,6 +85,7 @@ typedef struct {
     int32_t group; /* compatibility group: only equal groups pair */
     int32_t block_size;
     int64_t queued_prefill_tokens;      /* reported + routed since the report */
+    double prefill_tokens_per_s;        /* measured (0: unknown) */
     int64_t kv_free, kv_used, kv_total; /* blocks (free: empty + cached - reserved) */
     int64_t pending_blocks;             /* routed here since its last report */
     int32_t running, waiting;
@@ -100,6 +106,13 @@ typedef struct {
  * rng: a splitmix64 state (random, temperature). TD_OK with *out;
  * TD_AGAIN: decode instances are usable but none has the headroom (the
  * request may wait); TD_ERR_UNAVAILABLE: no usable decode instance. */
+/* Whether prefill instance P is saturated (sp's two rules). */
+bool td_rt_saturated(const td_rt_score_params *sp, const td_rt_inst *P);
+/* When a prompt of `tokens` uncached tokens sent to instance i now would
+ * have its first token, in ms, from its queue and measured speed; < 0:
+ * unknown (no speed measured). */
+double td_rt_expected_ms(const td_rt_inst *in, int64_t tokens);
+
 td_status td_rt_choose(const td_rt_score_params *sp, const td_rt_inst *inst, int32_t n,
                        const int32_t *overlap, const float *xfer_ms, int32_t xfer_stride,
                        int32_t n_prompt, int32_t max_tokens, uint64_t counter, uint64_t *rng,

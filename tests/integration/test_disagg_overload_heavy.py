@@ -19,6 +19,10 @@ test_refused_job_goes_to_another_prefill: with two prefill instances, a
 job one refuses goes to the other, and one that said it is saturated gets
 no new jobs for a while.
 
+test_router_rejects_unmeetable: tandem-router --reject-unmeetable answers
+429 at once to a request whose first token the chosen instance's queue and
+measured prefill speed put past --ttft-slo-ms.
+
 The deadline is set from this machine's own speed: a reference instance's
 TTFT of one ~400-token prompt (t1) gives D a deadline of 3 x t1 (at least
 one second), and 8 such prompts sent at once queue about 8 x t1 of work on
@@ -26,13 +30,14 @@ P, so the later ones cannot make it on any machine; P's estimate uses the
 prefill speed its own steps measured (a first request warms it)."""
 
 import concurrent.futures as cf
+import json
 import random
 import re
 import time
 
 from conftest import wait_until
 from grpc_stubs import load_stubs
-from serve_util import TOKEN, Pair, Server, metric
+from serve_util import TOKEN, Cluster, Pair, Server, metric
 from test_disagg_internal import call, internal_generate, public
 
 
@@ -204,3 +209,39 @@ def test_refused_job_goes_to_another_prefill(tandem_bin, default_model, tmp_path
             d.close()
         for p in ps:
             p.close()
+
+
+def test_router_rejects_unmeetable(tandem_bin, default_model, tmp_path):
+    """One prefill and one decode instance behind a router with
+    --reject-unmeetable --ttft-slo-ms 50. Before any prefill speed is
+    measured the router cannot know, and takes the request; once the
+    instances published theirs (/internal/v1/state), a ~400-token prompt
+    (hundreds of ms of prefill on any CPU this runs on) is answered 429 with
+    Retry-After at once, counted in tandem:router_unmeetable_total, while
+    the cluster keeps serving."""
+    rng = random.Random(29)
+    long_b = {"prompt": prompt(rng, 400), "max_tokens": 2, "temperature": 0}
+    c = Cluster(tandem_bin, tmp_path, default_model, n_prefill=1, n_decode=1,
+                r_args=["--reject-unmeetable", "--ttft-slo-ms", 50, "--retry-after", 2],
+                ready_timeout=120)
+    try:
+        st, out = c.router.post_json("/v1/completions", long_b, timeout=300)
+        assert st == 200, out  # no speed known yet: taken
+        wait_until(lambda: any(x["load"]["prefill_tokens_per_s"] > 0
+                               for x in c.view()["instances"]),
+                   timeout=10, what="a prefill speed in the router's view")
+        t0 = time.monotonic()
+        status, headers, body = c.router.request(
+            "POST", "/v1/completions",
+            json.dumps(dict(long_b, prompt=prompt(rng, 400))).encode(),
+            {"Content-Type": "application/json"})
+        took = time.monotonic() - t0
+        assert status == 429, body
+        assert headers.get("retry-after") == "2"
+        m = c.router.metrics()
+        assert metric(m, "tandem:router_unmeetable_total") == 1
+        assert metric(m, "tandem:router_queue_rejected_total") == 0
+        assert took < 5, took  # at once, not after a wait
+        c.wait_idle(timeout=30)
+    finally:
+        c.close()

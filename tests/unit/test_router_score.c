@@ -137,6 +137,39 @@ static void test_conditional_disaggregation(void **state) {
     assert_int_equal(c.reason, TD_RT_LOCAL_NO_PREFILL);
 }
 
+/* Saturation by time, the rule a prefill instance refuses jobs by: P0
+ * queues 2,700 tokens at 100 tokens/s (a new prompt starts in 27,000 ms,
+ * the default bound: saturated), P1 2,699 (26,990 ms: not); without a
+ * measured speed only the token rule applies. The expected first token
+ * counts the queue and the prompt's own tokens. */
+static void test_saturated_by_time(void **state) {
+    (void)state;
+    td_rt_score_params sp = td_rt_score_default_params();
+    td_rt_inst in[N];
+    cluster(in);
+    int32_t ov[N] = {0};
+    in[0].queued_prefill_tokens = 2700;
+    in[0].prefill_tokens_per_s = 100;
+    in[1].queued_prefill_tokens = 2699;
+    in[1].prefill_tokens_per_s = 100;
+    assert_true(td_rt_saturated(&sp, &in[0]));
+    assert_false(td_rt_saturated(&sp, &in[1]));
+    td_rt_choice c = choose(&sp, in, ov, NULL, 4096, TD_OK);
+    assert_int_equal(c.reason, TD_RT_REMOTE);
+    assert_int_equal(c.p, 1);
+    in[1].queued_prefill_tokens = 2700;
+    c = choose(&sp, in, ov, NULL, 4096, TD_OK);
+    assert_int_equal(c.reason, TD_RT_LOCAL_SATURATED);
+    sp.prefill_saturated_ms = 0; /* off: only the token rule */
+    assert_false(td_rt_saturated(&sp, &in[0]));
+    in[0].prefill_tokens_per_s = 0; /* no speed: unknown */
+    sp.prefill_saturated_ms = 27000;
+    assert_false(td_rt_saturated(&sp, &in[0]));
+    assert_true(td_rt_expected_ms(&in[0], 300) < 0);
+    assert_true(td_rt_expected_ms(&in[1], 300) == 30000.0); /* (2700 + 300) / 100 s */
+    assert_true(td_rt_expected_ms(&in[1], -5) == 27000.0);
+}
+
 static void test_groups_pair_only_compatible(void **state) {
     (void)state;
     td_rt_score_params sp = td_rt_score_default_params();
@@ -215,6 +248,7 @@ int main(void) {
         cmocka_unit_test(test_decode_load),
         cmocka_unit_test(test_transfer_cost),
         cmocka_unit_test(test_conditional_disaggregation),
+        cmocka_unit_test(test_saturated_by_time),
         cmocka_unit_test(test_groups_pair_only_compatible),
         cmocka_unit_test(test_round_robin_spreads),
         cmocka_unit_test(test_temperature_samples_near_best),
