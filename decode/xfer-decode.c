@@ -97,6 +97,8 @@ struct td_xfer_decode {
     unsigned rr;
     djob *djobs;
     double next_lease;
+    double last_pass;  /* the service thread's last pass */
+    double hold_until; /* no job is given up before then (this process did not run) */
     /* the link thread (links to P, probes, the fences' link-worker
      * destruction: the calls that wait on HTTP or on the ranks' step) */
     int link_fd;
@@ -746,6 +748,18 @@ static void d_link(td_xfer *x, ppeer *pp) {
 static void d_service(td_xfer *x) {
     double now = td_time_s();
     td_dj_timing tm = d_timing(x);
+    /* Passes come every few ms. A long gap means this process did not run
+     * (stopped, starved): the silence it measured is its own, and P's
+     * messages of that time are still arriving, so no job is given up on
+     * for a moment. */
+    if (x->dc->last_pass > 0 && now - x->dc->last_pass > 0.5) {
+        TD_LOG_WARN("decode: no service pass for %.1f s (this process was stopped or starved): "
+                    "no job is given up on for 250 ms",
+                    now - x->dc->last_pass);
+        x->dc->hold_until = now + 0.25;
+    }
+    x->dc->last_pass = now;
+    bool hold = now < x->dc->hold_until;
     for (djob *j = x->dc->djobs, *next; j; j = next) {
         next = j->next; /* d_apply may take j out */
         if (j->abort_pending) {
@@ -753,7 +767,7 @@ static void d_service(td_xfer *x) {
             d_notify(x, j, true);
         }
         td_dj_state was = j->fsm.state;
-        int a = td_dj_tick(&j->fsm, &tm, now);
+        int a = hold ? 0 : td_dj_tick(&j->fsm, &tm, now);
         if (a & TD_DJ_ABORT) {
             td_metrics_kv_transfer_failure(x->p.metrics, TD_XFER_FAIL_DEADLINE);
             if (was == TD_DJ_WAITING)

@@ -211,6 +211,12 @@ def build_parser():
                    help="send ignore_eos and min_tokens = max_tokens so outputs have exactly "
                    "the requested length (default: on for the synthetic datasets, off for FILE)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
+    p.add_argument("--request-seed", type=int,
+                   help="send seed N + the request's index with each request (seeded sampling "
+                   "that can be replayed request by request)")
+    p.add_argument("--record-text", action="store_true",
+                   help="--json keeps each request's body and the text it streamed back (to "
+                   "check the answers against a reference)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--trace", metavar="FILE", help="replay a recorded trace with its timing")
     p.add_argument("--trace-format", choices=("auto",) + TRACE_FORMATS, default="auto",
@@ -623,6 +629,8 @@ def request_body(args, item):
     if args.ignore_eos:
         body["ignore_eos"] = True
         body["min_tokens"] = out
+    if args.request_seed is not None:
+        body["seed"] = args.request_seed + item.idx
     return body
 
 
@@ -650,7 +658,10 @@ def run_one(server, args, item, t_bench):
         "error": None,
     }
     path = server.base + ("/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions")
-    data = json.dumps(request_body(args, item)).encode()
+    body = request_body(args, item)
+    data = json.dumps(body).encode()
+    if args.record_text:
+        rec["body"] = body
     chat = args.endpoint == "chat"
     pieces = []
     chunks = 0
@@ -757,6 +768,8 @@ def run_one(server, args, item, t_bench):
         if conn is not None:
             conn.close()
         item.answer = "".join(pieces)
+        if args.record_text:
+            rec["text"] = item.answer
     return rec
 
 

@@ -1,0 +1,636 @@
+#!/usr/bin/env python3
+"""Chaos soak: a disaggregated cluster under steady load while faults are
+injected on a schedule drawn from a seed; every request's outcome checked.
+
+The cluster (loopback, one compute thread each): two prefill instances
+(tandem-prefill), two decode instances (tandem-decode, --prefill both, a
+3 s start deadline and a 1.5 s lease, a pool of --kv-blocks blocks), and a
+tandem-router over all four. Fixed ports, so a killed instance restarts
+where it was (a new epoch). The load: two `tandem bench` runs against the
+router for the whole duration, Poisson arrivals with a fixed seed, one
+greedy and one with seeded sampling (--request-seed), random prompts of
+64-400 tokens and 8-32 output tokens, each request's body and streamed
+text recorded (--record-text).
+
+Faults (kinds, a time for each drawn from --seed over 10%-85% of the run,
+at least 12 s apart; --faults picks the kinds, repeated to fill longer
+runs):
+  stop        SIGSTOP a prefill or decode instance for 6 s (past D's start
+              deadline and two leases), then SIGCONT;
+  kill        SIGKILL a prefill or decode instance, restart it 2 s later
+              on the same port (a new epoch);
+              (both once the instance has work in flight, or after 10 s)
+  disconnect  three clients drop their stream after its first token, three
+              before it (mid-prefill);
+  burst       three times the steady rate for 5 s, on top of it;
+  kv          eight long requests straight at decode instance 1, more than
+              its pool holds at once (it queues or preempts).
+Not yet: a link cut in network namespaces, a slow DNS answer.
+
+Checks, each a line of the summary (exit status 1 when one fails):
+  - every request (the bench runs', the burst's, the kv fault's) either
+    completed with the text a colocated `tandem serve` gives for the same
+    body (greedy and seeded sampling), or failed cleanly: an HTTP error
+    status before the first token, or an error event in the stream after
+    it. A truncated stream, a dropped connection or a wrong token fails;
+  - after the schedule every instance returns to idle: no KV block used or
+    reserved, no request running or waiting, no transfer in flight, no
+    leased, quarantined or held block (/internal/v1/state);
+  - canaries: prompts sent twice after the faults (the second time read
+    from the blocks the first wrote, which reuse blocks the faults
+    freed) answer as the reference does;
+  - no instance holds more file descriptors at the end than after its
+    warm-up (plus --fd-slack), and none grew over the canary round;
+  - after every process exited, no /dev/shm file the cluster's processes
+    mapped and no SysV shared-memory segment they created (ipcs -m -p) is
+    left (other processes on the machine are left out).
+
+Usage:
+  tools/bench/chaos.py --bin-dir build --model PATH [--duration 180]
+      [--seed 1] [--rate 1.0] [--out DIR] [--json OUT]
+"""
+
+import argparse
+import concurrent.futures as cf
+import http.client
+import json
+import os
+import pathlib
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+TOKEN = "chaos-soak-cluster-token"
+READY_RE = re.compile(r"^(?:tandem serve|tandem-prefill|tandem-decode|tandem-router): "
+                      r"listening http=(\S+) grpc=(\S+)")
+KINDS = ("stop", "kill", "disconnect", "burst", "kv")
+CLEAN = re.compile(r"^(http_\d+|stream_error)$")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Inst:
+    """One process of the cluster: started (and restarted) with the same
+    argv and ports."""
+
+    def __init__(self, name, argv, port, log_dir, env=None):
+        self.name, self.argv, self.port = name, [str(a) for a in argv], port
+        self.log_dir = pathlib.Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.env = dict(os.environ, **(env or {}))
+        self.proc = None
+        self.starts = 0
+        self.fd_base = None
+
+    def start(self, timeout=120):
+        self.starts += 1
+        out = self.log_dir / f"{self.name}-{self.starts}.out"
+        err = self.log_dir / f"{self.name}-{self.starts}.err"
+        with open(out, "wb") as fo, open(err, "wb") as fe:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=fo,
+                                         stderr=fe, env=self.env, start_new_session=True)
+        self.err_path = err
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(READY_RE.match(ln) for ln in out.read_text(errors="replace").splitlines()):
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}) before ready:\n"
+                                   + err.read_text(errors="replace")[-3000:])
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name} not ready after {timeout} s")
+
+    def signal(self, sig):
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout=60):
+        """SIGTERM (drain), then SIGKILL; returns the exit status."""
+        if not self.proc:
+            return None
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10)):
+            if self.proc.poll() is not None:
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                pass
+        return self.proc.returncode
+
+    def http(self, method, path, body=None, headers=None, timeout=30):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            r = conn.getresponse()
+            return r.status, r.read()
+        finally:
+            conn.close()
+
+    def state(self):
+        st, data = self.http("GET", "/internal/v1/state",
+                             headers={"X-Tandem-Cluster-Token": TOKEN})
+        if st != 200:
+            raise RuntimeError(f"{self.name}: /internal/v1/state {st}")
+        return json.loads(data)
+
+    def busy(self):
+        """What keeps the instance from idle (empty: idle)."""
+        st = self.state()
+        load, kv, xf = st["load"], st["load"]["kv"], st.get("transfer", {})
+        figs = {"running": load["running"], "waiting": load["waiting"], "kv_used": kv["used"],
+                "kv_reserved": kv["reserved"]}
+        for k in ("in_flight", "leased_blocks", "quarantined_blocks", "held_blocks",
+                  "awaiting_consume"):
+            figs[k] = xf.get(k, 0)
+        return {k: v for k, v in figs.items() if v}
+
+    def fds(self):
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def log(self):
+        return "".join(p.read_text(errors="replace")
+                       for p in sorted(self.log_dir.glob(f"{self.name}-*.err")))
+
+
+class ShmWatch:
+    """Which shared memory the cluster's processes used: every 1 s, the
+    /dev/shm files each maps (/proc/PID/maps) and every pid seen. Other
+    processes on the machine (tests running beside this one) are left
+    out: what is left after ours exited is what ours leaked."""
+
+    def __init__(self, procs):
+        self.procs, self.names, self.pids = procs, set(), set()
+        self.stop_ev = threading.Event()
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+        self.thread.start()
+
+    def sample(self):
+        for x in self.procs():
+            if not x.proc or x.proc.poll() is not None:
+                continue
+            self.pids.add(x.proc.pid)
+            try:
+                with open(f"/proc/{x.proc.pid}/maps") as f:
+                    for ln in f:
+                        m = re.search(r"/dev/shm/(\S+)", ln)
+                        if m:
+                            self.names.add(m.group(1))
+            except OSError:
+                pass
+
+    def loop(self):
+        while not self.stop_ev.wait(1.0):
+            self.sample()
+
+    def left(self):
+        """(/dev/shm files ours mapped that still exist, SysV segments ours
+        created that still exist), once every process of ours exited."""
+        self.stop_ev.set()
+        self.thread.join()
+        shm = sorted(self.names & set(os.listdir("/dev/shm")))
+        out = subprocess.run(["ipcs", "-m", "-p"], capture_output=True, text=True,
+                             check=False).stdout
+        sysv = sorted(f[0] for f in (ln.split() for ln in out.splitlines())
+                      if len(f) >= 4 and f[0].isdigit() and f[2].isdigit()
+                      and int(f[2]) in self.pids)
+        return shm, sysv
+
+
+def stream_request(port, body, drop=None, timeout=120):
+    """One streamed completion: (status, text, error_kind). drop: "first"
+    drops the connection after the first text, a float drops it after
+    that many seconds without reading (mid-prefill)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    body = dict(body, stream=True)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        if isinstance(drop, float):
+            time.sleep(drop)
+            return None, "", "dropped"
+        r = conn.getresponse()
+        if r.status != 200:
+            r.read()
+            return r.status, "", f"http_{r.status}"
+        text, done = [], False
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                done = True
+                break
+            obj = json.loads(payload)
+            if obj.get("error") is not None:
+                return 200, "".join(text), "stream_error"
+            for ch in obj.get("choices") or []:
+                text.append(ch.get("text") or "")
+            if drop == "first" and "".join(text):
+                return 200, "".join(text), "dropped"
+        return 200, "".join(text), None if done else "incomplete_stream"
+    except (OSError, http.client.HTTPException) as e:
+        return None, "", f"connection: {e!r}"
+    finally:
+        conn.close()
+
+
+def words_prompt(rng, n):
+    """A prompt of about n tokens of common words (the model's tokenizer
+    makes about one token of each)."""
+    words = ("the of and to in is was for on that with as by at from his an were are which "
+             "this be or has had not but first one their its new after who they have two her "
+             "she been other when there all during into school time may years more most only "
+             "over city some world would where later up such used many can state about").split()
+    return " ".join(rng.choice(words) for _ in range(n))
+
+
+class Soak:
+    def __init__(self, a):
+        self.a = a
+        self.rng = random.Random(a.seed)
+        self.out = pathlib.Path(a.out or tempfile.mkdtemp(prefix="tandem-chaos-"))
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.bin = pathlib.Path(a.bin_dir)
+        self.extra = []  # (body, status, text, error_kind, what): the chaos client's own
+        self.lock = threading.Lock()
+        self.faults = []  # (t, kind, target, detail)
+        self.failures = []
+
+    # ---------------------------------------------------------------- cluster
+
+    def make_cluster(self):
+        a, b = self.a, self.bin
+        self.ps = []
+        for i in range(2):
+            port = free_port()
+            self.ps.append(Inst(f"prefill{i}", [b / "tandem-prefill", "--model", a.model,
+                                                "--threads", 1, "--cluster-token", TOKEN,
+                                                "--port", port], port, self.out))
+        plist = ",".join(f"127.0.0.1:{p.port}" for p in self.ps)
+        self.ds = []
+        for i in range(2):
+            port, gport = free_port(), free_port()
+            self.ds.append(Inst(f"decode{i}", [
+                b / "tandem-decode", "--model", a.model, "--threads", 1, "--cluster-token", TOKEN,
+                "--port", port, "--grpc-port", gport, "--prefill", plist,
+                "--transfer-deadline-ms", 3000, "--lease-ms", 1500, "--kv-blocks", a.kv_blocks],
+                port, self.out))
+        rport = free_port()
+        self.router = Inst("router", [
+            b / "tandem-router", "--model", a.model, "--cluster-token", TOKEN, "--port", rport,
+            "--grpc-port", -1, "--prefill", plist,
+            "--decode", ",".join(f"127.0.0.1:{d.port}" for d in self.ds),
+            "--poll-interval-ms", 100, "--max-queued", 64, "--queue-timeout", 60,
+            # prompts under 128 uncached tokens prefill on D, the rest on P
+            "--local-prefill-threshold", 128, "--local-prefill-max-tokens", 0], rport, self.out)
+        self.insts = self.ps + self.ds
+        for x in self.insts + [self.router]:
+            x.start()
+
+    def wait_idle(self, timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            busy = {}
+            for x in self.insts:
+                try:
+                    b = x.busy()
+                except (OSError, RuntimeError, http.client.HTTPException, ValueError) as e:
+                    b = {"error": repr(e)}
+                if b:
+                    busy[x.name] = b
+            if not busy:
+                return None
+            if time.monotonic() > deadline:
+                return busy
+            time.sleep(0.2)
+
+    def wait_linked(self, timeout=60):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if all(sum(p["ready"] for p in d.state()["transfer"]["peers"]) == 2
+                       for d in self.ds):
+                    return True
+            except (OSError, RuntimeError, KeyError, ValueError, http.client.HTTPException):
+                pass
+            time.sleep(0.2)
+        return False
+
+    # ---------------------------------------------------------------- faults
+
+    def schedule(self):
+        a = self.a
+        kinds = [k for k in a.faults.split(",") if k]
+        for k in kinds:
+            if k not in KINDS:
+                raise SystemExit(f"chaos: unknown fault kind {k!r} (known: {', '.join(KINDS)})")
+        lo, hi = 0.10 * a.duration, 0.85 * a.duration
+        n = max(len(kinds), int((hi - lo) // 20))
+        plan = [kinds[i % len(kinds)] for i in range(n)]
+        self.rng.shuffle(plan)
+        slot = (hi - lo) / n
+        out = []
+        for i, k in enumerate(plan):
+            t = lo + i * slot + self.rng.uniform(0, max(0.0, slot - 12))
+            out.append((t, k))
+        return out
+
+    def record(self, body, res, what):
+        with self.lock:
+            self.extra.append((body, res[0], res[1], res[2], what))
+
+    def body(self, n_prompt, max_tokens, sampled):
+        b = {"prompt": words_prompt(self.rng, n_prompt), "max_tokens": max_tokens,
+             "temperature": 0.8 if sampled else 0, "ignore_eos": True, "min_tokens": max_tokens}
+        if sampled:
+            b["seed"] = self.rng.randrange(1 << 30)
+        return b
+
+    def fault(self, kind, t0):
+        rng = self.rng
+        if kind in ("stop", "kill"):
+            x = rng.choice(self.insts)
+            # when it has work in flight (a prefill job, a running request),
+            # waiting at most 10 s
+            until = time.monotonic() + 10
+            while time.monotonic() < until:
+                try:
+                    st = x.state()
+                    if st.get("transfer", {}).get("in_flight", 0) or st["load"]["running"]:
+                        break
+                except (OSError, RuntimeError, KeyError, ValueError, http.client.HTTPException):
+                    pass
+                time.sleep(0.05)
+            if kind == "stop":
+                x.signal(signal.SIGSTOP)
+                time.sleep(6)
+                x.signal(signal.SIGCONT)
+                return x.name, "SIGSTOP, SIGCONT 6 s later"
+            self.shm.sample()  # what it maps, before it goes
+            x.signal(signal.SIGKILL)
+            x.proc.wait()
+            time.sleep(2)
+            x.start()
+            x.fd_base = None  # a new process: no baseline from the warm-up
+            return x.name, "SIGKILL, restarted 2 s later (a new epoch)"
+        if kind == "disconnect":
+            bodies = [(self.body(rng.randrange(200, 400), 32, False), "first") for _ in range(3)]
+            bodies += [(self.body(rng.randrange(300, 400), 16, False), rng.uniform(0.05, 0.3))
+                       for _ in range(3)]
+            with cf.ThreadPoolExecutor(6) as ex:
+                list(ex.map(lambda bd: stream_request(self.router.port, bd[0], bd[1]), bodies))
+            return "router", "3 after the first token, 3 mid-prefill"
+        if kind == "burst":
+            n = max(3, int(3 * 2 * self.a.rate * 5))  # 3x both bench runs' rate, 5 s
+            bodies = [self.body(rng.randrange(64, 400), rng.randrange(8, 33), i % 2 == 1)
+                      for i in range(n)]
+
+            def one(i):
+                time.sleep(5.0 * i / n)
+                self.record(bodies[i], stream_request(self.router.port, bodies[i]), "burst")
+            with cf.ThreadPoolExecutor(n) as ex:
+                list(ex.map(one, range(n)))
+            return "router", f"{n} requests over 5 s"
+        if kind == "kv":
+            d = self.ds[1]
+            bodies = [self.body(rng.randrange(600, 800), 300, i % 2 == 1) for i in range(8)]
+            with cf.ThreadPoolExecutor(8) as ex:
+                res = list(ex.map(lambda bd: stream_request(d.port, bd, timeout=600), bodies))
+            for bd, r in zip(bodies, res):
+                self.record(bd, r, "kv")
+            return d.name, "8 x ~700 prompt + 300 output tokens"
+        raise AssertionError(kind)
+
+    def run_faults(self, t_start, plan):
+        for t, kind in plan:
+            wait = t_start + t - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            t_at = time.monotonic() - t_start
+            try:
+                target, detail = self.fault(kind, t_start)
+            except Exception as e:  # noqa: BLE001 - a fault that could not run is a failure
+                target, detail = "?", f"could not run: {e!r}"
+                self.failures.append(f"fault {kind} at {t_at:.0f} s: {e!r}")
+            self.faults.append((round(t_at, 1), kind, target, detail))
+            print(f"chaos: {t_at:6.1f} s  {kind:<10} {target:<9} {detail}", flush=True)
+
+    # ---------------------------------------------------------------- run
+
+    def bench(self, name, extra):
+        a = self.a
+        n = max(1, int(a.rate * a.duration))
+        cmd = [self.bin / "tandem", "bench", "--url", f"http://127.0.0.1:{self.router.port}",
+               "--num-prompts", n, "--request-rate", a.rate, "--input-len", "64:400",
+               "--output-len", "8:32", "--seed", a.seed, "--timeout", 300, "--no-progress",
+               "--record-text", "--json", self.out / f"{name}.json", *extra]
+        return subprocess.Popen([str(c) for c in cmd], stdout=open(self.out / f"{name}.out", "w"),
+                                stderr=subprocess.STDOUT)
+
+    def reference(self, bodies):
+        """The colocated instance's text for each body (non-streamed)."""
+        port = free_port()
+        ref = Inst("reference", [self.bin / "tandem", "serve", "--model", self.a.model,
+                                 "--threads", os.cpu_count() or 1, "--port", port,
+                                 "--grpc-port", -1, "--kv-blocks", 1024], port, self.out)
+        ref.start()
+
+        def one(b):
+            b = {k: v for k, v in b.items() if k not in ("stream", "stream_options")}
+            st, data = ref.http("POST", "/v1/completions", json.dumps(b).encode(),
+                                {"Content-Type": "application/json"}, timeout=600)
+            if st != 200:
+                raise RuntimeError(f"reference: {st} {data[:300]!r}")
+            return json.loads(data)["choices"][0]["text"]
+        try:
+            with cf.ThreadPoolExecutor(8) as ex:
+                return list(ex.map(one, bodies))
+        finally:
+            ref.stop()
+
+    def main(self):
+        self.ps, self.ds, self.insts, self.router = [], [], [], None
+        self.shm = ShmWatch(lambda: list(self.insts) + ([self.router] if self.router else []))
+        try:
+            self.make_cluster()
+            return self.soak()
+        finally:
+            for x in ([self.router] if self.router else []) + self.ds + self.ps:
+                x.stop()
+
+    def soak(self):
+        a = self.a
+        if not self.wait_linked():
+            self.failures.append("the decode instances did not link to both prefill instances")
+            return self.report({})
+        # warm-up: every pair once (D round-robins its P), and the router
+        for port in [d.port for d in self.ds for _ in range(2)] + [self.router.port] * 2:
+            r = stream_request(port, self.body(300, 4, False), timeout=300)
+            if r[2]:
+                self.failures.append(f"warm-up request failed: {r}")
+        if self.wait_idle(60):
+            self.failures.append("not idle after the warm-up")
+        for x in self.insts:
+            x.fd_base = x.fds()
+        plan = self.schedule()
+        t0 = time.monotonic()
+        runs = [self.bench("greedy", []),
+                self.bench("sampled", ["--temperature", 0.8, "--request-seed", 1000,
+                                       "--seed", a.seed + 1])]
+        self.run_faults(t0, plan)
+        for r in runs:
+            r.wait()
+        t_load = time.monotonic() - t0
+        # every instance back at idle
+        busy = self.wait_idle(120)
+        if busy:
+            self.failures.append(f"not idle after the schedule: {busy}")
+        fd_end = {x.name: x.fds() for x in self.insts}
+        # canaries: each twice (the second reads the blocks the first wrote)
+        canaries = [self.body(rng_n, 16, False) for rng_n in (380, 300, 220, 350)]
+        canary_out = []
+        for _ in range(2):
+            canary_out.append([stream_request(self.router.port, c) for c in canaries])
+        busy = self.wait_idle(60)
+        if busy:
+            self.failures.append(f"not idle after the canaries: {busy}")
+        fd_after = {x.name: x.fds() for x in self.insts}
+        # the outcomes
+        records = []
+        for name in ("greedy", "sampled"):
+            try:
+                rep = json.loads((self.out / f"{name}.json").read_text())
+            except (OSError, ValueError) as e:
+                self.failures.append(f"bench {name}: no report ({e!r}): "
+                                     + (self.out / f"{name}.out").read_text()[-2000:])
+                continue
+            for r in rep["requests"]:
+                records.append((r["body"], 200 if r["success"] else None, r.get("text", ""),
+                                None if r["success"] else r["error_kind"], name))
+        records += self.extra
+        for rnd in canary_out:
+            for c, res in zip(canaries, rnd):
+                records.append((c, res[0], res[1], res[2], "canary"))
+        done = [r for r in records if r[3] is None]
+        want = self.reference([r[0] for r in done])
+        table = {}
+        for r, w in zip(done, want):
+            row = table.setdefault(r[4], {"correct": 0, "wrong": 0, "clean_error": 0,
+                                          "unclean": 0})
+            if r[2] == w:
+                row["correct"] += 1
+            else:
+                row["wrong"] += 1
+                self.failures.append(f"{r[4]}: wrong answer for {json.dumps(r[0])[:200]}: "
+                                     f"got {r[2][:80]!r}, the reference {w[:80]!r}")
+        for r in records:
+            if r[3] is None:
+                continue
+            row = table.setdefault(r[4], {"correct": 0, "wrong": 0, "clean_error": 0,
+                                          "unclean": 0})
+            if CLEAN.match(r[3]):
+                row["clean_error"] += 1
+            else:
+                row["unclean"] += 1
+                self.failures.append(f"{r[4]}: unclean failure {r[3]!r}")
+        for x in self.insts:
+            if x.fd_base is not None and fd_end[x.name] > x.fd_base + a.fd_slack:
+                self.failures.append(f"{x.name}: {fd_end[x.name]} fds at the end, "
+                                     f"{x.fd_base} after the warm-up")
+            if fd_after[x.name] > fd_end[x.name] + a.fd_slack:
+                self.failures.append(f"{x.name}: fds grew over the canaries "
+                                     f"({fd_end[x.name]} -> {fd_after[x.name]})")
+        fences = {d.name: len(re.findall(r"fencing it", d.log())) for d in self.ds}
+        blocks = {}
+        for x in self.insts:
+            try:
+                st = x.state()
+                blocks[x.name] = {"kv": st["load"]["kv"], "transfer": {
+                    k: st.get("transfer", {}).get(k) for k in (
+                        "in_flight", "leased_blocks", "quarantined_blocks", "held_blocks")}}
+            except (OSError, RuntimeError, ValueError, http.client.HTTPException) as e:
+                blocks[x.name] = repr(e)
+        self.shm.sample()
+        for x in [self.router] + self.ds + self.ps:  # the decode instances before their peers
+            x.stop()
+        leaked_shm, leaked_sysv = self.shm.left()
+        if leaked_shm or leaked_sysv:
+            self.failures.append(f"shared memory left behind: /dev/shm {leaked_shm}, "
+                                 f"SysV {leaked_sysv}")
+        return self.report({"load_s": round(t_load, 1), "outcomes": table, "blocks": blocks,
+                            "shm_watched": {"dev_shm_files": len(self.shm.names),
+                                            "processes": len(self.shm.pids)},
+                            "fds": {x.name: {"after_warmup": x.fd_base, "end": fd_end[x.name],
+                                             "after_canaries": fd_after[x.name],
+                                             "starts": x.starts} for x in self.insts},
+                            "fences": fences, "shm_left": leaked_shm, "sysv_left": leaked_sysv})
+
+    def report(self, figs):
+        out = {"duration_s": self.a.duration, "seed": self.a.seed, "rate": self.a.rate,
+               "faults": [{"t_s": t, "kind": k, "target": x, "detail": d}
+                          for t, k, x, d in self.faults],
+               **figs, "failures": self.failures, "ok": not self.failures, "logs": str(self.out)}
+        if self.a.json:
+            pathlib.Path(self.a.json).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"\nchaos soak: {len(self.faults)} faults over {self.a.duration:.0f} s "
+              f"(seed {self.a.seed}), logs in {self.out}")
+        for t, k, x, d in self.faults:
+            print(f"  {t:6.1f} s  {k:<10} {x:<9} {d}")
+        if figs.get("outcomes"):
+            print(f"  {'requests':<10} {'correct':>8} {'wrong':>6} {'clean err':>10} "
+                  f"{'unclean':>8}")
+            for k, row in sorted(figs["outcomes"].items()):
+                print(f"  {k:<10} {row['correct']:>8} {row['wrong']:>6} {row['clean_error']:>10} "
+                      f"{row['unclean']:>8}")
+        for name, b in figs.get("blocks", {}).items():
+            print(f"  {name}: {b}")
+        if "fds" in figs:
+            print("  fds:", {k: (v["after_warmup"], v["end"], v["after_canaries"])
+                             for k, v in figs["fds"].items()})
+            print("  fences of a prefill instance by D:", figs["fences"])
+            print(f"  shared memory: {figs['shm_watched']['dev_shm_files']} /dev/shm files "
+                  f"mapped by {figs['shm_watched']['processes']} processes; left after they "
+                  f"exited: /dev/shm {figs['shm_left']}, SysV {figs['sysv_left']}")
+        for f in self.failures:
+            print("FAIL:", f)
+        print("chaos soak:", "ok" if not self.failures else f"{len(self.failures)} failures")
+        return 0 if not self.failures else 1
+
+
+def main(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bin-dir", required=True, help="the build directory (tandem, tandem-*)")
+    p.add_argument("--model", required=True, help="the model every instance serves")
+    p.add_argument("--duration", type=float, default=180, help="seconds of load (default 180)")
+    p.add_argument("--seed", type=int, default=1, help="prompts, arrivals and the fault schedule")
+    p.add_argument("--rate", type=float, default=0.5,
+                   help="requests/s of each of the two bench runs (default 0.5)")
+    p.add_argument("--faults", default=",".join(KINDS),
+                   help=f"fault kinds, comma-separated (default {','.join(KINDS)})")
+    p.add_argument("--kv-blocks", type=int, default=256,
+                   help="the decode instances' KV pool in blocks (default 256)")
+    p.add_argument("--fd-slack", type=int, default=8,
+                   help="file descriptors an instance may hold beyond its warm-up count")
+    p.add_argument("--out", help="logs and reports here (default: a new temporary directory)")
+    p.add_argument("--json", help="write the summary as JSON here")
+    a = p.parse_args(argv)
+    return Soak(a).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
