@@ -13,6 +13,7 @@ void td_dj_sent(td_dj *j, const td_dj_timing *t, double now) {
     j->start_by = now + t->start_s;
     j->heard = now;
     j->lease_end = now + t->lease_s;
+    j->grace_s = t->grace_s;
 }
 
 bool td_dj_live(const td_dj *j) { return j->state == TD_DJ_WAITING || j->state == TD_DJ_RUNNING; }
@@ -40,7 +41,7 @@ int td_dj_on_msg(td_dj *j, td_dj_msg m, int32_t tokens, double now) {
                 /* P said it started: a rejection now is not P's word that
                  * nothing writes (P never rejects what it took) */
                 j->state = TD_DJ_ABORTING;
-                j->ack_by = TD_MAX(now, j->lease_end);
+                j->ack_by = TD_MAX(now, j->lease_end) + j->grace_s;
                 return TD_DJ_ABORT | TD_DJ_LOCAL_FRESH;
             }
             j->state = TD_DJ_ENDED;

@@ -60,6 +60,7 @@ typedef struct {
     double heard;     /* RUNNING: P's last progress */
     double lease_end; /* the end of the last lease granted to P */
     double ack_by;    /* ABORTING: P's word awaited until then */
+    double grace_s;   /* the timing's, for the messages' transitions */
     int32_t tokens;   /* prompt positions P reported */
 } td_dj;
 

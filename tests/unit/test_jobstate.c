@@ -439,6 +439,13 @@ static void test_dj_table(void **state) {
     td_dj_sent(&j, &TIMING, 0.0);
     assert_int_equal(td_dj_fenced(&j), TD_DJ_LOCAL_FRESH);
     assert_int_equal(td_dj_fenced(&j), 0);
+    /* a rejection of a started job: P's word is awaited a grace after its
+     * lease (3.0 from the sending at 0.0), as for any job given up */
+    td_dj_sent(&j, &TIMING, 0.0);
+    td_dj_on_msg(&j, TD_DJ_MSG_PROGRESS, 16, 0.5);
+    assert_int_equal(td_dj_on_msg(&j, TD_DJ_MSG_REJECTED, 0, 1.0), TD_DJ_ABORT | TD_DJ_LOCAL_FRESH);
+    assert_int_equal(td_dj_tick(&j, &TIMING, 6.0), 0);
+    assert_int_equal(td_dj_tick(&j, &TIMING, 6.01), TD_DJ_FENCE);
     /* the start deadline: 3.0 s after sending, not before */
     td_dj_sent(&j, &TIMING, 10.0);
     assert_int_equal(td_dj_tick(&j, &TIMING, 13.0), 0);
