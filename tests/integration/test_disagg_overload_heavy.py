@@ -45,6 +45,16 @@ def prompt(rng, n):
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
+def texts(srv, bodies):
+    """The completion text srv gives for each body."""
+    out = []
+    for b in bodies:
+        st, o = srv.post_json("/v1/completions", b, timeout=300)
+        assert st == 200, o
+        out.append(o["choices"][0]["text"])
+    return out
+
+
 def test_busy_prefill_is_never_fenced(tandem_bin, default_model, tmp_path):
     rng = random.Random(1)
     bodies = [{"prompt": prompt(rng, rng.randrange(380, 420)), "max_tokens": 16,
@@ -52,11 +62,7 @@ def test_busy_prefill_is_never_fenced(tandem_bin, default_model, tmp_path):
     ref = Server.start(tandem_bin, default_model, ["--threads", "1"], tmp_path / "ref",
                        ready_timeout=120)
     try:
-        want = []
-        for b in bodies:
-            st, out = ref.post_json("/v1/completions", b, timeout=300)
-            assert st == 200, out
-            want.append(out["choices"][0]["text"])
+        want = texts(ref, bodies)
     finally:
         ref.close()
     pr = Pair(tandem_bin, tmp_path, default_model, ready_timeout=120,
@@ -99,11 +105,7 @@ def test_would_miss_is_rejected_at_once(tandem_bin, default_model, tmp_path):
         t0 = time.monotonic()
         ref.post_json("/v1/completions", dict(bodies[0], max_tokens=1), timeout=300)
         t1 = time.monotonic() - t0
-        want = []
-        for b in bodies:
-            st, out = ref.post_json("/v1/completions", b, timeout=300)
-            assert st == 200, out
-            want.append(out["choices"][0]["text"])
+        want = texts(ref, bodies)
     finally:
         ref.close()
     deadline_ms = max(1000, int(3 * t1 * 1e3))

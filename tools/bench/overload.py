@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""Goodput under overload, through the router (issue 19's benchmark).
+
+For each build (--build NAME=DIR, the directory with tandem, tandem-prefill,
+tandem-decode and tandem-router) and each topology (--topology 1p1d,2p2d:
+that many prefill and decode instances, one compute thread each, behind a
+tandem-router on loopback), it sweeps the request rate upwards (Poisson
+arrivals, `tandem bench`, --duration seconds a run) until goodput stops
+growing, takes the rate where it peaked, and runs again at 2x and 3x that
+rate for the same duration. Goodput: requests per second that completed
+within the SLO (default TTFT 2 s, TPOT 100 ms); a 429 or any other error
+counts as not good. It also counts the fences of a live prefill instance
+(every decode instance's log: "fencing it") in each run.
+
+The table: per build and topology, the peak and the 2x / 3x runs with
+their goodput as a share of the peak (the bar: >= 90% at 2x, >= 80% at
+3x) and their fences, errors and TTFT P50 / TPOT P50. --json keeps every
+run's figures. Run the builds side by side in one invocation so that they
+share the machine's state.
+
+Usage:
+  tools/bench/overload.py --build old=/tmp/old/build --build new=build \\
+      --build new-reject=build,--reject-unmeetable,--ttft-slo-ms,2000 \\
+      --model ~/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+      [--topology 1p1d,2p2d] [--duration 60] [--start-rate 0.25] [--json OUT]
+"""
+
+import argparse
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from chaos import TOKEN, Inst, free_port  # noqa: E402  (the same process handling)
+
+
+class Cluster:
+    def __init__(self, bin_dir, model, n_p, n_d, out, extra_r=()):
+        b = pathlib.Path(bin_dir)
+        self.ps, self.ds = [], []
+        for i in range(n_p):
+            port = free_port()
+            self.ps.append(Inst(f"prefill{i}", [b / "tandem-prefill", "--model", model,
+                                                "--threads", 1, "--cluster-token", TOKEN,
+                                                "--port", port], port, out))
+        plist = ",".join(f"127.0.0.1:{p.port}" for p in self.ps)
+        for i in range(n_d):
+            port = free_port()
+            self.ds.append(Inst(f"decode{i}", [
+                b / "tandem-decode", "--model", model, "--threads", 1, "--cluster-token", TOKEN,
+                "--port", port, "--grpc-port", free_port(), "--prefill", plist],
+                port, out))
+        rport = free_port()
+        self.router = Inst("router", [
+            b / "tandem-router", "--model", model, "--cluster-token", TOKEN, "--port", rport,
+            "--grpc-port", -1, "--prefill", plist,
+            "--decode", ",".join(f"127.0.0.1:{d.port}" for d in self.ds),
+            "--poll-interval-ms", 100, *extra_r], rport, out)
+        self.all = self.ps + self.ds + [self.router]
+
+    def __enter__(self):
+        for x in self.all:
+            x.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if all(sum(p["ready"] for p in d.state()["transfer"]["peers"]) == len(self.ps)
+                       for d in self.ds):
+                    break
+            except (OSError, RuntimeError, KeyError, ValueError):
+                pass
+            time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc):
+        for x in [self.router] + self.ds + self.ps:
+            x.stop()
+
+    def fences(self):
+        return sum(len(re.findall(r"fencing it", d.log())) for d in self.ds)
+
+    def wait_idle(self, timeout=120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if not any(x.busy() for x in self.ps + self.ds):
+                    return True
+            except (OSError, RuntimeError, KeyError, ValueError):
+                pass
+            time.sleep(0.2)
+        return False
+
+
+def bench(bin_dir, port, rate, a, out_json, seed):
+    n = max(1, round(rate * a.duration))
+    cmd = [pathlib.Path(bin_dir) / "tandem", "bench", "--url", f"http://127.0.0.1:{port}",
+           "--num-prompts", n, "--request-rate", rate, "--input-len", a.input_len,
+           "--output-len", a.output_len, "--seed", seed, "--slo", a.slo, "--timeout", 300,
+           "--no-progress", "--json", out_json]
+    subprocess.run([str(c) for c in cmd], stdout=subprocess.DEVNULL, check=False)
+    rep = json.loads(pathlib.Path(out_json).read_text())
+    # the run's length is its arrivals' span, the same at every rate
+    good = rep["good_requests"] or 0
+    return {"rate": rate, "requests": rep["num_prompts"], "completed": rep["completed"],
+            "errors": rep["errors"], "good": good, "goodput": good / a.duration,
+            "ttft_p50_ms": (rep["ttft_ms"] or {}).get("p50"),
+            "tpot_p50_ms": (rep["tpot_ms"] or {}).get("p50")}
+
+
+def one(name, bin_dir, topo, a, out, extra_r):
+    n_p, n_d = int(topo[0]), int(topo[2])
+    runs = []
+    with Cluster(bin_dir, a.model, n_p, n_d, out / f"{name}-{topo}", extra_r) as c:
+        def run(rate, what):
+            f0 = c.fences()
+            r = bench(bin_dir, c.router.port, rate, a, out / f"{name}-{topo}-{what}-{rate}.json",
+                      a.seed)
+            c.wait_idle()
+            r["fences"] = c.fences() - f0
+            r["what"] = what
+            runs.append(r)
+            print(f"{name} {topo} {what:<6} rate {rate:6.2f}/s: goodput {r['goodput']:.2f}/s "
+                  f"({r['good']}/{r['requests']}), errors {r['errors']}, fences {r['fences']}",
+                  flush=True)
+            return r
+        run(a.start_rate, "warm")  # speeds measured, endpoints made
+        best, rate = None, a.start_rate
+        while True:
+            r = run(rate, "sweep")
+            if best is None or r["goodput"] > best["goodput"]:
+                best = r
+            elif r["goodput"] < best["goodput"] * 0.95 or rate >= 8 * best["rate"]:
+                break
+            rate *= 1.5
+        peak = best["rate"]
+        for k in (2, 3):
+            run(peak * k, f"{k}x")
+    return {"build": name, "topology": topo, "peak_rate": peak, "peak_goodput": best["goodput"],
+            "runs": runs}
+
+
+def main(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--build", action="append", required=True,
+                   help="NAME=DIR[,ROUTER-ARG...] (repeatable): a build and the extra arguments "
+                   "of its router, e.g. new=build,--reject-unmeetable,--ttft-slo-ms,2000")
+    p.add_argument("--model", required=True)
+    p.add_argument("--topology", default="1p1d,2p2d")
+    p.add_argument("--duration", type=float, default=60)
+    p.add_argument("--start-rate", type=float, default=0.25)
+    p.add_argument("--input-len", default="64:512")
+    p.add_argument("--output-len", default="16:64")
+    p.add_argument("--slo", default="ttft:2000,tpot:100")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", help="logs and bench reports (default: a new temporary directory)")
+    p.add_argument("--json", help="every run's figures")
+    a = p.parse_args(argv)
+    out = pathlib.Path(a.out or tempfile.mkdtemp(prefix="tandem-overload-"))
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for topo in a.topology.split(","):
+        if not re.fullmatch(r"\dp\dd", topo):
+            raise SystemExit(f"overload: topology {topo!r} is not like 1p1d")
+        for spec in a.build:
+            name, _, rest = spec.partition("=")
+            d, *extra_r = rest.split(",")
+            results.append(one(name, d, topo, a, out, extra_r))
+    print("\n| build | topology | peak rate | peak goodput | 2x goodput (share) | "
+          "3x goodput (share) | fences at 2x / 3x | errors at 3x |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        x = {k["what"]: k for k in r["runs"]}
+        pk = r["peak_goodput"] or float("nan")
+        print(f"| {r['build']} | {r['topology']} | {r['peak_rate']:.2f}/s | {pk:.2f}/s | "
+              f"{x['2x']['goodput']:.2f}/s ({x['2x']['goodput'] / pk:.0%}) | "
+              f"{x['3x']['goodput']:.2f}/s ({x['3x']['goodput'] / pk:.0%}) | "
+              f"{x['2x']['fences']} / {x['3x']['fences']} | {x['3x']['errors']} |")
+    if a.json:
+        pathlib.Path(a.json).write_text(json.dumps({"duration_s": a.duration, "slo": a.slo,
+                                                    "input_len": a.input_len,
+                                                    "output_len": a.output_len,
+                                                    "results": results}, indent=1) + "\n")
+    print(f"logs in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
