@@ -94,8 +94,8 @@ td_status td_rt_route_locked(td_router *r, rt_req *q, td_rt_choice *c) {
     if (q->admitting && r->p.reject_unmeetable && r->p.ttft_slo_ms > 0) {
         /* the chosen pair's queue at its measured speed (unknown: taken) */
         int32_t at = c->p >= 0 ? c->p : c->d;
-        int32_t abs = vi[at].block_size > 0 ? vi[at].block_size : 16;
-        double ms = td_rt_expected_ms(&vi[at], (int64_t)q->n_prompt - (int64_t)overlap[at] * abs);
+        int32_t at_bs = vi[at].block_size > 0 ? vi[at].block_size : 16;
+        double ms = td_rt_expected_ms(&vi[at], (int64_t)q->n_prompt - (int64_t)overlap[at] * at_bs);
         if (ms > r->p.ttft_slo_ms) {
             TD_LOG_INFO("request %s: its first token expected in %.0f ms on %s, past the %.0f ms "
                         "SLO: 429",
