@@ -593,7 +593,8 @@ static void d_on_msg(td_xfer *x, const td_xfer_inbox_msg *im) {
         td_xfer_msg_free(m);
         return;
     }
-    int a = td_dj_on_msg(&j->fsm, k, tokens, im->arrival_s);
+    td_dj_timing tm = d_timing(x);
+    int a = td_dj_on_msg(&j->fsm, &tm, k, tokens, im->arrival_s);
     if (what)
         TD_LOG_INFO("request %s: prefill instance %s %s: %s", j->id, j->peer->addr, what, text);
     if (k == TD_DJ_MSG_REJECTED && d_rejected(x, j, m->prefill_rejected, a, im->arrival_s)) {

@@ -13,7 +13,6 @@ void td_dj_sent(td_dj *j, const td_dj_timing *t, double now) {
     j->start_by = now + t->start_s;
     j->heard = now;
     j->lease_end = now + t->lease_s;
-    j->grace_s = t->grace_s;
 }
 
 bool td_dj_live(const td_dj *j) { return j->state == TD_DJ_WAITING || j->state == TD_DJ_RUNNING; }
@@ -25,7 +24,7 @@ static int give_up(td_dj *j, const td_dj_timing *t, double now) {
     return TD_DJ_ABORT | (j->gone ? 0 : TD_DJ_LOCAL_FRESH);
 }
 
-int td_dj_on_msg(td_dj *j, td_dj_msg m, int32_t tokens, double now) {
+int td_dj_on_msg(td_dj *j, const td_dj_timing *t, td_dj_msg m, int32_t tokens, double now) {
     switch (j->state) {
     case TD_DJ_WAITING:
     case TD_DJ_RUNNING:
@@ -37,13 +36,9 @@ int td_dj_on_msg(td_dj *j, td_dj_msg m, int32_t tokens, double now) {
             return 0;
         case TD_DJ_MSG_DONE: j->state = TD_DJ_ENDED; return TD_DJ_DECODE;
         case TD_DJ_MSG_REJECTED:
-            if (j->state == TD_DJ_RUNNING) {
-                /* P said it started: a rejection now is not P's word that
-                 * nothing writes (P never rejects what it took) */
-                j->state = TD_DJ_ABORTING;
-                j->ack_by = TD_MAX(now, j->lease_end) + j->grace_s;
-                return TD_DJ_ABORT | TD_DJ_LOCAL_FRESH;
-            }
+            /* P said it started: a rejection now is not P's word that
+             * nothing writes (P never rejects what it took) */
+            if (j->state == TD_DJ_RUNNING) return give_up(j, t, now);
             j->state = TD_DJ_ENDED;
             return TD_DJ_LOCAL;
         case TD_DJ_MSG_FAILED:

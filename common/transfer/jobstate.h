@@ -60,7 +60,6 @@ typedef struct {
     double heard;     /* RUNNING: P's last progress */
     double lease_end; /* the end of the last lease granted to P */
     double ack_by;    /* ABORTING: P's word awaited until then */
-    double grace_s;   /* the timing's, for the messages' transitions */
     int32_t tokens;   /* prompt positions P reported */
 } td_dj;
 
@@ -86,7 +85,7 @@ typedef enum {
 /* The request left at now (with its first lease). */
 void td_dj_sent(td_dj *j, const td_dj_timing *t, double now);
 /* A message from P (tokens: JobProgress's). */
-int td_dj_on_msg(td_dj *j, td_dj_msg m, int32_t tokens, double now);
+int td_dj_on_msg(td_dj *j, const td_dj_timing *t, td_dj_msg m, int32_t tokens, double now);
 /* Time passed: the start deadline, silence, the grace. */
 int td_dj_tick(td_dj *j, const td_dj_timing *t, double now);
 /* The client went (the scheduler's cancel of a waiting sequence). */

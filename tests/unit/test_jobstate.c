@@ -165,7 +165,7 @@ static void d_on(sim *s, const msg *m, double now) {
                   : m->kind == M_REJECTED ? TD_DJ_MSG_REJECTED
                   : m->kind == M_FAILED   ? TD_DJ_MSG_FAILED
                                           : TD_DJ_MSG_ABORTED;
-    d_apply(s, td_dj_on_msg(&s->dj, k, m->tokens, now), now);
+    d_apply(s, td_dj_on_msg(&s->dj, &TIMING, k, m->tokens, now), now);
 }
 
 static void p_answer(sim *s, double now) {
@@ -370,19 +370,21 @@ static void test_ack_lost_fences_after_grace(void **state) {
     (void)state;
     td_dj j;
     td_dj_sent(&j, &TIMING, 0.0);
-    assert_int_equal(td_dj_on_msg(&j, TD_DJ_MSG_PROGRESS, 100, 0.5), 0);
+    assert_int_equal(td_dj_on_msg(&j, &TIMING, TD_DJ_MSG_PROGRESS, 100, 0.5), 0);
     assert_int_equal(j.state, TD_DJ_RUNNING);
     assert_true(td_dj_renew(&j, &TIMING, 1.0));        /* the lease now ends at 4.0 */
     assert_int_equal(td_dj_tick(&j, &TIMING, 3.5), 0); /* 3.0 s of silence: not yet */
     int a = td_dj_tick(&j, &TIMING, 3.51);
     assert_int_equal(a, TD_DJ_ABORT | TD_DJ_LOCAL_FRESH);
     assert_int_equal(j.state, TD_DJ_ABORTING);
-    assert_false(td_dj_renew(&j, &TIMING, 4.0));                         /* no more leases */
-    assert_int_equal(td_dj_on_msg(&j, TD_DJ_MSG_PROGRESS, 200, 4.0), 0); /* not an answer */
-    assert_int_equal(td_dj_tick(&j, &TIMING, 7.0), 0);                   /* lease 4.0 + grace 3.0 */
+    assert_false(td_dj_renew(&j, &TIMING, 4.0)); /* no more leases */
+    assert_int_equal(td_dj_on_msg(&j, &TIMING, TD_DJ_MSG_PROGRESS, 200, 4.0),
+                     0);                               /* not an answer */
+    assert_int_equal(td_dj_tick(&j, &TIMING, 7.0), 0); /* lease 4.0 + grace 3.0 */
     assert_int_equal(td_dj_tick(&j, &TIMING, 7.01), TD_DJ_FENCE);
     assert_int_equal(j.state, TD_DJ_FENCING);
-    assert_int_equal(td_dj_on_msg(&j, TD_DJ_MSG_ABORTED, 0, 7.1), 0); /* too late: the fence */
+    assert_int_equal(td_dj_on_msg(&j, &TIMING, TD_DJ_MSG_ABORTED, 0, 7.1),
+                     0); /* too late: the fence */
     assert_int_equal(td_dj_fenced(&j), 0);
     assert_int_equal(td_dj_fence_done(&j, &TIMING, 4.9), 0); /* lease 4.0 + margin 1.0 */
     assert_int_equal(td_dj_fence_done(&j, &TIMING, 7.2), TD_DJ_RELEASE);
@@ -423,7 +425,7 @@ static void test_dj_table(void **state) {
         td_dj j;
         td_dj_sent(&j, &TIMING, 0.0);
         j.state = rows[i].from;
-        int a = td_dj_on_msg(&j, rows[i].m, 1, 1.0);
+        int a = td_dj_on_msg(&j, &TIMING, rows[i].m, 1, 1.0);
         if (a != rows[i].want || j.state != rows[i].to)
             fail_msg("row %zu: %s + message %d: actions %d state %s (want %d, %s)", i,
                      td_dj_state_name(rows[i].from), (int)rows[i].m, a, td_dj_state_name(j.state),
@@ -442,8 +444,9 @@ static void test_dj_table(void **state) {
     /* a rejection of a started job: P's word is awaited a grace after its
      * lease (3.0 from the sending at 0.0), as for any job given up */
     td_dj_sent(&j, &TIMING, 0.0);
-    td_dj_on_msg(&j, TD_DJ_MSG_PROGRESS, 16, 0.5);
-    assert_int_equal(td_dj_on_msg(&j, TD_DJ_MSG_REJECTED, 0, 1.0), TD_DJ_ABORT | TD_DJ_LOCAL_FRESH);
+    td_dj_on_msg(&j, &TIMING, TD_DJ_MSG_PROGRESS, 16, 0.5);
+    assert_int_equal(td_dj_on_msg(&j, &TIMING, TD_DJ_MSG_REJECTED, 0, 1.0),
+                     TD_DJ_ABORT | TD_DJ_LOCAL_FRESH);
     assert_int_equal(td_dj_tick(&j, &TIMING, 6.0), 0);
     assert_int_equal(td_dj_tick(&j, &TIMING, 6.01), TD_DJ_FENCE);
     /* the start deadline: 3.0 s after sending, not before */
