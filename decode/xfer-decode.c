@@ -150,9 +150,16 @@ static void table_remove(td_xfer *x, djob *j) {
         }
 }
 
-/* Builds and sends j's PrefillRequest to peer pp. Caller holds x->mu. */
-static td_status send_request(td_xfer *x, ppeer *pp, djob *j, const int32_t *blocks,
-                              int32_t n_blocks, int32_t n_cached) {
+/* P's start deadline: ours less a margin, so that P has given the job up
+ * by the time we do. */
+static uint32_t p_deadline_ms(const td_xfer *x) {
+    int margin = TD_MAX(50, x->p.deadline_ms / 10);
+    return (uint32_t)TD_MAX(1, x->p.deadline_ms - margin);
+}
+
+/* Builds and sends j's PrefillRequest (its blocks, n_blocks, n_cached) to
+ * peer pp. Caller holds x->mu. */
+static td_status send_request(td_xfer *x, ppeer *pp, djob *j) {
     td_xfer_cmsg m = TANDEM__INTERNAL__V1__CONTROL_MESSAGE__INIT;
     Tandem__Internal__V1__PrefillRequest r = TANDEM__INTERNAL__V1__PREFILL_REQUEST__INIT;
     Tandem__Internal__V1__RankBlocks rb[TD_COMM_MAX_RANKS], *rbp[TD_COMM_MAX_RANKS];
@@ -160,13 +167,13 @@ static td_status send_request(td_xfer *x, ppeer *pp, djob *j, const int32_t *blo
     r.request_id = j->id;
     r.n_tokens = (size_t)j->n_tokens;
     r.tokens = j->tokens;
-    r.cached_tokens = (uint32_t)n_cached;
+    r.cached_tokens = (uint32_t)j->n_cached;
     /* every rank of this instance uses the same block ids */
     for (int k = 0; k < x->world; k++) {
         tandem__internal__v1__rank_blocks__init(&rb[k]);
         rb[k].rank = (uint32_t)k;
-        rb[k].n_block_ids = (size_t)n_blocks;
-        rb[k].block_ids = (int32_t *)blocks;
+        rb[k].n_block_ids = (size_t)j->n_blocks;
+        rb[k].block_ids = j->blocks;
         rbp[k] = &rb[k];
     }
     r.n_dest = (size_t)x->world;
@@ -180,10 +187,7 @@ static td_status send_request(td_xfer *x, ppeer *pp, djob *j, const int32_t *blo
         r.peer_case = TANDEM__INTERNAL__V1__PREFILL_REQUEST__PEER_EXCHANGE_ID;
         r.exchange_id = pp->exchange_id;
     }
-    /* P's deadline ends a little before ours, so that it has stopped
-     * writing by the time we give up. */
-    int margin = TD_MAX(50, x->p.deadline_ms / 10);
-    r.deadline_ms = (uint32_t)TD_MAX(1, x->p.deadline_ms - margin);
+    r.deadline_ms = p_deadline_ms(x);
     r.deadline_unix_ns = td_xfer_unix_ns() + (uint64_t)r.deadline_ms * 1000000ull;
     j->deadline_unix_ns = r.deadline_unix_ns;
     r.lease_ms = (uint32_t)x->p.lease_ms;
@@ -259,6 +263,21 @@ static ppeer *choose_peer(td_xfer *x, djob *j, double now, bool *saturated) {
     return NULL;
 }
 
+/* Sends job j to P pp and starts its state there (a first offer, or
+ * another P after a refusal). Caller holds x->mu, so no answer is taken
+ * before the state is set. */
+static td_status offer(td_xfer *x, djob *j, ppeer *pp, double now) {
+    td_status st = send_request(x, pp, j);
+    if (st != TD_OK) return st;
+    pp->need_exchange = false;
+    j->peer = pp;
+    j->tried |= 1ull << (pp - x->dc->ppeers);
+    j->t_sent = now;
+    td_dj_timing tm = d_timing(x);
+    td_dj_sent(&j->fsm, &tm, now);
+    return TD_OK;
+}
+
 static bool d_start(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t n_blocks,
                     int32_t n_cached) {
     djob *j = ctx;
@@ -292,18 +311,13 @@ static bool d_start(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t
         return false;
     }
     /* In the table before the request leaves, so its answer finds it. */
-    j->peer = pp;
-    j->tried |= 1ull << (pp - x->dc->ppeers);
     j->sent = true;
     j->n_blocks = n_blocks;
     j->n_cached = n_cached;
-    j->t_sent = td_time_s();
-    td_dj_timing tm = d_timing(x);
-    td_dj_sent(&j->fsm, &tm, j->t_sent);
     atomic_fetch_add(&j->refs, 1);
     j->next = x->dc->djobs;
     x->dc->djobs = j;
-    td_status st = send_request(x, pp, j, j->blocks, n_blocks, n_cached);
+    td_status st = offer(x, j, pp, td_time_s());
     if (st != TD_OK) {
         table_remove(x, j);
         j->sent = false;
@@ -313,7 +327,6 @@ static bool d_start(void *ctx, td_sched_ticket t, const int32_t *blocks, int32_t
         td_metrics_prefill_route(x->p.metrics, false, TD_LOCAL_PREFILL_NO_PEER);
         return false;
     }
-    pp->need_exchange = false;
     pthread_mutex_unlock(&x->mu);
     td_metrics_prefill_route(x->p.metrics, true, TD_LOCAL_PREFILL_COUNT);
     return true;
@@ -516,8 +529,7 @@ static bool d_rejected(td_xfer *x, djob *j, const Tandem__Internal__V1__PrefillR
     case TANDEM__INTERNAL__V1__REJECT_REASON__REJECT_WOULD_MISS_DEADLINE: {
         /* its queue starts a job in expected_start_ms, past the deadline D
          * gives: saturated until that much of it has drained */
-        int margin = TD_MAX(50, x->p.deadline_ms / 10);
-        double over = (r->expected_start_ms - (double)TD_MAX(1, x->p.deadline_ms - margin)) / 1e3;
+        double over = ((double)r->expected_start_ms - p_deadline_ms(x)) / 1e3;
         from->busy_until = TD_MAX(from->busy_until, now + TD_MAX(over, 0.1));
         break;
     }
@@ -531,16 +543,9 @@ static bool d_rejected(td_xfer *x, djob *j, const Tandem__Internal__V1__PrefillR
     ppeer *to = choose_peer(x, j, now, &saturated);
     if (!to) return false;
     /* the same job (id, blocks) to another P: a new deadline from now */
-    td_status st = send_request(x, to, j, j->blocks, j->n_blocks, j->n_cached);
-    if (st != TD_OK) return false;
-    to->need_exchange = false;
+    if (offer(x, j, to, now) != TD_OK) return false;
     TD_LOG_INFO("request %s: offered to prefill instance %s instead", j->id, to->addr);
     td_metrics_kv_transfer_failure(x->p.metrics, TD_XFER_FAIL_REJECTED);
-    j->peer = to;
-    j->tried |= 1ull << (to - x->dc->ppeers);
-    j->t_sent = now;
-    td_dj_timing tm = d_timing(x);
-    td_dj_sent(&j->fsm, &tm, now);
     return true;
 }
 
