@@ -48,6 +48,7 @@ typedef struct pjob {
     double hold_until; /* answered: its sources are held for D's TransferConsumed until then */
     int32_t progress;  /* a chunk through this position is starting: JobProgress owed */
     const char *why;   /* why P stopped it (TransferFailed's message) */
+    bool late;         /* ... for its start deadline or its lease (the deadline failure) */
     bool ended, have_first, cancelled, replied, dropped, ok, consumed;
     td_sample_result first;
     uint8_t sstate[TD_SAMPLER_STATE_BYTES];
@@ -378,7 +379,7 @@ static void p_on_request(td_xfer *x, td_xfer_msg *m) {
     snprintf(j->id, sizeof j->id, "%s", id);
     j->n_prompt = (int32_t)req->n_tokens;
     j->d_cached = (int32_t)req->cached_tokens;
-    j->t_recv = td_time_s();
+    j->t_recv = now;
     /* The first lease runs from when D sent the request (its deadline's
      * point in time less its span), or from receipt. */
     uint32_t lease_ms = req->lease_ms ? req->lease_ms : (uint32_t)x->p.lease_ms;
@@ -581,6 +582,7 @@ static bool p_service(td_xfer *x, bool *answer_waits) {
         if (!j->ended && !j->cancelled && (peer_gone || expired)) {
             j->cancelled = true; /* the scheduler ends it: p_ended */
             j->why = peer_gone ? "decode instance gone" : expired;
+            j->late = !peer_gone;
             td_gen_stream_cancel(j->st);
         }
         if (!j->replied && j->progress > 0 && !j->cancelled && !peer_gone) {
@@ -605,10 +607,12 @@ static bool p_service(td_xfer *x, bool *answer_waits) {
             bool computed =
                 j->have_first && !j->cancelled && !peer_gone && !td_xext_failed(x->xext, j->slot);
             j->ok = td_pj_answer_of(&j->pj, computed, now) == TD_PJ_DONE;
-            if (!j->ok && !j->why)
-                j->why = !j->have_first          ? "prefill failed"
-                         : now > j->pj.put_until ? "its lease ran out"
-                                                 : "transfer error";
+            if (!j->ok && !j->why) {
+                j->late = j->have_first && now > j->pj.put_until;
+                j->why = !j->have_first ? "prefill failed"
+                         : j->late      ? "its lease ran out"
+                                        : "transfer error";
+            }
             /* Every rank has flushed the job: PrefillDone may go. */
             if (j->ok && !(j->ok = send_done(x, j)))
                 TD_LOG_WARN("prefill %s: PrefillDone could not be sent", j->id);
@@ -663,10 +667,8 @@ static void p_after_sync(td_xfer *x) {
                 TD_LOG_INFO("prefill %s for %s failed: %s", j->id, j->peer->instance, tf.message);
                 if (!atomic_load(&j->peer->failed) && !j->peer->closed)
                     td_xfer_send(x, j->peer->ep, &m);
-                bool late = j->why && (!strcmp(j->why, "its lease ran out") ||
-                                       !strcmp(j->why, "not started before its deadline"));
-                td_metrics_kv_transfer_failure(x->p.metrics,
-                                               late ? TD_XFER_FAIL_DEADLINE : TD_XFER_FAIL_FAILED);
+                td_metrics_kv_transfer_failure(x->p.metrics, j->late ? TD_XFER_FAIL_DEADLINE
+                                                                     : TD_XFER_FAIL_FAILED);
                 j->consumed = true; /* nothing for D to consume */
             }
             td_sched_release(x->p.sched, j->ticket);
