@@ -166,6 +166,79 @@ class Inst:
                        for p in sorted(self.log_dir.glob(f"{self.name}-*.err")))
 
 
+class Cluster:
+    """n_p prefill and n_d decode instances (one compute thread each, the
+    decode instances' --prefill naming every prefill instance) and a
+    tandem-router over them, on loopback with fixed ports; d_args and
+    r_args: the decode instances' and the router's extra arguments."""
+
+    def __init__(self, bin_dir, model, n_p, n_d, out, d_args=(), r_args=()):
+        b = pathlib.Path(bin_dir)
+        self.ps, self.ds = [], []
+        for i in range(n_p):
+            port = free_port()
+            self.ps.append(Inst(f"prefill{i}", [b / "tandem-prefill", "--model", model,
+                                                "--threads", 1, "--cluster-token", TOKEN,
+                                                "--port", port], port, out))
+        plist = ",".join(f"127.0.0.1:{p.port}" for p in self.ps)
+        for i in range(n_d):
+            port = free_port()
+            self.ds.append(Inst(f"decode{i}", [
+                b / "tandem-decode", "--model", model, "--threads", 1, "--cluster-token", TOKEN,
+                "--port", port, "--grpc-port", free_port(), "--prefill", plist, *d_args],
+                port, out))
+        rport = free_port()
+        self.router = Inst("router", [
+            b / "tandem-router", "--model", model, "--cluster-token", TOKEN, "--port", rport,
+            "--grpc-port", -1, "--prefill", plist,
+            "--decode", ",".join(f"127.0.0.1:{d.port}" for d in self.ds),
+            "--poll-interval-ms", 100, *r_args], rport, out)
+        self.insts = self.ps + self.ds
+
+    def start(self):
+        for x in self.insts + [self.router]:
+            x.start()
+
+    def stop(self):
+        for x in [self.router] + self.ds + self.ps:  # the decode instances before their peers
+            x.stop()
+
+    def wait_linked(self, timeout=60):
+        """Whether every decode instance linked every prefill instance in time."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if all(sum(p["ready"] for p in d.state()["transfer"]["peers"]) == len(self.ps)
+                       for d in self.ds):
+                    return True
+            except (OSError, RuntimeError, KeyError, ValueError, http.client.HTTPException):
+                pass
+            time.sleep(0.2)
+        return False
+
+    def wait_idle(self, timeout):
+        """None once every instance is idle; what keeps them busy at the timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            busy = {}
+            for x in self.insts:
+                try:
+                    b = x.busy()
+                except (OSError, RuntimeError, http.client.HTTPException, ValueError) as e:
+                    b = {"error": repr(e)}
+                if b:
+                    busy[x.name] = b
+            if not busy:
+                return None
+            if time.monotonic() > deadline:
+                return busy
+            time.sleep(0.2)
+
+    def fences(self):
+        """The decode instances' fences of a prefill instance so far, by name."""
+        return {d.name: len(re.findall(r"fencing it", d.log())) for d in self.ds}
+
+
 class ShmWatch:
     """Which shared memory the cluster's processes used: every 1 s, the
     /dev/shm files each maps (/proc/PID/maps) and every pid seen. Other
@@ -274,62 +347,16 @@ class Soak:
     # ---------------------------------------------------------------- cluster
 
     def make_cluster(self):
-        a, b = self.a, self.bin
-        self.ps = []
-        for i in range(2):
-            port = free_port()
-            self.ps.append(Inst(f"prefill{i}", [b / "tandem-prefill", "--model", a.model,
-                                                "--threads", 1, "--cluster-token", TOKEN,
-                                                "--port", port], port, self.out))
-        plist = ",".join(f"127.0.0.1:{p.port}" for p in self.ps)
-        self.ds = []
-        for i in range(2):
-            port, gport = free_port(), free_port()
-            self.ds.append(Inst(f"decode{i}", [
-                b / "tandem-decode", "--model", a.model, "--threads", 1, "--cluster-token", TOKEN,
-                "--port", port, "--grpc-port", gport, "--prefill", plist,
-                "--transfer-deadline-ms", 3000, "--lease-ms", 1500, "--kv-blocks", a.kv_blocks],
-                port, self.out))
-        rport = free_port()
-        self.router = Inst("router", [
-            b / "tandem-router", "--model", a.model, "--cluster-token", TOKEN, "--port", rport,
-            "--grpc-port", -1, "--prefill", plist,
-            "--decode", ",".join(f"127.0.0.1:{d.port}" for d in self.ds),
-            "--poll-interval-ms", 100, "--max-queued", 64, "--queue-timeout", 60,
-            # prompts under 128 uncached tokens prefill on D, the rest on P
-            "--local-prefill-threshold", 128, "--local-prefill-max-tokens", 0], rport, self.out)
-        self.insts = self.ps + self.ds
-        for x in self.insts + [self.router]:
-            x.start()
-
-    def wait_idle(self, timeout):
-        deadline = time.monotonic() + timeout
-        while True:
-            busy = {}
-            for x in self.insts:
-                try:
-                    b = x.busy()
-                except (OSError, RuntimeError, http.client.HTTPException, ValueError) as e:
-                    b = {"error": repr(e)}
-                if b:
-                    busy[x.name] = b
-            if not busy:
-                return None
-            if time.monotonic() > deadline:
-                return busy
-            time.sleep(0.2)
-
-    def wait_linked(self, timeout=60):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if all(sum(p["ready"] for p in d.state()["transfer"]["peers"]) == 2
-                       for d in self.ds):
-                    return True
-            except (OSError, RuntimeError, KeyError, ValueError, http.client.HTTPException):
-                pass
-            time.sleep(0.2)
-        return False
+        a = self.a
+        self.cluster = Cluster(
+            self.bin, a.model, 2, 2, self.out,
+            d_args=["--transfer-deadline-ms", 3000, "--lease-ms", 1500, "--kv-blocks", a.kv_blocks],
+            r_args=["--max-queued", 64, "--queue-timeout", 60,
+                    # prompts under 128 uncached tokens prefill on D, the rest on P
+                    "--local-prefill-threshold", 128, "--local-prefill-max-tokens", 0])
+        c = self.cluster
+        self.ps, self.ds, self.insts, self.router = c.ps, c.ds, c.insts, c.router
+        c.start()
 
     # ---------------------------------------------------------------- faults
 
@@ -464,18 +491,19 @@ class Soak:
             ref.stop()
 
     def main(self):
-        self.ps, self.ds, self.insts, self.router = [], [], [], None
-        self.shm = ShmWatch(lambda: list(self.insts) + ([self.router] if self.router else []))
+        self.cluster = None
+        self.shm = ShmWatch(lambda: self.cluster.insts + [self.cluster.router]
+                            if self.cluster else [])
         try:
             self.make_cluster()
             return self.soak()
         finally:
-            for x in ([self.router] if self.router else []) + self.ds + self.ps:
-                x.stop()
+            if self.cluster:
+                self.cluster.stop()
 
     def soak(self):
         a = self.a
-        if not self.wait_linked():
+        if not self.cluster.wait_linked():
             self.failures.append("the decode instances did not link to both prefill instances")
             return self.report({})
         # warm-up: every pair once (D round-robins its P), and the router
@@ -483,7 +511,7 @@ class Soak:
             r = stream_request(port, self.body(300, 4, False), timeout=300)
             if r[2]:
                 self.failures.append(f"warm-up request failed: {r}")
-        if self.wait_idle(60):
+        if self.cluster.wait_idle(60):
             self.failures.append("not idle after the warm-up")
         for x in self.insts:
             x.fd_base = x.fds()
@@ -497,7 +525,7 @@ class Soak:
             r.wait()
         t_load = time.monotonic() - t0
         # every instance back at idle
-        busy = self.wait_idle(120)
+        busy = self.cluster.wait_idle(120)
         if busy:
             self.failures.append(f"not idle after the schedule: {busy}")
         fd_end = {x.name: x.fds() for x in self.insts}
@@ -506,7 +534,7 @@ class Soak:
         canary_out = []
         for _ in range(2):
             canary_out.append([stream_request(self.router.port, c) for c in canaries])
-        busy = self.wait_idle(60)
+        busy = self.cluster.wait_idle(60)
         if busy:
             self.failures.append(f"not idle after the canaries: {busy}")
         fd_after = {x.name: x.fds() for x in self.insts}
@@ -555,7 +583,7 @@ class Soak:
             if fd_after[x.name] > fd_end[x.name] + a.fd_slack:
                 self.failures.append(f"{x.name}: fds grew over the canaries "
                                      f"({fd_end[x.name]} -> {fd_after[x.name]})")
-        fences = {d.name: len(re.findall(r"fencing it", d.log())) for d in self.ds}
+        fences = self.cluster.fences()
         blocks = {}
         for x in self.insts:
             try:
@@ -566,8 +594,7 @@ class Soak:
             except (OSError, RuntimeError, ValueError, http.client.HTTPException) as e:
                 blocks[x.name] = repr(e)
         self.shm.sample()
-        for x in [self.router] + self.ds + self.ps:  # the decode instances before their peers
-            x.stop()
+        self.cluster.stop()
         leaked_shm, leaked_sysv = self.shm.left()
         if leaked_shm or leaked_sysv:
             self.failures.append(f"shared memory left behind: /dev/shm {leaked_shm}, "

@@ -32,67 +32,9 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from chaos import TOKEN, Inst, free_port  # noqa: E402  (the same process handling)
-
-
-class Cluster:
-    def __init__(self, bin_dir, model, n_p, n_d, out, extra_r=()):
-        b = pathlib.Path(bin_dir)
-        self.ps, self.ds = [], []
-        for i in range(n_p):
-            port = free_port()
-            self.ps.append(Inst(f"prefill{i}", [b / "tandem-prefill", "--model", model,
-                                                "--threads", 1, "--cluster-token", TOKEN,
-                                                "--port", port], port, out))
-        plist = ",".join(f"127.0.0.1:{p.port}" for p in self.ps)
-        for i in range(n_d):
-            port = free_port()
-            self.ds.append(Inst(f"decode{i}", [
-                b / "tandem-decode", "--model", model, "--threads", 1, "--cluster-token", TOKEN,
-                "--port", port, "--grpc-port", free_port(), "--prefill", plist],
-                port, out))
-        rport = free_port()
-        self.router = Inst("router", [
-            b / "tandem-router", "--model", model, "--cluster-token", TOKEN, "--port", rport,
-            "--grpc-port", -1, "--prefill", plist,
-            "--decode", ",".join(f"127.0.0.1:{d.port}" for d in self.ds),
-            "--poll-interval-ms", 100, *extra_r], rport, out)
-        self.all = self.ps + self.ds + [self.router]
-
-    def __enter__(self):
-        for x in self.all:
-            x.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if all(sum(p["ready"] for p in d.state()["transfer"]["peers"]) == len(self.ps)
-                       for d in self.ds):
-                    break
-            except (OSError, RuntimeError, KeyError, ValueError):
-                pass
-            time.sleep(0.2)
-        return self
-
-    def __exit__(self, *exc):
-        for x in [self.router] + self.ds + self.ps:
-            x.stop()
-
-    def fences(self):
-        return sum(len(re.findall(r"fencing it", d.log())) for d in self.ds)
-
-    def wait_idle(self, timeout=120):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if not any(x.busy() for x in self.ps + self.ds):
-                    return True
-            except (OSError, RuntimeError, KeyError, ValueError):
-                pass
-            time.sleep(0.2)
-        return False
+from chaos import Cluster  # noqa: E402  (the same cluster as the chaos soak)
 
 
 def bench(bin_dir, port, rate, a, out_json, seed):
@@ -114,13 +56,17 @@ def bench(bin_dir, port, rate, a, out_json, seed):
 def one(name, bin_dir, topo, a, out, extra_r):
     n_p, n_d = int(topo[0]), int(topo[2])
     runs = []
-    with Cluster(bin_dir, a.model, n_p, n_d, out / f"{name}-{topo}", extra_r) as c:
+    c = Cluster(bin_dir, a.model, n_p, n_d, out / f"{name}-{topo}", r_args=extra_r)
+    try:
+        c.start()
+        c.wait_linked()
+
         def run(rate, what):
-            f0 = c.fences()
+            f0 = sum(c.fences().values())
             r = bench(bin_dir, c.router.port, rate, a, out / f"{name}-{topo}-{what}-{rate}.json",
                       a.seed)
-            c.wait_idle()
-            r["fences"] = c.fences() - f0
+            c.wait_idle(120)
+            r["fences"] = sum(c.fences().values()) - f0
             r["what"] = what
             runs.append(r)
             print(f"{name} {topo} {what:<6} rate {rate:6.2f}/s: goodput {r['goodput']:.2f}/s "
@@ -139,6 +85,8 @@ def one(name, bin_dir, topo, a, out, extra_r):
         peak = best["rate"]
         for k in (2, 3):
             run(peak * k, f"{k}x")
+    finally:
+        c.stop()
     return {"build": name, "topology": topo, "peak_rate": peak, "peak_goodput": best["goodput"],
             "runs": runs}
 
