@@ -115,7 +115,8 @@ static td_opt k_opts[O_N] = {
     [O_REJECT_UNMEETABLE] = {"reject-unmeetable", 0, NULL,
                              "answer 429 at once when a new request's first token\n"
                              "cannot come within --ttft-slo-ms (the chosen instance's\n"
-                             "queued prompt tokens at its measured prefill speed)"},
+                             "queued prompt tokens at its measured prefill speed, plus\n"
+                             "what its first tokens lately took beyond that)"},
     [O_TTFT_SLO] = {"ttft-slo-ms", 0, "N", "the time-to-first-token SLO --reject-unmeetable keeps"},
     [O_SEED] = {"seed", 0, "N", "random policy and temperature draws (default: random)"},
     [O_HOST] = {"host", 0, "H", "address to bind (default 127.0.0.1)"},

@@ -96,6 +96,7 @@ static void apply_state(td_router *r, int32_t i, const char *body, size_t len) {
     size_t cap = (size_t)fig(json_object_get(kv, "total")) * 4 + 4096;
     bool over = false;
     if (restarted || full) td_rt_index_clear(r->ix, i);
+    if (restarted) x->ttft_extra = (td_rt_extra){0}; /* a new process: learnt again */
     if (full) {
         json_t *hs = json_object_get(root, "hashes");
         over = json_array_size(hs) > cap;

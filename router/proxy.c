@@ -190,6 +190,16 @@ static bool retryable_grpc(int code) {
            code == 1;
 }
 
+/* At q's first token: what the queue's prediction at its routing missed
+ * by, into the instance's moving average (a request that waited in the
+ * router's queue or was retried measures something else: left out). */
+static void learn_ttft_locked(td_router *r, const rt_req *q, double now) {
+    int32_t at = q->expect_at;
+    if (at < 0 || q->attempts != 1 || q->t_queued > 0 || at != (q->p >= 0 ? q->p : q->d)) return;
+    double miss = (now - q->t_arrival) * 1e3 - q->expect_ms;
+    td_rt_extra_learn(&r->in[at].ttft_extra, miss, now);
+}
+
 static bool on_response(void *ctx, const Tandem__V1__GenerateResponse *resp) {
     rt_req *q = ctx;
     td_router *r = q->r;
@@ -228,6 +238,7 @@ static bool on_response(void *ctx, const Tandem__V1__GenerateResponse *resp) {
                 q->got_first = true;
                 q->t_first = now;
                 td_rt_predict_locked(r, q, q->d, q->p, now);
+                learn_ttft_locked(r, q, now);
                 if (r->p.metrics)
                     td_metrics_first_token(r->p.metrics, now - q->t_arrival,
                                            q->t_dispatch - q->t_arrival);
@@ -400,6 +411,7 @@ static td_status router_submit(void *ctx, const td_gen_request *g, td_gen_stream
     if (!q) return TD_ERR_NOMEM;
     q->r = r;
     q->d = q->p = -1;
+    q->expect_at = -1;
     q->n_prompt = g->n_prompt;
     q->max_tokens = g->max_tokens;
     q->logprobs = g->sampling.logprobs || g->sampling.n_logprobs > 0;

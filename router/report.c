@@ -140,6 +140,9 @@ char *td_router_cluster_json(void *ctx) {
         if (o)
             json_object_set_new(json_object_get(o, "load"), "prefill_tokens_per_s",
                                 json_real(x->prefill_tokens_per_s));
+        if (o)
+            json_object_set_new(json_object_get(o, "load"), "ttft_extra_ms",
+                                json_real(td_rt_extra_at(&x->ttft_extra, td_time_s())));
         json_array_append_new(list, o);
     }
     for (int32_t p = 0; pairs && p < r->n_slots; p++)

@@ -91,15 +91,19 @@ td_status td_rt_route_locked(td_router *r, rt_req *q, td_rt_choice *c) {
         free(hashes);
         return st;
     }
-    if (q->admitting && r->p.reject_unmeetable && r->p.ttft_slo_ms > 0) {
-        /* the chosen pair's queue at its measured speed (unknown: taken) */
+    if (q->admitting) {
+        /* the chosen pair's queue at its measured speed (unknown: taken),
+         * with what such predictions missed by on it so far */
         int32_t at = c->p >= 0 ? c->p : c->d;
         int32_t at_bs = vi[at].block_size > 0 ? vi[at].block_size : 16;
         double ms = td_rt_expected_ms(&vi[at], (int64_t)q->n_prompt - (int64_t)overlap[at] * at_bs);
-        if (ms > r->p.ttft_slo_ms) {
-            TD_LOG_INFO("request %s: its first token expected in %.0f ms on %s, past the %.0f ms "
-                        "SLO: 429",
-                        q->id, ms, r->in[at].addr, r->p.ttft_slo_ms);
+        q->expect_at = ms >= 0 ? at : -1;
+        q->expect_ms = ms;
+        double with = ms + td_rt_extra_at(&r->in[at].ttft_extra, t0);
+        if (ms >= 0 && r->p.reject_unmeetable && r->p.ttft_slo_ms > 0 && with > r->p.ttft_slo_ms) {
+            TD_LOG_INFO("request %s: its first token expected in %.0f ms on %s (queue %.0f ms), "
+                        "past the %.0f ms SLO: 429",
+                        q->id, with, r->in[at].addr, ms, r->p.ttft_slo_ms);
             free(hashes);
             return TD_ERR_TIMEOUT;
         }

@@ -47,6 +47,7 @@ typedef struct {
     int32_t running, waiting;
     int64_t queued_prefill_tokens, kv_total, kv_free, kv_used, kv_cached;
     double prefill_tokens_per_s; /* its measured prefill speed (0: unknown) */
+    td_rt_extra ttft_extra;      /* first tokens on it past its queue's prediction (router side) */
     char target[160];            /* HOST:GRPC_PORT (decode instances) */
     /* Router side (under r->mu). */
     int64_t pending_blocks, pending_prefill;
@@ -89,6 +90,8 @@ typedef struct rt_req {
     int d_status;             /* the last attempt's in-stream Error: its HTTP status, 0 none */
     char d_message[256];      /* and its message (printable ASCII) */
     bool vanished;            /* its decode instance stopped answering: cancelled by us */
+    double expect_ms;         /* its first routing: the queue's prediction of the first token */
+    int32_t expect_at;        /* on that instance (-1: no prediction, speed unknown) */
     td_kv_hash *hashes;       /* (n_hashes) the prompt's blocks in the chosen group */
     int32_t n_hashes;
 } rt_req;

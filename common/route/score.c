@@ -72,6 +72,17 @@ double td_rt_expected_ms(const td_rt_inst *in, int64_t tokens) {
     return (double)(q + (tokens > 0 ? tokens : 0)) / in->prefill_tokens_per_s * 1e3;
 }
 
+double td_rt_extra_at(const td_rt_extra *e, double now) {
+    if (e->n == 0) return 0;
+    double age = now > e->t ? now - e->t : 0;
+    return e->ms * exp2(-age / TD_RT_EXTRA_HALF_LIFE_S);
+}
+
+void td_rt_extra_learn(td_rt_extra *e, double miss_ms, double now) {
+    e->ms = e->n++ > 0 ? 0.8 * td_rt_extra_at(e, now) + 0.2 * miss_ms : miss_ms;
+    e->t = now;
+}
+
 /* A decode candidate with its best prefill instance. */
 typedef struct {
     int32_t d, p;

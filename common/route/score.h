@@ -113,6 +113,20 @@ bool td_rt_saturated(const td_rt_score_params *sp, const td_rt_inst *P);
  * unknown (no speed measured). */
 double td_rt_expected_ms(const td_rt_inst *in, int64_t tokens);
 
+/* What first tokens on an instance took beyond td_rt_expected_ms (the
+ * transfer, the decode instance's steps, a slower machine than its speed
+ * says): a moving average of the misses that fades by half every
+ * TD_RT_EXTRA_HALF_LIFE_S after the last one, so that an instance whose
+ * every new request was refused for it (no first token teaches it anything
+ * more) takes requests again once that is long past. Zeroed: nothing learnt. */
+#define TD_RT_EXTRA_HALF_LIFE_S 1.0
+typedef struct {
+    double ms, t; /* the average at time t (seconds) */
+    uint32_t n;   /* misses learnt */
+} td_rt_extra;
+double td_rt_extra_at(const td_rt_extra *e, double now);
+void td_rt_extra_learn(td_rt_extra *e, double miss_ms, double now);
+
 td_status td_rt_choose(const td_rt_score_params *sp, const td_rt_inst *inst, int32_t n,
                        const int32_t *overlap, const float *xfer_ms, int32_t xfer_stride,
                        int32_t n_prompt, int32_t max_tokens, uint64_t counter, uint64_t *rng,

@@ -3,6 +3,7 @@
  * conditional disaggregation and its reasons, compatibility groups, and
  * the comparison policies. Expected choices are worked out by hand from
  * the formulas of score.h. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -170,6 +171,33 @@ static void test_saturated_by_time(void **state) {
     assert_true(td_rt_expected_ms(&in[1], -5) == 27000.0);
 }
 
+/* The first-token extra: the first miss is taken as is, later ones move
+ * the average a fifth of the way, and with no miss for a half-life it is
+ * worth half (an instance refused everything for a learnt extra of 1,600
+ * ms under a 1,500 ms SLO is offered requests again after well under 2 s:
+ * the lock-out the overload benchmark showed without the fade). */
+static void test_ttft_extra_learns_and_fades(void **state) {
+    (void)state;
+    td_rt_extra e = {0};
+    assert_true(td_rt_extra_at(&e, 100.0) == 0.0);
+    td_rt_extra_learn(&e, 1000, 10.0);
+    assert_true(fabs(td_rt_extra_at(&e, 10.0) - 1000) < 1e-9);
+    td_rt_extra_learn(&e, 0, 10.0); /* 0.8 x 1000 */
+    assert_true(fabs(td_rt_extra_at(&e, 10.0) - 800) < 1e-9);
+    td_rt_extra_learn(&e, -200, 10.0); /* P faster than its queue says: down */
+    assert_true(fabs(td_rt_extra_at(&e, 10.0) - 600) < 1e-9);
+    assert_true(fabs(td_rt_extra_at(&e, 10.0 + TD_RT_EXTRA_HALF_LIFE_S) - 300) < 1e-9);
+    assert_true(fabs(td_rt_extra_at(&e, 9.0) - 600) < 1e-9); /* a clock behind: not grown */
+    /* a miss after a pause averages with what is left of the old one */
+    td_rt_extra_learn(&e, 1000, 10.0 + 2 * TD_RT_EXTRA_HALF_LIFE_S); /* 0.8 x 150 + 200 */
+    assert_true(fabs(td_rt_extra_at(&e, 10.0 + 2 * TD_RT_EXTRA_HALF_LIFE_S) - 320) < 1e-9);
+    td_rt_extra lock = {0};
+    td_rt_extra_learn(&lock, 1600, 0.0);
+    double t = 0;
+    while (100 + td_rt_extra_at(&lock, t) > 1500) t += 0.01;
+    assert_true(t > 0.05 && t < 2 * TD_RT_EXTRA_HALF_LIFE_S);
+}
+
 static void test_groups_pair_only_compatible(void **state) {
     (void)state;
     td_rt_score_params sp = td_rt_score_default_params();
@@ -249,6 +277,7 @@ int main(void) {
         cmocka_unit_test(test_transfer_cost),
         cmocka_unit_test(test_conditional_disaggregation),
         cmocka_unit_test(test_saturated_by_time),
+        cmocka_unit_test(test_ttft_extra_learns_and_fades),
         cmocka_unit_test(test_groups_pair_only_compatible),
         cmocka_unit_test(test_round_robin_spreads),
         cmocka_unit_test(test_temperature_samples_near_best),
