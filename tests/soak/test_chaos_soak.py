@@ -2,8 +2,9 @@
 cluster of two prefill and two decode instances and a router under steady
 `tandem bench` load (greedy and seeded sampling) while instances are
 stopped past their deadlines, killed and restarted, clients drop their
-streams, a burst brings three times the load and one decode instance runs
-out of KV blocks. Every request completes with the colocated reference's
+streams, a burst brings three times the load, one decode instance runs
+out of KV blocks, the link to a prefill instance in its own network
+namespace is cut and restored, and DNS answers come slowly. Every request completes with the colocated reference's
 text or fails cleanly; every instance ends idle with no block used,
 reserved, leased, quarantined or held; canaries read back correct; no file
 descriptor or shared-memory segment leaks. The summary (faults, outcome

@@ -2,11 +2,17 @@
 """Chaos soak: a disaggregated cluster under steady load while faults are
 injected on a schedule drawn from a seed; every request's outcome checked.
 
-The cluster (loopback, one compute thread each): two prefill instances
+The cluster (one compute thread each): two prefill instances
 (tandem-prefill), two decode instances (tandem-decode, --prefill both, a
 3 s start deadline and a 1.5 s lease, a pool of --kv-blocks blocks), and a
-tandem-router over all four. Fixed ports, so a killed instance restarts
-where it was (a new epoch). The load: two `tandem bench` runs against the
+tandem-router over all four, on loopback except for prefill1 with the
+"cut" fault: it then runs in a network namespace of its own joined by a
+veth pair, with UCX over TCP on it (prefill0 keeps shared memory). With
+the "dns" fault the decode instances find the prefill instances by name
+(prefillI.chaos.test, --dns-interval 1 s) through a DNS server of the
+soak's (127.77.0.53, each decode instance in a mount namespace whose
+/etc/resolv.conf names only it). Fixed ports, so a killed instance
+restarts where it was (a new epoch). The load: two `tandem bench` runs against the
 router for the whole duration, Poisson arrivals with a fixed seed, one
 greedy and one with seeded sampling (--request-seed), random prompts of
 64-400 tokens and 8-32 output tokens, each request's body and streamed
@@ -24,8 +30,14 @@ runs):
               before it (mid-prefill);
   burst       three times the steady rate for 5 s, on top of it;
   kv          eight long requests straight at decode instance 1, more than
-              its pool holds at once (it queues or preempts).
-Not yet: a link cut in network namespaces, a slow DNS answer.
+              its pool holds at once (it queues or preempts);
+  cut         prefill1's end of its veth down for 6 s, then up (this side's
+              neighbour entry pinned: packets to it vanish silently, as
+              behind a cut beyond the first hop, past the start deadline
+              and the leases);
+  dns         every DNS answer 4 s late for 12 s (the decode instances
+              resolve the prefill names every second).
+The cut and dns kinds need root (namespaces, port 53) and dnspython.
 
 Checks, each a line of the summary (exit status 1 when one fails):
   - every request (the bench runs', the burst's, the kv fault's) either
@@ -44,6 +56,9 @@ Checks, each a line of the summary (exit status 1 when one fails):
   - after every process exited, no /dev/shm file the cluster's processes
     mapped and no SysV shared-memory segment they created (ipcs -m -p) is
     left (other processes on the machine are left out).
+The outcomes are printed per source (the two loads, the burst, the kv
+fault, the canaries) and per fault kind (the requests in flight during a
+fault or within 3 s after it; "none": during none).
 
 Usage:
   tools/bench/chaos.py --bin-dir build --model PATH [--duration 180]
@@ -69,8 +84,9 @@ import time
 TOKEN = "chaos-soak-cluster-token"
 READY_RE = re.compile(r"^(?:tandem serve|tandem-prefill|tandem-decode|tandem-router): "
                       r"listening http=(\S+) grpc=(\S+)")
-KINDS = ("stop", "kill", "disconnect", "burst", "kv")
+KINDS = ("stop", "kill", "disconnect", "burst", "kv", "cut", "dns")
 CLEAN = re.compile(r"^(http_\d+|stream_error)$")
+OUTCOMES = ("correct", "wrong", "clean_error", "unclean")
 
 
 def free_port():
@@ -83,8 +99,8 @@ class Inst:
     """One process of the cluster: started (and restarted) with the same
     argv and ports."""
 
-    def __init__(self, name, argv, port, log_dir, env=None):
-        self.name, self.argv, self.port = name, [str(a) for a in argv], port
+    def __init__(self, name, argv, port, log_dir, env=None, host="127.0.0.1"):
+        self.name, self.argv, self.port, self.host = name, [str(a) for a in argv], port, host
         self.log_dir = pathlib.Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ, **(env or {}))
@@ -132,7 +148,7 @@ class Inst:
         return self.proc.returncode
 
     def http(self, method, path, body=None, headers=None, timeout=30):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
             conn.request(method, path, body=body, headers=headers or {})
             r = conn.getresponse()
@@ -172,21 +188,33 @@ class Cluster:
     tandem-router over them, on loopback with fixed ports; d_args and
     r_args: the decode instances' and the router's extra arguments."""
 
-    def __init__(self, bin_dir, model, n_p, n_d, out, d_args=(), r_args=()):
+    def __init__(self, bin_dir, model, n_p, n_d, out, d_args=(), r_args=(), net=None, dns=None):
+        """net: a Netns the last prefill instance runs in (its HTTP and KV
+        endpoints on the namespace's address, UCX over TCP on its veth);
+        dns: a SlowDns through which the decode instances find the prefill
+        instances by name (prefillI.chaos.test)."""
         b = pathlib.Path(bin_dir)
         self.ps, self.ds = [], []
         for i in range(n_p):
             port = free_port()
-            self.ps.append(Inst(f"prefill{i}", [b / "tandem-prefill", "--model", model,
-                                                "--threads", 1, "--cluster-token", TOKEN,
-                                                "--port", port], port, out))
-        plist = ",".join(f"127.0.0.1:{p.port}" for p in self.ps)
+            argv = [b / "tandem-prefill", "--model", model, "--threads", 1, "--cluster-token",
+                    TOKEN, "--port", port]
+            host, env = "127.0.0.1", None
+            if net and i == n_p - 1:
+                host, env = net.addr, net.env
+                argv = net.prefix + argv + ["--host", host, "--kv-listen", host]
+            self.ps.append(Inst(f"prefill{i}", argv, port, out, env=env, host=host))
+            if dns:
+                dns.names[f"prefill{i}.chaos.test."] = host
+        plist = ",".join(f"{p.host}:{p.port}" for p in self.ps)
+        dlist = ",".join(f"prefill{i}.chaos.test:{p.port}" for i, p in enumerate(self.ps))
         for i in range(n_d):
             port = free_port()
             self.ds.append(Inst(f"decode{i}", [
+                *(dns.prefix if dns else []),
                 b / "tandem-decode", "--model", model, "--threads", 1, "--cluster-token", TOKEN,
-                "--port", port, "--grpc-port", free_port(), "--prefill", plist, *d_args],
-                port, out))
+                "--port", port, "--grpc-port", free_port(), "--prefill", dlist if dns else plist,
+                *d_args], port, out))
         rport = free_port()
         self.router = Inst("router", [
             b / "tandem-router", "--model", model, "--cluster-token", TOKEN, "--port", rport,
@@ -237,6 +265,135 @@ class Cluster:
     def fences(self):
         """The decode instances' fences of a prefill instance so far, by name."""
         return {d.name: len(re.findall(r"fencing it", d.log())) for d in self.ds}
+
+
+def ip(*args, check=True):
+    r = subprocess.run(["ip", *map(str, args)], capture_output=True, text=True, timeout=20)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(map(str, args))}: exit {r.returncode}: "
+                           f"{r.stderr.strip()}")
+    return r
+
+
+class Netns:
+    """A network namespace joined to this one by a veth pair (a private
+    /30 from the pid: 10.204.A.B+1 inside, +2 here). An instance started
+    with .prefix (`ip netns exec`) and .env (UCX over TCP on the veth only:
+    shared memory would bypass a cut) is reached at .addr. cut() takes the
+    namespace's end down (packets to it vanish; this side's neighbour entry
+    is pinned so that they vanish silently instead of failing the ARP
+    resolution), restore() brings it back."""
+
+    def __init__(self):
+        pid = os.getpid()
+        a, b = (pid // 64) % 256, (pid % 64) * 4
+        self.ns, self.dev, self.peer = f"tdc-{pid}", f"tdcn{pid}", f"tdch{pid}"
+        self.addr, self.here = f"10.204.{a}.{b + 1}", f"10.204.{a}.{b + 2}"
+        self.prefix = ["ip", "netns", "exec", self.ns]
+        self.env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.dev}
+        self.made = False
+
+    def create(self):
+        ip("netns", "add", self.ns)
+        self.made = True
+        ip("link", "add", self.dev, "type", "veth", "peer", "name", self.peer)
+        ip("link", "set", self.dev, "netns", self.ns)
+        ip("-n", self.ns, "addr", "add", f"{self.addr}/30", "dev", self.dev)
+        ip("addr", "add", f"{self.here}/30", "dev", self.peer)
+        for args in (("-n", self.ns, "link", "set", self.dev, "up"),
+                     ("-n", self.ns, "link", "set", "lo", "up"), ("link", "set", self.peer, "up")):
+            ip(*args)
+
+    def pin(self):
+        mac = json.loads(ip("-n", self.ns, "-j", "link", "show", "dev", self.dev).stdout)[0]
+        ip("neigh", "replace", self.addr, "lladdr", mac["address"], "dev", self.peer, "nud",
+           "permanent")
+
+    def cut(self):
+        self.pin()
+        ip("-n", self.ns, "link", "set", "dev", self.dev, "down")
+
+    def restore(self):
+        ip("-n", self.ns, "link", "set", "dev", self.dev, "up")
+
+    def destroy(self):
+        """Kills what is left inside (only ours can be), deletes the
+        namespace (the veth pair goes with it)."""
+        if not self.made:
+            return
+        r = ip("netns", "pids", self.ns, check=False)
+        for pid in r.stdout.split() if r.returncode == 0 else []:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        ip("netns", "del", self.ns, check=False)
+        ip("link", "del", self.peer, check=False)
+
+
+class SlowDns:
+    """A DNS server for the names in .names (A records; every other
+    question: NXDOMAIN, AAAA: no answer) on 127.77.0.53:53 whose answers
+    take .delay seconds (0 normally; the "dns" fault makes them slow). A
+    process started with .prefix sees it as its only name server: its own
+    mount namespace with a resolv.conf bound over /etc/resolv.conf."""
+
+    def __init__(self, out):
+        import dns.message  # dnspython: parsing and answers
+        import dns.rcode
+        import dns.rdatatype
+        import dns.rrset
+        self.dns = dns
+        self.names, self.delay, self.queries, self.slow = {}, 0.0, 0, 0
+        self.addr = "127.77.0.53"
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((self.addr, 53))
+        self.sock.settimeout(0.5)
+        self.stopped = False
+        conf = pathlib.Path(out) / "resolv.conf"
+        conf.write_text(f"nameserver {self.addr}\noptions timeout:5 attempts:1\n")
+        self.prefix = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                       'mount --bind "$0" /etc/resolv.conf && exec "$@"', str(conf)]
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+        self.thread.start()
+
+    def answer(self, wire, peer, delay):
+        d = self.dns
+        if delay:
+            time.sleep(delay)
+        try:
+            q = d.message.from_wire(wire)
+        except Exception:  # noqa: BLE001 - not ours to answer
+            return
+        r = d.message.make_response(q)
+        for question in q.question:
+            name = question.name.to_text().lower()
+            if name not in self.names:
+                r.set_rcode(d.rcode.NXDOMAIN)
+            elif question.rdtype == d.rdatatype.A:
+                r.answer.append(d.rrset.from_text(name, 1, "IN", "A", self.names[name]))
+        try:
+            self.sock.sendto(r.to_wire(), peer)
+        except OSError:
+            pass
+
+    def loop(self):
+        while not self.stopped:
+            try:
+                wire, peer = self.sock.recvfrom(4096)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            self.queries += 1
+            self.slow += self.delay > 0
+            threading.Thread(target=self.answer, args=(wire, peer, self.delay),
+                             daemon=True).start()
+
+    def close(self):
+        self.stopped = True
+        self.thread.join()
+        self.sock.close()
 
 
 class ShmWatch:
@@ -339,21 +496,30 @@ class Soak:
         self.out = pathlib.Path(a.out or tempfile.mkdtemp(prefix="tandem-chaos-"))
         self.out.mkdir(parents=True, exist_ok=True)
         self.bin = pathlib.Path(a.bin_dir)
-        self.extra = []  # (body, status, text, error_kind, what): the chaos client's own
+        self.extra = []  # (body, status, text, error_kind, what, start, end): the soak's own
         self.lock = threading.Lock()
-        self.faults = []  # (t, kind, target, detail)
+        self.faults = []  # (t, kind, target, detail, t_end)
+        self.t0 = time.monotonic()  # the load's start (soak seconds count from it)
         self.failures = []
 
     # ---------------------------------------------------------------- cluster
 
     def make_cluster(self):
         a = self.a
+        kinds = a.faults.split(",")
+        if "cut" in kinds:
+            self.net = Netns()
+            self.net.create()
+        if "dns" in kinds:
+            self.dns = SlowDns(self.out)
         self.cluster = Cluster(
             self.bin, a.model, 2, 2, self.out,
-            d_args=["--transfer-deadline-ms", 3000, "--lease-ms", 1500, "--kv-blocks", a.kv_blocks],
+            d_args=["--transfer-deadline-ms", 3000, "--lease-ms", 1500, "--kv-blocks", a.kv_blocks,
+                    "--dns-interval", 1],
             r_args=["--max-queued", 64, "--queue-timeout", 60,
                     # prompts under 128 uncached tokens prefill on D, the rest on P
-                    "--local-prefill-threshold", 128, "--local-prefill-max-tokens", 0])
+                    "--local-prefill-threshold", 128, "--local-prefill-max-tokens", 0],
+            net=self.net, dns=self.dns)
         c = self.cluster
         self.ps, self.ds, self.insts, self.router = c.ps, c.ds, c.insts, c.router
         c.start()
@@ -377,9 +543,20 @@ class Soak:
             out.append((t, k))
         return out
 
-    def record(self, body, res, what):
+    def during(self, start, end):
+        """The fault kinds a request from start to end (soak seconds) was in
+        flight during (a fault's window: from its start to 3 s after its
+        end), or ["none"]."""
+        kinds = sorted({k for t, k, _, _, t_end in self.faults
+                        if start <= t_end + 3 and end >= t})
+        return kinds or ["none"]
+
+    def now(self):
+        return time.monotonic() - self.t0
+
+    def record(self, body, res, what, start):
         with self.lock:
-            self.extra.append((body, res[0], res[1], res[2], what))
+            self.extra.append((body, res[0], res[1], res[2], what, start, self.now()))
 
     def body(self, n_prompt, max_tokens, sampled):
         b = {"prompt": words_prompt(self.rng, n_prompt), "max_tokens": max_tokens,
@@ -429,17 +606,30 @@ class Soak:
 
             def one(i):
                 time.sleep(5.0 * i / n)
-                self.record(bodies[i], stream_request(self.router.port, bodies[i]), "burst")
+                t = self.now()
+                self.record(bodies[i], stream_request(self.router.port, bodies[i]), "burst", t)
             with cf.ThreadPoolExecutor(n) as ex:
                 list(ex.map(one, range(n)))
             return "router", f"{n} requests over 5 s"
+        if kind == "cut":
+            self.net.cut()
+            time.sleep(6)
+            self.net.restore()
+            return self.ps[-1].name, "its veth down 6 s (packets vanish), then up"
+        if kind == "dns":
+            q0 = self.dns.queries
+            self.dns.delay = 4.0
+            time.sleep(12)
+            self.dns.delay = 0.0
+            return "decode*", f"every DNS answer 4 s late for 12 s ({self.dns.queries - q0} queries)"
         if kind == "kv":
             d = self.ds[1]
             bodies = [self.body(rng.randrange(600, 800), 300, i % 2 == 1) for i in range(8)]
+            t = self.now()
             with cf.ThreadPoolExecutor(8) as ex:
                 res = list(ex.map(lambda bd: stream_request(d.port, bd, timeout=600), bodies))
             for bd, r in zip(bodies, res):
-                self.record(bd, r, "kv")
+                self.record(bd, r, "kv", t)
             return d.name, "8 x ~700 prompt + 300 output tokens"
         raise AssertionError(kind)
 
@@ -454,7 +644,8 @@ class Soak:
             except Exception as e:  # noqa: BLE001 - a fault that could not run is a failure
                 target, detail = "?", f"could not run: {e!r}"
                 self.failures.append(f"fault {kind} at {t_at:.0f} s: {e!r}")
-            self.faults.append((round(t_at, 1), kind, target, detail))
+            self.faults.append((round(t_at, 1), kind, target, detail,
+                                round(time.monotonic() - t_start, 1)))
             print(f"chaos: {t_at:6.1f} s  {kind:<10} {target:<9} {detail}", flush=True)
 
     # ---------------------------------------------------------------- run
@@ -491,7 +682,7 @@ class Soak:
             ref.stop()
 
     def main(self):
-        self.cluster = None
+        self.cluster = self.net = self.dns = None
         self.shm = ShmWatch(lambda: self.cluster.insts + [self.cluster.router]
                             if self.cluster else [])
         try:
@@ -500,6 +691,10 @@ class Soak:
         finally:
             if self.cluster:
                 self.cluster.stop()
+            if self.net:
+                self.net.destroy()
+            if self.dns:
+                self.dns.close()
 
     def soak(self):
         a = self.a
@@ -516,7 +711,7 @@ class Soak:
         for x in self.insts:
             x.fd_base = x.fds()
         plan = self.schedule()
-        t0 = time.monotonic()
+        t0 = self.t0 = time.monotonic()
         runs = [self.bench("greedy", []),
                 self.bench("sampled", ["--temperature", 0.8, "--request-seed", 1000,
                                        "--seed", a.seed + 1])]
@@ -547,35 +742,31 @@ class Soak:
                 self.failures.append(f"bench {name}: no report ({e!r}): "
                                      + (self.out / f"{name}.out").read_text()[-2000:])
                 continue
-            for r in rep["requests"]:
+            for r in rep["requests"]:  # both runs started at t0 (within ms)
+                start = r["start_s"]
                 records.append((r["body"], 200 if r["success"] else None, r.get("text", ""),
-                                None if r["success"] else r["error_kind"], name))
+                                None if r["success"] else r["error_kind"], name, start,
+                                start + (r.get("e2e_ms") or 0) / 1e3))
         records += self.extra
         for rnd in canary_out:
             for c, res in zip(canaries, rnd):
-                records.append((c, res[0], res[1], res[2], "canary"))
+                records.append((c, res[0], res[1], res[2], "canary", None, None))
         done = [r for r in records if r[3] is None]
-        want = self.reference([r[0] for r in done])
-        table = {}
-        for r, w in zip(done, want):
-            row = table.setdefault(r[4], {"correct": 0, "wrong": 0, "clean_error": 0,
-                                          "unclean": 0})
-            if r[2] == w:
-                row["correct"] += 1
-            else:
-                row["wrong"] += 1
-                self.failures.append(f"{r[4]}: wrong answer for {json.dumps(r[0])[:200]}: "
-                                     f"got {r[2][:80]!r}, the reference {w[:80]!r}")
+        want = dict(zip(map(id, done), self.reference([r[0] for r in done])))
+        table, by_fault = {}, {}
         for r in records:
             if r[3] is None:
-                continue
-            row = table.setdefault(r[4], {"correct": 0, "wrong": 0, "clean_error": 0,
-                                          "unclean": 0})
-            if CLEAN.match(r[3]):
-                row["clean_error"] += 1
+                how = "correct" if r[2] == want[id(r)] else "wrong"
+                if how == "wrong":
+                    self.failures.append(f"{r[4]}: wrong answer for {json.dumps(r[0])[:200]}: "
+                                         f"got {r[2][:80]!r}, the reference {want[id(r)][:80]!r}")
             else:
-                row["unclean"] += 1
-                self.failures.append(f"{r[4]}: unclean failure {r[3]!r}")
+                how = "clean_error" if CLEAN.match(r[3]) else "unclean"
+                if how == "unclean":
+                    self.failures.append(f"{r[4]}: unclean failure {r[3]!r}")
+            table.setdefault(r[4], dict.fromkeys(OUTCOMES, 0))[how] += 1
+            for row in self.during(r[5], r[6]) if r[5] is not None else ["after (canaries)"]:
+                by_fault.setdefault(row, dict.fromkeys(OUTCOMES, 0))[how] += 1
         for x in self.insts:
             if x.fd_base is not None and fd_end[x.name] > x.fd_base + a.fd_slack:
                 self.failures.append(f"{x.name}: {fd_end[x.name]} fds at the end, "
@@ -599,7 +790,8 @@ class Soak:
         if leaked_shm or leaked_sysv:
             self.failures.append(f"shared memory left behind: /dev/shm {leaked_shm}, "
                                  f"SysV {leaked_sysv}")
-        return self.report({"load_s": round(t_load, 1), "outcomes": table, "blocks": blocks,
+        return self.report({"load_s": round(t_load, 1), "outcomes": table,
+                            "outcomes_by_fault": by_fault, "blocks": blocks,
                             "shm_watched": {"dev_shm_files": len(self.shm.names),
                                             "processes": len(self.shm.pids)},
                             "fds": {x.name: {"after_warmup": x.fd_base, "end": fd_end[x.name],
@@ -609,21 +801,22 @@ class Soak:
 
     def report(self, figs):
         out = {"duration_s": self.a.duration, "seed": self.a.seed, "rate": self.a.rate,
-               "faults": [{"t_s": t, "kind": k, "target": x, "detail": d}
-                          for t, k, x, d in self.faults],
+               "faults": [{"t_s": t, "kind": k, "target": x, "detail": d, "end_s": e}
+                          for t, k, x, d, e in self.faults],
                **figs, "failures": self.failures, "ok": not self.failures, "logs": str(self.out)}
         if self.a.json:
             pathlib.Path(self.a.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"\nchaos soak: {len(self.faults)} faults over {self.a.duration:.0f} s "
               f"(seed {self.a.seed}), logs in {self.out}")
-        for t, k, x, d in self.faults:
+        for t, k, x, d, _ in self.faults:
             print(f"  {t:6.1f} s  {k:<10} {x:<9} {d}")
-        if figs.get("outcomes"):
-            print(f"  {'requests':<10} {'correct':>8} {'wrong':>6} {'clean err':>10} "
-                  f"{'unclean':>8}")
-            for k, row in sorted(figs["outcomes"].items()):
-                print(f"  {k:<10} {row['correct']:>8} {row['wrong']:>6} {row['clean_error']:>10} "
-                      f"{row['unclean']:>8}")
+        for key, title in (("outcomes", "requests"), ("outcomes_by_fault", "during fault")):
+            if not figs.get(key):
+                continue
+            print(f"  {title:<17} {'correct':>8} {'wrong':>6} {'clean err':>10} {'unclean':>8}")
+            for k, row in sorted(figs[key].items()):
+                print(f"  {k:<17} {row['correct']:>8} {row['wrong']:>6} "
+                      f"{row['clean_error']:>10} {row['unclean']:>8}")
         for name, b in figs.get("blocks", {}).items():
             print(f"  {name}: {b}")
         if "fds" in figs:
@@ -656,6 +849,10 @@ def main(argv):
     p.add_argument("--out", help="logs and reports here (default: a new temporary directory)")
     p.add_argument("--json", help="write the summary as JSON here")
     a = p.parse_args(argv)
+    needs_root = {"cut", "dns"} & set(a.faults.split(","))
+    if needs_root and os.geteuid() != 0:
+        raise SystemExit(f"chaos: the fault kinds {', '.join(sorted(needs_root))} need root "
+                         "(network and mount namespaces, port 53): leave them out of --faults")
     return Soak(a).main()
 
 
