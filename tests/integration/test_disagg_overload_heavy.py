@@ -145,7 +145,9 @@ def test_refused_job_goes_to_another_prefill(tandem_bin, default_model, tmp_path
     """Two prefill instances; the router names the first for every one of 8
     long prompts sent at once (internal Generate). The first refuses the
     ones its queue cannot start in time; D offers each to the second
-    instead of prefilling it here, and, told the first is saturated, sends
+    instead of prefilling it here (which prefills it, refuses it too, or,
+    its queue slower than it measured on a loaded machine, fails it for not
+    starting it by the deadline), and, told the first is saturated, sends
     the next ones the router names it for to the second directly (local
     prefill reason `saturated` only when both say so). Every answer equals
     a colocated instance's; both prefill instances and D end idle."""
@@ -197,12 +199,16 @@ def test_refused_job_goes_to_another_prefill(tandem_bin, default_model, tmp_path
         m = d.metrics()
         second = metric(ps[1].metrics(), "tandem:kv_transfer_seconds_count") - 1  # less warm-up
         refused_2 = len(re.findall(rf"prefill instance {re.escape(names[1])} rejected it", d_log))
+        # or it took the job and its queue, slower than its measured speed
+        # on a loaded machine, did not start it by the deadline
+        late_2 = len(re.findall(rf"prefill instance {re.escape(names[1])} failed it: not started "
+                                "before its deadline", d_log))
         print(f"\ndeadline {deadline_ms} ms: {len(offered)} refused by the first and offered to "
-              f"the second, which prefilled {second:.0f} and refused {refused_2}; local "
-              f"{metric(m, 'tandem:local_prefill_total'):.0f} (saturated "
+              f"the second, which prefilled {second:.0f}, refused {refused_2} and did not start "
+              f"{late_2} in time; local {metric(m, 'tandem:local_prefill_total'):.0f} (saturated "
               f"{metric(m, 'tandem:local_prefill_total', reason='saturated'):.0f})")
-        # each job the second did not refuse was prefilled there
-        assert second >= 1 and second + refused_2 >= len(offered)
+        # each job offered to the second ended there in one of those ways
+        assert second >= 1 and second + refused_2 + late_2 >= len(offered)
         d.wait_idle(timeout=60)
         for p in ps:
             p.wait_idle(timeout=60)
