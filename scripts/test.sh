@@ -30,6 +30,10 @@ skip=$td_ctest_skip
 step "release build + all tests"
 scripts/build.sh build
 (cd build && ctest "${ctest_args[@]}" -LE "$skip")
+if [ -f build/chaos-soak-summary.txt ]; then
+  step "the chaos soak's summary (tests/soak, passed above)"
+  cat build/chaos-soak-summary.txt
+fi
 
 if [ "${TD_TEST_QUICK:-0}" != 1 ]; then
   # heavy: the default model's fault and load suites (tests/CMakeLists.txt).

@@ -12,6 +12,7 @@ table, final block counts) is printed."""
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -19,6 +20,10 @@ SOURCE = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_chaos_soak_three_minutes(tandem_bin, default_model, tmp_path):
+    # the summary, also kept in the build directory: scripts/test.sh prints
+    # it after the release run, where ctest shows only failing tests' output
+    summary = tandem_bin.parent / "chaos-soak-summary.txt"
+    summary.unlink(missing_ok=True)
     cmd = [sys.executable, str(SOURCE / "tools" / "bench" / "chaos.py"),
            "--bin-dir", str(tandem_bin.parent), "--model", str(default_model),
            "--duration", os.environ.get("TANDEM_SOAK_SECONDS", "180"), "--seed", "1",
@@ -26,4 +31,6 @@ def test_chaos_soak_three_minutes(tandem_bin, default_model, tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     print(r.stdout[-20000:])
     print(r.stderr[-5000:], file=sys.stderr)
+    m = re.search(r"^chaos soak: \d+ faults", r.stdout, re.M)
+    summary.write_text(r.stdout[m.start():] if m else r.stdout[-6000:])
     assert r.returncode == 0, r.stdout[-6000:]
