@@ -192,12 +192,12 @@ static bool retryable_grpc(int code) {
 
 /* At q's first token: what the queue's prediction at its routing missed
  * by, into the instance's moving average (a request that waited in the
- * router's queue or was retried measures something else: left out). */
+ * router's queue or was retried measures something else: left out; at its
+ * first attempt it runs on the instance the prediction was for). */
 static void learn_ttft_locked(td_router *r, const rt_req *q, double now) {
-    int32_t at = q->expect_at;
-    if (at < 0 || q->attempts != 1 || q->t_queued > 0 || at != (q->p >= 0 ? q->p : q->d)) return;
+    if (q->expect_at < 0 || q->attempts != 1 || q->t_queued > 0) return;
     double miss = (now - q->t_arrival) * 1e3 - q->expect_ms;
-    td_rt_extra_learn(&r->in[at].ttft_extra, miss, now);
+    td_rt_extra_learn(&r->in[q->expect_at].ttft_extra, miss, now);
 }
 
 static bool on_response(void *ctx, const Tandem__V1__GenerateResponse *resp) {
