@@ -12,11 +12,11 @@ the "dns" fault the decode instances find the prefill instances by name
 (prefillI.chaos.test, --dns-interval 1 s) through a DNS server of the
 soak's (127.77.0.53, each decode instance in a mount namespace whose
 /etc/resolv.conf names only it). Fixed ports, so a killed instance
-restarts where it was (a new epoch). The load: two `tandem bench` runs against the
-router for the whole duration, Poisson arrivals with a fixed seed, one
-greedy and one with seeded sampling (--request-seed), random prompts of
-64-400 tokens and 8-32 output tokens, each request's body and streamed
-text recorded (--record-text).
+restarts where it was (a new epoch). The load: two `tandem bench` runs
+against the router for the whole duration, Poisson arrivals with a fixed
+seed, one greedy and one with seeded sampling (--request-seed), random
+prompts of 64-400 tokens and 8-32 output tokens, each request's body and
+streamed text recorded (--record-text).
 
 Faults (kinds, a time for each drawn from --seed over 10%-85% of the run,
 at least 12 s apart; --faults picks the kinds, repeated to fill longer
@@ -344,7 +344,7 @@ class SlowDns:
         import dns.rdatatype
         import dns.rrset
         self.dns = dns
-        self.names, self.delay, self.queries, self.slow = {}, 0.0, 0, 0
+        self.names, self.delay, self.queries = {}, 0.0, 0
         self.addr = "127.77.0.53"
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind((self.addr, 53))
@@ -386,7 +386,6 @@ class SlowDns:
             except OSError:
                 return
             self.queries += 1
-            self.slow += self.delay > 0
             threading.Thread(target=self.answer, args=(wire, peer, self.delay),
                              daemon=True).start()
 
@@ -565,7 +564,7 @@ class Soak:
             b["seed"] = self.rng.randrange(1 << 30)
         return b
 
-    def fault(self, kind, t0):
+    def fault(self, kind):
         rng = self.rng
         if kind in ("stop", "kill"):
             x = rng.choice(self.insts)
@@ -633,19 +632,18 @@ class Soak:
             return d.name, "8 x ~700 prompt + 300 output tokens"
         raise AssertionError(kind)
 
-    def run_faults(self, t_start, plan):
+    def run_faults(self, plan):
         for t, kind in plan:
-            wait = t_start + t - time.monotonic()
+            wait = t - self.now()
             if wait > 0:
                 time.sleep(wait)
-            t_at = time.monotonic() - t_start
+            t_at = self.now()
             try:
-                target, detail = self.fault(kind, t_start)
+                target, detail = self.fault(kind)
             except Exception as e:  # noqa: BLE001 - a fault that could not run is a failure
                 target, detail = "?", f"could not run: {e!r}"
                 self.failures.append(f"fault {kind} at {t_at:.0f} s: {e!r}")
-            self.faults.append((round(t_at, 1), kind, target, detail,
-                                round(time.monotonic() - t_start, 1)))
+            self.faults.append((round(t_at, 1), kind, target, detail, round(self.now(), 1)))
             print(f"chaos: {t_at:6.1f} s  {kind:<10} {target:<9} {detail}", flush=True)
 
     # ---------------------------------------------------------------- run
@@ -711,14 +709,14 @@ class Soak:
         for x in self.insts:
             x.fd_base = x.fds()
         plan = self.schedule()
-        t0 = self.t0 = time.monotonic()
+        self.t0 = time.monotonic()
         runs = [self.bench("greedy", []),
                 self.bench("sampled", ["--temperature", 0.8, "--request-seed", 1000,
                                        "--seed", a.seed + 1])]
-        self.run_faults(t0, plan)
+        self.run_faults(plan)
         for r in runs:
             r.wait()
-        t_load = time.monotonic() - t0
+        t_load = self.now()
         # every instance back at idle
         busy = self.cluster.wait_idle(120)
         if busy:
@@ -742,7 +740,7 @@ class Soak:
                 self.failures.append(f"bench {name}: no report ({e!r}): "
                                      + (self.out / f"{name}.out").read_text()[-2000:])
                 continue
-            for r in rep["requests"]:  # both runs started at t0 (within ms)
+            for r in rep["requests"]:  # both runs started at self.t0 (within ms)
                 start = r["start_s"]
                 records.append((r["body"], 200 if r["success"] else None, r.get("text", ""),
                                 None if r["success"] else r["error_kind"], name, start,
