@@ -76,7 +76,7 @@ static int32_t slot_take(bool *used, int n) {
 /* Closes the control endpoint and tells the ranks to close theirs. Caller
  * holds x->mu. */
 static void dpeer_close(td_xfer *x, dpeer *d) {
-    if (d->ep) td_ucx_ep_close(d->ep, NULL, NULL);
+    if (d->ep) td_ucx_ep_close_flushed(d->ep, TD_UCX_CLOSE_FORCE_MS);
     d->ep = NULL;
     d->closed = true;
     if (d->slot >= 0) {

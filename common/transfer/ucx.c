@@ -69,10 +69,27 @@ struct td_ucx_ep {
     void *user;
     atomic_bool failed;
     atomic_bool closing; /* td_ucx_ep_close was called: the handle is the channel's */
+    /* td_ucx_ep_close_flushed: closed by the progress thread once flushed
+     * (or failed), or at close_at_ns; deferred and close_at_ns under u->lock */
+    bool deferred;
+    struct flush_token *flush; /* its flush's outcome (NULL: no flushed close) */
+    uint64_t close_at_ns;
     void (*closed)(void *ctx);
     void *closed_ctx;
     td_ucx_ep *prev, *next;
 };
+
+/* The flush of a flushed close: shared by the endpoint and the flush's
+ * callback, which may come after a forced close freed the endpoint. */
+typedef struct flush_token {
+    td_ucx *u;
+    atomic_bool done; /* completed, failed, or the endpoint failed */
+    atomic_int refs;
+} flush_token;
+
+static void flush_token_put(flush_token *t) {
+    if (t && atomic_fetch_sub(&t->refs, 1) == 1) free(t);
+}
 
 struct td_ucx_rkey {
     td_ucx_ep *ep;
@@ -128,6 +145,7 @@ struct td_ucx {
     atomic_bool sleeping;        /* the progress thread is in (or about to enter) poll */
     atomic_uint_fast64_t posted; /* bumped after every post, see progress_main */
     atomic_int inflight;         /* requests of ours UCX has not completed yet */
+    atomic_int n_deferred;       /* endpoints waiting for their flushed close */
 
     pthread_mutex_t lock;    /* the three lists below */
     pthread_cond_t links_cv; /* a dying link was detached */
@@ -252,6 +270,8 @@ static int links_snapshot(td_ucx *u, td_ucx_wk **wks) {
     return n;
 }
 
+static void close_deferred(td_ucx *u);
+
 static void *progress_main(void *arg) {
     td_ucx *u = arg;
     uint64_t last_work = td_time_ns();
@@ -274,6 +294,7 @@ static void *progress_main(void *arg) {
             for (int w = 0; w < n_wk; w++) k += ucp_worker_progress(wks[w]->worker);
             n += k;
         } while (k != 0 && !atomic_load(&u->stop) && atomic_load(&u->links_gen) == gen);
+        if (atomic_load(&u->n_deferred) > 0) close_deferred(u);
         uint64_t now = td_time_ns();
         if (n) last_work = now;
         int inflight = atomic_load(&u->inflight);
@@ -302,7 +323,9 @@ static void *progress_main(void *arg) {
         pf[0] = (struct pollfd){.fd = u->stop_fd, .events = POLLIN};
         for (int w = 0; w < n_wk; w++)
             pf[1 + w] = (struct pollfd){.fd = wks[w]->fd, .events = POLLIN};
-        int timeout = s != UCS_OK || inflight > 0 ? TD_UCX_BUSY_POLL_MS : -1;
+        int timeout = s != UCS_OK || inflight > 0 || atomic_load(&u->n_deferred) > 0
+                          ? TD_UCX_BUSY_POLL_MS
+                          : -1;
         if (poll(pf, (nfds_t)(1 + n_wk), timeout) < 0 && errno != EINTR) {
             TD_LOG_ERROR("%s: poll: %s", u->name, strerror(errno));
             usleep(1000);
@@ -579,6 +602,11 @@ void td_ucx_destroy(td_ucx *u) {
         if (!victim) break;
         td_ucx_ep_close(victim, NULL, NULL);
     }
+    /* flushed closes still waiting: now */
+    pthread_mutex_lock(&u->lock);
+    for (td_ucx_ep *e = u->eps; e; e = e->next) e->close_at_ns = 0;
+    pthread_mutex_unlock(&u->lock);
+    wake_progress(u);
     double t0 = td_time_s();
     while ((!eps_empty(u) || atomic_load(&u->inflight) > 0) &&
            td_time_s() - t0 < TD_UCX_DESTROY_WAIT_S) {
@@ -597,6 +625,7 @@ void td_ucx_destroy(td_ucx *u) {
         td_ucx_ep *e = u->eps;
         u->eps = e->next;
         if (e->closed) e->closed(e->closed_ctx);
+        flush_token_put(e->flush);
         free(e);
     }
     while (u->mems) {
@@ -787,7 +816,10 @@ static void ep_err_cb(void *arg, ucp_ep_h uep, ucs_status_t status) {
     TD_UNUSED(uep);
     if (atomic_exchange(&ep->failed, true)) return;
     atomic_fetch_add(&u->ep_errors, 1);
-    if (atomic_load(&ep->closing)) return; /* the owner already let go of the handle */
+    if (atomic_load(&ep->closing)) {
+        if (ep->flush) atomic_store(&ep->flush->done, true); /* a flushed close waits no more */
+        return; /* the owner already let go of the handle */
+    }
     TD_LOG_WARN("%s: endpoint error: %s", u->name, ucs_status_string(status));
     if (u->on_error) u->on_error(u->ctx, ep, TD_ERR_IO);
 }
@@ -885,6 +917,7 @@ void td_ucx_ep_transports(td_ucx_ep *ep, char *buf, size_t len) {
 static void ep_close_finish(td_ucx_ep *ep) {
     ep_unlink(ep);
     if (ep->closed) ep->closed(ep->closed_ctx);
+    flush_token_put(ep->flush);
     free(ep);
 }
 
@@ -897,13 +930,8 @@ static void ep_close_cb(void *request, ucs_status_t status, void *user_data) {
     atomic_fetch_sub(&u->inflight, 1);
 }
 
-void td_ucx_ep_close(td_ucx_ep *ep, void (*closed)(void *ctx), void *ctx) {
-    if (!ep) {
-        if (closed) closed(ctx);
-        return;
-    }
+static void ep_force_close(td_ucx_ep *ep, void (*closed)(void *ctx), void *ctx) {
     td_ucx *u = ep->u;
-    TD_ASSERT(!atomic_load(&ep->closing));
     ep->closed = closed;
     ep->closed_ctx = ctx;
     atomic_store(&ep->closing, true);
@@ -925,6 +953,78 @@ void td_ucx_ep_close(td_ucx_ep *ep, void (*closed)(void *ctx), void *ctx) {
         return;
     }
     after_post(u);
+}
+
+void td_ucx_ep_close(td_ucx_ep *ep, void (*closed)(void *ctx), void *ctx) {
+    if (!ep) {
+        if (closed) closed(ctx);
+        return;
+    }
+    TD_ASSERT(!atomic_load(&ep->closing));
+    ep_force_close(ep, closed, ctx);
+}
+
+static void flush_before_close_cb(void *request, ucs_status_t status, void *user_data) {
+    flush_token *t = user_data;
+    td_ucx *u = t->u;
+    TD_UNUSED(status); /* failed or not, nothing of ours is left in the socket */
+    ucp_request_free(request);
+    atomic_store(&t->done, true);
+    flush_token_put(t);
+    atomic_fetch_sub(&u->inflight, 1);
+}
+
+void td_ucx_ep_close_flushed(td_ucx_ep *ep, int force_after_ms) {
+    if (!ep) return;
+    td_ucx *u = ep->u;
+    TD_ASSERT(!atomic_load(&ep->closing));
+    flush_token *t = calloc(1, sizeof *t);
+    if (!t) {
+        ep_force_close(ep, NULL, NULL); /* no memory to wait with */
+        return;
+    }
+    t->u = u;
+    atomic_init(&t->refs, 2); /* the endpoint's and the flush's */
+    ep->flush = t;
+    atomic_store(&ep->closing, true);
+    ucp_request_param_t prm = {.op_attr_mask =
+                                   UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+                               .cb.send = flush_before_close_cb,
+                               .user_data = t};
+    atomic_fetch_add(&u->inflight, 1);
+    ucs_status_ptr_t req = ucp_ep_flush_nbx(ep->ep, &prm);
+    if (req == NULL || UCS_PTR_IS_ERR(req)) {
+        atomic_fetch_sub(&u->inflight, 1);
+        atomic_store(&t->done, true);
+        flush_token_put(t);
+    }
+    if (atomic_load(&ep->failed)) atomic_store(&t->done, true);
+    pthread_mutex_lock(&u->lock);
+    ep->close_at_ns = td_time_ns() + (uint64_t)TD_MAX(force_after_ms, 0) * 1000000ull;
+    ep->deferred = true;
+    pthread_mutex_unlock(&u->lock);
+    atomic_fetch_add(&u->n_deferred, 1);
+    wake_progress(u);
+}
+
+/* On the progress thread, between progress calls: the flushed closes whose
+ * flush has ended (or whose time is up). */
+static void close_deferred(td_ucx *u) {
+    uint64_t now = td_time_ns();
+    for (;;) {
+        td_ucx_ep *ready = NULL;
+        pthread_mutex_lock(&u->lock);
+        for (td_ucx_ep *e = u->eps; e && !ready; e = e->next)
+            if (e->deferred && (atomic_load(&e->flush->done) || now >= e->close_at_ns)) ready = e;
+        if (ready) ready->deferred = false;
+        pthread_mutex_unlock(&u->lock);
+        if (!ready) return;
+        atomic_fetch_sub(&u->n_deferred, 1);
+        if (!atomic_load(&ready->flush->done))
+            TD_LOG_WARN("%s: an endpoint closing after its flush: not flushed in time, forcing",
+                        u->name);
+        ep_force_close(ready, NULL, NULL);
+    }
 }
 
 /* td_ucx_ep_close_wait's rendezvous with the close callback; freed by

@@ -136,6 +136,22 @@ void td_ucx_ep_transports(td_ucx_ep *ep, char *buf, size_t len);
  * completed (NULL: no notification). The handle is invalid after the call.
  * Accepts NULL (closed is then called at once). */
 void td_ucx_ep_close(td_ucx_ep *ep, void (*closed)(void *ctx), void *ctx);
+/* Closes the endpoint once what was posted on it has gone: flushes it, and
+ * force-closes it (as td_ucx_ep_close, no notification) when the flush has
+ * completed or failed, or after force_after_ms at the latest. Its
+ * operations in flight complete when the transport is done with them:
+ * delivered, or failed once it learns the peer is gone (a reset, UCX's
+ * keepalive), not at the call. The handle is invalid after the call.
+ * Accepts NULL. For endpoints whose peer may be unreachable with data of
+ * ours still queued in the socket: UCX 1.13 can crash in its TCP progress
+ * when a force-closed endpoint still has data to send and the connection
+ * then resets (its read handler frees the connection, and the same event's
+ * write half then runs on the freed memory), which a relink after a cut
+ * does; PyPI's UCX 1.22 crashed in the same scenario too. */
+void td_ucx_ep_close_flushed(td_ucx_ep *ep, int force_after_ms);
+/* What the prefill side gives a flushed close: a cut link that comes back
+ * within it resets the connection (the decode side fenced) or delivers. */
+#define TD_UCX_CLOSE_FORCE_MS 30000
 /* The same, waiting up to timeout_ms for the completion. TD_ERR_TIMEOUT
  * (logged) if it did not complete in time. Not from a callback. */
 td_status td_ucx_ep_close_wait(td_ucx_ep *ep, int timeout_ms);

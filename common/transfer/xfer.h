@@ -39,7 +39,9 @@
  * most once (it remembers every id until its deadline), so a duplicated
  * or late copy never writes into blocks D has reused. P never frees source
  * blocks while its puts are in flight: it waits for the flush, and at the
- * end of its lease force-closes the endpoint so that they complete.
+ * end of its lease closes its endpoints to that D once they are flushed
+ * (delivered, or failed when the transport learns D is gone; forced after
+ * 30 s), keeping the sources until then.
  *
  * Parallel plans: every rank of both instances has its own UCP worker and
  * its KV pool in UCX memory; the exchange lists every rank's endpoint.

@@ -16,15 +16,16 @@
  *   EXTEND slot, deadline: the decode side renewed the lease (never
  *         earlier than before);
  *   DROP  slot: the job is over; its puts are flushed (or, past the
- *         deadline, its endpoints force-closed); once no rank reports it
- *         busy the driver may free the source blocks;
+ *         deadline, have ended after its endpoints were closed); once no
+ *         rank reports it busy the driver may free the source blocks;
  *   UNPEER slot: close the endpoints to that decode instance.
  * A job's sequence carries its slot in the step (td_exec_forward_slots);
  * once a rank has put every position of the prompt for all of its layers it
  * flushes the job's endpoints and waits for the flush a little (20 ms at
  * most) before the step ends. A flush still in flight then is reported
  * busy, at that step and every later one until it completes, and the job's
- * deadline force-closes its endpoints: a slow or unreachable decode
+ * deadline closes its endpoints (once flushed: td_ucx_ep_close_flushed,
+ * the job busy until its puts end): a slow or unreachable decode
  * instance holds up no other job. So once a step returns on the driver
  * without a job reported busy, every rank has flushed it. A rank that
  * could not deliver (an endpoint error, the deadline) reports the job
@@ -120,7 +121,7 @@ typedef struct {
 /* After the step's forward pass: flushes the jobs this rank finished and
  * the dropped ones, waits for them a little, checks the ones still in
  * flight from earlier steps (past its deadline a job's peer endpoints are
- * force-closed), and ORs its findings into *rep. */
+ * closed once flushed), and ORs its findings into *rep. */
 void td_xrank_finish(td_xrank *xr, td_xrank_report *rep);
 
 /* Directive builders (the driver): append to a growing int32 buffer. */

@@ -686,18 +686,23 @@ static int peer_main(int fd) {
 
 static const char *g_exe;
 
-static void peer_killed(const char *tls) {
+/* A peer process (peer_main), started with the environment as it is, and
+ * side a (made the same way) connected to it: an endpoint and the peer's
+ * region, with one 1 MiB put flushed through them. */
+typedef struct {
+    pid_t pid;
+    side a;
+    td_ucx_ep *ep;
+    td_ucx_rkey *rk;
+} peer_proc;
+
+static void peer_connect(peer_proc *pp) {
     int fds[2];
     assert_int_equal(pipe(fds), 0);
     char fdarg[16];
     snprintf(fdarg, sizeof fdarg, "%d", fds[1]);
     char *argv[] = {(char *)g_exe, "peer", fdarg, NULL};
-    if (tls) setenv("UCX_TLS", tls, 1);
-    /* Over shared memory a dead peer is found by UCX's keepalive (default
-     * every 20 s, run while requests are in flight); 1 s keeps this short. */
-    setenv("UCX_KEEPALIVE_INTERVAL", "1s", 1);
-    pid_t pid;
-    assert_int_equal(posix_spawn(&pid, "/proc/self/exe", NULL, NULL, argv, environ), 0);
+    assert_int_equal(posix_spawn(&pp->pid, "/proc/self/exe", NULL, NULL, argv, environ), 0);
     close(fds[1]);
     uint64_t hdr[3];
     assert_true(read_all(fds[0], hdr, sizeof hdr));
@@ -705,27 +710,37 @@ static void peer_killed(const char *tls) {
     uint8_t *addr = malloc(hdr[0]), *rkey = malloc(hdr[1]);
     assert_true(read_all(fds[0], addr, hdr[0]) && read_all(fds[0], rkey, hdr[1]));
     close(fds[0]);
-
-    side a;
-    side_init(&a, "test a", 0, false);
-    if (tls) unsetenv("UCX_TLS");
-    unsetenv("UCX_KEEPALIVE_INTERVAL");
-    td_ucx_ep *ep;
-    td_ucx_rkey *rk;
-    assert_int_equal(td_ucx_ep_create(a.u, addr, hdr[0], NULL, &ep), TD_OK);
-    assert_int_equal(td_ucx_rkey_create(ep, rkey, hdr[1], hdr[2], REGION, &rk), TD_OK);
+    side_init(&pp->a, "test a", 0, false);
+    assert_int_equal(td_ucx_ep_create(pp->a.u, addr, hdr[0], NULL, &pp->ep), TD_OK);
+    assert_int_equal(td_ucx_rkey_create(pp->ep, rkey, hdr[1], hdr[2], REGION, &pp->rk), TD_OK);
+    free(addr);
+    free(rkey);
     char tl[256];
-    td_ucx_ep_transports(ep, tl, sizeof tl);
+    td_ucx_ep_transports(pp->ep, tl, sizeof tl);
     fprintf(stderr, "transports to the peer process: %s\n", tl);
-    /* a working transfer first */
     group g;
     group_init(&g);
-    fill(a.buf, REGION, 3);
-    assert_int_equal(td_ucx_put(ep, rk, a.buf, (size_t)1 << 20, 0, &g.ops), TD_OK);
-    assert_int_equal(td_ucx_flush(ep, &g.ops), TD_OK);
+    fill(pp->a.buf, REGION, 3);
+    assert_int_equal(td_ucx_put(pp->ep, pp->rk, pp->a.buf, (size_t)1 << 20, 0, &g.ops), TD_OK);
+    assert_int_equal(td_ucx_flush(pp->ep, &g.ops), TD_OK);
     td_ucx_ops_seal(&g.ops);
     assert_int_equal(group_wait(&g, 10), TD_OK);
     group_free(&g);
+}
+
+static void peer_killed(const char *tls) {
+    if (tls) setenv("UCX_TLS", tls, 1);
+    /* Over shared memory a dead peer is found by UCX's keepalive (default
+     * every 20 s, run while requests are in flight); 1 s keeps this short. */
+    setenv("UCX_KEEPALIVE_INTERVAL", "1s", 1);
+    peer_proc pp;
+    peer_connect(&pp); /* a working transfer first */
+    if (tls) unsetenv("UCX_TLS");
+    unsetenv("UCX_KEEPALIVE_INTERVAL");
+    td_ucx_ep *ep = pp.ep;
+    td_ucx_rkey *rk = pp.rk;
+    pid_t pid = pp.pid;
+    group g;
 
     assert_int_equal(kill(pid, SIGKILL), 0);
     int wst;
@@ -735,7 +750,7 @@ static void peer_killed(const char *tls) {
     bool noticed = false;
     while (!noticed && td_time_s() - t0 < 15) {
         group_init(&g);
-        td_status pst = td_ucx_put(ep, rk, a.buf, (size_t)1 << 20, 0, &g.ops);
+        td_status pst = td_ucx_put(ep, rk, pp.a.buf, (size_t)1 << 20, 0, &g.ops);
         td_status fst = td_ucx_flush(ep, &g.ops);
         td_ucx_ops_seal(&g.ops);
         td_status gst = group_wait(&g, 15);
@@ -745,26 +760,85 @@ static void peer_killed(const char *tls) {
         if (!noticed) usleep(20000);
     }
     fprintf(stderr, "peer death noticed after %.2f s (on_error calls: %d)\n", td_time_s() - t0,
-            a.errors);
+            pp.a.errors);
     assert_true(noticed);
     /* the error callback has fired (or fires soon) and the endpoint is failed */
-    assert_true(side_wait(&a, &a.errors, 1, 15));
-    assert_ptr_equal(a.error_ep, ep);
+    assert_true(side_wait(&pp.a, &pp.a.errors, 1, 15));
+    assert_ptr_equal(pp.a.error_ep, ep);
     assert_true(td_ucx_ep_failed(ep));
     group_init(&g);
-    assert_int_equal(td_ucx_put(ep, rk, a.buf, 16, 0, &g.ops), TD_ERR_IO);
-    assert_int_equal(td_ucx_send(ep, a.buf, 16), TD_ERR_IO);
+    assert_int_equal(td_ucx_put(ep, rk, pp.a.buf, 16, 0, &g.ops), TD_ERR_IO);
+    assert_int_equal(td_ucx_send(ep, pp.a.buf, 16), TD_ERR_IO);
     td_ucx_ops_seal(&g.ops);
     assert_int_equal(group_wait(&g, 1), TD_OK); /* nothing was added */
     group_free(&g);
     td_ucx_rkey_destroy(rk);
     assert_int_equal(td_ucx_ep_close_wait(ep, 5000), TD_OK);
     td_ucx_stats st;
-    td_ucx_stats_get(a.u, &st);
+    td_ucx_stats_get(pp.a.u, &st);
     assert_int_equal(st.ep_errors, 1);
-    side_free(&a);
-    free(addr);
-    free(rkey);
+    side_free(&pp.a);
+}
+
+/* td_ucx_ep_close_flushed. Live peer: puts in flight when it is called are
+ * delivered, and the group completes without error. Stopped peer process
+ * over TCP (as behind a cut link: its socket buffers fill up and the flush
+ * cannot end): the close waits for the flush, then forces, and the group
+ * completes with an error. */
+static void close_flushed_live(const char *tls) {
+    if (tls) setenv("UCX_TLS", tls, 1);
+    pair p;
+    pair_init(&p, 0, true);
+    if (tls) unsetenv("UCX_TLS");
+    group g;
+    group_init(&g);
+    fill(p.a.buf, REGION, 21);
+    const size_t chunk = (size_t)1 << 20;
+    for (size_t off = 0; off + chunk <= REGION; off += chunk)
+        assert_int_equal(td_ucx_put(p.ab, p.rk, p.a.buf + off, chunk, off, &g.ops), TD_OK);
+    td_ucx_ops_seal(&g.ops);
+    td_ucx_rkey_destroy(p.rk);
+    p.rk = NULL;
+    td_ucx_ep_close_flushed(p.ab, 20000);
+    p.ab = NULL;
+    assert_int_equal(group_wait(&g, 20), TD_OK);
+    assert_memory_equal(p.b.buf, p.a.buf, REGION);
+    group_free(&g);
+    td_ucx_ep_close_flushed(NULL, 0);
+    pair_free(&p);
+}
+
+static void test_close_flushed(void **state) {
+    TD_UNUSED(state);
+    close_flushed_live(NULL);
+    close_flushed_live("tcp");
+
+    setenv("UCX_TLS", "tcp", 1);
+    peer_proc pp;
+    peer_connect(&pp);
+    unsetenv("UCX_TLS");
+    group g;
+    assert_int_equal(kill(pp.pid, SIGSTOP), 0);
+    group_init(&g);
+    const size_t chunk = (size_t)1 << 20;
+    for (int rep = 0; rep < 4; rep++)
+        for (size_t off = 0; off + chunk <= REGION; off += chunk)
+            assert_int_equal(td_ucx_put(pp.ep, pp.rk, pp.a.buf + off, chunk, off, &g.ops), TD_OK);
+    td_ucx_ops_seal(&g.ops);
+    td_ucx_rkey_destroy(pp.rk);
+    double t0 = td_time_s();
+    td_ucx_ep_close_flushed(pp.ep, 500);
+    td_status st = group_wait(&g, 20);
+    double waited = td_time_s() - t0;
+    fprintf(stderr, "stopped peer: the puts ended (%s) %.2f s after the flushed close\n",
+            td_status_str(st), waited);
+    assert_int_equal(st, TD_ERR_IO);
+    assert_true(waited >= 0.45); /* it waited for the flush before forcing */
+    group_free(&g);
+    assert_int_equal(kill(pp.pid, SIGKILL), 0);
+    int wst;
+    assert_int_equal(waitpid(pp.pid, &wst, 0), pp.pid);
+    side_free(&pp.a);
 }
 
 static void test_peer_killed(void **state) {
@@ -828,6 +902,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_link_fence),
         cmocka_unit_test(test_peer_killed),
         cmocka_unit_test(test_peer_killed_tcp),
+        cmocka_unit_test(test_close_flushed),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
