@@ -780,8 +780,8 @@ static void peer_killed(const char *tls) {
     side_free(&pp.a);
 }
 
-/* td_ucx_ep_close_flushed. Live peer: puts in flight when it is called are
- * delivered, and the group completes without error. Stopped peer process
+/* td_ucx_ep_close_flushed. Live peer: puts in flight when it is called
+ * complete without error and all land. Stopped peer process
  * over TCP (as behind a cut link: its socket buffers fill up and the flush
  * cannot end): the close waits for the flush, then forces, and the group
  * completes with an error. */
@@ -802,6 +802,11 @@ static void close_flushed_live(const char *tls) {
     td_ucx_ep_close_flushed(p.ab, 20000);
     p.ab = NULL;
     assert_int_equal(group_wait(&g, 20), TD_OK);
+    /* a put completes once its bytes are handed on (over TCP: to the
+     * socket); the close's flush is what carries them all to b, before it
+     * closes */
+    double t0 = td_time_s();
+    while (memcmp(p.b.buf, p.a.buf, REGION) != 0 && td_time_s() - t0 < 20) usleep(1000);
     assert_memory_equal(p.b.buf, p.a.buf, REGION);
     group_free(&g);
     td_ucx_ep_close_flushed(NULL, 0);
