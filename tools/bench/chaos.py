@@ -851,6 +851,9 @@ def main(argv):
     if needs_root and os.geteuid() != 0:
         raise SystemExit(f"chaos: the fault kinds {', '.join(sorted(needs_root))} need root "
                          "(network and mount namespaces, port 53): leave them out of --faults")
+    # a SIGTERM (a CI timeout, a kill) unwinds like an error: every instance,
+    # client, namespace and DNS server started is stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     return Soak(a).main()
 
 
