@@ -103,6 +103,11 @@ static td_status open_header(replay *rp, json_t *h) {
         (!json_is_number(share) || json_number_value(share) <= 0 || json_number_value(share) > 1))
         return fail(rp, TD_ERR_FORMAT, "step-trace header: prefill_share must be in (0, 1]");
     sp.prefill_share = share ? json_number_value(share) : 1;
+    json_t *tpot = json_object_get(h, "tpot_target_s");
+    if (tpot && (!json_is_number(tpot) || !(json_number_value(tpot) >= 0) ||
+                 json_number_value(tpot) >= 3600))
+        return fail(rp, TD_ERR_FORMAT, "step-trace header: tpot_target_s must be in [0, 3600)");
+    sp.tpot_target_s = tpot ? json_number_value(tpot) : 0;
     td_sched_core_hooks hooks = {.ctx = rp, .admitted = on_admitted, .preempted = on_preempted};
     rp->cap_dec = (int32_t)max_running;
     rp->adm = calloc((size_t)rp->cap_dec, sizeof *rp->adm);
@@ -287,7 +292,14 @@ static td_status replay_step(replay *rp, json_t *line) {
             return TD_OK;
         }
     }
-    if (n) rp->r->batches++;
+    if (n) {
+        /* the step time the scheduler's estimate learned from */
+        json_t *dt = json_array_get(json_array_get(ev, i), 2);
+        if (!json_is_number(dt))
+            return fail(rp, TD_ERR_FORMAT, "a \"b\" event's dt is a number of seconds");
+        td_sched_core_observe(&rp->core, json_number_value(dt));
+        rp->r->batches++;
+    }
     rp->r->batch_seqs += n;
     if (i < n_ev) i++;
     /* After the step: each batch entry computed, then its token and end. */

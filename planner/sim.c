@@ -522,6 +522,9 @@ static void step_start(sinst *in) {
 static void step_end(sinst *in) {
     sim *s = in->s;
     s->changed = true;
+    /* what the real scheduler's estimate learns from: the step's forward
+     * time, its own overhead apart */
+    td_sched_core_observe(&in->core, s->now - in->t_start - in->cfg.step_overhead_s);
     for (int32_t j = 0; j < in->n_batch; j++) {
         sseq *q = (sseq *)in->core.batch[j];
         bool logits = td_sched_core_has_logits(&q->c);

@@ -2,6 +2,7 @@
  * prefix-cache bookkeeping over a td_kv_pool. */
 #include "core.h"
 
+#include <math.h>
 #include <string.h>
 
 td_status td_sched_core_init(td_sched_core *c, const td_sched_params *p, td_kv_pool *kv,
@@ -270,6 +271,117 @@ static void publish_blocks(td_sched_core *c, td_sched_seq *q) {
     }
 }
 
+/* Solves the fit's normal equations restricted to the coefficients in
+ * use (use[i]: a, b, c), the others 0. A tiny ridge, relative to each
+ * diagonal, keeps a direction the steps have not varied along (every one
+ * with the same batch) from blowing up: the solution then predicts the
+ * steps seen and leans on the others. False when singular. */
+static bool est_solve_subset(const td_sched_step_est *e, const bool use[3], double x[3]) {
+    const double full[3][4] = {{e->w, e->sd, e->sp, e->st},
+                               {e->sd, e->sdd, e->sdp, e->sdt},
+                               {e->sp, e->sdp, e->spp, e->spt}};
+    int idx[3], k = 0;
+    for (int i = 0; i < 3; i++)
+        if (use[i]) idx[k++] = i;
+    double m[3][4];
+    for (int i = 0; i < k; i++) {
+        for (int j = 0; j < k; j++) m[i][j] = full[idx[i]][idx[j]];
+        m[i][k] = full[idx[i]][3];
+        m[i][i] = m[i][i] * (1 + 1e-6) + 1e-12;
+    }
+    for (int p = 0; p < k; p++) { /* Gaussian elimination, partial pivoting */
+        int piv = p;
+        for (int i = p + 1; i < k; i++)
+            if (fabs(m[i][p]) > fabs(m[piv][p])) piv = i;
+        if (!(fabs(m[piv][p]) > 0)) return false;
+        for (int j = 0; j <= k; j++) {
+            double t = m[p][j];
+            m[p][j] = m[piv][j];
+            m[piv][j] = t;
+        }
+        for (int i = p + 1; i < k; i++) {
+            double f = m[i][p] / m[p][p];
+            for (int j = p; j <= k; j++) m[i][j] -= f * m[p][j];
+        }
+    }
+    double y[3];
+    for (int i = k - 1; i >= 0; i--) {
+        double v = m[i][k];
+        for (int j = i + 1; j < k; j++) v -= m[i][j] * y[j];
+        y[i] = v / m[i][i];
+    }
+    x[0] = x[1] = x[2] = 0;
+    for (int i = 0; i < k; i++) {
+        if (!isfinite(y[i])) return false;
+        x[idx[i]] = y[i];
+    }
+    return true;
+}
+
+/* The fit (a, b, c) with no coefficient negative (a step's time does not
+ * shrink with its work): of the least-squares solutions with a, b or both
+ * held at 0, the feasible one that fits the steps best. False while no
+ * prompt token has been seen (nothing says what one costs) or no feasible
+ * solution gives prompt tokens a cost. */
+static bool est_solve(const td_sched_step_est *e, double x[3]) {
+    if (e->w <= 0 || e->spp <= 0) return false;
+    double best = INFINITY;
+    for (int s = 0; s < 4; s++) {
+        bool use[3] = {(s & 1) == 0, (s & 2) == 0, true};
+        double y[3];
+        if (!est_solve_subset(e, use, y) || y[0] < 0 || y[1] < 0 || !(y[2] > 0)) continue;
+        /* the weighted residual sum of squares, from the sums */
+        double rss = e->stt - 2 * (y[0] * e->st + y[1] * e->sdt + y[2] * e->spt) +
+                     y[0] * y[0] * e->w + y[1] * y[1] * e->sdd + y[2] * y[2] * e->spp +
+                     2 * (y[0] * y[1] * e->sd + y[0] * y[2] * e->sp + y[1] * y[2] * e->sdp);
+        if (rss < best) {
+            best = rss;
+            memcpy(x, y, sizeof y);
+        }
+    }
+    return best < INFINITY;
+}
+
+double td_sched_core_estimate(const td_sched_core *c, int32_t n_decode, int32_t n_prompt) {
+    double x[3];
+    if (!est_solve(&c->est, x)) return -1;
+    return TD_MAX(0.0, x[0] + x[1] * n_decode + x[2] * n_prompt);
+}
+
+void td_sched_core_observe(td_sched_core *c, double dt) {
+    if (!(dt > 0) || !isfinite(dt)) return;
+    td_sched_step_est *e = &c->est;
+    double d = c->step_decodes, p = c->step_prompt, l = TD_SCHED_EST_DECAY;
+    e->w = l * e->w + 1;
+    e->sd = l * e->sd + d;
+    e->sp = l * e->sp + p;
+    e->st = l * e->st + dt;
+    e->stt = l * e->stt + dt * dt;
+    e->sdd = l * e->sdd + d * d;
+    e->spp = l * e->spp + p * p;
+    e->sdp = l * e->sdp + d * p;
+    e->sdt = l * e->sdt + d * dt;
+    e->spt = l * e->spt + p * dt;
+    if (c->step_decodes > 0) c->max_mixed = TD_MAX(c->max_mixed, c->step_prompt);
+}
+
+/* The prompt tokens a step with n_decode decodes may take under the TPOT
+ * target: those the fit says fit in the time the decodes leave, at least
+ * one block (prompts progress every step; one block while nothing is
+ * measured), and at most twice the most a step beside decodes has taken
+ * so far: the fit extrapolates only a little past what it has seen (a fit
+ * from prompts alone and decodes alone cannot tell what they cost
+ * together), so the budget grows by doubling as its steps confirm it. */
+static int32_t tpot_budget(const td_sched_core *c, int32_t n_decode) {
+    int32_t floor_tok = TD_MIN(c->block_size, c->p.max_batch_tokens);
+    double x[3];
+    if (!est_solve(&c->est, x)) return floor_tok;
+    double room = c->p.tpot_target_s - (x[0] + x[1] * n_decode);
+    double fit = room > 0 ? floor(room / x[2]) : 0;
+    fit = TD_MIN(fit, 2.0 * c->max_mixed);
+    return fit >= c->p.max_batch_tokens ? c->p.max_batch_tokens : TD_MAX(floor_tok, (int32_t)fit);
+}
+
 int32_t td_sched_core_build_batch(td_sched_core *c) {
     int32_t budget = c->p.max_batch_tokens, n = 0, n_decode = 0;
     /* the prompt tokens a step that decodes may take (prefill_share) */
@@ -277,7 +389,10 @@ int32_t td_sched_core_build_batch(td_sched_core *c) {
                         ? TD_MAX(1, (int32_t)(c->p.prefill_share * c->p.max_batch_tokens))
                         : c->p.max_batch_tokens;
     for (int pass = 0; pass < 2; pass++) {
-        if (pass == 1 && n_decode > 0) budget = TD_MIN(budget, share);
+        if (pass == 1 && n_decode > 0) {
+            budget = TD_MIN(budget, share);
+            if (c->p.tpot_target_s > 0) budget = TD_MIN(budget, tpot_budget(c, n_decode));
+        }
         for (int32_t i = 0; i < c->n_running && budget > 0;) {
             td_sched_seq *q = c->running[i];
             int32_t left = q->n_tokens - q->n_computed;
@@ -305,8 +420,16 @@ int32_t td_sched_core_build_batch(td_sched_core *c) {
         }
     }
     /* Collect in running order (preemptions may have removed chosen ones). */
-    for (int32_t i = 0; i < c->n_running; i++)
-        if (c->running[i]->chunk > 0) c->batch[n++] = c->running[i];
+    c->step_decodes = c->step_prompt = 0;
+    for (int32_t i = 0; i < c->n_running; i++) {
+        td_sched_seq *q = c->running[i];
+        if (q->chunk == 0) continue;
+        c->batch[n++] = q;
+        if (q->n_tokens - q->n_computed == 1)
+            c->step_decodes++;
+        else
+            c->step_prompt += q->chunk;
+    }
     return n;
 }
 

@@ -13,9 +13,10 @@
  *   td_sched_core_end (cancelled ones) as they come;
  *   td_sched_core_admit;
  *   n = td_sched_core_build_batch: c->batch[0..n) with their chunk set;
- *   run the step; then for each batch entry in order
- *   td_sched_core_computed, and where it produced a token
- *   td_sched_core_append, and where the sequence ended td_sched_core_end.
+ *   run the step; td_sched_core_observe with its forward-pass time; then
+ *   for each batch entry in order td_sched_core_computed, and where it
+ *   produced a token td_sched_core_append, and where the sequence ended
+ *   td_sched_core_end.
  * Not thread-safe: one thread owns a core. */
 #ifndef TD_SCHED_CORE_H
 #define TD_SCHED_CORE_H
@@ -63,6 +64,20 @@ typedef struct {
     void (*preempted)(void *ctx, td_sched_seq *q);
 } td_sched_core_hooks;
 
+/* What the step times measured so far say, for the TPOT target
+ * (td_sched_params.tpot_target_s): a step's forward pass takes
+ *   t = a + b n_decode + c n_prompt,  a, b >= 0, c > 0
+ * fitted by least squares over the steps run, with exponential forgetting
+ * (a step's weight decays by TD_SCHED_EST_DECAY with each later one), so
+ * the fit follows the regime the instance runs in now (the context grows,
+ * a neighbour takes a core, the budget's own chunk size). The sums of the
+ * normal equations, weighted: */
+typedef struct {
+    double w, sd, sp, st, sdd, spp, sdp, sdt, spt, stt;
+} td_sched_step_est;
+
+#define TD_SCHED_EST_DECAY 0.95
+
 typedef struct {
     td_sched_params p;
     td_kv_pool *kv; /* borrowed */
@@ -73,6 +88,9 @@ typedef struct {
     int32_t n_running;
     td_sched_seq **batch; /* (p.max_running) the step's sequences, in running order */
     uint64_t admit_counter, preemptions;
+    td_sched_step_est est;
+    int32_t step_decodes, step_prompt; /* the last batch's decodes and prompt tokens */
+    int32_t max_mixed;                 /* most prompt tokens a step that also decoded has taken */
     /* Hashes of prompt blocks a running sequence is computing now: a
      * request whose next uncached block is among them waits for it to be
      * published instead of computing the same prefix again. */
@@ -105,6 +123,12 @@ int32_t td_sched_core_admit(td_sched_core *c);
  * blocks grown to hold it, preempting the latest admitted when the pool is
  * dry). Returns the number of sequences. */
 int32_t td_sched_core_build_batch(td_sched_core *c);
+/* After the step the last td_sched_core_build_batch built: its forward
+ * pass took dt seconds (the step-time estimate learns from it). */
+void td_sched_core_observe(td_sched_core *c, double dt);
+/* The estimated forward-pass time of a step with n_decode decodes and
+ * n_prompt prompt tokens; < 0 while nothing is known to estimate it. */
+double td_sched_core_estimate(const td_sched_core *c, int32_t n_decode, int32_t n_prompt);
 /* After the step: q's chunk is computed; its newly full blocks go to the
  * prefix cache. */
 void td_sched_core_computed(td_sched_core *c, td_sched_seq *q);

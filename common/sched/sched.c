@@ -166,10 +166,11 @@ static void tr_header(td_sched *s) {
             "{\"tandem_step_trace\":1,\"max_running\":%d,\"max_batch_tokens\":%d,"
             "\"max_waiting\":%d,\"reserve_output_tokens\":%d,\"max_ctx\":%d,"
             "\"prefix_cache\":%s,\"compat\":\"%s\",\"n_blocks\":%d,\"block_size\":%d,"
-            "\"prefill_share\":%.17g,\"t0\":%.6f}\n",
+            "\"prefill_share\":%.17g,\"tpot_target_s\":%.17g,\"t0\":%.6f}\n",
             p->max_running, p->max_batch_tokens, p->max_waiting, p->reserve_output_tokens,
             p->max_ctx, p->prefix_cache ? "true" : "false", compat, kp->n_blocks, kp->block_size,
-            p->prefill_share > 0 && p->prefill_share < 1 ? p->prefill_share : 1.0, s->tr_t0);
+            p->prefill_share > 0 && p->prefill_share < 1 ? p->prefill_share : 1.0,
+            p->tpot_target_s > 0 ? p->tpot_target_s : 0.0, s->tr_t0);
     fflush(p->step_trace);
 }
 
@@ -752,8 +753,9 @@ static bool step_run(td_sched *s) {
     td_status st =
         td_exec_forward_tagged(s->exec, s->chunks, n, any_slot ? s->slots : NULL, s->logits);
     double dt = td_time_s() - t0;
-    if (tr_event(s, "b")) {
-        fprintf(s->tr_step, ",%.6f,%.6f,[", t0 - s->tr_t0, dt);
+    td_sched_core_observe(&s->core, dt);
+    if (tr_event(s, "b")) { /* dt exact: a replay feeds the core the same */
+        fprintf(s->tr_step, ",%.6f,%.17g,[", t0 - s->tr_t0, dt);
         for (int32_t i = 0; i < n; i++)
             fprintf(s->tr_step, "%s[%llu,%d,%d]", i ? "," : "",
                     (unsigned long long)SEQ(s->core.batch[i])->ticket, s->chunks[i].pos0,
@@ -855,7 +857,8 @@ static void *sched_main(void *arg) {
 td_status td_sched_create(const td_sched_params *p, td_exec *exec, td_kv_pool *kv,
                           const td_tokenizer *tok, td_metrics *metrics, td_sched **s_p) {
     if (!p || !exec || !kv || !tok || !s_p || p->max_running < 1 || p->max_batch_tokens < 1 ||
-        p->max_waiting < 0 || p->reserve_output_tokens < 0 || p->max_ctx < 2) {
+        p->max_waiting < 0 || p->reserve_output_tokens < 0 || p->max_ctx < 2 ||
+        !(p->tpot_target_s >= 0 && p->tpot_target_s < 3600)) {
         TD_LOG_ERROR("invalid scheduler parameters");
         return TD_ERR_INVALID;
     }

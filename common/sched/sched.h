@@ -54,6 +54,13 @@ typedef struct {
      * at a busy instance stretches its decodes' step by a bounded amount;
      * 0 or 1: no limit beyond max_batch_tokens (default). */
     double prefill_share;
+    /* In a step that also decodes, prompt chunks take at most the tokens
+     * that fit in this forward-pass time beside the decodes, from the step
+     * times measured so far (core.h, td_sched_core_observe; growing by
+     * doubling from one block as the steps confirm the fit), and at least
+     * one block, so that prompts still progress every step; the tighter of
+     * this and prefill_share holds. 0: no target (default). */
+    double tpot_target_s;
     int32_t max_waiting; /* queued requests beyond which submit says TD_AGAIN (default 256) */
     int32_t
         reserve_output_tokens; /* cap on the output tokens reserved at admission (default 256) */

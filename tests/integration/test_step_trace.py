@@ -102,6 +102,53 @@ def test_real_run_replays_equal(tandem_bin, real_trace):
                 assert sum(x[2] for x in e[3]) <= header["max_batch_tokens"]
 
 
+@pytest.fixture(scope="module")
+def tpot_trace(tandem_bin, tmp_path_factory, test_models, manifest):
+    """A trace of a run under --tpot-target-ms 5: the prompt tokens a step
+    beside decodes takes come from the step times measured."""
+    from serve_util import Server
+    d = tmp_path_factory.mktemp("tpot")
+    path = d / "steps.jsonl"
+    srv = Server.start(tandem_bin, manifest_model(manifest, test_models, MODEL),
+                       ["--served-model-name", "tiny", "--kv-blocks", "200", "--max-running", "8",
+                        "--max-batch-tokens", "256", "--threads", "1", "--tpot-target-ms", "5",
+                        "--step-trace", str(path)], d)
+    try:
+        load(srv.base_url)
+        srv.wait_idle()
+    finally:
+        srv.close()
+    return path
+
+
+def test_tpot_target_run_replays_equal(tandem_bin, tpot_trace, tmp_path):
+    """The budget beside decodes is a function of the trace (the step times
+    it records, exactly): the replay takes every decision the scheduler
+    took; with the recorded step times a hundred times longer, it does
+    not."""
+    header, steps = read_trace(tpot_trace)
+    assert header["tpot_target_s"] == 0.005
+    r = replay(tandem_bin, tpot_trace, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["same"] and out["requests"] == 24
+    # prompt chunks beside decodes larger than one block (the budget's
+    # floor): a hundredfold slower machine would have held them to a block
+    big = sum(1 for s in steps for e in s["ev"]
+              if e[0] == "b" and any(x[2] == 1 for x in e[3])
+              for x in e[3] if x[2] > header["block_size"])
+    assert big, "no prompt chunk past a block ran beside decodes: the load did not mix them"
+    t = json.loads(json.dumps(steps))
+    for s in t:
+        for e in s["ev"]:
+            if e[0] == "b":
+                e[2] *= 100
+    bad = tmp_path / "scaled.jsonl"
+    write_trace(bad, header, t)
+    r = replay(tandem_bin, bad)
+    assert r.returncode == 1 and "batch" in r.stderr, (big, r.stderr)
+
+
 def test_trace_from_before_the_core_replays_equal(tandem_bin, source_dir):
     path = source_dir / "tests/golden/step-trace-preempt.jsonl"
     r = replay(tandem_bin, path, "--json")
@@ -176,6 +223,15 @@ def test_tampered_traces_are_caught(tandem_bin, real_trace, tmp_path):
      '"reserve_output_tokens":0,"max_ctx":64,"prefix_cache":true,'
      '"compat":"00000000000000000000000000000000","n_blocks":8,"block_size":16}\n'
      '{"step":0,"ev":[["in",1,4,[1,2,3],0.1],["adm",1,1]]}\n', "remote prefills"),
+    ('{"tandem_step_trace":1,"max_running":4,"max_batch_tokens":64,"max_waiting":8,'
+     '"reserve_output_tokens":0,"max_ctx":64,"prefix_cache":true,'
+     '"compat":"00000000000000000000000000000000","n_blocks":8,"block_size":16,'
+     '"tpot_target_s":-1}\n', "tpot_target_s"),
+    ('{"tandem_step_trace":1,"max_running":4,"max_batch_tokens":64,"max_waiting":8,'
+     '"reserve_output_tokens":0,"max_ctx":64,"prefix_cache":true,'
+     '"compat":"00000000000000000000000000000000","n_blocks":8,"block_size":16}\n'
+     '{"step":0,"ev":[["in",1,4,[1,2,3],0.1],["adm",1,0],["b",0.1,"x",[[1,0,3]]]]}\n',
+     "dt is a number"),
 ])
 def test_bad_traces_one_line(tandem_bin, tmp_path, content, words):
     p = tmp_path / "t.jsonl"

@@ -10,6 +10,7 @@
  * design. Each test also checks the outputs differ between requests, so a
  * scheduler that returned one constant sequence could not pass. Greedy with
  * ignore_eos, so lengths are exactly max_tokens. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -26,14 +27,15 @@
 #include "common/engine/forward.h"
 #include "common/kv/kv.h"
 #include "common/model/model.h"
+#include "common/sched/core.h"
 #include "common/sched/sched.h"
 
 #define MAX_CTX 192
 #define N_REQ   12
 
-/* Applied by the next h_open (then reset): the scheduler's prefill share
- * and step trace. */
-static double g_prefill_share;
+/* Applied by the next h_open (then reset): the scheduler's prefill share,
+ * TPOT target and step trace. */
+static double g_prefill_share, g_tpot_target;
 static FILE *g_trace;
 
 typedef struct {
@@ -80,8 +82,9 @@ static void h_open(harness *h, int32_t n_blocks, int32_t max_running, int32_t ba
     sp.prefix_cache = prefix_cache;
     sp.compat.lo = 42;
     sp.prefill_share = g_prefill_share;
+    sp.tpot_target_s = g_tpot_target;
     sp.step_trace = g_trace;
-    g_prefill_share = 0;
+    g_prefill_share = g_tpot_target = 0;
     g_trace = NULL;
     assert_int_equal(td_exec_wrap(h->e, h->kv, h->m, &h->x), TD_OK);
     assert_int_equal(td_sched_create(&sp, h->x, h->kv, td_model_tokenizer(h->m), NULL, &h->s),
@@ -220,22 +223,20 @@ static void test_batching_equals_alone(void **state) {
     }
 }
 
-/* prefill_share 0.1 of 512: a step that also decodes takes at most 51
- * prompt tokens, one that does not takes up to 512 (a first request runs
- * alone), read from the step trace (the prompt lengths from "in", the
- * chunks from "b"); the outputs equal each request alone. */
-static void test_prefill_share(void **state) {
-    (void)state;
+/* One busy run with a step trace: a first request alone (a 100-token
+ * prompt in a step with no decode), then N_REQ more while it decodes (100
+ * tokens), so their prompts share steps with its decodes whatever the
+ * timing. Checks the outputs equal each request alone, the header names
+ * `needle`, every step that decodes takes at most `cap` prompt tokens
+ * (prompts read from "in", chunks from "b") and some do, and some step
+ * without a decode takes more (the cap is only beside decodes). */
+static void busy_run_capped(const char *needle, int64_t cap) {
     compute_solo();
     harness h;
     FILE *tr = tmpfile();
     assert_non_null(tr);
-    g_prefill_share = 0.1;
     g_trace = tr;
     h_open(&h, 512, 16, 512, 256, true);
-    /* first, alone: a 100-token prompt in a step with no decode; the
-     * others arrive while it decodes (100 tokens), so their prompts share
-     * steps with its decodes whatever the timing */
     job first;
     make_jobs(&first, 1, h.V, 11);
     first.n_prompt = 100;
@@ -258,7 +259,7 @@ static void test_prefill_share(void **state) {
     int64_t n_prompt[64] = {0};
     int mixed = 0, big_alone = 0;
     assert_non_null(fgets(line, sizeof line, tr)); /* the header */
-    assert_non_null(strstr(line, "\"prefill_share\":0.10000000000000001"));
+    assert_non_null(strstr(line, needle));
     while (fgets(line, sizeof line, tr)) {
         json_t *o = json_loads(line, 0, NULL);
         assert_non_null(o);
@@ -287,9 +288,9 @@ static void test_prefill_share(void **state) {
                     prompt += n;
             }
             if (decodes > 0) {
-                assert_true(prompt <= 51);
+                assert_true(prompt <= cap);
                 mixed += prompt > 0;
-            } else if (prompt > 51) {
+            } else if (prompt > cap) {
                 big_alone++;
             }
         }
@@ -298,6 +299,198 @@ static void test_prefill_share(void **state) {
     fclose(tr);
     assert_true(mixed > 0);     /* prompts joined decoding steps, capped */
     assert_true(big_alone > 0); /* and took the whole budget without decodes */
+}
+
+/* prefill_share 0.1 of 512: a step that also decodes takes at most 51
+ * prompt tokens, one that does not takes up to 512 (a first request runs
+ * alone). */
+static void test_prefill_share(void **state) {
+    (void)state;
+    g_prefill_share = 0.1;
+    busy_run_capped("\"prefill_share\":0.10000000000000001", 51);
+}
+
+/* A TPOT target below any step's time (1 us): a step that also decodes
+ * takes one block of prompt tokens (16, the least that keeps prompts
+ * moving), whatever the step times measured; one without decodes takes up
+ * to 512. */
+static void test_tpot_target_floor(void **state) {
+    (void)state;
+    g_tpot_target = 1e-6;
+    busy_run_capped("\"tpot_target_s\":9.9999999999999995e-07", 16);
+}
+
+/* ---- the scheduling core's step-time estimate and TPOT budget ----
+ * Driven directly (core.h) on a KV pool's bookkeeping, with step times from
+ * a known line t = 5 ms + 1 ms per decode + 0.1 ms per prompt token. */
+
+static double line_t(int32_t n_decode, int32_t n_prompt) {
+    return 0.005 + 0.001 * n_decode + 0.0001 * n_prompt;
+}
+
+typedef struct {
+    td_kv_pool *kv;
+    td_sched_core c;
+    td_sched_seq q[5];
+} core_rig;
+
+static void rig_open(core_rig *r, double tpot_target, double share) {
+    memset(r, 0, sizeof *r);
+    td_kv_params kp = td_kv_default_params();
+    kp.n_layers = 1;
+    kp.n_kv_heads = 1;
+    kp.head_dim = 4;
+    kp.n_blocks = 256;
+    assert_int_equal(td_kv_pool_create(&kp, &r->kv), TD_OK);
+    td_sched_params sp = td_sched_default_params();
+    sp.max_running = 8;
+    sp.max_ctx = 2048;
+    sp.prefix_cache = false;
+    sp.tpot_target_s = tpot_target;
+    sp.prefill_share = share;
+    assert_int_equal(td_sched_core_init(&r->c, &sp, r->kv, NULL), TD_OK);
+}
+
+static void rig_close(core_rig *r) {
+    for (size_t i = 0; i < TD_ARRAY_SIZE(r->q); i++) {
+        if (!r->q[i].tokens) continue;
+        td_sched_core_unlink(&r->c, &r->q[i]);
+        td_sched_core_release(&r->c, &r->q[i]);
+        td_sched_seq_free(&r->q[i]);
+    }
+    td_sched_core_free(&r->c);
+    td_kv_counts kc;
+    td_kv_pool_counts(r->kv, &kc);
+    assert_int_equal(kc.used, 0);
+    assert_int_equal(kc.reserved, 0);
+    td_kv_pool_destroy(r->kv);
+}
+
+/* Sequences 0..2 with 8-token prompts, prefilled and given a token each
+ * (decoding from here on); then sequence 3 arrives with a 1000-token
+ * prompt and is admitted. */
+static void rig_three_decoding_one_long(core_rig *r) {
+    int32_t prompt[1000];
+    for (int32_t k = 0; k < 1000; k++) prompt[k] = k % 97;
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(td_sched_seq_init(&r->q[i], &r->c, prompt, 8, 64), TD_OK);
+        td_sched_core_enqueue(&r->c, &r->q[i]);
+    }
+    assert_int_equal(td_sched_core_admit(&r->c), 3);
+    assert_int_equal(td_sched_core_build_batch(&r->c), 3); /* the prompts alone */
+    for (int i = 0; i < 3; i++) {
+        td_sched_core_computed(&r->c, &r->q[i]);
+        td_sched_core_append(&r->c, &r->q[i], 1);
+    }
+    assert_int_equal(td_sched_seq_init(&r->q[3], &r->c, prompt, 1000, 8), TD_OK);
+    td_sched_core_enqueue(&r->c, &r->q[3]);
+    assert_int_equal(td_sched_core_admit(&r->c), 1);
+}
+
+/* Steps of many shapes, timed by the line: the fit finds it (to the
+ * ridge's rounding), and forgets: after the machine slows to twice the
+ * line, 100 steps later the estimate is within 1% of the new line. Before
+ * any step with prompt tokens, nothing is estimated. Times no line with
+ * nonnegative coefficients fits still give a monotone estimate. */
+static void test_step_estimate(void **state) {
+    (void)state;
+    core_rig r;
+    rig_open(&r, 0, 1);
+    assert_true(td_sched_core_estimate(&r.c, 1, 100) < 0);
+    for (int k = 0; k < 10; k++) { /* decode-only steps say nothing per prompt token */
+        r.c.step_decodes = 1 + k % 4;
+        r.c.step_prompt = 0;
+        td_sched_core_observe(&r.c, line_t(r.c.step_decodes, 0));
+    }
+    assert_true(td_sched_core_estimate(&r.c, 1, 100) < 0);
+    for (int k = 0; k < 40; k++) {
+        r.c.step_decodes = k % 5;
+        r.c.step_prompt = (k * 37) % 200;
+        td_sched_core_observe(&r.c, line_t(r.c.step_decodes, r.c.step_prompt));
+    }
+    for (int32_t d = 0; d < 8; d += 3)
+        for (int32_t p = 0; p <= 512; p += 128)
+            assert_true(fabs(td_sched_core_estimate(&r.c, d, p) - line_t(d, p)) < 1e-6);
+    /* nonsense times are not learned from */
+    td_sched_core_observe(&r.c, -1);
+    td_sched_core_observe(&r.c, NAN);
+    td_sched_core_observe(&r.c, 0);
+    assert_true(fabs(td_sched_core_estimate(&r.c, 2, 64) - line_t(2, 64)) < 1e-6);
+    for (int k = 0; k < 100; k++) {
+        r.c.step_decodes = k % 5;
+        r.c.step_prompt = (k * 37) % 200;
+        td_sched_core_observe(&r.c, 2 * line_t(r.c.step_decodes, r.c.step_prompt));
+    }
+    assert_true(fabs(td_sched_core_estimate(&r.c, 3, 100) / (2 * line_t(3, 100)) - 1) < 0.01);
+    rig_close(&r);
+    /* Times no line fits with every coefficient >= 0: prompts alone cost
+     * 10 ms for 16 tokens and 12 ms for 512 (a large fixed cost), a step of
+     * one decode 1 ms. Unconstrained, a decode would cost -9 ms; the fit
+     * holds every coefficient >= 0, so a step never gets cheaper with more
+     * work in it. */
+    rig_open(&r, 0, 1);
+    const struct {
+        int32_t d, p;
+        double t;
+    } odd[] = {{0, 16, 0.010}, {0, 512, 0.012}, {1, 0, 0.001}};
+    for (int k = 0; k < 30; k++) {
+        r.c.step_decodes = odd[k % 3].d;
+        r.c.step_prompt = odd[k % 3].p;
+        td_sched_core_observe(&r.c, odd[k % 3].t);
+    }
+    for (int32_t d = 0; d < 4; d++)
+        for (int32_t p = 0; p <= 512; p += 64) {
+            double t = td_sched_core_estimate(&r.c, d, p);
+            assert_true(t >= 0);
+            assert_true(td_sched_core_estimate(&r.c, d + 1, p) >= t);
+            assert_true(td_sched_core_estimate(&r.c, d, p + 1) > t);
+        }
+    rig_close(&r);
+}
+
+/* The prompt budget beside decodes, from the fit and a 20 ms target: three
+ * decodes leave 12 ms, 120 prompt tokens at 0.1 ms; a target below the
+ * decodes' own 8 ms still gives one block (16); before any measurement one
+ * block; prefill_share, when tighter, wins; a step without decodes is not
+ * limited. */
+static void test_tpot_budget(void **state) {
+    (void)state;
+    const struct {
+        double target, share;
+        bool measured;
+        int32_t want;
+    } cases[] = {
+        {0.020, 1, true, 120},   {0.006, 1, true, 16},  {0.020, 1, false, 16},
+        {0.020, 0.05, true, 25}, {0, 1, true, 512 - 3},
+    };
+    for (size_t i = 0; i < TD_ARRAY_SIZE(cases); i++) {
+        core_rig r;
+        rig_open(&r, cases[i].target, cases[i].share);
+        rig_three_decoding_one_long(&r);
+        for (int k = 0; cases[i].measured && k < 30; k++) {
+            r.c.step_decodes = k % 4;
+            r.c.step_prompt = (k * 53) % 300;
+            td_sched_core_observe(&r.c, line_t(r.c.step_decodes, r.c.step_prompt));
+        }
+        assert_int_equal(td_sched_core_build_batch(&r.c), 4);
+        int32_t chunk = r.q[3].chunk; /* the fit rounds within a token */
+        assert_true(chunk >= cases[i].want - 1 && chunk <= cases[i].want);
+        assert_int_equal(r.c.step_decodes, 3);
+        assert_int_equal(r.c.step_prompt, chunk);
+        for (int k = 0; k < 3; k++) assert_int_equal(r.q[k].chunk, 1);
+        rig_close(&r);
+    }
+    /* alone, the long prompt takes the whole step */
+    core_rig r;
+    rig_open(&r, 0.006, 1);
+    int32_t prompt[1000] = {0};
+    assert_int_equal(td_sched_seq_init(&r.q[0], &r.c, prompt, 1000, 8), TD_OK);
+    td_sched_core_enqueue(&r.c, &r.q[0]);
+    assert_int_equal(td_sched_core_admit(&r.c), 1);
+    assert_int_equal(td_sched_core_build_batch(&r.c), 1);
+    assert_int_equal(r.q[0].chunk, 512);
+    assert_int_equal(r.c.step_decodes, 0);
+    rig_close(&r);
 }
 
 static void test_preemption_recomputes(void **state) {
@@ -406,8 +599,10 @@ static void test_drain_and_limits(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_batching_equals_alone), cmocka_unit_test(test_prefill_share),
-        cmocka_unit_test(test_preemption_recomputes), cmocka_unit_test(test_prefix_cache_hit),
-        cmocka_unit_test(test_cancel_frees),          cmocka_unit_test(test_drain_and_limits),
+        cmocka_unit_test(test_tpot_target_floor),     cmocka_unit_test(test_step_estimate),
+        cmocka_unit_test(test_tpot_budget),           cmocka_unit_test(test_preemption_recomputes),
+        cmocka_unit_test(test_prefix_cache_hit),      cmocka_unit_test(test_cancel_frees),
+        cmocka_unit_test(test_drain_and_limits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -25,7 +25,13 @@
  *     60/110 x 220 = 120 ms, ending at 0.17; r1's, beside until then, is
  *     120/220 done, and its rest alone takes 50 ms: both TTFTs 170 ms. r2
  *     at 1.0, the machine idle again: 110 ms. On two hosts, or with no
- *     beside model, all three take 110 ms. */
+ *     beside model, all three take 110 ms.
+ *   - a TPOT target: r0 (16 + 200) decodes when r1 (400 + 1) arrives at
+ *     0.1; with no target r1's prompt takes one 411 ms step beside r0's
+ *     decode; with a 50 ms target its chunks grow from one block (16) by
+ *     doubling to what the fitted step times leave (38 or 39 tokens beside
+ *     one decode, the fit's rounding), so no gap of r0's passes 50 ms and
+ *     r1's prompt is done in chunks, its TTFT the sum of those steps. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -247,6 +253,30 @@ static void test_step_features(void **state) {
                        1 + 20 + 300 + 400 + 5000 + 300 + 14 + 0.5 * 8 - 0.25 * 6 + 1 * 2, 1e-9);
 }
 
+static void test_tpot_target(void **state) {
+    (void)state;
+    td_sim_segment s0 = {-1, 16}, s1 = {-1, 400};
+    td_sim_request r[2] = {{0, &s0, 1, 200}, {0.1, &s1, 1, 1}};
+    for (int with = 0; with < 2; with++) {
+        td_sim_cluster c = one(16, 512, 64, 1024, 256);
+        c.inst[0].sched.tpot_target_s = with ? 0.050 : 0;
+        td_sim_outcome o[2];
+        td_sim_stats st;
+        run(&c, r, 2, o, &st);
+        assert_false(o[0].failed || o[1].failed);
+        if (!with) {
+            assert_float_equal(o[0].itl_max, 0.411, 1e-9);
+        } else {
+            assert_true(o[0].itl_max <= 0.050 + 1e-9);
+            /* 16 + 32 tokens, then chunks of 38-39: more than 9 steps,
+             * each 11 ms of decode plus 1 ms per prompt token */
+            assert_true(o[1].ttft > 0.400 + 9 * 0.011);
+            assert_true(o[1].ttft < 0.400 + 13 * 0.011 + 0.011);
+        }
+        free(st.itl);
+    }
+}
+
 static void test_bad_cluster(void **state) {
     (void)state;
     td_sim_cluster c = one(16, 8, 64, 512, 256); /* max_batch_tokens < max_running */
@@ -268,6 +298,7 @@ int main(void) {
                                        cmocka_unit_test(test_poll_lag),
                                        cmocka_unit_test(test_neighbours),
                                        cmocka_unit_test(test_step_features),
+                                       cmocka_unit_test(test_tpot_target),
                                        cmocka_unit_test(test_bad_cluster)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
