@@ -367,13 +367,15 @@ void td_sched_core_observe(td_sched_core *c, double dt) {
 
 /* The prompt tokens a step with n_decode decodes may take under the TPOT
  * target: those the fit says fit in the time the decodes leave, at least
- * one block (prompts progress every step; one block while nothing is
- * measured), and at most twice the most a step beside decodes has taken
- * so far: the fit extrapolates only a little past what it has seen (a fit
- * from prompts alone and decodes alone cannot tell what they cost
- * together), so the budget grows by doubling as its steps confirm it. */
+ * one (prompts progress every step, if only by a token: on a CPU a prompt
+ * token can cost as much as a decode, and a block of them would break any
+ * target near the decode step), and at most twice the most a step beside
+ * decodes has taken so far: the fit extrapolates only a little past what
+ * it has seen (a fit from prompts alone and decodes alone cannot tell what
+ * they cost together), so the budget grows by doubling as its steps
+ * confirm it. */
 static int32_t tpot_budget(const td_sched_core *c, int32_t n_decode) {
-    int32_t floor_tok = TD_MIN(c->block_size, c->p.max_batch_tokens);
+    const int32_t floor_tok = 1;
     double x[3];
     if (!est_solve(&c->est, x)) return floor_tok;
     double room = c->p.tpot_target_s - (x[0] + x[1] * n_decode);

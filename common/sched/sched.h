@@ -57,9 +57,9 @@ typedef struct {
     /* In a step that also decodes, prompt chunks take at most the tokens
      * that fit in this forward-pass time beside the decodes, from the step
      * times measured so far (core.h, td_sched_core_observe; growing by
-     * doubling from one block as the steps confirm the fit), and at least
-     * one block, so that prompts still progress every step; the tighter of
-     * this and prefill_share holds. 0: no target (default). */
+     * doubling as the steps confirm the fit), and at least one token, so
+     * that prompts still progress every step; the tighter of this and
+     * prefill_share holds. 0: no target (default). */
     double tpot_target_s;
     int32_t max_waiting; /* queued requests beyond which submit says TD_AGAIN (default 256) */
     int32_t

@@ -104,7 +104,7 @@ static td_opt k_serve_opts[S_N] = {
     [S_TPOT_TARGET] = {"tpot-target-ms", 0, "MS",
                        "forward-pass time a step that also decodes may reach:\n"
                        "its prompt chunks are sized to it from the step times\n"
-                       "measured (at least one block); 0: no target (default)"},
+                       "measured (at least one token); 0: no target (default)"},
     [S_MAX_WAITING] = {"max-waiting", 0, "N", "queued requests before 429 (default 256)"},
     [S_RESERVE_OUTPUT] = {"reserve-output-tokens", 0, "N",
                           "output tokens reserved at admission (default 256)"},

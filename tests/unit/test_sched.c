@@ -311,13 +311,12 @@ static void test_prefill_share(void **state) {
 }
 
 /* A TPOT target below any step's time (1 us): a step that also decodes
- * takes one block of prompt tokens (16, the least that keeps prompts
- * moving), whatever the step times measured; one without decodes takes up
- * to 512. */
+ * takes one prompt token (the least that keeps prompts moving), whatever
+ * the step times measured; one without decodes takes up to 512. */
 static void test_tpot_target_floor(void **state) {
     (void)state;
     g_tpot_target = 1e-6;
-    busy_run_capped("\"tpot_target_s\":9.9999999999999995e-07", 16);
+    busy_run_capped("\"tpot_target_s\":9.9999999999999995e-07", 1);
 }
 
 /* ---- the scheduling core's step-time estimate and TPOT budget ----
@@ -450,31 +449,36 @@ static void test_step_estimate(void **state) {
 
 /* The prompt budget beside decodes, from the fit and a 20 ms target: three
  * decodes leave 12 ms, 120 prompt tokens at 0.1 ms; a target below the
- * decodes' own 8 ms still gives one block (16); before any measurement one
- * block; prefill_share, when tighter, wins; a step without decodes is not
- * limited. */
+ * decodes' own 8 ms still gives one token; before any measurement one
+ * token; when the steps beside decodes seen so far took at most 30 prompt
+ * tokens, twice that (the fit is trusted only a doubling past what it has
+ * seen); prefill_share, when tighter, wins; with no target or a step
+ * without decodes, no limit. */
 static void test_tpot_budget(void **state) {
     (void)state;
     const struct {
         double target, share;
-        bool measured;
-        int32_t want;
+        int32_t measured; /* steps seen take up to this many prompt tokens - 1 */
+        int32_t want;     /* -1: twice the most a step beside decodes took */
     } cases[] = {
-        {0.020, 1, true, 120},   {0.006, 1, true, 16},  {0.020, 1, false, 16},
-        {0.020, 0.05, true, 25}, {0, 1, true, 512 - 3},
+        {0.020, 1, 300, 120},   {0.006, 1, 300, 1},   {0.020, 1, 0, 1},   {0.020, 1, 31, -1},
+        {0.020, 0.05, 300, 25}, {0, 1, 300, 512 - 3}, {0, 1, 0, 512 - 3},
     };
     for (size_t i = 0; i < TD_ARRAY_SIZE(cases); i++) {
         core_rig r;
         rig_open(&r, cases[i].target, cases[i].share);
         rig_three_decoding_one_long(&r);
+        int32_t want = cases[i].want, most = 0;
         for (int k = 0; cases[i].measured && k < 30; k++) {
             r.c.step_decodes = k % 4;
-            r.c.step_prompt = (k * 53) % 300;
+            r.c.step_prompt = (k * 53) % cases[i].measured;
+            if (r.c.step_decodes) most = TD_MAX(most, r.c.step_prompt);
             td_sched_core_observe(&r.c, line_t(r.c.step_decodes, r.c.step_prompt));
         }
+        if (want < 0) want = 2 * most;
         assert_int_equal(td_sched_core_build_batch(&r.c), 4);
         int32_t chunk = r.q[3].chunk; /* the fit rounds within a token */
-        assert_true(chunk >= cases[i].want - 1 && chunk <= cases[i].want);
+        assert_true(chunk >= TD_MAX(1, want - 1) && chunk <= want);
         assert_int_equal(r.c.step_decodes, 3);
         assert_int_equal(r.c.step_prompt, chunk);
         for (int k = 0; k < 3; k++) assert_int_equal(r.q[k].chunk, 1);
