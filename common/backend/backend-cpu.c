@@ -74,8 +74,8 @@ static bool claim(cpu_ctx *c, int64_t n, int64_t chunk, int64_t *b, int64_t *end
 
 static void dispatch(cpu_ctx *c, td_task_fn fn, void *ctx, bool parallel) {
     atomic_store_explicit(&c->work_next, 0, memory_order_relaxed);
-    if (parallel)
-        td_threadpool_run(c->tp, fn, ctx); /* publishes the reset to the workers */
+    if (parallel) /* every task claims its items: a worker that comes late skips the run */
+        td_threadpool_run_shared(c->tp, fn, ctx); /* publishes the reset to the workers */
     else
         fn(ctx, 0, 1);
 }

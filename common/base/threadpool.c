@@ -2,7 +2,15 @@
  * generation word; workers spin on it for a short while and then sleep on
  * it with futex(2). Completion is a countdown the caller spins on, with a
  * futex fallback, so an idle pool costs nothing and a busy one dispatches in
- * microseconds. */
+ * microseconds. The generation's low bit says whether the run is shared
+ * (td_threadpool_run_shared), so a worker reads the kind of run from the
+ * word that announced it. A shared run admits workers through one more
+ * word, its generation with a closed bit and the count of workers joined:
+ * a worker joins with a compare-and-swap while it is open for the
+ * generation it saw, the caller closes it when its own call returns and
+ * then waits for exactly the workers that joined. A worker reads fn and
+ * ctx of a shared run only once it has joined (a late one may find the
+ * next run's there). */
 #include "threadpool.h"
 
 #include <errno.h>
@@ -28,13 +36,30 @@ struct td_threadpool {
     pthread_t *threads; /* n - 1 workers */
     td_task_fn fn;
     void *ctx;
-    _Atomic uint32_t gen;     /* bumped once per run and at shutdown */
+    _Atomic uint32_t gen;     /* changed once per run (low bit: shared) and at shutdown */
     _Atomic uint32_t pending; /* workers still running the current generation */
     _Atomic int sleepers;     /* workers blocked (or about to block) in futex on gen */
     _Atomic int caller_sleeping;
     _Atomic int stop;
     int started;
+    /* shared runs */
+    _Atomic uint64_t admit;       /* generation << 32 | closed << 31 | workers joined */
+    _Atomic uint32_t joined_done; /* joined workers that have returned */
 };
+
+#define ADMIT_CLOSED ((uint64_t)1 << 31)
+#define ADMIT_COUNT  (ADMIT_CLOSED - 1)
+
+/* A worker joins shared run g: true while it is open. */
+static bool admit_join(td_threadpool *tp, uint32_t g) {
+    uint64_t s = atomic_load_explicit(&tp->admit, memory_order_acquire);
+    for (;;) {
+        if ((uint32_t)(s >> 32) != g || (s & ADMIT_CLOSED)) return false;
+        if (atomic_compare_exchange_weak_explicit(&tp->admit, &s, s + 1, memory_order_acq_rel,
+                                                  memory_order_acquire))
+            return true;
+    }
+}
 
 typedef struct {
     td_threadpool *tp;
@@ -72,6 +97,14 @@ static void *worker_main(void *p) {
         }
         seen = g;
         if (atomic_load_explicit(&tp->stop, memory_order_acquire)) break;
+        if (g & 1) {
+            /* late: the caller may have returned, fn and ctx gone */
+            if (!admit_join(tp, g)) continue;
+            tp->fn(tp->ctx, ith, tp->n);
+            atomic_fetch_add(&tp->joined_done, 1);
+            if (atomic_load(&tp->caller_sleeping)) futex_wake(&tp->joined_done, 1);
+            continue;
+        }
         tp->fn(tp->ctx, ith, tp->n);
         if (atomic_fetch_sub(&tp->pending, 1) == 1 && atomic_load(&tp->caller_sleeping))
             futex_wake(&tp->pending, 1);
@@ -130,20 +163,11 @@ void td_threadpool_destroy(td_threadpool *tp) {
 
 int td_threadpool_size(const td_threadpool *tp) { return tp->n; }
 
-void td_threadpool_run(td_threadpool *tp, td_task_fn fn, void *ctx) {
-    if (tp->n == 1) {
-        fn(ctx, 0, 1);
-        return;
-    }
-    tp->fn = fn;
-    tp->ctx = ctx;
-    atomic_store(&tp->pending, (uint32_t)(tp->n - 1));
-    atomic_fetch_add(&tp->gen, 1); /* seq_cst: pairs with the sleepers count */
-    if (atomic_load(&tp->sleepers) > 0) futex_wake(&tp->gen, INT_MAX);
-    fn(ctx, 0, tp->n);
+/* The caller waits until *word reaches want (spin, yield, then futex). */
+static void caller_wait(td_threadpool *tp, _Atomic uint32_t *word, uint32_t want) {
     int spins = 0;
-    uint32_t left;
-    while ((left = atomic_load_explicit(&tp->pending, memory_order_acquire)) != 0) {
+    uint32_t v;
+    while ((v = atomic_load_explicit(word, memory_order_acquire)) != want) {
         if (spins < TD_SPIN_ITERS + TD_YIELD_ITERS) {
             if (spins++ < TD_SPIN_ITERS)
                 _mm_pause();
@@ -152,7 +176,44 @@ void td_threadpool_run(td_threadpool *tp, td_task_fn fn, void *ctx) {
             continue;
         }
         atomic_store(&tp->caller_sleeping, 1);
-        if (atomic_load(&tp->pending) != 0) futex_wait(&tp->pending, left);
+        if (atomic_load(word) != want) futex_wait(word, v);
         atomic_store(&tp->caller_sleeping, 0);
     }
+}
+
+/* Publishes (fn, ctx) as the next generation and wakes sleeping workers;
+ * returns the generation. */
+static void publish(td_threadpool *tp, td_task_fn fn, void *ctx, bool shared) {
+    tp->fn = fn;
+    tp->ctx = ctx;
+    uint32_t g = ((atomic_load_explicit(&tp->gen, memory_order_relaxed) | 1) + 1) | shared;
+    if (shared) {
+        atomic_store_explicit(&tp->joined_done, 0, memory_order_relaxed);
+        atomic_store_explicit(&tp->admit, (uint64_t)g << 32, memory_order_relaxed);
+    } else {
+        atomic_store(&tp->pending, (uint32_t)(tp->n - 1));
+    }
+    atomic_store(&tp->gen, g); /* seq_cst: pairs with the sleepers count */
+    if (atomic_load(&tp->sleepers) > 0) futex_wake(&tp->gen, INT_MAX);
+}
+
+void td_threadpool_run(td_threadpool *tp, td_task_fn fn, void *ctx) {
+    if (tp->n == 1) {
+        fn(ctx, 0, 1);
+        return;
+    }
+    publish(tp, fn, ctx, false);
+    fn(ctx, 0, tp->n);
+    caller_wait(tp, &tp->pending, 0);
+}
+
+void td_threadpool_run_shared(td_threadpool *tp, td_task_fn fn, void *ctx) {
+    if (tp->n == 1) {
+        fn(ctx, 0, 1);
+        return;
+    }
+    publish(tp, fn, ctx, true);
+    fn(ctx, 0, tp->n);
+    uint64_t s = atomic_fetch_or(&tp->admit, ADMIT_CLOSED);
+    caller_wait(tp, &tp->joined_done, (uint32_t)(s & ADMIT_COUNT));
 }

@@ -19,6 +19,15 @@ void td_threadpool_destroy(td_threadpool *tp); /* accepts NULL */
 int td_threadpool_size(const td_threadpool *tp);
 void td_threadpool_run(td_threadpool *tp, td_task_fn fn, void *ctx);
 
+/* Like td_threadpool_run for work that the threads take from a shared
+ * counter (any subset of them finishes all of it): fn(ctx, ith, nth) runs
+ * on the caller (ith 0) and on each worker that joins before the caller's
+ * own call has returned; a worker that comes later skips this run. Returns
+ * once every thread that joined has returned. So a worker the OS has
+ * descheduled (another process took its core) delays a run only if it
+ * joined it, instead of every run waiting for it to be scheduled again. */
+void td_threadpool_run_shared(td_threadpool *tp, td_task_fn fn, void *ctx);
+
 /* Helper: the [begin, end) share of n items for thread ith of nth. */
 static inline void td_split_range(int64_t n, int ith, int nth, int64_t *begin, int64_t *end) {
     int64_t per = n / nth, rem = n % nth;

@@ -1,7 +1,12 @@
 /* Thread pool: every ith runs exactly once per run, the caller is thread 0,
  * many back-to-back runs (spinning and sleeping workers), and data written
- * by workers is visible to the caller when run() returns. */
+ * by workers is visible to the caller when run() returns. Shared runs:
+ * every item claimed from the counter is done exactly once whichever
+ * threads join, no thread calls fn after its run has returned, and on one
+ * core (where the workers are mostly descheduled) runs end without them. */
+#define _GNU_SOURCE
 #include <pthread.h>
+#include <sched.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -149,11 +154,98 @@ static void test_default_size(void **state) {
     td_threadpool_destroy(NULL);
 }
 
+/* A shared run's work: n items claimed one at a time from a counter. */
+typedef struct {
+    _Atomic int64_t next;
+    int64_t n;
+    _Atomic int *done;       /* (n) times each item was done */
+    _Atomic int closed;      /* set by the test once the run has returned */
+    _Atomic int after_close; /* fn calls that saw closed */
+    _Atomic int joined[MAXT];
+    int nth;
+} shared_ctx;
+
+static void shared_task(void *p, int ith, int nth) {
+    shared_ctx *s = p;
+    if (atomic_load(&s->closed)) {
+        atomic_fetch_add(&s->after_close, 1);
+        return;
+    }
+    if (nth != s->nth || ith < 0 || ith >= MAXT) return;
+    atomic_fetch_add(&s->joined[ith], 1);
+    int64_t i;
+    while ((i = atomic_fetch_add(&s->next, 1)) < s->n) atomic_fetch_add(&s->done[i], 1);
+}
+
+/* Many shared runs with 4 threads, on every core and then pinned to one
+ * core, each with a context of its own that is closed as soon as its run
+ * returns (and kept): every item done exactly once each run, the caller
+ * joins every run, no late worker ever calls into a run that has returned
+ * (every 8 runs the caller pauses 200 us, time for a late worker to try),
+ * and on one core some runs end with workers that never joined. */
+static void test_shared_runs(void **state) {
+    (void)state;
+    enum { N = 64, RUNS = 2000 };
+    cpu_set_t all, one;
+    assert_int_equal(sched_getaffinity(0, sizeof all, &all), 0);
+    static shared_ctx ctxs[RUNS];
+    static _Atomic int done[RUNS][N];
+    for (int pinned = 0; pinned < 2; pinned++) {
+        if (pinned) {
+            CPU_ZERO(&one);
+            for (int c = 0; c < CPU_SETSIZE; c++)
+                if (CPU_ISSET(c, &all)) {
+                    CPU_SET(c, &one);
+                    break;
+                }
+            assert_int_equal(sched_setaffinity(0, sizeof one, &one), 0);
+        }
+        /* created after pinning: the workers inherit the caller's mask */
+        td_threadpool *tp = NULL;
+        assert_int_equal(td_threadpool_create(4, &tp), TD_OK);
+        memset(ctxs, 0, sizeof ctxs);
+        memset(done, 0, sizeof done);
+        int partial = 0;
+        for (int run = 0; run < RUNS; run++) {
+            shared_ctx *s = &ctxs[run];
+            s->n = N;
+            s->done = done[run];
+            s->nth = 4;
+            td_threadpool_run_shared(tp, shared_task, s);
+            atomic_store(&s->closed, 1);
+            for (int i = 0; i < N; i++) assert_int_equal(atomic_load(&done[run][i]), 1);
+            assert_int_equal(atomic_load(&s->joined[0]), 1);
+            int joined = 0;
+            for (int t = 1; t < 4; t++) joined += atomic_load(&s->joined[t]);
+            assert_true(joined <= 3);
+            partial += joined < 3;
+            if (run % 8 == 7) {
+                struct timespec ts = {0, 200 * 1000};
+                nanosleep(&ts, NULL);
+            }
+        }
+        /* plain runs after shared ones still call every ith */
+        count_ctx c;
+        memset(&c, 0, sizeof(c));
+        c.nth_expected = 4;
+        c.caller = pthread_self();
+        td_threadpool_run(tp, count_task, &c);
+        for (int i = 0; i < 4; i++) assert_int_equal(atomic_load(&c.calls[i]), 1);
+        td_threadpool_destroy(tp);
+        for (int run = 0; run < RUNS; run++) {
+            assert_int_equal(atomic_load(&ctxs[run].after_close), 0);
+            for (int i = 0; i < N; i++) assert_int_equal(atomic_load(&done[run][i]), 1);
+        }
+        if (pinned) assert_true(partial > 0);
+    }
+    assert_int_equal(sched_setaffinity(0, sizeof all, &all), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_each_ith_once),   cmocka_unit_test(test_wake_after_sleep),
         cmocka_unit_test(test_data_visibility), cmocka_unit_test(test_split_range),
-        cmocka_unit_test(test_default_size),
+        cmocka_unit_test(test_default_size),    cmocka_unit_test(test_shared_runs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
