@@ -108,6 +108,11 @@ static td_status open_header(replay *rp, json_t *h) {
                  json_number_value(tpot) >= 3600))
         return fail(rp, TD_ERR_FORMAT, "step-trace header: tpot_target_s must be in [0, 3600)");
     sp.tpot_target_s = tpot ? json_number_value(tpot) : 0;
+    json_t *tf = json_object_get(h, "tpot_decode_factor");
+    if (tf &&
+        (!json_is_number(tf) || !(json_number_value(tf) >= 0) || json_number_value(tf) >= 1e6))
+        return fail(rp, TD_ERR_FORMAT, "step-trace header: tpot_decode_factor must be in [0, 1e6)");
+    sp.tpot_decode_factor = tf ? json_number_value(tf) : 0;
     td_sched_core_hooks hooks = {.ctx = rp, .admitted = on_admitted, .preempted = on_preempted};
     rp->cap_dec = (int32_t)max_running;
     rp->adm = calloc((size_t)rp->cap_dec, sizeof *rp->adm);

@@ -115,7 +115,8 @@ static td_status parse_instance(json_t *o, td_sim_instance *x, int32_t *count, c
         !opt_int(sc, "max_ctx", 2, 1 << 24, &p->max_ctx) || p->max_ctx < 2 ||
         !opt_bool(sc, "prefix_cache", &p->prefix_cache) ||
         !opt_num(sc, "prefill_share", 0, 1, &p->prefill_share) ||
-        !opt_num(sc, "tpot_target_s", 0, 3599, &p->tpot_target_s))
+        !opt_num(sc, "tpot_target_s", 0, 3599, &p->tpot_target_s) ||
+        !opt_num(sc, "tpot_decode_factor", 0, 1e5, &p->tpot_decode_factor))
         return td_sim_invalid(why, n, "%s: a sched field out of range (max_ctx required)", where);
     if (!parse_step(step, &x->step) || !opt_num(o, "step_overhead_s", 0, 100, &x->step_overhead_s))
         return td_sim_invalid(why, n, "%s: a step coefficient is not a number or out of range",

@@ -15,7 +15,7 @@
  *                   "n_blocks": N, "block_size": 16,
  *                   "sched": {"max_running", "max_batch_tokens", "max_waiting",
  *                             "reserve_output_tokens", "max_ctx", "prefix_cache",
- *                             "prefill_share", "tpot_target_s"},
+ *                             "prefill_share", "tpot_target_s", "tpot_decode_factor"},
  *                   "step": {"c0", "c_tok", "c_tok2", "c_attn", "c_attn2",
  *                            "c_ctx", "c_seq", "c_n2", "c_n4", "c_n8", "c_n16"},
  *                   "step_overhead_s": 0}, ...]}

@@ -181,8 +181,8 @@ static void caller_wait(td_threadpool *tp, _Atomic uint32_t *word, uint32_t want
     }
 }
 
-/* Publishes (fn, ctx) as the next generation and wakes sleeping workers;
- * returns the generation. */
+/* Publishes (fn, ctx) as the next generation (its low bit: shared) and
+ * wakes sleeping workers. */
 static void publish(td_threadpool *tp, td_task_fn fn, void *ctx, bool shared) {
     tp->fn = fn;
     tp->ctx = ctx;

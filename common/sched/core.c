@@ -378,7 +378,9 @@ static int32_t tpot_budget(const td_sched_core *c, int32_t n_decode) {
     const int32_t floor_tok = 1;
     double x[3];
     if (!est_solve(&c->est, x)) return floor_tok;
-    double room = c->p.tpot_target_s - (x[0] + x[1] * n_decode);
+    double decodes = x[0] + x[1] * n_decode;
+    double target = c->p.tpot_target_s > 0 ? c->p.tpot_target_s : c->p.tpot_decode_factor * decodes;
+    double room = target - decodes;
     double fit = room > 0 ? floor(room / x[2]) : 0;
     fit = TD_MIN(fit, 2.0 * c->max_mixed);
     return fit >= c->p.max_batch_tokens ? c->p.max_batch_tokens : TD_MAX(floor_tok, (int32_t)fit);
@@ -393,7 +395,8 @@ int32_t td_sched_core_build_batch(td_sched_core *c) {
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1 && n_decode > 0) {
             budget = TD_MIN(budget, share);
-            if (c->p.tpot_target_s > 0) budget = TD_MIN(budget, tpot_budget(c, n_decode));
+            if (c->p.tpot_target_s > 0 || c->p.tpot_decode_factor > 1)
+                budget = TD_MIN(budget, tpot_budget(c, n_decode));
         }
         for (int32_t i = 0; i < c->n_running && budget > 0;) {
             td_sched_seq *q = c->running[i];

@@ -166,11 +166,13 @@ static void tr_header(td_sched *s) {
             "{\"tandem_step_trace\":1,\"max_running\":%d,\"max_batch_tokens\":%d,"
             "\"max_waiting\":%d,\"reserve_output_tokens\":%d,\"max_ctx\":%d,"
             "\"prefix_cache\":%s,\"compat\":\"%s\",\"n_blocks\":%d,\"block_size\":%d,"
-            "\"prefill_share\":%.17g,\"tpot_target_s\":%.17g,\"t0\":%.6f}\n",
+            "\"prefill_share\":%.17g,\"tpot_target_s\":%.17g,\"tpot_decode_factor\":%.17g,"
+            "\"t0\":%.6f}\n",
             p->max_running, p->max_batch_tokens, p->max_waiting, p->reserve_output_tokens,
             p->max_ctx, p->prefix_cache ? "true" : "false", compat, kp->n_blocks, kp->block_size,
             p->prefill_share > 0 && p->prefill_share < 1 ? p->prefill_share : 1.0,
-            p->tpot_target_s > 0 ? p->tpot_target_s : 0.0, s->tr_t0);
+            p->tpot_target_s > 0 ? p->tpot_target_s : 0.0,
+            p->tpot_decode_factor > 1 ? p->tpot_decode_factor : 0.0, s->tr_t0);
     fflush(p->step_trace);
 }
 
@@ -858,7 +860,8 @@ td_status td_sched_create(const td_sched_params *p, td_exec *exec, td_kv_pool *k
                           const td_tokenizer *tok, td_metrics *metrics, td_sched **s_p) {
     if (!p || !exec || !kv || !tok || !s_p || p->max_running < 1 || p->max_batch_tokens < 1 ||
         p->max_waiting < 0 || p->reserve_output_tokens < 0 || p->max_ctx < 2 ||
-        !(p->tpot_target_s >= 0 && p->tpot_target_s < 3600)) {
+        !(p->tpot_target_s >= 0 && p->tpot_target_s < 3600) ||
+        !(p->tpot_decode_factor >= 0 && p->tpot_decode_factor < 1e6)) {
         TD_LOG_ERROR("invalid scheduler parameters");
         return TD_ERR_INVALID;
     }

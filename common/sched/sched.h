@@ -61,6 +61,13 @@ typedef struct {
      * that prompts still progress every step; the tighter of this and
      * prefill_share holds. 0: no target (default). */
     double tpot_target_s;
+    /* With no tpot_target_s: > 1 derives the target from the step times
+     * measured, as this many times the time the fit gives the step's
+     * decodes alone (so the target follows the batch and the machine:
+     * prompts get (factor - 1) decode steps' worth of time beside them);
+     * 0: none (default). */
+    double tpot_decode_factor;
+#define TD_SCHED_TPOT_AUTO_FACTOR 3.0 /* --tpot-target-ms auto */
     int32_t max_waiting; /* queued requests beyond which submit says TD_AGAIN (default 256) */
     int32_t
         reserve_output_tokens; /* cap on the output tokens reserved at admission (default 256) */

@@ -101,10 +101,11 @@ static td_opt k_serve_opts[S_N] = {
     [S_PREFILL_SHARE] = {"prefill-share", 0, "F",
                          "share of --max-batch-tokens prompt chunks may take in a\n"
                          "step that also decodes, 0 < F <= 1 (default 1)"},
-    [S_TPOT_TARGET] = {"tpot-target-ms", 0, "MS",
+    [S_TPOT_TARGET] = {"tpot-target-ms", 0, "MS|auto",
                        "forward-pass time a step that also decodes may reach:\n"
                        "its prompt chunks are sized to it from the step times\n"
-                       "measured (at least one token); 0: no target (default)"},
+                       "measured (at least one token); auto: 3x the time the\n"
+                       "step's decodes take alone; 0: no target (default)"},
     [S_MAX_WAITING] = {"max-waiting", 0, "N", "queued requests before 429 (default 256)"},
     [S_RESERVE_OUTPUT] = {"reserve-output-tokens", 0, "N",
                           "output tokens reserved at admission (default 256)"},
@@ -196,6 +197,7 @@ typedef struct {
         reserve_output;
     double prefill_share;
     long tpot_target_ms;
+    bool tpot_auto;
     size_t kv_memory;
     bool no_prefix_cache;
     const char *step_trace;
@@ -259,7 +261,10 @@ static bool set_serve_opt(void *ctx, int i, const char *val, bool *printed) {
         a->prefill_share = strtod(val, &end);
         return !errno && end != val && !*end && a->prefill_share > 0 && a->prefill_share <= 1;
     }
-    case S_TPOT_TARGET: return td_cli_parse_long(val, 0, 600000, &a->tpot_target_ms);
+    case S_TPOT_TARGET:
+        a->tpot_auto = strcmp(val, "auto") == 0;
+        a->tpot_target_ms = 0;
+        return a->tpot_auto || td_cli_parse_long(val, 0, 600000, &a->tpot_target_ms);
     case S_MAX_WAITING: return td_cli_parse_long(val, 0, 1 << 20, &a->max_waiting);
     case S_RESERVE_OUTPUT: return td_cli_parse_long(val, 0, 1 << 24, &a->reserve_output);
     case S_NO_PREFIX_CACHE: a->no_prefix_cache = true; return true;
@@ -440,6 +445,7 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
     sp.max_batch_tokens = (int32_t)a.max_batch_tokens;
     sp.prefill_share = a.prefill_share;
     sp.tpot_target_s = (double)a.tpot_target_ms / 1e3;
+    sp.tpot_decode_factor = a.tpot_auto ? TD_SCHED_TPOT_AUTO_FACTOR : 0;
     sp.max_waiting = (int32_t)a.max_waiting;
     sp.reserve_output_tokens = (int32_t)a.reserve_output;
     sp.max_ctx = max_ctx;

@@ -229,6 +229,10 @@ def test_tampered_traces_are_caught(tandem_bin, real_trace, tmp_path):
      '"tpot_target_s":-1}\n', "tpot_target_s"),
     ('{"tandem_step_trace":1,"max_running":4,"max_batch_tokens":64,"max_waiting":8,'
      '"reserve_output_tokens":0,"max_ctx":64,"prefix_cache":true,'
+     '"compat":"00000000000000000000000000000000","n_blocks":8,"block_size":16,'
+     '"tpot_decode_factor":"x"}\n', "tpot_decode_factor"),
+    ('{"tandem_step_trace":1,"max_running":4,"max_batch_tokens":64,"max_waiting":8,'
+     '"reserve_output_tokens":0,"max_ctx":64,"prefix_cache":true,'
      '"compat":"00000000000000000000000000000000","n_blocks":8,"block_size":16}\n'
      '{"step":0,"ev":[["in",1,4,[1,2,3],0.1],["adm",1,0],["b",0.1,"x",[[1,0,3]]]]}\n',
      "dt is a number"),

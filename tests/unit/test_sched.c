@@ -333,7 +333,7 @@ typedef struct {
     td_sched_seq q[5];
 } core_rig;
 
-static void rig_open(core_rig *r, double tpot_target, double share) {
+static void rig_open(core_rig *r, double tpot_target, double share, double factor) {
     memset(r, 0, sizeof *r);
     td_kv_params kp = td_kv_default_params();
     kp.n_layers = 1;
@@ -346,6 +346,7 @@ static void rig_open(core_rig *r, double tpot_target, double share) {
     sp.max_ctx = 2048;
     sp.prefix_cache = false;
     sp.tpot_target_s = tpot_target;
+    sp.tpot_decode_factor = factor;
     sp.prefill_share = share;
     assert_int_equal(td_sched_core_init(&r->c, &sp, r->kv, NULL), TD_OK);
 }
@@ -394,7 +395,7 @@ static void rig_three_decoding_one_long(core_rig *r) {
 static void test_step_estimate(void **state) {
     (void)state;
     core_rig r;
-    rig_open(&r, 0, 1);
+    rig_open(&r, 0, 1, 0);
     assert_true(td_sched_core_estimate(&r.c, 1, 100) < 0);
     for (int k = 0; k < 10; k++) { /* decode-only steps say nothing per prompt token */
         r.c.step_decodes = 1 + k % 4;
@@ -427,7 +428,7 @@ static void test_step_estimate(void **state) {
      * one decode 1 ms. Unconstrained, a decode would cost -9 ms; the fit
      * holds every coefficient >= 0, so a step never gets cheaper with more
      * work in it. */
-    rig_open(&r, 0, 1);
+    rig_open(&r, 0, 1, 0);
     const struct {
         int32_t d, p;
         double t;
@@ -453,20 +454,22 @@ static void test_step_estimate(void **state) {
  * token; when the steps beside decodes seen so far took at most 30 prompt
  * tokens, twice that (the fit is trusted only a doubling past what it has
  * seen); prefill_share, when tighter, wins; with no target or a step
- * without decodes, no limit. */
+ * without decodes, no limit. A target derived as 3x the decodes' own time
+ * (8 ms): 24 ms, 160 prompt tokens. */
 static void test_tpot_budget(void **state) {
     (void)state;
     const struct {
-        double target, share;
+        double target, share, factor;
         int32_t measured; /* steps seen take up to this many prompt tokens - 1 */
         int32_t want;     /* -1: twice the most a step beside decodes took */
     } cases[] = {
-        {0.020, 1, 300, 120},   {0.006, 1, 300, 1},   {0.020, 1, 0, 1},   {0.020, 1, 31, -1},
-        {0.020, 0.05, 300, 25}, {0, 1, 300, 512 - 3}, {0, 1, 0, 512 - 3},
+        {0.020, 1, 0, 300, 120}, {0.006, 1, 0, 300, 1},     {0.020, 1, 0, 0, 1},
+        {0.020, 1, 0, 31, -1},   {0.020, 0.05, 0, 300, 25}, {0, 1, 0, 300, 512 - 3},
+        {0, 1, 0, 0, 512 - 3},   {0, 1, 3, 300, 160},       {0.006, 1, 3, 300, 1},
     };
     for (size_t i = 0; i < TD_ARRAY_SIZE(cases); i++) {
         core_rig r;
-        rig_open(&r, cases[i].target, cases[i].share);
+        rig_open(&r, cases[i].target, cases[i].share, cases[i].factor);
         rig_three_decoding_one_long(&r);
         int32_t want = cases[i].want, most = 0;
         for (int k = 0; cases[i].measured && k < 30; k++) {
@@ -486,7 +489,7 @@ static void test_tpot_budget(void **state) {
     }
     /* alone, the long prompt takes the whole step */
     core_rig r;
-    rig_open(&r, 0.006, 1);
+    rig_open(&r, 0.006, 1, 0);
     int32_t prompt[1000] = {0};
     assert_int_equal(td_sched_seq_init(&r.q[0], &r.c, prompt, 1000, 8), TD_OK);
     td_sched_core_enqueue(&r.c, &r.q[0]);
