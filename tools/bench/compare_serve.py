@@ -5,6 +5,7 @@ same GGUF, same threads, llama-server's -np equal to Tandem's --max-running
 (docs/PERFORMANCE.md).
 
     compare_serve.py [--tandem BIN] [--model GGUF] [--llama-server PATH]
+        [--tandem-variant NAME=ARGS ...]
         [--threads 2] [--max-running 16] [--repeats 2] [--concurrency 1,4,16]
         [--num-prompts 16,32,64] [--input-len 256] [--output-len 64]
         [--prefix-len 192] [--prefix-input-len 64] [--json OUT]
@@ -19,6 +20,12 @@ at each concurrency (with the matching --num-prompts). ignore_eos makes every
 output exactly --output-len tokens on both servers. The servers alternate
 order between repeats so a noisy neighbour hits both alike; the table shows
 the median over repeats of each figure, and Tandem/llama ratios.
+
+--tandem-variant NAME=ARGS (repeatable) runs `tandem serve` once per
+variant with ARGS added (e.g. `tpot25=--tpot-target-ms 25`), each measured
+against the same llama-server runs, one table per variant; without it, one
+variant `tandem` with no extra arguments. Every server of a repeat runs in
+turn, the order rotated between repeats.
 
 Both servers get the same KV capacity: llama-server -c = max-running *
 ctx-per-slot; tandem serve --ctx ctx-per-slot and --kv-blocks =
@@ -41,6 +48,7 @@ import json
 import os
 import re
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -81,12 +89,13 @@ def http_ok(url, timeout=2.0):
 class Server:
     """A server process in its own process group, stopped by close()."""
 
-    def __init__(self, name, argv, env, logdir):
+    def __init__(self, name, argv, env, logdir, ready_line=False):
+        """ready_line: the server prints its address on stdout (tandem)."""
         self.name = name
         self.log_path = os.path.join(logdir, f"{name}.log")
         self.log = open(self.log_path, "wb")
         log(f"start {name}: {' '.join(argv)}")
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE if name == "tandem" else self.log,
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE if ready_line else self.log,
                                      stderr=self.log, env=env, start_new_session=True)
         self.url = None
 
@@ -156,13 +165,13 @@ class Server:
         self.log.close()
 
 
-def start_tandem(args, logdir):
+def start_tandem(args, logdir, name, extra):
     blocks = args.max_running * args.ctx_per_slot // 16
     argv = [args.tandem, "serve", "--model", args.model, "--port", "0", "--grpc-port", "-1",
             "--threads", str(args.threads), "--max-running", str(args.max_running),
             "--ctx", str(args.ctx_per_slot), "--kv-blocks", str(blocks),
-            "--served-model-name", "bench-model"]
-    s = Server("tandem", argv, dict(os.environ), logdir)
+            "--served-model-name", "bench-model"] + extra
+    s = Server(name, argv, dict(os.environ), logdir, ready_line=True)
     s.wait_tandem_ready(args.ready_timeout)
     return s
 
@@ -203,7 +212,8 @@ def dataset_args(args, ds):
 
 
 def measure_server(args, name, logdir, tmp, rep_i, results, raw):
-    srv = start_tandem(args, logdir) if name == "tandem" else start_llama(args, logdir)
+    srv = (start_tandem(args, logdir, name, args.variants[name]) if name in args.variants
+           else start_llama(args, logdir))
     try:
         # Warm-up: page the weights in, let both servers reach steady state.
         run_bench(args, srv.url, dataset_args(args, "random") + ["--num-prompts", "4",
@@ -219,7 +229,7 @@ def measure_server(args, name, logdir, tmp, rep_i, results, raw):
                        "tpot_p50": rep["tpot_ms"]["p50"], "tpot_p99": rep["tpot_ms"]["p99"],
                        "prompt_tokens_p50": statistics.median(
                            r["prompt_tokens"] for r in rep["requests"])}
-                if name == "tandem" and ds == "random" and conc == 1:
+                if name in args.variants and ds == "random" and conc == 1:
                     fig.update(paired_overhead(srv.log_path, rep["requests"]))
                     if fig.get("paired_overhead_p50") is not None:
                         log(f"tandem serving overhead (client TTFT - server prefill compute, "
@@ -298,6 +308,9 @@ def main():
                     help="the tandem binary (default $TANDEM_BIN, else tandem on PATH)")
     ap.add_argument("--model", default=os.environ.get("TANDEM_MODEL") or DEFAULT_MODEL)
     ap.add_argument("--llama-server", default="/work/llamacpp/build/bin/llama-server")
+    ap.add_argument("--tandem-variant", action="append", default=[], metavar="NAME=ARGS",
+                    help="a tandem serve run with ARGS added (repeatable; default: one, "
+                    "'tandem', with none)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-running", type=int, default=16)
     ap.add_argument("--ctx-per-slot", type=int, default=1024)
@@ -320,6 +333,15 @@ def main():
     args.num_prompts = parse_list(args.num_prompts, "--num-prompts")
     if len(args.num_prompts) != len(args.concurrency):
         raise SystemExit("--num-prompts needs one value per --concurrency value")
+    args.variants = {}
+    for v in args.tandem_variant or ["tandem="]:
+        name, sep, extra = v.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_.+-]+", name) or name == "llama" or \
+                name in args.variants:
+            raise SystemExit(f"--tandem-variant {v!r}: NAME=ARGS, NAME unique, letters, digits "
+                             "and _.+- (not 'llama')")
+        args.variants[name] = shlex.split(extra)
+    first = next(iter(args.variants))
     args.datasets = args.datasets.split(",")
     for ds in args.datasets:
         if ds not in ("random", "shared-prefix"):
@@ -343,13 +365,15 @@ def main():
     log(f"server logs in {logdir}")
     with tempfile.TemporaryDirectory() as tmp:
         for rep_i in range(args.repeats):
-            order = ["tandem", "llama"] if rep_i % 2 == 0 else ["llama", "tandem"]
+            names = list(args.variants) + ["llama"]
+            k = rep_i % len(names)
+            order = names[k:] + names[:k]
             for name in order:
                 measure_server(args, name, logdir, tmp, rep_i, results, raw)
-                if name == "tandem" and want_overhead:
+                if name == first and want_overhead:
                     # Right after the server run (server stopped), so both
                     # figures see the same machine state.
-                    fig = results[("tandem", "random", 1)][-1]
+                    fig = results[(first, "random", 1)][-1]
                     n_tok = int(round(fig["prompt_tokens_p50"]))
                     pre_ms, engine = engine_prefill_ms(args, n_tok)
                     engine_runs.append(engine)
@@ -375,26 +399,30 @@ def main():
               f"output {args.output_len} tokens (ignore_eos), medians of {args.repeats} "
               f"repeat(s). Random: {args.input_len}-token prompts; shared-prefix: 4 groups, "
               f"{args.prefix_len}-token system prompt + {args.prefix_input_len}-token question.\n\n")
-    out.write("| dataset | conc | Tandem tok/s | llama tok/s | ratio | Tandem TTFT P50/P99 ms "
-              "| llama TTFT P50/P99 ms | ratio P50/P99 | Tandem TPOT P50/P99 ms "
-              "| llama TPOT P50/P99 ms | ratio P50/P99 |\n")
-    out.write("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     table = []
-    for ds in args.datasets:
-        for conc in args.concurrency:
-            t = {k: med(results, ("tandem", ds, conc), k)
-                 for k in ("output_tps", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")}
-            ll = {k: med(results, ("llama", ds, conc), k)
-                  for k in ("output_tps", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")}
-            table.append({"dataset": ds, "concurrency": conc, "tandem": t, "llama": ll})
-            out.write(f"| {ds} | {conc} | {f1(t['output_tps'])} | {f1(ll['output_tps'])} "
-                      f"| {ratio(t['output_tps'], ll['output_tps'])} "
-                      f"| {f1(t['ttft_p50'])} / {f1(t['ttft_p99'])} "
-                      f"| {f1(ll['ttft_p50'])} / {f1(ll['ttft_p99'])} "
-                      f"| {ratio(t['ttft_p50'], ll['ttft_p50'])} / {ratio(t['ttft_p99'], ll['ttft_p99'])} "
-                      f"| {f1(t['tpot_p50'])} / {f1(t['tpot_p99'])} "
-                      f"| {f1(ll['tpot_p50'])} / {f1(ll['tpot_p99'])} "
-                      f"| {ratio(t['tpot_p50'], ll['tpot_p50'])} / {ratio(t['tpot_p99'], ll['tpot_p99'])} |\n")
+    figs = ("output_tps", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")
+    for name, extra in args.variants.items():
+        if len(args.variants) > 1 or extra:
+            out.write(f"\nTandem variant `{name}`: `tandem serve {' '.join(extra)}`\n\n")
+        out.write("| dataset | conc | Tandem tok/s | llama tok/s | ratio | Tandem TTFT P50/P99 ms "
+                  "| llama TTFT P50/P99 ms | ratio P50/P99 | Tandem TPOT P50/P99 ms "
+                  "| llama TPOT P50/P99 ms | ratio P50/P99 |\n")
+        out.write("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+        for ds in args.datasets:
+            for conc in args.concurrency:
+                t = {k: med(results, (name, ds, conc), k) for k in figs}
+                ll = {k: med(results, ("llama", ds, conc), k) for k in figs}
+                table.append({"variant": name, "args": extra, "dataset": ds,
+                              "concurrency": conc, "tandem": t, "llama": ll})
+                out.write(
+                    f"| {ds} | {conc} | {f1(t['output_tps'])} | {f1(ll['output_tps'])} "
+                    f"| {ratio(t['output_tps'], ll['output_tps'])} "
+                    f"| {f1(t['ttft_p50'])} / {f1(t['ttft_p99'])} "
+                    f"| {f1(ll['ttft_p50'])} / {f1(ll['ttft_p99'])} "
+                    f"| {ratio(t['ttft_p50'], ll['ttft_p50'])} / {ratio(t['ttft_p99'], ll['ttft_p99'])} "
+                    f"| {f1(t['tpot_p50'])} / {f1(t['tpot_p99'])} "
+                    f"| {f1(ll['tpot_p50'])} / {f1(ll['tpot_p99'])} "
+                    f"| {ratio(t['tpot_p50'], ll['tpot_p50'])} / {ratio(t['tpot_p99'], ll['tpot_p99'])} |\n")
     if overhead:
         out.write(f"\nServing overhead at concurrency 1 (random), median over repeats of "
                   f"(TTFT P50 - engine prefill, measured right after): "
@@ -402,7 +430,7 @@ def main():
                   f"prefill of {overhead['prompt_tokens']} tokens "
                   f"{overhead['engine_prefill_ms']:.2f} ms: tandem bench-engine -p "
                   f"{overhead['prompt_tokens']} -n 0 -r 5 --threads {args.threads}, median)\n")
-    po = [f["paired_overhead_p50"] for f in results.get(("tandem", "random", 1), [])
+    po = [f["paired_overhead_p50"] for f in results.get((first, "random", 1), [])
           if f.get("paired_overhead_p50") is not None]
     if po:
         out.write(f"\nServing overhead at concurrency 1 (random), paired per request: client TTFT "
