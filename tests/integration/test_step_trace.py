@@ -66,22 +66,27 @@ def write_trace(path, header, steps):
     path.write_text("".join(json.dumps(x) + "\n" for x in [header] + steps))
 
 
-@pytest.fixture(scope="module")
-def real_trace(tandem_bin, tmp_path_factory, test_models, manifest):
-    """A trace of a run that preempts and hits the prefix cache."""
+def record_trace(tandem_bin, model, d, flags):
+    """The step trace of `load` on an instance of the tiny model with flags."""
     from serve_util import Server
-    d = tmp_path_factory.mktemp("trace")
     path = d / "steps.jsonl"
-    srv = Server.start(tandem_bin, manifest_model(manifest, test_models, MODEL),
-                       ["--served-model-name", "tiny", "--kv-blocks", "22", "--max-running", "8",
-                        "--max-batch-tokens", "48", "--reserve-output-tokens", "0",
-                        "--threads", "1", "--step-trace", str(path)], d)
+    srv = Server.start(tandem_bin, model, ["--served-model-name", "tiny", "--threads", "1",
+                                           *flags, "--step-trace", str(path)], d)
     try:
         load(srv.base_url)
         srv.wait_idle()
     finally:
         srv.close()
     return path
+
+
+@pytest.fixture(scope="module")
+def real_trace(tandem_bin, tmp_path_factory, test_models, manifest):
+    """A trace of a run that preempts and hits the prefix cache."""
+    return record_trace(tandem_bin, manifest_model(manifest, test_models, MODEL),
+                        tmp_path_factory.mktemp("trace"),
+                        ["--kv-blocks", "22", "--max-running", "8", "--max-batch-tokens", "48",
+                         "--reserve-output-tokens", "0"])
 
 
 def test_real_run_replays_equal(tandem_bin, real_trace):
@@ -106,19 +111,10 @@ def test_real_run_replays_equal(tandem_bin, real_trace):
 def tpot_trace(tandem_bin, tmp_path_factory, test_models, manifest):
     """A trace of a run under --tpot-target-ms 5: the prompt tokens a step
     beside decodes takes come from the step times measured."""
-    from serve_util import Server
-    d = tmp_path_factory.mktemp("tpot")
-    path = d / "steps.jsonl"
-    srv = Server.start(tandem_bin, manifest_model(manifest, test_models, MODEL),
-                       ["--served-model-name", "tiny", "--kv-blocks", "200", "--max-running", "8",
-                        "--max-batch-tokens", "256", "--threads", "1", "--tpot-target-ms", "5",
-                        "--step-trace", str(path)], d)
-    try:
-        load(srv.base_url)
-        srv.wait_idle()
-    finally:
-        srv.close()
-    return path
+    return record_trace(tandem_bin, manifest_model(manifest, test_models, MODEL),
+                        tmp_path_factory.mktemp("tpot"),
+                        ["--kv-blocks", "200", "--max-running", "8", "--max-batch-tokens", "256",
+                         "--tpot-target-ms", "5"])
 
 
 def test_tpot_target_run_replays_equal(tandem_bin, tpot_trace, tmp_path):

@@ -26,6 +26,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare_engine import run_json  # noqa: E402  (runs a benchmark, parses its JSON)
+
 
 def cpu_model():
     try:
@@ -56,20 +59,17 @@ class Hog:
 
 
 def tandem_tg(binary, model, threads, n):
-    out = subprocess.run([binary, "bench-engine", "--model", model, "-p", "0", "-n", str(n),
-                          "-r", "3", "--threads", str(threads), "--json"],
-                         check=True, capture_output=True, text=True, timeout=1800)
-    j = json.loads(out.stdout)
+    j = run_json([binary, "bench-engine", "--model", model, "-p", "0", "-n", str(n), "-r", "3",
+                  "--threads", str(threads), "--json"])
     return next(t["avg_ts"] for t in j["tests"] if t["test"].startswith("tg"))
 
 
 def llama_tg(binary, model, threads, n):
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.path.dirname(os.path.abspath(binary))
-    out = subprocess.run([binary, "-m", model, "-t", str(threads), "-p", "0", "-n", str(n),
-                          "-r", "3", "-o", "json"], check=True, capture_output=True, text=True,
-                         env=env, timeout=1800)
-    return next(t["avg_ts"] for t in json.loads(out.stdout) if t["n_gen"] > 0)
+    j = run_json([binary, "-m", model, "-t", str(threads), "-p", "0", "-n", str(n), "-r", "3",
+                  "-o", "json"], env=env)
+    return next(t["avg_ts"] for t in j if t["n_gen"] > 0)
 
 
 SETTINGS = [("1 thread", 1, False), ("2 threads", 2, False), ("2 threads + spinner", 2, True)]
