@@ -4,6 +4,8 @@
  *        (logits of the last token only);
  *   tgN: N single-token forward calls starting from an empty KV cache, each
  *        feeding a random token id (llama-bench's test_gen: no sampling).
+ * With --depth D (llama-bench -d) the KV cache first holds D random tokens,
+ * prefilled untimed, and the test runs at positions D onwards.
  * One warm-up run of each test, then r timed repetitions with a fresh KV
  * cache each; reported as mean +- sample standard deviation of tokens/s. */
 #include <dirent.h>
@@ -24,12 +26,25 @@
 
 #define BENCH_MAX_REPS 1000
 
-enum { B_MODEL, B_N_PROMPT, B_N_GEN, B_REPS, B_THREADS, B_ISA, B_DEVICE, B_JSON, B_N };
+enum {
+    B_MODEL,
+    B_N_PROMPT,
+    B_N_GEN,
+    B_DEPTH,
+    B_REPS,
+    B_THREADS,
+    B_ISA,
+    B_DEVICE,
+    B_KV_DTYPE,
+    B_JSON,
+    B_N
+};
 static td_opt k_bench_opts[B_N] = {
     /* the --model help names the default: set below */
     [B_MODEL] = {"model", 'm', "PATH", "GGUF file or Hugging Face directory"},
     [B_N_PROMPT] = {"n-prompt", 'p', "N", "prompt tokens (default 512; 0 skips pp)"},
     [B_N_GEN] = {"n-gen", 'n', "N", "generated tokens (default 128; 0 skips tg)"},
+    [B_DEPTH] = {"depth", 'd', "N", "tokens already in the KV cache before each test (default 0)"},
     [B_REPS] = {"repetitions", 'r', "N", "timed repetitions (default 5)"},
     [B_THREADS] = {"threads", 't', "N",
                    "worker threads (default: every core); with a plan of\n"
@@ -37,13 +52,15 @@ static td_opt k_bench_opts[B_N] = {
     [B_ISA] = {"isa", 0, "NAME", "kernel set: scalar, avx2, avx512 (default: best available)"},
     [B_DEVICE] = {"device", 0, "D",
                   "device: cpu, cuda, cuda:N (default: a GPU when built and visible, else cpu)"},
+    [B_KV_DTYPE] = {"kv-dtype", 0, "T", "KV cache element type: f32 (default), f16, bf16"},
     [B_JSON] = {"json", 0, NULL, "one JSON object on stdout instead of the table"},
 };
 
 static void bench_usage(FILE *f, void *ctx) {
     TD_UNUSED(ctx);
-    fprintf(f, "usage: tandem bench-engine [--model PATH] [-p N] [-n N] [-r N] [--threads N]\n"
-               "                           [--isa NAME] [--device D] [--json] [plan flags]\n"
+    fprintf(f, "usage: tandem bench-engine [--model PATH] [-p N] [-n N] [-d N] [-r N]\n"
+               "                           [--threads N] [--isa NAME] [--device D]\n"
+               "                           [--kv-dtype T] [--json] [plan flags]\n"
                "\n"
                "Measures prompt processing (ppN: N tokens in one batch) and generation (tgN:\n"
                "N tokens one at a time from an empty context) like llama-bench: one warm-up,\n"
@@ -56,7 +73,8 @@ static void bench_usage(FILE *f, void *ctx) {
 
 typedef struct {
     const char *model, *isa, *device;
-    long n_prompt, n_gen, reps, threads;
+    long n_prompt, n_gen, depth, reps, threads;
+    td_dtype kv_dtype;
     bool json;
 } bench_args;
 
@@ -69,6 +87,8 @@ static bool set_bench_opt(void *ctx, int i, const char *val, bool *printed) {
     case B_DEVICE: a->device = val; return true;
     case B_N_PROMPT: return td_cli_parse_long(val, 0, 1 << 20, &a->n_prompt);
     case B_N_GEN: return td_cli_parse_long(val, 0, 1 << 20, &a->n_gen);
+    case B_DEPTH: return td_cli_parse_long(val, 0, 1 << 20, &a->depth);
+    case B_KV_DTYPE: return td_kv_dtype_parse(val, &a->kv_dtype);
     case B_REPS: return td_cli_parse_long(val, 1, BENCH_MAX_REPS, &a->reps);
     case B_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
     case B_JSON: a->json = true; return true;
@@ -93,8 +113,9 @@ typedef struct {
     bool acc;
     double rank_compute[BENCH_MAX_RANKS], rank_comm[BENCH_MAX_RANKS];
     int64_t steps;
-    int32_t *blocks; /* (blocks for the longest test) */
-    int32_t *tokens; /* (n_prompt) */
+    int32_t *blocks; /* (blocks for depth + the longest test) */
+    int32_t *tokens; /* (max(n_prompt, depth chunk)) */
+    int32_t depth, chunk; /* tokens before each test; prefilled chunk tokens per step */
     float *logits;   /* (n_vocab) */
     uint64_t rng;
 } bench_ctx;
@@ -114,17 +135,45 @@ static td_status bench_step(bench_ctx *b, const td_seq_chunk *c) {
     return st;
 }
 
-/* Seconds for one ppN run, or < 0 on error. */
-static double run_pp(bench_ctx *b, int32_t n) {
-    int32_t nb = td_runtime_blocks_for(b->rt, n);
-    if (td_kv_block_alloc(b->rt->kv, nb, b->blocks) != TD_OK) {
-        fprintf(stderr, "tandem bench-engine: KV pool too small for %d tokens\n", n);
-        return -1;
+/* Allocates the blocks of depth + n tokens and prefills the depth tokens
+ * (untimed); false on error, with nothing held. */
+static bool begin_test(bench_ctx *b, int32_t n, int32_t *nb) {
+    *nb = td_runtime_blocks_for(b->rt, b->depth + n);
+    if (td_kv_block_alloc(b->rt->kv, *nb, b->blocks) != TD_OK) {
+        fprintf(stderr, "tandem bench-engine: KV pool too small for %d tokens\n", b->depth + n);
+        return false;
     }
     int32_t nv = b->rt->cfg->n_vocab;
+    for (int32_t p = 0; p < b->depth; p += b->chunk) {
+        int32_t m = TD_MIN(b->chunk, b->depth - p);
+        for (int32_t i = 0; i < m; i++)
+            b->tokens[i] = (int32_t)(bench_rand(&b->rng) % (uint64_t)nv);
+        td_seq_chunk c = {.tokens = b->tokens,
+                          .n_tokens = m,
+                          .pos0 = p,
+                          .block_table = b->blocks,
+                          .n_blocks = td_runtime_blocks_for(b->rt, p + m)};
+        td_status st = td_runtime_forward(b->rt, &c, 1, b->logits);
+        if (st != TD_OK) {
+            fprintf(stderr, "tandem bench-engine: forward failed: %s\n", td_status_str(st));
+            td_kv_block_free(b->rt->kv, b->blocks, *nb);
+            return false;
+        }
+    }
+    return true;
+}
+
+/* Seconds for one ppN run, or < 0 on error. */
+static double run_pp(bench_ctx *b, int32_t n) {
+    int32_t nb;
+    if (!begin_test(b, n, &nb)) return -1;
+    int32_t nv = b->rt->cfg->n_vocab;
     for (int32_t i = 0; i < n; i++) b->tokens[i] = (int32_t)(bench_rand(&b->rng) % (uint64_t)nv);
-    td_seq_chunk c = {
-        .tokens = b->tokens, .n_tokens = n, .pos0 = 0, .block_table = b->blocks, .n_blocks = nb};
+    td_seq_chunk c = {.tokens = b->tokens,
+                      .n_tokens = n,
+                      .pos0 = b->depth,
+                      .block_table = b->blocks,
+                      .n_blocks = nb};
     double t0 = td_time_s();
     td_status st = bench_step(b, &c);
     double t = td_time_s() - t0;
@@ -138,19 +187,16 @@ static double run_pp(bench_ctx *b, int32_t n) {
 
 /* Seconds for one tgN run, or < 0 on error. */
 static double run_tg(bench_ctx *b, int32_t n) {
-    int32_t nb = td_runtime_blocks_for(b->rt, n);
-    if (td_kv_block_alloc(b->rt->kv, nb, b->blocks) != TD_OK) {
-        fprintf(stderr, "tandem bench-engine: KV pool too small for %d tokens\n", n);
-        return -1;
-    }
+    int32_t nb;
+    if (!begin_test(b, n, &nb)) return -1;
     int32_t nv = b->rt->cfg->n_vocab;
     int32_t bos = td_tokenizer_bos(b->rt->tok);
-    int32_t tok = td_tokenizer_adds_bos(b->rt->tok) && bos >= 0
+    int32_t tok = b->depth == 0 && td_tokenizer_adds_bos(b->rt->tok) && bos >= 0
                       ? bos
                       : (int32_t)(bench_rand(&b->rng) % (uint64_t)nv);
     td_status st = TD_OK;
     double t0 = td_time_s();
-    for (int32_t i = 0; i < n && st == TD_OK; i++) {
+    for (int32_t i = b->depth; i < b->depth + n && st == TD_OK; i++) {
         td_seq_chunk c = {.tokens = &tok,
                           .n_tokens = 1,
                           .pos0 = i,
@@ -170,7 +216,7 @@ static double run_tg(bench_ctx *b, int32_t n) {
 
 typedef struct {
     char name[32];
-    int32_t n_prompt, n_gen;
+    int32_t n_prompt, n_gen, n_depth;
     double ts[BENCH_MAX_REPS]; /* tokens/s per repetition */
     double ns[BENCH_MAX_REPS]; /* nanoseconds per repetition */
     int n;
@@ -240,7 +286,10 @@ int td_cmd_bench_engine(int argc, char **argv) {
     bench_ctx b = {.rng = 0x7a6e64656d2d6265ull};
     bench_result *res = calloc(2, sizeof *res);
     int n_res = 0;
-    int32_t longest = (int32_t)TD_MAX(n_prompt, n_gen);
+    int32_t depth = (int32_t)ba.depth, longest = depth + (int32_t)TD_MAX(n_prompt, n_gen);
+    b.depth = depth;
+    b.chunk = (int32_t)TD_MAX(n_prompt, TD_MIN(depth, 512));
+    if (b.chunk < 1) b.chunk = 1;
     td_runtime_params rp = td_runtime_default_params();
     rp.model_path = model;
     rp.isa_name = isa;
@@ -248,13 +297,14 @@ int td_cmd_bench_engine(int argc, char **argv) {
     rp.n_threads = (int)threads;
     rp.ctx_len = longest;
     rp.n_seqs = 1;
-    rp.max_batch_tokens = (int32_t)TD_MAX(n_prompt, 1);
+    rp.max_batch_tokens = b.chunk;
+    rp.kv_dtype = ba.kv_dtype;
     rp.quiet = json;
     rp.plan = &plan.p;
     if (!res) goto out;
     if (td_runtime_open(&rp, &b.rt) != TD_OK) goto out;
     b.blocks = malloc((size_t)td_runtime_blocks_for(b.rt, longest) * sizeof *b.blocks);
-    b.tokens = malloc((size_t)TD_MAX(n_prompt, 1) * sizeof *b.tokens);
+    b.tokens = malloc((size_t)b.chunk * sizeof *b.tokens);
     b.logits = malloc((size_t)b.rt->cfg->n_vocab * sizeof *b.logits);
     if (!b.blocks || !b.tokens || !b.logits) {
         fprintf(stderr, "tandem bench-engine: out of memory\n");
@@ -265,7 +315,11 @@ int td_cmd_bench_engine(int argc, char **argv) {
         int32_t n = (int32_t)(test == 0 ? n_prompt : n_gen);
         if (n == 0) continue;
         bench_result *r = &res[n_res++];
-        snprintf(r->name, sizeof r->name, "%s%d", test == 0 ? "pp" : "tg", n);
+        if (depth > 0)
+            snprintf(r->name, sizeof r->name, "%s%d@d%d", test == 0 ? "pp" : "tg", n, depth);
+        else
+            snprintf(r->name, sizeof r->name, "%s%d", test == 0 ? "pp" : "tg", n);
+        r->n_depth = depth;
         r->n_prompt = test == 0 ? n : 0;
         r->n_gen = test == 0 ? 0 : n;
         /* Warm-up: pages the weights in and settles the thread pool. */
@@ -306,6 +360,7 @@ int td_cmd_bench_engine(int argc, char **argv) {
         json_object_set_new(o, "weight_bytes_per_token", json_integer((json_int_t)wbytes));
         json_object_set_new(o, "threads", json_integer(nth));
         json_object_set_new(o, "isa", json_string(isa_name));
+        json_object_set_new(o, "kv_dtype", json_string(td_dtype_name(ba.kv_dtype)));
         json_object_set_new(o, "repetitions", json_integer(reps));
         json_object_set_new(o, "world", json_integer(td_exec_world(b.rt->exec)));
         for (int i = 0; i < n_res; i++) {
@@ -313,6 +368,7 @@ int td_cmd_bench_engine(int argc, char **argv) {
             json_object_set_new(t, "test", json_string(res[i].name));
             json_object_set_new(t, "n_prompt", json_integer(res[i].n_prompt));
             json_object_set_new(t, "n_gen", json_integer(res[i].n_gen));
+            json_object_set_new(t, "n_depth", json_integer(res[i].n_depth));
             json_object_set_new(t, "avg_ts", json_real(res[i].avg));
             json_object_set_new(t, "stddev_ts", json_real(res[i].sd));
             for (int k = 0; k < res[i].n; k++) {
@@ -341,15 +397,15 @@ int td_cmd_bench_engine(int argc, char **argv) {
         char sz[32], pr[32];
         snprintf(sz, sizeof sz, "%.2f MiB", (double)size / (1024.0 * 1024.0));
         snprintf(pr, sizeof pr, "%.2f M", params / 1e6);
-        printf("| %-24s | %12s | %10s | %7s | %6s | %8s | %20s |\n", "model", "size", "params",
+        printf("| %-24s | %12s | %10s | %7s | %6s | %13s | %20s |\n", "model", "size", "params",
                "threads", "isa", "test", "t/s");
-        printf("| %.24s | %.12s | %.10s | %.7s | %.6s | %.8s | %.20s |\n",
+        printf("| %.24s | %.12s | %.10s | %.7s | %.6s | %.13s | %.20s |\n",
                "------------------------------", "--------------------", "--------------------",
-               "----------", "--------", "------------", "------------------------------");
+               "----------", "--------", "----------------", "------------------------------");
         for (int i = 0; i < n_res; i++) {
             char tsb[48];
             snprintf(tsb, sizeof tsb, "%.2f ± %.2f", res[i].avg, res[i].sd);
-            printf("| %-24.24s | %12s | %10s | %7d | %6s | %8s | %21s |\n", b.rt->cfg->name, sz, pr,
+            printf("| %-24.24s | %12s | %10s | %7d | %6s | %13s | %21s |\n", b.rt->cfg->name, sz, pr,
                    nth, isa_name, res[i].name, tsb);
         }
         printf("\nweight bytes read per generated token: %zu (%.2f MiB)\n", wbytes,
@@ -357,7 +413,7 @@ int td_cmd_bench_engine(int argc, char **argv) {
         if (td_exec_world(b.rt->exec) > 1) {
             printf("\nper step and rank, mean over the timed repetitions (ms): compute / comm\n");
             for (int i = 0; i < n_res; i++) {
-                printf("%-8s", res[i].name);
+                printf("%-13s", res[i].name);
                 for (int q = 0; q < res[i].n_ranks; q++)
                     printf("  r%d %.3f / %.3f", q, res[i].step_compute_ms[q],
                            res[i].step_comm_ms[q]);

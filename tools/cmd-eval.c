@@ -31,7 +31,7 @@ typedef struct {
     float *out; /* (len, n_vocab) inside the output buffer */
 } eval_seq;
 
-enum { E_MODEL, E_TOKENS, E_OUT, E_THREADS, E_CHUNK, E_BATCH, E_ISA, E_N };
+enum { E_MODEL, E_TOKENS, E_OUT, E_THREADS, E_CHUNK, E_BATCH, E_ISA, E_KV_DTYPE, E_N };
 static td_opt k_eval_opts[E_N] = {
     /* the --model help names the default: set below */
     [E_MODEL] = {"model", 'm', "PATH", "GGUF file or Hugging Face directory"},
@@ -41,12 +41,14 @@ static td_opt k_eval_opts[E_N] = {
     [E_CHUNK] = {"chunk", 0, "N", "tokens per forward call (default: the whole sequence)"},
     [E_BATCH] = {"batch", 0, NULL, "every sequence in each call (default: one at a time)"},
     [E_ISA] = {"isa", 0, "NAME", "kernel set: scalar, avx2, avx512 (default: best available)"},
+    [E_KV_DTYPE] = {"kv-dtype", 0, "T", "KV cache element type: f32 (default), f16, bf16"},
 };
 
 static void usage(FILE *f, void *ctx) {
     TD_UNUSED(ctx);
     fprintf(f, "usage: tandem eval --model PATH --tokens IN.json --out OUT.bin [--threads N]\n"
-               "                   [--chunk N] [--batch] [--isa NAME] [plan flags]\n\n");
+               "                   [--chunk N] [--batch] [--isa NAME] [--kv-dtype T]\n"
+               "                   [plan flags]\n\n");
     td_opts_print(f, k_eval_opts, E_N);
     fprintf(f, "\nparallel plan:\n");
     td_cli_plan_usage(f);
@@ -55,6 +57,7 @@ static void usage(FILE *f, void *ctx) {
 typedef struct {
     const char *model, *tokens, *out, *isa;
     long threads, chunk;
+    td_dtype kv_dtype;
     bool batch;
 } eval_args;
 
@@ -67,6 +70,7 @@ static bool set_eval_opt(void *ctx, int i, const char *val, bool *printed) {
     case E_OUT: a->out = val; return true;
     case E_ISA: a->isa = val; return true;
     case E_BATCH: a->batch = true; return true;
+    case E_KV_DTYPE: return td_kv_dtype_parse(val, &a->kv_dtype);
     /* the same bound as generate and bench-engine */
     case E_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
     case E_CHUNK: return td_cli_parse_long(val, 1, INT32_MAX, &a->chunk);
@@ -194,6 +198,7 @@ int td_cmd_eval(int argc, char **argv) {
     rp.n_threads = threads;
     rp.isa_name = isa;
     rp.ctx_len = max_len;
+    rp.kv_dtype = ea.kv_dtype;
     rp.n_seqs = batch ? TD_MAX(n_seqs, 1) : 1;
     rp.quiet = true;
     rp.max_batch_tokens = 512;

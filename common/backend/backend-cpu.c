@@ -145,10 +145,10 @@ void td_host_kv_free(td_bbuf *b) {
     b->p = NULL;
 }
 
-/* The attention kernels read f32 K and V. */
+/* The attention kernels read K and V of any KV dtype (F32, F16, BF16). */
 static td_status cpu_kv_layout(td_backend *be, const td_kv_params *p, td_kv_layout *l) {
     (void)be;
-    return p->dtype == TD_TYPE_F32 ? td_kv_layout_dense(p, l) : TD_ERR_UNSUPPORTED;
+    return td_kv_layout_dense(p, l);
 }
 
 static td_bbuf *cpu_kv_alloc(td_backend *be, const td_kv_layout *l, const td_kv_mem_hook *hook) {
@@ -400,7 +400,8 @@ typedef struct {
     float *q, *k, *v;
     const float *bq, *bk, *bv;
     const td_backend_rope *rope;
-    float *kc, *vc; /* this layer's cache regions */
+    char *kc, *vc; /* this layer's cache regions */
+    td_dtype kv_dtype;
     int bs;
 } qkv_task;
 
@@ -427,8 +428,9 @@ static void task_qkv(void *ctx, int ith, int nth) {
             if (c->b.cp_n > 1 && (pos / bs) % c->b.cp_n != c->b.cp_r) continue; /* CP: not ours */
             const int32_t *table = c->b.seq_table[c->b.row_seq[r]];
             size_t cell = (size_t)table[pos / bs] * (size_t)bs + (size_t)(pos % bs);
-            memcpy(t->kc + cell * (size_t)kv_dim, k, (size_t)kv_dim * sizeof(float));
-            memcpy(t->vc + cell * (size_t)kv_dim, v, (size_t)kv_dim * sizeof(float));
+            const size_t at = cell * (size_t)kv_dim * td_kv_elem_bytes((uint32_t)t->kv_dtype);
+            td_cpu_kv_store(t->kv_dtype, k, t->kc + at, kv_dim);
+            td_cpu_kv_store(t->kv_dtype, v, t->vc + at, kv_dim);
         }
 }
 
@@ -444,15 +446,17 @@ static void cpu_rope_store(td_backend *be, td_bview q, td_bview k, td_bview v, c
                   .bk = bk,
                   .bv = bv,
                   .rope = rope,
-                  .kc = F32(kv->k),
-                  .vc = F32(kv->v),
+                  .kc = td_bview_host(kv->k),
+                  .vc = td_bview_host(kv->v),
+                  .kv_dtype = kv->dtype,
                   .bs = kv->block_size};
     run(c, task_qkv, &t, c->b.n_rows);
 }
 
 static td_cpu_kv_layer kv_layer(const td_backend_kv *kv) {
-    return (td_cpu_kv_layer){.k = F32(kv->k),
-                             .v = F32(kv->v),
+    return (td_cpu_kv_layer){.k = td_bview_host(kv->k),
+                             .v = td_bview_host(kv->v),
+                             .dtype = kv->dtype,
                              .block_size = kv->block_size,
                              .n_kv_heads = kv->n_kv_heads,
                              .head_dim = kv->head_dim};
@@ -929,14 +933,14 @@ static void cpu_attn_cp(td_backend *be, const td_backend_cp_attn *a) {
 static void cpu_kv_pack(td_backend *be, const td_backend_kv *kv, int32_t seq, int32_t end,
                         td_bview dstv, int32_t stride_blocks) {
     const td_backend_batch *bt = &ctx_of(be)->b;
-    const size_t blk = (size_t)kv->block_size * (size_t)kv->n_kv_heads * (size_t)kv->head_dim;
+    const size_t blk = (size_t)kv->block_size * (size_t)kv->n_kv_heads * (size_t)kv->head_dim *
+                       td_kv_elem_bytes((uint32_t)kv->dtype); /* bytes */
     const int32_t *lt = bt->cp_ltab + (size_t)seq * (size_t)bt->cp_maxb;
-    const float *kc = F32(kv->k), *vc = F32(kv->v);
-    float *dst = F32(dstv);
+    const char *kc = td_bview_host(kv->k), *vc = td_bview_host(kv->v);
+    char *dst = td_bview_host(dstv);
     for (int32_t j = bt->cp_r, x = 0; (int64_t)j * kv->block_size < end; j += bt->cp_n, x++) {
-        memcpy(dst + (size_t)x * blk, kc + (size_t)lt[x] * blk, blk * sizeof(float));
-        memcpy(dst + ((size_t)stride_blocks + (size_t)x) * blk, vc + (size_t)lt[x] * blk,
-               blk * sizeof(float));
+        memcpy(dst + (size_t)x * blk, kc + (size_t)lt[x] * blk, blk);
+        memcpy(dst + ((size_t)stride_blocks + (size_t)x) * blk, vc + (size_t)lt[x] * blk, blk);
     }
 }
 

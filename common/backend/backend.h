@@ -114,9 +114,10 @@ typedef struct {
 } td_backend_batch;
 
 /* One layer of the paged KV: K and V regions of (n_blocks, block_size,
- * n_kv_heads, head_dim) f32 values each. */
+ * n_kv_heads, head_dim) elements of dtype (F32, F16 or BF16) each. */
 typedef struct {
     td_bview k, v;
+    td_dtype dtype;
     int block_size;
     int n_kv_heads;
     int head_dim;

@@ -261,7 +261,8 @@ static void cp_alloc(td_engine *e, const td_kv_params *kp, bool *fail) {
     e->cp_send_row = scratch_alloc(T, sizeof(int32_t), fail);
     e->cp_part = balloc(e, C * T, nhd * sizeof(float), fail);
     /* zero-filled: allgather pads each rank's blocks, no uninitialised bytes go to the comm */
-    e->cp_kv = balloc(e, (e->p.cp_mode == TD_CP_RING ? 2 : C) * 2 * B, blk * sizeof(float), fail);
+    e->cp_kv = balloc(e, (e->p.cp_mode == TD_CP_RING ? 2 : C) * 2 * B, blk * e->kv_lay.elem_bytes,
+                      fail);
     e->cp_ms = balloc(e, T * (size_t)e->nh * 2, sizeof(float), fail);
 }
 
@@ -510,7 +511,8 @@ td_status td_engine_create(const td_model *m, td_kv_pool *kv, td_threadpool *tp,
         (st = OP(e, reserve)(e->be, ep.max_ctx, c->head_dim)) ||
         (st = OP(e, kv_layout)(e->be, kp, &e->kv_lay))) {
         if (st == TD_ERR_UNSUPPORTED)
-            TD_LOG_ERROR("backend %s cannot hold KV of dtype %d", e->be->i->name, kp->dtype);
+            TD_LOG_ERROR("the %s backend cannot hold a KV cache of dtype %s (--kv-dtype)",
+                         e->be->i->name, td_dtype_name(kp->dtype));
         engine_free_scratch(e);
         free(e);
         return st;
@@ -995,14 +997,17 @@ static td_status cp_pcp_allgather(td_engine *e, const td_backend_kv *own, int32_
     const int C = e->cp_n;
     const int32_t end = s->pos0 + s->n_tokens, nb = (end + e->cp_bs - 1) / e->cp_bs;
     const int32_t maxb = cp_held(e, end, 0);
-    const size_t blk = (size_t)e->cp_bs * (size_t)e->kv_dim, chunk = 2 * (size_t)maxb * blk;
-    td_bview mine = BF(e->cp_kv, (size_t)e->cp_r * chunk);
+    /* blk, chunk: bytes */
+    const size_t blk = (size_t)e->cp_bs * (size_t)e->kv_dim * e->kv_lay.elem_bytes,
+                 chunk = 2 * (size_t)maxb * blk;
+    td_bview mine = td_bview_bytes(BV(e->cp_kv), (size_t)e->cp_r * chunk);
     OP(e, kv_pack)(e->be, own, seq, end, mine, maxb);
-    td_status st = cp_all_gather(e, CPTR(e, mine), CPTR(e, BV(e->cp_kv)), chunk * sizeof(float));
+    td_status st = cp_all_gather(e, CPTR(e, mine), CPTR(e, BV(e->cp_kv)), chunk);
     if (st) return st;
     for (int32_t j = 0; j < nb; j++) e->cp_gtab[j] = (j % C) * 2 * maxb + j / C;
     td_backend_kv all = {.k = BV(e->cp_kv),
-                         .v = BF(e->cp_kv, (size_t)maxb * blk),
+                         .v = td_bview_bytes(BV(e->cp_kv), (size_t)maxb * blk),
+                         .dtype = e->kv_lay.dtype,
                          .block_size = e->cp_bs,
                          .n_kv_heads = e->nkv,
                          .head_dim = e->head_dim};
@@ -1020,8 +1025,8 @@ static td_status cp_pcp_ring(td_engine *e, const td_backend_kv *own, int32_t seq
     const td_seq_chunk *s = &e->seqs[seq];
     const int C = e->cp_n, me = e->cp_r, next = (me + 1) % C, prev = (me + C - 1) % C;
     const int32_t end = s->pos0 + s->n_tokens;
-    const size_t blk = (size_t)e->cp_bs * (size_t)e->kv_dim;
-    td_bview buf[2] = {BV(e->cp_kv), BF(e->cp_kv, 2 * (size_t)e->cp_maxb * blk)};
+    const size_t blk = (size_t)e->cp_bs * (size_t)e->kv_dim * e->kv_lay.elem_bytes; /* bytes */
+    td_bview buf[2] = {BV(e->cp_kv), td_bview_bytes(BV(e->cp_kv), 2 * (size_t)e->cp_maxb * blk)};
     const int32_t row0 = e->cp_row0[seq], n_items = e->cp_nrow[seq];
     const int64_t cost = (int64_t)n_items * end / C;
     cp_attn(e, TD_CP_ATTN_PCP_OWN, own, NULL, 0, row0, n_items, cost);
@@ -1031,8 +1036,8 @@ static td_status cp_pcp_ring(td_engine *e, const td_backend_kv *own, int32_t seq
     for (int step = 1; step < C; step++) {
         int origin = (me - step + C) % C;
         int32_t in_held = cp_held(e, end, origin);
-        size_t out_bytes = 2 * (size_t)held * blk * sizeof(float);
-        size_t in_bytes = 2 * (size_t)in_held * blk * sizeof(float);
+        size_t out_bytes = 2 * (size_t)held * blk;
+        size_t in_bytes = 2 * (size_t)in_held * blk;
         td_status st;
         if (me % 2 == 0) {
             if ((st = ENGINE_COMM(
@@ -1055,7 +1060,7 @@ static td_status cp_pcp_ring(td_engine *e, const td_backend_kv *own, int32_t seq
         if (in_held > 0) {
             td_backend_kv in = *own;
             in.k = buf[1];
-            in.v = td_bview_f32(buf[1], (size_t)in_held * blk);
+            in.v = td_bview_bytes(buf[1], (size_t)in_held * blk);
             cp_attn(e, TD_CP_ATTN_PCP_MERGE, &in, e->cp_gtab, origin, row0, n_items, cost);
         }
         td_bview tmp = buf[0];
@@ -1446,6 +1451,7 @@ static td_status forward_stage_run(td_engine *e, const td_seq_chunk *seqs, int32
 
         td_backend_kv kvl = {.k = kv_view(e, l - lb, false),
                              .v = kv_view(e, l - lb, true),
+                             .dtype = e->kv_lay.dtype,
                              .block_size = kp->block_size,
                              .n_kv_heads = e->nkv,
                              .head_dim = e->head_dim};

@@ -58,6 +58,19 @@ size_t td_kv_elem_bytes(uint32_t t) {
                : 0;
 }
 
+bool td_kv_dtype_parse(const char *name, td_dtype *t) {
+    static const struct {
+        const char *name;
+        td_dtype t;
+    } names[] = {{"f32", TD_TYPE_F32}, {"f16", TD_TYPE_F16}, {"bf16", TD_TYPE_BF16}};
+    for (size_t i = 0; name && i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(name, names[i].name)) {
+            *t = names[i].t;
+            return true;
+        }
+    return false;
+}
+
 /* The dense layout's sizes for n_blocks blocks (0 allowed: the per-block
  * figures only). */
 static td_status layout_of(const td_kv_params *p, size_t n_blocks, td_kv_layout *l) {

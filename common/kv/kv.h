@@ -50,6 +50,9 @@ td_status td_kv_layout_dense(const td_kv_params *p, td_kv_layout *l);
 /* Bytes of one K or V element of type t (a GGUF type id, checked): 4, 2,
  * or 0 for an id KV storage does not hold. */
 size_t td_kv_elem_bytes(uint32_t t);
+/* The KV dtype named "f32", "f16" or "bf16" (--kv-dtype); false for any
+ * other name, *t unchanged. */
+bool td_kv_dtype_parse(const char *name, td_dtype *t);
 
 /* How KV storage gets memory the network can reach (filled by the
  * transfer layer, called by the backend's KV allocator). Either alloc

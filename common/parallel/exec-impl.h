@@ -31,6 +31,7 @@ typedef struct {
     int32_t stage_begin[TD_PLAN_MAX_PP + 1];
     int32_t max_batch_tokens, max_seqs, max_ctx;
     int32_t block_size, n_blocks;
+    int32_t kv_dtype; /* td_dtype */
     int32_t n_threads;
     int32_t isa;
     uint64_t weight_bytes; /* of the whole model */

@@ -19,6 +19,7 @@ td_exec_params td_exec_default_params(void) {
     p.plan = td_plan_default_params();
     p.engine = td_engine_default_params();
     p.block_size = 16;
+    p.kv_dtype = TD_TYPE_F32;
     p.isa = td_backend_isa_best();
     p.comm = td_comm_default_params();
     return p;
@@ -98,6 +99,7 @@ static td_status load_shard(td_exec *x) {
     kp.head_dim = mc->head_dim;
     kp.block_size = c->block_size;
     kp.n_blocks = c->n_blocks;
+    kp.dtype = (td_dtype)c->kv_dtype;
     if ((st = td_kv_pool_create(&kp, &x->kv))) return st;
     td_engine_params ep = td_engine_default_params();
     ep.max_batch_tokens = c->max_batch_tokens;
@@ -202,7 +204,8 @@ int td_exec_rank_main(int argc, char **argv, const td_exec_ext_ops *ext) {
     bool ok = x->cfg.magic == CFG_MAGIC && pl->tp >= 1 && pl->cp >= 1 && pl->pp >= 1 &&
               pl->pp <= TD_PLAN_MAX_PP && (long)pl->tp * pl->cp * pl->pp == world && pl->ep >= 1 &&
               (pl->tp * pl->cp) % pl->ep == 0 && x->cfg.max_seqs >= 1 &&
-              x->cfg.max_batch_tokens >= 1 && x->cfg.block_size >= 1 && x->cfg.n_blocks >= 1;
+              x->cfg.max_batch_tokens >= 1 && x->cfg.block_size >= 1 && x->cfg.n_blocks >= 1 &&
+              td_kv_elem_bytes((uint32_t)x->cfg.kv_dtype) > 0;
     for (int s = 0; ok && s < pl->pp; s++)
         ok = x->cfg.stage_begin[s] >= 0 && x->cfg.stage_begin[s] < x->cfg.stage_begin[s + 1];
     if (!ok) {
@@ -224,13 +227,14 @@ done:
 }
 
 static size_t rank_block_bytes(const td_plan *plan, const td_model_config *mc, int r,
-                               int32_t block_size) {
+                               int32_t block_size, td_dtype kv_dtype) {
     td_rank_coord rc = td_plan_rank(plan, r);
     td_kv_params kp = td_kv_default_params();
     kp.n_layers = rc.layer_end - rc.layer_begin;
     kp.n_kv_heads = td_plan_kv_heads_local(plan);
     kp.head_dim = mc->head_dim;
     kp.block_size = block_size;
+    kp.dtype = kv_dtype;
     return td_kv_block_bytes(&kp);
 }
 
@@ -242,7 +246,7 @@ static td_status size_pool(const td_exec_params *p, const td_plan *plan, const t
     } else if (p->kv_memory > 0) {
         size_t per = 0;
         for (int r = 0; r < td_plan_world(plan); r++)
-            per = TD_MAX(per, rank_block_bytes(plan, mc, r, p->block_size));
+            per = TD_MAX(per, rank_block_bytes(plan, mc, r, p->block_size, p->kv_dtype));
         blocks = per ? (int64_t)(p->kv_memory / per) : 0;
         if (blocks < 1) {
             TD_LOG_ERROR("--kv-memory %zu bytes holds no KV block (%zu bytes each)", p->kv_memory,
@@ -284,7 +288,7 @@ static td_status check_memory(const exec_config *c, const td_plan *plan, const t
     double per_row = 4.0 * (8.0 * mc->n_embd + 2.0 * mc->n_ff + 3.0 * mc->n_head * mc->head_dim);
     for (int r = 0; r < td_plan_world(plan); r++)
         total +=
-            (double)rank_block_bytes(plan, mc, r, c->block_size) * c->n_blocks + rows * per_row;
+            (double)rank_block_bytes(plan, mc, r, c->block_size, (td_dtype)c->kv_dtype) * c->n_blocks + rows * per_row;
     uint64_t avail = mem_available();
     if (avail > 0 && total > (double)avail) {
         TD_LOG_ERROR("plan: %d ranks need about %.2f GiB (weights %.2f GiB once, KV pool of %d "
@@ -312,6 +316,11 @@ static td_status make_config(const td_exec_params *p, td_exec *x) {
                      MAX_PATH - 1);
         return TD_ERR_INVALID;
     }
+    if (!td_kv_elem_bytes((uint32_t)p->kv_dtype)) {
+        TD_LOG_ERROR("executor: a KV cache holds f32, f16 or bf16, not %s",
+                     td_dtype_name(p->kv_dtype));
+        return TD_ERR_INVALID;
+    }
     td_model_params mp = td_model_default_params();
     mp.path = p->model_path;
     td_model *whole = NULL;
@@ -335,6 +344,7 @@ static td_status make_config(const td_exec_params *p, td_exec *x) {
         c->max_seqs = p->engine.max_seqs;
         c->max_ctx = p->engine.max_ctx > 0 ? p->engine.max_ctx : TD_MIN(mc->n_ctx_train, 4096);
         c->block_size = p->block_size;
+        c->kv_dtype = (int32_t)p->kv_dtype;
         st = size_pool(p, plan, mc, &c->n_blocks);
         if (!st) st = check_memory(c, plan, mc, td_model_weight_bytes(whole));
         int world = td_plan_world(plan);

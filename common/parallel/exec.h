@@ -51,6 +51,7 @@ typedef struct {
      * min(n_ctx_train, 4096). */
     td_engine_params engine;
     int32_t block_size; /* KV block size in tokens (> 0) */
+    td_dtype kv_dtype;  /* of the K and V elements: F32 (default), F16 or BF16 */
     /* KV pool size, the same number of blocks on every rank: kv_blocks if
      * > 0, else as many as kv_memory bytes hold on the rank with the
      * largest blocks, else enough for kv_seqs sequences of max_ctx tokens. */

@@ -19,6 +19,7 @@ td_runtime_params td_runtime_default_params(void) {
                            .max_batch_tokens = 0,
                            .max_seqs = 0,
                            .block_size = 0,
+                           .kv_dtype = TD_TYPE_F32,
                            .kv_blocks = 0,
                            .kv_memory = 0,
                            .quiet = false};
@@ -111,6 +112,7 @@ td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p) {
     xp.engine.max_batch_tokens = p->max_batch_tokens > 0 ? p->max_batch_tokens : 512;
     xp.engine.max_seqs = p->max_seqs > 0 ? p->max_seqs : TD_MAX(p->n_seqs, 1);
     xp.block_size = p->block_size > 0 ? p->block_size : 16;
+    xp.kv_dtype = p->kv_dtype;
     xp.kv_blocks = p->kv_blocks;
     xp.kv_memory = p->kv_memory;
     xp.kv_seqs = p->n_seqs > 0 ? p->n_seqs : 1;

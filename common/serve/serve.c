@@ -58,6 +58,7 @@ enum {
     S_KV_MEMORY,
     S_KV_BLOCKS,
     S_BLOCK_SIZE,
+    S_KV_DTYPE,
     S_MAX_RUNNING,
     S_MAX_BATCH_TOKENS,
     S_PREFILL_SHARE,
@@ -95,6 +96,9 @@ static td_opt k_serve_opts[S_N] = {
     [S_KV_MEMORY] = {"kv-memory", 0, "BYTES", "KV pool size, e.g. 512M, 2G (default 1G)"},
     [S_KV_BLOCKS] = {"kv-blocks", 0, "N", "KV pool size in blocks (overrides --kv-memory)"},
     [S_BLOCK_SIZE] = {"block-size", 0, "N", "tokens per KV block (default 16)"},
+    [S_KV_DTYPE] = {"kv-dtype", 0, "T",
+                    "KV cache element type: f32 (default), f16, bf16; a prefill\n"
+                    "and a decode instance pair only with the same type"},
     [S_MAX_RUNNING] = {"max-running", 0, "N", "sequences decoding at once (default 16)"},
     [S_MAX_BATCH_TOKENS] = {"max-batch-tokens", 0, "N",
                             "tokens per step, decode + prefill chunks (default 512)"},
@@ -196,6 +200,7 @@ typedef struct {
     long threads, ctx, kv_blocks, block_size, max_running, max_batch_tokens, max_waiting,
         reserve_output;
     double prefill_share;
+    td_dtype kv_dtype;
     long tpot_target_ms;
     bool tpot_auto;
     size_t kv_memory;
@@ -253,6 +258,7 @@ static bool set_serve_opt(void *ctx, int i, const char *val, bool *printed) {
     case S_KV_MEMORY: return parse_bytes(val, &a->kv_memory);
     case S_KV_BLOCKS: return td_cli_parse_long(val, 1, 1 << 24, &a->kv_blocks);
     case S_BLOCK_SIZE: return td_cli_parse_long(val, 1, 1024, &a->block_size);
+    case S_KV_DTYPE: return td_kv_dtype_parse(val, &a->kv_dtype);
     case S_MAX_RUNNING: return td_cli_parse_long(val, 1, 1024, &a->max_running);
     case S_MAX_BATCH_TOKENS: return td_cli_parse_long(val, 1, 1 << 20, &a->max_batch_tokens);
     case S_PREFILL_SHARE: {
@@ -326,7 +332,7 @@ static td_kv_hash compat_hash(const td_runtime *rt, const char *model_path) {
              rt->cfg->n_embd, rt->cfg->n_vocab, td_exec_weight_bytes(rt->exec));
     td_kv_compat c = {.model_id = id,
                       .weight_type = td_dtype_name(rt->cfg->wtype),
-                      .kv_dtype = "f32",
+                      .kv_dtype = td_dtype_name(td_kv_pool_params(rt->kv)->dtype),
                       .block_size = rt->block_size,
                       .layout_version = TD_KV_LAYOUT_VERSION,
                       .protocol_version = TD_KV_PROTOCOL_VERSION};
@@ -403,6 +409,7 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
     rp.device = a.device;
     rp.ctx_len = (int32_t)a.ctx;
     rp.block_size = (int32_t)a.block_size;
+    rp.kv_dtype = a.kv_dtype;
     rp.kv_blocks = (int32_t)a.kv_blocks;
     rp.kv_memory = a.kv_blocks ? 0 : a.kv_memory;
     rp.max_batch_tokens = (int32_t)a.max_batch_tokens;

@@ -15,13 +15,13 @@ void td_cpu_attn_partial(const float *q, const td_cpu_kv_layer *kv, int kv_head,
                          const int32_t *local_table, int n_ctx, int stride, int offset, float scale,
                          td_cpu_attn_part *part, float *scratch) {
     const int bs = kv->block_size, hd = kv->head_dim;
-    const size_t row = (size_t)kv->n_kv_heads * (size_t)hd;
+    const size_t es = kv->dtype == TD_TYPE_F32 ? 4 : 2, row = (size_t)kv->n_kv_heads * (size_t)hd;
     int n = 0, nb = 0;
     for (int j = offset; (int64_t)j * bs < n_ctx; j += stride, nb++) {
         int end = (j + 1) * bs < n_ctx ? bs : n_ctx - j * bs;
-        const float *k = kv->k + (size_t)local_table[nb] * (size_t)bs * row + (size_t)kv_head * hd;
-        td_cpu_matmul_f32act(TD_TYPE_F32, k, row * sizeof(float), q, (size_t)hd, 1, hd, scratch + n,
-                             1, 0, end);
+        const char *k = (const char *)kv->k +
+                        ((size_t)local_table[nb] * (size_t)bs * row + (size_t)kv_head * hd) * es;
+        td_cpu_matmul_f32act(kv->dtype, k, row * es, q, (size_t)hd, 1, hd, scratch + n, 1, 0, end);
         n += end;
     }
     memset(part->out, 0, (size_t)hd * sizeof(float));

@@ -79,6 +79,18 @@ static inline float td_cpu_bf2f(td_bf16 h) {
     return f;
 }
 
+/* Element i of a KV row of dtype t (F32, F16 or BF16), widened exactly. */
+static inline float td_cpu_kv_elem(const void *row, size_t i, td_dtype t) {
+    switch (t) {
+    case TD_TYPE_F16: return td_cpu_h2f(((const td_fp16 *)row)[i]);
+    case TD_TYPE_BF16: return td_cpu_bf2f(((const td_bf16 *)row)[i]);
+    default: return ((const float *)row)[i];
+    }
+}
+
+/* Bytes of one KV element of dtype t (F32, F16 or BF16). */
+static inline size_t td_cpu_kv_es(td_dtype t) { return t == TD_TYPE_F32 ? 4 : 2; }
+
 typedef void (*td_matmul_fn)(td_dtype wtype, const void *w, size_t w_stride, const void *xq,
                              size_t xq_stride, int n, int64_t k, float *y, size_t ldy, int r0,
                              int r1);
@@ -94,6 +106,8 @@ typedef struct {
     void (*attn_paged)(const float *q, const td_cpu_kv_layer *kv, int kv_head,
                        const int32_t *block_table, int n_ctx, float scale, float *out,
                        float *scratch);
+    /* NULL: td_cpu_quant_row */
+    void (*kv_store)(td_dtype t, const float *src, void *dst, int64_t n);
     /* NULL: td_cpu_attn_paged_multi loops over attn_paged */
     void (*attn_paged_multi)(const td_cpu_attn_query *qs, int n_q, const td_cpu_kv_layer *kv,
                              int kv_head, const int32_t *block_table, float scale, float *scratch);
@@ -115,6 +129,7 @@ void td_cpu_swiglu_avx2(const float *gate, const float *up, float *out, int64_t 
 void td_cpu_add_avx2(const float *a, const float *b, float *out, int64_t n);
 void td_cpu_scale_avx2(float *x, float s, int64_t n);
 void td_cpu_softmax_avx2(float *x, int64_t n);
+void td_cpu_kv_store_avx2(td_dtype t, const float *src, void *dst, int64_t n);
 void td_cpu_attn_paged_avx2(const float *q, const td_cpu_kv_layer *kv, int kv_head,
                             const int32_t *block_table, int n_ctx, float scale, float *out,
                             float *scratch);

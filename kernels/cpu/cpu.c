@@ -300,6 +300,13 @@ void td_cpu_add(const float *a, const float *b, float *out, int64_t n) { g_ops->
 void td_cpu_scale(float *x, float s, int64_t n) { g_ops->scale(x, s, n); }
 void td_cpu_softmax(float *x, int64_t n) { g_ops->softmax(x, n); }
 
+void td_cpu_kv_store(td_dtype t, const float *src, void *dst, int64_t n) {
+    if (g_ops->kv_store)
+        g_ops->kv_store(t, src, dst, n);
+    else
+        td_cpu_quant_row(t, src, dst, n);
+}
+
 void td_cpu_attn_paged(const float *q, const td_cpu_kv_layer *kv, int kv_head,
                        const int32_t *block_table, int n_ctx, float scale, float *out,
                        float *scratch) {

@@ -76,15 +76,22 @@ void td_cpu_rope(float *x, int n_heads, int head_dim, int n_rot, int32_t pos, co
 
 /* ---- attention over a paged KV cache ----
  * One layer's K and V each live in one region laid out as
- * (n_blocks, block_size, n_kv_heads, head_dim) floats, so that a run of
- * consecutive blocks is contiguous. */
+ * (n_blocks, block_size, n_kv_heads, head_dim) elements of the cache's
+ * dtype (F32, F16 or BF16), so that a run of consecutive blocks is
+ * contiguous. The kernels widen each element to f32 exactly and compute in
+ * f32, so a dtype changes only the values stored, never the arithmetic. */
 typedef struct {
-    const float *k; /* (n_blocks, block_size, n_kv_heads, head_dim) */
-    const float *v; /* (n_blocks, block_size, n_kv_heads, head_dim) */
+    const void *k;  /* (n_blocks, block_size, n_kv_heads, head_dim) */
+    const void *v;  /* (n_blocks, block_size, n_kv_heads, head_dim) */
+    td_dtype dtype; /* of the K and V elements: F32, F16 or BF16 */
     int block_size;
     int n_kv_heads;
     int head_dim;
 } td_cpu_kv_layer;
+
+/* Stores n f32 values as the KV dtype t (F32, F16 or BF16), rounding to
+ * nearest even: the same bits on every ISA as td_cpu_quant_row. */
+void td_cpu_kv_store(td_dtype t, const float *src, void *dst, int64_t n);
 
 /* out = softmax(q . K[0..n_ctx)^T * scale) . V[0..n_ctx) for one query head
  * reading kv head `kv_head`. Position p lives in block block_table[p /

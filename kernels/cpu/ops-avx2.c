@@ -585,30 +585,66 @@ void td_cpu_softmax_avx2(float *x, int64_t n) {
     td_cpu_scale_avx2(x, 1.0f / sum, n);
 }
 
+/* 8 KV elements from element i of row (of dtype dt), widened exactly. */
+AI __m256 ld8_kv(const char *row, int i, const td_dtype dt) {
+    switch (dt) {
+    case TD_TYPE_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i)));
+    case TD_TYPE_BF16:
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * i))), 16));
+    default: return _mm256_loadu_ps((const float *)row + i);
+    }
+}
+
+/* F16 by F16C (round to nearest even: the bits of td_f32_to_fp16), BF16 by
+ * the same integer rounding as td_f32_to_bf16, lane by lane. */
+void td_cpu_kv_store_avx2(td_dtype t, const float *src, void *dst, int64_t n) {
+    int64_t i = 0;
+    if (t == TD_TYPE_F16) {
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)((td_fp16 *)dst + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    } else if (t == TD_TYPE_BF16) {
+        const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff),
+                      absm = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000),
+                      qnan = _mm256_set1_epi32(0x400000);
+        for (; i + 8 <= n; i += 8) {
+            __m256i x = _mm256_castps_si256(_mm256_loadu_ps(src + i));
+            __m256i r = _mm256_add_epi32(
+                x, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(x, 16), one)));
+            __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, absm), inf);
+            r = _mm256_blendv_epi8(r, _mm256_or_si256(x, qnan), nan);
+            r = _mm256_srli_epi32(r, 16); /* 8 x u16 in the low halves */
+            __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+            _mm_storeu_si128((__m128i *)((td_bf16 *)dst + i), _mm_packus_epi32(lo, hi));
+        }
+    }
+    if (i < n) td_cpu_quant_row(t, src + i, (char *)dst + (size_t)i * td_cpu_kv_es(t), n - i);
+}
+
 /* head_dim is a multiple of 8 for every supported model; other sizes take a
  * scalar tail. Positions are walked block by block (no division). */
-void td_cpu_attn_paged_avx2(const float *q, const td_cpu_kv_layer *kv, int kv_head,
-                            const int32_t *block_table, int n_ctx, float scale, float *out,
-                            float *scratch) {
+AI void attn_paged_avx2(const float *q, const td_cpu_kv_layer *kv, int kv_head,
+                        const int32_t *block_table, int n_ctx, float scale, float *out,
+                        float *scratch, const td_dtype dt) {
     const int hd = kv->head_dim, bs = kv->block_size;
     const int hv = hd & ~7;
-    const size_t tok_stride = (size_t)kv->n_kv_heads * hd;
-    const float *kbase = kv->k + (size_t)kv_head * hd;
-    const float *vbase = kv->v + (size_t)kv_head * hd;
+    const size_t es = td_cpu_kv_es(dt), tok_bytes = (size_t)kv->n_kv_heads * hd * es;
+    const char *kbase = (const char *)kv->k + (size_t)kv_head * hd * es;
+    const char *vbase = (const char *)kv->v + (size_t)kv_head * hd * es;
     int blk = 0, slot = 0;
     for (int p = 0; p < n_ctx; p++) {
-        const float *k = kbase + ((size_t)block_table[blk] * bs + slot) * tok_stride;
+        const char *k = kbase + ((size_t)block_table[blk] * bs + slot) * tok_bytes;
         if (++slot == bs) slot = 0, blk++;
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
         int i = 0;
         for (; i + 16 <= hv; i += 16) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), a1);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), ld8_kv(k, i, dt), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), ld8_kv(k, i + 8, dt), a1);
         }
-        for (; i < hv; i += 8)
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a0);
+        for (; i < hv; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), ld8_kv(k, i, dt), a0);
         float s = hsum256(_mm256_add_ps(a0, a1));
-        for (; i < hd; i++) s += q[i] * k[i];
+        for (; i < hd; i++) s += q[i] * td_cpu_kv_elem(k, (size_t)i, dt);
         scratch[p] = s * scale;
     }
     td_cpu_softmax_avx2(scratch, n_ctx);
@@ -617,13 +653,13 @@ void td_cpu_attn_paged_avx2(const float *q, const td_cpu_kv_layer *kv, int kv_he
         __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
         blk = 0, slot = 0;
         for (int p = 0; p < n_ctx; p++) {
-            const float *v = vbase + ((size_t)block_table[blk] * bs + slot) * tok_stride + i;
+            const char *v = vbase + ((size_t)block_table[blk] * bs + slot) * tok_bytes;
             if (++slot == bs) slot = 0, blk++;
             __m256 a = _mm256_set1_ps(scratch[p]);
-            o0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(v), o0);
-            o1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(v + 8), o1);
-            o2 = _mm256_fmadd_ps(a, _mm256_loadu_ps(v + 16), o2);
-            o3 = _mm256_fmadd_ps(a, _mm256_loadu_ps(v + 24), o3);
+            o0 = _mm256_fmadd_ps(a, ld8_kv(v, i, dt), o0);
+            o1 = _mm256_fmadd_ps(a, ld8_kv(v, i + 8, dt), o1);
+            o2 = _mm256_fmadd_ps(a, ld8_kv(v, i + 16, dt), o2);
+            o3 = _mm256_fmadd_ps(a, ld8_kv(v, i + 24, dt), o3);
         }
         _mm256_storeu_ps(out + i, o0);
         _mm256_storeu_ps(out + i + 8, o1);
@@ -634,9 +670,9 @@ void td_cpu_attn_paged_avx2(const float *q, const td_cpu_kv_layer *kv, int kv_he
         __m256 o0 = _mm256_setzero_ps();
         blk = 0, slot = 0;
         for (int p = 0; p < n_ctx; p++) {
-            const float *v = vbase + ((size_t)block_table[blk] * bs + slot) * tok_stride + i;
+            const char *v = vbase + ((size_t)block_table[blk] * bs + slot) * tok_bytes;
             if (++slot == bs) slot = 0, blk++;
-            o0 = _mm256_fmadd_ps(_mm256_set1_ps(scratch[p]), _mm256_loadu_ps(v), o0);
+            o0 = _mm256_fmadd_ps(_mm256_set1_ps(scratch[p]), ld8_kv(v, i, dt), o0);
         }
         _mm256_storeu_ps(out + i, o0);
     }
@@ -644,11 +680,27 @@ void td_cpu_attn_paged_avx2(const float *q, const td_cpu_kv_layer *kv, int kv_he
         float o = 0.0f;
         blk = 0, slot = 0;
         for (int p = 0; p < n_ctx; p++) {
-            const float *v = vbase + ((size_t)block_table[blk] * bs + slot) * tok_stride + i;
+            const char *v = vbase + ((size_t)block_table[blk] * bs + slot) * tok_bytes;
             if (++slot == bs) slot = 0, blk++;
-            o += scratch[p] * v[0];
+            o += scratch[p] * td_cpu_kv_elem(v, (size_t)i, dt);
         }
         out[i] = o;
+    }
+}
+
+void td_cpu_attn_paged_avx2(const float *q, const td_cpu_kv_layer *kv, int kv_head,
+                            const int32_t *block_table, int n_ctx, float scale, float *out,
+                            float *scratch) {
+    switch (kv->dtype) {
+    case TD_TYPE_F16:
+        attn_paged_avx2(q, kv, kv_head, block_table, n_ctx, scale, out, scratch, TD_TYPE_F16);
+        break;
+    case TD_TYPE_BF16:
+        attn_paged_avx2(q, kv, kv_head, block_table, n_ctx, scale, out, scratch, TD_TYPE_BF16);
+        break;
+    default:
+        attn_paged_avx2(q, kv, kv_head, block_table, n_ctx, scale, out, scratch, TD_TYPE_F32);
+        break;
     }
 }
 
@@ -660,5 +712,6 @@ const td_cpu_ops td_cpu_ops_avx2 = {
     .add = td_cpu_add_avx2,
     .scale = td_cpu_scale_avx2,
     .softmax = td_cpu_softmax_avx2,
+    .kv_store = td_cpu_kv_store_avx2,
     .attn_paged = td_cpu_attn_paged_avx2,
 };

@@ -658,52 +658,74 @@ static void softmax_avx512(float *x, int64_t n) {
     scale_avx512(x, 1.0f / hsum512(sv), n);
 }
 
+/* 16 KV elements from element i of row (of dtype dt), widened exactly;
+ * lanes off in m read nothing and are 0. */
+AI __m512 ld16_kv(const char *row, int i, const td_dtype dt, __mmask16 m) {
+    switch (dt) {
+    case TD_TYPE_F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, row + 2 * i));
+    case TD_TYPE_BF16:
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + 2 * i)), 16));
+    default: return _mm512_maskz_loadu_ps(m, (const float *)row + i);
+    }
+}
+
+AI __m512 ld16_kv_all(const char *row, int i, const td_dtype dt) {
+    switch (dt) {
+    case TD_TYPE_F16:
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * i)));
+    case TD_TYPE_BF16:
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * i))), 16));
+    default: return _mm512_loadu_ps((const float *)row + i);
+    }
+}
+
 /* Scores four positions at a time (independent accumulators, one packed
  * horizontal sum), then the weighted V sum in position order. Positions are
  * walked block by block (no division per position). Any head_dim works;
  * lanes past it are masked off. */
-static void attn_paged_avx512(const float *q, const td_cpu_kv_layer *kv, int kv_head,
-                              const int32_t *block_table, int n_ctx, float scale, float *out,
-                              float *scratch) {
+AI void attn_paged_dt(const float *q, const td_cpu_kv_layer *kv, int kv_head,
+                      const int32_t *block_table, int n_ctx, float scale, float *out,
+                      float *scratch, const td_dtype dt) {
     const int hd = kv->head_dim, bs = kv->block_size;
-    const size_t tok_stride = (size_t)kv->n_kv_heads * hd;
-    const float *kbase = kv->k + (size_t)kv_head * hd;
-    const float *vbase = kv->v + (size_t)kv_head * hd;
+    const size_t es = td_cpu_kv_es(dt), tok_bytes = (size_t)kv->n_kv_heads * hd * es;
+    const char *kbase = (const char *)kv->k + (size_t)kv_head * hd * es;
+    const char *vbase = (const char *)kv->v + (size_t)kv_head * hd * es;
     const int nv = (hd + 15) / 16;
     const __mmask16 mlast = (__mmask16)(hd % 16 ? (1u << (hd % 16)) - 1 : 0xffff);
     /* position p's row: block_table[p / bs] * bs + p % bs, advanced incrementally */
     int blk = 0, slot = 0;
 #define NEXT_ROW(base)                                                                             \
-    ((base) + ((size_t)block_table[blk] * bs + slot) * tok_stride);                                \
+    ((base) + ((size_t)block_table[blk] * bs + slot) * tok_bytes);                                 \
     if (++slot == bs) slot = 0, blk++
     int p = 0;
     for (; p + 4 <= n_ctx; p += 4) {
-        const float *k0 = NEXT_ROW(kbase);
-        const float *k1 = NEXT_ROW(kbase);
-        const float *k2 = NEXT_ROW(kbase);
-        const float *k3 = NEXT_ROW(kbase);
+        const char *k0 = NEXT_ROW(kbase);
+        const char *k1 = NEXT_ROW(kbase);
+        const char *k2 = NEXT_ROW(kbase);
+        const char *k3 = NEXT_ROW(kbase);
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int j = 0; j < nv; j++) {
             const int i = 16 * j;
             const __mmask16 m = j == nv - 1 ? mlast : (__mmask16)0xffff;
             __m512 qv = _mm512_maskz_loadu_ps(m, q + i);
-            a0 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + i), a0);
-            a1 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k1 + i), a1);
-            a2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k2 + i), a2);
-            a3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k3 + i), a3);
+            a0 = _mm512_fmadd_ps(qv, ld16_kv(k0, i, dt, m), a0);
+            a1 = _mm512_fmadd_ps(qv, ld16_kv(k1, i, dt, m), a1);
+            a2 = _mm512_fmadd_ps(qv, ld16_kv(k2, i, dt, m), a2);
+            a3 = _mm512_fmadd_ps(qv, ld16_kv(k3, i, dt, m), a3);
         }
         float d4[4];
         hsum512x4(a0, a1, a2, a3, d4);
         _mm_storeu_ps(scratch + p, _mm_mul_ps(_mm_loadu_ps(d4), _mm_set1_ps(scale)));
     }
     for (; p < n_ctx; p++) {
-        const float *k0 = NEXT_ROW(kbase);
+        const char *k0 = NEXT_ROW(kbase);
         __m512 a0 = _mm512_setzero_ps();
         for (int j = 0; j < nv; j++) {
             const int i = 16 * j;
             const __mmask16 m = j == nv - 1 ? mlast : (__mmask16)0xffff;
-            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), _mm512_maskz_loadu_ps(m, k0 + i),
-                                 a0);
+            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), ld16_kv(k0, i, dt, m), a0);
         }
         scratch[p] = hsum512(a0) * scale;
     }
@@ -715,21 +737,21 @@ static void attn_paged_avx512(const float *q, const td_cpu_kv_layer *kv, int kv_
         blk = 0, slot = 0;
         if (cnt == 4 && (i0 + 4 < nv || mlast == 0xffff)) {
             for (int pp = 0; pp < n_ctx; pp++) {
-                const float *v = NEXT_ROW(vbase) + 16 * i0;
+                const char *v = NEXT_ROW(vbase);
                 __m512 a = _mm512_set1_ps(scratch[pp]);
-                o[0] = _mm512_fmadd_ps(a, _mm512_loadu_ps(v), o[0]);
-                o[1] = _mm512_fmadd_ps(a, _mm512_loadu_ps(v + 16), o[1]);
-                o[2] = _mm512_fmadd_ps(a, _mm512_loadu_ps(v + 32), o[2]);
-                o[3] = _mm512_fmadd_ps(a, _mm512_loadu_ps(v + 48), o[3]);
+                o[0] = _mm512_fmadd_ps(a, ld16_kv_all(v, 16 * i0, dt), o[0]);
+                o[1] = _mm512_fmadd_ps(a, ld16_kv_all(v, 16 * i0 + 16, dt), o[1]);
+                o[2] = _mm512_fmadd_ps(a, ld16_kv_all(v, 16 * i0 + 32, dt), o[2]);
+                o[3] = _mm512_fmadd_ps(a, ld16_kv_all(v, 16 * i0 + 48, dt), o[3]);
             }
         } else {
             for (int pp = 0; pp < n_ctx; pp++) {
-                const float *v = NEXT_ROW(vbase);
+                const char *v = NEXT_ROW(vbase);
                 __m512 a = _mm512_set1_ps(scratch[pp]);
                 for (int j = 0; j < cnt; j++) {
                     const int jj = i0 + j;
                     const __mmask16 m = jj == nv - 1 ? mlast : (__mmask16)0xffff;
-                    o[j] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m, v + 16 * jj), o[j]);
+                    o[j] = _mm512_fmadd_ps(a, ld16_kv(v, 16 * jj, dt, m), o[j]);
                 }
             }
         }
@@ -742,10 +764,27 @@ static void attn_paged_avx512(const float *q, const td_cpu_kv_layer *kv, int kv_
 #undef NEXT_ROW
 }
 
+static void attn_paged_avx512(const float *q, const td_cpu_kv_layer *kv, int kv_head,
+                              const int32_t *block_table, int n_ctx, float scale, float *out,
+                              float *scratch) {
+    switch (kv->dtype) {
+    case TD_TYPE_F16:
+        attn_paged_dt(q, kv, kv_head, block_table, n_ctx, scale, out, scratch, TD_TYPE_F16);
+        break;
+    case TD_TYPE_BF16:
+        attn_paged_dt(q, kv, kv_head, block_table, n_ctx, scale, out, scratch, TD_TYPE_BF16);
+        break;
+    default:
+        attn_paged_dt(q, kv, kv_head, block_table, n_ctx, scale, out, scratch, TD_TYPE_F32);
+        break;
+    }
+}
+
 /* Weighted V sums of G queries (head_dim 64) sharing each loaded V row;
  * per query the same fma sequence, in position order, as attn_paged_avx512. */
 AI void attn_v_group(const int G, const td_cpu_attn_query *qs, float *const *scr,
-                     const float *vbase, const int32_t *block_table, int bs, size_t tok_stride) {
+                     const char *vbase, const int32_t *block_table, int bs, size_t tok_bytes,
+                     const td_dtype dt) {
     int min_ctx = qs[0].n_ctx;
     for (int i = 1; i < G; i++)
         if (qs[i].n_ctx < min_ctx) min_ctx = qs[i].n_ctx;
@@ -756,10 +795,10 @@ AI void attn_v_group(const int G, const td_cpu_attn_query *qs, float *const *scr
         for (int j = 0; j < 4; j++) o[i][j] = _mm512_setzero_ps();
     int blk = 0, slot = 0;
     for (int p = 0; p < min_ctx; p++) {
-        const float *v = vbase + ((size_t)block_table[blk] * bs + slot) * tok_stride;
+        const char *v = vbase + ((size_t)block_table[blk] * bs + slot) * tok_bytes;
         if (++slot == bs) slot = 0, blk++;
-        __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
-               v3 = _mm512_loadu_ps(v + 48);
+        __m512 v0 = ld16_kv_all(v, 0, dt), v1 = ld16_kv_all(v, 16, dt),
+               v2 = ld16_kv_all(v, 32, dt), v3 = ld16_kv_all(v, 48, dt);
 #pragma GCC unroll 8
         for (int i = 0; i < G; i++) {
             __m512 a = _mm512_set1_ps(scr[i][p]);
@@ -774,13 +813,13 @@ AI void attn_v_group(const int G, const td_cpu_attn_query *qs, float *const *scr
         __m512 o0 = o[i][0], o1 = o[i][1], o2 = o[i][2], o3 = o[i][3];
         int b2 = blk, s2 = slot;
         for (int p = min_ctx; p < qs[i].n_ctx; p++) {
-            const float *v = vbase + ((size_t)block_table[b2] * bs + s2) * tok_stride;
+            const char *v = vbase + ((size_t)block_table[b2] * bs + s2) * tok_bytes;
             if (++s2 == bs) s2 = 0, b2++;
             __m512 a = _mm512_set1_ps(scr[i][p]);
-            o0 = _mm512_fmadd_ps(a, _mm512_loadu_ps(v), o0);
-            o1 = _mm512_fmadd_ps(a, _mm512_loadu_ps(v + 16), o1);
-            o2 = _mm512_fmadd_ps(a, _mm512_loadu_ps(v + 32), o2);
-            o3 = _mm512_fmadd_ps(a, _mm512_loadu_ps(v + 48), o3);
+            o0 = _mm512_fmadd_ps(a, ld16_kv_all(v, 0, dt), o0);
+            o1 = _mm512_fmadd_ps(a, ld16_kv_all(v, 16, dt), o1);
+            o2 = _mm512_fmadd_ps(a, ld16_kv_all(v, 32, dt), o2);
+            o3 = _mm512_fmadd_ps(a, ld16_kv_all(v, 48, dt), o3);
         }
         _mm512_storeu_ps(qs[i].out, o0);
         _mm512_storeu_ps(qs[i].out + 16, o1);
@@ -792,19 +831,13 @@ AI void attn_v_group(const int G, const td_cpu_attn_query *qs, float *const *scr
 /* head_dim 64 (every supported small model); other sizes loop over
  * attn_paged_avx512. Scores: each group of four K rows is loaded once into
  * registers and dotted with every query that covers it. */
-static void attn_paged_multi_avx512(const td_cpu_attn_query *qs, int n_q, const td_cpu_kv_layer *kv,
-                                    int kv_head, const int32_t *block_table, float scale,
-                                    float *scratch) {
+AI void attn_paged_multi_dt(const td_cpu_attn_query *qs, int n_q, const td_cpu_kv_layer *kv,
+                            int kv_head, const int32_t *block_table, float scale, float *scratch,
+                            const td_dtype dt) {
     const int hd = kv->head_dim, bs = kv->block_size;
-    if (hd != 64 || n_q < 2) {
-        for (int i = 0; i < n_q; i++)
-            attn_paged_avx512(qs[i].q, kv, kv_head, block_table, qs[i].n_ctx, scale, qs[i].out,
-                              scratch);
-        return;
-    }
-    const size_t tok_stride = (size_t)kv->n_kv_heads * hd;
-    const float *kbase = kv->k + (size_t)kv_head * hd;
-    const float *vbase = kv->v + (size_t)kv_head * hd;
+    const size_t es = td_cpu_kv_es(dt), tok_bytes = (size_t)kv->n_kv_heads * hd * es;
+    const char *kbase = (const char *)kv->k + (size_t)kv_head * hd * es;
+    const char *vbase = (const char *)kv->v + (size_t)kv_head * hd * es;
     int maxctx = 0;
     for (int i = 0; i < n_q; i++)
         if (qs[i].n_ctx > maxctx) maxctx = qs[i].n_ctx;
@@ -812,9 +845,9 @@ static void attn_paged_multi_avx512(const td_cpu_attn_query *qs, int n_q, const 
     for (int p = 0; p + 4 <= maxctx; p += 4) {
         __m512 kk[4][4];
         for (int r = 0; r < 4; r++) {
-            const float *k = kbase + ((size_t)block_table[blk] * bs + slot) * tok_stride;
+            const char *k = kbase + ((size_t)block_table[blk] * bs + slot) * tok_bytes;
             if (++slot == bs) slot = 0, blk++;
-            for (int j = 0; j < 4; j++) kk[r][j] = _mm512_loadu_ps(k + 16 * j);
+            for (int j = 0; j < 4; j++) kk[r][j] = ld16_kv_all(k, 16 * j, dt);
         }
         for (int i = 0; i < n_q; i++) {
             if (qs[i].n_ctx < p + 4) continue;
@@ -838,10 +871,10 @@ static void attn_paged_multi_avx512(const td_cpu_attn_query *qs, int n_q, const 
         float *si = scratch + (size_t)i * maxctx;
         const float *q = qs[i].q;
         for (int p = qs[i].n_ctx & ~3; p < qs[i].n_ctx; p++) { /* the single-position tail */
-            const float *k = kbase + ((size_t)block_table[p / bs] * bs + p % bs) * tok_stride;
+            const char *k = kbase + ((size_t)block_table[p / bs] * bs + p % bs) * tok_bytes;
             __m512 a0 = _mm512_setzero_ps();
             for (int j = 0; j < 4; j++)
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * j), _mm512_loadu_ps(k + 16 * j), a0);
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * j), ld16_kv_all(k, 16 * j, dt), a0);
             si[p] = hsum512(a0) * scale;
         }
         softmax_avx512(si, qs[i].n_ctx);
@@ -850,13 +883,35 @@ static void attn_paged_multi_avx512(const td_cpu_attn_query *qs, int n_q, const 
         const int g = n_q - g0 < 6 ? n_q - g0 : 6;
         for (int i = 0; i < g; i++) scr[i] = scratch + (size_t)(g0 + i) * maxctx;
         switch (g) {
-        case 1: attn_v_group(1, qs + g0, scr, vbase, block_table, bs, tok_stride); break;
-        case 2: attn_v_group(2, qs + g0, scr, vbase, block_table, bs, tok_stride); break;
-        case 3: attn_v_group(3, qs + g0, scr, vbase, block_table, bs, tok_stride); break;
-        case 4: attn_v_group(4, qs + g0, scr, vbase, block_table, bs, tok_stride); break;
-        case 5: attn_v_group(5, qs + g0, scr, vbase, block_table, bs, tok_stride); break;
-        default: attn_v_group(6, qs + g0, scr, vbase, block_table, bs, tok_stride); break;
+        case 1: attn_v_group(1, qs + g0, scr, vbase, block_table, bs, tok_bytes, dt); break;
+        case 2: attn_v_group(2, qs + g0, scr, vbase, block_table, bs, tok_bytes, dt); break;
+        case 3: attn_v_group(3, qs + g0, scr, vbase, block_table, bs, tok_bytes, dt); break;
+        case 4: attn_v_group(4, qs + g0, scr, vbase, block_table, bs, tok_bytes, dt); break;
+        case 5: attn_v_group(5, qs + g0, scr, vbase, block_table, bs, tok_bytes, dt); break;
+        default: attn_v_group(6, qs + g0, scr, vbase, block_table, bs, tok_bytes, dt); break;
         }
+    }
+}
+
+static void attn_paged_multi_avx512(const td_cpu_attn_query *qs, int n_q, const td_cpu_kv_layer *kv,
+                                    int kv_head, const int32_t *block_table, float scale,
+                                    float *scratch) {
+    if (kv->head_dim != 64 || n_q < 2) {
+        for (int i = 0; i < n_q; i++)
+            attn_paged_avx512(qs[i].q, kv, kv_head, block_table, qs[i].n_ctx, scale, qs[i].out,
+                              scratch);
+        return;
+    }
+    switch (kv->dtype) {
+    case TD_TYPE_F16:
+        attn_paged_multi_dt(qs, n_q, kv, kv_head, block_table, scale, scratch, TD_TYPE_F16);
+        break;
+    case TD_TYPE_BF16:
+        attn_paged_multi_dt(qs, n_q, kv, kv_head, block_table, scale, scratch, TD_TYPE_BF16);
+        break;
+    default:
+        attn_paged_multi_dt(qs, n_q, kv, kv_head, block_table, scale, scratch, TD_TYPE_F32);
+        break;
     }
 }
 
@@ -868,6 +923,7 @@ const td_cpu_ops td_cpu_ops_avx512 = {
     .add = add_avx512,
     .scale = scale_avx512,
     .softmax = softmax_avx512,
+    .kv_store = td_cpu_kv_store_avx2,
     .attn_paged = attn_paged_avx512,
     .attn_paged_multi = attn_paged_multi_avx512,
 };

@@ -103,14 +103,15 @@ static void softmax_scalar(float *x, int64_t n) {
 static void attn_paged_scalar(const float *q, const td_cpu_kv_layer *kv, int kv_head,
                               const int32_t *block_table, int n_ctx, float scale, float *out,
                               float *scratch) {
-    int hd = kv->head_dim, bs = kv->block_size;
-    size_t tok_stride = (size_t)kv->n_kv_heads * hd;
+    const int hd = kv->head_dim, bs = kv->block_size;
+    const td_dtype dt = kv->dtype;
+    const size_t es = td_cpu_kv_es(dt), tok_stride = (size_t)kv->n_kv_heads * hd;
     for (int p = 0; p < n_ctx; p++) {
         size_t off =
             ((size_t)block_table[p / bs] * bs + p % bs) * tok_stride + (size_t)kv_head * hd;
-        const float *k = kv->k + off;
+        const char *k = (const char *)kv->k + off * es;
         float s = 0.0f;
-        for (int i = 0; i < hd; i++) s += q[i] * k[i];
+        for (int i = 0; i < hd; i++) s += q[i] * td_cpu_kv_elem(k, (size_t)i, dt);
         scratch[p] = s * scale;
     }
     softmax_scalar(scratch, n_ctx);
@@ -118,9 +119,9 @@ static void attn_paged_scalar(const float *q, const td_cpu_kv_layer *kv, int kv_
     for (int p = 0; p < n_ctx; p++) {
         size_t off =
             ((size_t)block_table[p / bs] * bs + p % bs) * tok_stride + (size_t)kv_head * hd;
-        const float *v = kv->v + off;
+        const char *v = (const char *)kv->v + off * es;
         float a = scratch[p];
-        for (int i = 0; i < hd; i++) out[i] += a * v[i];
+        for (int i = 0; i < hd; i++) out[i] += a * td_cpu_kv_elem(v, (size_t)i, dt);
     }
 }
 

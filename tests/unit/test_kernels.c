@@ -501,24 +501,34 @@ static void test_rope(void **state) {
 
 /* ---- paged attention ---- */
 
-static void test_attention(void **state) {
-    (void)state;
-    enum { BS = 16, HKV = 3, HD = 64, NBLK = 9, CTX = 131 };
-    size_t tok = (size_t)HKV * HD;
-    float *kc = malloc(sizeof(float) * NBLK * BS * tok),
-          *vc = malloc(sizeof(float) * NBLK * BS * tok);
-    float *ks = malloc(sizeof(float) * NBLK * BS * tok),
-          *vs = malloc(sizeof(float) * NBLK * BS * tok);
-    for (size_t i = 0; i < NBLK * BS * tok; i++) kc[i] = frand(-1, 1), vc[i] = frand(-1, 1);
+/* The KV cache of one dtype: K and V stored in it (rounded to nearest
+ * even), and the reference computed in double from the stored values. */
+static void check_attention(td_dtype dt, int HD) {
+    enum { BS = 16, HKV = 3, NBLK = 9, CTX = 131, NQ = 11 };
+    const size_t tok = (size_t)HKV * HD, n_el = (size_t)NBLK * BS * tok;
+    const size_t es = dt == TD_TYPE_F32 ? 4 : 2;
+    float *kf = malloc(sizeof(float) * n_el), *vf = malloc(sizeof(float) * n_el);
+    char *kc = malloc(es * n_el), *vc = malloc(es * n_el);
+    char *ks = malloc(es * n_el), *vs = malloc(es * n_el);
+    for (size_t i = 0; i < n_el; i++) kf[i] = frand(-1, 1), vf[i] = frand(-1, 1);
+    td_cpu_quant_row(dt, kf, kc, (int64_t)n_el);
+    td_cpu_quant_row(dt, vf, vc, (int64_t)n_el);
+    td_cpu_dequant_row(dt, kc, kf, (int64_t)n_el); /* the values the kernels see */
+    td_cpu_dequant_row(dt, vc, vf, (int64_t)n_el);
     /* scrambled copy: logical block j lives in physical block perm[j] */
     int32_t perm[NBLK] = {4, 8, 0, 6, 2, 7, 1, 5, 3}, ident[NBLK];
+    const size_t blk = BS * tok * es;
     for (int j = 0; j < NBLK; j++) {
         ident[j] = j;
-        memcpy(ks + perm[j] * BS * tok, kc + j * BS * tok, sizeof(float) * BS * tok);
-        memcpy(vs + perm[j] * BS * tok, vc + j * BS * tok, sizeof(float) * BS * tok);
+        memcpy(ks + perm[j] * blk, kc + j * blk, blk);
+        memcpy(vs + perm[j] * blk, vc + j * blk, blk);
     }
-    td_cpu_kv_layer lc = {kc, vc, BS, HKV, HD}, ls = {ks, vs, BS, HKV, HD};
-    float q[HD], o1[HD], o2[HD], scratch[CTX];
+    td_cpu_kv_layer lc = {.k = kc, .v = vc, .dtype = dt, .block_size = BS, .n_kv_heads = HKV,
+                          .head_dim = HD};
+    td_cpu_kv_layer ls = lc;
+    ls.k = ks, ls.v = vs;
+    float *q = malloc(sizeof(float) * HD), *o1 = malloc(sizeof(float) * HD),
+          *o2 = malloc(sizeof(float) * HD), scratch[CTX];
     for (int i = 0; i < HD; i++) q[i] = frand(-2, 2);
     float scale = 1.0f / 8.0f;
     static const int ctxs[] = {1, 3, 16, 17, CTX};
@@ -529,10 +539,10 @@ static void test_attention(void **state) {
             for (int h = 0; h < HKV; h++) {
                 td_cpu_attn_paged(q, &lc, h, ident, n, scale, o1, scratch);
                 td_cpu_attn_paged(q, &ls, h, perm, n, scale, o2, scratch);
-                assert_memory_equal(o1, o2, sizeof(o1)); /* same values, same order */
+                assert_memory_equal(o1, o2, sizeof(float) * HD); /* same values, same order */
                 double s[CTX], mx = -INFINITY, sum = 0;
                 for (int p = 0; p < n; p++) {
-                    const float *k = kc + p * tok + h * HD;
+                    const float *k = kf + p * tok + h * HD;
                     double d = 0;
                     for (int i = 0; i < HD; i++) d += (double)q[i] * k[i];
                     s[p] = d * scale;
@@ -541,7 +551,7 @@ static void test_attention(void **state) {
                 for (int p = 0; p < n; p++) sum += (s[p] = exp(s[p] - mx));
                 for (int i = 0; i < HD; i++) {
                     double want = 0;
-                    for (int p = 0; p < n; p++) want += s[p] / sum * vc[p * tok + h * HD + i];
+                    for (int p = 0; p < n; p++) want += s[p] / sum * vf[p * tok + h * HD + i];
                     /* |out| <= 1; float dot, exp and sums: a few 1e-7 */
                     assert_close(o1[i], want, 0, 5e-6, "attention");
                 }
@@ -550,31 +560,92 @@ static void test_attention(void **state) {
     }
     /* the multi-query entry point: bit-identical to one call per query, for
      * queries of several heads and positions (ragged n_ctx, tails) */
-    enum { NQ = 11 };
-    float qm[NQ][HD], om[NQ][HD], o1m[HD];
+    float *qm = malloc(sizeof(float) * NQ * HD), *om = malloc(sizeof(float) * NQ * HD);
     float *scr = malloc(sizeof(float) * NQ * CTX);
     td_cpu_attn_query qs[NQ];
     for (size_t ii = 0; ii < 3; ii++) {
         if (!select_isa(k_isas[ii])) continue;
         for (int h = 0; h < HKV; h++) {
             for (int i = 0; i < NQ; i++) {
-                for (int d = 0; d < HD; d++) qm[i][d] = frand(-2, 2);
-                qs[i].q = qm[i];
-                qs[i].out = om[i];
+                for (int d = 0; d < HD; d++) qm[i * HD + d] = frand(-2, 2);
+                qs[i].q = qm + i * HD;
+                qs[i].out = om + i * HD;
                 qs[i].n_ctx = i == 0 ? 1 : CTX - (i * 13) % 40; /* 131, 118, 105, ... */
             }
             for (int nq = 1; nq <= NQ; nq += 5) {
-                memset(om, 0xff, sizeof(om));
+                memset(om, 0xff, sizeof(float) * NQ * HD);
                 td_cpu_attn_paged_multi(qs, nq, &ls, h, perm, scale, scr);
                 for (int i = 0; i < nq; i++) {
-                    td_cpu_attn_paged(qm[i], &ls, h, perm, qs[i].n_ctx, scale, o1m, scratch);
-                    assert_memory_equal(om[i], o1m, sizeof(o1m));
+                    td_cpu_attn_paged(qs[i].q, &ls, h, perm, qs[i].n_ctx, scale, o1, scratch);
+                    assert_memory_equal(qs[i].out, o1, sizeof(float) * HD);
                 }
             }
         }
     }
-    free(scr);
-    free(kc), free(vc), free(ks), free(vs);
+    free(scr), free(qm), free(om), free(q), free(o1), free(o2);
+    free(kf), free(vf), free(kc), free(vc), free(ks), free(vs);
+}
+
+/* Every KV dtype, at head_dim 64 (the fast paths) and 76 (masked and
+ * scalar tails on every ISA). */
+static void test_attention(void **state) {
+    (void)state;
+    static const td_dtype dts[] = {TD_TYPE_F32, TD_TYPE_F16, TD_TYPE_BF16};
+    for (size_t d = 0; d < 3; d++) {
+        check_attention(dts[d], 64);
+        check_attention(dts[d], 76);
+    }
+}
+
+/* The KV store rounds to nearest even with the bits of td_cpu_quant_row on
+ * every ISA: ties, subnormals, overflow, infinities and NaN included, and
+ * lengths that leave a tail. */
+static void test_kv_store_same_bits(void **state) {
+    (void)state;
+    enum { N = 1037 };
+    float x[N];
+    uint16_t want[N], got[N];
+    for (int i = 0; i < N; i++) {
+        float f = frand(-4, 4);
+        switch (i % 8) {
+        case 1: f *= 1e-6f; break;  /* f16 subnormal range */
+        case 2: f *= 3e4f; break;   /* near and past the f16 maximum */
+        case 3: f *= 1e-30f; break; /* bf16 subnormal range, f16 zero */
+        case 4: { /* an exact tie for f16 (bit 12 set, bits below clear) */
+            uint32_t u;
+            memcpy(&u, &f, 4);
+            u = (u & ~0x1fffu) | 0x1000u;
+            memcpy(&f, &u, 4);
+            break;
+        }
+        case 5: { /* an exact tie for bf16 */
+            uint32_t u;
+            memcpy(&u, &f, 4);
+            u = (u & ~0xffffu) | 0x8000u;
+            memcpy(&f, &u, 4);
+            break;
+        }
+        default: break;
+        }
+        x[i] = f;
+    }
+    x[6] = INFINITY, x[14] = -INFINITY, x[22] = NAN, x[30] = -0.0f, x[38] = 65520.0f;
+    static const td_dtype dts[] = {TD_TYPE_F16, TD_TYPE_BF16};
+    for (size_t d = 0; d < 2; d++) {
+        td_cpu_quant_row(dts[d], x, want, N);
+        for (size_t ii = 0; ii < 3; ii++) {
+            if (!select_isa(k_isas[ii])) continue;
+            for (int n = N - 8; n <= N; n++) {
+                memset(got, 0xab, sizeof got);
+                td_cpu_kv_store(dts[d], x, got, n);
+                assert_memory_equal(got, want, (size_t)n * 2);
+                assert_int_equal(got[n < N ? n : 0], n < N ? 0xabab : want[0]); /* no overrun */
+            }
+        }
+    }
+    float f32[N];
+    td_cpu_kv_store(TD_TYPE_F32, x, f32, N);
+    assert_memory_equal(f32, x, sizeof x);
 }
 
 static void test_all_isas_ran(void **state) {
@@ -597,6 +668,7 @@ int main(void) {
         cmocka_unit_test(test_elementwise),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention),
+        cmocka_unit_test(test_kv_store_same_bits),
         cmocka_unit_test(test_all_isas_ran),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
