@@ -471,6 +471,12 @@ static void attn_reference(attn_ref *a, const batch_data *d, int rows, const flo
         ref_rope(q, NH, d->pos[r], inv_freq, mode);
         ref_rope(k, NKV, d->pos[r], inv_freq, mode);
     }
+}
+
+/* a->att from a->qr and the K/V in a->kcache, a->vcache. */
+static void ref_attention(attn_ref *a, const batch_data *d, int rows) {
+    const int QD = NH * HD, KD = NKV * HD;
+    memset(a->att, 0, (size_t)rows * QD * sizeof(double));
     for (int r = 0; r < rows; r++)
         for (int hh = 0; hh < NH; hh++) {
             const double *q = a->qr + (size_t)r * QD + hh * HD;
@@ -503,8 +509,47 @@ static double max_diff(const float *got, const double *want, size_t n, double to
     return m;
 }
 
-static void attention_cases(harness *h, td_rope_mode mode) {
+/* One layer's K/V of the KV dtype kvt, widened to f32. */
+static float *kv_down(td_backend *be, td_bbuf *b, size_t n, td_dtype kvt) {
+    uint8_t *raw = down(be, b, n * td_kv_elem_bytes((uint32_t)kvt));
+    float *f = malloc(n * sizeof(float));
+    assert_non_null(f);
+    for (size_t i = 0; i < n; i++) {
+        uint16_t u;
+        if (kvt != TD_TYPE_F32) memcpy(&u, raw + 2 * i, 2);
+        f[i] = kvt == TD_TYPE_F16    ? td_fp16_to_f32(u)
+               : kvt == TD_TYPE_BF16 ? td_bf16_to_f32(u)
+                                     : ((float *)(void *)raw)[i];
+    }
+    free(raw);
+    return f;
+}
+
+/* x rounded to the KV dtype kvt and back. */
+static double kv_round(double x, td_dtype kvt) {
+    float f = (float)x;
+    if (kvt == TD_TYPE_F16) return td_fp16_to_f32(td_f32_to_fp16(f));
+    if (kvt == TD_TYPE_BF16) return td_bf16_to_f32(td_f32_to_bf16(f));
+    return f;
+}
+
+/* RoPE + KV store and attention with a KV cache of dtype kvt: the stored
+ * K/V are the reference's rounded to kvt (V exactly: the f32 sum, rounded
+ * once), and attention is checked against the reference over the values
+ * stored. */
+static void attention_cases(harness *h, td_rope_mode mode, td_dtype kvt) {
     td_backend *be = h->be;
+    td_kv_params kp = td_kv_default_params();
+    kp.n_layers = 1, kp.n_kv_heads = NKV, kp.head_dim = HD, kp.block_size = BS, kp.n_blocks = NBLK;
+    kp.dtype = kvt;
+    td_kv_layout lay;
+    if (be->i->kv_layout(be, &kp, &lay) != TD_OK) {
+        printf("%-10s %-12s KV dtype %-31s not supported\n", td_backend_kind_name(h->kind),
+               "rope_store", td_dtype_name(kvt));
+        h->n_unsupported++;
+        return;
+    }
+    const size_t es = td_kv_elem_bytes((uint32_t)kvt);
     const int QD = NH * HD, KD = NKV * HD;
     batch_data d;
     td_backend_batch bt = make_batch(&d, 50);
@@ -517,11 +562,12 @@ static void attention_cases(harness *h, td_rope_mode mode) {
     float *bq = rand_f32(QD, -0.1f, 0.1f), *bk = rand_f32(KD, -0.1f, 0.1f);
     float *bv = rand_f32(KD, -0.1f, 0.1f);
     attn_reference(&a, &d, rows, inv_freq, mode, bq, bk, bv);
+    ref_attention(&a, &d, rows);
     assert_int_equal(be->i->upload_floats(be, inv_freq, HD / 2), TD_OK);
     assert_int_equal(be->i->upload_floats(be, bq, QD), TD_OK);
     assert_int_equal(be->i->upload_floats(be, bk, KD), TD_OK);
     assert_int_equal(be->i->upload_floats(be, bv, KD), TD_OK);
-    const size_t kv_bytes = (size_t)NBLK * BS * KD * sizeof(float);
+    const size_t kv_n = (size_t)NBLK * BS * KD, kv_bytes = kv_n * es;
     td_bbuf *qb = up(be, a.q, (size_t)rows * QD * sizeof(float));
     td_bbuf *kb = up(be, a.k, (size_t)rows * KD * sizeof(float));
     td_bbuf *vb = up(be, a.v, (size_t)rows * KD * sizeof(float));
@@ -529,6 +575,7 @@ static void attention_cases(harness *h, td_rope_mode mode) {
     td_bbuf *att = up(be, NULL, (size_t)rows * QD * sizeof(float));
     td_backend_kv kv = {.k = td_bview_of(kc),
                         .v = td_bview_of(vc),
+                        .dtype = kvt,
                         .block_size = BS,
                         .n_kv_heads = NKV,
                         .head_dim = HD};
@@ -543,20 +590,28 @@ static void attention_cases(harness *h, td_rope_mode mode) {
     be->i->rope_store(be, td_bview_of(qb), td_bview_of(kb), td_bview_of(vb), bq, bk, bv, &rope,
                       &kv);
     /* the roped rows, and each row's K/V in its cell of the paged cache */
-    float *kh = down(be, kc, kv_bytes), *vh = down(be, vc, kv_bytes);
+    float *kh = kv_down(be, kc, kv_n, kvt), *vh = kv_down(be, vc, kv_n, kvt);
+    uint8_t *kraw = down(be, kc, kv_bytes), *vraw = down(be, vc, kv_bytes);
     float *qh = down(be, qb, (size_t)rows * QD * sizeof(float));
     double e1 = max_diff(qh, a.qr, (size_t)rows * QD, 2e-6, "roped q");
+    /* K: within one rounding of the kvt of the f32 roped value (|k| < 1.5) */
+    const double ktol = kvt == TD_TYPE_F32 ? 2e-6 : kvt == TD_TYPE_F16 ? 1e-3 : 8e-3;
     for (int r = 0; r < rows; r++) {
         size_t cell = (size_t)d.tables[d.seq[r]][d.pos[r] / BS] * BS + (size_t)(d.pos[r] % BS);
-        const double *kr = a.kcache + ((size_t)d.seq[r] * 8 + d.pos[r]) * KD;
-        const double *vr = a.vcache + ((size_t)d.seq[r] * 8 + d.pos[r]) * KD;
-        double e = max_diff(kh + cell * KD, kr, KD, 2e-6, "stored k");
+        double *kr = a.kcache + ((size_t)d.seq[r] * 8 + d.pos[r]) * KD;
+        double *vr = a.vcache + ((size_t)d.seq[r] * 8 + d.pos[r]) * KD;
+        for (int i = 0; i < KD; i++) vr[i] = kv_round(vr[i], kvt);
+        double e = max_diff(kh + cell * KD, kr, KD, ktol, "stored k");
         e1 = e > e1 ? e : e1;
         max_diff(vh + cell * KD, vr, KD, 0, "stored v");
+        /* the reference attends over the values stored */
+        for (int i = 0; i < KD; i++) kr[i] = kh[cell * KD + i];
     }
+    ref_attention(&a, &d, rows);
     char desc[64];
-    snprintf(desc, sizeof desc, "%s, bias, GQA %d/%d, 2 sequences", mname, NH, NKV);
-    report(h, "rope_store", desc, e1, 2e-6);
+    snprintf(desc, sizeof desc, "%s, bias, GQA %d/%d, 2 seqs, KV %s", mname, NH, NKV,
+             td_dtype_name(kvt));
+    report(h, "rope_store", desc, e1, ktol);
     float scale = 1.0f / sqrtf((float)HD);
     be->i->attn(be, td_bview_of(qb), td_bview_of(att), &kv, NH, scale, 1 << 20);
     float *got = down(be, att, (size_t)rows * QD * sizeof(float));
@@ -605,19 +660,16 @@ static void attention_cases(harness *h, td_rope_mode mode) {
         cb.cp_r = 1;
         cb.cp_ltab = &lt[1][0][0];
         be->i->set_batch(be, &cb);
-        const size_t blk = (size_t)BS * KD;
-        td_bbuf *chunk[2] = {up(be, NULL, 2 * 4 * blk * sizeof(float)),
-                             up(be, NULL, 2 * 4 * blk * sizeof(float))};
+        const size_t blk = (size_t)BS * KD * es; /* bytes */
+        td_bbuf *chunk[2] = {up(be, NULL, 2 * 4 * blk), up(be, NULL, 2 * 4 * blk)};
         for (int s = 0; s < 2; s++) be->i->kv_pack(be, &kv, s, s ? 3 : 7, td_bview_of(chunk[s]), 4);
         /* kv_pack: exact copies of the blocks rank 1 holds (A: its block 1;
          * B, 3 positions in block 0: none) */
         for (int s = 0; s < 2; s++) {
-            float *ch = down(be, chunk[s], 2 * 4 * blk * sizeof(float));
+            uint8_t *ch = down(be, chunk[s], 2 * 4 * blk);
             for (int x = 0; x < (s ? 0 : 1); x++) {
-                assert_memory_equal(ch + x * blk, kh + (size_t)lt[1][s][x] * blk,
-                                    blk * sizeof(float));
-                assert_memory_equal(ch + (4 + x) * blk, vh + (size_t)lt[1][s][x] * blk,
-                                    blk * sizeof(float));
+                assert_memory_equal(ch + x * blk, kraw + (size_t)lt[1][s][x] * blk, blk);
+                assert_memory_equal(ch + (4 + x) * blk, vraw + (size_t)lt[1][s][x] * blk, blk);
             }
             free(ch);
         }
@@ -635,7 +687,7 @@ static void attention_cases(harness *h, td_rope_mode mode) {
             if (s == 1) continue; /* rank 1 holds none of B: nothing arrives to merge */
             td_backend_kv in = kv;
             in.k = td_bview_of(chunk[s]);
-            in.v = td_bview_f32(td_bview_of(chunk[s]), 4 * blk);
+            in.v = td_bview_bytes(td_bview_of(chunk[s]), 4 * blk);
             c.kind = TD_CP_ATTN_PCP_MERGE;
             c.kv = in;
             c.table = ident;
@@ -667,6 +719,8 @@ static void attention_cases(harness *h, td_rope_mode mode) {
     }
     free(kh);
     free(vh);
+    free(kraw);
+    free(vraw);
     free(qh);
     td_bbuf *bufs[] = {qb, kb, vb, kc, vc, att};
     for (size_t i = 0; i < 6; i++) td_backend_free(be, bufs[i]);
@@ -685,8 +739,10 @@ static void attention_cases(harness *h, td_rope_mode mode) {
 static void test_attention(void **state) {
     (void)state;
     for (size_t b = 0; b < sizeof g_h / sizeof g_h[0]; b++) {
-        attention_cases(&g_h[b], TD_ROPE_NORM);
-        attention_cases(&g_h[b], TD_ROPE_NEOX);
+        attention_cases(&g_h[b], TD_ROPE_NORM, TD_TYPE_F32);
+        attention_cases(&g_h[b], TD_ROPE_NEOX, TD_TYPE_F32);
+        attention_cases(&g_h[b], TD_ROPE_NEOX, TD_TYPE_F16);
+        attention_cases(&g_h[b], TD_ROPE_NORM, TD_TYPE_BF16);
     }
 }
 
@@ -1084,6 +1140,9 @@ static void test_kv_storage(void **state) {
     harness *h = &g_h[0];
     td_backend *be = h->be;
     td_kv_layout l;
+    td_kv_params half = kp;
+    half.dtype = TD_TYPE_F16; /* its attention reads f32 K and V */
+    assert_int_equal(be->i->kv_layout(be, &half, &l), TD_ERR_UNSUPPORTED);
     assert_int_equal(be->i->kv_layout(be, &kp, &l), TD_OK);
     td_bbuf *b = be->i->kv_alloc(be, &l, NULL);
     assert_non_null(b);
@@ -1123,9 +1182,18 @@ static void test_kv_storage(void **state) {
         assert_int_equal(td_kv_layout_dense(&kp, &dense), TD_OK);
         assert_int_equal(l.bytes, dense.bytes); /* the CPU backends keep the dense layout */
         assert_int_equal(l.row_bytes, dense.row_bytes);
-        td_kv_params f16 = kp;
-        f16.dtype = TD_TYPE_F16; /* its attention reads f32 K and V */
-        assert_int_equal(be->i->kv_layout(be, &f16, &l), TD_ERR_UNSUPPORTED);
+        /* f16 and bf16 pools: the dense layout at 2 bytes an element; a
+         * type KV is never held in is refused */
+        td_kv_params half = kp;
+        half.dtype = TD_TYPE_F16;
+        assert_int_equal(be->i->kv_layout(be, &half, &l), TD_OK);
+        assert_int_equal(l.elem_bytes, 2);
+        assert_int_equal(l.bytes * 2, dense.bytes);
+        half.dtype = TD_TYPE_BF16;
+        assert_int_equal(be->i->kv_layout(be, &half, &l), TD_OK);
+        assert_int_equal(l.row_bytes * 2, dense.row_bytes);
+        half.dtype = TD_TYPE_Q8_0;
+        assert_int_equal(be->i->kv_layout(be, &half, &l), TD_ERR_UNSUPPORTED);
         assert_int_equal(be->i->kv_layout(be, &kp, &l), TD_OK);
         /* no hook: its own memory, zero-filled */
         td_bbuf *b = be->i->kv_alloc(be, &l, NULL);
