@@ -432,9 +432,19 @@ def rope(x, pos, inv_freq, mode):
     return out
 
 
-def forward(m, tokens, act_round=None, rope_mode=None):
+def round_kv(x, kv_dtype):
+    """K or V as a KV cache of kv_dtype holds them: the float32 values the
+    engine computes, rounded to nearest even in f16 or bf16."""
+    if kv_dtype in (None, "f32"):
+        return x
+    return _round_act(x.astype(np.float32).astype(np.float64), kv_dtype)
+
+
+def forward(m, tokens, act_round=None, rope_mode=None, kv_dtype=None):
     """Logits (T, n_vocab) for every position of one sequence starting at
-    position 0. rope_mode overrides the file's convention (for self-checks)."""
+    position 0. rope_mode overrides the file's convention (for self-checks).
+    kv_dtype ("f16", "bf16"): attention reads K and V rounded to it, as the
+    engine's KV cache stores them (--kv-dtype); None or "f32": unrounded."""
     c = m.config
     tokens = np.asarray(tokens, dtype=np.int64)
     if tokens.ndim != 1 or len(tokens) == 0:
@@ -458,8 +468,8 @@ def forward(m, tokens, act_round=None, rope_mode=None):
             k = k + m.t[p + "bk"]
             v = v + m.t[p + "bv"]
         q = rope(q.reshape(T, H, D), pos, c["inv_freq"], mode)
-        k = rope(k.reshape(T, KV, D), pos, c["inv_freq"], mode)
-        v = v.reshape(T, KV, D)
+        k = round_kv(rope(k.reshape(T, KV, D), pos, c["inv_freq"], mode), kv_dtype)
+        v = round_kv(v.reshape(T, KV, D), kv_dtype)
         g = np.arange(H) // (H // KV)
         s = np.einsum("thd,shd->hts", q, k[:, g, :]) / np.sqrt(D) + causal
         s = s - s.max(axis=-1, keepdims=True)
