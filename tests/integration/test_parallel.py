@@ -50,10 +50,11 @@ def sequences(vocab, n=3, seed=7):
     return [[rng.randrange(3, vocab) for _ in range(N_PROMPT + N_FORCED)] for _ in range(n)]
 
 
-def run(model, seqs, plan, mode):
+def run(model, seqs, plan, mode, kv=None):
     kw = {"prefill": dict(chunk=N_PROMPT + N_FORCED), "decode": dict(chunk=1),
           "batch": dict(chunk=5, batch=True)}[mode]
-    r, out = tandem_eval_raw(str(model), seqs, extra=plan, timeout=180, **kw)
+    extra = list(plan) + (["--kv-dtype", kv] if kv else [])
+    r, out = tandem_eval_raw(str(model), seqs, extra=extra, timeout=180, **kw)
     assert out is not None, r.describe()
     if len(plan) and plan != ["--tp", "1"]:
         assert "plan: " in r.stderr, r.describe()
@@ -85,13 +86,14 @@ def plan_size(plan, flag):
     return int(plan[plan.index(flag) + 1]) if flag in plan else 1
 
 
-def check_plans(model, plans, modes=("prefill", "decode", "batch")):
+def check_plans(model, plans, modes=("prefill", "decode", "batch"), kv=None):
+    """kv: the KV dtype of every run (one rank and the plans alike)."""
     seqs = sequences(512)
     for mode in modes:
-        one = run(model, seqs, [], mode)
+        one = run(model, seqs, [], mode, kv)
         for plan in plans:
             exact = plan_size(plan, "--tp") == 1 and plan_size(plan, "--cp") == 1
-            many = run(model, seqs, plan, mode)
+            many = run(model, seqs, plan, mode, kv)
             checked = compare(one, many, exact, f"{model.name} {' '.join(plan)} {mode}")
             if mode == "decode":
                 assert checked >= MIN_CHECKED * len(seqs), (plan, checked)
@@ -116,6 +118,17 @@ def test_cp_prefill_and_decode():
                  ["--cp", "2", "--cp-mode", "ring", "--cp-min-tokens", "4"],
                  ["--tp", "2", "--pp", "2", "--cp", "2", "--cp-mode", "ring",
                   "--cp-min-tokens", "4"]])
+
+
+@pytest.mark.parametrize("kv", ["f16", "bf16"])
+def test_plans_with_half_kv_caches(kv):
+    # Every rank's cache holds kv: PP stays bit-identical, TP and CP (the
+    # K/V chunks packed, gathered and passed around the ring in the
+    # cache's bytes) stay within TOL of one rank with the same cache.
+    check_plans(MODELS / "gguf/llama2-f32.gguf",
+                [["--pp", "2"], ["--tp", "2"],
+                 ["--cp", "2", "--cp-mode", "allgather", "--cp-min-tokens", "4"],
+                 ["--cp", "2", "--cp-mode", "ring", "--cp-min-tokens", "4"]], kv=kv)
 
 
 def test_tp_replicates_kv_heads():

@@ -5,6 +5,8 @@
  *   - a prefix-cache hit (shared blocks filled by an earlier sequence),
  *   - a recompute after preemption (blocks freed, everything run again),
  *   - the thread count (1 vs 2).
+ * The KV cache holds TD_TEST_KV_DTYPE (f32 when unset, f16, bf16): the
+ * contract holds for every KV dtype (ctest runs it with each).
  * The reference for each is the same sequence run alone in one call, so
  * these tests compare the engine with itself by design: that is what the
  * contract states. Each test also checks that the logits are finite and
@@ -44,6 +46,14 @@ typedef struct {
     int bs;
 } harness;
 
+/* The KV dtype of every pool here: $TD_TEST_KV_DTYPE, f32 when unset. */
+static td_dtype kv_dtype(void) {
+    const char *name = getenv("TD_TEST_KV_DTYPE");
+    td_dtype t = TD_TYPE_F32;
+    if (name && !td_kv_dtype_parse(name, &t)) fail_msg("TD_TEST_KV_DTYPE=%s: not a KV dtype", name);
+    return t;
+}
+
 static void h_open(harness *h, const char *path, int n_threads) {
     memset(h, 0, sizeof *h);
     td_model_params mp = td_model_default_params();
@@ -54,6 +64,7 @@ static void h_open(harness *h, const char *path, int n_threads) {
     kp.n_layers = c->n_layer;
     kp.n_kv_heads = c->n_head_kv;
     kp.head_dim = c->head_dim;
+    kp.dtype = kv_dtype();
     kp.n_blocks = N_BLOCKS;
     assert_int_equal(td_kv_pool_create(&kp, &h->kv), TD_OK);
     assert_int_equal(td_threadpool_create(n_threads, &h->tp), TD_OK);
@@ -500,6 +511,7 @@ static void *tp_rank_main(void *arg) {
     kp.n_layers = c->n_layer;
     kp.n_kv_heads = td_model_n_head_kv_local(m);
     kp.head_dim = c->head_dim;
+    kp.dtype = kv_dtype();
     kp.n_blocks = 16;
     if ((j->st = td_kv_pool_create(&kp, &kv)) || (j->st = td_threadpool_create(1, &tp)) ||
         (j->st = td_comm_create_local(j->group, j->rank, &comm)))
@@ -768,6 +780,7 @@ static void pipeline_case(const char *path, int n_threads, int len_scale) {
             kp.n_layers = td_model_layer_end(m[st]) - td_model_layer_begin(m[st]);
             kp.n_kv_heads = c->n_head_kv;
             kp.head_dim = c->head_dim;
+            kp.dtype = kv_dtype();
             kp.n_blocks = 16;
             assert_int_equal(td_kv_pool_create(&kp, &kv[st]), TD_OK);
             td_engine_params ep = td_engine_default_params();
