@@ -113,10 +113,10 @@ typedef struct {
     bool acc;
     double rank_compute[BENCH_MAX_RANKS], rank_comm[BENCH_MAX_RANKS];
     int64_t steps;
-    int32_t *blocks; /* (blocks for depth + the longest test) */
-    int32_t *tokens; /* (max(n_prompt, depth chunk)) */
+    int32_t *blocks;      /* (blocks for depth + the longest test) */
+    int32_t *tokens;      /* (max(n_prompt, depth chunk)) */
     int32_t depth, chunk; /* tokens before each test; prefilled chunk tokens per step */
-    float *logits;   /* (n_vocab) */
+    float *logits;        /* (n_vocab) */
     uint64_t rng;
 } bench_ctx;
 
@@ -405,8 +405,8 @@ int td_cmd_bench_engine(int argc, char **argv) {
         for (int i = 0; i < n_res; i++) {
             char tsb[48];
             snprintf(tsb, sizeof tsb, "%.2f ± %.2f", res[i].avg, res[i].sd);
-            printf("| %-24.24s | %12s | %10s | %7d | %6s | %13s | %21s |\n", b.rt->cfg->name, sz, pr,
-                   nth, isa_name, res[i].name, tsb);
+            printf("| %-24.24s | %12s | %10s | %7d | %6s | %13s | %21s |\n", b.rt->cfg->name, sz,
+                   pr, nth, isa_name, res[i].name, tsb);
         }
         printf("\nweight bytes read per generated token: %zu (%.2f MiB)\n", wbytes,
                (double)wbytes / (1024.0 * 1024.0));

@@ -261,8 +261,8 @@ static void cp_alloc(td_engine *e, const td_kv_params *kp, bool *fail) {
     e->cp_send_row = scratch_alloc(T, sizeof(int32_t), fail);
     e->cp_part = balloc(e, C * T, nhd * sizeof(float), fail);
     /* zero-filled: allgather pads each rank's blocks, no uninitialised bytes go to the comm */
-    e->cp_kv = balloc(e, (e->p.cp_mode == TD_CP_RING ? 2 : C) * 2 * B, blk * e->kv_lay.elem_bytes,
-                      fail);
+    e->cp_kv =
+        balloc(e, (e->p.cp_mode == TD_CP_RING ? 2 : C) * 2 * B, blk * e->kv_lay.elem_bytes, fail);
     e->cp_ms = balloc(e, T * (size_t)e->nh * 2, sizeof(float), fail);
 }
 

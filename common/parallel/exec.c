@@ -287,8 +287,9 @@ static td_status check_memory(const exec_config *c, const td_plan *plan, const t
     double rows = c->max_batch_tokens;
     double per_row = 4.0 * (8.0 * mc->n_embd + 2.0 * mc->n_ff + 3.0 * mc->n_head * mc->head_dim);
     for (int r = 0; r < td_plan_world(plan); r++)
-        total +=
-            (double)rank_block_bytes(plan, mc, r, c->block_size, (td_dtype)c->kv_dtype) * c->n_blocks + rows * per_row;
+        total += (double)rank_block_bytes(plan, mc, r, c->block_size, (td_dtype)c->kv_dtype) *
+                     c->n_blocks +
+                 rows * per_row;
     uint64_t avail = mem_available();
     if (avail > 0 && total > (double)avail) {
         TD_LOG_ERROR("plan: %d ranks need about %.2f GiB (weights %.2f GiB once, KV pool of %d "

@@ -118,7 +118,9 @@ static bool exchange_ok(const Tandem__Internal__V1__Exchange *x, const td_xfer_l
                     g->n_layer, g->n_head_kv, g->head_dim, g->block_size, lim->n_layer,
                     lim->n_head_kv, lim->head_dim, lim->block_size);
     if (g->dtype != (uint32_t)lim->kv_dtype)
-        return fail(e, "KV elements of dtype %u, ours are of %d", g->dtype, (int)lim->kv_dtype);
+        return fail(e, "its KV cache holds %s, ours %s (--kv-dtype must be the same on both)",
+                    g->dtype <= INT32_MAX ? td_dtype_name((int)g->dtype) : "unknown",
+                    td_dtype_name((int)lim->kv_dtype));
     if (g->n_blocks < 1 || g->n_blocks > INT32_MAX)
         return fail(e, "KV pool of %u blocks", g->n_blocks);
     if (!compat_ok(&x->compat, lim->compat)) return fail(e, "exchange compatibility hash differs");

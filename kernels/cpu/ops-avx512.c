@@ -672,8 +672,7 @@ AI __m512 ld16_kv(const char *row, int i, const td_dtype dt, __mmask16 m) {
 
 AI __m512 ld16_kv_all(const char *row, int i, const td_dtype dt) {
     switch (dt) {
-    case TD_TYPE_F16:
-        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * i)));
+    case TD_TYPE_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * i)));
     case TD_TYPE_BF16:
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * i))), 16));
@@ -782,9 +781,8 @@ static void attn_paged_avx512(const float *q, const td_cpu_kv_layer *kv, int kv_
 
 /* Weighted V sums of G queries (head_dim 64) sharing each loaded V row;
  * per query the same fma sequence, in position order, as attn_paged_avx512. */
-AI void attn_v_group(const int G, const td_cpu_attn_query *qs, float *const *scr,
-                     const char *vbase, const int32_t *block_table, int bs, size_t tok_bytes,
-                     const td_dtype dt) {
+AI void attn_v_group(const int G, const td_cpu_attn_query *qs, float *const *scr, const char *vbase,
+                     const int32_t *block_table, int bs, size_t tok_bytes, const td_dtype dt) {
     int min_ctx = qs[0].n_ctx;
     for (int i = 1; i < G; i++)
         if (qs[i].n_ctx < min_ctx) min_ctx = qs[i].n_ctx;
@@ -797,8 +795,8 @@ AI void attn_v_group(const int G, const td_cpu_attn_query *qs, float *const *scr
     for (int p = 0; p < min_ctx; p++) {
         const char *v = vbase + ((size_t)block_table[blk] * bs + slot) * tok_bytes;
         if (++slot == bs) slot = 0, blk++;
-        __m512 v0 = ld16_kv_all(v, 0, dt), v1 = ld16_kv_all(v, 16, dt),
-               v2 = ld16_kv_all(v, 32, dt), v3 = ld16_kv_all(v, 48, dt);
+        __m512 v0 = ld16_kv_all(v, 0, dt), v1 = ld16_kv_all(v, 16, dt), v2 = ld16_kv_all(v, 32, dt),
+               v3 = ld16_kv_all(v, 48, dt);
 #pragma GCC unroll 8
         for (int i = 0; i < G; i++) {
             __m512 a = _mm512_set1_ps(scr[i][p]);

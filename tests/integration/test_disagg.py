@@ -10,7 +10,7 @@ import random
 import pytest
 
 from conftest import manifest_model
-from serve_util import TOKEN, Pair, Server, metric
+from serve_util import TOKEN, Pair, Server, metric, wait_until
 
 MODELS = ["llama2-f32-gguf", "qwen2-q8_0-gguf"]
 
@@ -206,3 +206,45 @@ def test_flags_are_checked(tandem_bin, manifest, test_models, tmp_path):
         r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=30)
         assert r.returncode == 2, (argv, r.stderr)
         assert msg in r.stderr, (argv, r.stderr)
+
+
+def test_kv_dtype_pairs(tandem_bin, manifest, test_models, pair, colocated, tmp_path):
+    """P and D with an f16 KV cache answer as `tandem serve --kv-dtype f16`
+    bit for bit and move half the bytes an f32 pair moves for the same
+    prompts; a D whose cache holds another dtype than its P's never pairs
+    with it (the link is refused, saying why) and prefills locally."""
+    model = manifest_model(manifest, test_models, "llama2-f32-gguf")
+    s16 = colocated(model, "--kv-dtype", "f16")
+    p16 = pair(model, p_args=["--kv-dtype", "f16"], d_args=["--kv-dtype", "f16"])
+    p32 = pair(model)
+    bodies = [dict(BODIES[i % len(BODIES)], prompt=toks) for i, toks in enumerate(prompts(4))]
+    for b in bodies:
+        assert answer(complete(p16.d, b)) == answer(complete(s16, b))
+        complete(p32.d, b)
+    for pr in (p16, p32):
+        assert metric(pr.d.metrics(), "tandem:remote_prefill_total") == len(bodies)
+    moved16 = metric(p16.p.metrics(), "tandem:kv_transfer_bytes_total")
+    moved32 = metric(p32.p.metrics(), "tandem:kv_transfer_bytes_total")
+    assert moved16 > 0 and moved16 * 2 == moved32, (moved16, moved32)
+    assert p16.p.state()["compat"] != p32.p.state()["compat"]
+
+    # D (f32) pointed at P (f16): refused at the link; answers from a local prefill
+    d = Server.start(tandem_bin, model,
+                     ["--prefill", f"127.0.0.1:{p16.p.port}", "--cluster-token", TOKEN,
+                      "--threads", "1"],
+                     tmp_path / "mixed", cmd=[tandem_bin.parent / "tandem-decode"],
+                     cluster_token=TOKEN)
+    try:
+        wait_until(lambda: "its KV cache holds f16, ours f32" in d.log_tail(),
+                   timeout=20, what="the refused link", proc=d.proc)
+        s32 = colocated(model)
+        for b in bodies[:2]:
+            assert answer(complete(d, b)) == answer(complete(s32, b))
+        m = d.metrics()
+        assert metric(m, "tandem:remote_prefill_total") == 0
+        assert metric(m, "tandem:local_prefill_total", reason="no_peer") == 2
+        d.wait_idle()
+    finally:
+        d.close()
+    for x in (p16.d, p16.p, p32.d, p32.p):
+        x.wait_idle()

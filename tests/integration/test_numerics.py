@@ -53,7 +53,6 @@ the generated models that need no engine.
 """
 
 import json
-import os
 import pathlib
 import sys
 import zlib

@@ -27,7 +27,6 @@ The whole matrix (every model x {tp 1,2,3,4} x {pp 1,2} the shapes allow)
 runs in test_parallel_nightly.py (label nightly); this file runs a subset
 that covers every mechanism on every CI run.
 """
-import json
 import os
 import pathlib
 import random

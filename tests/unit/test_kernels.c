@@ -523,8 +523,8 @@ static void check_attention(td_dtype dt, int HD) {
         memcpy(ks + perm[j] * blk, kc + j * blk, blk);
         memcpy(vs + perm[j] * blk, vc + j * blk, blk);
     }
-    td_cpu_kv_layer lc = {.k = kc, .v = vc, .dtype = dt, .block_size = BS, .n_kv_heads = HKV,
-                          .head_dim = HD};
+    td_cpu_kv_layer lc = {
+        .k = kc, .v = vc, .dtype = dt, .block_size = BS, .n_kv_heads = HKV, .head_dim = HD};
     td_cpu_kv_layer ls = lc;
     ls.k = ks, ls.v = vs;
     float *q = malloc(sizeof(float) * HD), *o1 = malloc(sizeof(float) * HD),
@@ -611,7 +611,7 @@ static void test_kv_store_same_bits(void **state) {
         case 1: f *= 1e-6f; break;  /* f16 subnormal range */
         case 2: f *= 3e4f; break;   /* near and past the f16 maximum */
         case 3: f *= 1e-30f; break; /* bf16 subnormal range, f16 zero */
-        case 4: { /* an exact tie for f16 (bit 12 set, bits below clear) */
+        case 4: {                   /* an exact tie for f16 (bit 12 set, bits below clear) */
             uint32_t u;
             memcpy(&u, &f, 4);
             u = (u & ~0x1fffu) | 0x1000u;

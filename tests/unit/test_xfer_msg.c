@@ -275,9 +275,9 @@ static void test_exchange(void **state) {
     check(&r.m, "differs from ours");
     r.kv.head_dim = 8;
     r.kv.dtype = TD_TYPE_F16; /* a peer holding half-size K and V: its puts would not fit */
-    check(&r.m, "KV elements of dtype 1, ours are of 0");
+    check(&r.m, "its KV cache holds f16, ours f32 (--kv-dtype must be the same on both)");
     r.kv.dtype = 77;
-    check(&r.m, "KV elements of dtype 77");
+    check(&r.m, "its KV cache holds unknown, ours f32");
     r.kv.dtype = TD_TYPE_F32;
     r.kv.n_blocks = 0;
     check(&r.m, "KV pool of 0 blocks");
