@@ -361,6 +361,11 @@ int td_cmd_bench_engine(int argc, char **argv) {
         json_object_set_new(o, "threads", json_integer(nth));
         json_object_set_new(o, "isa", json_string(isa_name));
         json_object_set_new(o, "kv_dtype", json_string(td_dtype_name(ba.kv_dtype)));
+        /* K and V of one position, every layer (rank 0's pool) */
+        const td_kv_params *kvp = td_kv_pool_params(b.rt->kv);
+        json_object_set_new(
+            o, "kv_bytes_per_position",
+            json_integer((json_int_t)(td_kv_block_bytes(kvp) / (size_t)kvp->block_size)));
         json_object_set_new(o, "repetitions", json_integer(reps));
         json_object_set_new(o, "world", json_integer(td_exec_world(b.rt->exec)));
         for (int i = 0; i < n_res; i++) {

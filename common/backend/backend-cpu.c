@@ -41,7 +41,7 @@ typedef struct {
     _Atomic int64_t work_next; /* next unclaimed work item of the running op */
     int32_t max_ctx;
     int head_dim;
-    float *attn_scratch; /* (nth, max_ctx) */
+    float *attn_scratch; /* (nth, ATTN_GROUP, max_ctx) */
     float *cp_tmp;       /* (nth, head_dim) one partial's output per thread */
     td_backend_batch b;
 } cpu_ctx;
@@ -232,12 +232,16 @@ static td_status cpu_upload_floats(td_backend *be, const float *p, size_t n) {
     return TD_OK;
 }
 
+/* Query heads of one KV head attended in one call (the multi-query kernel
+ * loads each K/V row once for all of them). */
+#define ATTN_GROUP 8
+
 static td_status cpu_reserve(td_backend *be, int32_t max_ctx, int head_dim) {
     cpu_ctx *c = ctx_of(be);
     if (max_ctx <= c->max_ctx && head_dim <= c->head_dim) return TD_OK;
     max_ctx = TD_MAX(max_ctx, c->max_ctx);
     head_dim = TD_MAX(head_dim, c->head_dim);
-    float *a = host_alloc((size_t)c->nth * (size_t)max_ctx * sizeof(float));
+    float *a = host_alloc((size_t)c->nth * ATTN_GROUP * (size_t)max_ctx * sizeof(float));
     float *t = host_alloc((size_t)c->nth * (size_t)head_dim * sizeof(float));
     if (!a || !t) {
         free(a);
@@ -462,8 +466,10 @@ static td_cpu_kv_layer kv_layer(const td_backend_kv *kv) {
                              .head_dim = kv->head_dim};
 }
 
-/* Attention per (row, head) item, claimed one at a time (items differ in
- * cost with the context length). */
+/* Attention per (row, KV head, up to ATTN_GROUP of its query heads) item,
+ * claimed one at a time (items differ in cost with the context length).
+ * The multi-query kernel reads each K/V row once for the item's heads and
+ * gives each head the bits of a call of its own. */
 typedef struct {
     cpu_ctx *c;
     td_cpu_kv_layer kvl;
@@ -477,17 +483,23 @@ static void task_attn(void *ctx, int ith, int nth) {
     (void)nth;
     const attn_task *t = ctx;
     cpu_ctx *c = t->c;
-    float *scratch = c->attn_scratch + (size_t)ith * (size_t)c->max_ctx;
+    float *scratch = c->attn_scratch + (size_t)ith * ATTN_GROUP * (size_t)c->max_ctx;
     const int nh = t->nh, hd = t->kvl.head_dim, group = nh / t->kvl.n_kv_heads;
+    const int n_sub = (group + ATTN_GROUP - 1) / ATTN_GROUP, per_row = t->kvl.n_kv_heads * n_sub;
     const size_t q_dim = (size_t)nh * (size_t)hd;
+    td_cpu_attn_query qs[ATTN_GROUP];
     int64_t i0, i1;
-    while (claim(c, (int64_t)c->b.n_rows * nh, 1, &i0, &i1)) {
-        int32_t r = (int32_t)(i0 / nh);
-        int h = (int)(i0 % nh);
+    while (claim(c, (int64_t)c->b.n_rows * per_row, 1, &i0, &i1)) {
+        int32_t r = (int32_t)(i0 / per_row);
+        int kvh = (int)(i0 % per_row) / n_sub, h0 = kvh * group + (int)(i0 % n_sub) * ATTN_GROUP;
+        int n = TD_MIN(ATTN_GROUP, (kvh + 1) * group - h0);
         int n_ctx = c->b.row_pos[r] + 1; /* causal: positions [0, pos] */
-        size_t off = (size_t)r * q_dim + (size_t)h * (size_t)hd;
-        td_cpu_attn_paged(t->q + off, &t->kvl, h / group, c->b.seq_table[c->b.row_seq[r]], n_ctx,
-                          t->scale, t->att + off, scratch);
+        for (int i = 0; i < n; i++) {
+            size_t off = (size_t)r * q_dim + (size_t)(h0 + i) * (size_t)hd;
+            qs[i] = (td_cpu_attn_query){.q = t->q + off, .out = t->att + off, .n_ctx = n_ctx};
+        }
+        td_cpu_attn_paged_multi(qs, n, &t->kvl, kvh, c->b.seq_table[c->b.row_seq[r]], t->scale,
+                                scratch);
     }
 }
 
@@ -855,7 +867,7 @@ static void task_cp_attn(void *ctx, int ith, int nth) {
     const td_backend_cp_attn *a = t->a;
     cpu_ctx *c = t->c;
     const td_backend_batch *bt = &c->b;
-    float *scratch = c->attn_scratch + (size_t)ith * (size_t)c->max_ctx;
+    float *scratch = c->attn_scratch + (size_t)ith * ATTN_GROUP * (size_t)c->max_ctx;
     const int nh = a->nh, hd = a->head_dim, group = a->nh / a->nkv, C = bt->cp_n;
     const size_t slot = (size_t)hd + 2, q_dim = (size_t)nh * (size_t)hd;
     float *qb = F32(a->q), *att = F32(a->att);

@@ -5,14 +5,18 @@ the same run (docs/PERFORMANCE.md).
 
     compare_engine.py --tandem build/tandem --llama-bench PATH/llama-bench \
         --membw build/td-membw MODEL.gguf [MODEL.gguf ...] [--threads 2]
-        [--rounds 5] [-p 512] [-n 128]
+        [--rounds 5] [-p 512] [-n 128] [-d DEPTH] [--kv-dtype f32|f16|bf16]
 
 The two engines alternate within each round (so a noisy neighbour hits both
 alike); each round runs each engine with -r 3 and keeps its mean; the table
 reports the median over rounds of those means, and the ratio tandem/llama.cpp.
 Generation's fraction of the memory-bandwidth limit is
 tg t/s / (read bandwidth / weight bytes read per token), with the bandwidth
-measured by td-membw with the same thread count in the same run.
+measured by td-membw with the same thread count in the same run. With
+-d DEPTH both engines first fill their KV cache with DEPTH tokens
+(llama-bench -d; untimed) and hold it in --kv-dtype (llama-bench -ctk/-ctv);
+the limit then counts the K/V bytes a token reads besides the weights
+(DEPTH + n/2 positions on average, every layer, K and V).
 Prints a Markdown table; --json OUT also writes the raw samples.
 """
 import argparse
@@ -29,8 +33,13 @@ def run_json(cmd, env=None):
 
 
 def tandem_round(args, model):
-    j = run_json([args.tandem, "bench-engine", "--model", model, "-p", str(args.p), "-n",
-                  str(args.n), "-r", "3", "--threads", str(args.threads), "--json"])
+    cmd = [args.tandem, "bench-engine", "--model", model, "-p", str(args.p), "-n", str(args.n),
+           "-r", "3", "--threads", str(args.threads), "--json"]
+    if args.d:
+        cmd += ["-d", str(args.d)]
+    if args.kv_dtype:
+        cmd += ["--kv-dtype", args.kv_dtype]
+    j = run_json(cmd)
     res = {t["test"][:2]: t["avg_ts"] for t in j["tests"]}
     return res, j
 
@@ -38,8 +47,13 @@ def tandem_round(args, model):
 def llama_round(args, model):
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.path.dirname(os.path.abspath(args.llama_bench))
-    j = run_json([args.llama_bench, "-m", model, "-t", str(args.threads), "-p", str(args.p),
-                  "-n", str(args.n), "-r", "3", "-o", "json"], env=env)
+    cmd = [args.llama_bench, "-m", model, "-t", str(args.threads), "-p", str(args.p),
+           "-n", str(args.n), "-r", "3", "-o", "json"]
+    if args.d:
+        cmd += ["-d", str(args.d)]
+    if args.kv_dtype:
+        cmd += ["-ctk", args.kv_dtype, "-ctv", args.kv_dtype]
+    j = run_json(cmd, env=env)
     res = {}
     for t in j:
         res["pp" if t["n_prompt"] > 0 else "tg"] = t["avg_ts"]
@@ -56,15 +70,19 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("-d", type=int, default=0, help="KV cache depth before each test")
+    ap.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"),
+                    help="both engines' KV cache type (default: each engine's own)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
     bw = [run_json([args.membw, "--threads", str(args.threads)])["read_gb_s"] for _ in range(3)]
     bw_gbs = statistics.median(bw)
-    rows, raw = [], {"membw_gb_s": bw, "models": {}}
+    rows, raw = [], {"membw_gb_s": bw, "depth": args.d, "kv_dtype": args.kv_dtype, "models": {}}
+    tests = [k for k, n in (("pp", args.p), ("tg", args.n)) if n > 0]
     for model in args.models:
-        samples = {"tandem": {"pp": [], "tg": []}, "llama": {"pp": [], "tg": []}}
-        wbytes = None
+        samples = {"tandem": {k: [] for k in tests}, "llama": {k: [] for k in tests}}
+        wbytes = kv_bytes = None
         for r in range(args.rounds):
             order = [("tandem", tandem_round), ("llama", llama_round)]
             if r % 2:
@@ -73,22 +91,27 @@ def main() -> int:
                 res, j = fn(args, model)
                 if name == "tandem":
                     wbytes = j["weight_bytes_per_token"]
-                for k in ("pp", "tg"):
+                    kv_bytes = j.get("kv_bytes_per_position", 0)
+                for k in tests:
                     samples[name][k].append(res[k])
-            print(f"{os.path.basename(model)} round {r + 1}/{args.rounds}: "
-                  f"tandem {samples['tandem']['pp'][-1]:.1f}/{samples['tandem']['tg'][-1]:.1f}, "
-                  f"llama.cpp {samples['llama']['pp'][-1]:.1f}/{samples['llama']['tg'][-1]:.1f} "
-                  "(pp/tg t/s)", file=sys.stderr)
+            print(f"{os.path.basename(model)} round {r + 1}/{args.rounds}: " +
+                  ", ".join(f"{e} " + "/".join(f"{samples[e][k][-1]:.1f}" for k in tests)
+                            for e in ("tandem", "llama")) + f" ({'/'.join(tests)} t/s)",
+                  file=sys.stderr)
         raw["models"][model] = samples
         med = {e: {k: statistics.median(v) for k, v in s.items()} for e, s in samples.items()}
-        limit = bw_gbs * 1e9 / wbytes
-        for k, label in (("pp", f"pp{args.p}"), ("tg", f"tg{args.n}")):
+        limit = bw_gbs * 1e9 / (wbytes + kv_bytes * (args.d + args.n / 2))
+        at = f" @ d{args.d}" if args.d else ""
+        for k, label in (("pp", f"pp{args.p}{at}"), ("tg", f"tg{args.n}{at}")):
+            if k not in tests:
+                continue
             t, l = med["tandem"][k], med["llama"][k]
             frac = f"{t / limit:.0%} (llama.cpp {l / limit:.0%})" if k == "tg" else ""
             rows.append(f"| {os.path.basename(model)} | {label} | {t:.1f} | {l:.1f} | "
                         f"{t / l:.2f}x | {frac} |")
     print(f"\nthreads {args.threads}, read bandwidth {bw_gbs:.1f} GB/s (td-membw median of 3), "
-          f"median of {args.rounds} rounds of mean-of-3\n")
+          f"median of {args.rounds} rounds of mean-of-3, KV cache "
+          f"{args.kv_dtype or 'each engine default'}\n")
     print("| model | test | tandem t/s | llama.cpp t/s | ratio | tg fraction of bandwidth limit |")
     print("|---|---|---:|---:|---:|---|")
     print("\n".join(rows))
