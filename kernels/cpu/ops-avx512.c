@@ -680,6 +680,17 @@ AI __m512 ld16_kv_all(const char *row, int i, const td_dtype dt) {
     }
 }
 
+/* Prefetches one head's rows of logical block blk (< n_blk) into L1: the
+ * blocks of a sequence lie anywhere in the pool, so the hardware
+ * prefetcher loses the stream at every block boundary. */
+AI void prefetch_block(const char *base, const int32_t *block_table, int blk, int n_blk, int bs,
+                       size_t tok_bytes, size_t row_bytes) {
+    if (blk >= n_blk) return;
+    const char *b = base + (size_t)block_table[blk] * bs * tok_bytes;
+    for (int s = 0; s < bs; s++)
+        for (size_t o = 0; o < row_bytes; o += 64) _mm_prefetch(b + s * tok_bytes + o, _MM_HINT_T0);
+}
+
 /* Scores four positions at a time (independent accumulators, one packed
  * horizontal sum), then the weighted V sum in position order. Positions are
  * walked block by block (no division per position). Any head_dim works;
@@ -791,8 +802,15 @@ AI void attn_v_group(const int G, const td_cpu_attn_query *qs, float *const *scr
     for (int i = 0; i < G; i++)
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) o[i][j] = _mm512_setzero_ps();
+    int max_ctx = qs[0].n_ctx;
+    for (int i = 1; i < G; i++)
+        if (qs[i].n_ctx > max_ctx) max_ctx = qs[i].n_ctx;
+    const int n_blk = (max_ctx + bs - 1) / bs;
+    const size_t row_bytes = (size_t)64 * td_cpu_kv_es(dt);
     int blk = 0, slot = 0;
+    prefetch_block(vbase, block_table, 0, n_blk, bs, tok_bytes, row_bytes);
     for (int p = 0; p < min_ctx; p++) {
+        if (slot == 0) prefetch_block(vbase, block_table, blk + 1, n_blk, bs, tok_bytes, row_bytes);
         const char *v = vbase + ((size_t)block_table[blk] * bs + slot) * tok_bytes;
         if (++slot == bs) slot = 0, blk++;
         __m512 v0 = ld16_kv_all(v, 0, dt), v1 = ld16_kv_all(v, 16, dt), v2 = ld16_kv_all(v, 32, dt),
@@ -839,12 +857,19 @@ AI void attn_paged_multi_dt(const td_cpu_attn_query *qs, int n_q, const td_cpu_k
     int maxctx = 0;
     for (int i = 0; i < n_q; i++)
         if (qs[i].n_ctx > maxctx) maxctx = qs[i].n_ctx;
+    const int n_blk = (maxctx + bs - 1) / bs;
+    const size_t row_bytes = (size_t)hd * es;
     int blk = 0, slot = 0;
+    prefetch_block(kbase, block_table, 0, n_blk, bs, tok_bytes, row_bytes);
     for (int p = 0; p + 4 <= maxctx; p += 4) {
         __m512 kk[4][4];
+#pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
+            if (slot == 0)
+                prefetch_block(kbase, block_table, blk + 1, n_blk, bs, tok_bytes, row_bytes);
             const char *k = kbase + ((size_t)block_table[blk] * bs + slot) * tok_bytes;
             if (++slot == bs) slot = 0, blk++;
+#pragma GCC unroll 4
             for (int j = 0; j < 4; j++) kk[r][j] = ld16_kv_all(k, 16 * j, dt);
         }
         for (int i = 0; i < n_q; i++) {
