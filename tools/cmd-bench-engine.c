@@ -52,7 +52,7 @@ static td_opt k_bench_opts[B_N] = {
     [B_ISA] = {"isa", 0, "NAME", "kernel set: scalar, avx2, avx512 (default: best available)"},
     [B_DEVICE] = {"device", 0, "D",
                   "device: cpu, cuda, cuda:N (default: a GPU when built and visible, else cpu)"},
-    [B_KV_DTYPE] = {"kv-dtype", 0, "T", "KV cache element type: f32 (default), f16, bf16"},
+    [B_KV_DTYPE] = {"kv-dtype", 0, "T", TD_KV_DTYPE_HELP},
     [B_JSON] = {"json", 0, NULL, "one JSON object on stdout instead of the table"},
 };
 
@@ -74,7 +74,7 @@ static void bench_usage(FILE *f, void *ctx) {
 typedef struct {
     const char *model, *isa, *device;
     long n_prompt, n_gen, depth, reps, threads;
-    td_dtype kv_dtype;
+    const char *kv_dtype;
     bool json;
 } bench_args;
 
@@ -88,7 +88,10 @@ static bool set_bench_opt(void *ctx, int i, const char *val, bool *printed) {
     case B_N_PROMPT: return td_cli_parse_long(val, 0, 1 << 20, &a->n_prompt);
     case B_N_GEN: return td_cli_parse_long(val, 0, 1 << 20, &a->n_gen);
     case B_DEPTH: return td_cli_parse_long(val, 0, 1 << 20, &a->depth);
-    case B_KV_DTYPE: return td_kv_dtype_parse(val, &a->kv_dtype);
+    case B_KV_DTYPE: {
+        td_dtype t;
+        return td_kv_dtype_parse(a->kv_dtype = val, &t);
+    }
     case B_REPS: return td_cli_parse_long(val, 1, BENCH_MAX_REPS, &a->reps);
     case B_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
     case B_JSON: a->json = true; return true;
@@ -360,7 +363,7 @@ int td_cmd_bench_engine(int argc, char **argv) {
         json_object_set_new(o, "weight_bytes_per_token", json_integer((json_int_t)wbytes));
         json_object_set_new(o, "threads", json_integer(nth));
         json_object_set_new(o, "isa", json_string(isa_name));
-        json_object_set_new(o, "kv_dtype", json_string(td_dtype_name(ba.kv_dtype)));
+        json_object_set_new(o, "kv_dtype", json_string(td_dtype_name(b.rt->kv_dtype)));
         /* K and V of one position, every layer (rank 0's pool) */
         const td_kv_params *kvp = td_kv_pool_params(b.rt->kv);
         json_object_set_new(

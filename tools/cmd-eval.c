@@ -41,7 +41,7 @@ static td_opt k_eval_opts[E_N] = {
     [E_CHUNK] = {"chunk", 0, "N", "tokens per forward call (default: the whole sequence)"},
     [E_BATCH] = {"batch", 0, NULL, "every sequence in each call (default: one at a time)"},
     [E_ISA] = {"isa", 0, "NAME", "kernel set: scalar, avx2, avx512 (default: best available)"},
-    [E_KV_DTYPE] = {"kv-dtype", 0, "T", "KV cache element type: f32 (default), f16, bf16"},
+    [E_KV_DTYPE] = {"kv-dtype", 0, "T", TD_KV_DTYPE_HELP},
 };
 
 static void usage(FILE *f, void *ctx) {
@@ -57,7 +57,7 @@ static void usage(FILE *f, void *ctx) {
 typedef struct {
     const char *model, *tokens, *out, *isa;
     long threads, chunk;
-    td_dtype kv_dtype;
+    const char *kv_dtype;
     bool batch;
 } eval_args;
 
@@ -70,7 +70,10 @@ static bool set_eval_opt(void *ctx, int i, const char *val, bool *printed) {
     case E_OUT: a->out = val; return true;
     case E_ISA: a->isa = val; return true;
     case E_BATCH: a->batch = true; return true;
-    case E_KV_DTYPE: return td_kv_dtype_parse(val, &a->kv_dtype);
+    case E_KV_DTYPE: {
+        td_dtype t;
+        return td_kv_dtype_parse(a->kv_dtype = val, &t);
+    }
     /* the same bound as generate and bench-engine */
     case E_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
     case E_CHUNK: return td_cli_parse_long(val, 1, INT32_MAX, &a->chunk);

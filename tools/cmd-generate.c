@@ -69,7 +69,7 @@ static td_opt k_gen_opts[G_N] = {
     [G_DEVICE] = {"device", 0, "D",
                   "device: cpu, cuda, cuda:N (default: a GPU when built and visible, else cpu)"},
     [G_CTX] = {"ctx", 'c', "N", "context length in tokens (default: min(trained, 4096))"},
-    [G_KV_DTYPE] = {"kv-dtype", 0, "T", "KV cache element type: f32 (default), f16, bf16"},
+    [G_KV_DTYPE] = {"kv-dtype", 0, "T", TD_KV_DTYPE_HELP},
 };
 
 static void gen_usage(FILE *f, void *ctx) {
@@ -95,7 +95,7 @@ typedef struct {
     long max_tokens;
     long threads;
     long ctx;
-    td_dtype kv_dtype;
+    const char *kv_dtype;
     const char *stops[GEN_MAX_STOP];
     size_t n_stops;
     td_sampler_params sp;
@@ -118,7 +118,10 @@ static bool set_gen_opt(void *ctx, int i, const char *val, bool *printed) {
     case G_MAX_TOKENS: return td_cli_parse_long(val, 1, INT32_MAX, &a->max_tokens);
     case G_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
     case G_CTX: return td_cli_parse_long(val, 1, INT32_MAX, &a->ctx);
-    case G_KV_DTYPE: return td_kv_dtype_parse(val, &a->kv_dtype);
+    case G_KV_DTYPE: {
+        td_dtype t;
+        return td_kv_dtype_parse(a->kv_dtype = val, &t);
+    }
     case G_TEMPERATURE:
     case G_TEMP: return td_cli_parse_float(val, &a->sp.temperature);
     case G_TOP_K:

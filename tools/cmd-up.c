@@ -32,6 +32,7 @@
 
 #include "common/base/base.h"
 #include "common/base/httpc.h"
+#include "common/kv/kv.h"
 #include "common/runtime/cli.h"
 #include "tools.h"
 
@@ -81,6 +82,7 @@ typedef struct {
     int cpus[UP_MAX_CPUS]; /* --cpus */
     int n_cpus;
     const char *model, *host, *token_file;
+    const char *kv_dtype; /* --kv-dtype: every prefill, decode and colocated instance's */
     double ready_timeout, drain_timeout;
     const char *chat; /* --chat: one request through the router, then stop */
     long max_tokens;
@@ -109,6 +111,7 @@ enum {
     U_PORT,
     U_GRPC_PORT,
     U_THREADS,
+    U_KV_DTYPE,
     U_TOKEN_FILE,
     U_READY_TIMEOUT,
     U_DRAIN_TIMEOUT,
@@ -141,6 +144,9 @@ static td_opt k_up_opts[U_N] = {
     [U_THREADS] = {"threads", 't', "T",
                    "compute threads per instance (default: online cores /\n"
                    "(N + M), at least 1)"},
+    [U_KV_DTYPE] = {"kv-dtype", 0, "T",
+                    "every instance's KV cache type: f16, bf16, f32 (default:\n"
+                    "the instances' own)"},
     [U_TOKEN_FILE] = {"cluster-token-file", 0, "F",
                       "the cluster token (first line of F; default: a random\n"
                       "token in a 0600 temporary file removed at exit)"},
@@ -252,6 +258,10 @@ static bool set_up_opt(void *ctx, int i, const char *val, bool *printed) {
     case U_PORT: return td_cli_parse_long(val, 0, 65535, &a->port);
     case U_GRPC_PORT: return td_cli_parse_long(val, -1, 65535, &a->grpc_port);
     case U_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
+    case U_KV_DTYPE: {
+        td_dtype t;
+        return td_kv_dtype_parse(a->kv_dtype = val, &t);
+    }
     case U_TOKEN_FILE: return *(a->token_file = val) != '\0';
     case U_READY_TIMEOUT: return parse_seconds(val, 0.001, &a->ready_timeout);
     case U_DRAIN_TIMEOUT: return parse_seconds(val, 0, &a->drain_timeout);
@@ -574,6 +584,10 @@ static up_child *start_child(up_state *u, up_role role, int index, const char *c
     if (u->a.model) {
         argv[n++] = "--model";
         argv[n++] = u->a.model;
+    }
+    if (role != UP_ROUTER && u->a.kv_dtype) {
+        argv[n++] = "--kv-dtype";
+        argv[n++] = u->a.kv_dtype;
     }
     for (int i = 0; extra && extra[i]; i++) {
         TD_ASSERT(n < (int)TD_ARRAY_SIZE(argv) - 1);

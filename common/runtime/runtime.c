@@ -19,7 +19,7 @@ td_runtime_params td_runtime_default_params(void) {
                            .max_batch_tokens = 0,
                            .max_seqs = 0,
                            .block_size = 0,
-                           .kv_dtype = TD_TYPE_F32,
+                           .kv_dtype = NULL,
                            .kv_blocks = 0,
                            .kv_memory = 0,
                            .quiet = false};
@@ -88,6 +88,13 @@ static td_status select_isa(const td_runtime_params *p, td_isa *isa_p) {
     return TD_OK;
 }
 
+/* The KV dtype when none is given: f16 on the CPU (half the bytes per
+ * position of f32 to store, read and transfer, docs/PERFORMANCE.md); f32
+ * on a GPU, whose attention kernels read f32 only. */
+static td_dtype kv_dtype_auto(void) {
+    return td_backend_kind_from_env() == TD_BACKEND_CUDA ? TD_TYPE_F32 : TD_TYPE_F16;
+}
+
 td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p) {
     td_runtime_params dp = td_runtime_default_params();
     if (!p) p = &dp;
@@ -112,7 +119,12 @@ td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p) {
     xp.engine.max_batch_tokens = p->max_batch_tokens > 0 ? p->max_batch_tokens : 512;
     xp.engine.max_seqs = p->max_seqs > 0 ? p->max_seqs : TD_MAX(p->n_seqs, 1);
     xp.block_size = p->block_size > 0 ? p->block_size : 16;
-    xp.kv_dtype = p->kv_dtype;
+    if (p->kv_dtype && !td_kv_dtype_parse(p->kv_dtype, &xp.kv_dtype)) {
+        TD_LOG_ERROR("unknown KV dtype '%s' (f32, f16, bf16)", p->kv_dtype);
+        st = TD_ERR_INVALID;
+        goto fail;
+    }
+    if (!p->kv_dtype) xp.kv_dtype = kv_dtype_auto();
     xp.kv_blocks = p->kv_blocks;
     xp.kv_memory = p->kv_memory;
     xp.kv_seqs = p->n_seqs > 0 ? p->n_seqs : 1;
@@ -124,6 +136,7 @@ td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p) {
                     "(--device cpu says so up front)");
         setenv("TANDEM_BACKEND", "cpu", 1);
         if (!p->quiet) fprintf(stderr, "backend: cpu\n");
+        if (!p->kv_dtype) xp.kv_dtype = kv_dtype_auto();
         st = td_exec_create(&xp, &rt->exec);
     }
     if (st) goto fail;
@@ -133,11 +146,12 @@ td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p) {
     rt->tok = td_model_tokenizer(rt->model);
     rt->n_threads = td_exec_threads_per_rank(rt->exec);
     rt->block_size = xp.block_size;
+    rt->kv_dtype = xp.kv_dtype;
     rt->ctx_len = td_exec_max_ctx(rt->exec);
     if (!p->quiet)
-        fprintf(stderr, "model: %s (%d layers, %d embd, vocab %d, %s), %d threads\n", rt->cfg->name,
-                rt->cfg->n_layer, rt->cfg->n_embd, rt->cfg->n_vocab, td_dtype_name(rt->cfg->wtype),
-                rt->n_threads);
+        fprintf(stderr, "model: %s (%d layers, %d embd, vocab %d, %s), %d threads, KV cache %s\n",
+                rt->cfg->name, rt->cfg->n_layer, rt->cfg->n_embd, rt->cfg->n_vocab,
+                td_dtype_name(rt->cfg->wtype), rt->n_threads, td_dtype_name(rt->kv_dtype));
     *rt_p = rt;
     return TD_OK;
 fail:

@@ -27,7 +27,8 @@ typedef struct {
     int32_t max_batch_tokens;   /* most tokens per forward call; <= 0: 512 */
     int32_t max_seqs;           /* most sequences per forward call; <= 0: n_seqs */
     int32_t block_size;         /* KV block size in tokens; <= 0: 16 */
-    td_dtype kv_dtype;          /* of the K and V elements: F32 (default), F16 or BF16 */
+    const char *kv_dtype;       /* of the K and V elements: "f32" | "f16" | "bf16" | NULL
+                                 * (f16 on the CPU; f32 on a GPU, whose kernels read f32) */
     int32_t kv_blocks;          /* > 0: pool of exactly this many blocks (overrides n_seqs) */
     size_t kv_memory;           /* > 0: pool of as many blocks as fit in this many bytes */
     bool quiet;                 /* do not print the ISA / model summary on stderr */
@@ -44,6 +45,7 @@ typedef struct {
     td_isa isa;                 /* the selected kernel set */
     int32_t ctx_len;            /* effective tokens per sequence */
     int32_t block_size;         /* KV block size (tokens) */
+    td_dtype kv_dtype;          /* of the KV cache */
 } td_runtime;
 
 td_runtime_params td_runtime_default_params(void);

@@ -97,8 +97,7 @@ static td_opt k_serve_opts[S_N] = {
     [S_KV_BLOCKS] = {"kv-blocks", 0, "N", "KV pool size in blocks (overrides --kv-memory)"},
     [S_BLOCK_SIZE] = {"block-size", 0, "N", "tokens per KV block (default 16)"},
     [S_KV_DTYPE] = {"kv-dtype", 0, "T",
-                    "KV cache element type: f32 (default), f16, bf16; a prefill\n"
-                    "and a decode instance pair only with the same type"},
+                    TD_KV_DTYPE_HELP ";\na prefill and a decode instance pair only with the same"},
     [S_MAX_RUNNING] = {"max-running", 0, "N", "sequences decoding at once (default 16)"},
     [S_MAX_BATCH_TOKENS] = {"max-batch-tokens", 0, "N",
                             "tokens per step, decode + prefill chunks (default 512)"},
@@ -200,7 +199,7 @@ typedef struct {
     long threads, ctx, kv_blocks, block_size, max_running, max_batch_tokens, max_waiting,
         reserve_output;
     double prefill_share;
-    td_dtype kv_dtype;
+    const char *kv_dtype;
     long tpot_target_ms;
     bool tpot_auto;
     size_t kv_memory;
@@ -258,7 +257,10 @@ static bool set_serve_opt(void *ctx, int i, const char *val, bool *printed) {
     case S_KV_MEMORY: return parse_bytes(val, &a->kv_memory);
     case S_KV_BLOCKS: return td_cli_parse_long(val, 1, 1 << 24, &a->kv_blocks);
     case S_BLOCK_SIZE: return td_cli_parse_long(val, 1, 1024, &a->block_size);
-    case S_KV_DTYPE: return td_kv_dtype_parse(val, &a->kv_dtype);
+    case S_KV_DTYPE: {
+        td_dtype t;
+        return td_kv_dtype_parse(a->kv_dtype = val, &t);
+    }
     case S_MAX_RUNNING: return td_cli_parse_long(val, 1, 1024, &a->max_running);
     case S_MAX_BATCH_TOKENS: return td_cli_parse_long(val, 1, 1 << 20, &a->max_batch_tokens);
     case S_PREFILL_SHARE: {

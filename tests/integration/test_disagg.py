@@ -209,14 +209,15 @@ def test_flags_are_checked(tandem_bin, manifest, test_models, tmp_path):
 
 
 def test_kv_dtype_pairs(tandem_bin, manifest, test_models, pair, colocated, tmp_path):
-    """P and D with an f16 KV cache answer as `tandem serve --kv-dtype f16`
-    bit for bit and move half the bytes an f32 pair moves for the same
-    prompts; a D whose cache holds another dtype than its P's never pairs
-    with it (the link is refused, saying why) and prefills locally."""
+    """P and D with an f16 KV cache (the default on the CPU) answer as
+    `tandem serve` bit for bit and move half the bytes an f32 pair moves for
+    the same prompts; a D whose cache holds another dtype than its P's never
+    pairs with it (the link is refused, saying why) and prefills locally."""
     model = manifest_model(manifest, test_models, "llama2-f32-gguf")
-    s16 = colocated(model, "--kv-dtype", "f16")
-    p16 = pair(model, p_args=["--kv-dtype", "f16"], d_args=["--kv-dtype", "f16"])
-    p32 = pair(model)
+    s16 = colocated(model)
+    p16 = pair(model)
+    f32 = ["--kv-dtype", "f32"]
+    p32 = pair(model, p_args=f32, d_args=f32)
     bodies = [dict(BODIES[i % len(BODIES)], prompt=toks) for i, toks in enumerate(prompts(4))]
     for b in bodies:
         assert answer(complete(p16.d, b)) == answer(complete(s16, b))
@@ -231,13 +232,13 @@ def test_kv_dtype_pairs(tandem_bin, manifest, test_models, pair, colocated, tmp_
     # D (f32) pointed at P (f16): refused at the link; answers from a local prefill
     d = Server.start(tandem_bin, model,
                      ["--prefill", f"127.0.0.1:{p16.p.port}", "--cluster-token", TOKEN,
-                      "--threads", "1"],
+                      "--threads", "1", *f32],
                      tmp_path / "mixed", cmd=[tandem_bin.parent / "tandem-decode"],
                      cluster_token=TOKEN)
     try:
         wait_until(lambda: "its KV cache holds f16, ours f32" in d.log_tail(),
                    timeout=20, what="the refused link", proc=d.proc)
-        s32 = colocated(model)
+        s32 = colocated(model, *f32)
         for b in bodies[:2]:
             assert answer(complete(d, b)) == answer(complete(s32, b))
         m = d.metrics()

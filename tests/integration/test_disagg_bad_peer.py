@@ -303,7 +303,9 @@ def prefill_and_harness(pb, model, tandem_bin, tmp):
     if not peer_bin.exists():
         pytest.fail(f"{peer_bin} not built")
     path, cfg = model
-    p = Server.start(tandem_bin, path, ["--cluster-token", TOKEN, "--threads", "1"],
+    # an f32 cache: the harness lays out and sizes its KV region in f32
+    p = Server.start(tandem_bin, path,
+                     ["--cluster-token", TOKEN, "--threads", "1", "--kv-dtype", "f32"],
                      tmp / "prefill", cmd=[tandem_bin.parent / "tandem-prefill"],
                      cluster_token=TOKEN)
     h = None
@@ -332,7 +334,8 @@ def cluster(pb, model, tandem_bin, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def colocated(model, tandem_bin, tmp_path_factory):
-    s = Server.start(tandem_bin, model[0], ["--threads", "1"], tmp_path_factory.mktemp("serve"))
+    s = Server.start(tandem_bin, model[0], ["--threads", "1", "--kv-dtype", "f32"],
+                     tmp_path_factory.mktemp("serve"))
     yield s
     s.close()
 
@@ -625,7 +628,7 @@ def test_prefill_still_serves(cluster, model, colocated, tandem_bin, tmp_path):
     c = cluster
     d = Server.start(tandem_bin, model[0],
                      ["--prefill", f"127.0.0.1:{c.p.port}", "--cluster-token", TOKEN,
-                      "--threads", "1"], tmp_path / "decode",
+                      "--threads", "1", "--kv-dtype", "f32"], tmp_path / "decode",
                      cmd=[tandem_bin.parent / "tandem-decode"], cluster_token=TOKEN)
     try:
         deadline = time.monotonic() + scaled(20)

@@ -33,8 +33,8 @@ sys.path.insert(0, str(HERE))
 
 import reference as R  # noqa: E402
 from conftest import ensure_test_models, tandem_eval_raw  # noqa: E402
-from test_numerics import (DELTA, MEAN_TOL, MIN_CHECKED, PROMPT_LEN, SEQ_LENS,  # noqa: E402
-                           TF_STEPS, TOL, rel_errors, seed_of)
+from test_numerics import (DELTA, MIN_CHECKED, PROMPT_LEN, SEQ_LENS, TF_STEPS,  # noqa: E402
+                           rel_errors, seed_of, tolerances)
 
 MODELS_DIR = ensure_test_models()
 with open(MODELS_DIR / "models.json") as _f:
@@ -61,8 +61,10 @@ def sequences_for(entry):
     return [rng.integers(0, entry["config"]["n_vocab"], n).tolist() for n in SEQ_LENS]
 
 
-def run_engine(entry, seqs, **kw):
-    r, out = tandem_eval_raw(model_path(entry), seqs, check=False, **kw)
+def run_engine(entry, seqs, kv="f32", **kw):
+    """tandem eval with a KV cache of kv (f32 unless said: the f32 arithmetic
+    the tolerances are for; test_numerics.tolerances gives f16's)."""
+    r, out = tandem_eval_raw(model_path(entry), seqs, check=False, extra=("--kv-dtype", kv), **kw)
     assert r.returncode == 0, f"tandem eval failed on {entry['name']}\n{r.describe()}"
     for s, o in zip(seqs, out):
         assert o.shape == (len(s), entry["config"]["n_vocab"])
@@ -134,30 +136,33 @@ def test_routing_is_not_degenerate(variant):
 # Engine vs reference
 
 
+@pytest.mark.parametrize("kv", ["f32", "f16"])  # f16: the CPU default
 @pytest.mark.parametrize("name", NAMES)
-def test_logits_match_reference(name):
+def test_logits_match_reference(name, kv):
     e = BY_NAME[name]
     cls = e["tol_class"]
     seqs = sequences_for(e)
-    out = run_engine(e, seqs)
+    out = run_engine(e, seqs, kv=kv)
     m = ref_model(e)
-    rel = np.concatenate([rel_errors(a, R.forward(m, s)) for s, a in zip(seqs, out)])
-    msg = f"{name} ({cls}): max rel {rel.max():.3g}, mean {rel.mean():.3g}"
+    rel = np.concatenate([rel_errors(a, R.forward(m, s, kv_dtype=kv)) for s, a in zip(seqs, out)])
+    msg = f"{name} ({cls}, KV {kv}): max rel {rel.max():.3g}, mean {rel.mean():.3g}"
     print(msg)
-    assert rel.max() <= TOL[cls], msg
-    assert rel.mean() <= MEAN_TOL[cls], msg
+    tol, mean_tol = tolerances(cls, kv)
+    assert rel.max() <= tol, msg
+    assert rel.mean() <= mean_tol, msg
 
 
+@pytest.mark.parametrize("kv", ["f32", "f16"])
 @pytest.mark.parametrize("name", NAMES)
-def test_teacher_forcing_argmax(name):
+def test_teacher_forcing_argmax(name, kv):
     e = BY_NAME[name]
     cls = e["tol_class"]
     m = ref_model(e)
     rng = np.random.default_rng(seed_of(e["variant"]) + 1)
     prompt = rng.integers(0, e["config"]["n_vocab"], PROMPT_LEN).tolist()
     seq = R.greedy(m, prompt, TF_STEPS)
-    b = R.forward(m, seq)
-    (a,) = run_engine(e, [seq], chunk=1)
+    b = R.forward(m, seq, kv_dtype=kv)
+    (a,) = run_engine(e, [seq], kv=kv, chunk=1)
     checked, bad = 0, []
     for t in range(PROMPT_LEN - 1, PROMPT_LEN - 1 + TF_STEPS):
         srt = np.sort(b[t])
@@ -170,7 +175,7 @@ def test_teacher_forcing_argmax(name):
     print(msg)
     assert not bad, msg
     assert checked >= MIN_CHECKED[cls], msg
-    assert rel_errors(a, b).max() <= TOL[cls]
+    assert rel_errors(a, b).max() <= tolerances(cls, kv)[0]
 
 
 @pytest.mark.parametrize("name", ["mixtral-q8_0-gguf", "qwen2moe-f32-gguf"])

@@ -8,7 +8,7 @@ the same run (docs/PERFORMANCE.md).
         [--rounds 5] [-p 512] [-n 128] [-d DEPTH] [--kv-dtype f32|f16|bf16]
 
 The two engines alternate within each round (so a noisy neighbour hits both
-alike); each round runs each engine with -r 3 and keeps its mean; the table
+alike); each round runs each engine with -r 3 (--reps) and keeps its mean; the table
 reports the median over rounds of those means, and the ratio tandem/llama.cpp.
 Generation's fraction of the memory-bandwidth limit is
 tg t/s / (read bandwidth / weight bytes read per token), with the bandwidth
@@ -34,7 +34,7 @@ def run_json(cmd, env=None):
 
 def tandem_round(args, model):
     cmd = [args.tandem, "bench-engine", "--model", model, "-p", str(args.p), "-n", str(args.n),
-           "-r", "3", "--threads", str(args.threads), "--json"]
+           "-r", str(args.reps), "--threads", str(args.threads), "--json"]
     if args.d:
         cmd += ["-d", str(args.d)]
     if args.kv_dtype:
@@ -48,7 +48,7 @@ def llama_round(args, model):
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.path.dirname(os.path.abspath(args.llama_bench))
     cmd = [args.llama_bench, "-m", model, "-t", str(args.threads), "-p", str(args.p),
-           "-n", str(args.n), "-r", "3", "-o", "json"]
+           "-n", str(args.n), "-r", str(args.reps), "-o", "json"]
     if args.d:
         cmd += ["-d", str(args.d)]
     if args.kv_dtype:
@@ -68,6 +68,8 @@ def main() -> int:
     ap.add_argument("--membw", required=True)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3,
+                    help="repetitions per engine run (-r), whose mean is the round's figure")
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-d", type=int, default=0, help="KV cache depth before each test")
@@ -110,7 +112,7 @@ def main() -> int:
             rows.append(f"| {os.path.basename(model)} | {label} | {t:.1f} | {l:.1f} | "
                         f"{t / l:.2f}x | {frac} |")
     print(f"\nthreads {args.threads}, read bandwidth {bw_gbs:.1f} GB/s (td-membw median of 3), "
-          f"median of {args.rounds} rounds of mean-of-3, KV cache "
+          f"median of {args.rounds} rounds of mean-of-{args.reps}, KV cache "
           f"{args.kv_dtype or 'each engine default'}\n")
     print("| model | test | tandem t/s | llama.cpp t/s | ratio | tg fraction of bandwidth limit |")
     print("|---|---|---:|---:|---:|---|")
