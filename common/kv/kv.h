@@ -54,7 +54,8 @@ size_t td_kv_elem_bytes(uint32_t t);
  * other name, *t unchanged. */
 bool td_kv_dtype_parse(const char *name, td_dtype *t);
 /* --kv-dtype's help, naming the default (td_runtime_params.kv_dtype). */
-#define TD_KV_DTYPE_HELP "KV cache element type: f16, bf16, f32 (default: f16 on the\nCPU, f32 on a GPU)"
+#define TD_KV_DTYPE_HELP                                                                           \
+    "KV cache element type: f16, bf16, f32 (default: f16 on the\nCPU, f32 on a GPU)"
 
 /* How KV storage gets memory the network can reach (filled by the
  * transfer layer, called by the backend's KV allocator). Either alloc
