@@ -88,6 +88,18 @@ static inline float td_cpu_kv_elem(const void *row, size_t i, td_dtype t) {
     }
 }
 
+/* Runs CALL(dt) with dt the constant for the KV dtype t (F32 for anything
+ * but F16 and BF16), so that an always-inline kernel body taking dt is
+ * compiled once per dtype. */
+#define TD_KV_DTYPE_SWITCH(t, CALL)                                                                \
+    do {                                                                                           \
+        switch (t) {                                                                               \
+        case TD_TYPE_F16: CALL(TD_TYPE_F16); break;                                                \
+        case TD_TYPE_BF16: CALL(TD_TYPE_BF16); break;                                              \
+        default: CALL(TD_TYPE_F32); break;                                                         \
+        }                                                                                          \
+    } while (0)
+
 /* Bytes of one KV element of dtype t (F32, F16 or BF16). */
 static inline size_t td_cpu_kv_es(td_dtype t) { return t == TD_TYPE_F32 ? 4 : 2; }
 

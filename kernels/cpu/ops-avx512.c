@@ -777,17 +777,9 @@ AI void attn_paged_dt(const float *q, const td_cpu_kv_layer *kv, int kv_head,
 static void attn_paged_avx512(const float *q, const td_cpu_kv_layer *kv, int kv_head,
                               const int32_t *block_table, int n_ctx, float scale, float *out,
                               float *scratch) {
-    switch (kv->dtype) {
-    case TD_TYPE_F16:
-        attn_paged_dt(q, kv, kv_head, block_table, n_ctx, scale, out, scratch, TD_TYPE_F16);
-        break;
-    case TD_TYPE_BF16:
-        attn_paged_dt(q, kv, kv_head, block_table, n_ctx, scale, out, scratch, TD_TYPE_BF16);
-        break;
-    default:
-        attn_paged_dt(q, kv, kv_head, block_table, n_ctx, scale, out, scratch, TD_TYPE_F32);
-        break;
-    }
+#define CALL(dt) attn_paged_dt(q, kv, kv_head, block_table, n_ctx, scale, out, scratch, dt)
+    TD_KV_DTYPE_SWITCH(kv->dtype, CALL);
+#undef CALL
 }
 
 /* Weighted V sums of G queries (head_dim 64) sharing each loaded V row;
@@ -925,17 +917,9 @@ static void attn_paged_multi_avx512(const td_cpu_attn_query *qs, int n_q, const 
                               scratch);
         return;
     }
-    switch (kv->dtype) {
-    case TD_TYPE_F16:
-        attn_paged_multi_dt(qs, n_q, kv, kv_head, block_table, scale, scratch, TD_TYPE_F16);
-        break;
-    case TD_TYPE_BF16:
-        attn_paged_multi_dt(qs, n_q, kv, kv_head, block_table, scale, scratch, TD_TYPE_BF16);
-        break;
-    default:
-        attn_paged_multi_dt(qs, n_q, kv, kv_head, block_table, scale, scratch, TD_TYPE_F32);
-        break;
-    }
+#define CALL(dt) attn_paged_multi_dt(qs, n_q, kv, kv_head, block_table, scale, scratch, dt)
+    TD_KV_DTYPE_SWITCH(kv->dtype, CALL);
+#undef CALL
 }
 
 const td_cpu_ops td_cpu_ops_avx512 = {
