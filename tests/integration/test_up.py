@@ -152,7 +152,8 @@ def test_usage_errors(tandem, manifest, test_models):
                        (["--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf"),
                        (["--colocated", "2", "--prefill", "1"], "--colocated"),
                        (["--colocated", "0"], "--colocated"), (["--cpus", "1-0"], "--cpus"),
-                       (["--cpus", "0,,1"], "--cpus"), (["--cpus", "x"], "--cpus")):
+                       (["--cpus", "0,,1"], "--cpus"), (["--cpus", "x"], "--cpus"),
+                       (["--kv-dtype", "q8_0"], "--kv-dtype")):
         r = tandem("up", *args, check=False, timeout=30)
         assert r.returncode == 2, r.describe()
         assert flag in r.stderr and r.stdout == "", r.describe()
@@ -305,6 +306,27 @@ def test_chat_once(tandem, manifest, test_models):
                  "--max-tokens", "12", "--temperature", "0", "--threads", "1")
     assert answer == ref.stdout, r.describe()
     assert "tandem up: stopped\n" in r.stderr
+
+
+def test_chat_once_kv_dtype(tandem, manifest, test_models):
+    """--kv-dtype reaches every instance (both say so), so they pair (no
+    link refused), and the answer equals `tandem generate` with the same
+    cache."""
+    model = next(test_models / m["path"] for m in manifest
+                 if m["format"] == "gguf" and m["variant"] == "smollm2"
+                 and m["wtype"] in ("F32", "f32"))
+    r = tandem("up", "--model", model, "--port", "0", "--grpc-port", "0", "--threads", "1",
+               "--kv-dtype", "bf16", "--chat", "What is the capital of France?",
+               "--max-tokens", "12", timeout=120)
+    first, answer = r.stdout.split("\n", 1)
+    assert READY_RE.match(first), r.describe()
+    for who in ("prefill-0", "decode-0"):
+        assert re.search(rf"^\[{who}\] model: .*, KV cache bf16$", r.stderr, re.M), r.describe()
+    ref = tandem("generate", "--model", model, "--chat", "What is the capital of France?",
+                 "--max-tokens", "12", "--temperature", "0", "--threads", "1",
+                 "--kv-dtype", "bf16")
+    assert answer == ref.stdout, r.describe()
+    assert "its KV cache holds" not in r.stderr, r.describe()
 
 
 def cpus_allowed(pid):
