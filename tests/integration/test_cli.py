@@ -112,6 +112,26 @@ def test_bench_engine_json(tiny_gguf):
                                                abs=1e-9)
 
 
+def test_bench_engine_depth_and_kv_dtype(tiny_gguf):
+    """-d: the tests run after D tokens in the cache (named like
+    llama-bench's); --kv-dtype: the cache's type, and the K/V bytes of a
+    position it gives (bf16 half of f32's)."""
+    per_pos = {}
+    for kv in ("f32", "bf16"):
+        r = run("bench-engine", "--model", tiny_gguf, "-p", "8", "-n", "4", "-d", "40", "-r", "1",
+                "--threads", "1", "--kv-dtype", kv, "--json")
+        assert r.returncode == 0, r.stderr.decode(errors="replace")
+        o = json.loads(r.stdout)
+        assert o["kv_dtype"] == kv
+        per_pos[kv] = o["kv_bytes_per_position"]
+        tests = {t["test"]: t for t in o["tests"]}
+        assert set(tests) == {"pp8@d40", "tg4@d40"}, tests.keys()
+        assert all(t["n_depth"] == 40 and t["avg_ts"] > 0 for t in tests.values())
+    assert per_pos["f32"] == 2 * per_pos["bf16"] > 0
+    r = run("bench-engine", "--model", tiny_gguf, "-n", "4", "--kv-dtype", "f8")
+    assert_clean_failure(r, 2)
+
+
 def test_bench_engine_table(tiny_gguf):
     r = run("bench-engine", "--model", tiny_gguf, "-p", "16", "-n", "4", "-r", "2",
             "--threads", "1")
