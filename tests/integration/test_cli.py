@@ -5,7 +5,6 @@ gives a nonzero exit and a clear error line, never a crash."""
 import json
 import os
 import re
-import shutil
 import signal
 import statistics
 import subprocess

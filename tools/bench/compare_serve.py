@@ -29,7 +29,8 @@ turn, the order rotated between repeats.
 
 Both servers get the same KV capacity: llama-server -c = max-running *
 ctx-per-slot; tandem serve --ctx ctx-per-slot and --kv-blocks =
-max-running * ctx-per-slot / 16 (block size 16).
+max-running * ctx-per-slot / 16 (block size 16); and the same KV cache type,
+--kv-dtype (tandem --kv-dtype, llama-server -ctk/-ctv; default f16).
 
 Serving overhead at concurrency 1: Tandem's TTFT P50 on random minus the
 engine's own prefill time for the same prompt length (`tandem bench-engine
@@ -170,7 +171,7 @@ def start_tandem(args, logdir, name, extra):
     argv = [args.tandem, "serve", "--model", args.model, "--port", "0", "--grpc-port", "-1",
             "--threads", str(args.threads), "--max-running", str(args.max_running),
             "--ctx", str(args.ctx_per_slot), "--kv-blocks", str(blocks),
-            "--served-model-name", "bench-model"] + extra
+            "--served-model-name", "bench-model", "--kv-dtype", args.kv_dtype] + extra
     s = Server(name, argv, dict(os.environ), logdir, ready_line=True)
     s.wait_tandem_ready(args.ready_timeout)
     return s
@@ -183,7 +184,8 @@ def start_llama(args, logdir):
     env["LD_LIBRARY_PATH"] = libdir + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
     argv = [args.llama_server, "-m", args.model, "-t", str(args.threads), "-np",
             str(args.max_running), "-c", str(args.max_running * args.ctx_per_slot),
-            "--host", "127.0.0.1", "--port", str(port), "-a", "bench-model"]
+            "--host", "127.0.0.1", "--port", str(port), "-a", "bench-model",
+            "-ctk", args.kv_dtype, "-ctv", args.kv_dtype]
     s = Server("llama", argv, env, logdir)
     s.wait_http_ready(f"http://127.0.0.1:{port}", args.ready_timeout)
     return s
@@ -326,6 +328,8 @@ def main():
     ap.add_argument("--prefix-len", type=int, default=192)
     ap.add_argument("--prefix-input-len", type=int, default=64)
     ap.add_argument("--ready-timeout", type=float, default=120)
+    ap.add_argument("--kv-dtype", choices=("f16", "bf16", "f32"), default="f16",
+                    help="both servers' KV cache type (default f16: both defaults on the CPU)")
     ap.add_argument("--no-overhead", action="store_true", help="skip the bench-engine prefill runs")
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args()
