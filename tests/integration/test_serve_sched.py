@@ -218,11 +218,17 @@ def test_chunked_prefill_equals_solo(serve, tiny, solo_refs):
 def test_kv_exhaustion_preempts_and_recovers(serve, tiny, solo_refs):
     """12 KV blocks, 1 reserved output token: six sequences that each grow
     to 8 blocks are admitted together and must preempt one another; all
-    finish with the solo outputs and nothing stays used or reserved."""
+    finish with the solo outputs and nothing stays used or reserved. The
+    server is held (SIGSTOP) until all six are sent, so that they arrive
+    together: sent by six client threads on a loaded machine, the first
+    could finish before the last arrived, and nothing would preempt."""
     srv = serve(tiny, "--served-model-name", SERVED, "--kv-blocks", 12,
                 "--reserve-output-tokens", 1, "--max-running", 8)
     specs = exhaustion_specs()
-    got = run_concurrently(srv, specs)
+    with cf.ThreadPoolExecutor(1) as ex:
+        with srv.held(len(specs)):
+            fut = ex.submit(run_concurrently, srv, specs)
+        got = fut.result()
     assert_same(specs, got, solo_refs, "KV exhaustion")
     m = srv.metrics()
     assert metric(m, "vllm:num_preemptions_total") > 0, "no preemption with 12 blocks"
