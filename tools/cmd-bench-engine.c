@@ -88,10 +88,7 @@ static bool set_bench_opt(void *ctx, int i, const char *val, bool *printed) {
     case B_N_PROMPT: return td_cli_parse_long(val, 0, 1 << 20, &a->n_prompt);
     case B_N_GEN: return td_cli_parse_long(val, 0, 1 << 20, &a->n_gen);
     case B_DEPTH: return td_cli_parse_long(val, 0, 1 << 20, &a->depth);
-    case B_KV_DTYPE: {
-        td_dtype t;
-        return td_kv_dtype_parse(a->kv_dtype = val, &t);
-    }
+    case B_KV_DTYPE: return td_cli_parse_kv_dtype(val, &a->kv_dtype);
     case B_REPS: return td_cli_parse_long(val, 1, BENCH_MAX_REPS, &a->reps);
     case B_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
     case B_JSON: a->json = true; return true;

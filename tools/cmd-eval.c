@@ -70,10 +70,7 @@ static bool set_eval_opt(void *ctx, int i, const char *val, bool *printed) {
     case E_OUT: a->out = val; return true;
     case E_ISA: a->isa = val; return true;
     case E_BATCH: a->batch = true; return true;
-    case E_KV_DTYPE: {
-        td_dtype t;
-        return td_kv_dtype_parse(a->kv_dtype = val, &t);
-    }
+    case E_KV_DTYPE: return td_cli_parse_kv_dtype(val, &a->kv_dtype);
     /* the same bound as generate and bench-engine */
     case E_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
     case E_CHUNK: return td_cli_parse_long(val, 1, INT32_MAX, &a->chunk);

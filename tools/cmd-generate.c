@@ -118,10 +118,7 @@ static bool set_gen_opt(void *ctx, int i, const char *val, bool *printed) {
     case G_MAX_TOKENS: return td_cli_parse_long(val, 1, INT32_MAX, &a->max_tokens);
     case G_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
     case G_CTX: return td_cli_parse_long(val, 1, INT32_MAX, &a->ctx);
-    case G_KV_DTYPE: {
-        td_dtype t;
-        return td_kv_dtype_parse(a->kv_dtype = val, &t);
-    }
+    case G_KV_DTYPE: return td_cli_parse_kv_dtype(val, &a->kv_dtype);
     case G_TEMPERATURE:
     case G_TEMP: return td_cli_parse_float(val, &a->sp.temperature);
     case G_TOP_K:

@@ -32,7 +32,6 @@
 
 #include "common/base/base.h"
 #include "common/base/httpc.h"
-#include "common/kv/kv.h"
 #include "common/runtime/cli.h"
 #include "tools.h"
 
@@ -258,10 +257,7 @@ static bool set_up_opt(void *ctx, int i, const char *val, bool *printed) {
     case U_PORT: return td_cli_parse_long(val, 0, 65535, &a->port);
     case U_GRPC_PORT: return td_cli_parse_long(val, -1, 65535, &a->grpc_port);
     case U_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
-    case U_KV_DTYPE: {
-        td_dtype t;
-        return td_kv_dtype_parse(a->kv_dtype = val, &t);
-    }
+    case U_KV_DTYPE: return td_cli_parse_kv_dtype(val, &a->kv_dtype);
     case U_TOKEN_FILE: return *(a->token_file = val) != '\0';
     case U_READY_TIMEOUT: return parse_seconds(val, 0.001, &a->ready_timeout);
     case U_DRAIN_TIMEOUT: return parse_seconds(val, 0, &a->drain_timeout);

@@ -9,6 +9,7 @@
 
 #include "common/base/base.h"
 #include "common/base/httpc.h"
+#include "common/kv/kv.h"
 #include "common/transfer/ucx.h"
 
 #define DEFAULT_MODEL_FILE "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,6 +54,13 @@ bool td_cli_parse_long(const char *s, long lo, long hi, long *out) {
     long v = strtol(s, &end, 10);
     if (errno || end == s || *end || v < lo || v > hi) return false;
     *out = v;
+    return true;
+}
+
+bool td_cli_parse_kv_dtype(const char *s, const char **out) {
+    td_dtype t;
+    if (!td_kv_dtype_parse(s, &t)) return false;
+    *out = s;
     return true;
 }
 

@@ -27,6 +27,9 @@ bool td_cli_parse_long(const char *s, long lo, long hi, long *out);
 bool td_cli_parse_float(const char *s, float *out);    /* finite */
 bool td_cli_parse_u64(const char *s, uint64_t *out);   /* no sign */
 bool td_cli_parse_seconds(const char *s, double *out); /* 0 .. 86400, finite */
+/* --kv-dtype: a name td_kv_dtype_parse knows (f32, f16, bf16); *out keeps
+ * the string (runtime params take the name). */
+bool td_cli_parse_kv_dtype(const char *s, const char **out);
 /* The first line of a secret file (the cluster token), malloc'd; NULL
  * (logged) when it cannot be read or is empty. */
 char *td_cli_read_secret(const char *path);

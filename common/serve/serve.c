@@ -257,10 +257,7 @@ static bool set_serve_opt(void *ctx, int i, const char *val, bool *printed) {
     case S_KV_MEMORY: return parse_bytes(val, &a->kv_memory);
     case S_KV_BLOCKS: return td_cli_parse_long(val, 1, 1 << 24, &a->kv_blocks);
     case S_BLOCK_SIZE: return td_cli_parse_long(val, 1, 1024, &a->block_size);
-    case S_KV_DTYPE: {
-        td_dtype t;
-        return td_kv_dtype_parse(a->kv_dtype = val, &t);
-    }
+    case S_KV_DTYPE: return td_cli_parse_kv_dtype(val, &a->kv_dtype);
     case S_MAX_RUNNING: return td_cli_parse_long(val, 1, 1024, &a->max_running);
     case S_MAX_BATCH_TOKENS: return td_cli_parse_long(val, 1, 1 << 20, &a->max_batch_tokens);
     case S_PREFILL_SHARE: {

@@ -3,6 +3,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "cpu-impl.h"
 #include "qmatmul.h"
 
 /* The rank's positions, in order, form a virtual sequence over local_table
@@ -15,7 +16,7 @@ void td_cpu_attn_partial(const float *q, const td_cpu_kv_layer *kv, int kv_head,
                          const int32_t *local_table, int n_ctx, int stride, int offset, float scale,
                          td_cpu_attn_part *part, float *scratch) {
     const int bs = kv->block_size, hd = kv->head_dim;
-    const size_t es = kv->dtype == TD_TYPE_F32 ? 4 : 2, row = (size_t)kv->n_kv_heads * (size_t)hd;
+    const size_t es = td_cpu_kv_es(kv->dtype), row = (size_t)kv->n_kv_heads * (size_t)hd;
     int n = 0, nb = 0;
     for (int j = offset; (int64_t)j * bs < n_ctx; j += stride, nb++) {
         int end = (j + 1) * bs < n_ctx ? bs : n_ctx - j * bs;
