@@ -232,9 +232,11 @@ static td_status cpu_upload_floats(td_backend *be, const float *p, size_t n) {
     return TD_OK;
 }
 
-/* Query heads of one KV head attended in one call (the multi-query kernel
- * loads each K/V row once for all of them). */
-#define ATTN_GROUP 8
+/* Queries attended in one call of the multi-query kernel, which loads each
+ * K/V row once for all of them: query heads of one KV head, of up to
+ * ATTN_ROWS consecutive rows of one sequence (a prefill chunk). */
+#define ATTN_GROUP 24
+#define ATTN_ROWS  8
 
 static td_status cpu_reserve(td_backend *be, int32_t max_ctx, int head_dim) {
     cpu_ctx *c = ctx_of(be);
@@ -466,16 +468,19 @@ static td_cpu_kv_layer kv_layer(const td_backend_kv *kv) {
                              .head_dim = kv->head_dim};
 }
 
-/* Attention per (row, KV head, up to ATTN_GROUP of its query heads) item,
- * claimed one at a time (items differ in cost with the context length).
- * The multi-query kernel reads each K/V row once for the item's heads and
- * gives each head the bits of a call of its own. */
+/* Attention per (run of rows, KV head, up to ATTN_GROUP of its query heads)
+ * item, claimed one at a time (items differ in cost with the context
+ * length). An item's rows are the rows_per_item rows from its first; the
+ * rows of one sequence among them go to the multi-query kernel together,
+ * which reads each K/V row once for all their heads and gives each query
+ * the bits of a call of its own: no value depends on the grouping. */
 typedef struct {
     cpu_ctx *c;
     td_cpu_kv_layer kvl;
     const float *q;
     float *att;
     int nh;
+    int rows_per_item;
     float scale;
 } attn_task;
 
@@ -485,29 +490,45 @@ static void task_attn(void *ctx, int ith, int nth) {
     cpu_ctx *c = t->c;
     float *scratch = c->attn_scratch + (size_t)ith * ATTN_GROUP * (size_t)c->max_ctx;
     const int nh = t->nh, hd = t->kvl.head_dim, group = nh / t->kvl.n_kv_heads;
-    const int n_sub = (group + ATTN_GROUP - 1) / ATTN_GROUP, per_row = t->kvl.n_kv_heads * n_sub;
+    const int sub = TD_MIN(group, ATTN_GROUP), n_sub = (group + sub - 1) / sub;
+    const int per_run = t->kvl.n_kv_heads * n_sub, rpi = t->rows_per_item;
+    const int64_t n_runs = ((int64_t)c->b.n_rows + rpi - 1) / rpi;
     const size_t q_dim = (size_t)nh * (size_t)hd;
     td_cpu_attn_query qs[ATTN_GROUP];
     int64_t i0, i1;
-    while (claim(c, (int64_t)c->b.n_rows * per_row, 1, &i0, &i1)) {
-        int32_t r = (int32_t)(i0 / per_row);
-        int kvh = (int)(i0 % per_row) / n_sub, h0 = kvh * group + (int)(i0 % n_sub) * ATTN_GROUP;
-        int n = TD_MIN(ATTN_GROUP, (kvh + 1) * group - h0);
-        int n_ctx = c->b.row_pos[r] + 1; /* causal: positions [0, pos] */
-        for (int i = 0; i < n; i++) {
-            size_t off = (size_t)r * q_dim + (size_t)(h0 + i) * (size_t)hd;
-            qs[i] = (td_cpu_attn_query){.q = t->q + off, .out = t->att + off, .n_ctx = n_ctx};
+    while (claim(c, n_runs * per_run, 1, &i0, &i1)) {
+        int32_t r = (int32_t)(i0 / per_run) * rpi, r_end = TD_MIN(c->b.n_rows, r + rpi);
+        int kvh = (int)(i0 % per_run) / n_sub, h0 = kvh * group + (int)(i0 % n_sub) * sub;
+        int nq = TD_MIN(sub, (kvh + 1) * group - h0);
+        while (r < r_end) {
+            const int32_t seq = c->b.row_seq[r];
+            int n = 0;
+            for (; r < r_end && c->b.row_seq[r] == seq; r++) {
+                int n_ctx = c->b.row_pos[r] + 1; /* causal: positions [0, pos] */
+                for (int i = 0; i < nq; i++) {
+                    size_t off = (size_t)r * q_dim + (size_t)(h0 + i) * (size_t)hd;
+                    qs[n++] =
+                        (td_cpu_attn_query){.q = t->q + off, .out = t->att + off, .n_ctx = n_ctx};
+                }
+            }
+            td_cpu_attn_paged_multi(qs, n, &t->kvl, kvh, c->b.seq_table[seq], t->scale, scratch);
         }
-        td_cpu_attn_paged_multi(qs, n, &t->kvl, kvh, c->b.seq_table[c->b.row_seq[r]], t->scale,
-                                scratch);
     }
 }
 
 static void cpu_attn(td_backend *be, td_bview q, td_bview att, const td_backend_kv *kv, int nh,
                      float scale, int64_t cost) {
     cpu_ctx *c = ctx_of(be);
-    attn_task t = {
-        .c = c, .kvl = kv_layer(kv), .q = F32(q), .att = F32(att), .nh = nh, .scale = scale};
+    const int group = nh / kv->n_kv_heads;
+    /* rows grouped when there are enough of them to keep every thread busy */
+    int rpi = TD_MAX(1, TD_MIN(c->b.n_rows / 16, ATTN_GROUP / TD_MIN(group, ATTN_GROUP)));
+    attn_task t = {.c = c,
+                   .kvl = kv_layer(kv),
+                   .q = F32(q),
+                   .att = F32(att),
+                   .nh = nh,
+                   .rows_per_item = TD_MIN(rpi, ATTN_ROWS),
+                   .scale = scale};
     /* attention cost grows with context: worth threads even for one row */
     dispatch(c, task_attn, &t, threaded(c) && cost * nh >= 1024);
 }
