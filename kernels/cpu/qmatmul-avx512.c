@@ -140,6 +140,91 @@ AI void kern_reg(const td_dtype WT, const int R, const int T, const char *w, siz
     tile_store(R, T, acc, y, ldy);
 }
 
+/* Register path for the quantized types: R weight rows side by side (the
+ * FMA chain of one (row, token) accumulator is sequential, so one row alone
+ * waits on its latency), each row's blocks in k order. The scales (and
+ * Q4_1's mins) of 16 blocks of a row are widened to f32 by one conversion,
+ * and each block takes its own by broadcast loads, where deq_block converts
+ * them per block with shuffles. The nibble indices come from one widening:
+ * the low nibble is in the low 4 bits of each byte's lane (all vpermps
+ * reads), the high one after a 4-bit shift. Every element's value and the
+ * order of each accumulator's FMAs are deq_block's and kern_reg's, so the
+ * bits are the same. */
+AI void kern_reg_q(const td_dtype WT, const int R, const int T, const char *w, size_t ws,
+                   const float *x, size_t ldx, int64_t nb, float *y, size_t ldy) {
+    const size_t BS = td_dtype_row_bytes(WT, 32);
+    const int NS = WT == TD_TYPE_Q4_1 ? 2 : 1; /* halves widened per block: d (, m) */
+    __m512 acc[RR][TBUF];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    _Alignas(64) float sc[RR][32];
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        const int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
+        const __mmask16 gm = (__mmask16)((1u << n) - 1);
+        const __m512i gi = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32((int)BS));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const char *wr = w + (size_t)r * ws + (size_t)b0 * BS;
+            const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), gm, gi, wr, 1);
+            if (NS == 2) {
+                _mm512_store_ps(sc[r], _mm512_cvtph_ps(_mm512_castsi512_si256(g)));
+                _mm512_store_ps(sc[r] + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(g, 1)));
+            } else {
+                _mm512_store_ps(sc[r], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
+            }
+        }
+        for (int i = 0; i < n; i++) {
+            __m512 lo[RR], hi[RR];
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const char *blk = w + (size_t)r * ws + (size_t)(b0 + i) * BS;
+                _mm_prefetch(blk + PF_DIST, _MM_HINT_T0);
+                if (WT == TD_TYPE_Q8_0) {
+                    const int8_t *qs = ((const td_block_q8_0 *)blk)->qs;
+                    const __m512 d = _mm512_set1_ps(sc[r][i]);
+                    lo[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                              _mm_loadu_si128((const __m128i *)qs))),
+                                          d);
+                    hi[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                              _mm_loadu_si128((const __m128i *)(qs + 16)))),
+                                          d);
+                } else {
+                    const uint8_t *qs = WT == TD_TYPE_Q4_0 ? ((const td_block_q4_0 *)blk)->qs
+                                                           : ((const td_block_q4_1 *)blk)->qs;
+                    const __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+                    const __m512i i1 = _mm512_srli_epi32(i0, 4);
+                    __m512 tab;
+                    if (WT == TD_TYPE_Q4_0)
+                        tab = _mm512_mul_ps(
+                            _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7),
+                            _mm512_set1_ps(sc[r][i]));
+                    else
+                        tab = _mm512_fmadd_ps(
+                            _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_ps(sc[r][2 * i]), _mm512_set1_ps(sc[r][2 * i + 1]));
+                    lo[r] = _mm512_permutexvar_ps(i0, tab);
+                    hi[r] = _mm512_permutexvar_ps(i1, tab);
+                }
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < T; t++) {
+                const float *xt = x + (size_t)t * ldx + (size_t)(b0 + i) * 32;
+                const __m512 xl = _mm512_loadu_ps(xt), xh = _mm512_loadu_ps(xt + 16);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    acc[r][t] = _mm512_fmadd_ps(lo[r], xl, acc[r][t]);
+                    acc[r][t] = _mm512_fmadd_ps(hi[r], xh, acc[r][t]);
+                }
+            }
+        }
+    }
+    tile_store(R, T, acc, y, ldy);
+}
+
 /* Tiled path: R rows of dequantized weights wf (row stride k) x T tokens. */
 AI void kern_buf(const int R, const int T, const float *wf, const float *x, size_t ldx, int64_t k,
                  float *y, size_t ldy) {
@@ -172,9 +257,21 @@ AI void kern_buf(const int R, const int T, const float *wf, const float *x, size
                      int64_t nb, float *y, size_t ldy) {                                           \
         switch (R * 8 + T) { REG_ROW(WT, 1) default : abort(); }                                   \
     }
-DEF_REG(reg_q40, TD_TYPE_Q4_0)
-DEF_REG(reg_q41, TD_TYPE_Q4_1)
-DEF_REG(reg_q80, TD_TYPE_Q8_0)
+#define REGQ_CASE(WT, R, T)                                                                        \
+    case (R)*8 + (T):                                                                              \
+        kern_reg_q(WT, R, T, w, ws, x, ldx, nb, y, ldy);                                           \
+        return;
+#define REGQ_ROW(WT, R) REGQ_CASE(WT, R, 1) REGQ_CASE(WT, R, 2) REGQ_CASE(WT, R, 3)
+#define DEF_REGQ(NAME, WT)                                                                         \
+    static void NAME(int R, int T, const char *w, size_t ws, const float *x, size_t ldx,           \
+                     int64_t nb, float *y, size_t ldy) {                                           \
+        switch (R * 8 + T) {                                                                       \
+            REGQ_ROW(WT, 1) REGQ_ROW(WT, 2) REGQ_ROW(WT, 3) REGQ_ROW(WT, 4) default : abort();     \
+        }                                                                                          \
+    }
+DEF_REGQ(reg_q40, TD_TYPE_Q4_0)
+DEF_REGQ(reg_q41, TD_TYPE_Q4_1)
+DEF_REGQ(reg_q80, TD_TYPE_Q8_0)
 DEF_REG(reg_f32, TD_TYPE_F32)
 DEF_REG(reg_f16, TD_TYPE_F16)
 DEF_REG(reg_bf16, TD_TYPE_BF16)
@@ -228,10 +325,13 @@ void td_qmm_avx512(td_dtype wt, const void *w, size_t ws, const float *x, size_t
                               : wt == TD_TYPE_BF16 ? reg_bf16
                                                    : NULL;
         if (!reg) TD_KERNEL_UNREACHABLE_TYPE(wt);
+        /* quantized rows go RR at a time (kern_reg_q), float rows one at a time */
+        const int rstep = td_dtype_is_quant(wt) ? RR : 1;
         for (int t = 0; t < n; t += TREG) {
             const int tt = n - t < TREG ? n - t : TREG;
-            for (int r = r0; r < r1; r++) {
-                reg(1, tt, (const char *)w + (size_t)r * ws, ws, x + (size_t)t * ldx, ldx, nb,
+            for (int r = r0; r < r1; r += rstep) {
+                const int rr = r1 - r < rstep ? r1 - r : rstep;
+                reg(rr, tt, (const char *)w + (size_t)r * ws, ws, x + (size_t)t * ldx, ldx, nb,
                     y + (size_t)t * ldy + (size_t)r, ldy);
             }
         }
