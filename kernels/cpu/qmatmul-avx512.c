@@ -17,6 +17,7 @@
  * both paths, so the choice of path (made from n) never changes a value. */
 #include <immintrin.h>
 
+#include "avx512-impl.h"
 #include "cpu-impl.h"
 #include "qmatmul-impl.h"
 
@@ -37,14 +38,6 @@
 AI __m512 bcast_h(const td_fp16 *p) { return _mm512_cvtph_ps(_mm256_set1_epi16((short)*p)); }
 
 static _Thread_local _Alignas(64) float g_wf[RR * TD_QMM_KMAX]; /* (RR, k) dequantized rows */
-
-AI float hsum(__m512 v) {
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* Block b of a row: lo = elements 0-15, hi = elements 16-31. */
 AI void deq_block(const td_dtype WT, const char *row, int64_t b, __m512 *lo, __m512 *hi) {
@@ -105,11 +98,17 @@ AI void deq_block(const td_dtype WT, const char *row, int64_t b, __m512 *lo, __m
     *hi = _mm512_permutexvar_ps(i1, tab);
 }
 
+/* Full-height tiles reduce four rows at once (the same tree per sum). */
 AI void tile_store(const int R, const int T, __m512 acc[RR][TBUF], float *y, size_t ldy) {
 #pragma GCC unroll 8
-    for (int t = 0; t < T; t++)
+    for (int t = 0; t < T; t++) {
+        if (R == 4) {
+            hsum512x4(acc[0][t], acc[1][t], acc[2][t], acc[3][t], y + (size_t)t * ldy);
+            continue;
+        }
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) y[(size_t)t * ldy + (size_t)r] = hsum(acc[r][t]);
+        for (int r = 0; r < R; r++) y[(size_t)t * ldy + (size_t)r] = hsum512(acc[r][t]);
+    }
 }
 
 /* Register path: R rows x T tokens straight from the weight blocks. */
