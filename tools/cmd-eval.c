@@ -31,7 +31,7 @@ typedef struct {
     float *out; /* (len, n_vocab) inside the output buffer */
 } eval_seq;
 
-enum { E_MODEL, E_TOKENS, E_OUT, E_THREADS, E_CHUNK, E_BATCH, E_ISA, E_KV_DTYPE, E_N };
+enum { E_MODEL, E_TOKENS, E_OUT, E_THREADS, E_CHUNK, E_BATCH, E_ISA, E_KV_DTYPE, E_ACT_INT8, E_N };
 static td_opt k_eval_opts[E_N] = {
     /* the --model help names the default: set below */
     [E_MODEL] = {"model", 'm', "PATH", "GGUF file or Hugging Face directory"},
@@ -42,6 +42,7 @@ static td_opt k_eval_opts[E_N] = {
     [E_BATCH] = {"batch", 0, NULL, "every sequence in each call (default: one at a time)"},
     [E_ISA] = {"isa", 0, "NAME", "kernel set: scalar, avx2, avx512 (default: best available)"},
     [E_KV_DTYPE] = {"kv-dtype", 0, "T", TD_KV_DTYPE_HELP},
+    [E_ACT_INT8] = {"act-int8", 0, NULL, TD_ACT_INT8_HELP},
 };
 
 static void usage(FILE *f, void *ctx) {
@@ -58,6 +59,7 @@ typedef struct {
     const char *model, *tokens, *out, *isa;
     long threads, chunk;
     const char *kv_dtype;
+    bool act_int8;
     bool batch;
 } eval_args;
 
@@ -71,6 +73,7 @@ static bool set_eval_opt(void *ctx, int i, const char *val, bool *printed) {
     case E_ISA: a->isa = val; return true;
     case E_BATCH: a->batch = true; return true;
     case E_KV_DTYPE: return td_cli_parse_kv_dtype(val, &a->kv_dtype);
+    case E_ACT_INT8: a->act_int8 = true; return true;
     /* the same bound as generate and bench-engine */
     case E_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
     case E_CHUNK: return td_cli_parse_long(val, 1, INT32_MAX, &a->chunk);
@@ -199,6 +202,7 @@ int td_cmd_eval(int argc, char **argv) {
     rp.isa_name = isa;
     rp.ctx_len = max_len;
     rp.kv_dtype = ea.kv_dtype;
+    rp.act_int8 = ea.act_int8;
     rp.n_seqs = batch ? TD_MAX(n_seqs, 1) : 1;
     rp.quiet = true;
     rp.max_batch_tokens = 512;

@@ -13,11 +13,14 @@
  * matmul call (never a row's value), and each row adds its experts'
  * outputs in its own selection order.
  *
- * Activations stay f32 for every matmul: quantized weights are dequantized
- * on the fly (td_cpu_matmul_f32act), so the only error against a float64
- * forward pass on the dequantized weights is f32 rounding. Quantizing the
- * activations to 8 bits as well (llama.cpp's scheme) flipped the greedy
- * answer of the default Q4_1 model on a 0.08-logit margin. */
+ * Activations stay f32 for every matmul by default: quantized weights are
+ * dequantized on the fly (td_cpu_matmul_f32act), so the only error against
+ * a float64 forward pass on the dequantized weights is f32 rounding.
+ * Quantizing the activations to 8 bits as well (llama.cpp's scheme) flipped
+ * the greedy answer of the default Q4_1 model on a 0.08-logit margin; it is
+ * there behind td_backend_set_act_int8 (--act-int8): each matmul call
+ * quantizes its rows once (task_actq, per row, so the contract holds) and
+ * the tiles run the int8 kernels (td_cpu_matmul). */
 #include <errno.h>
 #include <math.h>
 #include <stdatomic.h>
@@ -43,6 +46,8 @@ typedef struct {
     int head_dim;
     float *attn_scratch; /* (nth, ATTN_GROUP, max_ctx) */
     float *cp_tmp;       /* (nth, head_dim) one partial's output per thread */
+    uint8_t *xq;         /* int8 activation rows (td_backend_set_act_int8) */
+    size_t xq_cap;
     td_backend_batch b;
 } cpu_ctx;
 
@@ -58,6 +63,10 @@ int td_backend_isa_parse(const char *name) { return td_cpu_isa_parse(name); }
 const char *td_backend_isa_name(td_isa isa) { return td_cpu_isa_name(isa); }
 bool td_backend_isa_select(td_isa isa) { return td_cpu_select(isa); }
 td_isa td_backend_isa_selected(void) { return td_cpu_selected(); }
+
+static bool g_act_int8;
+void td_backend_set_act_int8(bool on) { g_act_int8 = on; }
+bool td_backend_act_int8(void) { return g_act_int8; }
 
 /* ------------------------------------------------------------ dispatch */
 
@@ -356,6 +365,8 @@ typedef struct {
     const td_weight *w[TD_BACKEND_MAX_MM];
     const float *x;
     size_t ldx;
+    const uint8_t *xq; /* NULL: f32 activations; else int8 rows of xq_stride bytes */
+    size_t xq_stride;
     float *y[TD_BACKEND_MAX_MM];
     size_t ldy[TD_BACKEND_MAX_MM];
 } matmul_task;
@@ -375,9 +386,66 @@ static void task_matmul(void *ctx, int ith, int nth) {
         while (b >= tiles[i]) b -= tiles[i++];
         const td_weight *w = t->w[i];
         int64_t r0 = b * tile, r1 = TD_MIN(r0 + tile, w->rows);
-        td_cpu_matmul_f32act(w->type, w->data, w->stride, t->x, t->ldx, t->n_rows, w->cols, t->y[i],
-                             t->ldy[i], (int)r0, (int)r1);
+        if (t->xq)
+            td_cpu_matmul(w->type, w->data, w->stride, t->xq, t->xq_stride, t->n_rows, w->cols,
+                          t->y[i], t->ldy[i], (int)r0, (int)r1);
+        else
+            td_cpu_matmul_f32act(w->type, w->data, w->stride, t->x, t->ldx, t->n_rows, w->cols,
+                                 t->y[i], t->ldy[i], (int)r0, (int)r1);
     }
+}
+
+/* The activation rows in the int8 format of weight type wt, once per
+ * matmul call, for every weight tile to read. */
+typedef struct {
+    cpu_ctx *c;
+    td_dtype wt;
+    const float *x;
+    size_t ldx;
+    uint8_t *xq;
+    size_t xs;
+    int32_t n_rows;
+    int64_t k;
+} actq_task;
+
+static void task_actq(void *ctx, int ith, int nth) {
+    (void)ith;
+    (void)nth;
+    const actq_task *t = ctx;
+    int64_t r0, r1;
+    while (claim(t->c, t->n_rows, ROW_CHUNK, &r0, &r1))
+        for (int64_t r = r0; r < r1; r++)
+            td_cpu_act_quant(t->wt, t->x + (size_t)r * t->ldx, t->xq + (size_t)r * t->xs, t->k);
+}
+
+/* With --act-int8: x quantized for weights that are all of one quantized
+ * type into c->xq (grown as needed); false leaves the f32 path. */
+static bool act_int8_rows(cpu_ctx *c, int n_w, const td_weight *const *w, const float *x,
+                          size_t ldx, int32_t n_rows, size_t *xs) {
+    td_dtype wt = w[0]->type;
+    if (!g_act_int8 || (wt != TD_TYPE_Q4_0 && wt != TD_TYPE_Q4_1 && wt != TD_TYPE_Q8_0))
+        return false;
+    for (int i = 1; i < n_w; i++)
+        if (w[i]->type != w[0]->type || w[i]->cols != w[0]->cols) return false;
+    *xs = td_cpu_act_row_bytes(w[0]->type, w[0]->cols);
+    size_t need = *xs * (size_t)n_rows;
+    if (need > c->xq_cap) {
+        uint8_t *p = host_alloc(need);
+        if (!p) return false; /* the f32 path needs no memory */
+        free(c->xq);
+        c->xq = p;
+        c->xq_cap = need;
+    }
+    actq_task q = {.c = c,
+                   .wt = w[0]->type,
+                   .x = x,
+                   .ldx = ldx,
+                   .xq = c->xq,
+                   .xs = *xs,
+                   .n_rows = n_rows,
+                   .k = w[0]->cols};
+    run(c, task_actq, &q, n_rows);
+    return true;
 }
 
 static void matmul_host(cpu_ctx *c, int n_w, const td_weight *const *w, const float *x, size_t ldx,
@@ -389,6 +457,7 @@ static void matmul_host(cpu_ctx *c, int n_w, const td_weight *const *w, const fl
         t.y[i] = y[i];
         t.ldy[i] = ldy[i];
     }
+    if (act_int8_rows(c, n_w, w, x, ldx, n_rows, &t.xq_stride)) t.xq = c->xq;
     dispatch(c, task_matmul, &t, threaded(c));
 }
 
@@ -1025,6 +1094,7 @@ static void cpu_destroy(td_backend *be) {
     cpu_ctx *c = ctx_of(be);
     free(c->attn_scratch);
     free(c->cp_tmp);
+    free(c->xq);
     free(c);
     free(be);
 }

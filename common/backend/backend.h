@@ -293,6 +293,13 @@ int td_backend_isa_parse(const char *name); /* -1 if unknown */
 const char *td_backend_isa_name(td_isa isa);
 bool td_backend_isa_select(td_isa isa); /* false: this CPU cannot run it */
 td_isa td_backend_isa_selected(void);
+/* The CPU backend's matmuls with quantized weights take their activations
+ * quantized to 8 bits per 32-element block (llama.cpp's way: faster
+ * prompts, other rounding: the results change), instead of f32 against
+ * weights dequantized exactly (the default). Chosen once per process, like
+ * the ISA, before any forward pass. */
+void td_backend_set_act_int8(bool on);
+bool td_backend_act_int8(void);
 
 /* Allocation through the table. */
 static inline td_bbuf *td_backend_alloc(td_backend *be, size_t bytes) {

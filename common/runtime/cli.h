@@ -30,6 +30,10 @@ bool td_cli_parse_seconds(const char *s, double *out); /* 0 .. 86400, finite */
 /* --kv-dtype: a name td_kv_dtype_parse knows (f32, f16, bf16); *out keeps
  * the string (runtime params take the name). */
 bool td_cli_parse_kv_dtype(const char *s, const char **out);
+/* --act-int8's help: quantized-weight matmuls on 8-bit activations. */
+#define TD_ACT_INT8_HELP                                                                           \
+    "CPU: quantized-weight matmuls take 8-bit activations (llama.cpp's\n"                          \
+    "scheme: faster prompts, changed results); default f32 activations"
 /* The first line of a secret file (the cluster token), malloc'd; NULL
  * (logged) when it cannot be read or is empty. */
 char *td_cli_read_secret(const char *path);

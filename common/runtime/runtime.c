@@ -107,6 +107,12 @@ td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p) {
     td_status st;
     bool auto_cuda;
     if ((st = select_isa(p, &rt->isa)) || (st = select_device(p, &auto_cuda))) goto fail;
+    if (p->act_int8 && td_backend_kind_from_env() == TD_BACKEND_CUDA) {
+        TD_LOG_ERROR("--act-int8 is a CPU backend option (--device cpu)");
+        st = TD_ERR_INVALID;
+        goto fail;
+    }
+    td_backend_set_act_int8(p->act_int8);
     if (!p->quiet)
         fprintf(stderr, "isa: %s\nbackend: %s\n", td_backend_isa_name(rt->isa),
                 getenv("TANDEM_BACKEND") && td_backend_kind_from_env() == TD_BACKEND_CUDA
@@ -149,9 +155,10 @@ td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p) {
     rt->kv_dtype = xp.kv_dtype;
     rt->ctx_len = td_exec_max_ctx(rt->exec);
     if (!p->quiet)
-        fprintf(stderr, "model: %s (%d layers, %d embd, vocab %d, %s), %d threads, KV cache %s\n",
+        fprintf(stderr, "model: %s (%d layers, %d embd, vocab %d, %s), %d threads, KV cache %s%s\n",
                 rt->cfg->name, rt->cfg->n_layer, rt->cfg->n_embd, rt->cfg->n_vocab,
-                td_dtype_name(rt->cfg->wtype), rt->n_threads, td_dtype_name(rt->kv_dtype));
+                td_dtype_name(rt->cfg->wtype), rt->n_threads, td_dtype_name(rt->kv_dtype),
+                p->act_int8 ? ", int8 activations" : "");
     *rt_p = rt;
     return TD_OK;
 fail:

@@ -31,6 +31,8 @@ typedef struct {
                                  * (f16 on the CPU; f32 on a GPU, whose kernels read f32) */
     int32_t kv_blocks;          /* > 0: pool of exactly this many blocks (overrides n_seqs) */
     size_t kv_memory;           /* > 0: pool of as many blocks as fit in this many bytes */
+    bool act_int8;              /* CPU: quantized-weight matmuls on int8 activations
+                                 * (td_backend_set_act_int8; default f32) */
     bool quiet;                 /* do not print the ISA / model summary on stderr */
     const td_plan_params *plan; /* NULL: one rank */
 } td_runtime_params;

@@ -6,7 +6,8 @@
  *   - a recompute after preemption (blocks freed, everything run again),
  *   - the thread count (1 vs 2).
  * The KV cache holds TD_TEST_KV_DTYPE (f32 when unset, f16, bf16): the
- * contract holds for every KV dtype (ctest runs it with each).
+ * contract holds for every KV dtype (ctest runs it with each), and with
+ * TD_TEST_ACT_INT8=1 for int8 activations (--act-int8).
  * The reference for each is the same sequence run alone in one call, so
  * these tests compare the engine with itself by design: that is what the
  * contract states. Each test also checks that the logits are finite and
@@ -26,6 +27,7 @@
 
 #include <cmocka.h>
 
+#include "common/backend/backend.h"
 #include "common/base/threadpool.h"
 #include "common/comm/comm.h"
 #include "common/engine/forward.h"
@@ -833,6 +835,10 @@ int main(void) {
         fprintf(stderr, "TD_TEST_ISA=%s: not available on this CPU\n", isa);
         return 1;
     }
+    /* TD_TEST_ACT_INT8=1: the quantized models' matmuls on int8 activations
+     * (--act-int8); the contract holds for them too. */
+    const char *act = getenv("TD_TEST_ACT_INT8");
+    td_backend_set_act_int8(act && strcmp(act, "1") == 0);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chunks_tiny),       cmocka_unit_test(test_batch_tiny),
         cmocka_unit_test(test_prefix_tiny),       cmocka_unit_test(test_recompute_tiny),
