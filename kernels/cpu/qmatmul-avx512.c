@@ -248,34 +248,29 @@ AI void kern_buf(const int R, const int T, const float *wf, const float *x, size
     tile_store(R, T, acc, y, ldy);
 }
 
-#define REG_CASE(WT, R, T)                                                                         \
+/* float rows one at a time (kern_reg), quantized rows up to RR at a time
+ * (kern_reg_q) */
+#define REG_CASE(KERN, WT, R, T)                                                                   \
     case (R)*8 + (T):                                                                              \
-        kern_reg(WT, R, T, w, ws, x, ldx, nb, y, ldy);                                             \
+        KERN(WT, R, T, w, ws, x, ldx, nb, y, ldy);                                                 \
         return;
-#define REG_ROW(WT, R) REG_CASE(WT, R, 1) REG_CASE(WT, R, 2) REG_CASE(WT, R, 3)
-#define DEF_REG(NAME, WT)                                                                          \
+#define REG_ROW(KERN, WT, R)                                                                       \
+    REG_CASE(KERN, WT, R, 1) REG_CASE(KERN, WT, R, 2) REG_CASE(KERN, WT, R, 3)
+#define DEF_REG(NAME, WT, CASES)                                                                   \
     static void NAME(int R, int T, const char *w, size_t ws, const float *x, size_t ldx,           \
                      int64_t nb, float *y, size_t ldy) {                                           \
-        switch (R * 8 + T) { REG_ROW(WT, 1) default : abort(); }                                   \
+        switch (R * 8 + T) { CASES(WT) default : abort(); }                                        \
     }
-#define REGQ_CASE(WT, R, T)                                                                        \
-    case (R)*8 + (T):                                                                              \
-        kern_reg_q(WT, R, T, w, ws, x, ldx, nb, y, ldy);                                           \
-        return;
-#define REGQ_ROW(WT, R) REGQ_CASE(WT, R, 1) REGQ_CASE(WT, R, 2) REGQ_CASE(WT, R, 3)
-#define DEF_REGQ(NAME, WT)                                                                         \
-    static void NAME(int R, int T, const char *w, size_t ws, const float *x, size_t ldx,           \
-                     int64_t nb, float *y, size_t ldy) {                                           \
-        switch (R * 8 + T) {                                                                       \
-            REGQ_ROW(WT, 1) REGQ_ROW(WT, 2) REGQ_ROW(WT, 3) REGQ_ROW(WT, 4) default : abort();     \
-        }                                                                                          \
-    }
-DEF_REGQ(reg_q40, TD_TYPE_Q4_0)
-DEF_REGQ(reg_q41, TD_TYPE_Q4_1)
-DEF_REGQ(reg_q80, TD_TYPE_Q8_0)
-DEF_REG(reg_f32, TD_TYPE_F32)
-DEF_REG(reg_f16, TD_TYPE_F16)
-DEF_REG(reg_bf16, TD_TYPE_BF16)
+#define FLOAT_CASES(WT) REG_ROW(kern_reg, WT, 1)
+#define QUANT_CASES(WT)                                                                            \
+    REG_ROW(kern_reg_q, WT, 1)                                                                     \
+    REG_ROW(kern_reg_q, WT, 2) REG_ROW(kern_reg_q, WT, 3) REG_ROW(kern_reg_q, WT, 4)
+DEF_REG(reg_q40, TD_TYPE_Q4_0, QUANT_CASES)
+DEF_REG(reg_q41, TD_TYPE_Q4_1, QUANT_CASES)
+DEF_REG(reg_q80, TD_TYPE_Q8_0, QUANT_CASES)
+DEF_REG(reg_f32, TD_TYPE_F32, FLOAT_CASES)
+DEF_REG(reg_f16, TD_TYPE_F16, FLOAT_CASES)
+DEF_REG(reg_bf16, TD_TYPE_BF16, FLOAT_CASES)
 
 #define BUF_CASE(R, T)                                                                             \
     case (R)*8 + (T):                                                                              \
