@@ -66,7 +66,6 @@ td_isa td_backend_isa_selected(void) { return td_cpu_selected(); }
 
 static bool g_act_int8;
 void td_backend_set_act_int8(bool on) { g_act_int8 = on; }
-bool td_backend_act_int8(void) { return g_act_int8; }
 
 /* ------------------------------------------------------------ dispatch */
 

@@ -299,7 +299,6 @@ td_isa td_backend_isa_selected(void);
  * weights dequantized exactly (the default). Chosen once per process, like
  * the ISA, before any forward pass. */
 void td_backend_set_act_int8(bool on);
-bool td_backend_act_int8(void);
 
 /* Allocation through the table. */
 static inline td_bbuf *td_backend_alloc(td_backend *be, size_t bytes) {
