@@ -53,6 +53,11 @@ TD_DTYPE_STATIC_ASSERT(sizeof(td_block_q4_0) == 18, "q4_0 block");
 TD_DTYPE_STATIC_ASSERT(sizeof(td_block_q4_1) == 20, "q4_1 block");
 TD_DTYPE_STATIC_ASSERT(sizeof(td_block_q8_0) == 34, "q8_0 block");
 
+/* A block-quantized weight type (Q4_0, Q4_1, Q8_0). */
+static inline int td_dtype_is_quant(td_dtype t) {
+    return t == TD_TYPE_Q4_0 || t == TD_TYPE_Q4_1 || t == TD_TYPE_Q8_0;
+}
+
 /* Elements per block (1 for unquantized types), 0 for unsupported ids. */
 static inline int td_dtype_block_elems(td_dtype t) {
     switch (t) {

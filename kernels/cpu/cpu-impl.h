@@ -41,10 +41,6 @@ static inline const int8_t *td_q8x_qs(const void *row, int64_t nb) {
  * when a model is loaded), so it is an invariant failure, not a status. */
 #define TD_KERNEL_UNREACHABLE_TYPE(t) ((void)(t), abort())
 
-static inline int td_dtype_is_quant(td_dtype t) {
-    return t == TD_TYPE_Q4_0 || t == TD_TYPE_Q4_1 || t == TD_TYPE_Q8_0;
-}
-
 /* Exact half -> float (bit manipulation, independent of any ISA). */
 static inline float td_cpu_h2f(td_fp16 h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16;
