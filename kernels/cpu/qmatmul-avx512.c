@@ -39,6 +39,35 @@ AI __m512 bcast_h(const td_fp16 *p) { return _mm512_cvtph_ps(_mm256_set1_epi16((
 
 static _Thread_local _Alignas(64) float g_wf[RR * TD_QMM_KMAX]; /* (RR, k) dequantized rows */
 
+/* One quantized block at blk, its scale d (and Q4_1's min m) already in
+ * every lane: lo = elements 0-15, hi = elements 16-31. Q4: the 16 values a
+ * nibble can stand for, then one permute per 16 elements (vpermps reads
+ * only the low 4 bits of each index lane: the low nibble needs no mask, the
+ * high one comes down by a 4-bit shift of the same widened bytes). The
+ * table entries are the same roundings as dequantizing each element. */
+AI void deq_quant(const td_dtype WT, const char *blk, __m512 d, __m512 m, __m512 *lo, __m512 *hi) {
+    if (WT == TD_TYPE_Q8_0) {
+        const int8_t *qs = ((const td_block_q8_0 *)blk)->qs;
+        *lo = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs))), d);
+        *hi = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)))),
+            d);
+        return;
+    }
+    const uint8_t *qs =
+        WT == TD_TYPE_Q4_0 ? ((const td_block_q4_0 *)blk)->qs : ((const td_block_q4_1 *)blk)->qs;
+    const __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    const __m512 tab =
+        WT == TD_TYPE_Q4_0
+            ? _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7),
+                            d)
+            : _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                              d, m);
+    *lo = _mm512_permutexvar_ps(i0, tab);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), tab);
+}
+
 /* Block b of a row: lo = elements 0-15, hi = elements 16-31. */
 AI void deq_block(const td_dtype WT, const char *row, int64_t b, __m512 *lo, __m512 *hi) {
     /* float types: 32-element groups, converted exactly */
@@ -59,43 +88,11 @@ AI void deq_block(const td_dtype WT, const char *row, int64_t b, __m512 *lo, __m
         }
         return;
     }
-    if (WT == TD_TYPE_Q8_0) {
-        const td_block_q8_0 *bl = (const td_block_q8_0 *)row + b;
-        const __m512 d = bcast_h(&bl->d);
-        __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bl->qs));
-        __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(bl->qs + 16)));
-        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d);
-        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d);
-        return;
-    }
-    const uint8_t *qs;
-    const td_fp16 *dh;
-    if (WT == TD_TYPE_Q4_0) {
-        const td_block_q4_0 *bl = (const td_block_q4_0 *)row + b;
-        qs = bl->qs;
-        dh = &bl->d;
-    } else {
-        const td_block_q4_1 *bl = (const td_block_q4_1 *)row + b;
-        qs = bl->qs;
-        dh = &bl->d;
-    }
-    /* The 16 values a nibble can stand for, then one permute per 16
-     * elements (vpermps reads only the low 4 bits of each index lane, so
-     * the other nibble need not be masked off). The table entries are the
-     * same roundings as dequantizing each element. */
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
-    const __m512i i0 = _mm512_cvtepu8_epi32(q);
-    const __m512i i1 = _mm512_cvtepu8_epi32(_mm_srli_epi16(q, 4));
-    __m512 tab;
-    if (WT == TD_TYPE_Q4_0) {
-        tab = _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7),
-                            bcast_h(dh));
-    } else {
-        tab = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                              bcast_h(dh), bcast_h(&((const td_block_q4_1 *)row + b)->m));
-    }
-    *lo = _mm512_permutexvar_ps(i0, tab);
-    *hi = _mm512_permutexvar_ps(i1, tab);
+    /* quantized: d (and Q4_1's m, adjacent) lead every block */
+    const char *blk = row + (size_t)b * td_dtype_block_bytes(WT);
+    deq_quant(WT, blk, bcast_h((const td_fp16 *)blk),
+              WT == TD_TYPE_Q4_1 ? bcast_h(&((const td_block_q4_1 *)blk)->m) : _mm512_setzero_ps(),
+              lo, hi);
 }
 
 /* Full-height tiles reduce four rows at once (the same tree per sum). */
@@ -144,13 +141,12 @@ AI void kern_reg(const td_dtype WT, const int R, const int T, const char *w, siz
 /* Register path for the quantized types: R weight rows side by side (the
  * FMA chain of one (row, token) accumulator is sequential, so one row alone
  * waits on its latency), each row's blocks in k order. The scales (and
- * Q4_1's mins) of 16 blocks of a row are widened to f32 by one conversion,
- * and each block takes its own by broadcast loads, where deq_block converts
- * them per block with shuffles. The nibble indices come from one widening:
- * the low nibble is in the low 4 bits of each byte's lane (all vpermps
- * reads), the high one after a 4-bit shift. Every element's value and the
- * order of each accumulator's FMAs are deq_block's and kern_reg's, so the
- * bits are the same. */
+ * Q4_1's mins) of 16 blocks of a row are widened to f32 by one gather and
+ * conversion, and each block takes its own by broadcast loads, where
+ * deq_block converts them per block with shuffles; both then dequantize
+ * with deq_quant. Every element's value and the order of each
+ * accumulator's FMAs are deq_block's and kern_reg's, so the bits are the
+ * same. */
 AI void kern_reg_q(const td_dtype WT, const int R, const int T, const char *w, size_t ws,
                    const float *x, size_t ldx, int64_t nb, float *y, size_t ldy) {
     const size_t BS = td_dtype_row_bytes(WT, 32);
@@ -184,32 +180,9 @@ AI void kern_reg_q(const td_dtype WT, const int R, const int T, const char *w, s
             for (int r = 0; r < R; r++) {
                 const char *blk = w + (size_t)r * ws + (size_t)(b0 + i) * BS;
                 _mm_prefetch(blk + PF_DIST, _MM_HINT_T0);
-                if (WT == TD_TYPE_Q8_0) {
-                    const int8_t *qs = ((const td_block_q8_0 *)blk)->qs;
-                    const __m512 d = _mm512_set1_ps(sc[r][i]);
-                    lo[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                              _mm_loadu_si128((const __m128i *)qs))),
-                                          d);
-                    hi[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                              _mm_loadu_si128((const __m128i *)(qs + 16)))),
-                                          d);
-                } else {
-                    const uint8_t *qs = WT == TD_TYPE_Q4_0 ? ((const td_block_q4_0 *)blk)->qs
-                                                           : ((const td_block_q4_1 *)blk)->qs;
-                    const __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-                    const __m512i i1 = _mm512_srli_epi32(i0, 4);
-                    __m512 tab;
-                    if (WT == TD_TYPE_Q4_0)
-                        tab = _mm512_mul_ps(
-                            _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7),
-                            _mm512_set1_ps(sc[r][i]));
-                    else
-                        tab = _mm512_fmadd_ps(
-                            _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                            _mm512_set1_ps(sc[r][2 * i]), _mm512_set1_ps(sc[r][2 * i + 1]));
-                    lo[r] = _mm512_permutexvar_ps(i0, tab);
-                    hi[r] = _mm512_permutexvar_ps(i1, tab);
-                }
+                const __m512 d = _mm512_set1_ps(sc[r][NS * i]);
+                deq_quant(WT, blk, d, NS == 2 ? _mm512_set1_ps(sc[r][2 * i + 1]) : d, &lo[r],
+                          &hi[r]);
             }
 #pragma GCC unroll 8
             for (int t = 0; t < T; t++) {
