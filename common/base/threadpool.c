@@ -2,15 +2,19 @@
  * generation word; workers spin on it for a short while and then sleep on
  * it with futex(2). Completion is a countdown the caller spins on, with a
  * futex fallback, so an idle pool costs nothing and a busy one dispatches in
- * microseconds. The generation's low bit says whether the run is shared
- * (td_threadpool_run_shared), so a worker reads the kind of run from the
+ * microseconds. The generation's low bits say which kind of run it is
+ * (plain, shared or detached), so a worker reads the kind of run from the
  * word that announced it. A shared run admits workers through one more
  * word, its generation with a closed bit and the count of workers joined:
  * a worker joins with a compare-and-swap while it is open for the
  * generation it saw, the caller closes it when its own call returns and
  * then waits for exactly the workers that joined. A worker reads fn and
  * ctx of a shared run only once it has joined (a late one may find the
- * next run's there). */
+ * next run's there). A detached run is a shared run the caller does not
+ * wait out: a worker copies the run's context before it joins (the join
+ * succeeding says the copy was taken while the run was open), counts
+ * itself busy meanwhile for td_threadpool_quiesce, and publishes results
+ * only through the td_items commit, which the caller's fn waits for. */
 #include "threadpool.h"
 
 #include <errno.h>
@@ -31,12 +35,18 @@
 #define TD_SPIN_ITERS  2000
 #define TD_YIELD_ITERS 200
 
+/* the generation's low two bits: the kind of run it announced */
+#define RUN_PLAIN    0u
+#define RUN_SHARED   1u
+#define RUN_DETACHED 2u
+#define RUN_KIND     3u
+
 struct td_threadpool {
     int n;
     pthread_t *threads; /* n - 1 workers */
     td_task_fn fn;
     void *ctx;
-    _Atomic uint32_t gen;     /* changed once per run (low bit: shared) and at shutdown */
+    _Atomic uint32_t gen;     /* changed once per run (low bits: RUN_*) and at shutdown */
     _Atomic uint32_t pending; /* workers still running the current generation */
     _Atomic int sleepers;     /* workers blocked (or about to block) in futex on gen */
     _Atomic int caller_sleeping;
@@ -45,6 +55,10 @@ struct td_threadpool {
     /* shared runs */
     _Atomic uint64_t admit;       /* generation << 32 | closed << 31 | workers joined */
     _Atomic uint32_t joined_done; /* joined workers that have returned */
+    /* detached runs */
+    _Atomic int busy; /* workers between copying a detached run's context and returning */
+    size_t ctx_bytes;
+    _Alignas(64) unsigned char ctx_buf[TD_THREADPOOL_CTX_MAX];
 };
 
 #define ADMIT_CLOSED ((uint64_t)1 << 31)
@@ -97,7 +111,20 @@ static void *worker_main(void *p) {
         }
         seen = g;
         if (atomic_load_explicit(&tp->stop, memory_order_acquire)) break;
-        if (g & 1) {
+        if ((g & RUN_KIND) == RUN_DETACHED) {
+            /* Copied before joining: a join that succeeds says the run was
+             * still open, so neither the context nor fn was being replaced
+             * by the next run's while they were read. */
+            _Alignas(64) unsigned char local[TD_THREADPOOL_CTX_MAX];
+            atomic_fetch_add(&tp->busy, 1);
+            td_task_fn fn = tp->fn;
+            size_t nb = tp->ctx_bytes;
+            memcpy(local, tp->ctx_buf, nb < sizeof local ? nb : sizeof local);
+            if (admit_join(tp, g)) fn(local, ith, tp->n);
+            atomic_fetch_sub_explicit(&tp->busy, 1, memory_order_release);
+            continue;
+        }
+        if (g & RUN_SHARED) {
             /* late: the caller may have returned, fn and ctx gone */
             if (!admit_join(tp, g)) continue;
             tp->fn(tp->ctx, ith, tp->n);
@@ -181,13 +208,13 @@ static void caller_wait(td_threadpool *tp, _Atomic uint32_t *word, uint32_t want
     }
 }
 
-/* Publishes (fn, ctx) as the next generation (its low bit: shared) and
- * wakes sleeping workers. */
-static void publish(td_threadpool *tp, td_task_fn fn, void *ctx, bool shared) {
+/* Publishes (fn, ctx) as the next generation (its low bits: the kind of
+ * run) and wakes sleeping workers. */
+static void publish(td_threadpool *tp, td_task_fn fn, void *ctx, uint32_t kind) {
     tp->fn = fn;
     tp->ctx = ctx;
-    uint32_t g = ((atomic_load_explicit(&tp->gen, memory_order_relaxed) | 1) + 1) | shared;
-    if (shared) {
+    uint32_t g = ((atomic_load_explicit(&tp->gen, memory_order_relaxed) | RUN_KIND) + 1) | kind;
+    if (kind != RUN_PLAIN) {
         atomic_store_explicit(&tp->joined_done, 0, memory_order_relaxed);
         atomic_store_explicit(&tp->admit, (uint64_t)g << 32, memory_order_relaxed);
     } else {
@@ -202,7 +229,7 @@ void td_threadpool_run(td_threadpool *tp, td_task_fn fn, void *ctx) {
         fn(ctx, 0, 1);
         return;
     }
-    publish(tp, fn, ctx, false);
+    publish(tp, fn, ctx, RUN_PLAIN);
     fn(ctx, 0, tp->n);
     caller_wait(tp, &tp->pending, 0);
 }
@@ -212,8 +239,149 @@ void td_threadpool_run_shared(td_threadpool *tp, td_task_fn fn, void *ctx) {
         fn(ctx, 0, 1);
         return;
     }
-    publish(tp, fn, ctx, true);
+    publish(tp, fn, ctx, RUN_SHARED);
     fn(ctx, 0, tp->n);
     uint64_t s = atomic_fetch_or(&tp->admit, ADMIT_CLOSED);
     caller_wait(tp, &tp->joined_done, (uint32_t)(s & ADMIT_COUNT));
+}
+
+void td_threadpool_run_detached(td_threadpool *tp, td_task_fn fn, const void *ctx,
+                                size_t ctx_bytes) {
+    TD_ASSERT(ctx_bytes <= TD_THREADPOOL_CTX_MAX);
+    if (tp->n == 1) {
+        fn((void *)ctx, 0, 1);
+        return;
+    }
+    memcpy(tp->ctx_buf, ctx, ctx_bytes);
+    tp->ctx_bytes = ctx_bytes;
+    publish(tp, fn, tp->ctx_buf, RUN_DETACHED);
+    fn((void *)ctx, 0, tp->n);
+    atomic_fetch_or(&tp->admit, ADMIT_CLOSED);
+}
+
+/* A worker stays busy for at most one item and its commit; when its core
+ * was taken away that can be a scheduler slice, so yield meanwhile. */
+void td_threadpool_quiesce(td_threadpool *tp) {
+    if (!tp) return;
+    int spins = 0;
+    while (atomic_load_explicit(&tp->busy, memory_order_acquire) != 0)
+        if (spins++ < TD_SPIN_ITERS)
+            _mm_pause();
+        else
+            sched_yield();
+}
+
+/* ------------------------------------------------------------------ items */
+
+#define ITEM_DONE      1u /* in place */
+#define ITEM_COMMIT    2u /* a worker is copying its result in */
+#define ITEM_TAKEN     3u /* the caller took it back and computes it */
+#define ITEM_TAG(e, s) ((e) << 2 | (s))
+
+void td_items_free(td_items *it) {
+    free(it->state);
+    free(it->mine);
+    *it = (td_items){0};
+}
+
+td_status td_items_begin(td_items *it, td_threadpool *tp, int64_t n, uint64_t *epoch) {
+    TD_ASSERT(n >= 0 && n < ((int64_t)1 << 32));
+    if (n > it->cap) {
+        /* a late worker of an earlier run may still read the old states */
+        td_threadpool_quiesce(tp);
+        int64_t cap = n > 2 * it->cap ? n : 2 * it->cap;
+        td_item_state *st = aligned_alloc(64, (size_t)cap * sizeof *st);
+        uint64_t *mine = calloc((size_t)cap, sizeof *mine);
+        if (!st || !mine) {
+            free(st);
+            free(mine);
+            return TD_ERR_NOMEM;
+        }
+        for (int64_t i = 0; i < cap; i++) /* epoch 0: no run's */
+            atomic_init(&st[i].v, i < it->cap
+                                      ? atomic_load_explicit(&it->state[i].v, memory_order_relaxed)
+                                      : 0);
+        if (it->cap) memcpy(mine, it->mine, (size_t)it->cap * sizeof *mine);
+        free(it->state);
+        free(it->mine);
+        it->state = st;
+        it->mine = mine;
+        it->cap = cap;
+    }
+    it->epoch++;
+    it->n_mine = 0;
+    atomic_store_explicit(&it->committed, 0, memory_order_relaxed);
+    atomic_store_explicit(&it->next, (it->epoch & 0xffffffffu) << 32, memory_order_relaxed);
+    *epoch = it->epoch;
+    return TD_OK;
+}
+
+bool td_items_claim(td_items *it, uint64_t epoch, int64_t n, int64_t *i) {
+    uint64_t v = atomic_load_explicit(&it->next, memory_order_relaxed);
+    for (;;) {
+        if ((v >> 32) != (epoch & 0xffffffffu) || (int64_t)(v & 0xffffffffu) >= n) return false;
+        if (atomic_compare_exchange_weak_explicit(&it->next, &v, v + 1, memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+            *i = (int64_t)(v & 0xffffffffu);
+            return true;
+        }
+    }
+}
+
+/* The caller's own items stay out of the shared states (no cache line
+ * goes back and forth while the threads work): no worker claims them in
+ * this run, and one of an earlier run finds them settled in its own. */
+void td_items_done(td_items *it, uint64_t epoch, int64_t i) {
+    it->mine[i] = epoch;
+    it->n_mine++;
+}
+
+/* An item's state carries the epoch of the last run that settled it; a
+ * worker wins only a state older than its own run, so a worker of an
+ * earlier run (whose items were all settled before the caller went on)
+ * never does. */
+bool td_items_commit_begin(td_items *it, uint64_t epoch, int64_t i) {
+    uint64_t v = atomic_load_explicit(&it->state[i].v, memory_order_relaxed);
+    while ((v >> 2) < epoch)
+        if (atomic_compare_exchange_weak_explicit(&it->state[i].v, &v, ITEM_TAG(epoch, ITEM_COMMIT),
+                                                  memory_order_acquire, memory_order_relaxed))
+            return true;
+    return false;
+}
+
+void td_items_commit_end(td_items *it, uint64_t epoch, int64_t i) {
+    atomic_store_explicit(&it->state[i].v, ITEM_TAG(epoch, ITEM_DONE), memory_order_release);
+    atomic_fetch_add_explicit(&it->committed, 1, memory_order_release);
+}
+
+void td_items_finish(td_items *it, uint64_t epoch, int64_t n, int64_t wait_ns,
+                     void (*redo)(void *ctx, int64_t i), void *ctx) {
+    /* the common case: the workers commit the rest within the deadline
+     * (one counter to watch, not every item's state) */
+    const int64_t t0 = (int64_t)td_time_ns();
+    for (int spins = 1;; spins++) {
+        if (atomic_load_explicit(&it->committed, memory_order_acquire) + it->n_mine >= n) return;
+        if ((spins & 63) == 0 && (int64_t)td_time_ns() - t0 > wait_ns) break;
+        _mm_pause();
+    }
+    /* past it: take back every item a worker still holds */
+    for (int64_t i = 0; i < n; i++) {
+        if (it->mine[i] == epoch) continue;
+        int spins = 0;
+        for (;;) {
+            uint64_t v = atomic_load_explicit(&it->state[i].v, memory_order_acquire);
+            if (v == ITEM_TAG(epoch, ITEM_DONE)) break;
+            if ((v >> 2) < epoch && atomic_compare_exchange_strong_explicit(
+                                        &it->state[i].v, &v, ITEM_TAG(epoch, ITEM_TAKEN),
+                                        memory_order_relaxed, memory_order_relaxed)) {
+                redo(ctx, i);
+                break;
+            }
+            /* a worker is copying its result in */
+            if (spins++ < TD_SPIN_ITERS)
+                _mm_pause();
+            else
+                sched_yield();
+        }
+    }
 }

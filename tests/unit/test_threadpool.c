@@ -3,7 +3,11 @@
  * by workers is visible to the caller when run() returns. Shared runs:
  * every item claimed from the counter is done exactly once whichever
  * threads join, no thread calls fn after its run has returned, and on one
- * core (where the workers are mostly descheduled) runs end without them. */
+ * core (where the workers are mostly descheduled) runs end without them.
+ * Detached runs: every item lands exactly once, by the caller or by the
+ * worker that won its commit; a worker stalled inside an item (as one
+ * pushed off its core) has the item taken back, the run returns without
+ * it, and its late result never lands; quiesce waits the late worker out. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
@@ -241,11 +245,117 @@ static void test_shared_runs(void **state) {
     assert_int_equal(sched_setaffinity(0, sizeof all, &all), 0);
 }
 
+/* A detached run's items: item i of run r is the value r * 1000 + i,
+ * written by the caller in place or by a worker through the commit. In
+ * every stall-th run the caller waits (up to 1 s) for a worker to claim an
+ * item before it claims any, and workers stall 3 ms inside their first. */
+enum { DN = 48, DRUNS = 600 };
+typedef struct {
+    td_items *it;
+    uint64_t epoch;
+    int run, stall;
+    int64_t *val;         /* (DN) the run's results */
+    _Atomic int *writes;  /* (DN) results landed per item */
+    _Atomic int *inside;  /* threads inside fn */
+    _Atomic int *redone;  /* items the caller took back, all runs */
+    _Atomic int *claimed; /* items workers claimed, this run */
+} det_ctx;
+
+static bool stall_run(const det_ctx *d) { return d->stall && d->run % d->stall == 0; }
+
+static void det_write(const det_ctx *d, int64_t i, int64_t v) {
+    d->val[i] = v;
+    atomic_fetch_add(&d->writes[i], 1);
+}
+
+static void det_redo(void *p, int64_t i) {
+    det_ctx *d = p;
+    det_write(d, i, d->run * 1000 + i);
+    atomic_fetch_add(d->redone, 1);
+}
+
+static void det_task(void *p, int ith, int nth) {
+    (void)nth;
+    const det_ctx *d = p;
+    atomic_fetch_add(d->inside, 1);
+    int64_t i;
+    bool first = true;
+    if (ith == 0 && stall_run(d))
+        for (int w = 0; w < 100000 && !atomic_load(d->claimed); w++) {
+            struct timespec ts = {0, 10 * 1000};
+            nanosleep(&ts, NULL);
+        }
+    while (td_items_claim(d->it, d->epoch, DN, &i)) {
+        int64_t v = d->run * 1000 + i;
+        if (ith == 0) {
+            det_write(d, i, v);
+            td_items_done(d->it, d->epoch, i);
+            continue;
+        }
+        atomic_fetch_add(d->claimed, 1);
+        if (first && stall_run(d)) {
+            struct timespec ts = {0, 3 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+        first = false;
+        if (td_items_commit_begin(d->it, d->epoch, i)) {
+            det_write(d, i, v);
+            td_items_commit_end(d->it, d->epoch, i);
+        }
+    }
+    if (ith == 0) td_items_finish(d->it, d->epoch, DN, 200 * 1000, det_redo, (void *)d);
+    atomic_fetch_sub(d->inside, 1);
+}
+
+static void test_detached_runs(void **state) {
+    (void)state;
+    static int64_t val[DRUNS][DN];
+    static _Atomic int writes[DRUNS][DN];
+    _Atomic int inside = 0, redone = 0, claimed = 0;
+    for (int stall = 0; stall <= 8; stall += 8) {
+        td_threadpool *tp = NULL;
+        assert_int_equal(td_threadpool_create(4, &tp), TD_OK);
+        td_items it = {0};
+        memset(val, 0, sizeof val);
+        memset(writes, 0, sizeof writes);
+        atomic_store(&redone, 0);
+        for (int run = 0; run < DRUNS; run++) {
+            det_ctx d = {.it = &it,
+                         .run = run,
+                         .stall = stall,
+                         .val = val[run],
+                         .writes = writes[run],
+                         .inside = &inside,
+                         .redone = &redone,
+                         .claimed = &claimed};
+            atomic_store(&claimed, 0);
+            assert_int_equal(td_items_begin(&it, tp, DN, &d.epoch), TD_OK);
+            td_threadpool_run_detached(tp, det_task, &d, sizeof d);
+            memset(&d, 0xff, sizeof d); /* workers run on their own copies */
+            for (int i = 0; i < DN; i++) {
+                assert_int_equal(val[run][i], run * 1000 + i);
+                assert_int_equal(atomic_load(&writes[run][i]), 1);
+            }
+        }
+        td_threadpool_quiesce(tp);
+        assert_int_equal(atomic_load(&inside), 0);
+        /* late workers' results never landed, quiesced or not */
+        for (int run = 0; run < DRUNS; run++)
+            for (int i = 0; i < DN; i++) assert_int_equal(atomic_load(&writes[run][i]), 1);
+        /* a stalled worker's item was taken back (without stalls a worker
+         * the OS preempts inside an item may have one taken too) */
+        if (stall) assert_true(atomic_load(&redone) > 0);
+        td_threadpool_destroy(tp);
+        td_items_free(&it);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_each_ith_once),   cmocka_unit_test(test_wake_after_sleep),
         cmocka_unit_test(test_data_visibility), cmocka_unit_test(test_split_range),
         cmocka_unit_test(test_default_size),    cmocka_unit_test(test_shared_runs),
+        cmocka_unit_test(test_detached_runs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
