@@ -37,6 +37,7 @@ enum {
     B_DEVICE,
     B_KV_DTYPE,
     B_ACT_INT8,
+    B_MMAP,
     B_JSON,
     B_N
 };
@@ -55,6 +56,7 @@ static td_opt k_bench_opts[B_N] = {
                   "device: cpu, cuda, cuda:N (default: a GPU when built and visible, else cpu)"},
     [B_KV_DTYPE] = {"kv-dtype", 0, "T", TD_KV_DTYPE_HELP},
     [B_ACT_INT8] = {"act-int8", 0, NULL, TD_ACT_INT8_HELP},
+    [B_MMAP] = {"mmap", 0, NULL, TD_MMAP_HELP},
     [B_JSON] = {"json", 0, NULL, "one JSON object on stdout instead of the table"},
 };
 
@@ -62,7 +64,8 @@ static void bench_usage(FILE *f, void *ctx) {
     TD_UNUSED(ctx);
     fprintf(f, "usage: tandem bench-engine [--model PATH] [-p N] [-n N] [-d N] [-r N]\n"
                "                           [--threads N] [--isa NAME] [--device D]\n"
-               "                           [--kv-dtype T] [--act-int8] [--json] [plan flags]\n"
+               "                           [--kv-dtype T] [--act-int8] [--mmap] [--json]\n"
+               "                           [plan flags]\n"
                "\n"
                "Measures prompt processing (ppN: N tokens in one batch) and generation (tgN:\n"
                "N tokens one at a time from an empty context) like llama-bench: one warm-up,\n"
@@ -78,6 +81,7 @@ typedef struct {
     long n_prompt, n_gen, depth, reps, threads;
     const char *kv_dtype;
     bool act_int8;
+    bool mmap;
     bool json;
 } bench_args;
 
@@ -93,6 +97,7 @@ static bool set_bench_opt(void *ctx, int i, const char *val, bool *printed) {
     case B_DEPTH: return td_cli_parse_long(val, 0, 1 << 20, &a->depth);
     case B_KV_DTYPE: return td_cli_parse_kv_dtype(val, &a->kv_dtype);
     case B_ACT_INT8: a->act_int8 = true; return true;
+    case B_MMAP: a->mmap = true; return true;
     case B_REPS: return td_cli_parse_long(val, 1, BENCH_MAX_REPS, &a->reps);
     case B_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
     case B_JSON: a->json = true; return true;
@@ -304,6 +309,7 @@ int td_cmd_bench_engine(int argc, char **argv) {
     rp.max_batch_tokens = b.chunk;
     rp.kv_dtype = ba.kv_dtype;
     rp.act_int8 = ba.act_int8;
+    rp.mmap_weights = ba.mmap;
     rp.quiet = json;
     rp.plan = &plan.p;
     if (!res) goto out;
@@ -367,6 +373,7 @@ int td_cmd_bench_engine(int argc, char **argv) {
         json_object_set_new(o, "isa", json_string(isa_name));
         json_object_set_new(o, "kv_dtype", json_string(td_dtype_name(b.rt->kv_dtype)));
         json_object_set_new(o, "act_int8", json_boolean(ba.act_int8));
+        json_object_set_new(o, "mmap", json_boolean(ba.mmap));
         /* K and V of one position, every layer (rank 0's pool) */
         const td_kv_params *kvp = td_kv_pool_params(b.rt->kv);
         json_object_set_new(

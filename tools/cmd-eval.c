@@ -31,7 +31,19 @@ typedef struct {
     float *out; /* (len, n_vocab) inside the output buffer */
 } eval_seq;
 
-enum { E_MODEL, E_TOKENS, E_OUT, E_THREADS, E_CHUNK, E_BATCH, E_ISA, E_KV_DTYPE, E_ACT_INT8, E_N };
+enum {
+    E_MODEL,
+    E_TOKENS,
+    E_OUT,
+    E_THREADS,
+    E_CHUNK,
+    E_BATCH,
+    E_ISA,
+    E_KV_DTYPE,
+    E_ACT_INT8,
+    E_MMAP,
+    E_N
+};
 static td_opt k_eval_opts[E_N] = {
     /* the --model help names the default: set below */
     [E_MODEL] = {"model", 'm', "PATH", "GGUF file or Hugging Face directory"},
@@ -43,6 +55,7 @@ static td_opt k_eval_opts[E_N] = {
     [E_ISA] = {"isa", 0, "NAME", "kernel set: scalar, avx2, avx512 (default: best available)"},
     [E_KV_DTYPE] = {"kv-dtype", 0, "T", TD_KV_DTYPE_HELP},
     [E_ACT_INT8] = {"act-int8", 0, NULL, TD_ACT_INT8_HELP},
+    [E_MMAP] = {"mmap", 0, NULL, TD_MMAP_HELP},
 };
 
 static void usage(FILE *f, void *ctx) {
@@ -60,6 +73,7 @@ typedef struct {
     long threads, chunk;
     const char *kv_dtype;
     bool act_int8;
+    bool mmap;
     bool batch;
 } eval_args;
 
@@ -74,6 +88,7 @@ static bool set_eval_opt(void *ctx, int i, const char *val, bool *printed) {
     case E_BATCH: a->batch = true; return true;
     case E_KV_DTYPE: return td_cli_parse_kv_dtype(val, &a->kv_dtype);
     case E_ACT_INT8: a->act_int8 = true; return true;
+    case E_MMAP: a->mmap = true; return true;
     /* the same bound as generate and bench-engine */
     case E_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
     case E_CHUNK: return td_cli_parse_long(val, 1, INT32_MAX, &a->chunk);
@@ -203,6 +218,7 @@ int td_cmd_eval(int argc, char **argv) {
     rp.ctx_len = max_len;
     rp.kv_dtype = ea.kv_dtype;
     rp.act_int8 = ea.act_int8;
+    rp.mmap_weights = ea.mmap;
     rp.n_seqs = batch ? TD_MAX(n_seqs, 1) : 1;
     rp.quiet = true;
     rp.max_batch_tokens = 512;

@@ -42,6 +42,7 @@ enum {
     G_CTX,
     G_KV_DTYPE,
     G_ACT_INT8,
+    G_MMAP,
     G_N
 };
 static td_opt k_gen_opts[G_N] = {
@@ -72,6 +73,7 @@ static td_opt k_gen_opts[G_N] = {
     [G_CTX] = {"ctx", 'c', "N", "context length in tokens (default: min(trained, 4096))"},
     [G_KV_DTYPE] = {"kv-dtype", 0, "T", TD_KV_DTYPE_HELP},
     [G_ACT_INT8] = {"act-int8", 0, NULL, TD_ACT_INT8_HELP},
+    [G_MMAP] = {"mmap", 0, NULL, TD_MMAP_HELP},
 };
 
 static void gen_usage(FILE *f, void *ctx) {
@@ -99,6 +101,7 @@ typedef struct {
     long ctx;
     const char *kv_dtype;
     bool act_int8;
+    bool mmap;
     const char *stops[GEN_MAX_STOP];
     size_t n_stops;
     td_sampler_params sp;
@@ -123,6 +126,7 @@ static bool set_gen_opt(void *ctx, int i, const char *val, bool *printed) {
     case G_CTX: return td_cli_parse_long(val, 1, INT32_MAX, &a->ctx);
     case G_KV_DTYPE: return td_cli_parse_kv_dtype(val, &a->kv_dtype);
     case G_ACT_INT8: a->act_int8 = true; return true;
+    case G_MMAP: a->mmap = true; return true;
     case G_TEMPERATURE:
     case G_TEMP: return td_cli_parse_float(val, &a->sp.temperature);
     case G_TOP_K:
@@ -254,6 +258,7 @@ int td_cmd_generate(int argc, char **argv) {
     rp.ctx_len = (int32_t)a.ctx;
     rp.kv_dtype = a.kv_dtype;
     rp.act_int8 = a.act_int8;
+    rp.mmap_weights = a.mmap;
     rp.n_seqs = 1;
     rp.max_batch_tokens = GEN_PREFILL_CHUNK;
     if (td_runtime_open(&rp, &rt) != TD_OK) goto out;

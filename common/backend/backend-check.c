@@ -7,7 +7,9 @@
  * Each buffer is its own page-aligned mapping; the buffers are opened and
  * closed together (two mprotect calls per buffer per op: slow, for tests).
  * KV storage (which the transfer layer reads and a peer's puts write) is
- * not protected. */
+ * not protected. A late worker of a detached matmul (backend-cpu.c) may
+ * read an op's inputs after the op has returned, its result discarded: the
+ * buffers close once the pool has no such worker (td_threadpool_quiesce). */
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -23,6 +25,7 @@ typedef struct ck_buf {
 
 typedef struct {
     td_backend *cpu;
+    td_threadpool *tp;
     ck_buf *bufs; /* every buffer; all but KV storage protected when closed */
     int open;     /* nesting depth of open() */
 } ck_ctx;
@@ -46,7 +49,10 @@ static void open_bufs(td_backend *be) {
 static void close_bufs(td_backend *be) {
     ck_ctx *c = ck(be);
     TD_ASSERT(c->open > 0);
-    if (--c->open == 0) set_prot(c, PROT_NONE);
+    if (--c->open == 0) {
+        td_threadpool_quiesce(c->tp);
+        set_prot(c, PROT_NONE);
+    }
 }
 
 static td_bbuf *ck_link(ck_ctx *c, ck_buf *b) {
@@ -255,6 +261,7 @@ td_status td_backend_check_create(td_threadpool *tp, td_backend **be_p) {
         free(c);
         return st;
     }
+    c->tp = tp;
     be->i = &ck_i;
     be->ctx = c;
     *be_p = be;

@@ -24,6 +24,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -38,16 +39,27 @@
 #define MIN_PAR_ROWS 4  /* fewer token rows than this: elementwise steps run inline */
 #define ROW_CHUNK    4  /* token rows claimed at a time by elementwise steps */
 
+/* Source bytes [src, end) of the model's weights, copied to dst. */
+typedef struct {
+    uintptr_t src, end;
+    char *dst;
+} wrange;
+
 typedef struct {
     td_threadpool *tp;
     int nth;
     _Atomic int64_t work_next; /* next unclaimed work item of the running op */
+    td_items mm_items;         /* tiles of detached (decode) matmuls */
     int32_t max_ctx;
     int head_dim;
     float *attn_scratch; /* (nth, ATTN_GROUP, max_ctx) */
     float *cp_tmp;       /* (nth, head_dim) one partial's output per thread */
     uint8_t *xq;         /* int8 activation rows (td_backend_set_act_int8) */
     size_t xq_cap;
+    wrange *wr; /* (n_wr) the weight ranges copied to the arena, by source address */
+    int n_wr;
+    char *arena; /* arena_bytes: the matmuls' weights in transparent huge pages */
+    size_t arena_bytes;
     td_backend_batch b;
 } cpu_ctx;
 
@@ -171,7 +183,8 @@ static td_bbuf *cpu_kv_alloc(td_backend *be, const td_kv_layout *l, const td_kv_
 }
 
 static void cpu_free(td_backend *be, td_bbuf *b) {
-    (void)be;
+    /* a late worker of a detached matmul may still read its inputs */
+    td_threadpool_quiesce(ctx_of(be)->tp);
     if (b->kv)
         td_host_kv_free(b);
     else
@@ -223,9 +236,151 @@ static bool cpu_supports(td_backend *be, td_op op, td_dtype type) {
     return td_dtype_supported((int)type);
 }
 
+/* ------------------------------------------------------------- weights */
+
+/* The matmuls read a private copy of the weights in transparent huge pages
+ * (2 MB) by default: generation streams every matrix once per token, and
+ * from the file mapping's 4 KB pages the TLB misses (two-level walks in a
+ * VM) cost 5% of Q4_1 decode speed on the Intel host. The copy is made
+ * once per model (upload_model); a weight's data pointer finds its copy by
+ * binary search over the copied ranges (a handful: the loader's tensors
+ * lie together in the file). --mmap (td_backend_set_weight_copy(false))
+ * keeps them in place: the page cache, shared with other processes. */
+static bool g_weight_copy = true;
+void td_backend_set_weight_copy(bool on) { g_weight_copy = on; }
+
+/* Ranges closer than a page are copied as one (the tensors of a file lie
+ * a few alignment bytes apart): every byte between them then shares a page
+ * with one of them, so it is mapped, where a larger gap could be a hole. */
+#define WR_GAP ((uintptr_t)4095)
+#define HUGE   ((size_t)2 << 20)
+
+static const void *wdata(const cpu_ctx *c, const td_weight *w) {
+    uintptr_t p = (uintptr_t)w->data;
+    int lo = 0, hi = c->n_wr - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2;
+        if (p < c->wr[mid].src)
+            hi = mid - 1;
+        else if (p >= c->wr[mid].end)
+            lo = mid + 1;
+        else
+            return c->wr[mid].dst + (p - c->wr[mid].src);
+    }
+    return w->data;
+}
+
+static void weights_release(cpu_ctx *c) {
+    if (c->arena) {
+        td_threadpool_quiesce(c->tp); /* a late worker may still read them */
+        munmap(c->arena, c->arena_bytes);
+    }
+    free(c->wr);
+    c->wr = NULL;
+    c->n_wr = 0;
+    c->arena = NULL;
+    c->arena_bytes = 0;
+}
+
+/* Weight w's bytes as range *n (r NULL: only counted). */
+static void wr_add(wrange *r, int *n, const td_weight *w) {
+    if (!w || !w->data || w->rows <= 0) return;
+    uintptr_t p = (uintptr_t)w->data;
+    if (r) r[*n] = (wrange){.src = p, .end = p + (size_t)w->rows * w->stride};
+    (*n)++;
+}
+
+static int wr_cmp(const void *a, const void *b) {
+    uintptr_t x = ((const wrange *)a)->src, y = ((const wrange *)b)->src;
+    return x < y ? -1 : x > y;
+}
+
+/* Bytes of memory the kernel says are available (0: unknown). */
+static size_t mem_available(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[128];
+    unsigned long long kb = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
+    fclose(f);
+    return (size_t)kb * 1024;
+}
+
+/* The matrices the matmuls read: output head, every layer's projections,
+ * router and experts (r NULL: only counted). */
+static int model_weights(const td_model *m, wrange *r) {
+    int n = 0;
+    wr_add(r, &n, td_model_output(m));
+    for (int l = td_model_layer_begin(m); l < td_model_layer_end(m); l++) {
+        const td_layer_weights *lw = td_model_layer(m, l);
+        const td_weight *ws[] = {&lw->wq,         &lw->wk,       &lw->wv,        &lw->wo,
+                                 &lw->w_gate,     &lw->w_up,     &lw->w_down,    &lw->router,
+                                 &lw->shexp_gate, &lw->shexp_up, &lw->shexp_down};
+        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) wr_add(r, &n, ws[i]);
+        for (int x = 0; x < lw->n_experts_local; x++) {
+            wr_add(r, &n, &lw->experts[x].gate);
+            wr_add(r, &n, &lw->experts[x].up);
+            wr_add(r, &n, &lw->experts[x].down);
+        }
+    }
+    return n;
+}
+
 static td_status cpu_upload_model(td_backend *be, const td_model *m) {
-    (void)be;
-    (void)m; /* zero copy: the ops read the weights where the loader mapped them */
+    cpu_ctx *c = ctx_of(be);
+    weights_release(c); /* another model's */
+    if (!g_weight_copy) return TD_OK;
+    int cap = model_weights(m, NULL);
+    wrange *r = malloc((size_t)(cap ? cap : 1) * sizeof *r);
+    if (!r) return TD_ERR_NOMEM;
+    int n = model_weights(m, r);
+    qsort(r, (size_t)n, sizeof *r, wr_cmp);
+    int k = 0; /* merged */
+    for (int i = 0; i < n; i++) {
+        if (k > 0 && r[i].src <= r[k - 1].end + WR_GAP) {
+            if (r[i].end > r[k - 1].end) r[k - 1].end = r[i].end;
+            continue;
+        }
+        r[k++] = r[i];
+    }
+    size_t bytes = 0; /* each range at its source's offset in a page */
+    for (int i = 0; i < k; i++) {
+        bytes = (bytes + 4095) / 4096 * 4096 + (r[i].src & 4095);
+        r[i].dst = (char *)(uintptr_t)bytes; /* offset for now */
+        bytes += r[i].end - r[i].src;
+    }
+    bytes = (bytes + HUGE - 1) / HUGE * HUGE;
+    size_t avail = mem_available();
+    if (k == 0 || (avail && bytes > avail / 2)) {
+        if (k)
+            TD_LOG_INFO("weights read in place: a %zu-byte copy would take over half of the "
+                        "%zu bytes available",
+                        bytes, avail);
+        free(r);
+        return TD_OK;
+    }
+    /* a 2 MB-aligned start, so the copy can be all huge pages */
+    char *map =
+        mmap(NULL, bytes + HUGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (map == MAP_FAILED) {
+        TD_LOG_INFO("weights read in place: mmap of %zu bytes: %s", bytes, strerror(errno));
+        free(r);
+        return TD_OK;
+    }
+    char *a = (char *)(((uintptr_t)map + HUGE - 1) & ~(uintptr_t)(HUGE - 1));
+    if (a > map) munmap(map, (size_t)(a - map));
+    munmap(a + bytes, (size_t)(map + HUGE - a));
+    madvise(a, bytes, MADV_HUGEPAGE); /* advice: without THP the copy still works */
+    for (int i = 0; i < k; i++) {
+        r[i].dst = a + (uintptr_t)r[i].dst;
+        memcpy(r[i].dst, (const void *)r[i].src, r[i].end - r[i].src);
+    }
+    c->wr = r;
+    c->n_wr = k;
+    c->arena = a;
+    c->arena_bytes = bytes;
+    TD_LOG_DEBUG("weights: %zu bytes in %d ranges copied to huge pages", bytes, k);
     return TD_OK;
 }
 
@@ -362,35 +517,99 @@ typedef struct {
     int32_t n_rows;
     int n_w;
     const td_weight *w[TD_BACKEND_MAX_MM];
+    const void *wd[TD_BACKEND_MAX_MM]; /* their data: the copy's (wdata) */
     const float *x;
     size_t ldx;
     const uint8_t *xq; /* NULL: f32 activations; else int8 rows of xq_stride bytes */
     size_t xq_stride;
     float *y[TD_BACKEND_MAX_MM];
     size_t ldy[TD_BACKEND_MAX_MM];
+    int64_t tile, n_tiles; /* output rows per tile; tiles over all the weights */
+    uint64_t epoch;        /* detached runs: the run's td_items epoch */
 } matmul_task;
+
+/* Tile b of the weights in turn: weight *i, its output rows [*r0, *r1). */
+static void mm_locate(const matmul_task *t, int64_t b, int *i, int64_t *r0, int64_t *r1) {
+    int w = 0;
+    for (;;) {
+        int64_t n = (t->w[w]->rows + t->tile - 1) / t->tile;
+        if (b < n) break;
+        b -= n;
+        w++;
+    }
+    *i = w;
+    *r0 = b * t->tile;
+    *r1 = TD_MIN(*r0 + t->tile, t->w[w]->rows);
+}
+
+/* Output rows [r0, r1) of weight i for every token row, row r0 going to
+ * column 0 of y (ldy). */
+static void mm_rows(const matmul_task *t, int i, int64_t r0, int64_t r1, float *y, size_t ldy) {
+    const td_weight *w = t->w[i];
+    const char *wr = (const char *)t->wd[i] + (size_t)r0 * w->stride;
+    if (t->xq)
+        td_cpu_matmul(w->type, wr, w->stride, t->xq, t->xq_stride, t->n_rows, w->cols, y, ldy, 0,
+                      (int)(r1 - r0));
+    else
+        td_cpu_matmul_f32act(w->type, wr, w->stride, t->x, t->ldx, t->n_rows, w->cols, y, ldy, 0,
+                             (int)(r1 - r0));
+}
+
+/* Tile b in place. */
+static void mm_tile(const matmul_task *t, int64_t b) {
+    int i;
+    int64_t r0, r1;
+    mm_locate(t, b, &i, &r0, &r1);
+    mm_rows(t, i, r0, r1, t->y[i] + r0, t->ldy[i]);
+}
 
 static void task_matmul(void *ctx, int ith, int nth) {
     (void)ith;
     (void)nth;
     const matmul_task *t = ctx;
-    int64_t tiles[TD_BACKEND_MAX_MM], total = 0, b, end;
-    const int64_t tile = t->n_rows < MIN_PAR_ROWS ? ROW_TILE_FEW : ROW_TILE;
-    for (int i = 0; i < t->n_w; i++) {
-        tiles[i] = (t->w[i]->rows + tile - 1) / tile;
-        total += tiles[i];
+    int64_t b, end;
+    while (claim(t->c, t->n_tiles, 1, &b, &end)) mm_tile(t, b);
+}
+
+static void mm_redo(void *ctx, int64_t b) { mm_tile(ctx, b); }
+
+_Static_assert(sizeof(matmul_task) <= TD_THREADPOOL_CTX_MAX, "a detached run copies its task");
+
+/* Detached (decode) matmul: the caller computes its tiles in place; a
+ * worker computes each tile into a buffer of its own and copies it in
+ * only if it wins the tile's commit. The caller, out of tiles, waits for
+ * the workers' tiles up to a deadline (a few of its own tiles' time) and
+ * then computes what they still hold itself: a worker that another
+ * process has pushed off its core delays the step by that deadline, not
+ * by its time off the core. */
+#define MM_WAIT_MIN_NS 20000
+static void task_matmul_detached(void *ctx, int ith, int nth) {
+    (void)nth;
+    const matmul_task *t = ctx;
+    td_items *it = &t->c->mm_items;
+    int64_t b;
+    if (ith == 0) {
+        const uint64_t t0 = td_time_ns();
+        int64_t mine = 0;
+        for (; td_items_claim(it, t->epoch, t->n_tiles, &b); mine++) {
+            mm_tile(t, b);
+            td_items_done(it, t->epoch, b);
+        }
+        int64_t wait = mine ? 4 * (int64_t)(td_time_ns() - t0) / mine : 0;
+        td_items_finish(it, t->epoch, t->n_tiles, TD_MAX(wait, MM_WAIT_MIN_NS), mm_redo, (void *)t);
+        return;
     }
-    while (claim(t->c, total, 1, &b, &end)) {
-        int i = 0;
-        while (b >= tiles[i]) b -= tiles[i++];
-        const td_weight *w = t->w[i];
-        int64_t r0 = b * tile, r1 = TD_MIN(r0 + tile, w->rows);
-        if (t->xq)
-            td_cpu_matmul(w->type, w->data, w->stride, t->xq, t->xq_stride, t->n_rows, w->cols,
-                          t->y[i], t->ldy[i], (int)r0, (int)r1);
-        else
-            td_cpu_matmul_f32act(w->type, w->data, w->stride, t->x, t->ldx, t->n_rows, w->cols,
-                                 t->y[i], t->ldy[i], (int)r0, (int)r1);
+    static _Thread_local float buf[ROW_TILE_FEW * (MIN_PAR_ROWS - 1)];
+    while (td_items_claim(it, t->epoch, t->n_tiles, &b)) {
+        int i;
+        int64_t r0, r1;
+        mm_locate(t, b, &i, &r0, &r1);
+        mm_rows(t, i, r0, r1, buf, ROW_TILE_FEW);
+        if (!td_items_commit_begin(it, t->epoch, b)) continue; /* taken back: discard */
+        for (int32_t r = 0; r < t->n_rows; r++)
+            memcpy(t->y[i] + (size_t)r * t->ldy[i] + r0, buf + (size_t)r * ROW_TILE_FEW,
+                   (size_t)(r1 - r0) * sizeof(float));
+        td_items_commit_end(it, t->epoch, b);
     }
 }
 
@@ -429,7 +648,8 @@ static bool act_int8_rows(cpu_ctx *c, int n_w, const td_weight *const *w, const 
     size_t need = *xs * (size_t)n_rows;
     if (need > c->xq_cap) {
         uint8_t *p = host_alloc(need);
-        if (!p) return false; /* the f32 path needs no memory */
+        if (!p) return false;         /* the f32 path needs no memory */
+        td_threadpool_quiesce(c->tp); /* a late worker may still read the old rows */
         free(c->xq);
         c->xq = p;
         c->xq_cap = need;
@@ -449,14 +669,25 @@ static bool act_int8_rows(cpu_ctx *c, int n_w, const td_weight *const *w, const 
 static void matmul_host(cpu_ctx *c, int n_w, const td_weight *const *w, const float *x, size_t ldx,
                         float *const *y, const size_t *ldy, int32_t n_rows) {
     TD_ASSERT(n_w >= 1 && n_w <= TD_BACKEND_MAX_MM);
-    matmul_task t = {.c = c, .n_rows = n_rows, .n_w = n_w, .x = x, .ldx = ldx};
+    matmul_task t = {.c = c,
+                     .n_rows = n_rows,
+                     .n_w = n_w,
+                     .x = x,
+                     .ldx = ldx,
+                     .tile = n_rows < MIN_PAR_ROWS ? ROW_TILE_FEW : ROW_TILE};
     for (int i = 0; i < n_w; i++) {
         t.w[i] = w[i];
+        t.wd[i] = wdata(c, w[i]);
         t.y[i] = y[i];
         t.ldy[i] = ldy[i];
+        t.n_tiles += (w[i]->rows + t.tile - 1) / t.tile;
     }
     if (act_int8_rows(c, n_w, w, x, ldx, n_rows, &t.xq_stride)) t.xq = c->xq;
-    dispatch(c, task_matmul, &t, threaded(c));
+    if (threaded(c) && n_rows < MIN_PAR_ROWS &&
+        td_items_begin(&c->mm_items, c->tp, t.n_tiles, &t.epoch) == TD_OK)
+        td_threadpool_run_detached(c->tp, task_matmul_detached, &t, sizeof t);
+    else
+        dispatch(c, task_matmul, &t, threaded(c));
 }
 
 static void cpu_matmul(td_backend *be, int n_w, const td_weight *const *w, td_bview x, size_t ldx,
@@ -1090,6 +1321,9 @@ static void cpu_head_place(td_backend *be, td_bview logits, td_bview head_buf, i
 
 static void cpu_destroy(td_backend *be) {
     cpu_ctx *c = ctx_of(be);
+    td_threadpool_quiesce(c->tp);
+    td_items_free(&c->mm_items);
+    weights_release(c);
     free(c->attn_scratch);
     free(c->cp_tmp);
     free(c->xq);

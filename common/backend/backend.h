@@ -299,6 +299,11 @@ td_isa td_backend_isa_selected(void);
  * weights dequantized exactly (the default). Chosen once per process, like
  * the ISA, before any forward pass. */
 void td_backend_set_act_int8(bool on);
+/* The CPU backend's matmuls read a private copy of the weights in
+ * transparent huge pages, made when a model is uploaded (the default), or
+ * (false: --mmap) the weights in place, where the loader mapped the file.
+ * Chosen once per process, before any engine is created. */
+void td_backend_set_weight_copy(bool on);
 
 /* Allocation through the table. */
 static inline td_bbuf *td_backend_alloc(td_backend *be, size_t bytes) {

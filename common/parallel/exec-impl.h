@@ -34,7 +34,8 @@ typedef struct {
     int32_t kv_dtype; /* td_dtype */
     int32_t n_threads;
     int32_t isa;
-    uint64_t weight_bytes; /* of the whole model */
+    int32_t act_int8, weight_copy; /* the CPU backend's process-wide choices */
+    uint64_t weight_bytes;         /* of the whole model */
 } exec_config;
 
 /* Step header; the payload follows in a second broadcast: per sequence

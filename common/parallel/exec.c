@@ -21,6 +21,7 @@ td_exec_params td_exec_default_params(void) {
     p.block_size = 16;
     p.kv_dtype = TD_TYPE_F32;
     p.isa = td_backend_isa_best();
+    p.weight_copy = true;
     p.comm = td_comm_default_params();
     return p;
 }
@@ -76,6 +77,9 @@ static td_status load_shard(td_exec *x) {
                      td_backend_isa_name((td_isa)c->isa));
         return TD_ERR_UNSUPPORTED;
     }
+    /* process-wide, so set in every rank's process before its engine */
+    td_backend_set_act_int8(c->act_int8 != 0);
+    td_backend_set_weight_copy(c->weight_copy != 0);
     if ((st = td_threadpool_create(c->n_threads, &x->pool))) return st;
     td_model_params mp = td_model_default_params();
     mp.path = c->model_path;
@@ -353,6 +357,8 @@ static td_status make_config(const td_exec_params *p, td_exec *x) {
         c->n_threads =
             p->n_threads > 0 ? p->n_threads : (int)TD_MAX(1, (cores > 0 ? cores : 1) / world);
         c->isa = (int32_t)p->isa;
+        c->act_int8 = p->act_int8;
+        c->weight_copy = p->weight_copy;
         c->weight_bytes = td_model_weight_bytes(whole);
         x->world = world;
     }

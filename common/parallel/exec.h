@@ -58,8 +58,10 @@ typedef struct {
     int32_t kv_blocks;
     size_t kv_memory;
     int32_t kv_seqs;
-    int n_threads; /* per rank; <= 0: online cores / world, at least 1 */
-    td_isa isa;    /* the kernel set every rank selects (already selected here) */
+    int n_threads;    /* per rank; <= 0: online cores / world, at least 1 */
+    td_isa isa;       /* the kernel set every rank selects (already selected here) */
+    bool act_int8;    /* every rank's td_backend_set_act_int8 (default false) */
+    bool weight_copy; /* every rank's td_backend_set_weight_copy (default true) */
     /* The world's communicator (chunk_bytes, timeout_s: every wait's
      * deadline, a step's included; ranks get them on their command line).
      * Default td_comm_default_params(); cancel is the executor's. */

@@ -112,7 +112,6 @@ td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p) {
         st = TD_ERR_INVALID;
         goto fail;
     }
-    td_backend_set_act_int8(p->act_int8);
     if (!p->quiet)
         fprintf(stderr, "isa: %s\nbackend: %s\n", td_backend_isa_name(rt->isa),
                 getenv("TANDEM_BACKEND") && td_backend_kind_from_env() == TD_BACKEND_CUDA
@@ -136,6 +135,8 @@ td_status td_runtime_open(const td_runtime_params *p, td_runtime **rt_p) {
     xp.kv_seqs = p->n_seqs > 0 ? p->n_seqs : 1;
     xp.n_threads = p->n_threads;
     xp.isa = rt->isa;
+    xp.act_int8 = p->act_int8;
+    xp.weight_copy = !p->mmap_weights;
     st = td_exec_create(&xp, &rt->exec);
     if (st == TD_ERR_UNSUPPORTED && auto_cuda) {
         TD_LOG_WARN("the GPU backend cannot run this model (see above): using the CPU "

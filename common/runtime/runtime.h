@@ -33,6 +33,9 @@ typedef struct {
     size_t kv_memory;           /* > 0: pool of as many blocks as fit in this many bytes */
     bool act_int8;              /* CPU: quantized-weight matmuls on int8 activations
                                  * (td_backend_set_act_int8; default f32) */
+    bool mmap_weights;          /* CPU: matmuls read the weights in place in the file
+                                 * mapping, not a private huge-page copy
+                                 * (td_backend_set_weight_copy; default: the copy) */
     bool quiet;                 /* do not print the ISA / model summary on stderr */
     const td_plan_params *plan; /* NULL: one rank */
 } td_runtime_params;

@@ -60,6 +60,7 @@ enum {
     S_BLOCK_SIZE,
     S_KV_DTYPE,
     S_ACT_INT8,
+    S_MMAP,
     S_MAX_RUNNING,
     S_MAX_BATCH_TOKENS,
     S_PREFILL_SHARE,
@@ -100,6 +101,7 @@ static td_opt k_serve_opts[S_N] = {
     [S_KV_DTYPE] = {"kv-dtype", 0, "T",
                     TD_KV_DTYPE_HELP ";\na prefill and a decode instance pair only with the same"},
     [S_ACT_INT8] = {"act-int8", 0, NULL, TD_ACT_INT8_HELP},
+    [S_MMAP] = {"mmap", 0, NULL, TD_MMAP_HELP},
     [S_MAX_RUNNING] = {"max-running", 0, "N", "sequences decoding at once (default 16)"},
     [S_MAX_BATCH_TOKENS] = {"max-batch-tokens", 0, "N",
                             "tokens per step, decode + prefill chunks (default 512)"},
@@ -203,6 +205,7 @@ typedef struct {
     double prefill_share;
     const char *kv_dtype;
     bool act_int8;
+    bool mmap;
     long tpot_target_ms;
     bool tpot_auto;
     size_t kv_memory;
@@ -262,6 +265,7 @@ static bool set_serve_opt(void *ctx, int i, const char *val, bool *printed) {
     case S_BLOCK_SIZE: return td_cli_parse_long(val, 1, 1024, &a->block_size);
     case S_KV_DTYPE: return td_cli_parse_kv_dtype(val, &a->kv_dtype);
     case S_ACT_INT8: a->act_int8 = true; return true;
+    case S_MMAP: a->mmap = true; return true;
     case S_MAX_RUNNING: return td_cli_parse_long(val, 1, 1024, &a->max_running);
     case S_MAX_BATCH_TOKENS: return td_cli_parse_long(val, 1, 1 << 20, &a->max_batch_tokens);
     case S_PREFILL_SHARE: {
@@ -414,6 +418,7 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
     rp.block_size = (int32_t)a.block_size;
     rp.kv_dtype = a.kv_dtype;
     rp.act_int8 = a.act_int8;
+    rp.mmap_weights = a.mmap;
     rp.kv_blocks = (int32_t)a.kv_blocks;
     rp.kv_memory = a.kv_blocks ? 0 : a.kv_memory;
     rp.max_batch_tokens = (int32_t)a.max_batch_tokens;

@@ -461,3 +461,27 @@ def test_act_int8_against_reference(name):
     steps = run_engine(e, seqs, extra=("--act-int8",), chunk=1)
     for a, b in zip(out, steps):
         assert np.array_equal(a, b), f"{name} --act-int8: chunk 1 and whole prompts differ"
+
+
+# ---------------------------------------------------------------------------
+# The CPU matmuls read a private huge-page copy of the weights by default and
+# the file mapping itself with --mmap: the same bytes, so the same bits, for
+# a mixed-type GGUF, a model with biases, sharded safetensors (one mapping
+# per shard: several copied ranges) and a TP plan (sliced weights), whole
+# prompts and one token per call (the decode-sized matmuls).
+@pytest.mark.parametrize("name,plan", [("llama3-mixed-gguf", ()), ("qwen2-q4_1-gguf", ()),
+                                       ("tinyllama-bf16-hf-sharded", ()),
+                                       ("llama2-q8_0-gguf", ("--tp", "2"))])
+def test_weight_copy_same_bits_as_mmap(name, plan, monkeypatch):
+    e = BY_NAME[name]
+    seqs = sequences_for(e)[:2]
+    monkeypatch.setenv("TD_LOG_LEVEL", "debug")  # the copy says so
+    for mmap in ((), ("--mmap",)):
+        r, _ = tandem_eval_raw(model_path(e), seqs, extra=(*mmap, *plan), check=False)
+        assert r.returncode == 0, r.describe()
+        assert ("copied to huge pages" in r.stderr) == (not mmap), r.describe()
+    for chunk in (None, 1):
+        copy = run_engine(e, seqs, extra=plan, threads=2, chunk=chunk)
+        mapped = run_engine(e, seqs, extra=("--mmap", *plan), threads=2, chunk=chunk)
+        for a, b in zip(copy, mapped):
+            assert np.array_equal(a, b), f"{name} {plan}: the weight copy and --mmap differ"
