@@ -34,10 +34,11 @@
 #include "kernels/cpu/attn-cp.h"
 #include "kernels/cpu/qmatmul.h"
 
-#define ROW_TILE     16 /* matmul output rows are split between threads in tiles */
-#define ROW_TILE_FEW 64 /* the same for fewer than MIN_PAR_ROWS token rows (decode) */
-#define MIN_PAR_ROWS 4  /* fewer token rows than this: elementwise steps run inline */
-#define ROW_CHUNK    4  /* token rows claimed at a time by elementwise steps */
+#define ROW_TILE     16  /* matmul output rows are split between threads in tiles */
+#define ROW_TILE_FEW 256 /* at most, for fewer than MIN_PAR_ROWS token rows (decode) */
+#define ROW_TILE_MIN 64  /* at least, for them */
+#define MIN_PAR_ROWS 4   /* fewer token rows than this: elementwise steps run inline */
+#define ROW_CHUNK    4   /* token rows claimed at a time by elementwise steps */
 
 /* Source bytes [src, end) of the model's weights, copied to dst. */
 typedef struct {
@@ -240,8 +241,8 @@ static bool cpu_supports(td_backend *be, td_op op, td_dtype type) {
 
 /* The matmuls read a private copy of the weights in transparent huge pages
  * (2 MB) by default: generation streams every matrix once per token, and
- * from the file mapping's 4 KB pages the TLB misses (two-level walks in a
- * VM) cost 5% of Q4_1 decode speed on the Intel host. The copy is made
+ * from the file mapping's 4 KB pages the TLB misses cost about 3% of decode
+ * speed on the Intel host (docs/PERFORMANCE.md). The copy is made
  * once per model (upload_model); a weight's data pointer finds its copy by
  * binary search over the copied ranges (a handful: the loader's tensors
  * lie together in the file). --mmap (td_backend_set_weight_copy(false))
@@ -669,12 +670,12 @@ static bool act_int8_rows(cpu_ctx *c, int n_w, const td_weight *const *w, const 
 static void matmul_host(cpu_ctx *c, int n_w, const td_weight *const *w, const float *x, size_t ldx,
                         float *const *y, const size_t *ldy, int32_t n_rows) {
     TD_ASSERT(n_w >= 1 && n_w <= TD_BACKEND_MAX_MM);
-    matmul_task t = {.c = c,
-                     .n_rows = n_rows,
-                     .n_w = n_w,
-                     .x = x,
-                     .ldx = ldx,
-                     .tile = n_rows < MIN_PAR_ROWS ? ROW_TILE_FEW : ROW_TILE};
+    matmul_task t = {.c = c, .n_rows = n_rows, .n_w = n_w, .x = x, .ldx = ldx, .tile = ROW_TILE};
+    if (n_rows < MIN_PAR_ROWS) { /* decode: about two tiles per thread, in multiples of 4 rows */
+        int64_t rows = 0;
+        for (int i = 0; i < n_w; i++) rows += w[i]->rows;
+        t.tile = TD_MAX(ROW_TILE_MIN, TD_MIN(ROW_TILE_FEW, rows / (2 * c->nth)) & ~(int64_t)3);
+    }
     for (int i = 0; i < n_w; i++) {
         t.w[i] = w[i];
         t.wd[i] = wdata(c, w[i]);
