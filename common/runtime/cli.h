@@ -38,7 +38,7 @@ bool td_cli_parse_kv_dtype(const char *s, const char **out);
 #define TD_MMAP_HELP                                                                               \
     "CPU: matmuls read the weights in place in the model file's mapping\n"                         \
     "(page cache, shared between processes); default a private copy in\n"                          \
-    "transparent huge pages, 3% faster generation"
+    "transparent huge pages (2-5% faster generation)"
 /* The first line of a secret file (the cluster token), malloc'd; NULL
  * (logged) when it cannot be read or is empty. */
 char *td_cli_read_secret(const char *path);
