@@ -24,7 +24,6 @@
 #include <errno.h>
 #include <math.h>
 #include <stdatomic.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -296,18 +295,6 @@ static int wr_cmp(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-/* Bytes of memory the kernel says are available (0: unknown). */
-static size_t mem_available(void) {
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (!f) return 0;
-    char line[128];
-    unsigned long long kb = 0;
-    while (fgets(line, sizeof line, f))
-        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
-    fclose(f);
-    return (size_t)kb * 1024;
-}
-
 /* The matrices the matmuls read: output head, every layer's projections,
  * router and experts (r NULL: only counted). */
 static int model_weights(const td_model *m, wrange *r) {
@@ -352,7 +339,7 @@ static td_status cpu_upload_model(td_backend *be, const td_model *m) {
         bytes += r[i].end - r[i].src;
     }
     bytes = (bytes + HUGE - 1) / HUGE * HUGE;
-    size_t avail = mem_available();
+    size_t avail = (size_t)td_mem_available();
     if (k == 0 || (avail && bytes > avail / 2)) {
         if (k)
             TD_LOG_INFO("weights read in place: a %zu-byte copy would take over half of the "

@@ -75,6 +75,17 @@ uint64_t td_time_ns(void) {
 
 double td_time_s(void) { return (double)td_time_ns() * 1e-9; }
 
+uint64_t td_mem_available(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    unsigned long long kib = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
+    fclose(f);
+    return (uint64_t)kib * 1024u;
+}
+
 void td_cond_init_monotonic(pthread_cond_t *cv) {
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);

@@ -100,6 +100,8 @@ uint64_t td_random_u64(void);
 /* Monotonic clock in seconds / nanoseconds. */
 double td_time_s(void);
 uint64_t td_time_ns(void);
+/* Bytes of MemAvailable in /proc/meminfo; 0 when unknown. */
+uint64_t td_mem_available(void);
 
 /* A condition variable whose timed waits are on the monotonic clock (a
  * step of the wall clock does not move them), and the deadline `seconds`

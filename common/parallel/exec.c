@@ -269,20 +269,10 @@ static td_status size_pool(const td_exec_params *p, const td_plan *plan, const t
     return TD_OK;
 }
 
-/* Bytes of MemAvailable in /proc/meminfo; 0 when unknown. */
-static uint64_t mem_available(void) {
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (!f) return 0;
-    char line[256];
-    unsigned long long kib = 0;
-    while (fgets(line, sizeof line, f))
-        if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
-    fclose(f);
-    return (uint64_t)kib * 1024u;
-}
-
 /* Start-up check of the plan's memory against the host's: the weights once
- * (every rank maps the same file; its shard is a part of it), and per rank
+ * (every rank maps the same file and its shard is a part of it; the CPU
+ * backend's private copies of the shards add up to the weights once, the
+ * file's page cache then being reclaimable), and per rank
  * its KV pool and its engine scratch (activations of max_batch_tokens rows,
  * attention scratch, step buffers). */
 static td_status check_memory(const exec_config *c, const td_plan *plan, const td_model_config *mc,
@@ -294,7 +284,7 @@ static td_status check_memory(const exec_config *c, const td_plan *plan, const t
         total += (double)rank_block_bytes(plan, mc, r, c->block_size, (td_dtype)c->kv_dtype) *
                      c->n_blocks +
                  rows * per_row;
-    uint64_t avail = mem_available();
+    uint64_t avail = td_mem_available();
     if (avail > 0 && total > (double)avail) {
         TD_LOG_ERROR("plan: %d ranks need about %.2f GiB (weights %.2f GiB once, KV pool of %d "
                      "blocks and scratch per rank), the host has %.2f GiB available: lower "
