@@ -24,6 +24,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -295,6 +296,43 @@ static int wr_cmp(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+/* True if [src, end) lies in one read-only mapping of a file (the loader's
+ * GGUF or safetensors mapping), from /proc/self/maps. */
+static bool file_mapped(uintptr_t src, uintptr_t end) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    if (!f) return false;
+    char line[512];
+    bool yes = false;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long long lo, hi, ino;
+        char perms[8];
+        if (sscanf(line, "%llx-%llx %7s %*s %*s %llu", &lo, &hi, perms, &ino) != 4) continue;
+        if (src >= lo && src < hi) {
+            yes = end <= hi && ino != 0 && perms[1] != 'w';
+            break;
+        }
+    }
+    fclose(f);
+    return yes;
+}
+
+/* Copies [src, end) to dst 2 MB at a time; from a read-only file mapping,
+ * each copied part's pages are then dropped from this process (they come
+ * back from the page cache if read again: the loader's own reads of the
+ * file, token embedding rows), so the resident set holds the weights once,
+ * not twice, even while the copy is made. */
+static void copy_release(char *dst, uintptr_t src, uintptr_t end, bool file) {
+    const uintptr_t pg = 4096;
+    for (uintptr_t p = src; p < end; p += HUGE) {
+        uintptr_t e = TD_MIN(p + HUGE, end);
+        memcpy(dst + (p - src), (const void *)p, e - p);
+        if (file) {
+            uintptr_t lo = p & ~(pg - 1), hi = (e + pg - 1) & ~(pg - 1);
+            madvise((void *)lo, hi - lo, MADV_DONTNEED);
+        }
+    }
+}
+
 /* The matrices the matmuls read: output head, every layer's projections,
  * router and experts (r NULL: only counted). */
 static int model_weights(const td_model *m, wrange *r) {
@@ -362,7 +400,7 @@ static td_status cpu_upload_model(td_backend *be, const td_model *m) {
     madvise(a, bytes, MADV_HUGEPAGE); /* advice: without THP the copy still works */
     for (int i = 0; i < k; i++) {
         r[i].dst = a + (uintptr_t)r[i].dst;
-        memcpy(r[i].dst, (const void *)r[i].src, r[i].end - r[i].src);
+        copy_release(r[i].dst, r[i].src, r[i].end, file_mapped(r[i].src, r[i].end));
     }
     c->wr = r;
     c->n_wr = k;
