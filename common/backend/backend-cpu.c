@@ -667,7 +667,7 @@ static void task_actq(void *ctx, int ith, int nth) {
 static bool act_int8_rows(cpu_ctx *c, int n_w, const td_weight *const *w, const float *x,
                           size_t ldx, int32_t n_rows, size_t *xs) {
     td_dtype wt = w[0]->type;
-    if (!g_act_int8 || !td_dtype_is_quant(wt)) return false;
+    if (!g_act_int8 || !td_dtype_has_int8_kernels(wt)) return false;
     for (int i = 1; i < n_w; i++)
         if (w[i]->type != w[0]->type || w[i]->cols != w[0]->cols) return false;
     *xs = td_cpu_act_row_bytes(w[0]->type, w[0]->cols);

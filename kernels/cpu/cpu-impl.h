@@ -68,6 +68,32 @@ static inline float td_cpu_h2f(td_fp16 h) {
     return f;
 }
 
+/* The fp16 at p, which may lie at any byte (no type punning). */
+static inline float td_cpu_h2f_at(const void *p) {
+    td_fp16 h;
+    memcpy(&h, p, sizeof h);
+    return td_cpu_h2f(h);
+}
+
+/* 6-bit scale and min of sub-block j (0..7) of a q4_K/q5_K super-block. */
+static inline void td_k_scale_min(const uint8_t *scales, int j, int *sc_p, int *m_p) {
+    if (j < 4) {
+        *sc_p = scales[j] & 63;
+        *m_p = scales[j + 4] & 63;
+    } else {
+        *sc_p = (scales[j + 4] & 15) | ((scales[j - 4] >> 6) << 4);
+        *m_p = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
+    }
+}
+
+/* Group b (elements 32b .. 32b + 31) of a row of quantized type t, as the
+ * scalar reference dequantizes it: out[j] = element 32b + j. Every product
+ * of the GGUF definitions is exact in f32 (an fp16 scale times integers of
+ * at most 14 bits together), so each element rounds at most once, whatever
+ * the order or fusion of its operations: every ISA's dequantizer gives
+ * these bits. Defined in cpu.c. */
+void td_cpu_deq_group(td_dtype t, const void *row, int64_t b, float out[32]);
+
 static inline float td_cpu_bf2f(td_bf16 h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;

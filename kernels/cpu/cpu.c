@@ -109,6 +109,86 @@ td_bf16 td_f32_to_bf16(float f) {
 
 /* ---- rows ---- */
 
+void td_cpu_deq_group(td_dtype t, const void *row, int64_t b, float out[32]) {
+    switch (t) {
+    case TD_TYPE_Q4_0: {
+        const td_block_q4_0 *bl = (const td_block_q4_0 *)row + b;
+        float d = td_cpu_h2f_at(&bl->d);
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)((bl->qs[j] & 15) - 8);
+            out[j + 16] = d * (float)((bl->qs[j] >> 4) - 8);
+        }
+        return;
+    }
+    case TD_TYPE_Q4_1: {
+        const td_block_q4_1 *bl = (const td_block_q4_1 *)row + b;
+        float d = td_cpu_h2f_at(&bl->d), m = td_cpu_h2f_at(&bl->m);
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)(bl->qs[j] & 15) + m;
+            out[j + 16] = d * (float)(bl->qs[j] >> 4) + m;
+        }
+        return;
+    }
+    case TD_TYPE_Q5_0:
+    case TD_TYPE_Q5_1: {
+        const uint8_t *bl = (const uint8_t *)row + (size_t)b * td_dtype_block_bytes(t);
+        const int q51 = t == TD_TYPE_Q5_1;
+        float d = td_cpu_h2f_at(bl), m = q51 ? td_cpu_h2f_at(bl + 2) : 0.0f;
+        uint32_t qh;
+        memcpy(&qh, bl + 2 + 2 * q51, 4);
+        const uint8_t *qs = bl + 6 + 2 * q51;
+        for (int j = 0; j < 16; j++) {
+            int q0 = (qs[j] & 15) | (int)((qh >> j) & 1) << 4;
+            int q1 = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+            if (q51) {
+                out[j] = d * (float)q0 + m;
+                out[j + 16] = d * (float)q1 + m;
+            } else {
+                out[j] = d * (float)(q0 - 16);
+                out[j + 16] = d * (float)(q1 - 16);
+            }
+        }
+        return;
+    }
+    case TD_TYPE_Q8_0: {
+        const td_block_q8_0 *bl = (const td_block_q8_0 *)row + b;
+        float d = td_cpu_h2f_at(&bl->d);
+        for (int j = 0; j < 32; j++) out[j] = d * (float)bl->qs[j];
+        return;
+    }
+    case TD_TYPE_Q4_K:
+    case TD_TYPE_Q5_K: {
+        const int sub = (int)(b % 8);
+        const uint8_t *bl = (const uint8_t *)row + (size_t)(b / 8) * td_dtype_block_bytes(t);
+        int sc, mn;
+        td_k_scale_min(bl + 4, sub, &sc, &mn);
+        const float ds = td_cpu_h2f_at(bl) * (float)sc, dm = td_cpu_h2f_at(bl + 2) * (float)mn;
+        const int q5 = t == TD_TYPE_Q5_K;
+        const uint8_t *qh = bl + 16;
+        const uint8_t *qs = bl + 16 + (q5 ? 32 : 0) + (sub / 2) * 32;
+        for (int l = 0; l < 32; l++) {
+            int q = (sub & 1 ? qs[l] >> 4 : qs[l] & 15) | (q5 ? ((qh[l] >> sub) & 1) << 4 : 0);
+            out[l] = ds * (float)q - dm;
+        }
+        return;
+    }
+    case TD_TYPE_Q6_K: {
+        const int half = (int)(b % 8) / 4, g = (int)(b % 4);
+        const td_block_q6_K *bl =
+            (const td_block_q6_K *)((const uint8_t *)row + (size_t)(b / 8) * sizeof *bl);
+        const float d = td_cpu_h2f_at(&bl->d);
+        const uint8_t *ql = bl->ql + 64 * half + 32 * (g & 1), *qh = bl->qh + 32 * half;
+        const int8_t *sc = bl->scales + 8 * half + 2 * g;
+        for (int l = 0; l < 32; l++) {
+            int q = ((g < 2 ? ql[l] & 15 : ql[l] >> 4) | ((qh[l] >> (2 * g)) & 3) << 4) - 32;
+            out[l] = d * (float)sc[l / 16] * (float)q;
+        }
+        return;
+    }
+    default: TD_KERNEL_UNREACHABLE_TYPE(t);
+    }
+}
+
 void td_cpu_dequant_row(td_dtype t, const void *src, float *dst, int64_t k) {
     switch (t) {
     case TD_TYPE_F32: memcpy(dst, src, (size_t)k * sizeof(float)); return;
@@ -122,39 +202,10 @@ void td_cpu_dequant_row(td_dtype t, const void *src, float *dst, int64_t k) {
         for (int64_t i = 0; i < k; i++) dst[i] = td_cpu_bf2f(s[i]);
         return;
     }
-    case TD_TYPE_Q8_0: {
-        const td_block_q8_0 *b = src;
-        for (int64_t i = 0; i < k / 32; i++) {
-            float d = td_cpu_h2f(b[i].d);
-            for (int j = 0; j < 32; j++) dst[i * 32 + j] = d * (float)b[i].qs[j];
-        }
-        return;
-    }
-    case TD_TYPE_Q4_0: {
-        const td_block_q4_0 *b = src;
-        for (int64_t i = 0; i < k / 32; i++) {
-            float d = td_cpu_h2f(b[i].d);
-            for (int j = 0; j < 16; j++) {
-                dst[i * 32 + j] = d * (float)((b[i].qs[j] & 0xf) - 8);
-                dst[i * 32 + j + 16] = d * (float)((b[i].qs[j] >> 4) - 8);
-            }
-        }
-        return;
-    }
-    case TD_TYPE_Q4_1: {
-        const td_block_q4_1 *b = src;
-        for (int64_t i = 0; i < k / 32; i++) {
-            float d = td_cpu_h2f(b[i].d), m = td_cpu_h2f(b[i].m);
-            for (int j = 0; j < 16; j++) {
-                dst[i * 32 + j] = d * (float)(b[i].qs[j] & 0xf) + m;
-                dst[i * 32 + j + 16] = d * (float)(b[i].qs[j] >> 4) + m;
-            }
-        }
-        return;
-    }
     default: break;
     }
-    TD_KERNEL_UNREACHABLE_TYPE(t);
+    if (!td_dtype_is_quant(t)) TD_KERNEL_UNREACHABLE_TYPE(t);
+    for (int64_t b = 0; b < k / 32; b++) td_cpu_deq_group(t, src, b, dst + b * 32);
 }
 
 /* ggml's reference rounding (ggml-quants.c quantize_row_*_ref), which the
@@ -242,14 +293,14 @@ void td_cpu_quant_row(td_dtype t, const float *src, void *dst, int64_t k) {
 /* ---- activations ---- */
 
 size_t td_cpu_act_row_bytes(td_dtype wtype, int64_t k) {
-    if (td_dtype_is_quant(wtype)) return k % 32 ? 0 : td_q8x_row_bytes(k / 32);
+    if (td_dtype_has_int8_kernels(wtype)) return k % 32 ? 0 : td_q8x_row_bytes(k / 32);
     if (wtype == TD_TYPE_F32 || wtype == TD_TYPE_F16 || wtype == TD_TYPE_BF16)
         return (size_t)k * sizeof(float);
     return 0;
 }
 
 void td_cpu_act_quant_scalar(td_dtype wtype, const float *x, void *xq, int64_t k) {
-    if (!td_dtype_is_quant(wtype)) {
+    if (!td_dtype_has_int8_kernels(wtype)) {
         memcpy(xq, x, (size_t)k * sizeof(float));
         return;
     }

@@ -538,7 +538,7 @@ static void matmul_avx512(td_dtype wt, const void *w, size_t w_stride, const voi
 /* Bytes identical to td_cpu_act_quant_scalar: same amax, same d and 1/d,
  * x * id rounded half-to-even by vcvtps2dq. */
 static void act_quant_avx512(td_dtype wt, const float *x, void *xq, int64_t k) {
-    if (!td_dtype_is_quant(wt)) {
+    if (!td_dtype_has_int8_kernels(wt)) {
         memcpy(xq, x, (size_t)k * sizeof(float));
         return;
     }

@@ -52,7 +52,7 @@ static float dot_float_scalar(td_dtype wt, const void *wrow, const float *x, int
 static void matmul_scalar(td_dtype wt, const void *w, size_t w_stride, const void *xq,
                           size_t xq_stride, int n, int64_t k, float *y, size_t ldy, int r0,
                           int r1) {
-    bool quant = td_dtype_is_quant(wt);
+    bool quant = td_dtype_has_int8_kernels(wt);
     if (!quant && wt != TD_TYPE_F32 && wt != TD_TYPE_F16 && wt != TD_TYPE_BF16)
         TD_KERNEL_UNREACHABLE_TYPE(wt);
     for (int r = r0; r < r1; r++) {

@@ -28,21 +28,100 @@ AI float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Scale (and Q4_1 min) of block b. */
+AI int is_hibit(const td_dtype WT) {
+    return WT == TD_TYPE_Q5_0 || WT == TD_TYPE_Q5_1 || WT == TD_TYPE_Q4_K || WT == TD_TYPE_Q5_K ||
+           WT == TD_TYPE_Q6_K;
+}
+
+/* Start of group b (32 elements) of a row: the block holding it. */
+AI const char *group_block(const td_dtype WT, const char *row, int64_t b) {
+    const int64_t per = td_dtype_block_elems(WT) / 32;
+    return row + (size_t)(b / per) * td_dtype_block_bytes(WT);
+}
+
+/* The per-group constants of group b: Q8_0/Q4_0/Q5_0 d; Q4_1/Q5_1 d and
+ * m; Q4_K/Q5_K d*sc and -(dmin*m) of its sub-block (exact products, as
+ * td_cpu_deq_group); Q6_K d*scale of its elements 0-15 in d, 16-31 in m. */
 AI void block_dm(const td_dtype WT, const char *row, int64_t b, __m256 *d, __m256 *m) {
     if (WT == TD_TYPE_Q8_0) {
         *d = _mm256_set1_ps(_cvtsh_ss(((const td_block_q8_0 *)row + b)->d));
     } else if (WT == TD_TYPE_Q4_0) {
         *d = _mm256_set1_ps(_cvtsh_ss(((const td_block_q4_0 *)row + b)->d));
-    } else {
+    } else if (WT == TD_TYPE_Q4_1) {
         const td_block_q4_1 *bl = (const td_block_q4_1 *)row + b;
         *d = _mm256_set1_ps(_cvtsh_ss(bl->d));
         *m = _mm256_set1_ps(_cvtsh_ss(bl->m));
+    } else if (WT == TD_TYPE_Q5_0 || WT == TD_TYPE_Q5_1) {
+        const char *bl = group_block(WT, row, b);
+        *d = _mm256_set1_ps(td_cpu_h2f_at(bl));
+        if (WT == TD_TYPE_Q5_1) *m = _mm256_set1_ps(td_cpu_h2f_at(bl + 2));
+    } else if (WT == TD_TYPE_Q4_K || WT == TD_TYPE_Q5_K) {
+        const char *bl = group_block(WT, row, b);
+        int sc, mn;
+        td_k_scale_min((const uint8_t *)bl + 4, (int)(b % 8), &sc, &mn);
+        *d = _mm256_set1_ps(td_cpu_h2f_at(bl) * (float)sc);
+        *m = _mm256_set1_ps(-(td_cpu_h2f_at(bl + 2) * (float)mn));
+    } else { /* Q6_K */
+        const char *bl = group_block(WT, row, b);
+        const int8_t *sc = (const int8_t *)bl + 192 + 8 * ((int)(b % 8) / 4) + 2 * (int)(b % 4);
+        const float d0 = td_cpu_h2f_at(bl + 208);
+        *d = _mm256_set1_ps(d0 * (float)sc[0]);
+        *m = _mm256_set1_ps(d0 * (float)sc[1]);
     }
+}
+
+/* The 8 bits of byte, each widened to a 32-bit lane as 16 (set) or 0. */
+AI __m256i bits16(uint32_t byte) {
+    const __m256i v =
+        _mm256_srlv_epi32(_mm256_set1_epi32((int)byte), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(1)), 4);
+}
+
+/* Elements 8s..8s+7 of group b of the q5/K types (block_dm's d and m). */
+AI __m256 deq_step_hibit(const td_dtype WT, const char *row, int64_t b, const int s, __m256 d,
+                         __m256 m) {
+    const char *bl = group_block(WT, row, b);
+    const __m128i nib = _mm_set1_epi8(0x0f);
+    if (WT == TD_TYPE_Q5_0 || WT == TD_TYPE_Q5_1) {
+        const int q51 = WT == TD_TYPE_Q5_1;
+        uint32_t qh;
+        memcpy(&qh, bl + 2 + 2 * q51, 4);
+        __m128i v = _mm_loadl_epi64((const __m128i *)(bl + 6 + 2 * q51 + 8 * (s & 1)));
+        if (s >= 2) v = _mm_srli_epi16(v, 4);
+        __m256i q = _mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(v, nib)),
+                                     bits16((qh >> (8 * s)) & 0xff));
+        if (q51) return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(16))), d);
+    }
+    if (WT == TD_TYPE_Q4_K || WT == TD_TYPE_Q5_K) {
+        const int sub = (int)(b % 8);
+        const char *qs = bl + 16 + (WT == TD_TYPE_Q5_K ? 32 : 0) + (sub / 2) * 32 + 8 * s;
+        __m128i v = _mm_loadl_epi64((const __m128i *)qs);
+        if (sub & 1) v = _mm_srli_epi16(v, 4);
+        __m256i q = _mm256_cvtepu8_epi32(_mm_and_si128(v, nib));
+        if (WT == TD_TYPE_Q5_K) {
+            __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bl + 16 + 8 * s)));
+            h = _mm256_and_si256(_mm256_srl_epi32(h, _mm_cvtsi32_si128(sub)), _mm256_set1_epi32(1));
+            q = _mm256_add_epi32(q, _mm256_slli_epi32(h, 4));
+        }
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
+    }
+    /* Q6_K */
+    const int half = (int)(b % 8) / 4, g = (int)(b % 4);
+    __m128i v = _mm_loadl_epi64((const __m128i *)(bl + 64 * half + 32 * (g & 1) + 8 * s));
+    if (g >= 2) v = _mm_srli_epi16(v, 4);
+    __m256i h =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bl + 128 + 32 * half + 8 * s)));
+    h = _mm256_and_si256(_mm256_srl_epi32(h, _mm_cvtsi32_si128(2 * g)), _mm256_set1_epi32(3));
+    __m256i q =
+        _mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(v, nib)), _mm256_slli_epi32(h, 4));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(32))),
+                         s < 2 ? d : m);
 }
 
 /* Elements 8s..8s+7 (s = 0..3) of block b. */
 AI __m256 deq_step(const td_dtype WT, const char *row, int64_t b, const int s, __m256 d, __m256 m) {
+    if (is_hibit(WT)) return deq_step_hibit(WT, row, b, s, d, m);
     if (WT == TD_TYPE_Q8_0) {
         const td_block_q8_0 *bl = (const td_block_q8_0 *)row + b;
         __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(bl->qs + 8 * s)));
@@ -129,6 +208,11 @@ AI void kern_buf(const int R, const int T, const float *wf, const float *x, size
 DEF_REG(reg_q40, TD_TYPE_Q4_0)
 DEF_REG(reg_q41, TD_TYPE_Q4_1)
 DEF_REG(reg_q80, TD_TYPE_Q8_0)
+DEF_REG(reg_q50, TD_TYPE_Q5_0)
+DEF_REG(reg_q51, TD_TYPE_Q5_1)
+DEF_REG(reg_q4k, TD_TYPE_Q4_K)
+DEF_REG(reg_q5k, TD_TYPE_Q5_K)
+DEF_REG(reg_q6k, TD_TYPE_Q6_K)
 
 #define BUF_CASE(R, T)                                                                             \
     case (R)*8 + (T):                                                                              \
@@ -147,10 +231,10 @@ AI void deq_rows(const td_dtype WT, const char *w, size_t ws, int R, int64_t k, 
         for (int64_t b = 0; b < k / 32; b++) {
             __m256 d, m = _mm256_setzero_ps();
             block_dm(WT, row, b, &d, &m);
-            _mm256_store_ps(dst + b * 32, deq_step(WT, row, b, 0, d, m));
-            _mm256_store_ps(dst + b * 32 + 8, deq_step(WT, row, b, 1, d, m));
-            _mm256_store_ps(dst + b * 32 + 16, deq_step(WT, row, b, 2, d, m));
-            _mm256_store_ps(dst + b * 32 + 24, deq_step(WT, row, b, 3, d, m));
+            _mm256_storeu_ps(dst + b * 32, deq_step(WT, row, b, 0, d, m));
+            _mm256_storeu_ps(dst + b * 32 + 8, deq_step(WT, row, b, 1, d, m));
+            _mm256_storeu_ps(dst + b * 32 + 16, deq_step(WT, row, b, 2, d, m));
+            _mm256_storeu_ps(dst + b * 32 + 24, deq_step(WT, row, b, 3, d, m));
         }
     }
 }
@@ -160,8 +244,17 @@ static void deq_rows_any(td_dtype wt, const char *w, size_t ws, int R, int64_t k
     case TD_TYPE_Q4_0: deq_rows(TD_TYPE_Q4_0, w, ws, R, k, wf); return;
     case TD_TYPE_Q4_1: deq_rows(TD_TYPE_Q4_1, w, ws, R, k, wf); return;
     case TD_TYPE_Q8_0: deq_rows(TD_TYPE_Q8_0, w, ws, R, k, wf); return;
+    case TD_TYPE_Q5_0: deq_rows(TD_TYPE_Q5_0, w, ws, R, k, wf); return;
+    case TD_TYPE_Q5_1: deq_rows(TD_TYPE_Q5_1, w, ws, R, k, wf); return;
+    case TD_TYPE_Q4_K: deq_rows(TD_TYPE_Q4_K, w, ws, R, k, wf); return;
+    case TD_TYPE_Q5_K: deq_rows(TD_TYPE_Q5_K, w, ws, R, k, wf); return;
+    case TD_TYPE_Q6_K: deq_rows(TD_TYPE_Q6_K, w, ws, R, k, wf); return;
     default: TD_KERNEL_UNREACHABLE_TYPE(wt);
     }
+}
+
+void td_qmm_avx2_dequant_row(td_dtype wt, const void *w, float *dst, int64_t k) {
+    deq_rows_any(wt, w, 0, 1, k, dst);
 }
 
 void td_qmm_avx2(td_dtype wt, const void *w, size_t ws, const float *x, size_t ldx, int n,
@@ -172,6 +265,11 @@ void td_qmm_avx2(td_dtype wt, const void *w, size_t ws, const float *x, size_t l
                     size_t) = wt == TD_TYPE_Q4_0   ? reg_q40
                               : wt == TD_TYPE_Q4_1 ? reg_q41
                               : wt == TD_TYPE_Q8_0 ? reg_q80
+                              : wt == TD_TYPE_Q5_0 ? reg_q50
+                              : wt == TD_TYPE_Q5_1 ? reg_q51
+                              : wt == TD_TYPE_Q4_K ? reg_q4k
+                              : wt == TD_TYPE_Q5_K ? reg_q5k
+                              : wt == TD_TYPE_Q6_K ? reg_q6k
                                                    : NULL;
         if (!reg) TD_KERNEL_UNREACHABLE_TYPE(wt);
         for (int t = 0; t < n; t += TREG) {

@@ -68,6 +68,96 @@ AI void deq_quant(const td_dtype WT, const char *blk, __m512 d, __m512 m, __m512
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), tab);
 }
 
+/* The types with a fifth or sixth bit or sub-block scales (q5_0, q5_1,
+ * q4_K, q5_K, q6_K): group b of a row (elements 32b .. 32b + 31), lo =
+ * elements 0-15, hi = 16-31. The quants are widened to 32-bit lanes, the
+ * high bits added under a mask (q5) or shifted in (q6_K), and each element
+ * is d*q (+ m) with the scale products of td_cpu_deq_group: every product
+ * is exact, so one FMA rounds as its separate multiply and add do. */
+AI void deq_hi_bits(const td_dtype WT, const char *row, int64_t b, __m512 *lo, __m512 *hi) {
+    if (WT == TD_TYPE_Q5_0 || WT == TD_TYPE_Q5_1) {
+        const int q51 = WT == TD_TYPE_Q5_1;
+        const char *bl = row + (size_t)b * td_dtype_block_bytes(WT);
+        uint32_t qh;
+        memcpy(&qh, bl + 2 + 2 * q51, 4);
+        const __m512i i0 =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bl + 6 + 2 * q51)));
+        const __m512i sixteen = _mm512_set1_epi32(16), nib = _mm512_set1_epi32(15);
+        __m512i q0 = _mm512_and_si512(i0, nib), q1 = _mm512_srli_epi32(i0, 4);
+        q0 = _mm512_mask_add_epi32(q0, (__mmask16)qh, q0, sixteen);
+        q1 = _mm512_mask_add_epi32(q1, (__mmask16)(qh >> 16), q1, sixteen);
+        const __m512 d = _mm512_set1_ps(td_cpu_h2f_at(bl));
+        if (q51) {
+            const __m512 m = _mm512_set1_ps(td_cpu_h2f_at(bl + 2));
+            *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), d, m);
+            *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), d, m);
+        } else {
+            *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q0, sixteen)), d);
+            *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q1, sixteen)), d);
+        }
+        return;
+    }
+    if (WT == TD_TYPE_Q4_K || WT == TD_TYPE_Q5_K) {
+        const int sub = (int)(b % 8);
+        const char *bl = row + (size_t)(b / 8) * td_dtype_block_bytes(WT);
+        int sc, mn;
+        td_k_scale_min((const uint8_t *)bl + 4, sub, &sc, &mn);
+        const __m512 ds = _mm512_set1_ps(td_cpu_h2f_at(bl) * (float)sc);
+        const __m512 ndm = _mm512_set1_ps(-(td_cpu_h2f_at(bl + 2) * (float)mn));
+        const char *qs = bl + 16 + (WT == TD_TYPE_Q5_K ? 32 : 0) + (sub / 2) * 32;
+        __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+        __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
+        if (sub & 1) {
+            q0 = _mm512_srli_epi32(q0, 4);
+            q1 = _mm512_srli_epi32(q1, 4);
+        } else {
+            q0 = _mm512_and_si512(q0, _mm512_set1_epi32(15));
+            q1 = _mm512_and_si512(q1, _mm512_set1_epi32(15));
+        }
+        if (WT == TD_TYPE_Q5_K) {
+            const __m128i bit = _mm_set1_epi8((char)(1 << sub));
+            const __m512i sixteen = _mm512_set1_epi32(16);
+            q0 = _mm512_mask_add_epi32(
+                q0, _mm_test_epi8_mask(_mm_loadu_si128((const __m128i *)(bl + 16)), bit), q0,
+                sixteen);
+            q1 = _mm512_mask_add_epi32(
+                q1, _mm_test_epi8_mask(_mm_loadu_si128((const __m128i *)(bl + 32)), bit), q1,
+                sixteen);
+        }
+        *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), ds, ndm);
+        *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), ds, ndm);
+        return;
+    }
+    /* q6_K */
+    const int half = (int)(b % 8) / 4, g = (int)(b % 4);
+    const char *bl = row + (size_t)(b / 8) * sizeof(td_block_q6_K);
+    const char *ql = bl + 64 * half + 32 * (g & 1), *qh = bl + 128 + 32 * half;
+    const int8_t *sc = (const int8_t *)bl + 192 + 8 * half + 2 * g;
+    const float d = td_cpu_h2f_at(bl + 208);
+    __m512i l0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)ql));
+    __m512i l1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 16)));
+    const __m512i h0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qh));
+    const __m512i h1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16)));
+    const __m512i three = _mm512_set1_epi32(3), nib = _mm512_set1_epi32(15);
+    if (g >= 2) {
+        l0 = _mm512_srli_epi32(l0, 4);
+        l1 = _mm512_srli_epi32(l1, 4);
+    } else {
+        l0 = _mm512_and_si512(l0, nib);
+        l1 = _mm512_and_si512(l1, nib);
+    }
+    const __m128i sh = _mm_cvtsi32_si128(2 * g);
+    const __m512i q0 = _mm512_or_si512(
+        l0, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h0, sh), three), 4));
+    const __m512i q1 = _mm512_or_si512(
+        l1, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h1, sh), three), 4));
+    const __m512i k32 = _mm512_set1_epi32(32);
+    *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q0, k32)),
+                        _mm512_set1_ps(d * (float)sc[0]));
+    *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q1, k32)),
+                        _mm512_set1_ps(d * (float)sc[1]));
+}
+
 /* Block b of a row: lo = elements 0-15, hi = elements 16-31. */
 AI void deq_block(const td_dtype WT, const char *row, int64_t b, __m512 *lo, __m512 *hi) {
     /* float types: 32-element groups, converted exactly */
@@ -86,6 +176,11 @@ AI void deq_block(const td_dtype WT, const char *row, int64_t b, __m512 *lo, __m
             *lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16));
             *hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h1), 16));
         }
+        return;
+    }
+    if (WT == TD_TYPE_Q5_0 || WT == TD_TYPE_Q5_1 || WT == TD_TYPE_Q4_K || WT == TD_TYPE_Q5_K ||
+        WT == TD_TYPE_Q6_K) {
+        deq_hi_bits(WT, row, b, lo, hi);
         return;
     }
     /* quantized: d (and Q4_1's m, adjacent) lead every block */
@@ -111,7 +206,8 @@ AI void tile_store(const int R, const int T, __m512 acc[RR][TBUF], float *y, siz
 /* Register path: R rows x T tokens straight from the weight blocks. */
 AI void kern_reg(const td_dtype WT, const int R, const int T, const char *w, size_t ws,
                  const float *x, size_t ldx, int64_t nb, float *y, size_t ldy) {
-    const size_t BS = td_dtype_row_bytes(WT, 32); /* bytes of 32 elements */
+    /* bytes of 32 elements (of a super-block's share for the K-quants) */
+    const size_t BS = td_dtype_block_bytes(WT) * 32 / (size_t)td_dtype_block_elems(WT);
     __m512 acc[RR][TBUF];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
@@ -235,12 +331,20 @@ AI void kern_buf(const int R, const int T, const float *wf, const float *x, size
         switch (R * 8 + T) { CASES(WT) default : abort(); }                                        \
     }
 #define FLOAT_CASES(WT) REG_ROW(kern_reg, WT, 1)
+#define HIBIT_CASES(WT)                                                                            \
+    REG_ROW(kern_reg, WT, 1)                                                                       \
+    REG_ROW(kern_reg, WT, 2) REG_ROW(kern_reg, WT, 3) REG_ROW(kern_reg, WT, 4)
 #define QUANT_CASES(WT)                                                                            \
     REG_ROW(kern_reg_q, WT, 1)                                                                     \
     REG_ROW(kern_reg_q, WT, 2) REG_ROW(kern_reg_q, WT, 3) REG_ROW(kern_reg_q, WT, 4)
 DEF_REG(reg_q40, TD_TYPE_Q4_0, QUANT_CASES)
 DEF_REG(reg_q41, TD_TYPE_Q4_1, QUANT_CASES)
 DEF_REG(reg_q80, TD_TYPE_Q8_0, QUANT_CASES)
+DEF_REG(reg_q50, TD_TYPE_Q5_0, HIBIT_CASES)
+DEF_REG(reg_q51, TD_TYPE_Q5_1, HIBIT_CASES)
+DEF_REG(reg_q4k, TD_TYPE_Q4_K, HIBIT_CASES)
+DEF_REG(reg_q5k, TD_TYPE_Q5_K, HIBIT_CASES)
+DEF_REG(reg_q6k, TD_TYPE_Q6_K, HIBIT_CASES)
 DEF_REG(reg_f32, TD_TYPE_F32, FLOAT_CASES)
 DEF_REG(reg_f16, TD_TYPE_F16, FLOAT_CASES)
 DEF_REG(reg_bf16, TD_TYPE_BF16, FLOAT_CASES)
@@ -263,8 +367,8 @@ AI void deq_rows(const td_dtype WT, const char *w, size_t ws, int R, int64_t k, 
         for (int64_t b = 0; b < k / 32; b++) {
             __m512 lo, hi;
             deq_block(WT, row, b, &lo, &hi);
-            _mm512_store_ps(dst + b * 32, lo);
-            _mm512_store_ps(dst + b * 32 + 16, hi);
+            _mm512_storeu_ps(dst + b * 32, lo);
+            _mm512_storeu_ps(dst + b * 32 + 16, hi);
         }
     }
 }
@@ -274,11 +378,20 @@ static void deq_rows_any(td_dtype wt, const char *w, size_t ws, int R, int64_t k
     case TD_TYPE_Q4_0: deq_rows(TD_TYPE_Q4_0, w, ws, R, k, wf); return;
     case TD_TYPE_Q4_1: deq_rows(TD_TYPE_Q4_1, w, ws, R, k, wf); return;
     case TD_TYPE_Q8_0: deq_rows(TD_TYPE_Q8_0, w, ws, R, k, wf); return;
+    case TD_TYPE_Q5_0: deq_rows(TD_TYPE_Q5_0, w, ws, R, k, wf); return;
+    case TD_TYPE_Q5_1: deq_rows(TD_TYPE_Q5_1, w, ws, R, k, wf); return;
+    case TD_TYPE_Q4_K: deq_rows(TD_TYPE_Q4_K, w, ws, R, k, wf); return;
+    case TD_TYPE_Q5_K: deq_rows(TD_TYPE_Q5_K, w, ws, R, k, wf); return;
+    case TD_TYPE_Q6_K: deq_rows(TD_TYPE_Q6_K, w, ws, R, k, wf); return;
     case TD_TYPE_F32: deq_rows(TD_TYPE_F32, w, ws, R, k, wf); return;
     case TD_TYPE_F16: deq_rows(TD_TYPE_F16, w, ws, R, k, wf); return;
     case TD_TYPE_BF16: deq_rows(TD_TYPE_BF16, w, ws, R, k, wf); return;
     default: TD_KERNEL_UNREACHABLE_TYPE(wt);
     }
+}
+
+void td_qmm_avx512_dequant_row(td_dtype wt, const void *w, float *dst, int64_t k) {
+    deq_rows_any(wt, w, 0, 1, k, dst);
 }
 
 void td_qmm_avx512(td_dtype wt, const void *w, size_t ws, const float *x, size_t ldx, int n,
@@ -289,6 +402,11 @@ void td_qmm_avx512(td_dtype wt, const void *w, size_t ws, const float *x, size_t
                     size_t) = wt == TD_TYPE_Q4_0   ? reg_q40
                               : wt == TD_TYPE_Q4_1 ? reg_q41
                               : wt == TD_TYPE_Q8_0 ? reg_q80
+                              : wt == TD_TYPE_Q5_0 ? reg_q50
+                              : wt == TD_TYPE_Q5_1 ? reg_q51
+                              : wt == TD_TYPE_Q4_K ? reg_q4k
+                              : wt == TD_TYPE_Q5_K ? reg_q5k
+                              : wt == TD_TYPE_Q6_K ? reg_q6k
                               : wt == TD_TYPE_F32  ? reg_f32
                               : wt == TD_TYPE_F16  ? reg_f16
                               : wt == TD_TYPE_BF16 ? reg_bf16

@@ -15,6 +15,12 @@ void td_qmm_scalar(td_dtype wtype, const void *w, size_t w_stride, const float *
                    int n, int64_t k, float *y, size_t ldy, int r0, int r1);
 void td_qmm_avx2(td_dtype wtype, const void *w, size_t w_stride, const float *x, size_t ldx, int n,
                  int64_t k, float *y, size_t ldy, int r0, int r1);
+/* dst[0..k) = row w of type wt dequantized by the ISA's own block
+ * dequantizer, the one its matmul kernels use (for the exactness tests). */
+void td_qmm_scalar_dequant_row(td_dtype wt, const void *w, float *dst, int64_t k);
+void td_qmm_avx2_dequant_row(td_dtype wt, const void *w, float *dst, int64_t k);
+void td_qmm_avx512_dequant_row(td_dtype wt, const void *w, float *dst, int64_t k);
+
 void td_qmm_avx512(td_dtype wtype, const void *w, size_t w_stride, const float *x, size_t ldx,
                    int n, int64_t k, float *y, size_t ldy, int r0, int r1);
 

@@ -119,8 +119,9 @@ static bool supported(harness *h, td_op op, td_dtype t, const char *name, const 
 
 /* ---- random weights in every type (raw blocks, so no quantizer is under test) ---- */
 
-static const td_dtype k_types[] = {TD_TYPE_F32,  TD_TYPE_F16,  TD_TYPE_BF16,
-                                   TD_TYPE_Q8_0, TD_TYPE_Q4_0, TD_TYPE_Q4_1};
+static const td_dtype k_types[] = {TD_TYPE_F32,  TD_TYPE_F16,  TD_TYPE_BF16, TD_TYPE_Q8_0,
+                                   TD_TYPE_Q4_0, TD_TYPE_Q4_1, TD_TYPE_Q5_0, TD_TYPE_Q5_1,
+                                   TD_TYPE_Q4_K, TD_TYPE_Q5_K, TD_TYPE_Q6_K};
 
 static void *rand_rows(td_dtype t, int64_t rows, int64_t k) {
     size_t rb = td_dtype_row_bytes(t, k);
@@ -141,10 +142,30 @@ static void *rand_rows(td_dtype t, int64_t rows, int64_t k) {
             continue;
         }
         size_t bb = td_dtype_block_bytes(t);
-        for (int64_t b = 0; b < k / 32; b++, p += bb) {
+        for (int64_t b = 0; b < k / td_dtype_block_elems(t); b++, p += bb) {
+            for (size_t j = 0; j < bb; j++) p[j] = (uint8_t)(urand() * 256.0);
+            /* the fp16 scales: d (and the min or dmin) in a real model's range */
+            if (t == TD_TYPE_Q6_K) {
+                uint16_t d = td_f32_to_fp16(frand(0.0001f, 0.002f));
+                memcpy(p + 208, &d, 2);
+                continue;
+            }
+            if (t == TD_TYPE_Q4_K || t == TD_TYPE_Q5_K) {
+                uint16_t d = td_f32_to_fp16(frand(0.0001f, 0.002f)),
+                         m = td_f32_to_fp16(frand(0.0f, 0.002f));
+                memcpy(p, &d, 2);
+                memcpy(p + 2, &m, 2);
+                continue;
+            }
             uint16_t d = td_f32_to_fp16(frand(0.002f, 0.05f));
             memcpy(p, &d, 2);
             size_t q0 = 2;
+            if (t == TD_TYPE_Q5_1) {
+                uint16_t m = td_f32_to_fp16(frand(-0.5f, 0.0f));
+                memcpy(p + 2, &m, 2);
+                continue;
+            }
+            if (t == TD_TYPE_Q5_0) continue;
             if (t == TD_TYPE_Q4_1) {
                 uint16_t m = td_f32_to_fp16(frand(-0.3f, 0.0f));
                 memcpy(p + 2, &m, 2);
@@ -171,6 +192,7 @@ static float *rand_f32(size_t n, float lo, float hi) {
 /* ---- matmul ---- */
 
 static void matmul_case(harness *h, td_dtype t, int n_w, int64_t rows, int64_t k, int n) {
+    if (k % td_dtype_block_elems(t)) return; /* a K-quant row is whole super-blocks */
     char desc[96];
     snprintf(desc, sizeof desc, "%s x%d rows %lld k %lld n %d", td_dtype_name(t), n_w,
              (long long)rows, (long long)k, n);
@@ -242,7 +264,8 @@ static void matmul_case(harness *h, td_dtype t, int n_w, int64_t rows, int64_t k
 
 static void test_matmul(void **state) {
     (void)state;
-    static const int64_t shapes[][3] = {{1, 32, 1}, {7, 64, 2}, {37, 128, 5}, {64, 256, 17}};
+    static const int64_t shapes[][3] = {{1, 32, 1},    {7, 64, 2},  {37, 128, 5},
+                                        {64, 256, 17}, {9, 512, 3}, {5, 768, 6}};
     for (size_t b = 0; b < sizeof g_h / sizeof g_h[0]; b++)
         for (size_t t = 0; t < sizeof k_types / sizeof k_types[0]; t++)
             for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
@@ -251,13 +274,13 @@ static void test_matmul(void **state) {
                                 (int)shapes[s][2]);
 }
 
-/* A type the CPU backend has no kernels for (GGUF q4_K) is refused by
+/* A type the CPU backend has no kernels for (GGUF q2_K) is refused by
  * supports(), so an engine refuses such a model at start-up. */
 static void test_unsupported_type(void **state) {
     (void)state;
     for (size_t b = 0; b < sizeof g_h / sizeof g_h[0]; b++) {
-        assert_false(g_h[b].be->i->supports(g_h[b].be, TD_OP_MATMUL, (td_dtype)12));
-        assert_false(supported(&g_h[b], TD_OP_MATMUL, (td_dtype)12, "matmul", "q4_K"));
+        assert_false(g_h[b].be->i->supports(g_h[b].be, TD_OP_MATMUL, (td_dtype)10));
+        assert_false(supported(&g_h[b], TD_OP_MATMUL, (td_dtype)10, "matmul", "q2_K"));
     }
 }
 
@@ -308,9 +331,10 @@ static td_backend_batch make_batch(batch_data *d, int32_t vocab) {
 
 static void test_embed(void **state) {
     (void)state;
-    const int64_t V = 11, E = 64;
+    const int64_t V = 11;
     for (size_t b = 0; b < sizeof g_h / sizeof g_h[0]; b++)
         for (size_t t = 0; t < sizeof k_types / sizeof k_types[0]; t++) {
+            const int64_t E = td_dtype_block_elems(k_types[t]) > 32 ? 512 : 64; /* whole blocks */
             harness *h = &g_h[b];
             td_backend *be = h->be;
             char desc[64];

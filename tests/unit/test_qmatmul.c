@@ -27,10 +27,17 @@
 #include "common/base/threadpool.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/qmatmul.h"
+#include "ref-dtype.h"
 
 static const td_isa k_isas[] = {TD_ISA_SCALAR, TD_ISA_AVX2, TD_ISA_AVX512};
-static const td_dtype k_types[] = {TD_TYPE_Q4_0, TD_TYPE_Q4_1, TD_TYPE_Q8_0,
+static const td_dtype k_types[] = {TD_TYPE_Q4_0, TD_TYPE_Q4_1, TD_TYPE_Q8_0, TD_TYPE_Q5_0,
+                                   TD_TYPE_Q5_1, TD_TYPE_Q4_K, TD_TYPE_Q5_K, TD_TYPE_Q6_K,
                                    TD_TYPE_F16,  TD_TYPE_BF16, TD_TYPE_F32};
+
+static int is_5k(td_dtype t) {
+    return t == TD_TYPE_Q5_0 || t == TD_TYPE_Q5_1 || t == TD_TYPE_Q4_K || t == TD_TYPE_Q5_K ||
+           t == TD_TYPE_Q6_K;
+}
 
 static uint64_t g_rng = 0x243f6a8885a308d3ull;
 static uint64_t rnd64(void) { /* xorshift64* */
@@ -41,23 +48,19 @@ static uint64_t rnd64(void) { /* xorshift64* */
 }
 static double urand(void) { return (double)(rnd64() >> 11) / 9007199254740992.0; }
 
-static double ref_h2f(uint16_t h) { /* IEEE binary16 by its formula */
-    int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
-    double v;
-    if (e == 0)
-        v = ldexp(m, -24);
-    else
-        v = ldexp(1024 + m, e - 25);
-    return s ? -v : v;
-}
-
 /* fp16 bits of a normal number with exponent e (value 2^e * (1 + man/1024)) */
 static uint16_t h_bits(int sign, int e, int man) {
     return (uint16_t)((sign << 15) | ((e + 15) << 10) | man);
 }
 
-/* Element j of block b of a row, by the GGUF definitions. */
+/* Element j of group b (32 elements) of a row, by the GGUF definitions. */
 static double ref_w(td_dtype t, const uint8_t *row, int64_t b, int j) {
+    if (is_5k(t)) { /* ref-dtype.h, over the whole block */
+        double v[256];
+        int per = td_dtype_block_elems(t) / 32;
+        ref_dequant_block5k(t, row + (size_t)(b / per) * td_dtype_block_bytes(t), v);
+        return v[(b % per) * 32 + j];
+    }
     switch (t) {
     case TD_TYPE_Q4_0: {
         const uint8_t *p = row + b * 18;
@@ -95,6 +98,7 @@ static double ref_w(td_dtype t, const uint8_t *row, int64_t b, int j) {
 }
 
 static size_t row_bytes(td_dtype t, int64_t k) {
+    if (is_5k(t)) return td_dtype_row_bytes(t, k);
     switch (t) {
     case TD_TYPE_Q4_0: return (size_t)k / 32 * 18;
     case TD_TYPE_Q4_1: return (size_t)k / 32 * 20;
@@ -137,16 +141,28 @@ static void fill_weights(td_dtype t, uint8_t *w, int rows, int64_t k, size_t str
             }
             continue;
         }
-        size_t bs = t == TD_TYPE_Q4_0 ? 18 : t == TD_TYPE_Q4_1 ? 20 : 34;
-        for (int64_t b = 0; b < k / 32; b++) {
+        size_t bs = td_dtype_block_bytes(t);
+        for (int64_t b = 0; b < k / td_dtype_block_elems(t); b++) {
             uint8_t *p = row + b * bs;
             for (size_t i = 0; i < bs; i++) p[i] = (uint8_t)rnd64();
             uint16_t d =
                 exact ? h_bits(0, -2, 0)
                       : h_bits((int)(rnd64() & 1), -4 - (int)(rnd64() % 7), (int)(rnd64() % 1024));
+            if (t == TD_TYPE_Q6_K) {
+                p[208] = (uint8_t)d;
+                p[209] = (uint8_t)(d >> 8);
+                /* exact: int8 scales in [-2, 2) keep every sum of k <= 16640 products
+                 * below 2^22 (an exact multiple of 1/4 in f32) */
+                if (exact)
+                    for (int i = 0; i < 16; i++) p[192 + i] = (uint8_t)((int)(rnd64() % 4) - 2);
+                continue;
+            }
+            if (exact && (t == TD_TYPE_Q4_K || t == TD_TYPE_Q5_K)) /* sc, m in [0, 3], as above */
+                for (int i = 0; i < 12; i++) p[4 + i] = (uint8_t)(rnd64() & 3);
             p[0] = (uint8_t)d;
             p[1] = (uint8_t)(d >> 8);
-            if (t == TD_TYPE_Q4_1) {
+            if (t == TD_TYPE_Q4_1 || t == TD_TYPE_Q5_1 || t == TD_TYPE_Q4_K ||
+                t == TD_TYPE_Q5_K) { /* the min (q4_1, q5_1) or dmin (K) */
                 uint16_t m = exact ? h_bits(1, 1, 0)
                                    : h_bits((int)(rnd64() & 1), -2 - (int)(rnd64() % 4),
                                             (int)(rnd64() % 1024));
@@ -211,14 +227,18 @@ static void check_case(const mcase *c, bool exact) {
 }
 
 static const mcase k_cases[] = {
-    {TD_TYPE_Q4_0, 5, 1, 32},     {TD_TYPE_Q4_1, 9, 3, 64},   {TD_TYPE_Q8_0, 13, 5, 96},
-    {TD_TYPE_Q4_0, 37, 8, 576},   {TD_TYPE_Q4_1, 37, 1, 576}, {TD_TYPE_Q8_0, 37, 13, 576},
-    {TD_TYPE_Q4_1, 19, 37, 1536}, {TD_TYPE_Q4_0, 6, 2, 4096}, {TD_TYPE_Q8_0, 7, 9, 1536},
+    {TD_TYPE_Q4_0, 5, 1, 32},     {TD_TYPE_Q4_1, 9, 3, 64},     {TD_TYPE_Q8_0, 13, 5, 96},
+    {TD_TYPE_Q4_0, 37, 8, 576},   {TD_TYPE_Q4_1, 37, 1, 576},   {TD_TYPE_Q8_0, 37, 13, 576},
+    {TD_TYPE_Q4_1, 19, 37, 1536}, {TD_TYPE_Q4_0, 6, 2, 4096},   {TD_TYPE_Q8_0, 7, 9, 1536},
     {TD_TYPE_Q4_1, 5, 6, 16416}, /* longer than the tiled paths' scratch */
-    {TD_TYPE_F16, 9, 7, 96},      {TD_TYPE_F16, 9, 1, 576},   {TD_TYPE_BF16, 11, 5, 576},
-    {TD_TYPE_BF16, 3, 2, 64},     {TD_TYPE_F32, 10, 9, 128},  {TD_TYPE_F32, 4, 1, 1536},
+    {TD_TYPE_F16, 9, 7, 96},      {TD_TYPE_F16, 9, 1, 576},     {TD_TYPE_BF16, 11, 5, 576},
+    {TD_TYPE_BF16, 3, 2, 64},     {TD_TYPE_F32, 10, 9, 128},    {TD_TYPE_F32, 4, 1, 1536},
     {TD_TYPE_F32, 5, 6, 40}, /* float rows of any length (not a multiple of 32) */
-    {TD_TYPE_F16, 3, 5, 16416},
+    {TD_TYPE_F16, 3, 5, 16416},   {TD_TYPE_Q5_0, 5, 1, 32},     {TD_TYPE_Q5_1, 9, 3, 64},
+    {TD_TYPE_Q5_0, 37, 8, 576},   {TD_TYPE_Q5_1, 19, 37, 1536}, {TD_TYPE_Q4_K, 5, 1, 256},
+    {TD_TYPE_Q5_K, 9, 3, 512},    {TD_TYPE_Q6_K, 13, 5, 768},   {TD_TYPE_Q4_K, 37, 8, 768},
+    {TD_TYPE_Q5_K, 37, 13, 1536}, {TD_TYPE_Q6_K, 19, 37, 1536}, {TD_TYPE_Q4_K, 6, 2, 4096},
+    {TD_TYPE_Q6_K, 5, 6, 16640},  {TD_TYPE_Q5_0, 5, 6, 16416},  {TD_TYPE_Q5_K, 7, 9, 4864},
 };
 
 static void test_reference(void **state) {
@@ -236,7 +256,8 @@ static void test_reference(void **state) {
 /* ---- invariance ---- */
 
 #define INV_ROWS 37
-#define INV_K    576
+#define INV_K    576 /* K-quants: 768 (whole super-blocks) */
+#define INV_KMAX 768
 #define INV_N    512
 
 typedef struct {
@@ -246,6 +267,7 @@ typedef struct {
     const float *x;
     float *y;
     int nth_rows; /* rows per thread item */
+    int64_t k;
 } mt_ctx;
 
 static void task_rows(void *ctx, int ith, int nth) {
@@ -253,7 +275,7 @@ static void task_rows(void *ctx, int ith, int nth) {
     /* thread ith takes row items ith, ith + nth, ... */
     for (int r0 = ith * c->nth_rows; r0 < INV_ROWS; r0 += nth * c->nth_rows) {
         int r1 = r0 + c->nth_rows < INV_ROWS ? r0 + c->nth_rows : INV_ROWS;
-        td_cpu_matmul_f32act(c->t, c->w, c->stride, c->x, INV_K, INV_N, INV_K, c->y, INV_ROWS, r0,
+        td_cpu_matmul_f32act(c->t, c->w, c->stride, c->x, INV_KMAX, INV_N, c->k, c->y, INV_ROWS, r0,
                              r1);
     }
 }
@@ -262,24 +284,25 @@ static void test_invariance(void **state) {
     (void)state;
     td_threadpool *tp = NULL;
     assert_int_equal(td_threadpool_create(3, &tp), 0);
-    float *x = malloc(sizeof(float) * INV_K * INV_N);
+    float *x = malloc(sizeof(float) * INV_KMAX * INV_N);
     float *full = malloc(sizeof(float) * INV_ROWS * INV_N);
     float *y = malloc(sizeof(float) * INV_ROWS * INV_N);
     assert_non_null(x);
     assert_non_null(full);
     assert_non_null(y);
-    fill_x(x, INV_N, INV_K, INV_K, false);
+    fill_x(x, INV_N, INV_KMAX, INV_KMAX, false);
     static const int ns[] = {1, 2, 3, 4, 5, 7, 8, 37, 512};
     static const int splits[][2] = {{0, 37}, {0, 1}, {1, 6}, {6, 7}, {7, 20}, {20, 37}, {3, 4}};
     for (size_t ti = 0; ti < sizeof k_types / sizeof k_types[0]; ti++) {
         td_dtype t = k_types[ti];
-        size_t stride = row_bytes(t, INV_K);
+        const int64_t k = td_dtype_block_elems(t) > 32 ? INV_KMAX : INV_K;
+        size_t stride = row_bytes(t, k);
         uint8_t *w = malloc(stride * INV_ROWS);
         assert_non_null(w);
-        fill_weights(t, w, INV_ROWS, INV_K, stride, false);
+        fill_weights(t, w, INV_ROWS, k, stride, false);
         for (size_t ii = 0; ii < sizeof k_isas / sizeof k_isas[0]; ii++) {
             if (!td_cpu_select(k_isas[ii])) continue;
-            td_cpu_matmul_f32act(t, w, stride, x, INV_K, INV_N, INV_K, full, INV_ROWS, 0, INV_ROWS);
+            td_cpu_matmul_f32act(t, w, stride, x, INV_KMAX, INV_N, k, full, INV_ROWS, 0, INV_ROWS);
             for (size_t a = 0; a < sizeof ns / sizeof ns[0]; a++) {
                 int n = ns[a];
                 /* tokens [t0, t0 + n): the same token at a different place in the batch */
@@ -287,8 +310,8 @@ static void test_invariance(void **state) {
                     for (size_t s = 0; s < sizeof splits / sizeof splits[0]; s++) {
                         int r0 = splits[s][0], r1 = splits[s][1];
                         memset(y, 0, sizeof(float) * INV_ROWS * (size_t)n);
-                        td_cpu_matmul_f32act(t, w, stride, x + (size_t)t0 * INV_K, INV_K, n, INV_K,
-                                             y, INV_ROWS, r0, r1);
+                        td_cpu_matmul_f32act(t, w, stride, x + (size_t)t0 * INV_KMAX, INV_KMAX, n,
+                                             k, y, INV_ROWS, r0, r1);
                         for (int tt = 0; tt < n; tt++)
                             if (memcmp(y + (size_t)tt * INV_ROWS + r0,
                                        full + (size_t)(t0 + tt) * INV_ROWS + r0,
@@ -302,7 +325,8 @@ static void test_invariance(void **state) {
             static const int items[] = {1, 5, 16};
             for (size_t m = 0; m < 3; m++) {
                 memset(y, 0, sizeof(float) * INV_ROWS * INV_N);
-                mt_ctx c = {.t = t, .w = w, .stride = stride, .x = x, .y = y, .nth_rows = items[m]};
+                mt_ctx c = {
+                    .t = t, .w = w, .stride = stride, .x = x, .y = y, .nth_rows = items[m], .k = k};
                 td_threadpool_run(tp, task_rows, &c);
                 assert_memory_equal(y, full, sizeof(float) * INV_ROWS * INV_N);
             }
