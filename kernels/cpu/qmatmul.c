@@ -25,3 +25,13 @@ void td_cpu_matmul_f32act(td_dtype wtype, const void *w, size_t w_stride, const 
     }
     td_qmm_scalar(wtype, w, w_stride, x, ldx, n, k, y, ldy, r0, r1);
 }
+
+void td_cpu_dequant_row_isa(td_isa isa, td_dtype t, const void *src, float *dst, int64_t k) {
+    if (!td_dtype_is_quant(t)) TD_KERNEL_UNREACHABLE_TYPE(t);
+    switch (isa) {
+    case TD_ISA_AVX512: td_qmm_avx512_dequant_row(t, src, dst, k); return;
+    case TD_ISA_AVX2: td_qmm_avx2_dequant_row(t, src, dst, k); return;
+    case TD_ISA_SCALAR: break;
+    }
+    td_qmm_scalar_dequant_row(t, src, dst, k);
+}

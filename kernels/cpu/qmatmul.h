@@ -36,6 +36,13 @@ extern "C" {
 void td_cpu_matmul_f32act(td_dtype wtype, const void *w, size_t w_stride, const float *x,
                           size_t ldx, int n, int64_t k, float *y, size_t ldy, int r0, int r1);
 
+/* dst[0..k) = the row src of quantized type t (td_dtype_is_quant) as the
+ * matmul kernels of `isa` dequantize it, with that ISA's own block
+ * dequantizer: for the tests that hold every ISA to the GGUF definition.
+ * isa must have been checked with td_cpu_select (a CPU that lacks it would
+ * fault). Reentrant. */
+void td_cpu_dequant_row_isa(td_isa isa, td_dtype t, const void *src, float *dst, int64_t k);
+
 #ifdef __cplusplus
 }
 #endif
