@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, installs included: what CI runs (.ci/run).
-#   1. setup (Debian packages, Python test packages, default model)
+#   1. setup (Debian packages, Python test packages, default model) and the
+#      real K-quant test files (scripts/fetch-test-models.sh, ~750 MB once)
 #   2. format check
 #   3. release build (warnings are errors), every test
 #   4. sanitizer build (address,undefined), every test again
@@ -15,6 +16,7 @@ step() { printf '\n=== %s ===\n' "$*"; }
 
 step setup
 scripts/setup.sh
+scripts/fetch-test-models.sh
 
 step format
 scripts/check-format.sh
