@@ -169,6 +169,26 @@ static inline size_t td_dtype_block_bytes(td_dtype t) {
     }
 }
 
+/* Byte offsets, within a block of quantized type t, of its fp16 fields
+ * (the scale d, and the min m or dmin where the type has one): returns
+ * their count (0 for a type that is not quantized). */
+static inline int td_dtype_fp16_fields(td_dtype t, int off[2]) {
+    switch (t) {
+    case TD_TYPE_Q4_0:
+    case TD_TYPE_Q5_0:
+    case TD_TYPE_Q8_0: off[0] = 0; return 1;
+    case TD_TYPE_Q6_K: off[0] = 208; return 1;
+    case TD_TYPE_Q4_1:
+    case TD_TYPE_Q5_1:
+    case TD_TYPE_Q4_K:
+    case TD_TYPE_Q5_K:
+        off[0] = 0;
+        off[1] = 2;
+        return 2;
+    default: return 0;
+    }
+}
+
 static inline int td_dtype_supported(int t) {
     return t >= 0 && td_dtype_block_elems((td_dtype)t) != 0;
 }

@@ -128,7 +128,9 @@ static td_status tensor_lookup(const loader *ld, const char *name, src_tensor *t
         return TD_ERR_NOT_FOUND;
     }
     if (t->type < 0 || !td_dtype_supported(t->type)) {
-        TD_LOG_ERROR("%s: tensor '%s': type %s is not supported", ld->path, name, t->type_name);
+        TD_LOG_ERROR("%s: tensor '%s': type %s is not supported (f32, f16, bf16, q8_0, q4_0, q4_1, "
+                     "q5_0, q5_1, q4_K, q5_K, q6_K are)",
+                     ld->path, name, t->type_name);
         return TD_ERR_UNSUPPORTED;
     }
     return TD_OK;
@@ -141,8 +143,31 @@ static void shape_str(const src_tensor *t, char *buf, size_t cap) {
     if (n > 0 && (size_t)n < cap) snprintf(buf + n, cap - (size_t)n, "]");
 }
 
+/* Every fp16 scale (and min) of a quantized tensor is finite: a NaN or
+ * infinite scale would turn whole rows of logits into NaN, far from the
+ * file. One pass over the blocks' scale bytes, which the weight copy reads
+ * anyway (docs/MODELS.md gives its cost). */
+static td_status check_scales(const loader *ld, const src_tensor *t) {
+    int off[2];
+    int nf = td_dtype_fp16_fields((td_dtype)t->type, off);
+    if (nf == 0) return TD_OK;
+    const size_t bb = td_dtype_block_bytes((td_dtype)t->type), nb = t->nbytes / bb;
+    const uint8_t *p = t->data;
+    for (size_t b = 0; b < nb; b++, p += bb)
+        for (int f = 0; f < nf; f++) {
+            uint16_t h = (uint16_t)(p[off[f]] | p[off[f] + 1] << 8);
+            if ((h & 0x7c00) == 0x7c00) {
+                TD_LOG_ERROR("%s: tensor '%s': block %zu has a non-finite %s (fp16 0x%04x)",
+                             ld->path, t->name, b, f == 0 ? "scale" : "min", h);
+                return TD_ERR_FORMAT;
+            }
+        }
+    return TD_OK;
+}
+
 /* Checks that t is (rows, cols) (ne = [cols, rows], trailing dims 1). */
-/* The data of t is exactly n_rows rows of cols elements of its type. */
+/* The data of t is exactly n_rows rows of cols elements of its type, and
+ * its scales are finite. */
 static td_status check_bytes(const loader *ld, const src_tensor *t, int64_t n_rows, int64_t cols) {
     size_t row_bytes = td_dtype_row_bytes((td_dtype)t->type, cols), total;
     if (row_bytes == 0) {
@@ -155,7 +180,7 @@ static td_status check_bytes(const loader *ld, const src_tensor *t, int64_t n_ro
                      t->name, t->nbytes, (long long)n_rows, row_bytes);
         return TD_ERR_FORMAT;
     }
-    return TD_OK;
+    return check_scales(ld, t);
 }
 
 static td_status check_shape2(const loader *ld, const src_tensor *t, int64_t rows, int64_t cols) {
@@ -187,9 +212,11 @@ static td_status slice_matrix(loader *ld, const src_tensor *t, const uint8_t *ma
     td_dtype type = (td_dtype)t->type;
     int be = td_dtype_block_elems(type);
     if (c0 % be != 0 || nc % be != 0) {
-        TD_LOG_ERROR("%s: tensor '%s': the shard's columns [%lld, %lld) do not split at %s block "
-                     "boundaries (%d elements)",
-                     ld->path, name, (long long)c0, (long long)(c0 + nc), t->type_name, be);
+        TD_LOG_ERROR("%s: tensor '%s': the shard's columns [%lld, %lld) of %lld (--tp %d) do not "
+                     "split at %s block boundaries (%d elements): choose a --tp that divides "
+                     "its rows into whole blocks",
+                     ld->path, name, (long long)c0, (long long)(c0 + nc), (long long)cols,
+                     ld->m->tp_size, t->type_name, be);
         return TD_ERR_UNSUPPORTED;
     }
     size_t row_bytes = td_dtype_row_bytes(type, cols);

@@ -56,6 +56,29 @@ def main():
         ("a.weight", q(x, Q.Q4_0), Q.Q4_0),
         ("b.weight", q(x, Q.Q4_1), Q.Q4_1),
     ])
+    # the K-quant mix's types: Q5_0/Q5_1 by gguf's quantizer, Q4_K/Q5_K/Q6_K
+    # as raw blocks (gguf has no K quantizer) with finite fp16 scales, one
+    # Q4_K block with a NaN scale (the loader refuses it; the reader must
+    # not care) and a type Tandem does not compute with (IQ4_XS)
+    rng = np.random.default_rng(7)
+
+    def raw_blocks(t, scale_at):
+        bb = gguf.GGML_QUANT_SIZES[t][1]
+        b = rng.integers(0, 256, size=(1, bb), dtype=np.uint8)
+        for at in scale_at:
+            b[0, at:at + 2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+        return b
+    nan = raw_blocks(Q.Q4_K, (0, 2))
+    nan[0, 0:2] = np.frombuffer(np.float16(np.nan).tobytes(), dtype=np.uint8)
+    gguf_seed(os.path.join(GDIR, "kquants.gguf"), 0, [
+        ("q5_0.weight", q(x, Q.Q5_0), Q.Q5_0),
+        ("q5_1.weight", q(x, Q.Q5_1), Q.Q5_1),
+        ("q4_k.weight", raw_blocks(Q.Q4_K, (0, 2)), Q.Q4_K),
+        ("q5_k.weight", raw_blocks(Q.Q5_K, (0, 2)), Q.Q5_K),
+        ("q6_k.weight", raw_blocks(Q.Q6_K, (208,)), Q.Q6_K),
+        ("nan_scale.weight", nan, Q.Q4_K),
+        ("iq4_xs.weight", raw_blocks(Q.IQ4_XS, (0,)), Q.IQ4_XS),
+    ])
     # GGUF v2 with an array of arrays, one tensor, laid out by hand
     def s(b):
         return struct.pack("<Q", len(b)) + b
