@@ -95,3 +95,28 @@ def test_qwen_q4_k_m_matches_reference(tandem_eval):
             bad.append((t, int(np.argmax(a[t])), int(np.argmax(b[t]))))
     assert not bad, f"argmax disagreements (t, engine, ref): {bad}"
     assert checked >= MIN_CHECKED, f"only {checked} positions clear delta"
+
+
+def test_bench_engine_counts_mixed_weight_bytes(tandem):
+    """bench-engine --json's weight_bytes_per_token, the basis of its
+    bandwidth fraction, is the bytes of every matrix a token reads in this
+    mixed file (Q8_0 head, Q5_0/Q8_0/Q4_K/Q6_K layers), counted here from the
+    file by gguf's reader: every 2-D tensor but the embedding, of which a
+    token reads one row (the head is a tensor of its own in this file)."""
+    import json
+
+    import gguf
+
+    path = model_path()
+    r = gguf.GGUFReader(str(path))
+    names = {t.name for t in r.tensors}
+    assert "output.weight" in names
+    want = sum(int(t.n_bytes) for t in r.tensors
+               if len(t.shape) >= 2 and t.name != "token_embd.weight")
+    types = {t.tensor_type.name for t in r.tensors if len(t.shape) >= 2}
+    assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= types
+    out = tandem("bench-engine", "--model", path, "-p", "16", "-n", "4", "-r", "1", "--json",
+                 timeout=300)
+    d = json.loads(out.stdout)
+    d = d[0] if isinstance(d, list) else d
+    assert d["weight_bytes_per_token"] == want, (d["weight_bytes_per_token"], want)
