@@ -11,7 +11,9 @@
 # UCX_MODULE_DIR. Python 3 with numpy makes the tiny models. Sections:
 #   ops         the op tests through the ops table on GPU 0 (test_backend_ops_cuda)
 #   numerics    every tiny model's logits on the GPU against the CPU backend
-#               (quantized, CP and MoE cases are refused by the GPU backend for now)
+#               (quantized weights of every type, K-quants included, CP and MoE
+#               cases are refused by the GPU backend for now: listed as refused,
+#               with the start-up error naming the type, not counted as failures)
 #   invariance  chunk sizes, a batch, thread counts: bit for bit on the GPU
 #   plans       the parallel-plan cases (TP, PP, TP x PP) with every rank on the one GPU
 #   perf        not yet written: the 8B-shaped model, the roofline kernel, HF transformers

@@ -391,14 +391,17 @@ static bool seq_mine(const td_engine *e, const td_seq_chunk *s) {
 
 /* The backend must run every op this shard needs, for its weight types:
  * refused here, at start-up, never in the middle of a step. */
-static bool backend_has(const td_engine *e, td_op op, const td_weight *w) {
-    return !w || w->rows == 0 || OP(e, supports)(e->be, op, w->type);
+static bool backend_has(const td_engine *e, td_op op, const td_weight *w, int *bad_type) {
+    if (!w || w->rows == 0 || OP(e, supports)(e->be, op, w->type)) return true;
+    *bad_type = (int)w->type;
+    return false;
 }
 
 static td_status backend_check_model(const td_engine *e) {
     const td_model *m = e->m;
-    bool ok = backend_has(e, TD_OP_EMBED, td_model_tok_embd(m)) &&
-              backend_has(e, TD_OP_MATMUL, td_model_output(m)) &&
+    int bad = -1; /* the first weight type refused */
+    bool ok = backend_has(e, TD_OP_EMBED, td_model_tok_embd(m), &bad) &&
+              backend_has(e, TD_OP_MATMUL, td_model_output(m), &bad) &&
               OP(e, supports)(e->be, TD_OP_ATTN, TD_TYPE_F32) &&
               (!e->p.cp_comm || td_comm_size(e->p.cp_comm) == 1 ||
                OP(e, supports)(e->be, TD_OP_ATTN_CP, TD_TYPE_F32)) &&
@@ -409,15 +412,18 @@ static td_status backend_check_model(const td_engine *e) {
                                  &lw->w_gate,     &lw->w_up,     &lw->w_down,    &lw->router,
                                  &lw->shexp_gate, &lw->shexp_up, &lw->shexp_down};
         for (size_t i = 0; ok && i < sizeof ws / sizeof ws[0]; i++)
-            ok = backend_has(e, TD_OP_MATMUL, ws[i]);
+            ok = backend_has(e, TD_OP_MATMUL, ws[i], &bad);
         for (int32_t x = 0; ok && x < lw->n_experts_local; x++)
-            ok = backend_has(e, TD_OP_MATMUL, &lw->experts[x].gate) &&
-                 backend_has(e, TD_OP_MATMUL, &lw->experts[x].up) &&
-                 backend_has(e, TD_OP_MATMUL, &lw->experts[x].down);
+            ok = backend_has(e, TD_OP_MATMUL, &lw->experts[x].gate, &bad) &&
+                 backend_has(e, TD_OP_MATMUL, &lw->experts[x].up, &bad) &&
+                 backend_has(e, TD_OP_MATMUL, &lw->experts[x].down, &bad);
     }
-    if (!ok)
-        TD_LOG_ERROR("the %s backend cannot run this model shard (a weight type or an op of "
-                     "its plan is not supported)",
+    if (!ok && bad >= 0)
+        TD_LOG_ERROR("the %s backend cannot run this model shard: it has no kernels for %s weights",
+                     e->be->i->name, td_dtype_name(bad));
+    else if (!ok)
+        TD_LOG_ERROR("the %s backend cannot run this model shard (an op of its plan is not "
+                     "supported)",
                      e->be->i->name);
     return ok ? TD_OK : TD_ERR_UNSUPPORTED;
 }

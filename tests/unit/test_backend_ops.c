@@ -281,6 +281,14 @@ static void test_unsupported_type(void **state) {
     for (size_t b = 0; b < sizeof g_h / sizeof g_h[0]; b++) {
         assert_false(g_h[b].be->i->supports(g_h[b].be, TD_OP_MATMUL, (td_dtype)10));
         assert_false(supported(&g_h[b], TD_OP_MATMUL, (td_dtype)10, "matmul", "q2_K"));
+#ifdef TD_OPS_CUDA
+        /* the CUDA backend has no quantized kernels yet: refused at start-up */
+        static const td_dtype quant[] = {TD_TYPE_Q4_0, TD_TYPE_Q4_1, TD_TYPE_Q5_0, TD_TYPE_Q5_1,
+                                         TD_TYPE_Q8_0, TD_TYPE_Q4_K, TD_TYPE_Q5_K, TD_TYPE_Q6_K};
+        for (size_t i = 0; i < sizeof quant / sizeof quant[0]; i++)
+            if (g_h[b].kind == TD_BACKEND_CUDA)
+                assert_false(g_h[b].be->i->supports(g_h[b].be, TD_OP_MATMUL, quant[i]));
+#endif
     }
 }
 
