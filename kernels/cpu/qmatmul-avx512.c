@@ -74,6 +74,13 @@ AI void deq_quant(const td_dtype WT, const char *blk, __m512 d, __m512 m, __m512
  * high bits added under a mask (q5) or shifted in (q6_K), and each element
  * is d*q (+ m) with the scale products of td_cpu_deq_group: every product
  * is exact, so one FMA rounds as its separate multiply and add do. */
+/* The fp16 at p (any alignment), by F16C: exact, as td_cpu_h2f. */
+AI float h2f(const char *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
 AI void deq_hi_bits(const td_dtype WT, const char *row, int64_t b, __m512 *lo, __m512 *hi) {
     if (WT == TD_TYPE_Q5_0 || WT == TD_TYPE_Q5_1) {
         const int q51 = WT == TD_TYPE_Q5_1;
@@ -86,9 +93,9 @@ AI void deq_hi_bits(const td_dtype WT, const char *row, int64_t b, __m512 *lo, _
         __m512i q0 = _mm512_and_si512(i0, nib), q1 = _mm512_srli_epi32(i0, 4);
         q0 = _mm512_mask_add_epi32(q0, (__mmask16)qh, q0, sixteen);
         q1 = _mm512_mask_add_epi32(q1, (__mmask16)(qh >> 16), q1, sixteen);
-        const __m512 d = _mm512_set1_ps(td_cpu_h2f_at(bl));
+        const __m512 d = _mm512_set1_ps(h2f(bl));
         if (q51) {
-            const __m512 m = _mm512_set1_ps(td_cpu_h2f_at(bl + 2));
+            const __m512 m = _mm512_set1_ps(h2f(bl + 2));
             *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), d, m);
             *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), d, m);
         } else {
@@ -102,8 +109,8 @@ AI void deq_hi_bits(const td_dtype WT, const char *row, int64_t b, __m512 *lo, _
         const char *bl = row + (size_t)(b / 8) * td_dtype_block_bytes(WT);
         int sc, mn;
         td_k_scale_min((const uint8_t *)bl + 4, sub, &sc, &mn);
-        const __m512 ds = _mm512_set1_ps(td_cpu_h2f_at(bl) * (float)sc);
-        const __m512 ndm = _mm512_set1_ps(-(td_cpu_h2f_at(bl + 2) * (float)mn));
+        const __m512 ds = _mm512_set1_ps(h2f(bl) * (float)sc);
+        const __m512 ndm = _mm512_set1_ps(-(h2f(bl + 2) * (float)mn));
         const char *qs = bl + 16 + (WT == TD_TYPE_Q5_K ? 32 : 0) + (sub / 2) * 32;
         __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
         __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
@@ -133,7 +140,7 @@ AI void deq_hi_bits(const td_dtype WT, const char *row, int64_t b, __m512 *lo, _
     const char *bl = row + (size_t)(b / 8) * sizeof(td_block_q6_K);
     const char *ql = bl + 64 * half + 32 * (g & 1), *qh = bl + 128 + 32 * half;
     const int8_t *sc = (const int8_t *)bl + 192 + 8 * half + 2 * g;
-    const float d = td_cpu_h2f_at(bl + 208);
+    const float d = h2f(bl + 208);
     __m512i l0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)ql));
     __m512i l1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 16)));
     const __m512i h0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qh));
@@ -295,6 +302,240 @@ AI void kern_reg_q(const td_dtype WT, const int R, const int T, const char *w, s
     tile_store(R, T, acc, y, ldy);
 }
 
+/* Register path of the q5 and K types: R rows side by side, each value
+ * the same as deq_hi_bits gives it (checked by test_qmatmul and
+ * test_dequant_gguf), and each accumulator's FMAs in k order as kern_reg's.
+ * Where a group's values are one table lookup (a 4-bit index, or 4 bits
+ * plus a fifth under a mask), a 16-entry table of d*q (+ m) per sub-block
+ * is made with one multiply or FMA (the same single rounding as per
+ * element) and each 16 elements are one or two permutes of it, as
+ * deq_quant does for q4_0/q4_1. */
+
+/* A K super-block's scales as f32: q4_K/q5_K out[j] = d*sc_j and
+ * out[8 + j] = -(dmin*m_j), j < 8; q6_K out[i] = d*scales[i], i < 16
+ * (exact products, as deq_hi_bits). The 6-bit scales and mins are
+ * unpacked four at a time from 32-bit words (kernels/dtype.h). */
+AI void k_scales(const td_dtype WT, const char *bl, float *out) {
+    if (WT == TD_TYPE_Q6_K) {
+        const __m512 s =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(bl + 192))));
+        _mm512_store_ps(out, _mm512_mul_ps(_mm512_set1_ps(h2f(bl + 208)), s));
+        return;
+    }
+    /* 32-bit lanes of the block's first 16 bytes: [d | dmin, a, b, c], a, b, c
+     * the scale words; out of [a, c, b, c] and [a, a, b, b] come the bytes
+     * sc0-3 = a & 63, sc4-7 = c & 15 | (a >> 2) & 48 (the top bits of a),
+     * m0-3 = b & 63, m4-7 = c >> 4 & 15 | (b >> 2) & 48 */
+    const __m128i v = _mm_loadu_si128((const __m128i *)bl);
+    const __m128i acbc = _mm_shuffle_epi32(v, _MM_SHUFFLE(3, 2, 3, 1));
+    const __m128i aabb = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 1, 1));
+    const __m128i lo6 =
+        _mm_and_si128(_mm_srlv_epi32(acbc, _mm_setr_epi32(0, 0, 0, 4)),
+                      _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i hi2 =
+        _mm_and_si128(_mm_srli_epi32(aabb, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(lo6, hi2)));
+    /* [d x 8, dmin x 8] (lanes 2, 3 of the conversion are not used) */
+    const __m512 dm =
+        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                              _mm512_castps128_ps512(_mm_cvtph_ps(v)));
+    /* the mins negated: exact */
+    const __m512 neg = _mm512_castsi512_ps(
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN,
+                          INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN));
+    _mm512_store_ps(out, _mm512_xor_ps(_mm512_mul_ps(f, dm), neg));
+}
+
+/* The FMAs of group b for R rows x T tokens. */
+AI void fma_group(const int R, const int T, const __m512 *lo, const __m512 *hi, const float *x,
+                  size_t ldx, int64_t b, __m512 acc[RR][TBUF]) {
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + (size_t)t * ldx + (size_t)b * 32;
+        const __m512 xl = _mm512_loadu_ps(xt), xh = _mm512_loadu_ps(xt + 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            acc[r][t] = _mm512_fmadd_ps(lo[r], xl, acc[r][t]);
+            acc[r][t] = _mm512_fmadd_ps(hi[r], xh, acc[r][t]);
+        }
+    }
+}
+
+/* q4_K and q5_K: per 64-element chunk c of a super-block, its 32 quant
+ * bytes widened once serve both its groups (2c: low nibbles, 2c + 1: high). */
+AI void kern_reg_k45(const td_dtype WT, const int R, const int T, const char *w, size_t ws,
+                     const float *x, size_t ldx, int64_t nb, float *y, size_t ldy) {
+    const size_t BB = td_dtype_block_bytes(WT);
+    const int Q5 = WT == TD_TYPE_Q5_K;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 iota16 = _mm512_add_ps(iota, _mm512_set1_ps(16.0f));
+    __m512 acc[RR][TBUF];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    /* the scales of super-block sb + 1 are made while sb is multiplied, so
+     * that the loads of a table's scale never wait on the store of its
+     * vector (a store forwarded to a narrower load stalls) */
+    _Alignas(64) float scb[2][RR][16];
+    const int64_t nsb = nb / 8;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) k_scales(WT, w + (size_t)r * ws, scb[0][r]);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        float(*sc)[16] = scb[sb & 1];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const char *bl = w + (size_t)r * ws + (size_t)sb * BB;
+            _mm_prefetch(bl + PF_DIST, _MM_HINT_T0);
+            _mm_prefetch(bl + PF_DIST + 64, _MM_HINT_T0);
+            _mm_prefetch(bl + PF_DIST + 128, _MM_HINT_T0);
+            if (sb + 1 < nsb) k_scales(WT, bl + BB, scb[(sb + 1) & 1][r]);
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            __m512i q0[RR], q1[RR];
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const char *qs = w + (size_t)r * ws + (size_t)sb * BB + 16 + 32 * Q5 + 32 * c;
+                q0[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+                q1[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
+            }
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * c + h;
+                __m512 lo[RR], hi[RR];
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    /* high nibbles shifted down; a permute reads the low 4 bits only */
+                    const __m512i i0 = h ? _mm512_srli_epi32(q0[r], 4) : q0[r];
+                    const __m512i i1 = h ? _mm512_srli_epi32(q1[r], 4) : q1[r];
+                    const __m512 ds = _mm512_set1_ps(sc[r][j]), ndm = _mm512_set1_ps(sc[r][8 + j]);
+                    const __m512 tab = _mm512_fmadd_ps(iota, ds, ndm);
+                    lo[r] = _mm512_permutexvar_ps(i0, tab);
+                    hi[r] = _mm512_permutexvar_ps(i1, tab);
+                    if (Q5) { /* the fifth bit: bit j of qh[l] takes the upper table */
+                        const char *qh = w + (size_t)r * ws + (size_t)sb * BB + 16;
+                        const __m128i bit = _mm_set1_epi8((char)(1 << j));
+                        const __m512 tabh = _mm512_fmadd_ps(iota16, ds, ndm);
+                        lo[r] = _mm512_mask_permutexvar_ps(
+                            lo[r], _mm_test_epi8_mask(_mm_loadu_si128((const __m128i *)qh), bit),
+                            i0, tabh);
+                        hi[r] = _mm512_mask_permutexvar_ps(
+                            hi[r],
+                            _mm_test_epi8_mask(_mm_loadu_si128((const __m128i *)(qh + 16)), bit),
+                            i1, tabh);
+                    }
+                }
+                fma_group(R, T, lo, hi, x, ldx, sb * 8 + j, acc);
+            }
+        }
+    }
+    tile_store(R, T, acc, y, ldy);
+}
+
+/* q6_K: each group's 32 six-bit quants assembled as bytes (nibbles of ql,
+ * two bits of qh), widened 16 at a time and scaled per 16-element
+ * sub-block. */
+AI void kern_reg_q6k(const int R, const int T, const char *w, size_t ws, const float *x, size_t ldx,
+                     int64_t nb, float *y, size_t ldy) {
+    const size_t BB = sizeof(td_block_q6_K);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30),
+                  k32 = _mm256_set1_epi8(32);
+    __m512 acc[RR][TBUF];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    /* the scales of super-block sb + 1 are made while sb is multiplied, so
+     * that the loads of a table's scale never wait on the store of its
+     * vector (a store forwarded to a narrower load stalls) */
+    _Alignas(64) float scb[2][RR][16];
+    const int64_t nsb = nb / 8;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) k_scales(TD_TYPE_Q6_K, w + (size_t)r * ws, scb[0][r]);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        float(*sc)[16] = scb[sb & 1];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const char *bl = w + (size_t)r * ws + (size_t)sb * BB;
+            _mm_prefetch(bl + PF_DIST, _MM_HINT_T0);
+            _mm_prefetch(bl + PF_DIST + 64, _MM_HINT_T0);
+            _mm_prefetch(bl + PF_DIST + 128, _MM_HINT_T0);
+            _mm_prefetch(bl + PF_DIST + 192, _MM_HINT_T0);
+            if (sb + 1 < nsb) k_scales(TD_TYPE_Q6_K, bl + BB, scb[(sb + 1) & 1][r]);
+        }
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) {
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; g++) {
+                __m512 lo[RR], hi[RR];
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    const char *bl = w + (size_t)r * ws + (size_t)sb * BB;
+                    const __m256i ql =
+                        _mm256_loadu_si256((const __m256i *)(bl + 64 * half + 32 * (g & 1)));
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(bl + 128 + 32 * half));
+                    const __m256i nib = g < 2 ? _mm256_and_si256(ql, m4)
+                                              : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
+                    const __m256i hb = g == 0   ? _mm256_slli_epi16(qh, 4)
+                                       : g == 1 ? _mm256_slli_epi16(qh, 2)
+                                       : g == 2 ? qh
+                                                : _mm256_srli_epi16(qh, 2);
+                    const __m256i q =
+                        _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_and_si256(hb, m30)), k32);
+                    lo[r] = _mm512_mul_ps(
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
+                        _mm512_set1_ps(sc[r][8 * half + 2 * g]));
+                    hi[r] = _mm512_mul_ps(
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))),
+                        _mm512_set1_ps(sc[r][8 * half + 2 * g + 1]));
+                }
+                fma_group(R, T, lo, hi, x, ldx, sb * 8 + 4 * half + g, acc);
+            }
+        }
+    }
+    tile_store(R, T, acc, y, ldy);
+}
+
+/* q5_0 and q5_1: a table of the 16 values with the fifth bit clear and one
+ * of those with it set, per block; the block's qh bits are the masks. */
+AI void kern_reg_q5(const td_dtype WT, const int R, const int T, const char *w, size_t ws,
+                    const float *x, size_t ldx, int64_t nb, float *y, size_t ldy) {
+    const size_t BB = td_dtype_block_bytes(WT);
+    const int Q51 = WT == TD_TYPE_Q5_1;
+    __m512 acc[RR][TBUF];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 lo[RR], hi[RR];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const char *bl = w + (size_t)r * ws + (size_t)b * BB;
+            _mm_prefetch(bl + PF_DIST, _MM_HINT_T0);
+            /* q5_0: d*(q - 16) = d*q + (-16 d), q5_1: d*q + m: one rounding each */
+            const float d = h2f(bl);
+            const __m512 dv = _mm512_set1_ps(d), c = _mm512_set1_ps(Q51 ? h2f(bl + 2) : -16.0f * d);
+            uint32_t qh;
+            memcpy(&qh, bl + 2 + 2 * Q51, 4);
+            const __m512i i0 =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bl + 6 + 2 * Q51)));
+            const __m512i sixteen = _mm512_set1_epi32(16);
+            __m512i q0 = _mm512_and_si512(i0, _mm512_set1_epi32(15)), q1 = _mm512_srli_epi32(i0, 4);
+            q0 = _mm512_mask_add_epi32(q0, (__mmask16)qh, q0, sixteen);
+            q1 = _mm512_mask_add_epi32(q1, (__mmask16)(qh >> 16), q1, sixteen);
+            lo[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), dv, c);
+            hi[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), dv, c);
+        }
+        fma_group(R, T, lo, hi, x, ldx, b, acc);
+    }
+    tile_store(R, T, acc, y, ldy);
+}
+
+#define kern_reg_q6k_wt(WT, R, T, w, ws, x, ldx, nb, y, ldy)                                       \
+    kern_reg_q6k(R, T, w, ws, x, ldx, nb, y, ldy)
+
 /* Tiled path: R rows of dequantized weights wf (row stride k) x T tokens. */
 AI void kern_buf(const int R, const int T, const float *wf, const float *x, size_t ldx, int64_t k,
                  float *y, size_t ldy) {
@@ -331,20 +572,22 @@ AI void kern_buf(const int R, const int T, const float *wf, const float *x, size
         switch (R * 8 + T) { CASES(WT) default : abort(); }                                        \
     }
 #define FLOAT_CASES(WT) REG_ROW(kern_reg, WT, 1)
-#define HIBIT_CASES(WT)                                                                            \
-    REG_ROW(kern_reg, WT, 1)                                                                       \
-    REG_ROW(kern_reg, WT, 2) REG_ROW(kern_reg, WT, 3) REG_ROW(kern_reg, WT, 4)
+#define ROWS4_CASES(KERN, WT)                                                                      \
+    REG_ROW(KERN, WT, 1) REG_ROW(KERN, WT, 2) REG_ROW(KERN, WT, 3) REG_ROW(KERN, WT, 4)
+#define Q5_CASES(WT)  ROWS4_CASES(kern_reg_q5, WT)
+#define K45_CASES(WT) ROWS4_CASES(kern_reg_k45, WT)
+#define Q6K_CASES(WT) ROWS4_CASES(kern_reg_q6k_wt, WT)
 #define QUANT_CASES(WT)                                                                            \
     REG_ROW(kern_reg_q, WT, 1)                                                                     \
     REG_ROW(kern_reg_q, WT, 2) REG_ROW(kern_reg_q, WT, 3) REG_ROW(kern_reg_q, WT, 4)
 DEF_REG(reg_q40, TD_TYPE_Q4_0, QUANT_CASES)
 DEF_REG(reg_q41, TD_TYPE_Q4_1, QUANT_CASES)
 DEF_REG(reg_q80, TD_TYPE_Q8_0, QUANT_CASES)
-DEF_REG(reg_q50, TD_TYPE_Q5_0, HIBIT_CASES)
-DEF_REG(reg_q51, TD_TYPE_Q5_1, HIBIT_CASES)
-DEF_REG(reg_q4k, TD_TYPE_Q4_K, HIBIT_CASES)
-DEF_REG(reg_q5k, TD_TYPE_Q5_K, HIBIT_CASES)
-DEF_REG(reg_q6k, TD_TYPE_Q6_K, HIBIT_CASES)
+DEF_REG(reg_q50, TD_TYPE_Q5_0, Q5_CASES)
+DEF_REG(reg_q51, TD_TYPE_Q5_1, Q5_CASES)
+DEF_REG(reg_q4k, TD_TYPE_Q4_K, K45_CASES)
+DEF_REG(reg_q5k, TD_TYPE_Q5_K, K45_CASES)
+DEF_REG(reg_q6k, TD_TYPE_Q6_K, Q6K_CASES)
 DEF_REG(reg_f32, TD_TYPE_F32, FLOAT_CASES)
 DEF_REG(reg_f16, TD_TYPE_F16, FLOAT_CASES)
 DEF_REG(reg_bf16, TD_TYPE_BF16, FLOAT_CASES)

@@ -3,10 +3,12 @@
  * Built with the tree (build/td-bench-kernels); run as
  *
  *   build/td-bench-kernels [-t THREADS] [-i avx512|avx2|scalar] [-n TOKENS] [-w GGUF_TYPE_ID]
- *                          [-c ROWS_PER_CALL] [-a]
+ *                          [-c ROWS_PER_CALL] [-a] [-K]
  *
  * -a measures td_cpu_matmul_f32act (f32 activations) instead of td_cpu_matmul
- * (activations quantized per row). Without -i every ISA the CPU supports is
+ * (activations quantized per row). -w with a type of the K-quant mix (q5_0,
+ * q5_1, q4_K, q5_K, q6_K: -a only), or -K with any -w type, measures
+ * Qwen2.5-Coder-1.5B's shapes instead of SmolLM2's. Without -i every ISA the CPU supports is
  * measured (scalar only at n = 1); without -n both n = 1 and n = 512. With
  * -t 1 times are the thread's CPU time, so other load on the machine does not
  * count. */
@@ -30,7 +32,8 @@ typedef struct {
     float *y;
 } mm_job;
 
-static int g_f32act; /* -a */
+static int g_f32act;  /* -a */
+static int g_kshapes; /* -K: the 1.5B shapes for any -w type */
 
 static int g_row_chunk; /* -c N: call the kernel per N rows, as a forward pass may */
 
@@ -65,14 +68,26 @@ static void bench_one(td_threadpool *tp, td_dtype t, int rows, int k, int n) {
     float *x = malloc(sizeof(float) * (size_t)n * k), *y = malloc(sizeof(float) * (size_t)n * rows);
     float *wr = malloc(sizeof(float) * k);
     srand(7);
+    int off[2], nf = td_dtype_fp16_fields(t, off);
     for (int r = 0; r < rows; r++) {
         for (int i = 0; i < k; i++) wr[i] = (float)((double)rand() / RAND_MAX) - 0.5f;
+        if (!td_dtype_has_int8_kernels(t) && nf) {
+            /* no quantizer in C for these: random quants, scales of a real model's size */
+            char *row = w + (size_t)r * ws;
+            for (size_t i = 0; i < ws; i++) row[i] = (char)rand();
+            for (char *b = row; b < row + ws; b += td_dtype_block_bytes(t))
+                for (int f = 0; f < nf; f++) {
+                    td_fp16 h = td_f32_to_fp16(0.001f + 0.01f * (float)rand() / (float)RAND_MAX);
+                    memcpy(b + off[f], &h, 2);
+                }
+            continue;
+        }
         td_cpu_quant_row(t, wr, w + (size_t)r * ws, k);
     }
     for (int tt = 0; tt < n; tt++) {
         float *xt = x + (size_t)tt * k;
         for (int i = 0; i < k; i++) xt[i] = (float)((double)rand() / RAND_MAX) - 0.5f;
-        td_cpu_act_quant(t, xt, xq + (size_t)tt * xs, k);
+        if (xs) td_cpu_act_quant(t, xt, xq + (size_t)tt * xs, k); /* 0: f32 activations only */
     }
     mm_job j = {t, w, ws, xq, xs, x, n, k, rows, y};
     td_threadpool_run(tp, mm_task, &j); /* warm up */
@@ -95,10 +110,12 @@ static void bench_one(td_threadpool *tp, td_dtype t, int rows, int k, int n) {
 
 int main(int argc, char **argv) {
     int threads = 2, only_n = 0, only_isa = -1, only_type = -1;
-    for (int i = 1; i < argc; i++)
+    for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-a")) g_f32act = 1;
+        if (!strcmp(argv[i], "-K")) g_kshapes = 1;
+    }
     for (int i = 1; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "-a")) {
+        if (!strcmp(argv[i], "-a") || !strcmp(argv[i], "-K")) {
             i--;
             continue;
         }
@@ -114,10 +131,21 @@ int main(int argc, char **argv) {
             only_type = atoi(argv[i + 1]);
     }
     g_cpu_clock = threads == 1;
+    if (only_type >= 0 && !g_f32act && td_cpu_act_row_bytes((td_dtype)only_type, 1536) == 0) {
+        fprintf(stderr, "td-bench-kernels: %s has f32-activation kernels only: add -a\n",
+                td_dtype_name(only_type));
+        return 2;
+    }
     td_threadpool *tp;
     if (td_threadpool_create(threads, &tp) != TD_OK) return 1;
     static const int shapes[][2] = {{576, 576}, {192, 576}, {1536, 576}, {576, 1536}};
+    /* -w with a type of the K-quant mix: Qwen2.5-Coder-1.5B's shapes (rows of
+     * 1536 and 8960, whole super-blocks) */
+    static const int kshapes[][2] = {{1536, 1536}, {256, 1536}, {8960, 1536}, {1536, 8960}};
     static const td_dtype types[] = {TD_TYPE_Q4_1, TD_TYPE_Q8_0, TD_TYPE_F16};
+    const int kmix = only_type >= 0 && td_dtype_supported(only_type) &&
+                     (g_kshapes || (!td_dtype_has_int8_kernels((td_dtype)only_type) &&
+                                    td_dtype_is_quant((td_dtype)only_type)));
     static const int ns[] = {1, 512};
     printf("threads=%d\n", threads);
     for (int isa = TD_ISA_AVX512; isa >= TD_ISA_SCALAR; isa--) {
@@ -127,6 +155,11 @@ int main(int argc, char **argv) {
             int n = ns[ni];
             if (only_n && n != only_n) continue;
             if (isa == TD_ISA_SCALAR && n > 1 && only_isa < 0) continue;
+            if (kmix) {
+                for (size_t si = 0; si < 4; si++)
+                    bench_one(tp, (td_dtype)only_type, kshapes[si][0], kshapes[si][1], n);
+                continue;
+            }
             for (size_t ti = 0; ti < 3; ti++)
                 for (size_t si = 0; si < 4; si++)
                     if (only_type < 0 || only_type == (int)types[ti])
