@@ -12,7 +12,10 @@ import pytest
 from conftest import manifest_model
 from serve_util import TOKEN, Pair, Server, metric, wait_until
 
-MODELS = ["llama2-f32-gguf", "qwen2-q8_0-gguf"]
+# The weight types past F32 and Q8_0: one model each (the Q4_K_M mix holds
+# Q4_K, Q6_K, Q5_0 and Q8_0).
+MODELS = ["llama2-f32-gguf", "qwen2-q8_0-gguf", "llama3-q5_0-gguf", "qwen2-q5_1-gguf",
+          "qwen25-q4_k-gguf", "qwen25-q5_k-gguf", "qwen25-q6_k-gguf", "tinyllama-q4_k_m-gguf"]
 
 
 

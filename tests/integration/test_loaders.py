@@ -1,7 +1,9 @@
 """Corrupt model files through the real CLI: every variant of a tiny test
 model (tests/models) that is truncated, lies about a size or offset, names an
 unknown or unsupported type, lacks a tensor, has a wrong shape or a special
-token id outside its vocabulary makes
+token id outside its vocabulary, or (K-quant files) has a tensor whose bytes
+do not match its shape, a row that is not whole super-blocks or a NaN or
+infinite block scale makes
 `tandem generate` exit with a nonzero status and a one-line error naming the
 file (and the tensor where there is one): never a signal, never a sanitizer
 report. The GGUF header is walked here from the spec, independently of the
@@ -87,8 +89,8 @@ def gguf_variants(b):
     q = t["blk.0.attn_q.weight"]
     out["n_dims_5"] = (patched(q["n_dims"], "<I", 5), "blk.0.attn_q.weight")
     out["unknown_type"] = (patched(q["type"], "<I", 77), "blk.0.attn_q.weight")
-    # q5_0: a real GGUF type (32 elements in 22 bytes) that Tandem does not compute with
-    out["unsupported_type"] = (patched(q["type"], "<I", 6), "blk.0.attn_q.weight")
+    # iq4_nl: a real GGUF type (32 elements in 18 bytes) that Tandem does not compute with
+    out["unsupported_type"] = (patched(q["type"], "<I", 20), "blk.0.attn_q.weight")
     out["offset_misaligned"] = (patched(q["offset"], "<Q", 8), "blk.0.attn_q.weight")
     out["offset_past_end"] = (patched(q["offset"], "<Q", len(b)), "blk.0.attn_q.weight")
     # the same name length: the tensor the model needs is missing
@@ -175,6 +177,90 @@ def test_corrupt_gguf(case, test_models, tandem, tmp_path):
         r = tandem("generate", "--model", p, "--prompt", "hi", "--max-tokens", "1",
                    check=False, timeout=60)
         check_clean_failure(r, p, tensor)
+
+
+def test_unsupported_type_is_named(test_models, tandem, tmp_path):
+    data, tensor = gguf_variants((pathlib.Path(test_models) / GGUF_MODEL).read_bytes())[
+        "unsupported_type"]
+    p = tmp_path / "iq4_nl.gguf"
+    p.write_bytes(data)
+    r = tandem("generate", "--model", p, "--prompt", "hi", "--max-tokens", "1", check=False,
+               timeout=60)
+    check_clean_failure(r, p, tensor)
+    assert "type iq4_nl is not supported" in r.stderr, r.describe()
+
+
+# ---- K-quant files: a tiny model of make_models.py with Q4_K and Q6_K matrices
+
+Q4_K, Q6_K, IQ4_XS = 12, 14, 23
+
+
+def kquant_model(test_models):
+    """The first tiny GGUF model holding both Q4_K and Q6_K matrices."""
+    man = json.loads((pathlib.Path(test_models) / "models.json").read_text())
+    for m in man["models"]:
+        if m["format"] == "gguf" and {"Q4_K", "Q6_K"} <= set(m["tensor_types"].values()):
+            return pathlib.Path(test_models) / m["path"]
+    pytest.fail("no tiny model with Q4_K and Q6_K matrices in models.json")
+
+
+def kquant_variants(b):
+    """Corruptions of a K-quant file: (bytes, tensor the error must name, text it must say)."""
+    h = walk_gguf(b)
+    data_start = -(-h["end_of_infos"] // 32) * 32  # default alignment (no general.alignment)
+
+    def first(ttype):
+        for name, info in h["tensors"].items():
+            (t,) = struct.unpack_from("<I", b, info["type"])
+            if t == ttype and name.startswith("blk."):
+                return name, info
+        pytest.fail(f"no tensor of type {ttype}")
+
+    def patched(at, fmt, *vals):
+        c = bytearray(b)
+        struct.pack_into(fmt, c, at, *vals)
+        return bytes(c)
+
+    def block0(info):
+        (off,) = struct.unpack_from("<Q", b, info["offset"])
+        return data_start + off
+
+    out = {}
+    n4, i4 = first(Q4_K)
+    n6, i6 = first(Q6_K)
+    # Q4_K -> Q6_K: the same 256-element blocks in 210 bytes, not 144: the
+    # tensor's bytes (from its shape) run into the next tensor or past the end
+    out["kq_size_lie"] = (patched(i4["type"], "<I", Q6_K), n4, "")
+    # a row of 288 elements: not whole 256-element super-blocks
+    ne = list(i4["ne_values"])
+    out["kq_row_not_block"] = (patched(i4["ne"], "<Q", 288), n4, "block size 256")
+    # non-finite scales: Q4_K's d (NaN), Q4_K's dmin (+inf), Q6_K's d (-inf, last in its block)
+    out["kq_nan_scale"] = (patched(block0(i4), "<H", 0x7e00), n4, "non-finite scale")
+    out["kq_inf_min"] = (patched(block0(i4) + 2, "<H", 0x7c00), n4, "non-finite min")
+    out["kq_q6_k_inf_scale"] = (patched(block0(i6) + 208, "<H", 0xfc00), n6, "non-finite scale")
+    # a K type Tandem does not compute with (256 elements in 136 bytes: it fits)
+    out["kq_unsupported"] = (patched(i4["type"], "<I", IQ4_XS), n4,
+                             "type iq4_xs is not supported")
+    assert ne[0] % 256 == 0
+    return out
+
+
+@pytest.mark.parametrize("case", ["kq_size_lie", "kq_row_not_block", "kq_nan_scale", "kq_inf_min",
+                                  "kq_q6_k_inf_scale", "kq_unsupported"])
+def test_corrupt_kquant_gguf(case, test_models, tandem, tmp_path):
+    data, tensor, text = kquant_variants(kquant_model(test_models).read_bytes())[case]
+    p = tmp_path / f"{case}.gguf"
+    p.write_bytes(data)
+    r = tandem("generate", "--model", p, "--prompt", "hi", "--max-tokens", "1", check=False,
+               timeout=60)
+    check_clean_failure(r, p, tensor)
+    assert text in r.stderr, r.describe()
+
+
+def test_valid_kquant_gguf_still_loads(test_models, tandem):
+    r = tandem("generate", "--model", kquant_model(test_models), "--prompt", "hi",
+               "--max-tokens", "1", timeout=60)
+    assert r.returncode == 0
 
 
 def test_valid_gguf_still_loads(test_models, tandem):

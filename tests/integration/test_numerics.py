@@ -22,6 +22,12 @@ Tolerances (largest rel_t allowed) and why:
               these models: rel_t < 1e-6 on every ISA. (With 8-bit
               activations, --act-int8, rel_t reaches 0.055: see
               test_act_int8_against_reference.)
+  q5,   1e-4  Q5_0/Q5_1 (q5) and Q4_K/Q5_K/Q6_K and the Q4_K_M mix (qk): the
+  qk          same argument. Each element's products (d*q; K-quants: d*sc*q,
+              dmin*m) are exact in F32 and the engine dequantizes as GGUF
+              defines, rounding each element once as gguf.quants.dequantize
+              does, so the error is F32 arithmetic again; the bounds and the
+              teacher-forcing delta are those of the older quantized types.
 
 Teacher forcing: prompt of 8 random tokens + 32 tokens of the reference's
 greedy continuation, run through the engine one token per forward call
@@ -44,8 +50,8 @@ lies within its own rounding error of a tie the two sides can round one
 element differently: one f16 step moves a logit by a few 1e-5 (measured at
 most 1.5e-4 over every model, mean at most 2.4e-5), one bf16 step (8 times
 coarser) by up to 4.3e-4 on the models of the ISA list. The unrounded
-reference is off by 1.5e-4 to 4.1e-4 in mean and 3.0e-4 to 8.8e-4 at most for
-f16, 1.2e-3 to 3.2e-3 in mean and 2.2e-3 to 7.1e-3 at most for bf16 on the
+reference is off by 1.5e-4 to 4.1e-4 in mean and 3.0e-4 to 9.4e-4 at most for
+f16, 1.2e-3 to 3.3e-3 in mean and 2.2e-3 to 7.1e-3 at most for bf16 on the
 models of the ISA list (the cost in fidelity of each dtype): above the mean
 tolerance everywhere, so a cache that ignored its dtype fails.
 
@@ -67,15 +73,17 @@ import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "reference"))
+sys.path.insert(0, str(HERE.parent / "models"))
 sys.path.insert(0, str(HERE))
 
 import reference as R  # noqa: E402
 from conftest import ensure_test_models, load_manifest, tandem_eval_raw  # noqa: E402
 
-TOL = {"f32": 1e-4, "f16": 1e-4, "bf16": 1e-4, "q8": 1e-4, "q4": 1e-4}
-MEAN_TOL = {"f32": 1e-4, "f16": 1e-4, "bf16": 1e-4, "q8": 1e-4, "q4": 1e-4}
-DELTA = {"f32": 2e-3, "f16": 2e-3, "bf16": 2e-3, "q8": 2e-3, "q4": 2e-3}
-MIN_CHECKED = {"f32": 24, "f16": 24, "bf16": 24, "q8": 24, "q4": 24}
+TOL = {"f32": 1e-4, "f16": 1e-4, "bf16": 1e-4, "q8": 1e-4, "q4": 1e-4, "q5": 1e-4, "qk": 1e-4}
+MEAN_TOL = {"f32": 1e-4, "f16": 1e-4, "bf16": 1e-4, "q8": 1e-4, "q4": 1e-4, "q5": 1e-4,
+            "qk": 1e-4}
+DELTA = {"f32": 2e-3, "f16": 2e-3, "bf16": 2e-3, "q8": 2e-3, "q4": 2e-3, "q5": 2e-3, "qk": 2e-3}
+MIN_CHECKED = {"f32": 24, "f16": 24, "bf16": 24, "q8": 24, "q4": 24, "q5": 24, "qk": 24}
 
 KV_TOL = {"f16": 2e-4, "bf16": 1e-3}
 KV_MEAN_TOL = 5e-5
@@ -219,13 +227,132 @@ def test_reference_is_causal_and_uses_positions():
 def test_manifest_covers_every_variant_and_type():
     got = {(m["variant"], m["format"], m["wtype"]) for m in MANIFEST}
     for v in VARIANTS:
-        for wt in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "MIXED"):
+        for wt in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MIXED"):
             assert (v, "gguf", wt) in got
         for wt in ("F32", "F16", "BF16"):
             assert (v, "hf", wt) in got
     kv = {(m["config"]["n_head"], m["config"]["n_head_kv"]) for m in MANIFEST}
     assert any(h == k for h, k in kv) and any(k == 1 for _, k in kv)
     assert any(m["tied"] for m in MANIFEST) and any(not m["tied"] for m in MANIFEST)
+    # Each K type alone, and the Q4_K_M mix: Q4_K, Q6_K and, for rows that
+    # are not whole 256-element super-blocks, Q5_0 (and Q8_0 for Q6_K's).
+    for wt in ("Q4_K", "Q5_K", "Q6_K", "Q4_K_M"):
+        assert any(m["wtype"] == wt for m in MANIFEST), wt
+    mixes = [set(m["tensor_types"].values()) for m in MANIFEST if m["wtype"] == "Q4_K_M"]
+    assert any({"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= t for t in mixes), mixes
+
+
+# The K-quantizer's error bound (tests/models/quants_k.py): every element is
+# within half a step S = d*sc of its value, S <= s + d with s the sub-block's
+# unrounded step and d the super-block scale; 1.01 covers d's rounding up to
+# fp16 (relative 2^-11) and the F32 products of the dequantizer.
+K_LEVELS = {"Q4_K": 15, "Q5_K": 31, "Q6_K": 31}
+
+
+def k_error_bound(x, ttype):
+    """Per-element bound of |dequant(quant(x)) - x| for x (rows, 256*k)."""
+    if ttype == "Q6_K":
+        g = x.reshape(-1, 16, 16)  # super-block, group of 16
+        s = np.abs(g).max(axis=2) / 31
+        d = s.max(axis=1, keepdims=True) / 127
+    else:
+        g = x.reshape(-1, 8, 32)  # super-block, sub-block of 32
+        mn = -np.minimum(g.min(axis=2), 0)
+        dmin = mn.max(axis=1, keepdims=True) / 63
+        s = (np.maximum(g.max(axis=2), 0) + mn + dmin) / K_LEVELS[ttype]
+        d = s.max(axis=1, keepdims=True) / 63
+    b = 1.01 * (s + d) / 2
+    return np.repeat(b[:, :, None], g.shape[2], axis=2).reshape(x.shape)
+
+
+@pytest.mark.parametrize("ttype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quantizer_round_trips(ttype):
+    """tests/models/quants_k.py, read back by gguf-py's independent
+    dequantizer, is within its error bound on every element (random rows, a
+    zero super-block, one-signed rows, an outlier sub-block that makes the
+    other sub-blocks' 6-bit scales small), and the error is a real
+    quantization error (not zero; about step/sqrt(12) in RMS). A wrong byte
+    layout (nibble order, qh bit, scale packing) moves elements by whole
+    steps of other sub-blocks, far past the bound."""
+    import gguf
+    import quants_k  # tests/models
+
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((16, 768)) / np.sqrt(768)).astype(np.float32)
+    x[1, :256] = 0
+    x[2] = np.abs(x[2])
+    x[3] = -np.abs(x[3])
+    x[4, 32:64] *= 40
+    x[5, :] = 1e-3
+    q = quants_k.quantize(x, ttype)
+    assert q.dtype == np.uint8 and q.shape == (16, 3 * quants_k.BLOCK_BYTES[ttype])
+    y = gguf.quants.dequantize(q, gguf.GGMLQuantizationType[ttype])
+    assert y.shape == x.shape
+    err = np.abs(y.astype(np.float64) - x)
+    bound = k_error_bound(x.astype(np.float64), ttype)
+    worst = np.unravel_index(np.argmax(err / np.maximum(bound, 1e-30)), x.shape)
+    print(f"{ttype}: max err/bound {(err / np.maximum(bound, 1e-30)).max():.3f} at {worst}")
+    assert (err <= bound).all(), \
+        f"{ttype}: element {worst} off by {err[worst]:.3g} > {bound[worst]:.3g}"
+    assert np.array_equal(y[1, :256], np.zeros(256))
+    rms = np.sqrt((err[6:] ** 2).mean() / (x[6:] ** 2).mean())
+    assert 0.003 < rms < {"Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.025}[ttype], rms
+    with pytest.raises(ValueError):
+        quants_k.quantize(x[:, :160], ttype)
+
+
+K_FILES = [m["name"] for m in MANIFEST if m["wtype"] in ("Q4_K", "Q5_K", "Q6_K", "Q4_K_M")]
+
+
+@pytest.mark.parametrize("name", K_FILES)
+def test_k_quant_files(name):
+    """Each K-quant file holds the types its manifest entry names, K types
+    only on rows of whole 256-element super-blocks (the mix: Q6_K, or its
+    fallback Q8_0, for the head and the last layer's attn_v and ffn_down, as
+    llama.cpp's Q4_K_M), and every quantized matrix, read back by gguf-py,
+    is the F32 file's matrix within its quantizer's bound (K types) or within
+    a quantization-sized error (the mix's Q5_0 and Q8_0)."""
+    import gguf
+
+    e = BY_NAME[name]
+    tt = e["tensor_types"]
+    qfile = {t.name: t for t in gguf.GGUFReader(model_path(e)).tensors}
+    f32 = BY_NAME[f"{e['variant']}-f32-gguf"]
+    ffile = {t.name: t for t in gguf.GGUFReader(model_path(f32)).tensors}
+    assert set(qfile) == set(ffile)
+    last = e["config"]["n_layer"] - 1
+    n_k = 0
+    for tname, t in qfile.items():
+        key = tname.removesuffix(".weight")
+        role = key.split(".", 2)[2] if key.startswith("blk.") else key
+        ty = t.tensor_type.name
+        assert ty == tt.get(key, tt[role]), (tname, ty, tt)
+        x = np.asarray(ffile[tname].data, dtype=np.float64)
+        if ty == "F32":
+            assert np.array_equal(np.asarray(t.data, dtype=np.float64), x), tname
+            continue
+        row = int(t.shape[0])  # GGUF ne0
+        if e["wtype"] != "Q4_K_M":
+            assert ty == e["wtype"], tname
+        elif tname in ("output.weight", f"blk.{last}.attn_v.weight",
+                       f"blk.{last}.ffn_down.weight") \
+                or (e["tied"] and tname == "token_embd.weight"):
+            assert ty == ("Q6_K" if row % 256 == 0 else "Q8_0"), (tname, ty)
+        else:
+            assert ty == ("Q4_K" if row % 256 == 0 else "Q5_0"), (tname, ty)
+        y = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
+        assert y.shape == x.shape, tname
+        if ty in K_LEVELS:
+            n_k += 1
+            assert row % 256 == 0, tname
+            bound = k_error_bound(x, ty)
+            assert (np.abs(y - x) <= bound).all(), f"{tname} ({ty}): off by more than the bound"
+        else:
+            blk = np.abs(x.reshape(-1, 32)).max(axis=1, keepdims=True)
+            assert (np.abs(y - x).reshape(-1, 32) <= blk / 8).all(), f"{tname} ({ty})"
+        rel = np.sqrt(((y - x) ** 2).mean() / (x ** 2).mean())
+        assert 1e-4 < rel < 0.1, (tname, ty, rel)  # quantized, and well
+    assert n_k > 0, f"{name} holds no K-quant tensor"
 
 
 def test_models_are_peaked():
@@ -323,7 +450,9 @@ def test_eval_rejects_out_of_range_token(name, bad):
 # one the CPU has; the invariance tests compare ISAs only with each other).
 
 ISA_MODELS = ["llama2-f32-gguf", "llama3-f16-gguf", "mistral-bf16-gguf", "qwen2-q8_0-gguf",
-              "smollm2-q4_0-gguf", "tinyllama-q4_1-gguf", "smollm2-mixed-gguf", "qwen2-bf16-hf"]
+              "smollm2-q4_0-gguf", "tinyllama-q4_1-gguf", "smollm2-mixed-gguf", "qwen2-bf16-hf",
+              "llama3-q5_0-gguf", "mistral-q5_1-gguf", "qwen25-q4_k-gguf", "qwen25-q5_k-gguf",
+              "qwen25-q6_k-gguf", "tinyllama-q4_k_m-gguf"]
 
 
 def _cpu_flags():
@@ -439,9 +568,17 @@ def test_eval_rejects_bad_kv_dtype(bad):
 # in mean (the flag takes effect). One token per call gives the same bits as
 # whole prompts (the invariance contract holds with int8 activations; ctest
 # also runs the invariance suite with them, test_invariance_act_int8).
+# Only Q8_0, Q4_0 and Q4_1 have int8-activation kernels (td_dtype_has_int8_kernels):
+# the models with a tensor of those types run here (the Q4_K_M mixes through
+# their Q8_0 head and attn_v), and the models quantized only in the other
+# types (Q5_0, Q5_1, K-quants) keep F32 activations under the flag: the same
+# bits as without it (test_act_int8_keeps_f32_for_other_types).
 ACT_INT8_TOL = 0.1
 ACT_INT8_MEAN_TOL = 0.03
-QUANT_MODELS = [m["name"] for m in MANIFEST if m["tol_class"] in ("q8", "q4")]
+INT8_KERNEL_TYPES = {"Q8_0", "Q4_0", "Q4_1"}
+QUANT_MODELS = [m["name"] for m in MANIFEST if INT8_KERNEL_TYPES & set(m["tensor_types"].values())]
+F32_ACT_MODELS = [m["name"] for m in MANIFEST if m["tol_class"] not in ("f32", "f16", "bf16")
+                  and not INT8_KERNEL_TYPES & set(m["tensor_types"].values())]
 
 
 @pytest.mark.parametrize("name", QUANT_MODELS)
@@ -461,6 +598,17 @@ def test_act_int8_against_reference(name):
     steps = run_engine(e, seqs, extra=("--act-int8",), chunk=1)
     for a, b in zip(out, steps):
         assert np.array_equal(a, b), f"{name} --act-int8: chunk 1 and whole prompts differ"
+
+
+@pytest.mark.parametrize("name", F32_ACT_MODELS)
+def test_act_int8_keeps_f32_for_other_types(name):
+    e = BY_NAME[name]
+    seqs = sequences_for(e)[:2]
+    base = run_engine(e, seqs)
+    for chunk in (None, 1):
+        out = run_engine(e, seqs, extra=("--act-int8",), chunk=chunk)
+        for a, b in zip(out, base):
+            assert np.array_equal(a, b), f"{name}: --act-int8 changed the logits (chunk {chunk})"
 
 
 # ---------------------------------------------------------------------------

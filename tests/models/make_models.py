@@ -4,7 +4,9 @@
     make_models.py --out DIR [--force]
 
 Writes, deterministically (fixed seeds) and in a few seconds:
-  DIR/gguf/<arch>-<wtype>.gguf     every architecture x F32 F16 BF16 Q8_0 Q4_0 Q4_1 MIXED
+  DIR/gguf/<arch>-<wtype>.gguf     every architecture x F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0
+                                   Q5_1 MIXED; K-quants (Q4_K Q5_K Q6_K Q4_K_M) where
+                                   the shapes allow (see K-QUANTS below)
   DIR/hf/<arch>-<dtype>/           every architecture x F32 F16 BF16 (config.json,
                                    model.safetensors, tokenizer.json, tokenizer_config.json)
   DIR/hf/<arch>-<dtype>-sharded/   one sharded directory (index.json + 2 shards)
@@ -27,6 +29,18 @@ architecture name), converted the way the real tools convert them:
     llama.cpp's converter and quantizer keep them.
   * MIXED mirrors the default model's file: Q4_1 layer matrices, Q8_0
     token_embd (and output when untied), F32 norms.
+  * K-QUANTS. Q4_K, Q5_K and Q6_K pack rows in super-blocks of 256, so a file
+    of one K type exists only for a variant whose every matrix row (n_embd,
+    n_head*head_dim, n_ff) is a multiple of 256 (qwen25). Q4_K_M is
+    llama.cpp's mix (llama-quant.cpp, llama_tensor_get_type): Q4_K, but Q6_K
+    for output (token_embd when tied) and for attn_v and ffn_down of the
+    layers use_more_bits picks (the last one of 2 or 3 layers), and where a
+    row is not whole super-blocks its fallback, Q5_0 for Q4_K and Q8_0 for
+    Q6_K; written for every variant where at least one matrix gets a K type
+    (qwen25: Q4_K and Q6_K only; llama3, smollm2, tinyllama, whose n_ff is
+    256: K types in ffn_down, Q5_0 and Q8_0 elsewhere). The K types are
+    quantized by tests/models/quants_k.py (gguf-py has no K quantizer);
+    Q5_0/Q5_1 by gguf-py.
   * Tokenizer: one small byte-level BPE (vocab 512: 3 special tokens, 256
     byte tokens, 253 merges) trained with the `tokenizers` package; written as
     tokenizer.json in HF dirs and as tokenizer.ggml.* (model gpt2, pre
@@ -64,9 +78,11 @@ agree bit for bit across TP splits (the embedding and head isolated).
 MANIFEST (models.json): {"version": VERSION, "models": [entry...],
   "moe_models": [entry...], "vocab_models": [entry...]}, entry =
   name, path (relative to DIR), format ("gguf"|"hf"), arch ("llama"|"qwen2"),
-  variant (llama2, llama3, mistral, qwen2, smollm2, tinyllama), wtype (F32 F16
-  BF16 Q8_0 Q4_0 Q4_1 MIXED), tensor_types ({tensor role: type}), tol_class
-  ("f32"|"f16"|"bf16"|"q8"|"q4"), sharded, tied, config {n_vocab n_embd
+  variant (llama2, llama3, mistral, qwen2, qwen25, smollm2, tinyllama), wtype
+  (F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 MIXED Q4_K Q5_K Q6_K Q4_K_M),
+  tensor_types ({tensor role: type of layer 0's tensor, plus "blk.N.role":
+  type for a layer whose type differs}), tol_class
+  ("f32"|"f16"|"bf16"|"q8"|"q4"|"q5"|"qk"), sharded, tied, config {n_vocab n_embd
   n_layer n_head n_head_kv head_dim n_ff n_ctx_train rope_theta rms_eps
   rope_mode ("norm"|"neox": the convention of THIS file) rope_scaling (null or
   {type factor low_freq_factor high_freq_factor original_ctx}) qkv_bias bos
@@ -83,7 +99,10 @@ import time
 
 import numpy as np
 
-VERSION = "tandem-test-models-v8"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import quants_k  # noqa: E402
+
+VERSION = "tandem-test-models-v9"
 
 N_VOCAB = 512
 N_CTX = 256
@@ -127,6 +146,12 @@ VARIANTS = {
     "tinyllama": dict(arch="llama", hf_arch="LlamaForCausalLM", n_embd=128, n_head=8,
                       n_head_kv=2, n_ff=256, n_layer=2, rope_theta=10000.0, rms_eps=1e-5,
                       tied=False, rope_scaling=None),
+    # Qwen2.5-0.5B's shape (QKV bias, GQA, head_dim 64, tied) at the smallest
+    # width whose every row is whole K-quant super-blocks: n_embd 256 (one per
+    # row), n_ff 768 (three, in ffn_down's rows).
+    "qwen25": dict(arch="qwen2", hf_arch="Qwen2ForCausalLM", n_embd=256, n_head=4,
+                   n_head_kv=2, n_ff=768, n_layer=2, rope_theta=1000000.0, rms_eps=1e-6,
+                   tied=True, rope_scaling=None),
 }
 
 # Mixture-of-experts variants: n_ff is one expert's width; 2 and 4 divide the
@@ -156,12 +181,15 @@ VOCAB_VARIANTS = {
                      tied=False, rope_scaling=None, n_vocab=515),
 }
 
-GGUF_WTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "MIXED"]
+GGUF_WTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MIXED"]
+K_WTYPES = ["Q4_K", "Q5_K", "Q6_K"]  # where every row is whole super-blocks
+QK_K = 256
 HF_DTYPES = ["F32", "F16", "BF16"]
 SHARDED = ("tinyllama", "BF16")  # the one sharded HF directory
 
 TOL_CLASS = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8", "Q4_0": "q4",
-             "Q4_1": "q4", "MIXED": "q4"}
+             "Q4_1": "q4", "MIXED": "q4", "Q5_0": "q5", "Q5_1": "q5", "Q4_K": "qk",
+             "Q5_K": "qk", "Q6_K": "qk", "Q4_K_M": "qk"}
 
 # Logit scale: the final RMSNorm output has unit RMS, the head rows have unit
 # RMS after scaling by 1/sqrt(n_embd), so logits would be ~N(0, 1); this factor
@@ -341,9 +369,43 @@ def _gguf_tensor(writer, name, arr, ttype):
         writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
     elif ttype == "F16":
         writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float16))
+    elif ttype in K_WTYPES:
+        writer.add_tensor(name, quants_k.quantize(arr, ttype), raw_dtype=qt)
     else:
         q = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qt)
         writer.add_tensor(name, q, raw_dtype=qt)
+
+
+def matrix_rows(v):
+    """Row lengths of the variant's 2-D weights (GGUF ne0: the input width)."""
+    return {v["n_embd"], v["n_ff"], v["n_head"] * (v["n_embd"] // v["n_head"])}
+
+
+def k_wtypes(v):
+    """The K-quant file types written for a variant (see K-QUANTS above)."""
+    rows = matrix_rows(v)
+    if "n_expert" in v or not any(r % QK_K == 0 for r in rows):
+        return []
+    return (K_WTYPES if all(r % QK_K == 0 for r in rows) else []) + ["Q4_K_M"]
+
+
+def _use_more_bits(i_layer, n_layer):
+    """llama-quant.cpp's use_more_bits (integer arithmetic as in C++)."""
+    return (i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8
+            or (i_layer - n_layer // 8) % 3 == 2)
+
+
+def q4_k_m_type(name, row, n_layer, tied):
+    """llama.cpp's Q4_K_M choice for a 2-D tensor of a dense model."""
+    t = "Q4_K"
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        t = "Q6_K"
+    elif name.endswith((".attn_v.weight", ".ffn_down.weight")):
+        if _use_more_bits(int(name.split(".")[1]), n_layer):
+            t = "Q6_K"
+    if row % QK_K:
+        t = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}[t]
+    return t
 
 
 def write_gguf(path, variant, v, w, wtype, tok):
@@ -355,7 +417,12 @@ def write_gguf(path, variant, v, w, wtype, tok):
     ftype = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
              "BF16": gguf.LlamaFileType.MOSTLY_BF16, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
              "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-             "MIXED": gguf.LlamaFileType.MOSTLY_Q4_1}[wtype]
+             "Q5_0": gguf.LlamaFileType.MOSTLY_Q5_0, "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+             "MIXED": gguf.LlamaFileType.MOSTLY_Q4_1,
+             # one K type throughout: the nearest llama.cpp name
+             "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S, "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_S,
+             "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
+             "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M}[wtype]
     mat_t = "Q4_1" if wtype == "MIXED" else wtype
     embd_t = "Q8_0" if wtype == "MIXED" else wtype
 
@@ -392,9 +459,12 @@ def write_gguf(path, variant, v, w, wtype, tok):
     types_used = {}
 
     def put(name, arr, t):
+        if t == "Q4_K_M":
+            t = q4_k_m_type(name, arr.shape[-1], L, v["tied"])
         _gguf_tensor(wr, name, arr, t)
         role = name.split(".", 2)[2] if name.startswith("blk.") else name
-        types_used.setdefault(role.removesuffix(".weight"), t)
+        if types_used.setdefault(role.removesuffix(".weight"), t) != t:
+            types_used[name.removesuffix(".weight")] = t
 
     put("token_embd.weight", w["model.embed_tokens.weight"], embd_t)
     if v["rope_scaling"] is not None:
@@ -591,7 +661,7 @@ def generate(out):
     for variant, v in VARIANTS.items():
         w = make_weights(variant, v)
         gguf_mode = "norm" if v["arch"] == "llama" else "neox"
-        for wt in GGUF_WTYPES:
+        for wt in GGUF_WTYPES + k_wtypes(v):
             rel = f"gguf/{variant}-{wt.lower()}.gguf"
             tt = write_gguf(os.path.join(tmp, rel), variant, v, w, wt, tok)
             models.append({"name": f"{variant}-{wt.lower()}-gguf", "path": rel, "format": "gguf",

@@ -13,7 +13,10 @@
  * contract states. Each test also checks that the logits are finite and
  * vary with the position, so a degenerate engine (all zeros) cannot pass.
  * Models: tiny random ones from $TANDEM_TEST_MODELS (quantised GQA, Qwen2
- * with biases, Llama 3 with rope_freqs), and the default model if present. */
+ * with biases, Llama 3 with rope_freqs), and the default model if present.
+ * TD_TEST_INVARIANCE_MODEL=<name in models.json> runs the tests of the
+ * contract on that tiny model alone (ctest: one run per weight type that
+ * k_tiny leaves out), without the tests that do not depend on the weights. */
 #include <math.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -141,6 +144,9 @@ static const char *test_models_dir(void) { return getenv("TANDEM_TEST_MODELS"); 
 static const char *k_tiny[] = {"smollm2-mixed-gguf", "qwen2-f32-gguf", "llama3-q8_0-gguf",
                                "tinyllama-q4_0-gguf"};
 
+/* $TD_TEST_INVARIANCE_MODEL, in place of k_tiny when set. */
+static const char *g_only_model;
+
 static bool tiny_path(const char *name, char *buf, size_t cap) {
     const char *dir = test_models_dir();
     if (!dir) return false;
@@ -176,6 +182,13 @@ static void for_tiny_models(model_test fn) {
     if (!test_models_dir()) {
         print_message("TANDEM_TEST_MODELS not set\n");
         skip();
+    }
+    if (g_only_model) {
+        char path[4096];
+        if (!tiny_path(g_only_model, path, sizeof path))
+            fail_msg("TD_TEST_INVARIANCE_MODEL=%s: no such tiny model", g_only_model);
+        fn(path, 2, 4);
+        return;
     }
     for (size_t i = 0; i < TD_ARRAY_SIZE(k_tiny); i++) {
         char path[4096];
@@ -848,5 +861,15 @@ int main(void) {
         cmocka_unit_test(test_batch_default),     cmocka_unit_test(test_prefix_default),
         cmocka_unit_test(test_recompute_default), cmocka_unit_test(test_threads_default),
     };
+    const struct CMUnitTest one_model_tests[] = {
+        cmocka_unit_test(test_chunks_tiny),  cmocka_unit_test(test_batch_tiny),
+        cmocka_unit_test(test_prefix_tiny),  cmocka_unit_test(test_recompute_tiny),
+        cmocka_unit_test(test_threads_tiny), cmocka_unit_test(test_pipeline_tiny),
+    };
+    const char *only = getenv("TD_TEST_INVARIANCE_MODEL");
+    if (only && only[0]) {
+        g_only_model = only;
+        return cmocka_run_group_tests(one_model_tests, NULL, NULL);
+    }
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

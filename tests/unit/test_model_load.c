@@ -2,7 +2,7 @@
  * (written by tests/models/make_models.py, read here with jansson), shard
  * pointers against the tensors as td_gguf reports them, RoPE frequencies
  * against the formulas, and model files that are valid GGUF / HF but lie
- * about the model (missing tensor, wrong shape, q4_K tensor, head counts
+ * about the model (missing tensor, wrong shape, iq4_xs tensor, head counts
  * that do not divide, vocabulary mismatch, a special token id outside the
  * vocabulary, unknown architecture, bad config.json): each must fail with a
  * negative status and exactly one error line naming the file and the tensor
@@ -30,7 +30,7 @@
 #include "common/format/gguf.h"
 #include "common/model/model.h"
 
-#define TD_TYPE_Q4_K_ID 12 /* GGUF id of q4_K: 256-element blocks of 144 bytes */
+#define TD_TYPE_IQ4_XS_ID 23 /* GGUF id of iq4_xs: 256-element blocks of 136 bytes */
 
 static char g_tmp[256];
 
@@ -213,7 +213,7 @@ static void put_value(buf *b, const td_gguf *g, const char *key, td_gguf_type t)
 }
 
 static size_t tensor_bytes(int type, int64_t ne0, int64_t rows) {
-    if (type == TD_TYPE_Q4_K_ID) return (size_t)(ne0 / 256) * 144u * (size_t)rows;
+    if (type == TD_TYPE_IQ4_XS_ID) return (size_t)(ne0 / 256) * 136u * (size_t)rows;
     return td_dtype_row_bytes((td_dtype)type, ne0) * (size_t)rows;
 }
 
@@ -665,11 +665,11 @@ static void test_unsupported_type(void **state) {
     (void)state;
     need_models();
     mutation mu = {.change_tensor = "blk.0.ffn_gate.weight",
-                   .new_type = TD_TYPE_Q4_K_ID,
+                   .new_type = TD_TYPE_IQ4_XS_ID,
                    .new_ne0 = 256,
                    .new_ne1 = 96};
     corrupt_case("gguf/smollm2-mixed.gguf", &mu,
-                 (const char *[]){"blk.0.ffn_gate.weight", "q4_K", NULL});
+                 (const char *[]){"blk.0.ffn_gate.weight", "iq4_xs", NULL});
 }
 
 static void test_bad_heads(void **state) {
