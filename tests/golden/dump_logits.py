@@ -63,13 +63,19 @@ def cases(models_dir, default_model):
 
     for name, e in sorted(every.items()):
         add("numerics", name, e, (1, 7, 33), 11, ["--chunk", "64"])
-    for wtype in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "mixed"):
+    for wtype in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mixed",
+                  "q4_k_m"):
         e = dense[f"llama3-{wtype}-gguf"]
         for isa in ISAS:
             add("numerics", f"llama3-{wtype}-gguf.isa-{isa}", e, (5, 19), 12, ["--isa", isa])
+    for wtype in ("q4_k", "q5_k", "q6_k"):  # whole 256-element super-blocks: qwen25
+        e = dense[f"qwen25-{wtype}-gguf"]
+        for isa in ISAS:
+            add("numerics", f"qwen25-{wtype}-gguf.isa-{isa}", e, (5, 19), 12, ["--isa", isa])
 
     for name in ("llama2-q8_0-gguf", "llama3-f32-gguf", "qwen2-q4_1-gguf", "mistral-mixed-gguf",
-                 "tinyllama-bf16-hf-sharded", "mixtral-q8_0-gguf"):
+                 "tinyllama-bf16-hf-sharded", "mixtral-q8_0-gguf", "qwen25-q4_k-gguf",
+                 "tinyllama-q4_k_m-gguf"):
         e = every[name]
         for mode, extra in (("chunk1", ["--chunk", "1"]), ("chunk5", ["--chunk", "5"]),
                             ("whole", ["--chunk", "64"]),
