@@ -27,7 +27,7 @@
 #define TREG   3            /* tokens per tile, register path (one weight row per tile) */
 #define TBUF   6            /* tokens per tile, tiled path */
 #define MIN_TB 4            /* tokens from which the tiled path is used */
-#define XCHUNK (192 * 1024) /* activation bytes of one token chunk (L2) */
+#define XCHUNK (512 * 1024) /* activation bytes of one token chunk (L2) */
 /* Register path: prefetch this far ahead of each weight row (into the next
  * row tiles). Measured on 2 threads, SmolLM2-135M decode: none 65 / 1024
  * 94 / 2048-4096 ~105 tokens/s for Q8_0, 1024 125 / 3072 133 for Q4_1. */
@@ -68,101 +68,11 @@ AI void deq_quant(const td_dtype WT, const char *blk, __m512 d, __m512 m, __m512
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), tab);
 }
 
-/* The types with a fifth or sixth bit or sub-block scales (q5_0, q5_1,
- * q4_K, q5_K, q6_K): group b of a row (elements 32b .. 32b + 31), lo =
- * elements 0-15, hi = 16-31. The quants are widened to 32-bit lanes, the
- * high bits added under a mask (q5) or shifted in (q6_K), and each element
- * is d*q (+ m) with the scale products of td_cpu_deq_group: every product
- * is exact, so one FMA rounds as its separate multiply and add do. */
 /* The fp16 at p (any alignment), by F16C: exact, as td_cpu_h2f. */
 AI float h2f(const char *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
-}
-
-AI void deq_hi_bits(const td_dtype WT, const char *row, int64_t b, __m512 *lo, __m512 *hi) {
-    if (WT == TD_TYPE_Q5_0 || WT == TD_TYPE_Q5_1) {
-        const int q51 = WT == TD_TYPE_Q5_1;
-        const char *bl = row + (size_t)b * td_dtype_block_bytes(WT);
-        uint32_t qh;
-        memcpy(&qh, bl + 2 + 2 * q51, 4);
-        const __m512i i0 =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bl + 6 + 2 * q51)));
-        const __m512i sixteen = _mm512_set1_epi32(16), nib = _mm512_set1_epi32(15);
-        __m512i q0 = _mm512_and_si512(i0, nib), q1 = _mm512_srli_epi32(i0, 4);
-        q0 = _mm512_mask_add_epi32(q0, (__mmask16)qh, q0, sixteen);
-        q1 = _mm512_mask_add_epi32(q1, (__mmask16)(qh >> 16), q1, sixteen);
-        const __m512 d = _mm512_set1_ps(h2f(bl));
-        if (q51) {
-            const __m512 m = _mm512_set1_ps(h2f(bl + 2));
-            *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), d, m);
-            *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), d, m);
-        } else {
-            *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q0, sixteen)), d);
-            *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q1, sixteen)), d);
-        }
-        return;
-    }
-    if (WT == TD_TYPE_Q4_K || WT == TD_TYPE_Q5_K) {
-        const int sub = (int)(b % 8);
-        const char *bl = row + (size_t)(b / 8) * td_dtype_block_bytes(WT);
-        int sc, mn;
-        td_k_scale_min((const uint8_t *)bl + 4, sub, &sc, &mn);
-        const __m512 ds = _mm512_set1_ps(h2f(bl) * (float)sc);
-        const __m512 ndm = _mm512_set1_ps(-(h2f(bl + 2) * (float)mn));
-        const char *qs = bl + 16 + (WT == TD_TYPE_Q5_K ? 32 : 0) + (sub / 2) * 32;
-        __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-        __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
-        if (sub & 1) {
-            q0 = _mm512_srli_epi32(q0, 4);
-            q1 = _mm512_srli_epi32(q1, 4);
-        } else {
-            q0 = _mm512_and_si512(q0, _mm512_set1_epi32(15));
-            q1 = _mm512_and_si512(q1, _mm512_set1_epi32(15));
-        }
-        if (WT == TD_TYPE_Q5_K) {
-            const __m128i bit = _mm_set1_epi8((char)(1 << sub));
-            const __m512i sixteen = _mm512_set1_epi32(16);
-            q0 = _mm512_mask_add_epi32(
-                q0, _mm_test_epi8_mask(_mm_loadu_si128((const __m128i *)(bl + 16)), bit), q0,
-                sixteen);
-            q1 = _mm512_mask_add_epi32(
-                q1, _mm_test_epi8_mask(_mm_loadu_si128((const __m128i *)(bl + 32)), bit), q1,
-                sixteen);
-        }
-        *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), ds, ndm);
-        *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), ds, ndm);
-        return;
-    }
-    /* q6_K */
-    const int half = (int)(b % 8) / 4, g = (int)(b % 4);
-    const char *bl = row + (size_t)(b / 8) * sizeof(td_block_q6_K);
-    const char *ql = bl + 64 * half + 32 * (g & 1), *qh = bl + 128 + 32 * half;
-    const int8_t *sc = (const int8_t *)bl + 192 + 8 * half + 2 * g;
-    const float d = h2f(bl + 208);
-    __m512i l0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)ql));
-    __m512i l1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 16)));
-    const __m512i h0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qh));
-    const __m512i h1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16)));
-    const __m512i three = _mm512_set1_epi32(3), nib = _mm512_set1_epi32(15);
-    if (g >= 2) {
-        l0 = _mm512_srli_epi32(l0, 4);
-        l1 = _mm512_srli_epi32(l1, 4);
-    } else {
-        l0 = _mm512_and_si512(l0, nib);
-        l1 = _mm512_and_si512(l1, nib);
-    }
-    const __m128i sh = _mm_cvtsi32_si128(2 * g);
-    const __m512i q0 = _mm512_or_si512(
-        l0, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h0, sh), three), 4));
-    const __m512i q1 = _mm512_or_si512(
-        l1, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h1, sh), three), 4));
-    const __m512i k32 = _mm512_set1_epi32(32);
-    *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q0, k32)),
-                        _mm512_set1_ps(d * (float)sc[0]));
-    *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q1, k32)),
-                        _mm512_set1_ps(d * (float)sc[1]));
 }
 
 /* Block b of a row: lo = elements 0-15, hi = elements 16-31. */
@@ -183,11 +93,6 @@ AI void deq_block(const td_dtype WT, const char *row, int64_t b, __m512 *lo, __m
             *lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16));
             *hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h1), 16));
         }
-        return;
-    }
-    if (WT == TD_TYPE_Q5_0 || WT == TD_TYPE_Q5_1 || WT == TD_TYPE_Q4_K || WT == TD_TYPE_Q5_K ||
-        WT == TD_TYPE_Q6_K) {
-        deq_hi_bits(WT, row, b, lo, hi);
         return;
     }
     /* quantized: d (and Q4_1's m, adjacent) lead every block */
@@ -302,9 +207,11 @@ AI void kern_reg_q(const td_dtype WT, const int R, const int T, const char *w, s
     tile_store(R, T, acc, y, ldy);
 }
 
-/* Register path of the q5 and K types: R rows side by side, each value
- * the same as deq_hi_bits gives it (checked by test_qmatmul and
- * test_dequant_gguf), and each accumulator's FMAs in k order as kern_reg's.
+/* The q5 and K types: R rows side by side, each value exactly the GGUF
+ * definition's (td_cpu_deq_group: every product is exact, so each element
+ * rounds once; test_dequant_gguf holds the tiled path's rows to gguf-py,
+ * test_qmatmul the register path to the tiled one), and each
+ * accumulator's FMAs in k order as kern_reg's.
  * Where a group's values are one table lookup (a 4-bit index, or 4 bits
  * plus a fifth under a mask), a 16-entry table of d*q (+ m) per sub-block
  * is made with one multiply or FMA (the same single rounding as per
@@ -313,7 +220,7 @@ AI void kern_reg_q(const td_dtype WT, const int R, const int T, const char *w, s
 
 /* A K super-block's scales as f32: q4_K/q5_K out[j] = d*sc_j and
  * out[8 + j] = -(dmin*m_j), j < 8; q6_K out[i] = d*scales[i], i < 16
- * (exact products, as deq_hi_bits). The 6-bit scales and mins are
+ * (exact products). The 6-bit scales and mins are
  * unpacked four at a time from 32-bit words (kernels/dtype.h). */
 AI void k_scales(const td_dtype WT, const char *bl, float *out) {
     if (WT == TD_TYPE_Q6_K) {
@@ -361,22 +268,101 @@ AI void fma_group(const int R, const int T, const __m512 *lo, const __m512 *hi, 
     }
 }
 
-/* q4_K and q5_K: per 64-element chunk c of a super-block, its 32 quant
- * bytes widened once serve both its groups (2c: low nibbles, 2c + 1: high). */
-AI void kern_reg_k45(const td_dtype WT, const int R, const int T, const char *w, size_t ws,
-                     const float *x, size_t ldx, int64_t nb, float *y, size_t ldy) {
-    const size_t BB = td_dtype_block_bytes(WT);
+/* Groups 2c (lo[0], hi[0]) and 2c + 1 (lo[1], hi[1]) of the q4_K/q5_K
+ * super-block bl, whose k_scales are sc: per 64-element chunk c, its 32
+ * quant bytes widened once serve both groups (low nibbles, high nibbles). */
+AI void k45_chunk(const td_dtype WT, const char *bl, const float *sc, const int c, __m512 lo[2],
+                  __m512 hi[2]) {
     const int Q5 = WT == TD_TYPE_Q5_K;
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 iota16 = _mm512_add_ps(iota, _mm512_set1_ps(16.0f));
+    const char *qs = bl + 16 + 32 * Q5 + 32 * c;
+    const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const int j = 2 * c + h;
+        /* high nibbles shifted down; a permute reads the low 4 bits only */
+        const __m512i i0 = h ? _mm512_srli_epi32(q0, 4) : q0;
+        const __m512i i1 = h ? _mm512_srli_epi32(q1, 4) : q1;
+        const __m512 ds = _mm512_set1_ps(sc[j]), ndm = _mm512_set1_ps(sc[8 + j]);
+        const __m512 tab = _mm512_fmadd_ps(iota, ds, ndm);
+        lo[h] = _mm512_permutexvar_ps(i0, tab);
+        hi[h] = _mm512_permutexvar_ps(i1, tab);
+        if (Q5) { /* the fifth bit: bit j of qh[l] takes the upper table */
+            const __m128i bit = _mm_set1_epi8((char)(1 << j));
+            const __m512 tabh =
+                _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.0f)), ds, ndm);
+            lo[h] = _mm512_mask_permutexvar_ps(
+                lo[h], _mm_test_epi8_mask(_mm_loadu_si128((const __m128i *)(bl + 16)), bit), i0,
+                tabh);
+            hi[h] = _mm512_mask_permutexvar_ps(
+                hi[h], _mm_test_epi8_mask(_mm_loadu_si128((const __m128i *)(bl + 32)), bit), i1,
+                tabh);
+        }
+    }
+}
+
+/* Group g of half `half` of the q6_K super-block bl (k_scales sc): its 32
+ * six-bit quants assembled as bytes (nibbles of ql, two bits of qh),
+ * widened 16 at a time and scaled per 16-element sub-block. */
+AI void q6k_group(const char *bl, const float *sc, const int half, const int g, __m512 *lo,
+                  __m512 *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(bl + 64 * half + 32 * (g & 1)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(bl + 128 + 32 * half));
+    const __m256i nib =
+        g < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
+    const __m256i hb = g == 0   ? _mm256_slli_epi16(qh, 4)
+                       : g == 1 ? _mm256_slli_epi16(qh, 2)
+                       : g == 2 ? qh
+                                : _mm256_srli_epi16(qh, 2);
+    const __m256i q =
+        _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_and_si256(hb, m30)), _mm256_set1_epi8(32));
+    *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
+                        _mm512_set1_ps(sc[8 * half + 2 * g]));
+    *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))),
+                        _mm512_set1_ps(sc[8 * half + 2 * g + 1]));
+}
+
+/* The q5_0/q5_1 block bl: q5_0 d*(q - 16) (q - 16 made as the nibble OR
+ * ~15 plus the fifth bit's 16, then one exact product: d*q + (-16 d) would
+ * give +0 where the definition gives -0), q5_1 d*q + m (one rounding). */
+AI void q5_block(const td_dtype WT, const char *bl, __m512 *lo, __m512 *hi) {
+    const int Q51 = WT == TD_TYPE_Q5_1;
+    const __m512 dv = _mm512_set1_ps(h2f(bl));
+    uint32_t qh;
+    memcpy(&qh, bl + 2 + 2 * Q51, 4);
+    const __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bl + 6 + 2 * Q51)));
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    /* q5_0: the nibble - 16 in two's complement; q5_1: the nibble */
+    const __m512i top = _mm512_set1_epi32(Q51 ? 0 : -16);
+    const __m512i nib = _mm512_set1_epi32(15);
+    __m512i q0 = _mm512_or_si512(_mm512_and_si512(i0, nib), top);
+    __m512i q1 = _mm512_or_si512(_mm512_srli_epi32(i0, 4), top);
+    q0 = _mm512_mask_add_epi32(q0, (__mmask16)qh, q0, sixteen);
+    q1 = _mm512_mask_add_epi32(q1, (__mmask16)(qh >> 16), q1, sixteen);
+    if (Q51) {
+        const __m512 m = _mm512_set1_ps(h2f(bl + 2));
+        *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), dv, m);
+        *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), dv, m);
+    } else {
+        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), dv);
+        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), dv);
+    }
+}
+
+/* The register kernel of the K types: R rows side by side, a super-block
+ * at a time. The scales of super-block sb + 1 are made while sb is
+ * multiplied, so that a table's scale is never loaded right after the
+ * store of its vector (a store forwarded to a narrower load stalls). */
+AI void kern_reg_k(const td_dtype WT, const int R, const int T, const char *w, size_t ws,
+                   const float *x, size_t ldx, int64_t nb, float *y, size_t ldy) {
+    const size_t BB = td_dtype_block_bytes(WT);
     __m512 acc[RR][TBUF];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
-    /* the scales of super-block sb + 1 are made while sb is multiplied, so
-     * that the loads of a table's scale never wait on the store of its
-     * vector (a store forwarded to a narrower load stalls) */
     _Alignas(64) float scb[2][RR][16];
     const int64_t nsb = nb / 8;
 #pragma GCC unroll 8
@@ -386,123 +372,46 @@ AI void kern_reg_k45(const td_dtype WT, const int R, const int T, const char *w,
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const char *bl = w + (size_t)r * ws + (size_t)sb * BB;
-            _mm_prefetch(bl + PF_DIST, _MM_HINT_T0);
-            _mm_prefetch(bl + PF_DIST + 64, _MM_HINT_T0);
-            _mm_prefetch(bl + PF_DIST + 128, _MM_HINT_T0);
+            for (size_t o = 0; o < BB; o += 64) _mm_prefetch(bl + PF_DIST + o, _MM_HINT_T0);
             if (sb + 1 < nsb) k_scales(WT, bl + BB, scb[(sb + 1) & 1][r]);
+        }
+        if (WT == TD_TYPE_Q6_K) {
+#pragma GCC unroll 8
+            for (int gg = 0; gg < 8; gg++) {
+                __m512 lo[RR], hi[RR];
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++)
+                    q6k_group(w + (size_t)r * ws + (size_t)sb * BB, sc[r], gg / 4, gg % 4, &lo[r],
+                              &hi[r]);
+                fma_group(R, T, lo, hi, x, ldx, sb * 8 + gg, acc);
+            }
+            continue;
         }
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
-            __m512i q0[RR], q1[RR];
+            __m512 lo[RR][2], hi[RR][2];
 #pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
-                const char *qs = w + (size_t)r * ws + (size_t)sb * BB + 16 + 32 * Q5 + 32 * c;
-                q0[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-                q1[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)));
-            }
+            for (int r = 0; r < R; r++)
+                k45_chunk(WT, w + (size_t)r * ws + (size_t)sb * BB, sc[r], c, lo[r], hi[r]);
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
-                const int j = 2 * c + h;
-                __m512 lo[RR], hi[RR];
+                __m512 l[RR], u[RR];
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
-                    /* high nibbles shifted down; a permute reads the low 4 bits only */
-                    const __m512i i0 = h ? _mm512_srli_epi32(q0[r], 4) : q0[r];
-                    const __m512i i1 = h ? _mm512_srli_epi32(q1[r], 4) : q1[r];
-                    const __m512 ds = _mm512_set1_ps(sc[r][j]), ndm = _mm512_set1_ps(sc[r][8 + j]);
-                    const __m512 tab = _mm512_fmadd_ps(iota, ds, ndm);
-                    lo[r] = _mm512_permutexvar_ps(i0, tab);
-                    hi[r] = _mm512_permutexvar_ps(i1, tab);
-                    if (Q5) { /* the fifth bit: bit j of qh[l] takes the upper table */
-                        const char *qh = w + (size_t)r * ws + (size_t)sb * BB + 16;
-                        const __m128i bit = _mm_set1_epi8((char)(1 << j));
-                        const __m512 tabh = _mm512_fmadd_ps(iota16, ds, ndm);
-                        lo[r] = _mm512_mask_permutexvar_ps(
-                            lo[r], _mm_test_epi8_mask(_mm_loadu_si128((const __m128i *)qh), bit),
-                            i0, tabh);
-                        hi[r] = _mm512_mask_permutexvar_ps(
-                            hi[r],
-                            _mm_test_epi8_mask(_mm_loadu_si128((const __m128i *)(qh + 16)), bit),
-                            i1, tabh);
-                    }
+                    l[r] = lo[r][h];
+                    u[r] = hi[r][h];
                 }
-                fma_group(R, T, lo, hi, x, ldx, sb * 8 + j, acc);
+                fma_group(R, T, l, u, x, ldx, sb * 8 + 2 * c + h, acc);
             }
         }
     }
     tile_store(R, T, acc, y, ldy);
 }
 
-/* q6_K: each group's 32 six-bit quants assembled as bytes (nibbles of ql,
- * two bits of qh), widened 16 at a time and scaled per 16-element
- * sub-block. */
-AI void kern_reg_q6k(const int R, const int T, const char *w, size_t ws, const float *x, size_t ldx,
-                     int64_t nb, float *y, size_t ldy) {
-    const size_t BB = sizeof(td_block_q6_K);
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30),
-                  k32 = _mm256_set1_epi8(32);
-    __m512 acc[RR][TBUF];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
-    /* the scales of super-block sb + 1 are made while sb is multiplied, so
-     * that the loads of a table's scale never wait on the store of its
-     * vector (a store forwarded to a narrower load stalls) */
-    _Alignas(64) float scb[2][RR][16];
-    const int64_t nsb = nb / 8;
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++) k_scales(TD_TYPE_Q6_K, w + (size_t)r * ws, scb[0][r]);
-    for (int64_t sb = 0; sb < nsb; sb++) {
-        float(*sc)[16] = scb[sb & 1];
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            const char *bl = w + (size_t)r * ws + (size_t)sb * BB;
-            _mm_prefetch(bl + PF_DIST, _MM_HINT_T0);
-            _mm_prefetch(bl + PF_DIST + 64, _MM_HINT_T0);
-            _mm_prefetch(bl + PF_DIST + 128, _MM_HINT_T0);
-            _mm_prefetch(bl + PF_DIST + 192, _MM_HINT_T0);
-            if (sb + 1 < nsb) k_scales(TD_TYPE_Q6_K, bl + BB, scb[(sb + 1) & 1][r]);
-        }
-#pragma GCC unroll 2
-        for (int half = 0; half < 2; half++) {
-#pragma GCC unroll 4
-            for (int g = 0; g < 4; g++) {
-                __m512 lo[RR], hi[RR];
-#pragma GCC unroll 8
-                for (int r = 0; r < R; r++) {
-                    const char *bl = w + (size_t)r * ws + (size_t)sb * BB;
-                    const __m256i ql =
-                        _mm256_loadu_si256((const __m256i *)(bl + 64 * half + 32 * (g & 1)));
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(bl + 128 + 32 * half));
-                    const __m256i nib = g < 2 ? _mm256_and_si256(ql, m4)
-                                              : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
-                    const __m256i hb = g == 0   ? _mm256_slli_epi16(qh, 4)
-                                       : g == 1 ? _mm256_slli_epi16(qh, 2)
-                                       : g == 2 ? qh
-                                                : _mm256_srli_epi16(qh, 2);
-                    const __m256i q =
-                        _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_and_si256(hb, m30)), k32);
-                    lo[r] = _mm512_mul_ps(
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
-                        _mm512_set1_ps(sc[r][8 * half + 2 * g]));
-                    hi[r] = _mm512_mul_ps(
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))),
-                        _mm512_set1_ps(sc[r][8 * half + 2 * g + 1]));
-                }
-                fma_group(R, T, lo, hi, x, ldx, sb * 8 + 4 * half + g, acc);
-            }
-        }
-    }
-    tile_store(R, T, acc, y, ldy);
-}
-
-/* q5_0 and q5_1: a table of the 16 values with the fifth bit clear and one
- * of those with it set, per block; the block's qh bits are the masks. */
+/* The register kernel of q5_0 and q5_1. */
 AI void kern_reg_q5(const td_dtype WT, const int R, const int T, const char *w, size_t ws,
                     const float *x, size_t ldx, int64_t nb, float *y, size_t ldy) {
     const size_t BB = td_dtype_block_bytes(WT);
-    const int Q51 = WT == TD_TYPE_Q5_1;
     __m512 acc[RR][TBUF];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
@@ -514,27 +423,62 @@ AI void kern_reg_q5(const td_dtype WT, const int R, const int T, const char *w, 
         for (int r = 0; r < R; r++) {
             const char *bl = w + (size_t)r * ws + (size_t)b * BB;
             _mm_prefetch(bl + PF_DIST, _MM_HINT_T0);
-            /* q5_0: d*(q - 16) = d*q + (-16 d), q5_1: d*q + m: one rounding each */
-            const float d = h2f(bl);
-            const __m512 dv = _mm512_set1_ps(d), c = _mm512_set1_ps(Q51 ? h2f(bl + 2) : -16.0f * d);
-            uint32_t qh;
-            memcpy(&qh, bl + 2 + 2 * Q51, 4);
-            const __m512i i0 =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bl + 6 + 2 * Q51)));
-            const __m512i sixteen = _mm512_set1_epi32(16);
-            __m512i q0 = _mm512_and_si512(i0, _mm512_set1_epi32(15)), q1 = _mm512_srli_epi32(i0, 4);
-            q0 = _mm512_mask_add_epi32(q0, (__mmask16)qh, q0, sixteen);
-            q1 = _mm512_mask_add_epi32(q1, (__mmask16)(qh >> 16), q1, sixteen);
-            lo[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), dv, c);
-            hi[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), dv, c);
+            q5_block(WT, bl, &lo[r], &hi[r]);
         }
         fma_group(R, T, lo, hi, x, ldx, b, acc);
     }
     tile_store(R, T, acc, y, ldy);
 }
 
-#define kern_reg_q6k_wt(WT, R, T, w, ws, x, ldx, nb, y, ldy)                                       \
-    kern_reg_q6k(R, T, w, ws, x, ldx, nb, y, ldy)
+/* A row of the q5 and K types dequantized for the tiled path by the
+ * register kernels' own group code (so both paths give the same values):
+ * a row's super-block scales first, then its groups. */
+static void deq_row_5k(td_dtype wt, const char *row, int64_t k, float *dst) {
+    if (wt == TD_TYPE_Q5_0 || wt == TD_TYPE_Q5_1) {
+        const size_t BB = td_dtype_block_bytes(wt);
+        for (int64_t b = 0; b < k / 32; b++) {
+            __m512 lo, hi;
+            if (wt == TD_TYPE_Q5_0)
+                q5_block(TD_TYPE_Q5_0, row + (size_t)b * BB, &lo, &hi);
+            else
+                q5_block(TD_TYPE_Q5_1, row + (size_t)b * BB, &lo, &hi);
+            _mm512_storeu_ps(dst + b * 32, lo);
+            _mm512_storeu_ps(dst + b * 32 + 16, hi);
+        }
+        return;
+    }
+    const size_t BB = td_dtype_block_bytes(wt);
+    for (int64_t sb = 0; sb < k / 256; sb++) {
+        const char *bl = row + (size_t)sb * BB;
+        float *d = dst + sb * 256;
+        _Alignas(64) float sc[16];
+        if (wt == TD_TYPE_Q6_K) {
+            k_scales(TD_TYPE_Q6_K, bl, sc);
+            for (int g = 0; g < 8; g++) {
+                __m512 lo, hi;
+                q6k_group(bl, sc, g / 4, g % 4, &lo, &hi);
+                _mm512_storeu_ps(d + 32 * g, lo);
+                _mm512_storeu_ps(d + 32 * g + 16, hi);
+            }
+            continue;
+        }
+        if (wt == TD_TYPE_Q4_K)
+            k_scales(TD_TYPE_Q4_K, bl, sc);
+        else
+            k_scales(TD_TYPE_Q5_K, bl, sc);
+        for (int c = 0; c < 4; c++) {
+            __m512 lo[2], hi[2];
+            if (wt == TD_TYPE_Q4_K)
+                k45_chunk(TD_TYPE_Q4_K, bl, sc, c, lo, hi);
+            else
+                k45_chunk(TD_TYPE_Q5_K, bl, sc, c, lo, hi);
+            for (int h = 0; h < 2; h++) {
+                _mm512_storeu_ps(d + 64 * c + 32 * h, lo[h]);
+                _mm512_storeu_ps(d + 64 * c + 32 * h + 16, hi[h]);
+            }
+        }
+    }
+}
 
 /* Tiled path: R rows of dequantized weights wf (row stride k) x T tokens. */
 AI void kern_buf(const int R, const int T, const float *wf, const float *x, size_t ldx, int64_t k,
@@ -574,9 +518,8 @@ AI void kern_buf(const int R, const int T, const float *wf, const float *x, size
 #define FLOAT_CASES(WT) REG_ROW(kern_reg, WT, 1)
 #define ROWS4_CASES(KERN, WT)                                                                      \
     REG_ROW(KERN, WT, 1) REG_ROW(KERN, WT, 2) REG_ROW(KERN, WT, 3) REG_ROW(KERN, WT, 4)
-#define Q5_CASES(WT)  ROWS4_CASES(kern_reg_q5, WT)
-#define K45_CASES(WT) ROWS4_CASES(kern_reg_k45, WT)
-#define Q6K_CASES(WT) ROWS4_CASES(kern_reg_q6k_wt, WT)
+#define Q5_CASES(WT) ROWS4_CASES(kern_reg_q5, WT)
+#define K_CASES(WT)  ROWS4_CASES(kern_reg_k, WT)
 #define QUANT_CASES(WT)                                                                            \
     REG_ROW(kern_reg_q, WT, 1)                                                                     \
     REG_ROW(kern_reg_q, WT, 2) REG_ROW(kern_reg_q, WT, 3) REG_ROW(kern_reg_q, WT, 4)
@@ -585,9 +528,9 @@ DEF_REG(reg_q41, TD_TYPE_Q4_1, QUANT_CASES)
 DEF_REG(reg_q80, TD_TYPE_Q8_0, QUANT_CASES)
 DEF_REG(reg_q50, TD_TYPE_Q5_0, Q5_CASES)
 DEF_REG(reg_q51, TD_TYPE_Q5_1, Q5_CASES)
-DEF_REG(reg_q4k, TD_TYPE_Q4_K, K45_CASES)
-DEF_REG(reg_q5k, TD_TYPE_Q5_K, K45_CASES)
-DEF_REG(reg_q6k, TD_TYPE_Q6_K, Q6K_CASES)
+DEF_REG(reg_q4k, TD_TYPE_Q4_K, K_CASES)
+DEF_REG(reg_q5k, TD_TYPE_Q5_K, K_CASES)
+DEF_REG(reg_q6k, TD_TYPE_Q6_K, K_CASES)
 DEF_REG(reg_f32, TD_TYPE_F32, FLOAT_CASES)
 DEF_REG(reg_f16, TD_TYPE_F16, FLOAT_CASES)
 DEF_REG(reg_bf16, TD_TYPE_BF16, FLOAT_CASES)
@@ -621,11 +564,14 @@ static void deq_rows_any(td_dtype wt, const char *w, size_t ws, int R, int64_t k
     case TD_TYPE_Q4_0: deq_rows(TD_TYPE_Q4_0, w, ws, R, k, wf); return;
     case TD_TYPE_Q4_1: deq_rows(TD_TYPE_Q4_1, w, ws, R, k, wf); return;
     case TD_TYPE_Q8_0: deq_rows(TD_TYPE_Q8_0, w, ws, R, k, wf); return;
-    case TD_TYPE_Q5_0: deq_rows(TD_TYPE_Q5_0, w, ws, R, k, wf); return;
-    case TD_TYPE_Q5_1: deq_rows(TD_TYPE_Q5_1, w, ws, R, k, wf); return;
-    case TD_TYPE_Q4_K: deq_rows(TD_TYPE_Q4_K, w, ws, R, k, wf); return;
-    case TD_TYPE_Q5_K: deq_rows(TD_TYPE_Q5_K, w, ws, R, k, wf); return;
-    case TD_TYPE_Q6_K: deq_rows(TD_TYPE_Q6_K, w, ws, R, k, wf); return;
+    case TD_TYPE_Q5_0:
+    case TD_TYPE_Q5_1:
+    case TD_TYPE_Q4_K:
+    case TD_TYPE_Q5_K:
+    case TD_TYPE_Q6_K:
+        for (int r = 0; r < R; r++)
+            deq_row_5k(wt, w + (size_t)r * ws, k, wf + (size_t)r * (size_t)k);
+        return;
     case TD_TYPE_F32: deq_rows(TD_TYPE_F32, w, ws, R, k, wf); return;
     case TD_TYPE_F16: deq_rows(TD_TYPE_F16, w, ws, R, k, wf); return;
     case TD_TYPE_BF16: deq_rows(TD_TYPE_BF16, w, ws, R, k, wf); return;
