@@ -28,6 +28,13 @@ AI float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The fp16 at p (any alignment), by F16C: exact, as td_cpu_h2f. */
+AI float h2f(const char *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
 AI int is_hibit(const td_dtype WT) {
     return WT == TD_TYPE_Q5_0 || WT == TD_TYPE_Q5_1 || WT == TD_TYPE_Q4_K || WT == TD_TYPE_Q5_K ||
            WT == TD_TYPE_Q6_K;
@@ -53,18 +60,18 @@ AI void block_dm(const td_dtype WT, const char *row, int64_t b, __m256 *d, __m25
         *m = _mm256_set1_ps(_cvtsh_ss(bl->m));
     } else if (WT == TD_TYPE_Q5_0 || WT == TD_TYPE_Q5_1) {
         const char *bl = group_block(WT, row, b);
-        *d = _mm256_set1_ps(td_cpu_h2f_at(bl));
-        if (WT == TD_TYPE_Q5_1) *m = _mm256_set1_ps(td_cpu_h2f_at(bl + 2));
+        *d = _mm256_set1_ps(h2f(bl));
+        if (WT == TD_TYPE_Q5_1) *m = _mm256_set1_ps(h2f(bl + 2));
     } else if (WT == TD_TYPE_Q4_K || WT == TD_TYPE_Q5_K) {
         const char *bl = group_block(WT, row, b);
         int sc, mn;
         td_k_scale_min((const uint8_t *)bl + 4, (int)(b % 8), &sc, &mn);
-        *d = _mm256_set1_ps(td_cpu_h2f_at(bl) * (float)sc);
-        *m = _mm256_set1_ps(-(td_cpu_h2f_at(bl + 2) * (float)mn));
+        *d = _mm256_set1_ps(h2f(bl) * (float)sc);
+        *m = _mm256_set1_ps(-(h2f(bl + 2) * (float)mn));
     } else { /* Q6_K */
         const char *bl = group_block(WT, row, b);
         const int8_t *sc = (const int8_t *)bl + 192 + 8 * ((int)(b % 8) / 4) + 2 * (int)(b % 4);
-        const float d0 = td_cpu_h2f_at(bl + 208);
+        const float d0 = h2f(bl + 208);
         *d = _mm256_set1_ps(d0 * (float)sc[0]);
         *m = _mm256_set1_ps(d0 * (float)sc[1]);
     }

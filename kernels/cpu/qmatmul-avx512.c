@@ -327,9 +327,9 @@ AI void q6k_group(const char *bl, const float *sc, const int half, const int g, 
 /* The q5_0/q5_1 block bl: q5_0 d*(q - 16) (q - 16 made as the nibble OR
  * ~15 plus the fifth bit's 16, then one exact product: d*q + (-16 d) would
  * give +0 where the definition gives -0), q5_1 d*q + m (one rounding). */
-AI void q5_block(const td_dtype WT, const char *bl, __m512 *lo, __m512 *hi) {
+AI void q5_block_dm(const td_dtype WT, const char *bl, __m512 dv, __m512 m, __m512 *lo,
+                    __m512 *hi) {
     const int Q51 = WT == TD_TYPE_Q5_1;
-    const __m512 dv = _mm512_set1_ps(h2f(bl));
     uint32_t qh;
     memcpy(&qh, bl + 2 + 2 * Q51, 4);
     const __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bl + 6 + 2 * Q51)));
@@ -342,13 +342,18 @@ AI void q5_block(const td_dtype WT, const char *bl, __m512 *lo, __m512 *hi) {
     q0 = _mm512_mask_add_epi32(q0, (__mmask16)qh, q0, sixteen);
     q1 = _mm512_mask_add_epi32(q1, (__mmask16)(qh >> 16), q1, sixteen);
     if (Q51) {
-        const __m512 m = _mm512_set1_ps(h2f(bl + 2));
         *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), dv, m);
         *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), dv, m);
     } else {
         *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), dv);
         *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), dv);
     }
+}
+
+/* The same with the block's own d (and m). */
+AI void q5_block(const td_dtype WT, const char *bl, __m512 *lo, __m512 *hi) {
+    const __m512 dv = _mm512_set1_ps(h2f(bl));
+    q5_block_dm(WT, bl, dv, WT == TD_TYPE_Q5_1 ? _mm512_set1_ps(h2f(bl + 2)) : dv, lo, hi);
 }
 
 /* The register kernel of the K types: R rows side by side, a super-block
@@ -408,24 +413,55 @@ AI void kern_reg_k(const td_dtype WT, const int R, const int T, const char *w, s
     tile_store(R, T, acc, y, ldy);
 }
 
-/* The register kernel of q5_0 and q5_1. */
+/* The scales (and q5_1's mins) of blocks b0 .. b0 + 15 of a q5 row,
+ * widened by one gather (d and m are adjacent: one 32-bit lane a block)
+ * and one conversion, as kern_reg_q does for q4_0/q4_1. */
+AI void q5_scales(const td_dtype WT, const char *row, int64_t b0, int64_t nb, float *d, float *m) {
+    const size_t BB = td_dtype_block_bytes(WT);
+    const int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
+    const __m512i gi =
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32((int)BB));
+    const __m512i g = _mm512_mask_i32gather_epi32(
+        _mm512_setzero_si512(), (__mmask16)((1u << n) - 1), gi, row + (size_t)b0 * BB, 1);
+    _mm512_store_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
+    if (WT == TD_TYPE_Q5_1)
+        _mm512_store_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))));
+}
+
+/* The register kernel of q5_0 and q5_1: 16 blocks' scales at a time, made
+ * 16 blocks ahead (as kern_reg_k's), each block's taken by broadcast. */
 AI void kern_reg_q5(const td_dtype WT, const int R, const int T, const char *w, size_t ws,
                     const float *x, size_t ldx, int64_t nb, float *y, size_t ldy) {
     const size_t BB = td_dtype_block_bytes(WT);
+    const int Q51 = WT == TD_TYPE_Q5_1;
     __m512 acc[RR][TBUF];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m512 lo[RR], hi[RR];
+    _Alignas(64) float dd[2][RR][16], mm[2][RR][16];
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            const char *bl = w + (size_t)r * ws + (size_t)b * BB;
-            _mm_prefetch(bl + PF_DIST, _MM_HINT_T0);
-            q5_block(WT, bl, &lo[r], &hi[r]);
+    for (int r = 0; r < R; r++) q5_scales(WT, w + (size_t)r * ws, 0, nb, dd[0][r], mm[0][r]);
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        const int cur = (int)(b0 / 16) & 1;
+        if (b0 + 16 < nb)
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++)
+                q5_scales(WT, w + (size_t)r * ws, b0 + 16, nb, dd[cur ^ 1][r], mm[cur ^ 1][r]);
+        const int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
+        for (int i = 0; i < n; i++) {
+            const int64_t b = b0 + i;
+            __m512 lo[RR], hi[RR];
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const char *bl = w + (size_t)r * ws + (size_t)b * BB;
+                _mm_prefetch(bl + PF_DIST, _MM_HINT_T0);
+                const __m512 dv = _mm512_set1_ps(dd[cur][r][i]);
+                q5_block_dm(WT, bl, dv, Q51 ? _mm512_set1_ps(mm[cur][r][i]) : dv, &lo[r], &hi[r]);
+            }
+            fma_group(R, T, lo, hi, x, ldx, b, acc);
         }
-        fma_group(R, T, lo, hi, x, ldx, b, acc);
     }
     tile_store(R, T, acc, y, ldy);
 }

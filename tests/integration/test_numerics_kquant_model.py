@@ -120,3 +120,14 @@ def test_bench_engine_counts_mixed_weight_bytes(tandem):
     d = json.loads(out.stdout)
     d = d[0] if isinstance(d, list) else d
     assert d["weight_bytes_per_token"] == want, (d["weight_bytes_per_token"], want)
+
+
+def test_mmap_equals_the_weight_copy(tandem_eval):
+    """--mmap (the matmuls read the file mapping) against the default
+    private weight copy: the same bits on a mixed K-quant file, whose Q6_K
+    and Q5_0 rows are not 4-byte aligned."""
+    path = model_path()
+    seq = list(range(1000, 1040))
+    (a,) = tandem_eval(str(path), [seq], timeout=300)
+    (b,) = tandem_eval(str(path), [seq], timeout=300, extra=("--mmap",))
+    assert np.array_equal(a, b)

@@ -50,7 +50,7 @@ The output head is scaled (output_scale) so that logits are peaked: at random
 positions the top-1/top-2 logit margin is typically > 1.
 
 Mixture-of-experts models (MOE_VARIANTS) go to DIR/gguf/<variant>-<wtype>.gguf
-(F32 and Q8_0) and DIR/hf/<variant>-f32/, listed under "moe_models" (not
+(F32, Q8_0 and Q5_0) and DIR/hf/<variant>-f32/, listed under "moe_models" (not
 "models", whose consumers expect dense FFN tensors):
   * mixtral: GGUF arch "llama" with llama.expert_count / expert_used_count,
     router blk.N.ffn_gate_inp.weight (n_expert, n_embd), experts as merged 3-D
@@ -102,7 +102,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import quants_k  # noqa: E402
 
-VERSION = "tandem-test-models-v9"
+VERSION = "tandem-test-models-v10"
 
 N_VOCAB = 512
 N_CTX = 256
@@ -168,7 +168,7 @@ MOE_VARIANTS = {
                      tied=False, rope_scaling=None, n_expert=8, n_used=2, n_ff_shexp=256,
                      norm_topk=False, dense_ff=128),
 }
-MOE_GGUF_WTYPES = ["F32", "Q8_0"]
+MOE_GGUF_WTYPES = ["F32", "Q8_0", "Q5_0"]  # Q5_0: a new type through the expert path
 MOE_HF_DTYPES = ["F32"]
 PER_EXPERT_GGUF = ("mixtral", "Q8_0")  # the one GGUF file with per-expert tensors
 ROUTER_SCALE = 3.0
