@@ -7,8 +7,8 @@ ships it, /usr/share/common-licenses/GPL-3), tokenized independently of
 both engines with the PyPI `tokenizers` package from the GGUF's vocabulary
 and merges. llama.cpp's logits come from tests/reference/llama_logits.c,
 built here against the libllama of a llama.cpp build
-($LLAMA_CPP_DIR, default ~/.cache/tandem-peer/llama.cpp, as the team's
-build-llama-cpp.sh leaves it: src/include, src/ggml/include, build/bin);
+($LLAMA_CPP_DIR, default ~/.cache/tandem-peer/llama.cpp: the source tree
+in src/ and a CMake build of it in build/, whose bin/ holds libllama.so);
 Tandem's from `tandem eval --kv-dtype f32`.
 
 Bars: mean KL(llama.cpp || Tandem) <= 0.02 nats over the full vocabulary
