@@ -9,12 +9,15 @@
  *     quantized rows four at a time (kern_reg_q: one row alone waits on its
  *     accumulator's FMA latency; with the per-block scale conversion moved
  *     out of the loop, four rows decode 1.4x faster than one on the Intel
- *     host), float rows one at a time;
+ *     host; the q5 and K types: kern_reg_q5, kern_reg_k), float rows one
+ *     at a time;
  *   - tiled path (prefill): a tile of weight rows is dequantized once per
- *     token chunk into a thread-local f32 scratch, and a rows x tokens FMA
- *     micro-kernel runs over it.
- * Dequantization is exact up to the single rounding of d*q + m, the same in
- * both paths, so the choice of path (made from n) never changes a value. */
+ *     token chunk into a thread-local f32 scratch (the q5 and K types with
+ *     the register kernels' own group code, deq_row_5k), and a rows x
+ *     tokens FMA micro-kernel runs over it.
+ * Dequantization is exact up to the single rounding of d*q + m (or d*sc*q
+ * - dmin*m), the same in both paths, so the choice of path (made from n)
+ * never changes a value. */
 #include <immintrin.h>
 
 #include "avx512-impl.h"
