@@ -30,7 +30,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from test_numerics_kquant_model import _tokenizer, model_path
+from reference_util import gguf_bpe_tokenizer, kquant_model_path as model_path
 
 LLAMA = pathlib.Path(os.environ.get("LLAMA_CPP_DIR",
                                     os.path.expanduser("~/.cache/tandem-peer/llama.cpp")))
@@ -61,7 +61,7 @@ def test_qwen_q4_k_m_agrees_with_llama_cpp(tandem_eval, tmp_path):
     path = model_path()
     exe = build_dump_tool(tmp_path)
     text = TEXT.read_text()[:4000]
-    tk = _tokenizer(path)
+    tk = gguf_bpe_tokenizer(path)
     ids = tk.encode(text).ids
     assert len(ids) >= MIN_TOKENS, len(ids)
     ids = ids[:600]

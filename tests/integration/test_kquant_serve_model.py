@@ -5,23 +5,10 @@ answers contain Paris. Its own template mentions tools, which the built-in
 template families refuse until the chat-template work lands, so both run
 with --chat-template chatml (docs/MODELS.md)."""
 
-import os
-import pathlib
-
-import pytest
-
+from reference_util import kquant_model_path as model_path
 from serve_util import serve  # noqa: F401 (fixture)
 
-MODEL = "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf"
 QUESTION = "What is the capital of France? Answer in one word."
-
-
-def model_path():
-    d = os.environ.get("TANDEM_MODEL_DIR") or os.path.expanduser("~/.cache/tandem/models")
-    p = pathlib.Path(d) / MODEL
-    if not p.exists():
-        pytest.skip(f"{p} is missing: scripts/fetch-test-models.sh fetches it")
-    return p
 
 
 def test_serve_answers_paris(serve):  # noqa: F811

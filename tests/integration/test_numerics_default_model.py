@@ -44,6 +44,7 @@ sys.path.insert(0, str(HERE.parent / "reference"))
 sys.path.insert(0, str(HERE))
 
 import reference as R  # noqa: E402
+from reference_util import check_logits, gguf_bpe_tokenizer  # noqa: E402
 
 PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
           "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?"
@@ -54,23 +55,9 @@ KV_TOL, KV_MEAN_TOL = 1e-3, 4e-4  # f16 cache: see the docstring
 MIN_CHECKED = 40  # of the 44 positions, 43 clear delta with the reference
 
 
-def _tokenizer(path):
-    import gguf
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    r = gguf.GGUFReader(str(path))
-    toks = r.fields["tokenizer.ggml.tokens"].contents()
-    merges = [tuple(m.split(" ", 1)) for m in r.fields["tokenizer.ggml.merges"].contents()]
-    tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(toks)}, merges=merges))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens([t for t in toks if t.startswith("<|") and t.endswith("|>")])
-    return tk
-
-
 @pytest.mark.parametrize("kv", ["f32", "f16"])
 def test_default_model_matches_reference(default_model, tandem_eval, kv):
-    tk = _tokenizer(default_model)
+    tk = gguf_bpe_tokenizer(default_model)
     prompt = tk.encode(PROMPT).ids
     answer = tk.encode(ANSWER).ids
     assert tk.decode(answer) == ANSWER
@@ -84,20 +71,5 @@ def test_default_model_matches_reference(default_model, tandem_eval, kv):
 
     (a,) = tandem_eval(str(default_model), [seq], timeout=300, extra=("--kv-dtype", kv))
     assert a.shape == (len(seq), m.config["n_vocab"])
-    rel = np.abs(a - b).max(axis=1) / np.abs(b).max(axis=1)
-    msg = (f"KV {kv}: max rel {rel.max():.3g} at position {int(rel.argmax())}, "
-           f"mean {rel.mean():.3g}")
-    print(msg)
     tol, mean_tol = (TOL, MEAN_TOL) if kv == "f32" else (KV_TOL, KV_MEAN_TOL)
-    assert rel.max() <= tol, msg
-    assert rel.mean() <= mean_tol, msg
-    bad, checked = [], 0
-    for t in range(len(seq)):
-        srt = np.sort(b[t])
-        if srt[-1] - srt[-2] <= DELTA * np.abs(b[t]).max():
-            continue
-        checked += 1
-        if np.argmax(a[t]) != np.argmax(b[t]):
-            bad.append((t, int(np.argmax(a[t])), int(np.argmax(b[t]))))
-    assert not bad, f"argmax disagreements (t, engine, ref): {bad}"
-    assert checked >= MIN_CHECKED, f"only {checked} positions clear delta"
+    check_logits(a, b, f"KV {kv}", tol, mean_tol, DELTA, MIN_CHECKED)

@@ -22,20 +22,19 @@ Checks, as test_numerics_default_model.py does for the default model:
     positions.
 """
 
-import os
 import pathlib
 import sys
 
 import numpy as np
-import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "reference"))
 sys.path.insert(0, str(HERE))
 
 import reference as R  # noqa: E402
+from reference_util import (check_logits, gguf_bpe_tokenizer,  # noqa: E402
+                            kquant_model_path as model_path)
 
-MODEL = "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf"
 PROMPT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
           "Why do leaves change colour in autumn? Answer in a few sentences.<|im_end|>\n"
           "<|im_start|>assistant\n")
@@ -47,31 +46,9 @@ TOL, MEAN_TOL, DELTA = 1e-4, 1e-4, 2e-3
 MIN_POSITIONS, MIN_CHECKED = 64, 48
 
 
-def model_path():
-    d = os.environ.get("TANDEM_MODEL_DIR") or os.path.expanduser("~/.cache/tandem/models")
-    p = pathlib.Path(d) / MODEL
-    if not p.exists():
-        pytest.skip(f"{p} is missing: scripts/fetch-test-models.sh fetches it")
-    return p
-
-
-def _tokenizer(path):
-    import gguf
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    r = gguf.GGUFReader(str(path))
-    toks = r.fields["tokenizer.ggml.tokens"].contents()
-    merges = [tuple(m.split(" ", 1)) for m in r.fields["tokenizer.ggml.merges"].contents()]
-    tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(toks)}, merges=merges))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    return tk
-
-
 def test_qwen_q4_k_m_matches_reference(tandem_eval):
     path = model_path()
-    tk = _tokenizer(path)
+    tk = gguf_bpe_tokenizer(path)
     seq = tk.encode(PROMPT + ANSWER).ids
     assert tk.decode(seq, skip_special_tokens=False) == PROMPT + ANSWER
     assert len(seq) >= MIN_POSITIONS
@@ -79,22 +56,7 @@ def test_qwen_q4_k_m_matches_reference(tandem_eval):
     b = R.forward(m, seq, kv_dtype="f32")
     (a,) = tandem_eval(str(path), [seq], timeout=600, extra=("--kv-dtype", "f32"))
     assert a.shape == (len(seq), m.config["n_vocab"])
-    rel = np.abs(a - b).max(axis=1) / np.abs(b).max(axis=1)
-    msg = (f"{len(seq)} positions: max rel {rel.max():.3g} at position {int(rel.argmax())}, "
-           f"mean {rel.mean():.3g}")
-    print(msg)
-    assert rel.max() <= TOL, msg
-    assert rel.mean() <= MEAN_TOL, msg
-    bad, checked = [], 0
-    for t in range(len(seq)):
-        srt = np.sort(b[t])
-        if srt[-1] - srt[-2] <= DELTA * np.abs(b[t]).max():
-            continue
-        checked += 1
-        if np.argmax(a[t]) != np.argmax(b[t]):
-            bad.append((t, int(np.argmax(a[t])), int(np.argmax(b[t]))))
-    assert not bad, f"argmax disagreements (t, engine, ref): {bad}"
-    assert checked >= MIN_CHECKED, f"only {checked} positions clear delta"
+    check_logits(a, b, f"{len(seq)} positions", TOL, MEAN_TOL, DELTA, MIN_CHECKED)
 
 
 def test_bench_engine_counts_mixed_weight_bytes(tandem):
