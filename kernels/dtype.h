@@ -127,11 +127,10 @@ static inline int td_dtype_is_quant(td_dtype t) {
            t == TD_TYPE_Q8_0 || t == TD_TYPE_Q4_K || t == TD_TYPE_Q5_K || t == TD_TYPE_Q6_K;
 }
 
-/* The quantized types the int8-activation kernels (--act-int8) take: one
- * fp16 scale per 32 elements. The others run on f32 activations. */
-static inline int td_dtype_has_int8_kernels(td_dtype t) {
-    return t == TD_TYPE_Q4_0 || t == TD_TYPE_Q4_1 || t == TD_TYPE_Q8_0;
-}
+/* The quantized types the int8-activation kernels (--act-int8) take: all
+ * of them (activations in 32-element blocks, td_cpu_act_quant). The
+ * unquantized types run on f32 activations. */
+static inline int td_dtype_has_int8_kernels(td_dtype t) { return td_dtype_is_quant(t); }
 
 /* Elements per block (1 for unquantized types), 0 for unsupported ids. */
 static inline int td_dtype_block_elems(td_dtype t) {

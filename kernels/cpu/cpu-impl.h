@@ -94,6 +94,22 @@ static inline void td_k_scale_min(const uint8_t *scales, int j, int *sc_p, int *
  * these bits. Defined in cpu.c. */
 void td_cpu_deq_group(td_dtype t, const void *row, int64_t b, float out[32]);
 
+/* Group b (elements 32b .. 32b + 31) of a quantized row as the int8 kernels
+ * (--act-int8) take it: unsigned q[32] in element order and
+ *   w_j = d[j / 16] * (q_j - off) + m
+ * (d[0] == d[1] except for q6_K, whose scales cover 16 elements; m is 0
+ * except for the types with a min: q4_1, q5_1, q4_K, q5_K). d and m are one
+ * f32 product of the block's fp16 scale and its integer sub-block scale,
+ * exact. Defined in cpu.c; the scalar and AVX2 kernels use it, the AVX-512
+ * ones unpack the same values with vectors. */
+typedef struct {
+    uint8_t q[32];
+    float d[2];
+    float m;
+    int off;
+} td_q8w_group;
+void td_cpu_q8w_group(td_dtype t, const void *row, int64_t b, td_q8w_group *g);
+
 static inline float td_cpu_bf2f(td_bf16 h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;

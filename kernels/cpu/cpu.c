@@ -109,23 +109,20 @@ td_bf16 td_f32_to_bf16(float f) {
 
 /* ---- rows ---- */
 
-void td_cpu_deq_group(td_dtype t, const void *row, int64_t b, float out[32]) {
+void td_cpu_q8w_group(td_dtype t, const void *row, int64_t b, td_q8w_group *g) {
+    g->m = 0.0f;
     switch (t) {
-    case TD_TYPE_Q4_0: {
-        const td_block_q4_0 *bl = (const td_block_q4_0 *)row + b;
-        float d = td_cpu_h2f_at(&bl->d);
-        for (int j = 0; j < 16; j++) {
-            out[j] = d * (float)((bl->qs[j] & 15) - 8);
-            out[j + 16] = d * (float)((bl->qs[j] >> 4) - 8);
-        }
-        return;
-    }
+    case TD_TYPE_Q4_0:
     case TD_TYPE_Q4_1: {
-        const td_block_q4_1 *bl = (const td_block_q4_1 *)row + b;
-        float d = td_cpu_h2f_at(&bl->d), m = td_cpu_h2f_at(&bl->m);
+        const uint8_t *bl = (const uint8_t *)row + (size_t)b * td_dtype_block_bytes(t);
+        const int q41 = t == TD_TYPE_Q4_1;
+        const uint8_t *qs = bl + 2 + 2 * q41;
+        g->d[0] = g->d[1] = td_cpu_h2f_at(bl);
+        if (q41) g->m = td_cpu_h2f_at(bl + 2);
+        g->off = q41 ? 0 : 8;
         for (int j = 0; j < 16; j++) {
-            out[j] = d * (float)(bl->qs[j] & 15) + m;
-            out[j + 16] = d * (float)(bl->qs[j] >> 4) + m;
+            g->q[j] = qs[j] & 15;
+            g->q[j + 16] = qs[j] >> 4;
         }
         return;
     }
@@ -133,27 +130,23 @@ void td_cpu_deq_group(td_dtype t, const void *row, int64_t b, float out[32]) {
     case TD_TYPE_Q5_1: {
         const uint8_t *bl = (const uint8_t *)row + (size_t)b * td_dtype_block_bytes(t);
         const int q51 = t == TD_TYPE_Q5_1;
-        float d = td_cpu_h2f_at(bl), m = q51 ? td_cpu_h2f_at(bl + 2) : 0.0f;
+        g->d[0] = g->d[1] = td_cpu_h2f_at(bl);
+        if (q51) g->m = td_cpu_h2f_at(bl + 2);
+        g->off = q51 ? 0 : 16;
         uint32_t qh;
         memcpy(&qh, bl + 2 + 2 * q51, 4);
         const uint8_t *qs = bl + 6 + 2 * q51;
         for (int j = 0; j < 16; j++) {
-            int q0 = (qs[j] & 15) | (int)((qh >> j) & 1) << 4;
-            int q1 = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
-            if (q51) {
-                out[j] = d * (float)q0 + m;
-                out[j + 16] = d * (float)q1 + m;
-            } else {
-                out[j] = d * (float)(q0 - 16);
-                out[j + 16] = d * (float)(q1 - 16);
-            }
+            g->q[j] = (uint8_t)((qs[j] & 15) | ((qh >> j) & 1) << 4);
+            g->q[j + 16] = (uint8_t)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
         }
         return;
     }
     case TD_TYPE_Q8_0: {
         const td_block_q8_0 *bl = (const td_block_q8_0 *)row + b;
-        float d = td_cpu_h2f_at(&bl->d);
-        for (int j = 0; j < 32; j++) out[j] = d * (float)bl->qs[j];
+        g->d[0] = g->d[1] = td_cpu_h2f_at(&bl->d);
+        g->off = 128;
+        for (int j = 0; j < 32; j++) g->q[j] = (uint8_t)(bl->qs[j] + 128);
         return;
     }
     case TD_TYPE_Q4_K:
@@ -162,30 +155,47 @@ void td_cpu_deq_group(td_dtype t, const void *row, int64_t b, float out[32]) {
         const uint8_t *bl = (const uint8_t *)row + (size_t)(b / 8) * td_dtype_block_bytes(t);
         int sc, mn;
         td_k_scale_min(bl + 4, sub, &sc, &mn);
-        const float ds = td_cpu_h2f_at(bl) * (float)sc, dm = td_cpu_h2f_at(bl + 2) * (float)mn;
+        g->d[0] = g->d[1] = td_cpu_h2f_at(bl) * (float)sc;
+        g->m = -(td_cpu_h2f_at(bl + 2) * (float)mn);
+        g->off = 0;
         const int q5 = t == TD_TYPE_Q5_K;
         const uint8_t *qh = bl + 16;
         const uint8_t *qs = bl + 16 + (q5 ? 32 : 0) + (sub / 2) * 32;
-        for (int l = 0; l < 32; l++) {
-            int q = (sub & 1 ? qs[l] >> 4 : qs[l] & 15) | (q5 ? ((qh[l] >> sub) & 1) << 4 : 0);
-            out[l] = ds * (float)q - dm;
-        }
+        for (int l = 0; l < 32; l++)
+            g->q[l] = (uint8_t)((sub & 1 ? qs[l] >> 4 : qs[l] & 15) |
+                                (q5 ? ((qh[l] >> sub) & 1) << 4 : 0));
         return;
     }
     case TD_TYPE_Q6_K: {
-        const int half = (int)(b % 8) / 4, g = (int)(b % 4);
+        const int half = (int)(b % 8) / 4, gi = (int)(b % 4);
         const td_block_q6_K *bl =
             (const td_block_q6_K *)((const uint8_t *)row + (size_t)(b / 8) * sizeof *bl);
         const float d = td_cpu_h2f_at(&bl->d);
-        const uint8_t *ql = bl->ql + 64 * half + 32 * (g & 1), *qh = bl->qh + 32 * half;
-        const int8_t *sc = bl->scales + 8 * half + 2 * g;
-        for (int l = 0; l < 32; l++) {
-            int q = ((g < 2 ? ql[l] & 15 : ql[l] >> 4) | ((qh[l] >> (2 * g)) & 3) << 4) - 32;
-            out[l] = d * (float)sc[l / 16] * (float)q;
-        }
+        const uint8_t *ql = bl->ql + 64 * half + 32 * (gi & 1), *qh = bl->qh + 32 * half;
+        const int8_t *sc = bl->scales + 8 * half + 2 * gi;
+        g->d[0] = d * (float)sc[0];
+        g->d[1] = d * (float)sc[1];
+        g->off = 32;
+        for (int l = 0; l < 32; l++)
+            g->q[l] =
+                (uint8_t)((gi < 2 ? ql[l] & 15 : ql[l] >> 4) | ((qh[l] >> (2 * gi)) & 3) << 4);
         return;
     }
     default: TD_KERNEL_UNREACHABLE_TYPE(t);
+    }
+}
+
+/* The definition's value of each element: d * (q - off), plus m for the
+ * types with a min (adding a zero m would turn a -0 into +0). d, m are
+ * exact, so each element is the one rounding of d * (q - off) [+ m]. */
+void td_cpu_deq_group(td_dtype t, const void *row, int64_t b, float out[32]) {
+    td_q8w_group g;
+    td_cpu_q8w_group(t, row, b, &g);
+    const int has_min =
+        t == TD_TYPE_Q4_1 || t == TD_TYPE_Q5_1 || t == TD_TYPE_Q4_K || t == TD_TYPE_Q5_K;
+    for (int j = 0; j < 32; j++) {
+        float v = g.d[j / 16] * (float)(g.q[j] - g.off);
+        out[j] = has_min ? v + g.m : v;
     }
 }
 

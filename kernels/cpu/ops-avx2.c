@@ -480,6 +480,56 @@ static void matmul_s4_avx2(td_dtype wt, const void *w, size_t w_stride, const vo
     }
 }
 
+/* The q5 and K types (--act-int8): each weight row is unpacked once per
+ * call (td_cpu_q8w_group: q - off as int8, the per-16 scales) and dotted
+ * with every token; one accumulator per (row, token) pair in k order and a
+ * fixed reduction, so batching and row splits never change a result. Not
+ * tuned: the unpack is scalar. */
+typedef struct {
+    int8_t q[32];
+    __m256 d; /* d[0] in lanes 0-3 (elements 0-15), d[1] in 4-7 */
+    float m;
+} q8w_avx2;
+
+static void matmul_q8w_avx2(td_dtype wt, const void *w, size_t w_stride, const void *xq,
+                            size_t xq_stride, int n, int64_t k, float *y, size_t ldy, int r0,
+                            int r1) {
+    const int64_t nb = k / 32;
+    if (nb == 0) return;
+    q8w_avx2 *g = aligned_alloc(32, sizeof(q8w_avx2) * (size_t)nb);
+    if (!g) abort(); /* a few KiB per row of k */
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = r0; r < r1; r++) {
+        const char *wr = (const char *)w + (size_t)r * w_stride;
+        for (int64_t b = 0; b < nb; b++) {
+            td_q8w_group u;
+            td_cpu_q8w_group(wt, wr, b, &u);
+            for (int j = 0; j < 32; j++) g[b].q[j] = (int8_t)(u.q[j] - u.off);
+            g[b].d = _mm256_setr_m128(_mm_set1_ps(u.d[0]), _mm_set1_ps(u.d[1]));
+            g[b].m = u.m;
+        }
+        for (int t = 0; t < n; t++) {
+            const char *row = (const char *)xq + (size_t)t * xq_stride;
+            const float *xd = td_q8x_d(row), *xs = td_q8x_s(row, nb);
+            const int8_t *xqs = td_q8x_qs(row, nb);
+            __m256 acc = _mm256_setzero_ps();
+            float accm = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                __m256i wv = _mm256_loadu_si256((const __m256i *)g[b].q);
+                __m256i xv = _mm256_loadu2_m128i((const __m128i *)(xqs + td_q8x_pos(b, 16)),
+                                                 (const __m128i *)(xqs + td_q8x_pos(b, 0)));
+                __m256i p16 =
+                    _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+                __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                acc = _mm256_fmadd_ps(f, _mm256_mul_ps(g[b].d, _mm256_set1_ps(xd[b])), acc);
+                accm += g[b].m * xs[b];
+            }
+            y[(size_t)t * ldy + r] = hsum256(acc) + accm;
+        }
+    }
+    free(g);
+}
+
 /* Tokens are taken in chunks whose activations stay in L2 while every row
  * tile of the range sweeps them. */
 void td_cpu_matmul_avx2(td_dtype wt, const void *w, size_t w_stride, const void *xq,
@@ -498,6 +548,13 @@ void td_cpu_matmul_avx2(td_dtype wt, const void *w, size_t w_stride, const void 
     case TD_TYPE_F32: tiles = &f32_tiles[0][0], R = FR, T = FT; break;
     case TD_TYPE_F16: tiles = &f16_tiles[0][0], R = FR, T = FT; break;
     case TD_TYPE_BF16: tiles = &bf16_tiles[0][0], R = FR, T = FT; break;
+    case TD_TYPE_Q5_0:
+    case TD_TYPE_Q5_1:
+    case TD_TYPE_Q4_K:
+    case TD_TYPE_Q5_K:
+    case TD_TYPE_Q6_K:
+        matmul_q8w_avx2(wt, w, w_stride, xq, xq_stride, n, k, y, ldy, r0, r1);
+        return;
     default: TD_KERNEL_UNREACHABLE_TYPE(wt);
     }
     size_t act_bytes = xq_stride ? xq_stride : 1;

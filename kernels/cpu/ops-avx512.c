@@ -1,12 +1,9 @@
 /* AVX-512 (F/BW/VL/DQ + VNNI) kernels.
  *
- * Quantized matmul: a step covers two 32-element blocks, i.e. one 64-byte
- * activation load. Weight nibbles are expanded to 64 unsigned bytes in
- * element order and multiplied with vpdpbusd; 16 int32 lanes come out, lanes
- * 0-7 for the first block and 8-15 for the second, and are scaled per lane.
- * Q4_0 (q - 8) and Q8_0 (w + 128, to make it unsigned) fold their offset in
- * the integer domain through the vpdpbusd accumulator seed, -8*sum(x) or
- * -128*sum(x), put in lane 0 / 8 of the block.
+ * Quantized matmul on int8 activations (--act-int8, every quantized type):
+ * a step covers four 32-element blocks, weights unpacked to unsigned bytes
+ * and multiplied with vpdpbusd, offsets folded in the accumulator seed (the
+ * section below says how each type goes).
  *
  * As in the AVX2 file, each (row, token) pair owns one accumulator that is
  * updated once per step in k order and reduced by one fixed horizontal sum,
@@ -62,9 +59,14 @@ AI __m512 exp512(__m512 x) {
  * nibbles, so with wa/wb the matching unsigned weight bytes
  *   p   = vpdpbusd(vpdpbusd(seed, wa, xa), wb, xb)   lanes 4i..4i+3: block b+i
  *   acc = fma(cvt(p), dw * dx, acc)                  dw, dx laid out alike
- * Q4_0 (q - 8) and Q8_0 (w + 128, to make it unsigned) fold their offset in
- * the integer seed (-8 or -128 times sum(q_x), in lane 4i). Q4_1 then adds,
- * per 16 blocks of a 1024-block chunk, acc = fma(m_w, d_x * sum(q_x), acc);
+ * Q4_0 (q - 8), Q5_0 (q - 16) and Q8_0 (w + 128, to make it unsigned) fold
+ * their offset in the integer seed (-8, -16 or -128 times sum(q_x), in lane
+ * 4i). The types with a min (Q4_1, Q5_1, Q4_K, Q5_K: d*q + m, a K block's
+ * d*sc and -dmin*m per 32-element sub-block) then add, per 16 blocks of a
+ * 1024-block chunk, acc = fma(m_w, d_x * sum(q_x), acc). Q6_K has a scale
+ * per 16 elements, so wa and wb get one each (dw, dw2) and a seed each
+ * (-32 times each lane's four q_x):
+ *   acc = fma(fma(cvt(pa), dw, cvt(pb) * dw2), dx, acc)
  * y = hsum(acc).
  * Blocks past nb have zero weights and zero scales. */
 
@@ -135,8 +137,125 @@ AI void load_w_step_full(const td_dtype WT, const char *wrow, int64_t b, __m512i
     *dw = _mm512_permutexvar_ps(IDX_STEP, _mm512_castps128_ps512(_mm_cvtph_ps(h)));
 }
 
+/* The q5 and K types' steps. q5_0/q5_1 as Q4_0/Q4_1 with the fifth bit
+ * added under a byte mask (n valid blocks). q4_K/q5_K: a step is half a
+ * super-block, sub-blocks 4s..4s+3, whose 64 bytes of qs hold sub-blocks
+ * 4s, 4s+2 in the low nibbles and 4s+1, 4s+3 in the high ones: a qword
+ * permute puts each sub-block's halves in place; dw = d*sc, m4 = -dmin*m.
+ * q6_K: a step is a half (128 elements): block i takes the low (i < 2) or
+ * high nibble of ql[32 (i & 1) ..] and bits 2i, 2i+1 of qh; elements 0-15
+ * of block i have scale 2i (dw), 16-31 scale 2i + 1 (dw2). Always full
+ * steps: a K row holds whole super-blocks. */
+#define K_PF_DIST 3072 /* bytes ahead in a q5 or K row, as the f32-activation kernels */
+AI void load_w_step_q5(const td_dtype WT, const char *wrow, int64_t b, int n, __m512i *wa,
+                       __m512i *wb, __m512 *dw, float *m4) {
+    const int q51 = WT == TD_TYPE_Q5_1;
+    const size_t bs = q51 ? sizeof(td_block_q5_1) : sizeof(td_block_q5_0);
+    const char *p0 = wrow + (size_t)b * bs;
+    _mm_prefetch(p0 + K_PF_DIST, _MM_HINT_T0); /* a step is 88 or 96 bytes */
+    _mm_prefetch(p0 + K_PF_DIST + 64, _MM_HINT_T0);
+    __m512i z = _mm512_setzero_si512();
+    uint64_t ka = 0, kb = 0;
+    float dv[4] = {0, 0, 0, 0};
+    for (int i = 0; i < 4; i++) {
+        if (i >= n) break;
+        const char *p = p0 + (size_t)i * bs;
+        z = _mm512_mask_broadcast_i32x4(z, (__mmask16)(0xf << (4 * i)),
+                                        _mm_loadu_si128((const __m128i *)(p + 6 + 2 * q51)));
+        uint32_t qh;
+        uint16_t h;
+        memcpy(&qh, p + 2 + 2 * q51, 4);
+        ka |= (uint64_t)(qh & 0xffff) << (16 * i);
+        kb |= (uint64_t)(qh >> 16) << (16 * i);
+        memcpy(&h, p, 2);
+        dv[i] = _cvtsh_ss(h);
+        if (q51) {
+            memcpy(&h, p + 2, 2);
+            m4[i] = _cvtsh_ss(h);
+        }
+    }
+    if (q51)
+        for (int i = n; i < 4; i++) m4[i] = 0.0f;
+    const __m512i nib = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
+    __m512i lo = _mm512_and_si512(z, nib), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), nib);
+    *wa = _mm512_mask_add_epi8(lo, (__mmask64)ka, lo, b4);
+    *wb = _mm512_mask_add_epi8(hi, (__mmask64)kb, hi, b4);
+    *dw = _mm512_permutexvar_ps(IDX_STEP, _mm512_castps128_ps512(_mm_loadu_ps(dv)));
+}
+
+AI void load_w_step_k(const td_dtype WT, const char *wrow, int64_t b, __m512i *wa, __m512i *wb,
+                      __m512 *dw, __m512 *dw2, float *m4) {
+    const int s = (int)(b % 8) / 4;
+    const size_t BB = td_dtype_block_bytes(WT);
+    const char *bl = wrow + (size_t)(b / 8) * BB;
+    if (s == 0) /* the hardware prefetcher alone leaves decode far from the bandwidth */
+        for (size_t o = 0; o < BB; o += 64) _mm_prefetch(bl + K_PF_DIST + o, _MM_HINT_T0);
+    if (WT == TD_TYPE_Q6_K) {
+        const __m512i L = _mm512_loadu_si512(bl + 64 * s);
+        const __m512i La = _mm512_shuffle_i64x2(L, L, _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512i Lb = _mm512_shuffle_i64x2(L, L, _MM_SHUFFLE(3, 1, 3, 1));
+        const __m512i nsh = _mm512_set_epi32(0x40004, 0x40004, 0x40004, 0x40004, 0x40004, 0x40004,
+                                             0x40004, 0x40004, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m512i hsh =
+            _mm512_set_epi32(0x60006, 0x60006, 0x60006, 0x60006, 0x40004, 0x40004, 0x40004, 0x40004,
+                             0x20002, 0x20002, 0x20002, 0x20002, 0, 0, 0, 0);
+        const __m512i nib = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3);
+        const char *qh = bl + 128 + 32 * s;
+        const __m512i Ha = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)qh));
+        const __m512i Hb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(qh + 16)));
+        __m512i ha = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(Ha, hsh), three), 4);
+        __m512i hb = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(Hb, hsh), three), 4);
+        *wa = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi16(La, nsh), nib), ha);
+        *wb = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi16(Lb, nsh), nib), hb);
+        const __m512 sc = td_avx512_k_scales_v(WT, bl); /* d*scales[i] */
+        const __m512i i2 =
+            _mm512_add_epi32(_mm512_slli_epi32(IDX_STEP, 1), _mm512_set1_epi32(8 * s));
+        *dw = _mm512_permutexvar_ps(i2, sc);
+        *dw2 = _mm512_permutexvar_ps(_mm512_add_epi32(i2, _mm512_set1_epi32(1)), sc);
+        return;
+    }
+    const int q5 = WT == TD_TYPE_Q5_K;
+    const __m512i v = _mm512_loadu_si512(bl + 16 + 32 * q5 + 64 * s);
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    const __m512i lo = _mm512_and_si512(v, nib),
+                  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    *wa = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi);
+    *wb = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15), hi);
+    if (q5) { /* bit 4s + i of qh[l] is the fifth bit of element l of block i */
+        const uint32_t c = 0x01010101u << (4 * s);
+        const int c0 = (int)c, c1 = (int)(c << 1), c2 = (int)(c << 2), c3 = (int)(c << 3);
+        const __m512i sel =
+            _mm512_set_epi32(c3, c3, c3, c3, c2, c2, c2, c2, c1, c1, c1, c1, c0, c0, c0, c0);
+        const __m512i b4 = _mm512_set1_epi8(0x10);
+        const __m512i Ha = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(bl + 16)));
+        const __m512i Hb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(bl + 32)));
+        *wa = _mm512_mask_add_epi8(*wa, _mm512_test_epi8_mask(Ha, sel), *wa, b4);
+        *wb = _mm512_mask_add_epi8(*wb, _mm512_test_epi8_mask(Hb, sel), *wb, b4);
+    }
+    /* d*sc_j, then -(dmin*m_j): kept in a register (a vector stored and
+     * read back narrower would stall on the store forwarding) */
+    const __m512 sc = td_avx512_k_scales_v(WT, bl);
+    const __m512i i4 = _mm512_add_epi32(IDX_STEP, _mm512_set1_epi32(4 * s));
+    _mm_storeu_ps(
+        m4,
+        _mm512_castps512_ps128(_mm512_permutexvar_ps(
+            _mm512_add_epi32(_mm512_setr_epi32(8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+                             _mm512_set1_epi32(4 * s)),
+            sc)));
+    *dw = _mm512_permutexvar_ps(i4, sc);
+}
+
 AI void load_w_step(const td_dtype WT, const char *wrow, int64_t b, int n, __m512i *wa, __m512i *wb,
-                    __m512 *dw, float *m4) {
+                    __m512 *dw, __m512 *dw2, float *m4) {
+    if (WT == TD_TYPE_Q5_0 || WT == TD_TYPE_Q5_1) {
+        load_w_step_q5(WT, wrow, b, n, wa, wb, dw, m4);
+        return;
+    }
+    if (WT == TD_TYPE_Q4_K || WT == TD_TYPE_Q5_K || WT == TD_TYPE_Q6_K) {
+        load_w_step_k(WT, wrow, b, wa, wb, dw, dw2, m4);
+        return;
+    }
+    (void)dw2;
     if (n == 4) {
         load_w_step_full(WT, wrow, b, wa, wb, dw, m4);
         return;
@@ -191,19 +310,37 @@ AI void load_w_step(const td_dtype WT, const char *wrow, int64_t b, int n, __m51
         IDX_STEP, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadu_si128((const __m128i *)d))));
 }
 
+/* Types whose value has a min (d * q + m): their m_w * (d_x * sum(q_x))
+ * term goes in a pass of its own. */
+#define HAS_MIN(WT)                                                                                \
+    ((WT) == TD_TYPE_Q4_1 || (WT) == TD_TYPE_Q5_1 || (WT) == TD_TYPE_Q4_K || (WT) == TD_TYPE_Q5_K)
+/* Per-token step vectors: dx, then the seed(s) of the types with an offset
+ * (q6_K: one per half of the blocks, its scales cover 16 elements). */
+#define NV_OF(WT) (HAS_MIN(WT) ? 1 : (WT) == TD_TYPE_Q6_K ? 3 : 2)
+
 /* One step of one token: dx laid out like dw, and the vpdpbusd seed
- * (Q4_0: -8 * sum(q_x), Q8_0: -128 * sum(q_x), block i in lane 4i). */
-AI void load_x_step(const td_dtype WT, const float *xd, const int32_t *xsum, int64_t b, int n,
-                    __m512 *dx, __m512i *seed) {
+ * (Q4_0: -8 * sum(q_x), Q5_0: -16 *, Q8_0: -128 *, block i in lane 4i;
+ * q6_K: -32 times the sum of each lane's four q_x, for xa in seed and xb
+ * in seed2). xs points at the step's activation bytes. */
+AI void load_x_step(const td_dtype WT, const float *xd, const int32_t *xsum, const int8_t *xs,
+                    int64_t b, int n, __m512 *dx, __m512i *seed, __m512i *seed2) {
     const __mmask8 m = (__mmask8)((1u << n) - 1);
     *dx = _mm512_permutexvar_ps(
         IDX_STEP,
         _mm512_castps128_ps512(n == 4 ? _mm_loadu_ps(xd + b) : _mm_maskz_loadu_ps(m, xd + b)));
-    if (WT == TD_TYPE_Q4_1) {
+    if (HAS_MIN(WT)) {
         *seed = _mm512_setzero_si512();
         return;
     }
-    const int32_t c = WT == TD_TYPE_Q4_0 ? -8 : -128;
+    if (WT == TD_TYPE_Q6_K) {
+        const __m512i z = _mm512_setzero_si512(), one = _mm512_set1_epi8(1);
+        __m512i sa = _mm512_dpbusd_epi32(z, one, _mm512_loadu_si512(xs));
+        __m512i sb = _mm512_dpbusd_epi32(z, one, _mm512_loadu_si512(xs + 64));
+        *seed = _mm512_sub_epi32(z, _mm512_slli_epi32(sa, 5));
+        *seed2 = _mm512_sub_epi32(z, _mm512_slli_epi32(sb, 5));
+        return;
+    }
+    const int32_t c = WT == TD_TYPE_Q4_0 ? -8 : WT == TD_TYPE_Q5_0 ? -16 : -128;
     __m512i s4 = _mm512_castsi128_si512(_mm_mullo_epi32(
         n == 4 ? _mm_loadu_si128((const __m128i *)(xsum + b)) : _mm_maskz_loadu_epi32(m, xsum + b),
         _mm_set1_epi32(c)));
@@ -212,19 +349,20 @@ AI void load_x_step(const td_dtype WT, const float *xd, const int32_t *xsum, int
 
 /* Weight rows of a tile unpacked once for all token tiles of a chunk, and
  * the chunk's per-token step vectors made once for all row tiles. */
-#define WBUF_STEPS 64   /* buffered path for k up to 8192 */
-#define XBUF_VECS  1536 /* per-token step vectors of one token chunk (96 KiB) */
-#define MCHUNK     1024 /* blocks per chunk of the Q4_1 min term */
+#define WBUF_STEPS 72   /* buffered path for k up to 9216 (8960: the 1.5B's ffn_down) */
+#define XBUF_VECS  6144 /* per-token step vectors of one token chunk (384 KiB) */
+#define MCHUNK     1024 /* blocks per chunk of the min term */
 typedef struct {
     __m512i w[TR_MAX][WBUF_STEPS][2];
     __m512 d[TR_MAX][WBUF_STEPS];
+    __m512 d2[TR_MAX][WBUF_STEPS]; /* q6_K: the scales of elements 16-31 */
     float m[TR_MAX][4 * WBUF_STEPS];
 } wbuf;
 
 AI void tile_quant(const td_dtype WT, const int R, const int T, const int BUF, const char *w,
                    size_t w_stride, const wbuf *wb, const __m512 *xb, const char *xq,
                    size_t xq_stride, int64_t nb, float *y, size_t ldy) {
-    const int NV = WT == TD_TYPE_Q4_1 ? 1 : 2; /* xb vectors per token-step */
+    const int NV = NV_OF(WT); /* xb vectors per token-step */
     const int64_t nsteps = (nb + 3) / 4;
     __m512 acc[QR][QT];
     const float *xd[QT], *xs[QT];
@@ -247,16 +385,17 @@ AI void tile_quant(const td_dtype WT, const int R, const int T, const int BUF, c
             const int64_t s = b / 4;
             const int nv = nb - b < 4 ? (int)(nb - b) : 4;
             __m512i wa[QR], wbv[QR];
-            __m512 dw[QR];
+            __m512 dw[QR], dw2[QR];
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 if (BUF) {
                     wa[r] = _mm512_load_si512(&wb->w[r][s][0]);
                     wbv[r] = _mm512_load_si512(&wb->w[r][s][1]);
                     dw[r] = _mm512_load_ps(&wb->d[r][s]);
+                    if (WT == TD_TYPE_Q6_K) dw2[r] = _mm512_load_ps(&wb->d2[r][s]);
                 } else {
                     load_w_step(WT, w + (size_t)r * w_stride, b, nv, &wa[r], &wbv[r], &dw[r],
-                                &mloc[BUF ? 0 : r][BUF ? 0 : b - c0]);
+                                &dw2[r], &mloc[BUF ? 0 : r][BUF ? 0 : b - c0]);
                 }
             }
 #pragma GCC unroll 8
@@ -265,16 +404,25 @@ AI void tile_quant(const td_dtype WT, const int R, const int T, const int BUF, c
                 __m512i xa = _mm512_loadu_si512(xqs[t] + b * 32);
                 __m512i xbq = _mm512_loadu_si512(xqs[t] + b * 32 + 64);
                 __m512 dx;
-                __m512i seed;
+                __m512i seed, seed2;
                 if (BUF) {
                     const __m512 *v = xb + ((size_t)t * nsteps + s) * NV;
                     dx = v[0];
-                    seed = WT == TD_TYPE_Q4_1 ? _mm512_setzero_si512() : _mm512_castps_si512(v[1]);
+                    seed = HAS_MIN(WT) ? _mm512_setzero_si512() : _mm512_castps_si512(v[1]);
+                    if (WT == TD_TYPE_Q6_K) seed2 = _mm512_castps_si512(v[2]);
                 } else {
-                    load_x_step(WT, xd[t], xsum[t], b, nv, &dx, &seed);
+                    load_x_step(WT, xd[t], xsum[t], xqs[t] + b * 32, b, nv, &dx, &seed, &seed2);
                 }
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
+                    if (WT == TD_TYPE_Q6_K) {
+                        __m512i pa = _mm512_dpbusd_epi32(seed, wa[r], xa);
+                        __m512i pb = _mm512_dpbusd_epi32(seed2, wbv[r], xbq);
+                        __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(pb), dw2[r]);
+                        f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pa), dw[r], f);
+                        acc[r][t] = _mm512_fmadd_ps(f, dx, acc[r][t]);
+                        continue;
+                    }
                     __m512i p = _mm512_dpbusd_epi32(seed, wa[r], xa);
                     p = _mm512_dpbusd_epi32(p, wbv[r], xbq);
                     acc[r][t] =
@@ -282,7 +430,7 @@ AI void tile_quant(const td_dtype WT, const int R, const int T, const int BUF, c
                 }
             }
         }
-        if (WT == TD_TYPE_Q4_1) { /* sum over blocks of m_w * (d_x * sum(q_x)) */
+        if (HAS_MIN(WT)) { /* sum over blocks of m_w * (d_x * sum(q_x)) */
             for (int64_t b = c0; b < c1; b += 16) {
                 __mmask16 m = c1 - b >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (c1 - b)) - 1);
                 __m512 mw[QR];
@@ -302,24 +450,40 @@ AI void tile_quant(const td_dtype WT, const int R, const int T, const int BUF, c
     TILE_STORE(acc, R, T, y, ldy);
 }
 
-static void wbuf_fill(const td_dtype wt, const char *w, size_t w_stride, int rows, int64_t nb,
-                      wbuf *wb) {
+AI void wbuf_fill_t(const td_dtype WT, const char *w, size_t w_stride, int rows, int64_t nb,
+                    wbuf *wb) {
     for (int r = 0; r < rows; r++) {
         const char *wr = w + (size_t)r * w_stride;
         for (int64_t b = 0; b < nb; b += 4) {
             const int64_t s = b / 4;
             const int n = nb - b < 4 ? (int)(nb - b) : 4;
             __m512i wa, wbv;
-            __m512 dw;
-            if (wt == TD_TYPE_Q8_0)
-                load_w_step(TD_TYPE_Q8_0, wr, b, n, &wa, &wbv, &dw, &wb->m[r][b]);
-            else if (wt == TD_TYPE_Q4_0)
-                load_w_step(TD_TYPE_Q4_0, wr, b, n, &wa, &wbv, &dw, &wb->m[r][b]);
-            else
-                load_w_step(TD_TYPE_Q4_1, wr, b, n, &wa, &wbv, &dw, &wb->m[r][b]);
+            __m512 dw, dw2;
+            load_w_step(WT, wr, b, n, &wa, &wbv, &dw, &dw2, &wb->m[r][b]);
             _mm512_store_si512(&wb->w[r][s][0], wa);
             _mm512_store_si512(&wb->w[r][s][1], wbv);
             _mm512_store_ps(&wb->d[r][s], dw);
+            if (WT == TD_TYPE_Q6_K) _mm512_store_ps(&wb->d2[r][s], dw2);
+        }
+    }
+}
+
+AI void xbuf_fill_t(const td_dtype WT, const char *xq, size_t xq_stride, int n, int64_t nb,
+                    __m512 *xb) {
+    for (int t = 0; t < n; t++) {
+        const char *row = xq + (size_t)t * xq_stride;
+        const float *xd = td_q8x_d(row);
+        const int32_t *xsum = td_q8x_sum(row, nb);
+        const int8_t *xqs = td_q8x_qs(row, nb);
+        for (int64_t b = 0; b < nb; b += 4) {
+            const int nv = nb - b < 4 ? (int)(nb - b) : 4;
+            __m512 dx;
+            __m512i seed, seed2;
+            load_x_step(WT, xd, xsum, xqs + b * 32, b, nv, &dx, &seed, &seed2);
+            *xb++ = dx;
+            if (HAS_MIN(WT)) continue;
+            *xb++ = _mm512_castsi512_ps(seed);
+            if (WT == TD_TYPE_Q6_K) *xb++ = _mm512_castsi512_ps(seed2);
         }
     }
 }
@@ -328,6 +492,16 @@ typedef void (*tile_fn)(const char *w, size_t w_stride, const char *xq, size_t x
                         int64_t nb, float *y, size_t ldy);
 typedef void (*qtile_fn)(const char *w, size_t w_stride, const wbuf *wb, const __m512 *xb,
                          const char *xq, size_t xq_stride, int64_t nb, float *y, size_t ldy);
+typedef void (*wbuf_fn)(const char *w, size_t w_stride, int rows, int64_t nb, wbuf *wb);
+typedef void (*xbuf_fn)(const char *xq, size_t xq_stride, int n, int64_t nb, __m512 *xb);
+
+/* One weight type's kernels: the tiles (buffered or not, R x T) and the
+ * buffer fills. */
+typedef struct {
+    qtile_fn tiles[2][TR_MAX][QT];
+    wbuf_fn wfill;
+    xbuf_fn xfill;
+} qkern;
 
 #define DEF_QTILE(NAME, WT, BUF, R, T)                                                             \
     static void NAME##_##BUF##_##R##_##T(const char *w, size_t ws, const wbuf *wb,                 \
@@ -354,36 +528,38 @@ typedef void (*qtile_fn)(const char *w, size_t w_stride, const wbuf *wb, const _
     DEF_QTILES_R(NAME, WT, 1, 2)                                                                   \
     DEF_QTILES_R(NAME, WT, 1, 3)                                                                   \
     DEF_QTILES_R(NAME, WT, 1, 4)                                                                   \
-    static const qtile_fn NAME##_tiles[2][TR_MAX][QT] = {                                          \
-        {QROW(NAME, 0, 1), QROW(NAME, 0, 2), QROW(NAME, 0, 3), QROW(NAME, 0, 4)},                  \
-        {QROW(NAME, 1, 1), QROW(NAME, 1, 2), QROW(NAME, 1, 3), QROW(NAME, 1, 4)}};
+    static void NAME##_wfill(const char *w, size_t ws, int rows, int64_t nb, wbuf *wb) {           \
+        wbuf_fill_t(WT, w, ws, rows, nb, wb);                                                      \
+    }                                                                                              \
+    static void NAME##_xfill(const char *xq, size_t xs, int n, int64_t nb, __m512 *xb) {           \
+        xbuf_fill_t(WT, xq, xs, n, nb, xb);                                                        \
+    }                                                                                              \
+    static const qkern NAME##_kern = {                                                             \
+        {{QROW(NAME, 0, 1), QROW(NAME, 0, 2), QROW(NAME, 0, 3), QROW(NAME, 0, 4)},                 \
+         {QROW(NAME, 1, 1), QROW(NAME, 1, 2), QROW(NAME, 1, 3), QROW(NAME, 1, 4)}},                \
+        NAME##_wfill,                                                                              \
+        NAME##_xfill};
 
 DEF_QTILES(q80, TD_TYPE_Q8_0)
 DEF_QTILES(q40, TD_TYPE_Q4_0)
 DEF_QTILES(q41, TD_TYPE_Q4_1)
+DEF_QTILES(q50, TD_TYPE_Q5_0)
+DEF_QTILES(q51, TD_TYPE_Q5_1)
+DEF_QTILES(q4k, TD_TYPE_Q4_K)
+DEF_QTILES(q5k, TD_TYPE_Q5_K)
+DEF_QTILES(q6k, TD_TYPE_Q6_K)
 
-static void xbuf_fill(const td_dtype wt, const char *xq, size_t xq_stride, int n, int64_t nb,
-                      __m512 *xb) {
-    for (int t = 0; t < n; t++) {
-        const char *row = xq + (size_t)t * xq_stride;
-        const float *xd = td_q8x_d(row);
-        const int32_t *xsum = td_q8x_sum(row, nb);
-        for (int64_t b = 0; b < nb; b += 4) {
-            const int nv = nb - b < 4 ? (int)(nb - b) : 4;
-            __m512 dx;
-            __m512i seed;
-            if (wt == TD_TYPE_Q4_1) {
-                load_x_step(TD_TYPE_Q4_1, xd, xsum, b, nv, &dx, &seed);
-                *xb++ = dx;
-                continue;
-            }
-            if (wt == TD_TYPE_Q4_0)
-                load_x_step(TD_TYPE_Q4_0, xd, xsum, b, nv, &dx, &seed);
-            else
-                load_x_step(TD_TYPE_Q8_0, xd, xsum, b, nv, &dx, &seed);
-            *xb++ = dx;
-            *xb++ = _mm512_castsi512_ps(seed);
-        }
+static const qkern *qkern_of(td_dtype wt) {
+    switch (wt) {
+    case TD_TYPE_Q8_0: return &q80_kern;
+    case TD_TYPE_Q4_0: return &q40_kern;
+    case TD_TYPE_Q4_1: return &q41_kern;
+    case TD_TYPE_Q5_0: return &q50_kern;
+    case TD_TYPE_Q5_1: return &q51_kern;
+    case TD_TYPE_Q4_K: return &q4k_kern;
+    case TD_TYPE_Q5_K: return &q5k_kern;
+    case TD_TYPE_Q6_K: return &q6k_kern;
+    default: TD_KERNEL_UNREACHABLE_TYPE(wt);
     }
 }
 
@@ -394,15 +570,13 @@ static void xbuf_fill(const td_dtype wt, const char *xq, size_t xq_stride, int n
 static void matmul_quant_avx512(td_dtype wt, const void *w, size_t w_stride, const void *xq,
                                 size_t xq_stride, int n, int64_t k, float *y, size_t ldy, int r0,
                                 int r1) {
-    const qtile_fn(*tiles)[TR_MAX][QT] = wt == TD_TYPE_Q8_0   ? q80_tiles
-                                         : wt == TD_TYPE_Q4_0 ? q40_tiles
-                                                              : q41_tiles;
+    const qkern *kern = qkern_of(wt);
     const int R = QTILE_R, T = QTILE_T;
     const int64_t nb = k / 32, nsteps = (nb + 3) / 4;
-    const int nv = wt == TD_TYPE_Q4_1 ? 1 : 2;
+    const int nv = NV_OF(wt);
     const int can_buf = nsteps <= WBUF_STEPS && nsteps * nv * T <= XBUF_VECS;
     size_t act_bytes = xq_stride ? xq_stride : 1;
-    int tchunk = (int)((256 * 1024) / act_bytes);
+    int tchunk = (int)((512 * 1024) / act_bytes);
     if (can_buf && tchunk > XBUF_VECS / (nsteps * nv)) tchunk = (int)(XBUF_VECS / (nsteps * nv));
     if (tchunk < T) tchunk = T;
     tchunk -= tchunk % T;
@@ -411,17 +585,17 @@ static void matmul_quant_avx512(td_dtype wt, const void *w, size_t w_stride, con
     for (int tc = 0; tc < n; tc += tchunk) {
         int te = tc + tchunk < n ? tc + tchunk : n;
         int buf = can_buf && te - tc > T;
-        if (buf)
-            xbuf_fill(wt, (const char *)xq + (size_t)tc * xq_stride, xq_stride, te - tc, nb, xb);
+        if (buf) kern->xfill((const char *)xq + (size_t)tc * xq_stride, xq_stride, te - tc, nb, xb);
         for (int r = r0; r < r1; r += R) {
             int rr = r1 - r < R ? r1 - r : R;
             const char *wr = (const char *)w + (size_t)r * w_stride;
-            if (buf) wbuf_fill(wt, wr, w_stride, rr, nb, &wb);
+            if (buf) kern->wfill(wr, w_stride, rr, nb, &wb);
             for (int t = tc; t < te; t += T) {
                 int tt = te - t < T ? te - t : T;
-                tiles[buf][rr - 1][tt - 1](wr, w_stride, &wb, xb + (size_t)(t - tc) * nsteps * nv,
-                                           (const char *)xq + (size_t)t * xq_stride, xq_stride, nb,
-                                           y + (size_t)t * ldy + r, ldy);
+                kern->tiles[buf][rr - 1][tt - 1](wr, w_stride, &wb,
+                                                 xb + (size_t)(t - tc) * nsteps * nv,
+                                                 (const char *)xq + (size_t)t * xq_stride,
+                                                 xq_stride, nb, y + (size_t)t * ldy + r, ldy);
             }
         }
     }
@@ -509,6 +683,11 @@ static void matmul_avx512(td_dtype wt, const void *w, size_t w_stride, const voi
     case TD_TYPE_Q8_0:
     case TD_TYPE_Q4_0:
     case TD_TYPE_Q4_1:
+    case TD_TYPE_Q5_0:
+    case TD_TYPE_Q5_1:
+    case TD_TYPE_Q4_K:
+    case TD_TYPE_Q5_K:
+    case TD_TYPE_Q6_K:
         matmul_quant_avx512(wt, w, w_stride, xq, xq_stride, n, k, y, ldy, r0, r1);
         return;
     case TD_TYPE_F32: tiles = f32_tiles; break;

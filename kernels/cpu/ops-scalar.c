@@ -6,30 +6,20 @@
 static float dot_q8x_scalar(td_dtype wt, const void *wrow, const void *xrow, int64_t nb) {
     const float *xd = td_q8x_d(xrow), *xs = td_q8x_s(xrow, nb);
     const int8_t *xq = td_q8x_qs(xrow, nb);
+    const int has_min =
+        wt == TD_TYPE_Q4_1 || wt == TD_TYPE_Q5_1 || wt == TD_TYPE_Q4_K || wt == TD_TYPE_Q5_K;
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
-        int8_t x[32];
-        for (int j = 0; j < 32; j++) x[j] = xq[td_q8x_pos(b, j)];
-        int32_t isum = 0;
-        if (wt == TD_TYPE_Q8_0) {
-            const td_block_q8_0 *w = (const td_block_q8_0 *)wrow + b;
-            for (int j = 0; j < 32; j++) isum += (int32_t)w->qs[j] * x[j];
-            acc += td_cpu_h2f(w->d) * xd[b] * (float)isum;
-        } else if (wt == TD_TYPE_Q4_0) {
-            const td_block_q4_0 *w = (const td_block_q4_0 *)wrow + b;
-            for (int j = 0; j < 16; j++) {
-                isum += ((w->qs[j] & 0xf) - 8) * x[j];
-                isum += ((w->qs[j] >> 4) - 8) * x[j + 16];
-            }
-            acc += td_cpu_h2f(w->d) * xd[b] * (float)isum;
-        } else {
-            const td_block_q4_1 *w = (const td_block_q4_1 *)wrow + b;
-            for (int j = 0; j < 16; j++) {
-                isum += (w->qs[j] & 0xf) * x[j];
-                isum += (w->qs[j] >> 4) * x[j + 16];
-            }
-            acc += td_cpu_h2f(w->d) * xd[b] * (float)isum + td_cpu_h2f(w->m) * xs[b];
-        }
+        td_q8w_group g;
+        td_cpu_q8w_group(wt, wrow, b, &g);
+        int32_t is[2] = {0, 0};
+        for (int j = 0; j < 32; j++) is[j / 16] += (g.q[j] - g.off) * xq[td_q8x_pos(b, j)];
+        if (wt == TD_TYPE_Q6_K) /* a scale per 16 elements */
+            acc += g.d[0] * xd[b] * (float)is[0] + g.d[1] * xd[b] * (float)is[1];
+        else if (has_min)
+            acc += g.d[0] * xd[b] * (float)(is[0] + is[1]) + g.m * xs[b];
+        else
+            acc += g.d[0] * xd[b] * (float)(is[0] + is[1]);
     }
     return acc;
 }

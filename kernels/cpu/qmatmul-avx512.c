@@ -71,13 +71,6 @@ AI void deq_quant(const td_dtype WT, const char *blk, __m512 d, __m512 m, __m512
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), tab);
 }
 
-/* The fp16 at p (any alignment), by F16C: exact, as td_cpu_h2f. */
-AI float h2f(const char *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 /* Block b of a row: lo = elements 0-15, hi = elements 16-31. */
 AI void deq_block(const td_dtype WT, const char *row, int64_t b, __m512 *lo, __m512 *hi) {
     /* float types: 32-element groups, converted exactly */
@@ -221,41 +214,6 @@ AI void kern_reg_q(const td_dtype WT, const int R, const int T, const char *w, s
  * element) and each 16 elements are one or two permutes of it, as
  * deq_quant does for q4_0/q4_1. */
 
-/* A K super-block's scales as f32: q4_K/q5_K out[j] = d*sc_j and
- * out[8 + j] = -(dmin*m_j), j < 8; q6_K out[i] = d*scales[i], i < 16
- * (exact products). The 6-bit scales and mins are
- * unpacked four at a time from 32-bit words (kernels/dtype.h). */
-AI void k_scales(const td_dtype WT, const char *bl, float *out) {
-    if (WT == TD_TYPE_Q6_K) {
-        const __m512 s =
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(bl + 192))));
-        _mm512_store_ps(out, _mm512_mul_ps(_mm512_set1_ps(h2f(bl + 208)), s));
-        return;
-    }
-    /* 32-bit lanes of the block's first 16 bytes: [d | dmin, a, b, c], a, b, c
-     * the scale words; out of [a, c, b, c] and [a, a, b, b] come the bytes
-     * sc0-3 = a & 63, sc4-7 = c & 15 | (a >> 2) & 48 (the top bits of a),
-     * m0-3 = b & 63, m4-7 = c >> 4 & 15 | (b >> 2) & 48 */
-    const __m128i v = _mm_loadu_si128((const __m128i *)bl);
-    const __m128i acbc = _mm_shuffle_epi32(v, _MM_SHUFFLE(3, 2, 3, 1));
-    const __m128i aabb = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 1, 1));
-    const __m128i lo6 =
-        _mm_and_si128(_mm_srlv_epi32(acbc, _mm_setr_epi32(0, 0, 0, 4)),
-                      _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
-    const __m128i hi2 =
-        _mm_and_si128(_mm_srli_epi32(aabb, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
-    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(lo6, hi2)));
-    /* [d x 8, dmin x 8] (lanes 2, 3 of the conversion are not used) */
-    const __m512 dm =
-        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                              _mm512_castps128_ps512(_mm_cvtph_ps(v)));
-    /* the mins negated: exact */
-    const __m512 neg = _mm512_castsi512_ps(
-        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN,
-                          INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN));
-    _mm512_store_ps(out, _mm512_xor_ps(_mm512_mul_ps(f, dm), neg));
-}
-
 /* The FMAs of group b for R rows x T tokens. */
 AI void fma_group(const int R, const int T, const __m512 *lo, const __m512 *hi, const float *x,
                   size_t ldx, int64_t b, __m512 acc[RR][TBUF]) {
@@ -355,8 +313,9 @@ AI void q5_block_dm(const td_dtype WT, const char *bl, __m512 dv, __m512 m, __m5
 
 /* The same with the block's own d (and m). */
 AI void q5_block(const td_dtype WT, const char *bl, __m512 *lo, __m512 *hi) {
-    const __m512 dv = _mm512_set1_ps(h2f(bl));
-    q5_block_dm(WT, bl, dv, WT == TD_TYPE_Q5_1 ? _mm512_set1_ps(h2f(bl + 2)) : dv, lo, hi);
+    const __m512 dv = _mm512_set1_ps(td_avx512_h2f(bl));
+    q5_block_dm(WT, bl, dv, WT == TD_TYPE_Q5_1 ? _mm512_set1_ps(td_avx512_h2f(bl + 2)) : dv, lo,
+                hi);
 }
 
 /* The register kernel of the K types: R rows side by side, a super-block
@@ -374,14 +333,14 @@ AI void kern_reg_k(const td_dtype WT, const int R, const int T, const char *w, s
     _Alignas(64) float scb[2][RR][16];
     const int64_t nsb = nb / 8;
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) k_scales(WT, w + (size_t)r * ws, scb[0][r]);
+    for (int r = 0; r < R; r++) td_avx512_k_scales(WT, w + (size_t)r * ws, scb[0][r]);
     for (int64_t sb = 0; sb < nsb; sb++) {
         float(*sc)[16] = scb[sb & 1];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const char *bl = w + (size_t)r * ws + (size_t)sb * BB;
             for (size_t o = 0; o < BB; o += 64) _mm_prefetch(bl + PF_DIST + o, _MM_HINT_T0);
-            if (sb + 1 < nsb) k_scales(WT, bl + BB, scb[(sb + 1) & 1][r]);
+            if (sb + 1 < nsb) td_avx512_k_scales(WT, bl + BB, scb[(sb + 1) & 1][r]);
         }
         if (WT == TD_TYPE_Q6_K) {
 #pragma GCC unroll 8
@@ -492,7 +451,7 @@ static void deq_row_5k(td_dtype wt, const char *row, int64_t k, float *dst) {
         float *d = dst + sb * 256;
         _Alignas(64) float sc[16];
         if (wt == TD_TYPE_Q6_K) {
-            k_scales(TD_TYPE_Q6_K, bl, sc);
+            td_avx512_k_scales(TD_TYPE_Q6_K, bl, sc);
             for (int g = 0; g < 8; g++) {
                 __m512 lo, hi;
                 q6k_group(bl, sc, g / 4, g % 4, &lo, &hi);
@@ -502,9 +461,9 @@ static void deq_row_5k(td_dtype wt, const char *row, int64_t k, float *dst) {
             continue;
         }
         if (wt == TD_TYPE_Q4_K)
-            k_scales(TD_TYPE_Q4_K, bl, sc);
+            td_avx512_k_scales(TD_TYPE_Q4_K, bl, sc);
         else
-            k_scales(TD_TYPE_Q5_K, bl, sc);
+            td_avx512_k_scales(TD_TYPE_Q5_K, bl, sc);
         for (int c = 0; c < 4; c++) {
             __m512 lo[2], hi[2];
             if (wt == TD_TYPE_Q4_K)

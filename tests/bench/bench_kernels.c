@@ -7,7 +7,7 @@
  *
  * -a measures td_cpu_matmul_f32act (f32 activations) instead of td_cpu_matmul
  * (activations quantized per row). -w with a type of the K-quant mix (q5_0,
- * q5_1, q4_K, q5_K, q6_K: -a only), or -K with any -w type, measures
+ * q5_1, q4_K, q5_K, q6_K), or -K with any -w type, measures
  * Qwen2.5-Coder-1.5B's shapes instead of SmolLM2's. Without -i every ISA the CPU supports is
  * measured (scalar only at n = 1); without -n both n = 1 and n = 512. With
  * -t 1 times are the thread's CPU time, so other load on the machine does not
@@ -62,6 +62,11 @@ static double now_s(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* The types td_cpu_quant_row does not write (the K-quant mix's) */
+static int no_quantizer(td_dtype t) {
+    return td_dtype_is_quant(t) && t != TD_TYPE_Q4_0 && t != TD_TYPE_Q4_1 && t != TD_TYPE_Q8_0;
+}
+
 static void bench_one(td_threadpool *tp, td_dtype t, int rows, int k, int n) {
     size_t ws = td_dtype_row_bytes(t, k), xs = td_cpu_act_row_bytes(t, k);
     char *w = malloc(ws * rows), *xq = malloc(xs * n);
@@ -71,7 +76,7 @@ static void bench_one(td_threadpool *tp, td_dtype t, int rows, int k, int n) {
     int off[2], nf = td_dtype_fp16_fields(t, off);
     for (int r = 0; r < rows; r++) {
         for (int i = 0; i < k; i++) wr[i] = (float)((double)rand() / RAND_MAX) - 0.5f;
-        if (!td_dtype_has_int8_kernels(t) && nf) {
+        if (no_quantizer(t) && nf) {
             /* no quantizer in C for these: random quants, scales of a real model's size */
             char *row = w + (size_t)r * ws;
             for (size_t i = 0; i < ws; i++) row[i] = (char)rand();
@@ -144,8 +149,7 @@ int main(int argc, char **argv) {
     static const int kshapes[][2] = {{1536, 1536}, {256, 1536}, {8960, 1536}, {1536, 8960}};
     static const td_dtype types[] = {TD_TYPE_Q4_1, TD_TYPE_Q8_0, TD_TYPE_F16};
     const int kmix = only_type >= 0 && td_dtype_supported(only_type) &&
-                     (g_kshapes || (!td_dtype_has_int8_kernels((td_dtype)only_type) &&
-                                    td_dtype_is_quant((td_dtype)only_type)));
+                     (g_kshapes || no_quantizer((td_dtype)only_type));
     static const int ns[] = {1, 512};
     printf("threads=%d\n", threads);
     for (int isa = TD_ISA_AVX512; isa >= TD_ISA_SCALAR; isa--) {

@@ -72,6 +72,13 @@ def cases(models_dir, default_model):
         e = dense[f"qwen25-{wtype}-gguf"]
         for isa in ISAS:
             add("numerics", f"qwen25-{wtype}-gguf.isa-{isa}", e, (5, 19), 12, ["--isa", isa])
+    # int8 activations (--act-int8), each quantized type and ISA
+    act = [f"llama3-{w}-gguf" for w in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m")]
+    act += [f"qwen25-{w}-gguf" for w in ("q4_k", "q5_k", "q6_k")]
+    for name in act:
+        for isa in ISAS:
+            add("numerics", f"{name}.act-int8.isa-{isa}", dense[name], (5, 19), 12,
+                ["--isa", isa, "--act-int8"])
 
     for name in ("llama2-q8_0-gguf", "llama3-f32-gguf", "qwen2-q4_1-gguf", "mistral-mixed-gguf",
                  "tinyllama-bf16-hf-sharded", "mixtral-q8_0-gguf", "qwen25-q4_k-gguf",
@@ -116,7 +123,8 @@ def cases(models_dir, default_model):
                            ("batch8", ["--chunk", "8", "--batch"]),
                            ("tp3", ["--tp", "3", "--chunk", "64"]),  # 3 KV heads
                            ("pp2", ["--pp", "2", "--chunk", "8", "--batch"]),
-                           ("cp2", ["--cp", "2", "--cp-min-tokens", "8", "--chunk", "64"])):
+                           ("cp2", ["--cp", "2", "--cp-min-tokens", "8", "--chunk", "64"]),
+                           ("act-int8", ["--act-int8", "--chunk", "64"])):
             out.append((f"default/{tag}", d, seqs(vocab, rng_lens, 15), extra))
     return out
 

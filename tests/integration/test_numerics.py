@@ -568,17 +568,17 @@ def test_eval_rejects_bad_kv_dtype(bad):
 # in mean (the flag takes effect). One token per call gives the same bits as
 # whole prompts (the invariance contract holds with int8 activations; ctest
 # also runs the invariance suite with them, test_invariance_act_int8).
-# Only Q8_0, Q4_0 and Q4_1 have int8-activation kernels (td_dtype_has_int8_kernels):
-# the models with a tensor of those types run here (the Q4_K_M mixes through
-# their Q8_0 head and attn_v), and the models quantized only in the other
-# types (Q5_0, Q5_1, K-quants) keep F32 activations under the flag: the same
-# bits as without it (test_act_int8_keeps_f32_for_other_types).
+# Every quantized type has int8-activation kernels (td_dtype_has_int8_kernels):
+# every model with a quantized tensor runs here. A fused matmul whose weights
+# differ in type (a Q4_K_M mix's Q4_K attn_q/attn_k beside its Q6_K attn_v)
+# keeps f32 activations. Float weights keep f32 activations under the flag:
+# the same bits as without it (test_act_int8_keeps_f32_for_float_weights).
 ACT_INT8_TOL = 0.1
 ACT_INT8_MEAN_TOL = 0.03
-INT8_KERNEL_TYPES = {"Q8_0", "Q4_0", "Q4_1"}
+INT8_KERNEL_TYPES = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
 QUANT_MODELS = [m["name"] for m in MANIFEST if INT8_KERNEL_TYPES & set(m["tensor_types"].values())]
-F32_ACT_MODELS = [m["name"] for m in MANIFEST if m["tol_class"] not in ("f32", "f16", "bf16")
-                  and not INT8_KERNEL_TYPES & set(m["tensor_types"].values())]
+FLOAT_MODELS = [m["name"] for m in MANIFEST if m["name"].startswith("qwen25-")
+                and not INT8_KERNEL_TYPES & set(m["tensor_types"].values())]
 
 
 @pytest.mark.parametrize("name", QUANT_MODELS)
@@ -600,8 +600,8 @@ def test_act_int8_against_reference(name):
         assert np.array_equal(a, b), f"{name} --act-int8: chunk 1 and whole prompts differ"
 
 
-@pytest.mark.parametrize("name", F32_ACT_MODELS)
-def test_act_int8_keeps_f32_for_other_types(name):
+@pytest.mark.parametrize("name", FLOAT_MODELS)
+def test_act_int8_keeps_f32_for_float_weights(name):
     e = BY_NAME[name]
     seqs = sequences_for(e)[:2]
     base = run_engine(e, seqs)

@@ -218,6 +218,20 @@ static const mm_case k_mm_cases[] = {
     {TD_TYPE_Q8_0, 9248},
     {TD_TYPE_Q4_1, 35232},
     {TD_TYPE_Q4_0, 35232},
+    /* the q5 and K types: a partial last step (544 = 17 blocks), rows of
+     * whole super-blocks, the 1.5B model's 8960 and a row of > 9216 (the
+     * unbuffered path) and of > 1024 blocks (the min term in chunks) */
+    {TD_TYPE_Q5_0, 576},
+    {TD_TYPE_Q5_0, 544},
+    {TD_TYPE_Q5_1, 544},
+    {TD_TYPE_Q5_1, 35232},
+    {TD_TYPE_Q4_K, 512},
+    {TD_TYPE_Q4_K, 8960},
+    {TD_TYPE_Q5_K, 1536},
+    {TD_TYPE_Q5_K, 35072},
+    {TD_TYPE_Q6_K, 768},
+    {TD_TYPE_Q6_K, 8960},
+    {TD_TYPE_Q6_K, 9472},
 };
 
 enum { MM_ROWS = 13, MM_N = 7 };
@@ -230,6 +244,23 @@ typedef struct {
     float *x;   /* (MM_N, k) */
     double *wd; /* (MM_ROWS, k) dequantized weights */
 } mm_data;
+
+/* A row of the types td_cpu_quant_row does not write (the q5 and K types):
+ * random quants and sub-block scales, fp16 scales of random sign and
+ * magnitude about scale / 16 (scale 0: an all-zero row). */
+static void rand_blocks(td_dtype t, uint8_t *w, int k, float scale) {
+    size_t bb = td_dtype_block_bytes(t), n = (size_t)k / (size_t)td_dtype_block_elems(t);
+    int off[2];
+    int nf = td_dtype_fp16_fields(t, off);
+    for (size_t i = 0; i < n * bb; i++) w[i] = scale == 0 ? 0 : (uint8_t)(urand() * 256);
+    if (scale == 0) return;
+    for (size_t b = 0; b < n; b++)
+        for (int f = 0; f < nf; f++) {
+            float v = scale / 16 * frand(0.25f, 1.0f) * (urand() < 0.5 ? -1.0f : 1.0f);
+            td_fp16 h = td_f32_to_fp16(v);
+            memcpy(w + b * bb + off[f], &h, 2);
+        }
+}
 
 static void mm_make(mm_data *m, td_dtype t, int k) {
     m->t = t;
@@ -246,7 +277,10 @@ static void mm_make(mm_data *m, td_dtype t, int k) {
         float scale = r == 3 ? 1e-4f : 1.0f; /* one row of tiny weights */
         for (int i = 0; i < k; i++) tmp[i] = frand(-1, 1) * scale;
         if (r == 5) memset(tmp, 0, sizeof(float) * k); /* all-zero row: d = 0 blocks */
-        td_cpu_quant_row(t, tmp, m->w + r * m->ws, k);
+        if (td_dtype_is_quant(t) && t != TD_TYPE_Q4_0 && t != TD_TYPE_Q4_1 && t != TD_TYPE_Q8_0)
+            rand_blocks(t, m->w + r * m->ws, k, r == 5 ? 0 : scale);
+        else
+            td_cpu_quant_row(t, tmp, m->w + r * m->ws, k);
         ref_dequant(t, m->w + r * m->ws, m->wd + (size_t)r * k, k);
     }
     for (int i = 0; i < MM_N * k; i++) m->x[i] = frand(-2, 2);
@@ -276,7 +310,7 @@ static void test_matmul_accuracy(void **state) {
             mm_quant_acts(&m);
             float y[MM_N * MM_ROWS];
             td_cpu_matmul(m.t, m.w, m.ws, m.xq, m.xs, MM_N, m.k, y, MM_ROWS, 0, MM_ROWS);
-            bool quant = td_dtype_block_elems(m.t) == 32;
+            bool quant = td_dtype_is_quant(m.t);
             double *xh = malloc(sizeof(double) * m.k),
                    *dx = malloc(sizeof(double) * (m.k / 32 + 1));
             for (int t = 0; t < MM_N; t++) {

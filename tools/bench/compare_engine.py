@@ -6,6 +6,7 @@ the same run (docs/PERFORMANCE.md).
     compare_engine.py --tandem build/tandem --llama-bench PATH/llama-bench \
         --membw build/td-membw MODEL.gguf [MODEL.gguf ...] [--threads 2]
         [--rounds 5] [-p 512] [-n 128] [-d DEPTH] [--kv-dtype f32|f16|bf16]
+        [--act-int8]
 
 The two engines alternate within each round (so a noisy neighbour hits both
 alike); each round runs each engine with -r 3 (--reps) and keeps its mean; the table
@@ -17,6 +18,9 @@ measured by td-membw with the same thread count in the same run. With
 (llama-bench -d; untimed) and hold it in --kv-dtype (llama-bench -ctk/-ctv);
 the limit then counts the K/V bytes a token reads besides the weights
 (DEPTH + n/2 positions on average, every layer, K and V).
+With --act-int8 each round also runs `tandem bench-engine --act-int8`
+(int8 activations for the quantized matmuls) beside the default f32 mode,
+and the table gets its rows too.
 Prints a Markdown table; --json OUT also writes the raw samples.
 """
 import argparse
@@ -32,9 +36,11 @@ def run_json(cmd, env=None):
     return json.loads(out.stdout)
 
 
-def tandem_round(args, model):
+def tandem_round(args, model, act_int8=False):
     cmd = [args.tandem, "bench-engine", "--model", model, "-p", str(args.p), "-n", str(args.n),
            "-r", str(args.reps), "--threads", str(args.threads), "--json"]
+    if act_int8:
+        cmd.append("--act-int8")
     if args.d:
         cmd += ["-d", str(args.d)]
     if args.kv_dtype:
@@ -75,6 +81,8 @@ def main() -> int:
     ap.add_argument("-d", type=int, default=0, help="KV cache depth before each test")
     ap.add_argument("--kv-dtype", choices=("f32", "f16", "bf16"),
                     help="both engines' KV cache type (default: each engine's own)")
+    ap.add_argument("--act-int8", action="store_true",
+                    help="also run tandem with --act-int8 in each round")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -83,14 +91,17 @@ def main() -> int:
     rows, raw = [], {"membw_gb_s": bw, "depth": args.d, "kv_dtype": args.kv_dtype, "models": {}}
     tests = [k for k, n in (("pp", args.p), ("tg", args.n)) if n > 0]
     for model in args.models:
-        samples = {"tandem": {k: [] for k in tests}, "llama": {k: [] for k in tests}}
+        engines = ["tandem", "llama"] + (["tandem-int8"] if args.act_int8 else [])
+        samples = {e: {k: [] for k in tests} for e in engines}
         wbytes = kv_bytes = None
+        fns = {"tandem": tandem_round, "llama": llama_round,
+               "tandem-int8": lambda a, m: tandem_round(a, m, act_int8=True)}
         for r in range(args.rounds):
-            order = [("tandem", tandem_round), ("llama", llama_round)]
+            order = list(engines)
             if r % 2:
                 order.reverse()
-            for name, fn in order:
-                res, j = fn(args, model)
+            for name in order:
+                res, j = fns[name](args, model)
                 if name == "tandem":
                     wbytes = j["weight_bytes_per_token"]
                     kv_bytes = j.get("kv_bytes_per_position", 0)
@@ -98,7 +109,7 @@ def main() -> int:
                     samples[name][k].append(res[k])
             print(f"{os.path.basename(model)} round {r + 1}/{args.rounds}: " +
                   ", ".join(f"{e} " + "/".join(f"{samples[e][k][-1]:.1f}" for k in tests)
-                            for e in ("tandem", "llama")) + f" ({'/'.join(tests)} t/s)",
+                            for e in engines) + f" ({'/'.join(tests)} t/s)",
                   file=sys.stderr)
         raw["models"][model] = samples
         med = {e: {k: statistics.median(v) for k, v in s.items()} for e, s in samples.items()}
@@ -111,6 +122,11 @@ def main() -> int:
             frac = f"{t / limit:.0%} (llama.cpp {l / limit:.0%})" if k == "tg" else ""
             rows.append(f"| {os.path.basename(model)} | {label} | {t:.1f} | {l:.1f} | "
                         f"{t / l:.2f}x | {frac} |")
+            if args.act_int8:
+                t8 = med["tandem-int8"][k]
+                frac8 = f"{t8 / limit:.0%}" if k == "tg" else ""
+                rows.append(f"| {os.path.basename(model)} | {label} --act-int8 | {t8:.1f} | "
+                            f"{l:.1f} | {t8 / l:.2f}x | {frac8} |")
     print(f"\nthreads {args.threads}, read bandwidth {bw_gbs:.1f} GB/s (td-membw median of 3), "
           f"median of {args.rounds} rounds of mean-of-{args.reps}, KV cache "
           f"{args.kv_dtype or 'each engine default'}\n")
