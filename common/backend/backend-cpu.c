@@ -662,14 +662,15 @@ static void task_actq(void *ctx, int ith, int nth) {
             td_cpu_act_quant(t->wt, t->x + (size_t)r * t->ldx, t->xq + (size_t)r * t->xs, t->k);
 }
 
-/* With --act-int8: x quantized for weights that are all of one quantized
- * type into c->xq (grown as needed); false leaves the f32 path. */
+/* With --act-int8: x quantized into c->xq (grown as needed) for weights
+ * that are all quantized (the int8 row format is the same for every
+ * quantized type, so a fused call may mix them: a Q4_K_M file's Q4_K
+ * attn_q/attn_k and Q6_K attn_v); false leaves the f32 path. */
 static bool act_int8_rows(cpu_ctx *c, int n_w, const td_weight *const *w, const float *x,
                           size_t ldx, int32_t n_rows, size_t *xs) {
-    td_dtype wt = w[0]->type;
-    if (!g_act_int8 || !td_dtype_has_int8_kernels(wt)) return false;
-    for (int i = 1; i < n_w; i++)
-        if (w[i]->type != w[0]->type || w[i]->cols != w[0]->cols) return false;
+    if (!g_act_int8) return false;
+    for (int i = 0; i < n_w; i++)
+        if (!td_dtype_has_int8_kernels(w[i]->type) || w[i]->cols != w[0]->cols) return false;
     *xs = td_cpu_act_row_bytes(w[0]->type, w[0]->cols);
     size_t need = *xs * (size_t)n_rows;
     if (need > c->xq_cap) {

@@ -42,8 +42,10 @@ void td_cpu_quant_row(td_dtype t, const float *src, void *dst, int64_t k);
 
 /* ---- matmul ----
  * Activations are converted once per token row into the format that pairs
- * with the weight type (e.g. Q8_0 for Q4_0/Q8_0 weights, Q8_1 for Q4_1,
- * F32 for float weights); td_cpu_act_row_bytes tells the row size. */
+ * with the weight type: for every quantized type one int8 format (per
+ * 32-element block a scale, its sum and the bytes: cpu-impl.h "q8x"), so
+ * rows made for one quantized type serve every other; F32 for float
+ * weights. td_cpu_act_row_bytes tells the row size. */
 size_t td_cpu_act_row_bytes(td_dtype wtype, int64_t k);
 void td_cpu_act_quant(td_dtype wtype, const float *x, void *xq, int64_t k);
 

@@ -146,7 +146,7 @@ AI void load_w_step_full(const td_dtype WT, const char *wrow, int64_t b, __m512i
  * high nibble of ql[32 (i & 1) ..] and bits 2i, 2i+1 of qh; elements 0-15
  * of block i have scale 2i (dw), 16-31 scale 2i + 1 (dw2). Always full
  * steps: a K row holds whole super-blocks. */
-#define K_PF_DIST 3072 /* bytes ahead in a q5 or K row, as the f32-activation kernels */
+#define K_PF_DIST 3072 /* bytes ahead in a weight row, as the f32-activation kernels */
 AI void load_w_step_q5(const td_dtype WT, const char *wrow, int64_t b, int n, __m512i *wa,
                        __m512i *wb, __m512 *dw, float *m4) {
     const int q51 = WT == TD_TYPE_Q5_1;
@@ -257,6 +257,11 @@ AI void load_w_step(const td_dtype WT, const char *wrow, int64_t b, int n, __m51
     }
     (void)dw2;
     if (n == 4) {
+        /* 72 (q4_0), 80 (q4_1) or 136 (q8_0) bytes a step */
+        const char *pf = wrow + (size_t)b * td_dtype_block_bytes(WT) + K_PF_DIST;
+        _mm_prefetch(pf, _MM_HINT_T0);
+        _mm_prefetch(pf + 64, _MM_HINT_T0);
+        if (WT == TD_TYPE_Q8_0) _mm_prefetch(pf + 128, _MM_HINT_T0);
         load_w_step_full(WT, wrow, b, wa, wb, dw, m4);
         return;
     }
