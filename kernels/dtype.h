@@ -127,6 +127,12 @@ static inline int td_dtype_is_quant(td_dtype t) {
            t == TD_TYPE_Q8_0 || t == TD_TYPE_Q4_K || t == TD_TYPE_Q5_K || t == TD_TYPE_Q6_K;
 }
 
+/* The quantized types whose value has a min: d * q + m (q4_1, q5_1), or a
+ * K block's d*sc*q - dmin*m per sub-block (q4_K, q5_K). */
+static inline int td_dtype_has_min(td_dtype t) {
+    return t == TD_TYPE_Q4_1 || t == TD_TYPE_Q5_1 || t == TD_TYPE_Q4_K || t == TD_TYPE_Q5_K;
+}
+
 /* The quantized types the int8-activation kernels (--act-int8) take: all
  * of them (activations in 32-element blocks, td_cpu_act_quant). The
  * unquantized types run on f32 activations. */

@@ -191,8 +191,7 @@ void td_cpu_q8w_group(td_dtype t, const void *row, int64_t b, td_q8w_group *g) {
 void td_cpu_deq_group(td_dtype t, const void *row, int64_t b, float out[32]) {
     td_q8w_group g;
     td_cpu_q8w_group(t, row, b, &g);
-    const int has_min =
-        t == TD_TYPE_Q4_1 || t == TD_TYPE_Q5_1 || t == TD_TYPE_Q4_K || t == TD_TYPE_Q5_K;
+    const int has_min = td_dtype_has_min(t);
     for (int j = 0; j < 32; j++) {
         float v = g.d[j / 16] * (float)(g.q[j] - g.off);
         out[j] = has_min ? v + g.m : v;

@@ -317,8 +317,7 @@ AI void load_w_step(const td_dtype WT, const char *wrow, int64_t b, int n, __m51
 
 /* Types whose value has a min (d * q + m): their m_w * (d_x * sum(q_x))
  * term goes in a pass of its own. */
-#define HAS_MIN(WT)                                                                                \
-    ((WT) == TD_TYPE_Q4_1 || (WT) == TD_TYPE_Q5_1 || (WT) == TD_TYPE_Q4_K || (WT) == TD_TYPE_Q5_K)
+#define HAS_MIN(WT) td_dtype_has_min(WT)
 /* Per-token step vectors: dx, then the seed(s) of the types with an offset
  * (q6_K: one per half of the blocks, its scales cover 16 elements). */
 #define NV_OF(WT) (HAS_MIN(WT) ? 1 : (WT) == TD_TYPE_Q6_K ? 3 : 2)

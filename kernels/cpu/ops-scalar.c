@@ -6,8 +6,7 @@
 static float dot_q8x_scalar(td_dtype wt, const void *wrow, const void *xrow, int64_t nb) {
     const float *xd = td_q8x_d(xrow), *xs = td_q8x_s(xrow, nb);
     const int8_t *xq = td_q8x_qs(xrow, nb);
-    const int has_min =
-        wt == TD_TYPE_Q4_1 || wt == TD_TYPE_Q5_1 || wt == TD_TYPE_Q4_K || wt == TD_TYPE_Q5_K;
+    const int has_min = td_dtype_has_min(wt);
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         td_q8w_group g;
