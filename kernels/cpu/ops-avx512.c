@@ -682,18 +682,12 @@ DEF_FTILES(bf16, TD_TYPE_BF16)
 static void matmul_avx512(td_dtype wt, const void *w, size_t w_stride, const void *xq,
                           size_t xq_stride, int n, int64_t k, float *y, size_t ldy, int r0,
                           int r1) {
-    const tile_fn(*tiles)[FT];
-    switch (wt) {
-    case TD_TYPE_Q8_0:
-    case TD_TYPE_Q4_0:
-    case TD_TYPE_Q4_1:
-    case TD_TYPE_Q5_0:
-    case TD_TYPE_Q5_1:
-    case TD_TYPE_Q4_K:
-    case TD_TYPE_Q5_K:
-    case TD_TYPE_Q6_K:
+    if (td_dtype_has_int8_kernels(wt)) { /* every quantized type (qkern_of) */
         matmul_quant_avx512(wt, w, w_stride, xq, xq_stride, n, k, y, ldy, r0, r1);
         return;
+    }
+    const tile_fn(*tiles)[FT];
+    switch (wt) {
     case TD_TYPE_F32: tiles = f32_tiles; break;
     case TD_TYPE_F16: tiles = f16_tiles; break;
     case TD_TYPE_BF16: tiles = bf16_tiles; break;
