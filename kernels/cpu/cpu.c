@@ -4,6 +4,7 @@
 #include <math.h>
 
 #include "cpu-impl.h"
+#include "x24.h"
 
 static const td_cpu_ops *g_ops = &td_cpu_ops_scalar;
 static td_isa g_isa = TD_ISA_SCALAR;
@@ -61,6 +62,7 @@ bool td_cpu_select(td_isa isa) {
     case TD_ISA_AVX512: g_ops = &td_cpu_ops_avx512; break;
     }
     g_isa = isa;
+    td_x24_init(isa);
     return true;
 }
 

@@ -6,7 +6,10 @@
  *                          [-c ROWS_PER_CALL] [-a] [-K]
  *
  * -a measures td_cpu_matmul_f32act (f32 activations) instead of td_cpu_matmul
- * (activations quantized per row). -w with a type of the K-quant mix (q5_0,
+ * (activations quantized per row); -x (Q4_K, a CPU with AMX-INT8) the x24
+ * kernels the engine runs for f32 activations there (kernels/cpu/x24.h),
+ * called per 256 rows as the engine does, with the activation quantization
+ * timed apart. -w with a type of the K-quant mix (q5_0,
  * q5_1, q4_K, q5_K, q6_K), or -K with any -w type, measures
  * Qwen2.5-Coder-1.5B's shapes instead of SmolLM2's. Without -i every ISA the CPU supports is
  * measured (scalar only at n = 1); without -n both n = 1 and n = 512. With
@@ -20,6 +23,7 @@
 #include "common/base/threadpool.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/qmatmul.h"
+#include "kernels/cpu/x24.h"
 
 typedef struct {
     td_dtype t;
@@ -28,11 +32,13 @@ typedef struct {
     const void *xq;
     size_t xs;
     const float *xf; /* f32 activations, (n, k) */
+    const void *xa;  /* -x: the x24 activation buffer */
     int n, k, rows;
     float *y;
 } mm_job;
 
 static int g_f32act;  /* -a */
+static int g_x24;     /* -x */
 static int g_kshapes; /* -K: the 1.5B shapes for any -w type */
 
 static int g_row_chunk; /* -c N: call the kernel per N rows, as a forward pass may */
@@ -43,10 +49,17 @@ static void mm_task(void *ctx, int ith, int nth) {
     /* rows split in multiples of 4 so every thread keeps full tiles */
     td_split_range((j->rows + 3) / 4, ith, nth, &b, &e);
     int r0 = (int)(b * 4), r1 = (int)(e * 4 < j->rows ? e * 4 : j->rows);
-    int step = g_row_chunk > 0 ? g_row_chunk : r1 - r0;
+    if (g_x24) { /* whole 16-row strips */
+        td_split_range((j->rows + 15) / 16, ith, nth, &b, &e);
+        r0 = (int)(b * 16);
+        r1 = (int)(e * 16 < j->rows ? e * 16 : j->rows);
+    }
+    int step = g_x24 ? 256 : g_row_chunk > 0 ? g_row_chunk : r1 - r0;
     for (int r = r0; r < r1; r += step) {
         int re = r + step < r1 ? r + step : r1;
-        if (g_f32act)
+        if (g_x24)
+            td_x24_matmul(j->t, j->w, j->ws, j->xa, j->n, j->k, j->y + r, (size_t)j->rows, r, re);
+        else if (g_f32act)
             td_cpu_matmul_f32act(j->t, j->w, j->ws, j->xf, (size_t)j->k, j->n, j->k, j->y,
                                  (size_t)j->rows, r, re);
         else
@@ -94,7 +107,15 @@ static void bench_one(td_threadpool *tp, td_dtype t, int rows, int k, int n) {
         for (int i = 0; i < k; i++) xt[i] = (float)((double)rand() / RAND_MAX) - 0.5f;
         if (xs) td_cpu_act_quant(t, xt, xq + (size_t)tt * xs, k); /* 0: f32 activations only */
     }
-    mm_job j = {t, w, ws, xq, xs, x, n, k, rows, y};
+    void *xa = NULL;
+    double tq = 0;
+    if (g_x24) {
+        xa = malloc(td_x24_bytes(n, k));
+        double t0 = now_s();
+        td_x24_quant(x, (size_t)k, 0, n, n, k, xa);
+        tq = now_s() - t0;
+    }
+    mm_job j = {t, w, ws, xq, xs, x, xa, n, k, rows, y};
     td_threadpool_run(tp, mm_task, &j); /* warm up */
     double best = 1e30;
     double budget = td_time_s() + 0.3;
@@ -107,20 +128,27 @@ static void bench_one(td_threadpool *tp, td_dtype t, int rows, int k, int n) {
         reps++;
     } while (td_time_s() < budget || reps < 3);
     double flop = 2.0 * rows * (double)k * n;
-    printf("%-7s%s %-5s %6d x %-5d n=%-4d %9.1f us %8.1f GFLOP/s %7.1f GB/s\n",
-           td_cpu_isa_name(td_cpu_selected()), g_f32act ? "/f32act" : "", td_dtype_name(t), rows, k,
-           n, best * 1e6, flop / best * 1e-9, (double)ws * rows / best * 1e-9);
-    free(w), free(xq), free(x), free(y), free(wr);
+    printf("%-7s%s %-5s %6d x %-5d n=%-4d %9.1f us %8.1f GFLOP/s %7.1f GB/s",
+           td_cpu_isa_name(td_cpu_selected()),
+           g_x24      ? "/x24"
+           : g_f32act ? "/f32act"
+                      : "",
+           td_dtype_name(t), rows, k, n, best * 1e6, flop / best * 1e-9,
+           (double)ws * rows / best * 1e-9);
+    if (g_x24) printf("  (+ %.1f us to quantize the activations, one thread)", tq * 1e6);
+    printf("\n");
+    free(w), free(xq), free(x), free(y), free(wr), free(xa);
 }
 
 int main(int argc, char **argv) {
     int threads = 2, only_n = 0, only_isa = -1, only_type = -1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-a")) g_f32act = 1;
+        if (!strcmp(argv[i], "-x")) g_x24 = g_f32act = 1;
         if (!strcmp(argv[i], "-K")) g_kshapes = 1;
     }
     for (int i = 1; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "-a") || !strcmp(argv[i], "-K")) {
+        if (!strcmp(argv[i], "-a") || !strcmp(argv[i], "-K") || !strcmp(argv[i], "-x")) {
             i--;
             continue;
         }
@@ -155,6 +183,11 @@ int main(int argc, char **argv) {
     for (int isa = TD_ISA_AVX512; isa >= TD_ISA_SCALAR; isa--) {
         if (only_isa >= 0 && isa != only_isa) continue;
         if (!td_cpu_select((td_isa)isa)) continue;
+        if (g_x24 && !td_x24_type((td_dtype)only_type)) {
+            if (isa == TD_ISA_AVX512)
+                fprintf(stderr, "td-bench-kernels: -x needs -w 12 (q4_K) and AMX-INT8\n");
+            continue;
+        }
         for (int ni = 0; ni < 2; ni++) {
             int n = ns[ni];
             if (only_n && n != only_n) continue;

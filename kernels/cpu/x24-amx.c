@@ -1,0 +1,429 @@
+/* x24: Q4_K matmuls with 24-bit fixed-point activations, on CPUs with
+ * AMX-INT8 (prefill) and AVX512-VNNI (decode). The arithmetic (x24.h)
+ * makes every super-block's dot product an exact integer, so the two
+ * paths give the same bits for a (row, token) pair whatever n is.
+ *
+ * Activations, per token row and per 256-element block (x24.h):
+ *   s = 2^(e - 23), e the exponent of the block's largest magnitude,
+ *   v_i = rint(x_i / s) clamped to [-2^23, 2^23 - 1],
+ *   limbs L = v & 255, M = (v >> 8) & 255, H = v >> 16 (signed),
+ * stored in AMX A-tile order: for each 16-token tile, for each 64-element
+ * step, the three limbs as 16 rows of 64 bytes (x24.h: td_x24_limbs).
+ *
+ * Weights, per row and super-block: W_i = sc_j * q_i (0..945), so
+ *   CL = sum L_i W_i, CM = sum M_i W_i, CH = sum H_i W_i
+ * are exact int32 (|C| < 2^27). AMX takes W as two signed bytes
+ * (W & 127, W >> 7) in B-tile (VNNI) order, built per 16-row strip; the
+ * decode kernel takes q as bytes and multiplies the per-sub-block sums by
+ * sc with vpdpwssd. Both then run x24_post's f32 roundings. */
+#include <cpuid.h>
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "cpu-impl.h"
+#include "x24.h"
+
+#define AI       static inline __attribute__((always_inline))
+
+#define SB_CHUNK 2   /* super-blocks per weight-tile build (K block of 512) */
+#define RB       256 /* weight rows per block of the AMX kernel */
+#define PF_DIST  3072
+
+/* ---- process set-up ---- */
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA  18
+
+static bool g_x24_ok;
+static bool g_x24_on = true;
+
+static bool cpu_has_amx_int8(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    return (d & (1u << 24)) && (d & (1u << 25)); /* AMX-TILE, AMX-INT8 */
+}
+
+void td_x24_init(td_isa isa) {
+    g_x24_ok = false;
+    if (isa != TD_ISA_AVX512 || !cpu_has_amx_int8()) return;
+    /* Linux hands out the 8 KiB tile state only on request (5.16+). */
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return;
+    g_x24_ok = true;
+}
+
+bool td_x24_available(void) { return g_x24_ok; }
+void td_x24_set_enabled(bool on) { g_x24_on = on; }
+bool td_x24_type(td_dtype t) { return g_x24_ok && g_x24_on && t == TD_TYPE_Q4_K; }
+
+/* ---- activation rows ---- */
+
+size_t td_x24_bytes(int n, int64_t k) {
+    const size_t np = (size_t)td_x24_pad(n);
+    return np * (size_t)k * 3 + np * (size_t)(k / TD_QK_K) * sizeof(float) * 9;
+}
+
+static float *x24_s(const void *xa, int n, int64_t k) {
+    return (float *)((char *)xa + (size_t)td_x24_pad(n) * (size_t)k * 3);
+}
+static float *x24_sx(const void *xa, int n, int64_t k) {
+    return x24_s(xa, n, k) + (size_t)td_x24_pad(n) * (size_t)(k / TD_QK_K);
+}
+/* Limb l of token t, elements [64 ks, 64 ks + 64). */
+AI const int8_t *x24_limb(const void *xa, int64_t k, int t, int64_t ks, int l) {
+    return (const int8_t *)xa +
+           ((((size_t)(t / 16) * (size_t)(k / 64) + (size_t)ks) * 3 + l) * 16 + (size_t)(t % 16)) *
+               64;
+}
+
+static void quant_row(const float *x, int t, int n, int64_t k, void *xa) {
+    const int64_t nsb = k / TD_QK_K;
+    float *s = x24_s(xa, n, k) + (size_t)t * (size_t)nsb;
+    float *sx = x24_sx(xa, n, k) + (size_t)t * (size_t)nsb * 8;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const float *xs = x + sb * TD_QK_K;
+        __m512 mx = _mm512_setzero_ps();
+        for (int i = 0; i < TD_QK_K; i += 16)
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xs + i)));
+        const float m = _mm512_reduce_max_ps(mx);
+        int e = 0;
+        bool finite = m == m && m <= 3.4028235e38f;
+        /* NaN lanes: max_ps returns its second operand for them; look again */
+        for (int i = 0; finite && i < TD_QK_K; i += 16) {
+            __m512 v = _mm512_loadu_ps(xs + i);
+            if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) finite = false;
+        }
+        if (finite && m > 0) (void)frexpf(m, &e); /* m < 2^e */
+        s[sb] = finite ? ldexpf(1.0f, e - 23) : __builtin_nanf("");
+        const __m512 sh = _mm512_set1_ps((float)(23 - e));
+        const __m512i hi = _mm512_set1_epi32((1 << 23) - 1);
+        for (int64_t ks = 0; ks < TD_QK_K / 64; ks++) {
+            int8_t *dst[3];
+            for (int l = 0; l < 3; l++) dst[l] = (int8_t *)x24_limb(xa, k, t, sb * 4 + ks, l);
+            for (int h = 0; h < 2; h++) {
+                __m512i vsum = _mm512_setzero_si512();
+                for (int q = 0; q < 2; q++) {
+                    const int o = h * 32 + q * 16;
+                    __m512i v = _mm512_setzero_si512();
+                    if (finite)
+                        v = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_scalef_ps(
+                                                 _mm512_loadu_ps(xs + ks * 64 + o), sh)),
+                                             hi);
+                    vsum = _mm512_add_epi32(vsum, v);
+                    _mm_storeu_si128((__m128i *)(dst[0] + o), _mm512_cvtepi32_epi8(v));
+                    _mm_storeu_si128((__m128i *)(dst[1] + o),
+                                     _mm512_cvtepi32_epi8(_mm512_srai_epi32(v, 8)));
+                    _mm_storeu_si128((__m128i *)(dst[2] + o),
+                                     _mm512_cvtepi32_epi8(_mm512_srai_epi32(v, 16)));
+                }
+                sx[sb * 8 + ks * 2 + h] = (float)_mm512_reduce_add_epi32(vsum);
+            }
+        }
+    }
+}
+
+void td_x24_quant(const float *x, size_t ldx, int t0, int t1, int n, int64_t k, void *xa) {
+    for (int t = t0; t < t1; t++) quant_row(x + (size_t)t * ldx, t, n, k, xa);
+    if (t1 != n || n < TD_X24_AMX_MIN) return;
+    /* padding tokens of the last tile: zero limbs and scales */
+    const int64_t nsb = k / TD_QK_K;
+    for (int t = n; t < td_x24_pad(n); t++) {
+        for (int64_t ks = 0; ks < k / 64; ks++)
+            for (int l = 0; l < 3; l++) memset((void *)x24_limb(xa, k, t, ks, l), 0, 64);
+        memset(x24_s(xa, n, k) + (size_t)t * (size_t)nsb, 0, (size_t)nsb * sizeof(float));
+        memset(x24_sx(xa, n, k) + (size_t)t * (size_t)nsb * 8, 0, (size_t)nsb * 8 * sizeof(float));
+    }
+}
+
+/* ---- the f32 roundings after the integer sums (x24.h: td_x24_post) ---- */
+
+AI __m512 post_v(__m512i cl, __m512i cm, __m512i ch, __m512 d, __m512 dmin, const __m512 *mins,
+                 const float *sx, float s, __m512 acc) {
+    __m512 t =
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(cm), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(cl));
+    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ch), _mm512_set1_ps(65536.0f), t);
+    __m512 q = _mm512_setzero_ps();
+    for (int j = 0; j < 8; j++) q = _mm512_fmadd_ps(_mm512_set1_ps(sx[j]), mins[j], q);
+    const __m512 u = _mm512_fnmadd_ps(q, dmin, _mm512_mul_ps(t, d));
+    return _mm512_fmadd_ps(_mm512_set1_ps(s), u, acc);
+}
+
+/* ---- decode: AVX512-VNNI, one weight row at a time ---- */
+
+/* sc of sub-blocks 2c (lanes 0-7) and 2c + 1 (lanes 8-15) as int16 in
+ * each lane's low half. */
+AI void k_scales(const td_block_q4_K *b, __m512i scv[4], float mins[8]) {
+    int sc[8], m[8];
+    for (int j = 0; j < 8; j++) td_k_scale_min(b->scales, j, &sc[j], &m[j]);
+    for (int c = 0; c < 4; c++)
+        scv[c] = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(sc[2 * c]),
+                                         _mm512_set1_epi32(sc[2 * c + 1]));
+    for (int j = 0; j < 8; j++) mins[j] = (float)m[j];
+}
+
+static void mm_decode(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
+                      size_t ldy, int r0, int r1) {
+    const int64_t nsb = k / TD_QK_K;
+    const float *s = x24_s(xa, n, k), *sx = x24_sx(xa, n, k);
+    const __m512i m4 = _mm512_set1_epi8(15);
+    for (int r = r0; r < r1; r++) {
+        const td_block_q4_K *row = (const td_block_q4_K *)(w + (size_t)r * ws);
+        float acc[TD_X24_AMX_MIN];
+        for (int t = 0; t < n; t++) acc[t] = 0.0f;
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const td_block_q4_K *b = row + sb;
+            _mm_prefetch((const char *)b + PF_DIST, _MM_HINT_T0);
+            _mm_prefetch((const char *)b + PF_DIST + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)b + PF_DIST + 128, _MM_HINT_T0);
+            __m512i scv[4], q[4];
+            float mins[8];
+            k_scales(b, scv, mins);
+            for (int c = 0; c < 4; c++) {
+                const __m256i qs = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * c));
+                q[c] = _mm512_and_si512(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(qs), _mm256_srli_epi16(qs, 4), 1),
+                    m4);
+            }
+            const float d = td_cpu_h2f(b->d), dmin = td_cpu_h2f(b->dmin);
+            for (int t = 0; t < n; t++) {
+                __m512i al = _mm512_setzero_si512(), am = al, ah = al;
+                for (int c = 0; c < 4; c++) {
+                    const int64_t ks = sb * 4 + c;
+                    const __m512i z = _mm512_setzero_si512();
+                    const __m512i l = _mm512_loadu_si512(x24_limb(xa, k, t, ks, 0));
+                    const __m512i m = _mm512_loadu_si512(x24_limb(xa, k, t, ks, 1));
+                    const __m512i h = _mm512_loadu_si512(x24_limb(xa, k, t, ks, 2));
+                    al = _mm512_dpwssd_epi32(al, _mm512_dpbusd_epi32(z, l, q[c]), scv[c]);
+                    am = _mm512_dpwssd_epi32(am, _mm512_dpbusd_epi32(z, m, q[c]), scv[c]);
+                    ah = _mm512_dpwssd_epi32(ah, _mm512_dpbusd_epi32(z, q[c], h), scv[c]);
+                }
+                acc[t] = td_x24_post(_mm512_reduce_add_epi32(al), _mm512_reduce_add_epi32(am),
+                                     _mm512_reduce_add_epi32(ah), d, dmin, mins,
+                                     sx + ((size_t)t * (size_t)nsb + (size_t)sb) * 8,
+                                     s[(size_t)t * (size_t)nsb + (size_t)sb], acc[t]);
+            }
+        }
+        for (int t = 0; t < n; t++) y[(size_t)t * ldy + (size_t)(r - r0)] = acc[t];
+    }
+}
+
+/* ---- prefill: AMX, one strip of up to 16 weight rows at a time ---- */
+
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tilecfg;
+
+static _Thread_local bool g_tile_cfg;
+
+static void tile_config(void) {
+    if (g_tile_cfg) return;
+    tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.colsb[i] = 64;
+        c.rows[i] = 16;
+    }
+    _tile_loadconfig(&c);
+    g_tile_cfg = true;
+}
+
+/* 16 rows of 16 dwords -> their transpose, in place. */
+AI void transpose16(__m512i r[16]) {
+    __m512i a[16], x[16];
+    for (int i = 0; i < 16; i += 2) {
+        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* x[4g + e]: lane L holds element 4L + e of rows 4g .. 4g + 3 */
+    for (int g = 0; g < 4; g++) {
+        x[4 * g + 0] = _mm512_unpacklo_epi64(a[4 * g], a[4 * g + 2]);
+        x[4 * g + 1] = _mm512_unpackhi_epi64(a[4 * g], a[4 * g + 2]);
+        x[4 * g + 2] = _mm512_unpacklo_epi64(a[4 * g + 1], a[4 * g + 3]);
+        x[4 * g + 3] = _mm512_unpackhi_epi64(a[4 * g + 1], a[4 * g + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512i p = _mm512_shuffle_i32x4(x[e], x[4 + e], 0x44);
+        const __m512i q = _mm512_shuffle_i32x4(x[e], x[4 + e], 0xEE);
+        const __m512i u = _mm512_shuffle_i32x4(x[8 + e], x[12 + e], 0x44);
+        const __m512i v = _mm512_shuffle_i32x4(x[8 + e], x[12 + e], 0xEE);
+        r[0 + e] = _mm512_shuffle_i32x4(p, u, 0x88);
+        r[4 + e] = _mm512_shuffle_i32x4(p, u, 0xDD);
+        r[8 + e] = _mm512_shuffle_i32x4(q, v, 0x88);
+        r[12 + e] = _mm512_shuffle_i32x4(q, v, 0xDD);
+    }
+}
+
+/* One strip's weight tiles for super-blocks [sb0, sb0 + nsb_c): per
+ * super-block and 64-element step, B tiles of W & 127 and W >> 7 (rows past
+ * nr zero), and the rows' d, dmin and mins as lane vectors. */
+typedef struct {
+    _Alignas(64) int8_t b[SB_CHUNK][4][2][1024];
+    _Alignas(64) float d[SB_CHUNK][16], dmin[SB_CHUNK][16], mins[SB_CHUNK][8][16];
+} wtiles;
+
+static void build_tiles(const char *w, size_t ws, int nr, int64_t sb0, int nsb_c, wtiles *wt) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    for (int i = 0; i < nsb_c; i++) {
+        __m512i lo[4][16], hi[4][16];
+        for (int rr = 0; rr < 16; rr++) {
+            if (rr >= nr) {
+                for (int c = 0; c < 4; c++) lo[c][rr] = hi[c][rr] = _mm512_setzero_si512();
+                wt->d[i][rr] = wt->dmin[i][rr] = 0.0f;
+                for (int j = 0; j < 8; j++) wt->mins[i][j][rr] = 0.0f;
+                continue;
+            }
+            const td_block_q4_K *b = (const td_block_q4_K *)(w + (size_t)rr * ws) + sb0 + i;
+            int sc[8], m[8];
+            for (int j = 0; j < 8; j++) {
+                td_k_scale_min(b->scales, j, &sc[j], &m[j]);
+                wt->mins[i][j][rr] = (float)m[j];
+            }
+            wt->d[i][rr] = td_cpu_h2f(b->d);
+            wt->dmin[i][rr] = td_cpu_h2f(b->dmin);
+            for (int c = 0; c < 4; c++) {
+                const __m256i qs = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * c));
+                const __m512i q = _mm512_and_si512(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(qs), _mm256_srli_epi16(qs, 4), 1),
+                    m4);
+                /* words: elements 0-31 of the step times sc[2c], 32-63 times sc[2c + 1] */
+                const __m512i w0 =
+                    _mm512_mullo_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(q)),
+                                       _mm512_set1_epi16((short)sc[2 * c]));
+                const __m512i w1 =
+                    _mm512_mullo_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, 1)),
+                                       _mm512_set1_epi16((short)sc[2 * c + 1]));
+                const __m512i k127 = _mm512_set1_epi16(127);
+                lo[c][rr] = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_and_si512(w0, k127))),
+                    _mm512_cvtepi16_epi8(_mm512_and_si512(w1, k127)), 1);
+                hi[c][rr] = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(w0, 7))),
+                    _mm512_cvtepi16_epi8(_mm512_srai_epi16(w1, 7)), 1);
+            }
+        }
+        for (int c = 0; c < 4; c++) {
+            transpose16(lo[c]);
+            transpose16(hi[c]);
+            for (int kk = 0; kk < 16; kk++) {
+                _mm512_store_si512(wt->b[i][c][0] + kk * 64, lo[c][kk]);
+                _mm512_store_si512(wt->b[i][c][1] + kk * 64, hi[c][kk]);
+            }
+        }
+    }
+}
+
+typedef struct {
+    _Alignas(64) int32_t c[6][16][16];
+} ctiles;
+
+/* Post one super-block's six C tiles into the strip's accumulators. */
+AI void post_tiles(const ctiles *ct, const wtiles *wt, int i, const float *s, const float *sx,
+                   int64_t nsb, int64_t sb, int t0, __m512 acc[16]) {
+    const __m512 d = _mm512_load_ps(wt->d[i]), dmin = _mm512_load_ps(wt->dmin[i]);
+    __m512 mins[8];
+    for (int j = 0; j < 8; j++) mins[j] = _mm512_load_ps(wt->mins[i][j]);
+    for (int r = 0; r < 16; r++) {
+        const __m512i cl = _mm512_add_epi32(_mm512_load_si512(ct->c[0][r]),
+                                            _mm512_slli_epi32(_mm512_load_si512(ct->c[3][r]), 7));
+        const __m512i cm = _mm512_add_epi32(_mm512_load_si512(ct->c[1][r]),
+                                            _mm512_slli_epi32(_mm512_load_si512(ct->c[4][r]), 7));
+        const __m512i ch = _mm512_add_epi32(_mm512_load_si512(ct->c[2][r]),
+                                            _mm512_slli_epi32(_mm512_load_si512(ct->c[5][r]), 7));
+        const size_t ts = (size_t)(t0 + r) * (size_t)nsb + (size_t)sb;
+        acc[r] = post_v(cl, cm, ch, d, dmin, mins, sx + ts * 8, s[ts], acc[r]);
+    }
+}
+
+/* Rows in blocks of up to RB; per 512-element K block, every strip's
+ * weight tiles are built once (RB / 16 strips of 16 KiB: L2), then each
+ * 16-token tile of activations (24 KiB) runs against all of them, so the
+ * activations stream once per row block and y is swept along its rows. */
+static void mm_amx(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y, size_t ldy,
+                   int r0, int r1) {
+    tile_config();
+    const int64_t nsb = k / TD_QK_K;
+    const float *s = x24_s(xa, n, k), *sx = x24_sx(xa, n, k);
+    static _Thread_local wtiles wt[RB / 16];
+    static _Thread_local ctiles ct[2];
+    for (int rb = r0; rb < r1; rb += RB) {
+        const int nrb = r1 - rb < RB ? r1 - rb : RB;
+        const int nstrip = (nrb + 15) / 16;
+        for (int64_t sb0 = 0; sb0 < nsb; sb0 += SB_CHUNK) {
+            const int nsb_c = nsb - sb0 < SB_CHUNK ? (int)(nsb - sb0) : SB_CHUNK;
+            for (int st = 0; st < nstrip; st++) {
+                const int nr = nrb - 16 * st < 16 ? nrb - 16 * st : 16;
+                build_tiles(w + (size_t)(rb + 16 * st) * ws, ws, nr, sb0, nsb_c, &wt[st]);
+            }
+            for (int t0 = 0; t0 < n; t0 += 16) {
+                const int nt = n - t0 < 16 ? n - t0 : 16;
+                for (int st = 0; st < nstrip; st++) {
+                    const int nr = nrb - 16 * st < 16 ? nrb - 16 * st : 16;
+                    const __mmask16 rmask = (__mmask16)((1u << nr) - 1);
+                    float *ys = y + (size_t)(rb - r0 + 16 * st);
+                    const wtiles *ws_t = &wt[st];
+                    __m512 acc[16];
+                    for (int r = 0; r < 16; r++)
+                        acc[r] = sb0 && r < nt
+                                     ? _mm512_maskz_loadu_ps(rmask, ys + (size_t)(t0 + r) * ldy)
+                                     : _mm512_setzero_ps();
+                    for (int i = 0; i < nsb_c; i++) {
+                        const int64_t sb = sb0 + i;
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                        _tile_zero(4);
+                        _tile_zero(5);
+                        for (int c = 0; c < 4; c++) {
+                            const int8_t *a = x24_limb(xa, k, t0, sb * 4 + c, 0);
+                            _tile_loadd(7, ws_t->b[i][c][0], 64);
+                            _tile_loadd(6, a, 64);
+                            _tile_dpbusd(0, 6, 7);
+                            _tile_loadd(6, a + 1024, 64);
+                            _tile_dpbusd(1, 6, 7);
+                            _tile_loadd(6, a + 2048, 64);
+                            _tile_dpbssd(2, 6, 7);
+                            _tile_loadd(7, ws_t->b[i][c][1], 64);
+                            _tile_loadd(6, a, 64);
+                            _tile_dpbusd(3, 6, 7);
+                            _tile_loadd(6, a + 1024, 64);
+                            _tile_dpbusd(4, 6, 7);
+                            _tile_loadd(6, a + 2048, 64);
+                            _tile_dpbssd(5, 6, 7);
+                        }
+                        ctiles *cur = &ct[i & 1];
+                        _tile_stored(0, cur->c[0], 64);
+                        _tile_stored(1, cur->c[1], 64);
+                        _tile_stored(2, cur->c[2], 64);
+                        _tile_stored(3, cur->c[3], 64);
+                        _tile_stored(4, cur->c[4], 64);
+                        _tile_stored(5, cur->c[5], 64);
+                        /* the previous super-block's post overlaps these stores */
+                        if (i)
+                            post_tiles(&ct[(i - 1) & 1], ws_t, i - 1, s, sx, nsb, sb - 1, t0, acc);
+                    }
+                    post_tiles(&ct[(nsb_c - 1) & 1], ws_t, nsb_c - 1, s, sx, nsb, sb0 + nsb_c - 1,
+                               t0, acc);
+                    for (int r = 0; r < nt; r++)
+                        _mm512_mask_storeu_ps(ys + (size_t)(t0 + r) * ldy, rmask, acc[r]);
+                }
+            }
+        }
+    }
+}
+
+void td_x24_matmul(td_dtype wt, const void *w, size_t ws, const void *xa, int n, int64_t k,
+                   float *y, size_t ldy, int r0, int r1) {
+    if (wt != TD_TYPE_Q4_K) TD_KERNEL_UNREACHABLE_TYPE(wt);
+    if (n <= 0 || r1 <= r0) return;
+    const char *wr = (const char *)w + (size_t)r0 * ws;
+    if (n < TD_X24_AMX_MIN)
+        mm_decode(wr, ws, xa, n, k, y, ldy, 0, r1 - r0);
+    else
+        mm_amx(wr, ws, xa, n, k, y, ldy, 0, r1 - r0);
+}

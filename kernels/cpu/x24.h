@@ -1,0 +1,80 @@
+/* x24: the K-quant matmul of CPUs with AMX-INT8, on f32 activations held
+ * to 24 bits per 256-element block.
+ *
+ * Where it applies (td_x24_type: Q4_K weights, the AVX-512 ISA selected,
+ * AMX usable by the process), the default matmul takes each activation
+ * row as per-block fixed point: for each block of 256 elements (a K-quant
+ * super-block),
+ *   s = 2^(e - 23), e the exponent of the block's largest |x| (|x| < 2^e),
+ *   v_i = rint(x_i / s), clamped to [-2^23, 2^23 - 1]
+ * (the largest element keeps 23 of its 24 significant bits; every element
+ * is within s/2 of x_i; a block holding NaN or Inf gets s = NaN). A super-
+ * block's dot product with a Q4_K row is then an exact integer, taken as
+ * three int32 sums over the limbs L = v & 255, M = (v >> 8) & 255,
+ * H = v >> 16 of v and the weights W_i = sc_j * q_i:
+ *   CL = sum L_i W_i, CM = sum M_i W_i, CH = sum H_i W_i,
+ * and the row's value is the f32 accumulation over super-blocks, in k
+ * order, of td_x24_post (below). The integer sums do not depend on how
+ * they are computed, so AMX tiles (n >= TD_X24_AMX_MIN tokens) and the
+ * AVX512-VNNI decode kernel (fewer) give the same bits: the invariance
+ * contract of cpu.h holds by construction.
+ *
+ * Activations live in one buffer per matmul call (td_x24_bytes), in AMX
+ * tile order, quantized by td_x24_quant (disjoint token ranges may run on
+ * different threads). Reentrant after td_cpu_select (which calls
+ * td_x24_init); each thread configures its tiles on first use. */
+#ifndef TD_KERNELS_CPU_X24_H
+#define TD_KERNELS_CPU_X24_H
+
+#include <math.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/types.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TD_X24_AMX_MIN 16 /* tokens from which the AMX kernel runs */
+
+/* Called by td_cpu_select: asks Linux for the AMX tile state when the ISA
+ * is AVX-512 and the CPU has AMX-INT8. */
+void td_x24_init(td_isa isa);
+/* The process can run x24 (AMX-INT8 present and granted). */
+bool td_x24_available(void);
+/* On by default where available; off sends every matmul to the f32 kernels
+ * (benchmarks and tests compare the two). Not thread-safe: set before use. */
+void td_x24_set_enabled(bool on);
+/* Weights of type t go through x24 in this process. */
+bool td_x24_type(td_dtype t);
+
+/* n token rows padded to whole 16-token tiles. */
+static inline int td_x24_pad(int n) { return (n + 15) & ~15; }
+/* Bytes of the activation buffer for n rows of k (a multiple of 256). */
+size_t td_x24_bytes(int n, int64_t k);
+/* Rows [t0, t1) of x (n rows of ldx floats) into xa; the call with
+ * t1 == n also clears the padding rows. */
+void td_x24_quant(const float *x, size_t ldx, int t0, int t1, int n, int64_t k, void *xa);
+/* y[t * ldy + (r - r0)] = row r of W times token t, t < n, r in [r0, r1). */
+void td_x24_matmul(td_dtype wt, const void *w, size_t ws, const void *xa, int n, int64_t k,
+                   float *y, size_t ldy, int r0, int r1);
+
+/* The f32 roundings of one super-block: acc + s * (t d - q dmin), with
+ * t = CL + 256 CM + 65536 CH and q = sum_j sx_j m_j (sx_j: the sum of v
+ * over sub-block j, as float; m_j the 6-bit mins). */
+static inline float td_x24_post(int32_t cl, int32_t cm, int32_t ch, float d, float dmin,
+                                const float *mins, const float *sx, float s, float acc) {
+    float t = fmaf((float)cm, 256.0f, (float)cl);
+    t = fmaf((float)ch, 65536.0f, t);
+    float q = 0.0f;
+    for (int j = 0; j < 8; j++) q = fmaf(sx[j], mins[j], q);
+    const float u = fmaf(-q, dmin, t * d);
+    return fmaf(s, u, acc);
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif
