@@ -33,6 +33,7 @@
 #include "backend-impl.h"
 #include "kernels/cpu/attn-cp.h"
 #include "kernels/cpu/qmatmul.h"
+#include "kernels/cpu/x24.h"
 
 #define ROW_TILE     16  /* matmul output rows are split between threads in tiles */
 #define ROW_TILE_FEW 256 /* at most, for fewer than MIN_PAR_ROWS token rows (decode) */
@@ -57,6 +58,8 @@ typedef struct {
     float *cp_tmp;       /* (nth, head_dim) one partial's output per thread */
     uint8_t *xq;         /* int8 activation rows (td_backend_set_act_int8) */
     size_t xq_cap;
+    void *xa; /* x24 activation rows (kernels/cpu/x24.h) */
+    size_t xa_cap;
     wrange *wr; /* (n_wr) the weight ranges copied to the arena, by source address */
     int n_wr;
     char *arena; /* arena_bytes: the matmuls' weights in transparent huge pages */
@@ -74,7 +77,15 @@ static cpu_ctx *ctx_of(td_backend *be) { return be->ctx; }
 td_isa td_backend_isa_best(void) { return td_cpu_isa_best(); }
 int td_backend_isa_parse(const char *name) { return td_cpu_isa_parse(name); }
 const char *td_backend_isa_name(td_isa isa) { return td_cpu_isa_name(isa); }
-bool td_backend_isa_select(td_isa isa) { return td_cpu_select(isa); }
+/* TANDEM_X24=1 sends Q4_K matmuls through x24 on a CPU with AMX-INT8
+ * (kernels/cpu/x24.h): prefill 1.5-1.7x faster, decode not yet as fast as
+ * the f32 kernels', so off by default for now. */
+bool td_backend_isa_select(td_isa isa) {
+    if (!td_cpu_select(isa)) return false;
+    const char *e = getenv("TANDEM_X24");
+    td_x24_set_enabled(e && strcmp(e, "1") == 0);
+    return true;
+}
 td_isa td_backend_isa_selected(void) { return td_cpu_selected(); }
 
 static bool g_act_int8;
@@ -548,6 +559,7 @@ typedef struct {
     size_t ldx;
     const uint8_t *xq; /* NULL: f32 activations; else int8 rows of xq_stride bytes */
     size_t xq_stride;
+    const void *xa; /* non-NULL: x24 rows of x for the weights td_x24_type takes */
     float *y[TD_BACKEND_MAX_MM];
     size_t ldy[TD_BACKEND_MAX_MM];
     int64_t tile, n_tiles; /* output rows per tile; tiles over all the weights */
@@ -573,7 +585,9 @@ static void mm_locate(const matmul_task *t, int64_t b, int *i, int64_t *r0, int6
 static void mm_rows(const matmul_task *t, int i, int64_t r0, int64_t r1, float *y, size_t ldy) {
     const td_weight *w = t->w[i];
     const char *wr = (const char *)t->wd[i] + (size_t)r0 * w->stride;
-    if (t->xq)
+    if (t->xa && td_x24_type(w->type))
+        td_x24_matmul(w->type, wr, w->stride, t->xa, t->n_rows, w->cols, y, ldy, 0, (int)(r1 - r0));
+    else if (t->xq)
         td_cpu_matmul(w->type, wr, w->stride, t->xq, t->xq_stride, t->n_rows, w->cols, y, ldy, 0,
                       (int)(r1 - r0));
     else
@@ -693,14 +707,67 @@ static bool act_int8_rows(cpu_ctx *c, int n_w, const td_weight *const *w, const 
     return true;
 }
 
+/* The x24 rows of x, once per matmul call (task_x24q, per token range). */
+typedef struct {
+    cpu_ctx *c;
+    const float *x;
+    size_t ldx;
+    void *xa;
+    int32_t n_rows;
+    int64_t k;
+} x24q_task;
+
+static void task_x24q(void *ctx, int ith, int nth) {
+    (void)ith;
+    (void)nth;
+    const x24q_task *t = ctx;
+    int64_t r0, r1;
+    while (claim(t->c, t->n_rows, ROW_CHUNK, &r0, &r1))
+        td_x24_quant(t->x, t->ldx, (int)r0, (int)r1, t->n_rows, t->k, t->xa);
+}
+
+/* Without --act-int8, weights that x24 takes (a CPU with AMX-INT8:
+ * kernels/cpu/x24.h) read x as x24 rows, made here into c->xa; false
+ * leaves every weight on the f32 path. */
+static bool act_x24_rows(cpu_ctx *c, int n_w, const td_weight *const *w, const float *x, size_t ldx,
+                         int32_t n_rows) {
+    int64_t k = -1;
+    for (int i = 0; i < n_w; i++)
+        if (td_x24_type(w[i]->type)) k = w[i]->cols;
+    if (g_act_int8 || k < 0) return false;
+    for (int i = 0; i < n_w; i++)
+        if (td_x24_type(w[i]->type) && w[i]->cols != k) return false;
+    const size_t need = td_x24_bytes(n_rows, k);
+    if (need > c->xa_cap) {
+        void *p = host_alloc(need);
+        if (!p) return false;         /* the f32 path needs no memory */
+        td_threadpool_quiesce(c->tp); /* a late worker may still read the old rows */
+        free(c->xa);
+        c->xa = p;
+        c->xa_cap = need;
+    }
+    x24q_task q = {.c = c, .x = x, .ldx = ldx, .xa = c->xa, .n_rows = n_rows, .k = k};
+    run(c, task_x24q, &q, n_rows);
+    return true;
+}
+
 static void matmul_host(cpu_ctx *c, int n_w, const td_weight *const *w, const float *x, size_t ldx,
                         float *const *y, const size_t *ldy, int32_t n_rows) {
     TD_ASSERT(n_w >= 1 && n_w <= TD_BACKEND_MAX_MM);
     matmul_task t = {.c = c, .n_rows = n_rows, .n_w = n_w, .x = x, .ldx = ldx, .tile = ROW_TILE};
+    const bool x24 = act_x24_rows(c, n_w, w, x, ldx, n_rows);
+    if (x24) t.xa = c->xa;
     if (n_rows < MIN_PAR_ROWS) { /* decode: about two tiles per thread, in multiples of 4 rows */
         int64_t rows = 0;
         for (int i = 0; i < n_w; i++) rows += w[i]->rows;
         t.tile = TD_MAX(ROW_TILE_MIN, TD_MIN(ROW_TILE_FEW, rows / (2 * c->nth)) & ~(int64_t)3);
+        if (x24) t.tile &= ~(int64_t)15; /* whole 16-row strips */
+    } else if (x24) {
+        /* the AMX kernel streams the activations once per call: tiles of up
+         * to ROW_TILE_FEW rows, about two per thread, in whole strips */
+        int64_t rows = 0;
+        for (int i = 0; i < n_w; i++) rows += w[i]->rows;
+        t.tile = TD_MAX(ROW_TILE, TD_MIN(ROW_TILE_FEW, rows / (2 * c->nth)) & ~(int64_t)15);
     }
     for (int i = 0; i < n_w; i++) {
         t.w[i] = w[i];
@@ -1354,6 +1421,7 @@ static void cpu_destroy(td_backend *be) {
     free(c->attn_scratch);
     free(c->cp_tmp);
     free(c->xq);
+    free(c->xa);
     free(c);
     free(be);
 }

@@ -44,6 +44,23 @@ static inline __attribute__((always_inline)) float td_avx512_h2f(const char *p) 
     return _cvtsh_ss(h);
 }
 
+/* A q4_K/q5_K super-block's 6-bit scales and mins as int32 lanes:
+ * [sc0 .. sc7, m0 .. m7]. The 32-bit lanes of the block's first 16 bytes are
+ * [d | dmin, a, b, c], a, b, c the scale words; out of [a, c, b, c] and
+ * [a, a, b, b] come the bytes sc0-3 = a & 63, sc4-7 = c & 15 | (a >> 2) & 48
+ * (the top bits of a), m0-3 = b & 63, m4-7 = c >> 4 & 15 | (b >> 2) & 48. */
+static inline __attribute__((always_inline)) __m512i td_avx512_k_scm(const char *bl) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)bl);
+    const __m128i acbc = _mm_shuffle_epi32(v, _MM_SHUFFLE(3, 2, 3, 1));
+    const __m128i aabb = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 1, 1));
+    const __m128i lo6 =
+        _mm_and_si128(_mm_srlv_epi32(acbc, _mm_setr_epi32(0, 0, 0, 4)),
+                      _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i hi2 =
+        _mm_and_si128(_mm_srli_epi32(aabb, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm512_cvtepu8_epi32(_mm_or_si128(lo6, hi2));
+}
+
 /* A K super-block's scales as f32 (in a vector): q4_K/q5_K out[j] = d*sc_j and
  * out[8 + j] = -(dmin*m_j), j < 8; q6_K out[i] = d*scales[i], i < 16
  * (exact products). The 6-bit scales and mins are
@@ -55,19 +72,8 @@ static inline __attribute__((always_inline)) __m512 td_avx512_k_scales_v(const t
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(bl + 192))));
         return _mm512_mul_ps(_mm512_set1_ps(td_avx512_h2f(bl + 208)), s);
     }
-    /* 32-bit lanes of the block's first 16 bytes: [d | dmin, a, b, c], a, b, c
-     * the scale words; out of [a, c, b, c] and [a, a, b, b] come the bytes
-     * sc0-3 = a & 63, sc4-7 = c & 15 | (a >> 2) & 48 (the top bits of a),
-     * m0-3 = b & 63, m4-7 = c >> 4 & 15 | (b >> 2) & 48 */
     const __m128i v = _mm_loadu_si128((const __m128i *)bl);
-    const __m128i acbc = _mm_shuffle_epi32(v, _MM_SHUFFLE(3, 2, 3, 1));
-    const __m128i aabb = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 1, 1));
-    const __m128i lo6 =
-        _mm_and_si128(_mm_srlv_epi32(acbc, _mm_setr_epi32(0, 0, 0, 4)),
-                      _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
-    const __m128i hi2 =
-        _mm_and_si128(_mm_srli_epi32(aabb, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
-    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(lo6, hi2)));
+    const __m512 f = _mm512_cvtepi32_ps(td_avx512_k_scm(bl));
     /* [d x 8, dmin x 8] (lanes 2, 3 of the conversion are not used) */
     const __m512 dm =
         _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),

@@ -15,13 +15,16 @@
  * are exact int32 (|C| < 2^27). AMX takes W as two signed bytes
  * (W & 127, W >> 7) in B-tile (VNNI) order, built per 16-row strip; the
  * decode kernel takes q as bytes and multiplies the per-sub-block sums by
- * sc with vpdpwssd. Both then run x24_post's f32 roundings. */
+ * sc with vpdpwssd. Both then run post_v's f32 roundings (x24.h) on
+ * vectors over 16 weight rows. */
 #include <cpuid.h>
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "avx512-impl.h"
 #include "cpu-impl.h"
 #include "x24.h"
 
@@ -29,7 +32,6 @@
 
 #define SB_CHUNK 2   /* super-blocks per weight-tile build (K block of 512) */
 #define RB       256 /* weight rows per block of the AMX kernel */
-#define PF_DIST  3072
 
 /* ---- process set-up ---- */
 
@@ -37,12 +39,13 @@
 #define XFEATURE_XTILEDATA  18
 
 static bool g_x24_ok;
-static bool g_x24_on = true;
+static bool g_x24_on;
 
 static bool cpu_has_amx_int8(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    return (d & (1u << 24)) && (d & (1u << 25)); /* AMX-TILE, AMX-INT8 */
+    /* AMX-TILE, AMX-INT8; AVX512-VBMI (ECX bit 1) for the byte permutes */
+    return (d & (1u << 24)) && (d & (1u << 25)) && (c & (1u << 1));
 }
 
 void td_x24_init(td_isa isa) {
@@ -70,7 +73,10 @@ static float *x24_s(const void *xa, int n, int64_t k) {
 static float *x24_sx(const void *xa, int n, int64_t k) {
     return x24_s(xa, n, k) + (size_t)td_x24_pad(n) * (size_t)(k / TD_QK_K);
 }
-/* Limb l of token t, elements [64 ks, 64 ks + 64). */
+/* Limb l of token t, 64-element step ks: step u of super-block sb holds at
+ * byte 8j + i element 32j + 8u + i of the block (i < 8), so that each
+ * int32 lane of a VNNI product (4 bytes) stays within one 32-element
+ * sub-block j (lanes 2j and 2j + 1) over all four steps. */
 AI const int8_t *x24_limb(const void *xa, int64_t k, int t, int64_t ks, int l) {
     return (const int8_t *)xa +
            ((((size_t)(t / 16) * (size_t)(k / 64) + (size_t)ks) * 3 + l) * 16 + (size_t)(t % 16)) *
@@ -98,26 +104,28 @@ static void quant_row(const float *x, int t, int n, int64_t k, void *xa) {
         s[sb] = finite ? ldexpf(1.0f, e - 23) : __builtin_nanf("");
         const __m512 sh = _mm512_set1_ps((float)(23 - e));
         const __m512i hi = _mm512_set1_epi32((1 << 23) - 1);
-        for (int64_t ks = 0; ks < TD_QK_K / 64; ks++) {
+        _Alignas(64) int32_t v[TD_QK_K];
+        for (int i = 0; i < TD_QK_K; i += 16) {
+            __m512i vi = _mm512_setzero_si512();
+            if (finite)
+                vi = _mm512_min_epi32(
+                    _mm512_cvtps_epi32(_mm512_scalef_ps(_mm512_loadu_ps(xs + i), sh)), hi);
+            _mm512_store_si512(v + i, vi);
+        }
+        for (int j = 0; j < 8; j++)
+            sx[sb * 8 + j] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(
+                _mm512_load_si512(v + 32 * j), _mm512_load_si512(v + 32 * j + 16)));
+        /* step u, byte 8j + i: element 32j + 8u + i (x24_limb) */
+        for (int u = 0; u < 4; u++) {
             int8_t *dst[3];
-            for (int l = 0; l < 3; l++) dst[l] = (int8_t *)x24_limb(xa, k, t, sb * 4 + ks, l);
-            for (int h = 0; h < 2; h++) {
-                __m512i vsum = _mm512_setzero_si512();
-                for (int q = 0; q < 2; q++) {
-                    const int o = h * 32 + q * 16;
-                    __m512i v = _mm512_setzero_si512();
-                    if (finite)
-                        v = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_scalef_ps(
-                                                 _mm512_loadu_ps(xs + ks * 64 + o), sh)),
-                                             hi);
-                    vsum = _mm512_add_epi32(vsum, v);
-                    _mm_storeu_si128((__m128i *)(dst[0] + o), _mm512_cvtepi32_epi8(v));
-                    _mm_storeu_si128((__m128i *)(dst[1] + o),
-                                     _mm512_cvtepi32_epi8(_mm512_srai_epi32(v, 8)));
-                    _mm_storeu_si128((__m128i *)(dst[2] + o),
-                                     _mm512_cvtepi32_epi8(_mm512_srai_epi32(v, 16)));
-                }
-                sx[sb * 8 + ks * 2 + h] = (float)_mm512_reduce_add_epi32(vsum);
+            for (int l = 0; l < 3; l++) dst[l] = (int8_t *)x24_limb(xa, k, t, sb * 4 + u, l);
+            for (int j = 0; j < 8; j++) {
+                const __m256i c = _mm256_load_si256((const __m256i *)(v + 32 * j + 8 * u));
+                _mm_storel_epi64((__m128i *)(dst[0] + 8 * j), _mm256_cvtepi32_epi8(c));
+                _mm_storel_epi64((__m128i *)(dst[1] + 8 * j),
+                                 _mm256_cvtepi32_epi8(_mm256_srai_epi32(c, 8)));
+                _mm_storel_epi64((__m128i *)(dst[2] + 8 * j),
+                                 _mm256_cvtepi32_epi8(_mm256_srai_epi32(c, 16)));
             }
         }
     }
@@ -136,7 +144,7 @@ void td_x24_quant(const float *x, size_t ldx, int t0, int t1, int n, int64_t k, 
     }
 }
 
-/* ---- the f32 roundings after the integer sums (x24.h: td_x24_post) ---- */
+/* ---- the f32 roundings after the integer sums (x24.h), lanes = weight rows ---- */
 
 AI __m512 post_v(__m512i cl, __m512i cm, __m512i ch, __m512 d, __m512 dmin, const __m512 *mins,
                  const float *sx, float s, __m512 acc) {
@@ -147,65 +155,6 @@ AI __m512 post_v(__m512i cl, __m512i cm, __m512i ch, __m512 d, __m512 dmin, cons
     for (int j = 0; j < 8; j++) q = _mm512_fmadd_ps(_mm512_set1_ps(sx[j]), mins[j], q);
     const __m512 u = _mm512_fnmadd_ps(q, dmin, _mm512_mul_ps(t, d));
     return _mm512_fmadd_ps(_mm512_set1_ps(s), u, acc);
-}
-
-/* ---- decode: AVX512-VNNI, one weight row at a time ---- */
-
-/* sc of sub-blocks 2c (lanes 0-7) and 2c + 1 (lanes 8-15) as int16 in
- * each lane's low half. */
-AI void k_scales(const td_block_q4_K *b, __m512i scv[4], float mins[8]) {
-    int sc[8], m[8];
-    for (int j = 0; j < 8; j++) td_k_scale_min(b->scales, j, &sc[j], &m[j]);
-    for (int c = 0; c < 4; c++)
-        scv[c] = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(sc[2 * c]),
-                                         _mm512_set1_epi32(sc[2 * c + 1]));
-    for (int j = 0; j < 8; j++) mins[j] = (float)m[j];
-}
-
-static void mm_decode(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
-                      size_t ldy, int r0, int r1) {
-    const int64_t nsb = k / TD_QK_K;
-    const float *s = x24_s(xa, n, k), *sx = x24_sx(xa, n, k);
-    const __m512i m4 = _mm512_set1_epi8(15);
-    for (int r = r0; r < r1; r++) {
-        const td_block_q4_K *row = (const td_block_q4_K *)(w + (size_t)r * ws);
-        float acc[TD_X24_AMX_MIN];
-        for (int t = 0; t < n; t++) acc[t] = 0.0f;
-        for (int64_t sb = 0; sb < nsb; sb++) {
-            const td_block_q4_K *b = row + sb;
-            _mm_prefetch((const char *)b + PF_DIST, _MM_HINT_T0);
-            _mm_prefetch((const char *)b + PF_DIST + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)b + PF_DIST + 128, _MM_HINT_T0);
-            __m512i scv[4], q[4];
-            float mins[8];
-            k_scales(b, scv, mins);
-            for (int c = 0; c < 4; c++) {
-                const __m256i qs = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * c));
-                q[c] = _mm512_and_si512(
-                    _mm512_inserti64x4(_mm512_castsi256_si512(qs), _mm256_srli_epi16(qs, 4), 1),
-                    m4);
-            }
-            const float d = td_cpu_h2f(b->d), dmin = td_cpu_h2f(b->dmin);
-            for (int t = 0; t < n; t++) {
-                __m512i al = _mm512_setzero_si512(), am = al, ah = al;
-                for (int c = 0; c < 4; c++) {
-                    const int64_t ks = sb * 4 + c;
-                    const __m512i z = _mm512_setzero_si512();
-                    const __m512i l = _mm512_loadu_si512(x24_limb(xa, k, t, ks, 0));
-                    const __m512i m = _mm512_loadu_si512(x24_limb(xa, k, t, ks, 1));
-                    const __m512i h = _mm512_loadu_si512(x24_limb(xa, k, t, ks, 2));
-                    al = _mm512_dpwssd_epi32(al, _mm512_dpbusd_epi32(z, l, q[c]), scv[c]);
-                    am = _mm512_dpwssd_epi32(am, _mm512_dpbusd_epi32(z, m, q[c]), scv[c]);
-                    ah = _mm512_dpwssd_epi32(ah, _mm512_dpbusd_epi32(z, q[c], h), scv[c]);
-                }
-                acc[t] = td_x24_post(_mm512_reduce_add_epi32(al), _mm512_reduce_add_epi32(am),
-                                     _mm512_reduce_add_epi32(ah), d, dmin, mins,
-                                     sx + ((size_t)t * (size_t)nsb + (size_t)sb) * 8,
-                                     s[(size_t)t * (size_t)nsb + (size_t)sb], acc[t]);
-            }
-        }
-        for (int t = 0; t < n; t++) y[(size_t)t * ldy + (size_t)(r - r0)] = acc[t];
-    }
 }
 
 /* ---- prefill: AMX, one strip of up to 16 weight rows at a time ---- */
@@ -258,6 +207,137 @@ AI void transpose16(__m512i r[16]) {
     }
 }
 
+/* ---- decode: AVX512-VNNI, 16 weight rows at a time ---- */
+
+/* Per row of a strip and super-block: the limbs' lane sums for each token
+ * (ls[t][limb][row]), reduced across lanes by one transpose per limb, so
+ * the post runs on vectors over the strip's rows as the AMX kernel's does. */
+typedef struct {
+    _Alignas(64) int32_t ls[TD_X24_AMX_MIN][3][16][16];
+} dscratch;
+
+/* Lane r = the sum of v[r]'s 16 lanes: a tree of 128-bit-lane and dword
+ * shuffles (half a transpose's), then one permute back to row order. */
+AI __m512i hsum16(const __m512i v[16]) {
+    __m512i a[8], b[4];
+    for (int i = 0; i < 8; i++) /* 128-bit lanes 0, 1: row 2i; 2, 3: row 2i + 1 */
+        a[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0x44),
+                                _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit lane k: row 4i + k */
+        b[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0x88),
+                                _mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    const __m512i c0 =
+        _mm512_add_epi32(_mm512_unpacklo_epi32(b[0], b[1]), _mm512_unpackhi_epi32(b[0], b[1]));
+    const __m512i c1 =
+        _mm512_add_epi32(_mm512_unpacklo_epi32(b[2], b[3]), _mm512_unpackhi_epi32(b[2], b[3]));
+    /* lane 4k + i: row 4i + k */
+    const __m512i d =
+        _mm512_add_epi32(_mm512_unpacklo_epi64(c0, c1), _mm512_unpackhi_epi64(c0, c1));
+    return _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), d);
+}
+
+/* The q of step u (x24_limb's order) of a q4_K block whose 128 quant bytes
+ * are qs0, qs1: byte 8j + i is the nibble of element 32j + 8u + i, which
+ * lives in byte 32 (j / 2) + 8u + i, low nibble for even j. */
+AI __m512i q4k_step(__m512i qs0, __m512i qs1, int u) {
+    _Alignas(64) static const uint8_t idx[4][64] = {
+#define X24_IDX(u)                                                                                 \
+    {0 + 8 * (u),   1 + 8 * (u),   2 + 8 * (u),   3 + 8 * (u),  4 + 8 * (u),   5 + 8 * (u),        \
+     6 + 8 * (u),   7 + 8 * (u),   0 + 8 * (u),   1 + 8 * (u),  2 + 8 * (u),   3 + 8 * (u),        \
+     4 + 8 * (u),   5 + 8 * (u),   6 + 8 * (u),   7 + 8 * (u),  32 + 8 * (u),  33 + 8 * (u),       \
+     34 + 8 * (u),  35 + 8 * (u),  36 + 8 * (u),  37 + 8 * (u), 38 + 8 * (u),  39 + 8 * (u),       \
+     32 + 8 * (u),  33 + 8 * (u),  34 + 8 * (u),  35 + 8 * (u), 36 + 8 * (u),  37 + 8 * (u),       \
+     38 + 8 * (u),  39 + 8 * (u),  64 + 8 * (u),  65 + 8 * (u), 66 + 8 * (u),  67 + 8 * (u),       \
+     68 + 8 * (u),  69 + 8 * (u),  70 + 8 * (u),  71 + 8 * (u), 64 + 8 * (u),  65 + 8 * (u),       \
+     66 + 8 * (u),  67 + 8 * (u),  68 + 8 * (u),  69 + 8 * (u), 70 + 8 * (u),  71 + 8 * (u),       \
+     96 + 8 * (u),  97 + 8 * (u),  98 + 8 * (u),  99 + 8 * (u), 100 + 8 * (u), 101 + 8 * (u),      \
+     102 + 8 * (u), 103 + 8 * (u), 96 + 8 * (u),  97 + 8 * (u), 98 + 8 * (u),  99 + 8 * (u),       \
+     100 + 8 * (u), 101 + 8 * (u), 102 + 8 * (u), 103 + 8 * (u)}
+        X24_IDX(0), X24_IDX(1), X24_IDX(2), X24_IDX(3)
+#undef X24_IDX
+    };
+    const __m512i v = _mm512_permutex2var_epi8(qs0, _mm512_load_si512((const void *)idx[u]), qs1);
+    /* odd sub-blocks (bytes 8-15, 24-31, ...) take the high nibble */
+    const __m512i h = _mm512_mask_blend_epi8(0xFF00FF00FF00FF00ull, v, _mm512_srli_epi16(v, 4));
+    return _mm512_and_si512(h, _mm512_set1_epi8(15));
+}
+
+static void mm_decode(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
+                      size_t ldy, int r0, int r1) {
+    const int64_t nsb = k / TD_QK_K;
+    const float *s = x24_s(xa, n, k), *sx = x24_sx(xa, n, k);
+    /* lanes 2j, 2j + 1: sub-block j */
+    const __m512i sc_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    static _Thread_local dscratch ds;
+    for (int rs = r0; rs < r1; rs += 16) {
+        const int nr = r1 - rs < 16 ? r1 - rs : 16;
+        const __mmask16 rmask = (__mmask16)((1u << nr) - 1);
+        __m512 acc[TD_X24_AMX_MIN];
+        for (int t = 0; t < n; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            /* per row: [d, dmin, -, .., m0 .. m7], transposed below */
+            __m512i dm[16];
+            for (int rr = 0; rr < 16; rr++) {
+                if (rr >= nr) {
+                    dm[rr] = _mm512_setzero_si512();
+                    for (int t = 0; t < n; t++)
+                        for (int l = 0; l < 3; l++)
+                            _mm512_store_si512(ds.ls[t][l][rr], _mm512_setzero_si512());
+                    continue;
+                }
+                const td_block_q4_K *b = (const td_block_q4_K *)(w + (size_t)(rs + rr) * ws) + sb;
+                _mm_prefetch((const char *)(b + 2), _MM_HINT_T0);
+                _mm_prefetch((const char *)(b + 2) + 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)(b + 2) + 128, _MM_HINT_T0);
+                const __m512i scm = td_avx512_k_scm((const char *)b);
+                const __m512 hd = _mm512_castps128_ps512(
+                    _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)(const void *)b)));
+                dm[rr] =
+                    _mm512_castps_si512(_mm512_mask_blend_ps(0x3, _mm512_cvtepi32_ps(scm), hd));
+                const __m512i qs0 = _mm512_loadu_si512(b->qs), qs1 = _mm512_loadu_si512(b->qs + 64);
+                const __m512i scv = _mm512_permutexvar_epi32(sc_idx, scm);
+                __m512i q[4];
+#pragma GCC unroll 4
+                for (int u = 0; u < 4; u++) q[u] = q4k_step(qs0, qs1, u);
+                for (int t = 0; t < n; t++) {
+                    /* raw lane sums over the four steps: <= 16 * 255 * 15 */
+                    __m512i al = _mm512_setzero_si512(), am = al, ah = al;
+#pragma GCC unroll 4
+                    for (int u = 0; u < 4; u++) {
+                        const int64_t ks = sb * 4 + u;
+                        al = _mm512_dpbusd_epi32(al, _mm512_loadu_si512(x24_limb(xa, k, t, ks, 0)),
+                                                 q[u]);
+                        am = _mm512_dpbusd_epi32(am, _mm512_loadu_si512(x24_limb(xa, k, t, ks, 1)),
+                                                 q[u]);
+                        ah = _mm512_dpbusd_epi32(ah, q[u],
+                                                 _mm512_loadu_si512(x24_limb(xa, k, t, ks, 2)));
+                    }
+                    _mm512_store_si512(ds.ls[t][0][rr], _mm512_mullo_epi32(al, scv));
+                    _mm512_store_si512(ds.ls[t][1][rr], _mm512_mullo_epi32(am, scv));
+                    _mm512_store_si512(ds.ls[t][2][rr], _mm512_mullo_epi32(ah, scv));
+                }
+            }
+            transpose16(dm);
+            __m512 mins[8];
+            for (int j = 0; j < 8; j++) mins[j] = _mm512_castsi512_ps(dm[8 + j]);
+            const __m512 d = _mm512_castsi512_ps(dm[0]), dmin = _mm512_castsi512_ps(dm[1]);
+            for (int t = 0; t < n; t++) {
+                __m512i c[3];
+                for (int l = 0; l < 3; l++) {
+                    __m512i v[16];
+                    for (int rr = 0; rr < 16; rr++) v[rr] = _mm512_load_si512(ds.ls[t][l][rr]);
+                    c[l] = hsum16(v);
+                }
+                const size_t ts = (size_t)t * (size_t)nsb + (size_t)sb;
+                acc[t] = post_v(c[0], c[1], c[2], d, dmin, mins, sx + ts * 8, s[ts], acc[t]);
+            }
+        }
+        for (int t = 0; t < n; t++)
+            _mm512_mask_storeu_ps(y + (size_t)t * ldy + (size_t)(rs - r0), rmask, acc[t]);
+    }
+}
+
 /* One strip's weight tiles for super-blocks [sb0, sb0 + nsb_c): per
  * super-block and 64-element step, B tiles of W & 127 and W >> 7 (rows past
  * nr zero), and the rows' d, dmin and mins as lane vectors. */
@@ -267,51 +347,51 @@ typedef struct {
 } wtiles;
 
 static void build_tiles(const char *w, size_t ws, int nr, int64_t sb0, int nsb_c, wtiles *wt) {
-    const __m512i m4 = _mm512_set1_epi8(15);
+    /* words of a step: sc_j for word w of the first 32 (j = w / 8), of the
+     * last 32 (j = 4 + w / 8); scm's word 2j is sc_j */
+    const __m512i wlo = _mm512_set_epi16(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2,
+                                         2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i whi = _mm512_add_epi16(wlo, _mm512_set1_epi16(8));
+    const __m512i k127 = _mm512_set1_epi16(127);
     for (int i = 0; i < nsb_c; i++) {
         __m512i lo[4][16], hi[4][16];
         for (int rr = 0; rr < 16; rr++) {
             if (rr >= nr) {
-                for (int c = 0; c < 4; c++) lo[c][rr] = hi[c][rr] = _mm512_setzero_si512();
+                for (int u = 0; u < 4; u++) lo[u][rr] = hi[u][rr] = _mm512_setzero_si512();
                 wt->d[i][rr] = wt->dmin[i][rr] = 0.0f;
                 for (int j = 0; j < 8; j++) wt->mins[i][j][rr] = 0.0f;
                 continue;
             }
             const td_block_q4_K *b = (const td_block_q4_K *)(w + (size_t)rr * ws) + sb0 + i;
-            int sc[8], m[8];
-            for (int j = 0; j < 8; j++) {
-                td_k_scale_min(b->scales, j, &sc[j], &m[j]);
-                wt->mins[i][j][rr] = (float)m[j];
-            }
+            const __m512i scm = td_avx512_k_scm((const char *)b);
+            _Alignas(64) int32_t scmv[16];
+            _mm512_store_si512(scmv, scm);
+            for (int j = 0; j < 8; j++) wt->mins[i][j][rr] = (float)scmv[8 + j];
             wt->d[i][rr] = td_cpu_h2f(b->d);
             wt->dmin[i][rr] = td_cpu_h2f(b->dmin);
-            for (int c = 0; c < 4; c++) {
-                const __m256i qs = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * c));
-                const __m512i q = _mm512_and_si512(
-                    _mm512_inserti64x4(_mm512_castsi256_si512(qs), _mm256_srli_epi16(qs, 4), 1),
-                    m4);
-                /* words: elements 0-31 of the step times sc[2c], 32-63 times sc[2c + 1] */
+            const __m512i scw0 = _mm512_permutexvar_epi16(wlo, scm);
+            const __m512i scw1 = _mm512_permutexvar_epi16(whi, scm);
+            const __m512i qs0 = _mm512_loadu_si512(b->qs), qs1 = _mm512_loadu_si512(b->qs + 64);
+            for (int u = 0; u < 4; u++) {
+                const __m512i q = q4k_step(qs0, qs1, u);
                 const __m512i w0 =
-                    _mm512_mullo_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(q)),
-                                       _mm512_set1_epi16((short)sc[2 * c]));
+                    _mm512_mullo_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(q)), scw0);
                 const __m512i w1 =
-                    _mm512_mullo_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, 1)),
-                                       _mm512_set1_epi16((short)sc[2 * c + 1]));
-                const __m512i k127 = _mm512_set1_epi16(127);
-                lo[c][rr] = _mm512_inserti64x4(
+                    _mm512_mullo_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, 1)), scw1);
+                lo[u][rr] = _mm512_inserti64x4(
                     _mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_and_si512(w0, k127))),
                     _mm512_cvtepi16_epi8(_mm512_and_si512(w1, k127)), 1);
-                hi[c][rr] = _mm512_inserti64x4(
+                hi[u][rr] = _mm512_inserti64x4(
                     _mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(w0, 7))),
                     _mm512_cvtepi16_epi8(_mm512_srai_epi16(w1, 7)), 1);
             }
         }
-        for (int c = 0; c < 4; c++) {
-            transpose16(lo[c]);
-            transpose16(hi[c]);
+        for (int u = 0; u < 4; u++) {
+            transpose16(lo[u]);
+            transpose16(hi[u]);
             for (int kk = 0; kk < 16; kk++) {
-                _mm512_store_si512(wt->b[i][c][0] + kk * 64, lo[c][kk]);
-                _mm512_store_si512(wt->b[i][c][1] + kk * 64, hi[c][kk]);
+                _mm512_store_si512(wt->b[i][u][0] + kk * 64, lo[u][kk]);
+                _mm512_store_si512(wt->b[i][u][1] + kk * 64, hi[u][kk]);
             }
         }
     }

@@ -2,7 +2,7 @@
  * to 24 bits per 256-element block.
  *
  * Where it applies (td_x24_type: Q4_K weights, the AVX-512 ISA selected,
- * AMX usable by the process), the default matmul takes each activation
+ * AMX usable by the process, td_x24_set_enabled), the matmul takes each activation
  * row as per-block fixed point: for each block of 256 elements (a K-quant
  * super-block),
  *   s = 2^(e - 23), e the exponent of the block's largest |x| (|x| < 2^e),
@@ -14,7 +14,12 @@
  * H = v >> 16 of v and the weights W_i = sc_j * q_i:
  *   CL = sum L_i W_i, CM = sum M_i W_i, CH = sum H_i W_i,
  * and the row's value is the f32 accumulation over super-blocks, in k
- * order, of td_x24_post (below). The integer sums do not depend on how
+ * order, of these roundings (fmaf: one rounding each):
+ *   t = fmaf((float)CH, 65536, fmaf((float)CM, 256, (float)CL))
+ *   q = fmaf(sx_7, m_7, ... fmaf(sx_0, m_0, 0))   (sx_j: sum of v over
+ *       sub-block j, as float; m_j the 6-bit mins)
+ *   u = fmaf(-q, dmin, t * d)
+ *   acc = fmaf(s, u, acc). The integer sums do not depend on how
  * they are computed, so AMX tiles (n >= TD_X24_AMX_MIN tokens) and the
  * AVX512-VNNI decode kernel (fewer) give the same bits: the invariance
  * contract of cpu.h holds by construction.
@@ -26,7 +31,6 @@
 #ifndef TD_KERNELS_CPU_X24_H
 #define TD_KERNELS_CPU_X24_H
 
-#include <math.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -44,8 +48,8 @@ extern "C" {
 void td_x24_init(td_isa isa);
 /* The process can run x24 (AMX-INT8 present and granted). */
 bool td_x24_available(void);
-/* On by default where available; off sends every matmul to the f32 kernels
- * (benchmarks and tests compare the two). Not thread-safe: set before use. */
+/* Off by default; on (where available) sends Q4_K matmuls through x24.
+ * Not thread-safe: set before use. */
 void td_x24_set_enabled(bool on);
 /* Weights of type t go through x24 in this process. */
 bool td_x24_type(td_dtype t);
@@ -60,19 +64,6 @@ void td_x24_quant(const float *x, size_t ldx, int t0, int t1, int n, int64_t k, 
 /* y[t * ldy + (r - r0)] = row r of W times token t, t < n, r in [r0, r1). */
 void td_x24_matmul(td_dtype wt, const void *w, size_t ws, const void *xa, int n, int64_t k,
                    float *y, size_t ldy, int r0, int r1);
-
-/* The f32 roundings of one super-block: acc + s * (t d - q dmin), with
- * t = CL + 256 CM + 65536 CH and q = sum_j sx_j m_j (sx_j: the sum of v
- * over sub-block j, as float; m_j the 6-bit mins). */
-static inline float td_x24_post(int32_t cl, int32_t cm, int32_t ch, float d, float dmin,
-                                const float *mins, const float *sx, float s, float acc) {
-    float t = fmaf((float)cm, 256.0f, (float)cl);
-    t = fmaf((float)ch, 65536.0f, t);
-    float q = 0.0f;
-    for (int j = 0; j < 8; j++) q = fmaf(sx[j], mins[j], q);
-    const float u = fmaf(-q, dmin, t * d);
-    return fmaf(s, u, acc);
-}
 
 #ifdef __cplusplus
 }
