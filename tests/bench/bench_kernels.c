@@ -183,6 +183,7 @@ int main(int argc, char **argv) {
     for (int isa = TD_ISA_AVX512; isa >= TD_ISA_SCALAR; isa--) {
         if (only_isa >= 0 && isa != only_isa) continue;
         if (!td_cpu_select((td_isa)isa)) continue;
+        td_x24_set_enabled(g_x24);
         if (g_x24 && !td_x24_type((td_dtype)only_type)) {
             if (isa == TD_ISA_AVX512)
                 fprintf(stderr, "td-bench-kernels: -x needs -w 12 (q4_K) and AMX-INT8\n");
