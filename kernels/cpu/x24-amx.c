@@ -44,8 +44,7 @@ static bool g_x24_on;
 static bool cpu_has_amx_int8(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    /* AMX-TILE, AMX-INT8; AVX512-VBMI (ECX bit 1) for the byte permutes */
-    return (d & (1u << 24)) && (d & (1u << 25)) && (c & (1u << 1));
+    return (d & (1u << 24)) && (d & (1u << 25)); /* AMX-TILE, AMX-INT8 */
 }
 
 void td_x24_init(td_isa isa) {
@@ -73,10 +72,11 @@ static float *x24_s(const void *xa, int n, int64_t k) {
 static float *x24_sx(const void *xa, int n, int64_t k) {
     return x24_s(xa, n, k) + (size_t)td_x24_pad(n) * (size_t)(k / TD_QK_K);
 }
-/* Limb l of token t, 64-element step ks: step u of super-block sb holds at
- * byte 8j + i element 32j + 8u + i of the block (i < 8), so that each
- * int32 lane of a VNNI product (4 bytes) stays within one 32-element
- * sub-block j (lanes 2j and 2j + 1) over all four steps. */
+/* Limb l of token t, 64-element step ks. Step u of a super-block holds at
+ * byte 8c + i (c < 4, i < 8) element 64c + 8u + i, of sub-block 2c, and at
+ * byte 32 + 8c + i element 64c + 32 + 8u + i, of sub-block 2c + 1: each
+ * int32 lane of a VNNI product (4 bytes) stays within one sub-block over
+ * all four steps, and a q4_K step is one qword permute of its quants. */
 AI const int8_t *x24_limb(const void *xa, int64_t k, int t, int64_t ks, int l) {
     return (const int8_t *)xa +
            ((((size_t)(t / 16) * (size_t)(k / 64) + (size_t)ks) * 3 + l) * 16 + (size_t)(t % 16)) *
@@ -115,16 +115,18 @@ static void quant_row(const float *x, int t, int n, int64_t k, void *xa) {
         for (int j = 0; j < 8; j++)
             sx[sb * 8 + j] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(
                 _mm512_load_si512(v + 32 * j), _mm512_load_si512(v + 32 * j + 16)));
-        /* step u, byte 8j + i: element 32j + 8u + i (x24_limb) */
+        /* step u, byte 8c + i: element 64c + 8u + i; byte 32 + 8c + i:
+         * element 64c + 32 + 8u + i (x24_limb) */
         for (int u = 0; u < 4; u++) {
             int8_t *dst[3];
             for (int l = 0; l < 3; l++) dst[l] = (int8_t *)x24_limb(xa, k, t, sb * 4 + u, l);
             for (int j = 0; j < 8; j++) {
-                const __m256i c = _mm256_load_si256((const __m256i *)(v + 32 * j + 8 * u));
-                _mm_storel_epi64((__m128i *)(dst[0] + 8 * j), _mm256_cvtepi32_epi8(c));
-                _mm_storel_epi64((__m128i *)(dst[1] + 8 * j),
+                const int o = 64 * (j % 4) + 32 * (j / 4) + 8 * u, p = 8 * j;
+                const __m256i c = _mm256_load_si256((const __m256i *)(v + o));
+                _mm_storel_epi64((__m128i *)(dst[0] + p), _mm256_cvtepi32_epi8(c));
+                _mm_storel_epi64((__m128i *)(dst[1] + p),
                                  _mm256_cvtepi32_epi8(_mm256_srai_epi32(c, 8)));
-                _mm_storel_epi64((__m128i *)(dst[2] + 8 * j),
+                _mm_storel_epi64((__m128i *)(dst[2] + p),
                                  _mm256_cvtepi32_epi8(_mm256_srai_epi32(c, 16)));
             }
         }
@@ -214,6 +216,7 @@ AI void transpose16(__m512i r[16]) {
  * the post runs on vectors over the strip's rows as the AMX kernel's does. */
 typedef struct {
     _Alignas(64) int32_t ls[TD_X24_AMX_MIN][3][16][16];
+    __m512i xv[TD_X24_AMX_MIN][12]; /* each token's limbs of a super-block */
 } dscratch;
 
 /* Lane r = the sum of v[r]'s 16 lanes: a tree of 128-bit-lane and dword
@@ -238,37 +241,21 @@ AI __m512i hsum16(const __m512i v[16]) {
 }
 
 /* The q of step u (x24_limb's order) of a q4_K block whose 128 quant bytes
- * are qs0, qs1: byte 8j + i is the nibble of element 32j + 8u + i, which
- * lives in byte 32 (j / 2) + 8u + i, low nibble for even j. */
+ * are qs0, qs1: byte 32c + 8u + i holds elements 64c + 8u + i (low nibble)
+ * and 64c + 32 + 8u + i (high nibble), so the step is qwords 4c + u twice,
+ * the low nibbles in the first half and the high ones in the second. */
 AI __m512i q4k_step(__m512i qs0, __m512i qs1, int u) {
-    _Alignas(64) static const uint8_t idx[4][64] = {
-#define X24_IDX(u)                                                                                 \
-    {0 + 8 * (u),   1 + 8 * (u),   2 + 8 * (u),   3 + 8 * (u),  4 + 8 * (u),   5 + 8 * (u),        \
-     6 + 8 * (u),   7 + 8 * (u),   0 + 8 * (u),   1 + 8 * (u),  2 + 8 * (u),   3 + 8 * (u),        \
-     4 + 8 * (u),   5 + 8 * (u),   6 + 8 * (u),   7 + 8 * (u),  32 + 8 * (u),  33 + 8 * (u),       \
-     34 + 8 * (u),  35 + 8 * (u),  36 + 8 * (u),  37 + 8 * (u), 38 + 8 * (u),  39 + 8 * (u),       \
-     32 + 8 * (u),  33 + 8 * (u),  34 + 8 * (u),  35 + 8 * (u), 36 + 8 * (u),  37 + 8 * (u),       \
-     38 + 8 * (u),  39 + 8 * (u),  64 + 8 * (u),  65 + 8 * (u), 66 + 8 * (u),  67 + 8 * (u),       \
-     68 + 8 * (u),  69 + 8 * (u),  70 + 8 * (u),  71 + 8 * (u), 64 + 8 * (u),  65 + 8 * (u),       \
-     66 + 8 * (u),  67 + 8 * (u),  68 + 8 * (u),  69 + 8 * (u), 70 + 8 * (u),  71 + 8 * (u),       \
-     96 + 8 * (u),  97 + 8 * (u),  98 + 8 * (u),  99 + 8 * (u), 100 + 8 * (u), 101 + 8 * (u),      \
-     102 + 8 * (u), 103 + 8 * (u), 96 + 8 * (u),  97 + 8 * (u), 98 + 8 * (u),  99 + 8 * (u),       \
-     100 + 8 * (u), 101 + 8 * (u), 102 + 8 * (u), 103 + 8 * (u)}
-        X24_IDX(0), X24_IDX(1), X24_IDX(2), X24_IDX(3)
-#undef X24_IDX
-    };
-    const __m512i v = _mm512_permutex2var_epi8(qs0, _mm512_load_si512((const void *)idx[u]), qs1);
-    /* odd sub-blocks (bytes 8-15, 24-31, ...) take the high nibble */
-    const __m512i h = _mm512_mask_blend_epi8(0xFF00FF00FF00FF00ull, v, _mm512_srli_epi16(v, 4));
-    return _mm512_and_si512(h, _mm512_set1_epi8(15));
+    const __m512i v = _mm512_permutex2var_epi64(
+        qs0, _mm512_setr_epi64(u, 4 + u, 8 + u, 12 + u, u, 4 + u, 8 + u, 12 + u), qs1);
+    return _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4), _mm512_set1_epi8(15));
 }
 
 static void mm_decode(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
                       size_t ldy, int r0, int r1) {
     const int64_t nsb = k / TD_QK_K;
     const float *s = x24_s(xa, n, k), *sx = x24_sx(xa, n, k);
-    /* lanes 2j, 2j + 1: sub-block j */
-    const __m512i sc_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    /* lanes 2c, 2c + 1: sub-block 2c; lanes 8 + 2c, 9 + 2c: sub-block 2c + 1 */
+    const __m512i sc_idx = _mm512_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6, 1, 1, 3, 3, 5, 5, 7, 7);
     static _Thread_local dscratch ds;
     for (int rs = r0; rs < r1; rs += 16) {
         const int nr = r1 - rs < 16 ? r1 - rs : 16;
@@ -276,6 +263,16 @@ static void mm_decode(const char *w, size_t ws, const void *xa, int n, int64_t k
         __m512 acc[TD_X24_AMX_MIN];
         for (int t = 0; t < n; t++) acc[t] = _mm512_setzero_ps();
         for (int64_t sb = 0; sb < nsb; sb++) {
+            /* the tokens' limbs of this super-block, for every row; one
+             * token's (decode) in registers */
+            __m512i x1[12];
+            for (int i = 0; i < 12; i++)
+                x1[i] = _mm512_loadu_si512(x24_limb(xa, k, 0, sb * 4 + i / 3, i % 3));
+            if (n > 1)
+                for (int t = 0; t < n; t++)
+                    for (int i = 0; i < 12; i++)
+                        ds.xv[t][i] = _mm512_loadu_si512(x24_limb(xa, k, t, sb * 4 + i / 3, i % 3));
+            const __m512i(*xv)[12] = ds.xv;
             /* per row: [d, dmin, -, .., m0 .. m7], transposed below */
             __m512i dm[16];
             for (int rr = 0; rr < 16; rr++) {
@@ -301,17 +298,14 @@ static void mm_decode(const char *w, size_t ws, const void *xa, int n, int64_t k
 #pragma GCC unroll 4
                 for (int u = 0; u < 4; u++) q[u] = q4k_step(qs0, qs1, u);
                 for (int t = 0; t < n; t++) {
+                    const __m512i *xt = n == 1 ? x1 : xv[t];
                     /* raw lane sums over the four steps: <= 16 * 255 * 15 */
                     __m512i al = _mm512_setzero_si512(), am = al, ah = al;
 #pragma GCC unroll 4
                     for (int u = 0; u < 4; u++) {
-                        const int64_t ks = sb * 4 + u;
-                        al = _mm512_dpbusd_epi32(al, _mm512_loadu_si512(x24_limb(xa, k, t, ks, 0)),
-                                                 q[u]);
-                        am = _mm512_dpbusd_epi32(am, _mm512_loadu_si512(x24_limb(xa, k, t, ks, 1)),
-                                                 q[u]);
-                        ah = _mm512_dpbusd_epi32(ah, q[u],
-                                                 _mm512_loadu_si512(x24_limb(xa, k, t, ks, 2)));
+                        al = _mm512_dpbusd_epi32(al, xt[3 * u], q[u]);
+                        am = _mm512_dpbusd_epi32(am, xt[3 * u + 1], q[u]);
+                        ah = _mm512_dpbusd_epi32(ah, q[u], xt[3 * u + 2]);
                     }
                     _mm512_store_si512(ds.ls[t][0][rr], _mm512_mullo_epi32(al, scv));
                     _mm512_store_si512(ds.ls[t][1][rr], _mm512_mullo_epi32(am, scv));
@@ -347,11 +341,11 @@ typedef struct {
 } wtiles;
 
 static void build_tiles(const char *w, size_t ws, int nr, int64_t sb0, int nsb_c, wtiles *wt) {
-    /* words of a step: sc_j for word w of the first 32 (j = w / 8), of the
-     * last 32 (j = 4 + w / 8); scm's word 2j is sc_j */
-    const __m512i wlo = _mm512_set_epi16(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2,
-                                         2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i whi = _mm512_add_epi16(wlo, _mm512_set1_epi16(8));
+    /* words of a step: sc_j for word w of the first 32 (j = 2 (w / 8)), of
+     * the last 32 (j = 2 (w / 8) + 1); scm's word 2j is sc_j */
+    const __m512i wlo = _mm512_set_epi16(12, 12, 12, 12, 12, 12, 12, 12, 8, 8, 8, 8, 8, 8, 8, 8, 4,
+                                         4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i whi = _mm512_add_epi16(wlo, _mm512_set1_epi16(2));
     const __m512i k127 = _mm512_set1_epi16(127);
     for (int i = 0; i < nsb_c; i++) {
         __m512i lo[4][16], hi[4][16];
