@@ -73,14 +73,28 @@ static float *x24_sx(const void *xa, int n, int64_t k) {
     return x24_s(xa, n, k) + (size_t)td_x24_pad(n) * (size_t)(k / TD_QK_K);
 }
 /* Limb l of token t, 64-element step ks. Step u of a super-block holds at
- * byte 8c + i (c < 4, i < 8) element 64c + 8u + i, of sub-block 2c, and at
- * byte 32 + 8c + i element 64c + 32 + 8u + i, of sub-block 2c + 1: each
- * int32 lane of a VNNI product (4 bytes) stays within one sub-block over
- * all four steps, and a q4_K step is one qword permute of its quants. */
+ * byte 4L + i (L < 16, i < 4) element 16L + 4u + i: int32 lane L of a VNNI
+ * product (4 bytes) stays within the 16-element group L over all four
+ * steps (within sub-block L / 2 of a q4_K or q5_K block, on one scale of a
+ * q6_K block), and a step of quants is one dword permute. */
 AI const int8_t *x24_limb(const void *xa, int64_t k, int t, int64_t ks, int l) {
     return (const int8_t *)xa +
            ((((size_t)(t / 16) * (size_t)(k / 64) + (size_t)ks) * 3 + l) * 16 + (size_t)(t % 16)) *
                64;
+}
+
+/* The 128-bit lane u of each of g[0..3], in one vector. */
+AI __m512i lane_u(const __m512i *g, int u) {
+#define X24_LANE(U)                                                                                \
+    _mm512_shuffle_i32x4(_mm512_shuffle_i32x4(g[0], g[1], (U)*0x55),                               \
+                         _mm512_shuffle_i32x4(g[2], g[3], (U)*0x55), 0x88)
+    switch (u) {
+    case 0: return X24_LANE(0);
+    case 1: return X24_LANE(1);
+    case 2: return X24_LANE(2);
+    default: return X24_LANE(3);
+    }
+#undef X24_LANE
 }
 
 static void quant_row(const float *x, int t, int n, int64_t k, void *xa) {
@@ -115,19 +129,20 @@ static void quant_row(const float *x, int t, int n, int64_t k, void *xa) {
         for (int j = 0; j < 8; j++)
             sx[sb * 8 + j] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(
                 _mm512_load_si512(v + 32 * j), _mm512_load_si512(v + 32 * j + 16)));
-        /* step u, byte 8c + i: element 64c + 8u + i; byte 32 + 8c + i:
-         * element 64c + 32 + 8u + i (x24_limb) */
+        /* step u, byte 4L + i: element 16L + 4u + i (x24_limb): the 128-bit
+         * lane u of the 16-element groups, four groups to a vector */
+        __m512i g[16];
+        for (int j = 0; j < 16; j++) g[j] = _mm512_load_si512(v + 16 * j);
         for (int u = 0; u < 4; u++) {
             int8_t *dst[3];
             for (int l = 0; l < 3; l++) dst[l] = (int8_t *)x24_limb(xa, k, t, sb * 4 + u, l);
-            for (int j = 0; j < 8; j++) {
-                const int o = 64 * (j % 4) + 32 * (j / 4) + 8 * u, p = 8 * j;
-                const __m256i c = _mm256_load_si256((const __m256i *)(v + o));
-                _mm_storel_epi64((__m128i *)(dst[0] + p), _mm256_cvtepi32_epi8(c));
-                _mm_storel_epi64((__m128i *)(dst[1] + p),
-                                 _mm256_cvtepi32_epi8(_mm256_srai_epi32(c, 8)));
-                _mm_storel_epi64((__m128i *)(dst[2] + p),
-                                 _mm256_cvtepi32_epi8(_mm256_srai_epi32(c, 16)));
+            for (int q = 0; q < 4; q++) {
+                const __m512i c = lane_u(g + 4 * q, u);
+                _mm_storeu_si128((__m128i *)(dst[0] + 16 * q), _mm512_cvtepi32_epi8(c));
+                _mm_storeu_si128((__m128i *)(dst[1] + 16 * q),
+                                 _mm512_cvtepi32_epi8(_mm512_srai_epi32(c, 8)));
+                _mm_storeu_si128((__m128i *)(dst[2] + 16 * q),
+                                 _mm512_cvtepi32_epi8(_mm512_srai_epi32(c, 16)));
             }
         }
     }
@@ -241,21 +256,25 @@ AI __m512i hsum16(const __m512i v[16]) {
 }
 
 /* The q of step u (x24_limb's order) of a q4_K block whose 128 quant bytes
- * are qs0, qs1: byte 32c + 8u + i holds elements 64c + 8u + i (low nibble)
- * and 64c + 32 + 8u + i (high nibble), so the step is qwords 4c + u twice,
- * the low nibbles in the first half and the high ones in the second. */
+ * are qs0, qs1: element 16L + 4u + i (64c + 32h + l, l < 32) is nibble h of
+ * byte 32c + l, so lane L is dword 8 (L / 4) + 4 (L % 2) + u of the quants,
+ * its high nibbles for L % 4 >= 2. */
 AI __m512i q4k_step(__m512i qs0, __m512i qs1, int u) {
-    const __m512i v = _mm512_permutex2var_epi64(
-        qs0, _mm512_setr_epi64(u, 4 + u, 8 + u, 12 + u, u, 4 + u, 8 + u, 12 + u), qs1);
-    return _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4), _mm512_set1_epi8(15));
+    const __m512i v =
+        _mm512_permutex2var_epi32(qs0,
+                                  _mm512_add_epi32(_mm512_setr_epi32(0, 4, 0, 4, 8, 12, 8, 12, 16,
+                                                                     20, 16, 20, 24, 28, 24, 28),
+                                                   _mm512_set1_epi32(u)),
+                                  qs1);
+    return _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xF0F0F0F0u, v, 4), _mm512_set1_epi8(15));
 }
 
 static void mm_decode(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
                       size_t ldy, int r0, int r1) {
     const int64_t nsb = k / TD_QK_K;
     const float *s = x24_s(xa, n, k), *sx = x24_sx(xa, n, k);
-    /* lanes 2c, 2c + 1: sub-block 2c; lanes 8 + 2c, 9 + 2c: sub-block 2c + 1 */
-    const __m512i sc_idx = _mm512_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6, 1, 1, 3, 3, 5, 5, 7, 7);
+    /* lanes 2j, 2j + 1: sub-block j */
+    const __m512i sc_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     static _Thread_local dscratch ds;
     for (int rs = r0; rs < r1; rs += 16) {
         const int nr = r1 - rs < 16 ? r1 - rs : 16;
@@ -284,9 +303,15 @@ static void mm_decode(const char *w, size_t ws, const void *xa, int n, int64_t k
                     continue;
                 }
                 const td_block_q4_K *b = (const td_block_q4_K *)(w + (size_t)(rs + rr) * ws) + sb;
-                _mm_prefetch((const char *)(b + 2), _MM_HINT_T0);
-                _mm_prefetch((const char *)(b + 2) + 64, _MM_HINT_T0);
-                _mm_prefetch((const char *)(b + 2) + 128, _MM_HINT_T0);
+                /* the same block of the next strip: one strip ahead */
+                if (rs + 16 + rr < r1) {
+                    const char *pf =
+                        (const char *)((const td_block_q4_K *)(w + (size_t)(rs + 16 + rr) * ws) +
+                                       sb);
+                    _mm_prefetch(pf, _MM_HINT_T0);
+                    _mm_prefetch(pf + 64, _MM_HINT_T0);
+                    _mm_prefetch(pf + 128, _MM_HINT_T0);
+                }
                 const __m512i scm = td_avx512_k_scm((const char *)b);
                 const __m512 hd = _mm512_castps128_ps512(
                     _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)(const void *)b)));
@@ -341,11 +366,11 @@ typedef struct {
 } wtiles;
 
 static void build_tiles(const char *w, size_t ws, int nr, int64_t sb0, int nsb_c, wtiles *wt) {
-    /* words of a step: sc_j for word w of the first 32 (j = 2 (w / 8)), of
-     * the last 32 (j = 2 (w / 8) + 1); scm's word 2j is sc_j */
-    const __m512i wlo = _mm512_set_epi16(12, 12, 12, 12, 12, 12, 12, 12, 8, 8, 8, 8, 8, 8, 8, 8, 4,
-                                         4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i whi = _mm512_add_epi16(wlo, _mm512_set1_epi16(2));
+    /* words of a step: sc_j for word w of the first 32 (j = w / 8), of the
+     * last 32 (j = 4 + w / 8); scm's word 2j is sc_j */
+    const __m512i wlo = _mm512_set_epi16(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2,
+                                         2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i whi = _mm512_add_epi16(wlo, _mm512_set1_epi16(8));
     const __m512i k127 = _mm512_set1_epi16(127);
     for (int i = 0; i < nsb_c; i++) {
         __m512i lo[4][16], hi[4][16];
