@@ -269,6 +269,21 @@ AI __m512i q4k_step(__m512i qs0, __m512i qs1, int u) {
     return _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xF0F0F0F0u, v, 4), _mm512_set1_epi8(15));
 }
 
+/* Row rr's lane sums of one token against a super-block's four steps of
+ * q, times sc (scv), into ls[limb][rr]: raw sums <= 16 * 255 * 15. */
+AI void row_sums(const __m512i q[4], const __m512i x[12], __m512i scv, int32_t (*ls)[16][16],
+                 int rr) {
+    __m512i al = _mm512_setzero_si512(), am = al, ah = al;
+    for (int u = 0; u < 4; u++) {
+        al = _mm512_dpbusd_epi32(al, x[3 * u], q[u]);
+        am = _mm512_dpbusd_epi32(am, x[3 * u + 1], q[u]);
+        ah = _mm512_dpbusd_epi32(ah, q[u], x[3 * u + 2]);
+    }
+    _mm512_store_si512(ls[0][rr], _mm512_mullo_epi32(al, scv));
+    _mm512_store_si512(ls[1][rr], _mm512_mullo_epi32(am, scv));
+    _mm512_store_si512(ls[2][rr], _mm512_mullo_epi32(ah, scv));
+}
+
 static void mm_decode(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
                       size_t ldy, int r0, int r1) {
     const int64_t nsb = k / TD_QK_K;
@@ -322,19 +337,10 @@ static void mm_decode(const char *w, size_t ws, const void *xa, int n, int64_t k
                 __m512i q[4];
 #pragma GCC unroll 4
                 for (int u = 0; u < 4; u++) q[u] = q4k_step(qs0, qs1, u);
-                for (int t = 0; t < n; t++) {
-                    const __m512i *xt = n == 1 ? x1 : xv[t];
-                    /* raw lane sums over the four steps: <= 16 * 255 * 15 */
-                    __m512i al = _mm512_setzero_si512(), am = al, ah = al;
-#pragma GCC unroll 4
-                    for (int u = 0; u < 4; u++) {
-                        al = _mm512_dpbusd_epi32(al, xt[3 * u], q[u]);
-                        am = _mm512_dpbusd_epi32(am, xt[3 * u + 1], q[u]);
-                        ah = _mm512_dpbusd_epi32(ah, q[u], xt[3 * u + 2]);
-                    }
-                    _mm512_store_si512(ds.ls[t][0][rr], _mm512_mullo_epi32(al, scv));
-                    _mm512_store_si512(ds.ls[t][1][rr], _mm512_mullo_epi32(am, scv));
-                    _mm512_store_si512(ds.ls[t][2][rr], _mm512_mullo_epi32(ah, scv));
+                if (n == 1) { /* decode: the limbs stay in registers */
+                    row_sums(q, x1, scv, ds.ls[0], rr);
+                } else {
+                    for (int t = 0; t < n; t++) row_sums(q, xv[t], scv, ds.ls[t], rr);
                 }
             }
             transpose16(dm);
