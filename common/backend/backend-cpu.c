@@ -77,13 +77,13 @@ static cpu_ctx *ctx_of(td_backend *be) { return be->ctx; }
 td_isa td_backend_isa_best(void) { return td_cpu_isa_best(); }
 int td_backend_isa_parse(const char *name) { return td_cpu_isa_parse(name); }
 const char *td_backend_isa_name(td_isa isa) { return td_cpu_isa_name(isa); }
-/* TANDEM_X24=1 sends Q4_K matmuls through x24 on a CPU with AMX-INT8
- * (kernels/cpu/x24.h): prefill 1.5-1.7x faster, decode not yet as fast as
- * the f32 kernels', so off by default for now. */
+/* On a CPU with AMX-INT8, Q4_K and Q6_K matmuls take their activations as
+ * x24 rows (kernels/cpu/x24.h); TANDEM_X24=0 keeps them on the f32 kernels
+ * (to compare the two). */
 bool td_backend_isa_select(td_isa isa) {
     if (!td_cpu_select(isa)) return false;
     const char *e = getenv("TANDEM_X24");
-    td_x24_set_enabled(e && strcmp(e, "1") == 0);
+    td_x24_set_enabled(!(e && strcmp(e, "0") == 0));
     return true;
 }
 td_isa td_backend_isa_selected(void) { return td_cpu_selected(); }

@@ -1,22 +1,19 @@
-/* x24: Q4_K matmuls with 24-bit fixed-point activations, on CPUs with
- * AMX-INT8 (prefill) and AVX512-VNNI (decode). The arithmetic (x24.h)
- * makes every super-block's dot product an exact integer, so the two
- * paths give the same bits for a (row, token) pair whatever n is.
+/* x24: Q4_K and Q6_K matmuls with 24-bit fixed-point activations, on CPUs
+ * with AMX-INT8 (prefill) and AVX512-VNNI (decode); the arithmetic is
+ * x24.h's.
  *
- * Activations, per token row and per 256-element block (x24.h):
- *   s = 2^(e - 23), e the exponent of the block's largest magnitude,
- *   v_i = rint(x_i / s) clamped to [-2^23, 2^23 - 1],
- *   limbs L = v & 255, M = (v >> 8) & 255, H = v >> 16 (signed),
- * stored in AMX A-tile order: for each 16-token tile, for each 64-element
- * step, the three limbs as 16 rows of 64 bytes (x24.h: td_x24_limbs).
+ * Activations, per token row and 256-element block: the exponent s, the
+ * limbs L, M, H of v in AMX A-tile order (for each 16-token tile and
+ * 64-element step, the three limbs as 16 rows of 64 bytes, the elements
+ * in x24_limb's order), and the sub-block sums of v.
  *
- * Weights, per row and super-block: W_i = sc_j * q_i (0..945), so
- *   CL = sum L_i W_i, CM = sum M_i W_i, CH = sum H_i W_i
- * are exact int32 (|C| < 2^27). AMX takes W as two signed bytes
- * (W & 127, W >> 7) in B-tile (VNNI) order, built per 16-row strip; the
- * decode kernel takes q as bytes and multiplies the per-sub-block sums by
- * sc with vpdpwssd. Both then run post_v's f32 roundings (x24.h) on
- * vectors over 16 weight rows. */
+ * Weights, per row and super-block (unpack_block): the four steps of q in
+ * the same element order, the scale of each 16-element group, d, dmin and
+ * the mins. AMX takes W = sc * (q - off) as two signed bytes (W & 127,
+ * W >> 7) in B-tile (VNNI) order, built per 16-row strip; the decode
+ * kernel takes q as bytes against the limbs (vpdpbusd), each lane staying
+ * in one group, and multiplies the lane sums by their group's sc. Both
+ * then run post_v's f32 roundings on vectors over 16 weight rows. */
 #include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
@@ -39,7 +36,7 @@
 #define XFEATURE_XTILEDATA  18
 
 static bool g_x24_ok;
-static bool g_x24_on;
+static bool g_x24_on = true;
 
 static bool cpu_has_amx_int8(void) {
     unsigned a, b, c, d;
@@ -57,7 +54,9 @@ void td_x24_init(td_isa isa) {
 
 bool td_x24_available(void) { return g_x24_ok; }
 void td_x24_set_enabled(bool on) { g_x24_on = on; }
-bool td_x24_type(td_dtype t) { return g_x24_ok && g_x24_on && t == TD_TYPE_Q4_K; }
+bool td_x24_type(td_dtype t) {
+    return g_x24_ok && g_x24_on && (t == TD_TYPE_Q4_K || t == TD_TYPE_Q6_K);
+}
 
 /* ---- activation rows ---- */
 
@@ -185,16 +184,18 @@ typedef struct {
 
 static _Thread_local bool g_tile_cfg;
 
+/* Palette 1, tiles 0-7 of 16 rows by 64 bytes; a constant, so that no
+ * stores to it can be dropped (GCC 12 does not see _tile_loadconfig read
+ * all 64 bytes of a local). */
+static const _Alignas(64) tilecfg g_cfg = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
 static void tile_config(void) {
     if (g_tile_cfg) return;
-    tilecfg c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.colsb[i] = 64;
-        c.rows[i] = 16;
-    }
-    _tile_loadconfig(&c);
+    _tile_loadconfig(&g_cfg);
     g_tile_cfg = true;
 }
 
@@ -269,27 +270,88 @@ AI __m512i q4k_step(__m512i qs0, __m512i qs1, int u) {
     return _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xF0F0F0F0u, v, 4), _mm512_set1_epi8(15));
 }
 
-/* Row rr's lane sums of one token against a super-block's four steps of
- * q, times sc (scv), into ls[limb][rr]: raw sums <= 16 * 255 * 15. */
-AI void row_sums(const __m512i q[4], const __m512i x[12], __m512i scv, int32_t (*ls)[16][16],
-                 int rr) {
-    __m512i al = _mm512_setzero_si512(), am = al, ah = al;
-    for (int u = 0; u < 4; u++) {
-        al = _mm512_dpbusd_epi32(al, x[3 * u], q[u]);
-        am = _mm512_dpbusd_epi32(am, x[3 * u + 1], q[u]);
-        ah = _mm512_dpbusd_epi32(ah, q[u], x[3 * u + 2]);
-    }
-    _mm512_store_si512(ls[0][rr], _mm512_mullo_epi32(al, scv));
-    _mm512_store_si512(ls[1][rr], _mm512_mullo_epi32(am, scv));
-    _mm512_store_si512(ls[2][rr], _mm512_mullo_epi32(ah, scv));
+/* The q of step u of a q6_K block (ql: 128 bytes in qlo0, qlo1; qh: 64
+ * bytes): element 16L + 4u + i is ql byte 64 (L / 8) + 32 ((L / 2) % 2) +
+ * 16 (L % 2) + 4u + i, its high nibble for L % 8 >= 4, with bits 2g, 2g + 1
+ * (g = (L % 8) / 2) of qh byte 32 (L / 8) + 16 (L % 2) + 4u + i on top. */
+AI __m512i q6k_step(__m512i qlo0, __m512i qlo1, __m512i qh, int u) {
+    const __m512i uu = _mm512_set1_epi32(u);
+    const __m512i lo = _mm512_permutex2var_epi32(
+        qlo0,
+        _mm512_add_epi32(
+            _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 16, 20, 24, 28, 16, 20, 24, 28), uu),
+        qlo1);
+    const __m512i h = _mm512_permutexvar_epi32(
+        _mm512_add_epi32(_mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 8, 12, 8, 12, 8, 12, 8, 12), uu),
+        qh);
+    const __m512i hb = _mm512_and_si512(
+        _mm512_srlv_epi32(h, _mm512_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6, 0, 0, 2, 2, 4, 4, 6, 6)),
+        _mm512_set1_epi8(3));
+    return _mm512_or_si512(
+        _mm512_and_si512(_mm512_mask_srli_epi16(lo, 0xFF00FF00u, lo, 4), _mm512_set1_epi8(15)),
+        _mm512_slli_epi32(hb, 4));
 }
 
-static void mm_decode(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
-                      size_t ldy, int r0, int r1) {
-    const int64_t nsb = k / TD_QK_K;
-    const float *s = x24_s(xa, n, k), *sx = x24_sx(xa, n, k);
+/* A super-block of a row as both kernels take it: the four steps of q (as
+ * unsigned bytes), the per-lane scale (lane L: group L), d, and for q4_K
+ * dmin and the 8 mins; W = sc * (q - off), off 32 for q6_K, else 0. */
+typedef struct {
+    __m512i q[4];
+    __m512i scv; /* int32 lanes */
+    float d, dmin;
+    __m512 dm; /* [d, dmin, -, .., m0 .. m7] */
+} kblock;
+
+AI void unpack_block(const td_dtype WT, const char *bl, kblock *kb) {
+    if (WT == TD_TYPE_Q6_K) {
+        const td_block_q6_K *b = (const td_block_q6_K *)(const void *)bl;
+        const __m512i l0 = _mm512_loadu_si512(b->ql), l1 = _mm512_loadu_si512(b->ql + 64);
+        const __m512i h = _mm512_loadu_si512(b->qh);
+        for (int u = 0; u < 4; u++) kb->q[u] = q6k_step(l0, l1, h, u);
+        kb->scv = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b->scales));
+        kb->d = td_avx512_h2f((const char *)&b->d);
+        kb->dmin = 0.0f;
+        kb->dm = _mm512_mask_mov_ps(_mm512_setzero_ps(), 1, _mm512_set1_ps(kb->d));
+        return;
+    }
+    const td_block_q4_K *b = (const td_block_q4_K *)(const void *)bl;
+    const __m512i scm = td_avx512_k_scm(bl);
+    const __m512i qs0 = _mm512_loadu_si512(b->qs), qs1 = _mm512_loadu_si512(b->qs + 64);
+    for (int u = 0; u < 4; u++) kb->q[u] = q4k_step(qs0, qs1, u);
     /* lanes 2j, 2j + 1: sub-block j */
-    const __m512i sc_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    kb->scv = _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), scm);
+    const __m128 hd = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)(const void *)bl));
+    kb->d = _mm_cvtss_f32(hd);
+    kb->dmin = _mm_cvtss_f32(_mm_movehdup_ps(hd));
+    kb->dm = _mm512_mask_blend_ps(0x3, _mm512_cvtepi32_ps(scm), _mm512_castps128_ps512(hd));
+}
+
+/* Row rr's lane sums of one token against a super-block's four steps of
+ * q, times sc (scv), into ls[limb][rr]. q6_K: L and M against q - 32
+ * (signed), H against q less 32 times hs, the lanes' sums of H. Raw sums:
+ * at most 16 * 255 * 32 in magnitude. */
+AI void row_sums(const td_dtype WT, const kblock *kb, const __m512i x[12], __m512i hs,
+                 int32_t (*ls)[16][16], int rr) {
+    __m512i al = _mm512_setzero_si512(), am = al, ah = al;
+    for (int u = 0; u < 4; u++) {
+        const __m512i qs =
+            WT == TD_TYPE_Q6_K ? _mm512_sub_epi8(kb->q[u], _mm512_set1_epi8(32)) : kb->q[u];
+        al = _mm512_dpbusd_epi32(al, x[3 * u], qs);
+        am = _mm512_dpbusd_epi32(am, x[3 * u + 1], qs);
+        ah = _mm512_dpbusd_epi32(ah, kb->q[u], x[3 * u + 2]);
+    }
+    if (WT == TD_TYPE_Q6_K) ah = _mm512_sub_epi32(ah, _mm512_slli_epi32(hs, 5));
+    _mm512_store_si512(ls[0][rr], _mm512_mullo_epi32(al, kb->scv));
+    _mm512_store_si512(ls[1][rr], _mm512_mullo_epi32(am, kb->scv));
+    _mm512_store_si512(ls[2][rr], _mm512_mullo_epi32(ah, kb->scv));
+}
+
+AI void mm_decode(const td_dtype WT, const char *w, size_t ws, const void *xa, int n, int64_t k,
+                  float *y, size_t ldy, int r0, int r1) {
+    const int64_t nsb = k / TD_QK_K;
+    const size_t bb = td_dtype_block_bytes(WT);
+    const float *s = x24_s(xa, n, k), *sx = x24_sx(xa, n, k);
     static _Thread_local dscratch ds;
     for (int rs = r0; rs < r1; rs += 16) {
         const int nr = r1 - rs < 16 ? r1 - rs : 16;
@@ -298,8 +360,8 @@ static void mm_decode(const char *w, size_t ws, const void *xa, int n, int64_t k
         for (int t = 0; t < n; t++) acc[t] = _mm512_setzero_ps();
         for (int64_t sb = 0; sb < nsb; sb++) {
             /* the tokens' limbs of this super-block, for every row; one
-             * token's (decode) in registers */
-            __m512i x1[12];
+             * token's (decode) in registers; q6_K: each lane's sum of H */
+            __m512i x1[12], hs[TD_X24_AMX_MIN];
             for (int i = 0; i < 12; i++)
                 x1[i] = _mm512_loadu_si512(x24_limb(xa, k, 0, sb * 4 + i / 3, i % 3));
             if (n > 1)
@@ -307,6 +369,13 @@ static void mm_decode(const char *w, size_t ws, const void *xa, int n, int64_t k
                     for (int i = 0; i < 12; i++)
                         ds.xv[t][i] = _mm512_loadu_si512(x24_limb(xa, k, t, sb * 4 + i / 3, i % 3));
             const __m512i(*xv)[12] = ds.xv;
+            for (int t = 0; t < n; t++) {
+                hs[t] = _mm512_setzero_si512();
+                if (WT == TD_TYPE_Q6_K)
+                    for (int u = 0; u < 4; u++)
+                        hs[t] = _mm512_dpbusd_epi32(hs[t], _mm512_set1_epi8(1),
+                                                    n == 1 ? x1[3 * u + 2] : xv[t][3 * u + 2]);
+            }
             /* per row: [d, dmin, -, .., m0 .. m7], transposed below */
             __m512i dm[16];
             for (int rr = 0; rr < 16; rr++) {
@@ -317,30 +386,22 @@ static void mm_decode(const char *w, size_t ws, const void *xa, int n, int64_t k
                             _mm512_store_si512(ds.ls[t][l][rr], _mm512_setzero_si512());
                     continue;
                 }
-                const td_block_q4_K *b = (const td_block_q4_K *)(w + (size_t)(rs + rr) * ws) + sb;
+                const char *b = w + (size_t)(rs + rr) * ws + (size_t)sb * bb;
                 /* the same block of the next strip: one strip ahead */
                 if (rs + 16 + rr < r1) {
-                    const char *pf =
-                        (const char *)((const td_block_q4_K *)(w + (size_t)(rs + 16 + rr) * ws) +
-                                       sb);
+                    const char *pf = b + 16 * ws;
                     _mm_prefetch(pf, _MM_HINT_T0);
                     _mm_prefetch(pf + 64, _MM_HINT_T0);
                     _mm_prefetch(pf + 128, _MM_HINT_T0);
+                    if (bb > 192) _mm_prefetch(pf + 192, _MM_HINT_T0);
                 }
-                const __m512i scm = td_avx512_k_scm((const char *)b);
-                const __m512 hd = _mm512_castps128_ps512(
-                    _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)(const void *)b)));
-                dm[rr] =
-                    _mm512_castps_si512(_mm512_mask_blend_ps(0x3, _mm512_cvtepi32_ps(scm), hd));
-                const __m512i qs0 = _mm512_loadu_si512(b->qs), qs1 = _mm512_loadu_si512(b->qs + 64);
-                const __m512i scv = _mm512_permutexvar_epi32(sc_idx, scm);
-                __m512i q[4];
-#pragma GCC unroll 4
-                for (int u = 0; u < 4; u++) q[u] = q4k_step(qs0, qs1, u);
+                kblock kb;
+                unpack_block(WT, b, &kb);
+                dm[rr] = _mm512_castps_si512(kb.dm);
                 if (n == 1) { /* decode: the limbs stay in registers */
-                    row_sums(q, x1, scv, ds.ls[0], rr);
+                    row_sums(WT, &kb, x1, hs[0], ds.ls[0], rr);
                 } else {
-                    for (int t = 0; t < n; t++) row_sums(q, xv[t], scv, ds.ls[t], rr);
+                    for (int t = 0; t < n; t++) row_sums(WT, &kb, xv[t], hs[t], ds.ls[t], rr);
                 }
             }
             transpose16(dm);
@@ -371,13 +432,17 @@ typedef struct {
     _Alignas(64) float d[SB_CHUNK][16], dmin[SB_CHUNK][16], mins[SB_CHUNK][8][16];
 } wtiles;
 
-static void build_tiles(const char *w, size_t ws, int nr, int64_t sb0, int nsb_c, wtiles *wt) {
-    /* words of a step: sc_j for word w of the first 32 (j = w / 8), of the
-     * last 32 (j = 4 + w / 8); scm's word 2j is sc_j */
-    const __m512i wlo = _mm512_set_epi16(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2,
-                                         2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i whi = _mm512_add_epi16(wlo, _mm512_set1_epi16(8));
+AI void build_tiles(const td_dtype WT, const char *w, size_t ws, int nr, int64_t sb0, int nsb_c,
+                    wtiles *wt) {
+    const size_t bb = td_dtype_block_bytes(WT);
+    /* words of a step: word w of the first half is lane w / 4's, of the
+     * second lane 8 + w / 4's; as int16 words, lane L's scale is word 2L
+     * of kb.scv */
+    const __m512i wlo = _mm512_set_epi16(14, 14, 14, 14, 12, 12, 12, 12, 10, 10, 10, 10, 8, 8, 8, 8,
+                                         6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+    const __m512i whi = _mm512_add_epi16(wlo, _mm512_set1_epi16(16));
     const __m512i k127 = _mm512_set1_epi16(127);
+    const __m512i off = _mm512_set1_epi16(WT == TD_TYPE_Q6_K ? 32 : 0);
     for (int i = 0; i < nsb_c; i++) {
         __m512i lo[4][16], hi[4][16];
         for (int rr = 0; rr < 16; rr++) {
@@ -387,22 +452,22 @@ static void build_tiles(const char *w, size_t ws, int nr, int64_t sb0, int nsb_c
                 for (int j = 0; j < 8; j++) wt->mins[i][j][rr] = 0.0f;
                 continue;
             }
-            const td_block_q4_K *b = (const td_block_q4_K *)(w + (size_t)rr * ws) + sb0 + i;
-            const __m512i scm = td_avx512_k_scm((const char *)b);
-            _Alignas(64) int32_t scmv[16];
-            _mm512_store_si512(scmv, scm);
-            for (int j = 0; j < 8; j++) wt->mins[i][j][rr] = (float)scmv[8 + j];
-            wt->d[i][rr] = td_cpu_h2f(b->d);
-            wt->dmin[i][rr] = td_cpu_h2f(b->dmin);
-            const __m512i scw0 = _mm512_permutexvar_epi16(wlo, scm);
-            const __m512i scw1 = _mm512_permutexvar_epi16(whi, scm);
-            const __m512i qs0 = _mm512_loadu_si512(b->qs), qs1 = _mm512_loadu_si512(b->qs + 64);
+            kblock kb;
+            unpack_block(WT, w + (size_t)rr * ws + (size_t)(sb0 + i) * bb, &kb);
+            _Alignas(64) float dmv[16];
+            _mm512_store_ps(dmv, kb.dm);
+            for (int j = 0; j < 8; j++) wt->mins[i][j][rr] = dmv[8 + j];
+            wt->d[i][rr] = kb.d;
+            wt->dmin[i][rr] = kb.dmin;
+            const __m512i scw0 = _mm512_permutexvar_epi16(wlo, kb.scv);
+            const __m512i scw1 = _mm512_permutexvar_epi16(whi, kb.scv);
             for (int u = 0; u < 4; u++) {
-                const __m512i q = q4k_step(qs0, qs1, u);
-                const __m512i w0 =
-                    _mm512_mullo_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(q)), scw0);
-                const __m512i w1 =
-                    _mm512_mullo_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, 1)), scw1);
+                const __m512i q = kb.q[u];
+                const __m512i w0 = _mm512_mullo_epi16(
+                    _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(q)), off), scw0);
+                const __m512i w1 = _mm512_mullo_epi16(
+                    _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, 1)), off),
+                    scw1);
                 lo[u][rr] = _mm512_inserti64x4(
                     _mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_and_si512(w0, k127))),
                     _mm512_cvtepi16_epi8(_mm512_and_si512(w1, k127)), 1);
@@ -448,8 +513,8 @@ AI void post_tiles(const ctiles *ct, const wtiles *wt, int i, const float *s, co
  * weight tiles are built once (RB / 16 strips of 16 KiB: L2), then each
  * 16-token tile of activations (24 KiB) runs against all of them, so the
  * activations stream once per row block and y is swept along its rows. */
-static void mm_amx(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y, size_t ldy,
-                   int r0, int r1) {
+AI void mm_amx(const td_dtype WT, const char *w, size_t ws, const void *xa, int n, int64_t k,
+               float *y, size_t ldy, int r0, int r1) {
     tile_config();
     const int64_t nsb = k / TD_QK_K;
     const float *s = x24_s(xa, n, k), *sx = x24_sx(xa, n, k);
@@ -462,7 +527,7 @@ static void mm_amx(const char *w, size_t ws, const void *xa, int n, int64_t k, f
             const int nsb_c = nsb - sb0 < SB_CHUNK ? (int)(nsb - sb0) : SB_CHUNK;
             for (int st = 0; st < nstrip; st++) {
                 const int nr = nrb - 16 * st < 16 ? nrb - 16 * st : 16;
-                build_tiles(w + (size_t)(rb + 16 * st) * ws, ws, nr, sb0, nsb_c, &wt[st]);
+                build_tiles(WT, w + (size_t)(rb + 16 * st) * ws, ws, nr, sb0, nsb_c, &wt[st]);
             }
             for (int t0 = 0; t0 < n; t0 += 16) {
                 const int nt = n - t0 < 16 ? n - t0 : 16;
@@ -522,13 +587,31 @@ static void mm_amx(const char *w, size_t ws, const void *xa, int n, int64_t k, f
     }
 }
 
+static void decode_q4k(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
+                       size_t ldy, int r1) {
+    mm_decode(TD_TYPE_Q4_K, w, ws, xa, n, k, y, ldy, 0, r1);
+}
+static void decode_q6k(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
+                       size_t ldy, int r1) {
+    mm_decode(TD_TYPE_Q6_K, w, ws, xa, n, k, y, ldy, 0, r1);
+}
+static void amx_q4k(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
+                    size_t ldy, int r1) {
+    mm_amx(TD_TYPE_Q4_K, w, ws, xa, n, k, y, ldy, 0, r1);
+}
+static void amx_q6k(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
+                    size_t ldy, int r1) {
+    mm_amx(TD_TYPE_Q6_K, w, ws, xa, n, k, y, ldy, 0, r1);
+}
+
 void td_x24_matmul(td_dtype wt, const void *w, size_t ws, const void *xa, int n, int64_t k,
                    float *y, size_t ldy, int r0, int r1) {
-    if (wt != TD_TYPE_Q4_K) TD_KERNEL_UNREACHABLE_TYPE(wt);
+    if (wt != TD_TYPE_Q4_K && wt != TD_TYPE_Q6_K) TD_KERNEL_UNREACHABLE_TYPE(wt);
     if (n <= 0 || r1 <= r0) return;
     const char *wr = (const char *)w + (size_t)r0 * ws;
+    const bool q6 = wt == TD_TYPE_Q6_K;
     if (n < TD_X24_AMX_MIN)
-        mm_decode(wr, ws, xa, n, k, y, ldy, 0, r1 - r0);
+        (q6 ? decode_q6k : decode_q4k)(wr, ws, xa, n, k, y, ldy, r1 - r0);
     else
-        mm_amx(wr, ws, xa, n, k, y, ldy, 0, r1 - r0);
+        (q6 ? amx_q6k : amx_q4k)(wr, ws, xa, n, k, y, ldy, r1 - r0);
 }

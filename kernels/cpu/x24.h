@@ -1,33 +1,36 @@
 /* x24: the K-quant matmul of CPUs with AMX-INT8, on f32 activations held
  * to 24 bits per 256-element block.
  *
- * Where it applies (td_x24_type: Q4_K weights, the AVX-512 ISA selected,
- * AMX usable by the process, td_x24_set_enabled), the matmul takes each activation
- * row as per-block fixed point: for each block of 256 elements (a K-quant
- * super-block),
+ * Where it applies (td_x24_type: Q4_K and Q6_K weights, the AVX-512 ISA
+ * selected, AMX usable by the process, td_x24_set_enabled), the matmul
+ * takes each activation row as per-block fixed point: for each block of
+ * 256 elements (a K-quant super-block),
  *   s = 2^(e - 23), e the exponent of the block's largest |x| (|x| < 2^e),
  *   v_i = rint(x_i / s), clamped to [-2^23, 2^23 - 1]
  * (the largest element keeps 23 of its 24 significant bits; every element
- * is within s/2 of x_i; a block holding NaN or Inf gets s = NaN). A super-
- * block's dot product with a Q4_K row is then an exact integer, taken as
- * three int32 sums over the limbs L = v & 255, M = (v >> 8) & 255,
- * H = v >> 16 of v and the weights W_i = sc_j * q_i:
+ * is within s of x_i; a block holding NaN or Inf gets s = NaN). A super-
+ * block's dot product with a row is then an exact integer, taken as three
+ * int32 sums over the limbs L = v & 255, M = (v >> 8) & 255, H = v >> 16
+ * of v and the integer weights W_i (Q4_K: sc_j * q_i, sub-block j of 32;
+ * Q6_K: sc_j * (q_i - 32), j of 16):
  *   CL = sum L_i W_i, CM = sum M_i W_i, CH = sum H_i W_i,
  * and the row's value is the f32 accumulation over super-blocks, in k
  * order, of these roundings (fmaf: one rounding each):
  *   t = fmaf((float)CH, 65536, fmaf((float)CM, 256, (float)CL))
- *   q = fmaf(sx_7, m_7, ... fmaf(sx_0, m_0, 0))   (sx_j: sum of v over
- *       sub-block j, as float; m_j the 6-bit mins)
- *   u = fmaf(-q, dmin, t * d)
- *   acc = fmaf(s, u, acc). The integer sums do not depend on how
- * they are computed, so AMX tiles (n >= TD_X24_AMX_MIN tokens) and the
- * AVX512-VNNI decode kernel (fewer) give the same bits: the invariance
- * contract of cpu.h holds by construction.
+ *   q = fmaf(sx_7, m_7, ... fmaf(sx_0, m_0, 0))   (Q4_K: sx_j the sum of v
+ *       over sub-block j, as float, m_j the 6-bit mins; Q6_K: 0)
+ *   u = fmaf(-q, dmin, t * d)                      (Q6_K: dmin 0)
+ *   acc = fmaf(s, u, acc).
+ * The integer sums do not depend on how they are computed, so AMX tiles
+ * (n >= TD_X24_AMX_MIN tokens) and the AVX512-VNNI decode kernel (fewer)
+ * give the same bits: the invariance contract of cpu.h holds by
+ * construction.
  *
  * Activations live in one buffer per matmul call (td_x24_bytes), in AMX
  * tile order, quantized by td_x24_quant (disjoint token ranges may run on
- * different threads). Reentrant after td_cpu_select (which calls
- * td_x24_init); each thread configures its tiles on first use. */
+ * different threads); one buffer serves every x24 type. Reentrant after
+ * td_cpu_select (which calls td_x24_init); each thread configures its
+ * tiles on first use. */
 #ifndef TD_KERNELS_CPU_X24_H
 #define TD_KERNELS_CPU_X24_H
 
@@ -48,8 +51,8 @@ extern "C" {
 void td_x24_init(td_isa isa);
 /* The process can run x24 (AMX-INT8 present and granted). */
 bool td_x24_available(void);
-/* Off by default; on (where available) sends Q4_K matmuls through x24.
- * Not thread-safe: set before use. */
+/* On by default (where available); off sends every matmul to the f32
+ * kernels. Not thread-safe: set before use. */
 void td_x24_set_enabled(bool on);
 /* Weights of type t go through x24 in this process. */
 bool td_x24_type(td_dtype t);
