@@ -15,7 +15,11 @@
  *
  * Activations stay f32 for every matmul by default: quantized weights are
  * dequantized on the fly (td_cpu_matmul_f32act), so the only error against
- * a float64 forward pass on the dequantized weights is f32 rounding.
+ * a float64 forward pass on the dequantized weights is f32 rounding. On a
+ * CPU with AMX-INT8, Q4_K and Q6_K weights take the activations as x24
+ * rows instead (24-bit fixed point per 256 elements, each super-block's
+ * product an exact integer: kernels/cpu/x24.h), made once per matmul call
+ * (task_x24q, per row) for every such weight of the call.
  * Quantizing the activations to 8 bits as well (llama.cpp's scheme) flipped
  * the greedy answer of the default Q4_1 model on a 0.08-logit margin; it is
  * there behind td_backend_set_act_int8 (--act-int8): each matmul call
