@@ -186,7 +186,8 @@ int main(int argc, char **argv) {
         td_x24_set_enabled(g_x24);
         if (g_x24 && !td_x24_type((td_dtype)only_type)) {
             if (isa == TD_ISA_AVX512)
-                fprintf(stderr, "td-bench-kernels: -x needs -w 12 (q4_K) or 14 (q6_K) and AMX-INT8\n");
+                fprintf(stderr,
+                        "td-bench-kernels: -x needs -w 12 (q4_K) or 14 (q6_K) and AMX-INT8\n");
             continue;
         }
         for (int ni = 0; ni < 2; ni++) {
