@@ -31,6 +31,8 @@
 #include "common/format/gguf.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/qmatmul.h"
+#define TD_TEST_RNG_SEED 0x9e3779b97f4a7c15ull
+#include "test-rand.h"
 
 static const td_isa k_isas[] = {TD_ISA_SCALAR, TD_ISA_AVX2, TD_ISA_AVX512};
 
@@ -44,14 +46,6 @@ static const struct {
     {TD_TYPE_Q8_0, "Q8_0", {0, -1}}, {TD_TYPE_Q4_K, "Q4_K", {0, 2}},
     {TD_TYPE_Q5_K, "Q5_K", {0, 2}},  {TD_TYPE_Q6_K, "Q6_K", {208, -1}},
 };
-
-static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
-static uint64_t rnd64(void) { /* xorshift64* */
-    g_rng ^= g_rng >> 12;
-    g_rng ^= g_rng << 25;
-    g_rng ^= g_rng >> 27;
-    return g_rng * 0x2545f4914f6cdd1dull;
-}
 
 static const char *script_path(void) {
     static char buf[1024];

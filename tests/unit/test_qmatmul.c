@@ -28,6 +28,8 @@
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/qmatmul.h"
 #include "ref-dtype.h"
+#define TD_TEST_RNG_SEED 0x243f6a8885a308d3ull
+#include "test-rand.h"
 
 static const td_isa k_isas[] = {TD_ISA_SCALAR, TD_ISA_AVX2, TD_ISA_AVX512};
 static const td_dtype k_types[] = {TD_TYPE_Q4_0, TD_TYPE_Q4_1, TD_TYPE_Q8_0, TD_TYPE_Q5_0,
@@ -37,20 +39,6 @@ static const td_dtype k_types[] = {TD_TYPE_Q4_0, TD_TYPE_Q4_1, TD_TYPE_Q8_0, TD_
 static int is_5k(td_dtype t) {
     return t == TD_TYPE_Q5_0 || t == TD_TYPE_Q5_1 || t == TD_TYPE_Q4_K || t == TD_TYPE_Q5_K ||
            t == TD_TYPE_Q6_K;
-}
-
-static uint64_t g_rng = 0x243f6a8885a308d3ull;
-static uint64_t rnd64(void) { /* xorshift64* */
-    g_rng ^= g_rng >> 12;
-    g_rng ^= g_rng << 25;
-    g_rng ^= g_rng >> 27;
-    return g_rng * 0x2545f4914f6cdd1dull;
-}
-static double urand(void) { return (double)(rnd64() >> 11) / 9007199254740992.0; }
-
-/* fp16 bits of a normal number with exponent e (value 2^e * (1 + man/1024)) */
-static uint16_t h_bits(int sign, int e, int man) {
-    return (uint16_t)((sign << 15) | ((e + 15) << 10) | man);
 }
 
 /* Element j of group b (32 elements) of a row, by the GGUF definitions. */

@@ -29,19 +29,8 @@
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/x24.h"
 #include "ref-dtype.h"
-
-static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
-static uint64_t rnd64(void) {
-    g_rng ^= g_rng >> 12;
-    g_rng ^= g_rng << 25;
-    g_rng ^= g_rng >> 27;
-    return g_rng * 0x2545f4914f6cdd1dull;
-}
-static double urand(void) { return (double)(rnd64() >> 11) / 9007199254740992.0; }
-
-static uint16_t h_bits(int sign, int e, int man) {
-    return (uint16_t)((sign << 15) | ((e + 15) << 10) | man);
-}
+#define TD_TEST_RNG_SEED 0x9e3779b97f4a7c15ull
+#include "test-rand.h"
 
 /* Rows of Q4_K or Q6_K: random blocks, with all-zero and all-max blocks
  * among them. */
