@@ -60,7 +60,7 @@ typedef struct {
     int head_dim;
     float *attn_scratch; /* (nth, ATTN_GROUP, max_ctx) */
     float *cp_tmp;       /* (nth, head_dim) one partial's output per thread */
-    uint8_t *xq;         /* int8 activation rows (td_backend_set_act_int8) */
+    void *xq;            /* int8 activation rows (td_backend_set_act_int8) */
     size_t xq_cap;
     void *xa; /* x24 activation rows (kernels/cpu/x24.h) */
     size_t xa_cap;
@@ -657,6 +657,19 @@ static void task_matmul_detached(void *ctx, int ith, int nth) {
     }
 }
 
+/* *buf (cap bytes) grown to hold need bytes of converted activation rows;
+ * false when out of memory (the caller's f32 path needs none). */
+static bool act_buf_reserve(cpu_ctx *c, void **buf, size_t *cap, size_t need) {
+    if (need <= *cap) return true;
+    void *p = host_alloc(need);
+    if (!p) return false;
+    td_threadpool_quiesce(c->tp); /* a late worker may still read the old rows */
+    free(*buf);
+    *buf = p;
+    *cap = need;
+    return true;
+}
+
 /* The activation rows in the int8 format of weight type wt, once per
  * matmul call, for every weight tile to read. */
 typedef struct {
@@ -690,15 +703,7 @@ static bool act_int8_rows(cpu_ctx *c, int n_w, const td_weight *const *w, const 
     for (int i = 0; i < n_w; i++)
         if (!td_dtype_has_int8_kernels(w[i]->type) || w[i]->cols != w[0]->cols) return false;
     *xs = td_cpu_act_row_bytes(w[0]->type, w[0]->cols);
-    size_t need = *xs * (size_t)n_rows;
-    if (need > c->xq_cap) {
-        uint8_t *p = host_alloc(need);
-        if (!p) return false;         /* the f32 path needs no memory */
-        td_threadpool_quiesce(c->tp); /* a late worker may still read the old rows */
-        free(c->xq);
-        c->xq = p;
-        c->xq_cap = need;
-    }
+    if (!act_buf_reserve(c, &c->xq, &c->xq_cap, *xs * (size_t)n_rows)) return false;
     actq_task q = {.c = c,
                    .wt = w[0]->type,
                    .x = x,
@@ -741,15 +746,7 @@ static bool act_x24_rows(cpu_ctx *c, int n_w, const td_weight *const *w, const f
     if (g_act_int8 || k < 0) return false;
     for (int i = 0; i < n_w; i++)
         if (td_x24_type(w[i]->type) && w[i]->cols != k) return false;
-    const size_t need = td_x24_bytes(n_rows, k);
-    if (need > c->xa_cap) {
-        void *p = host_alloc(need);
-        if (!p) return false;         /* the f32 path needs no memory */
-        td_threadpool_quiesce(c->tp); /* a late worker may still read the old rows */
-        free(c->xa);
-        c->xa = p;
-        c->xa_cap = need;
-    }
+    if (!act_buf_reserve(c, &c->xa, &c->xa_cap, td_x24_bytes(n_rows, k))) return false;
     x24q_task q = {.c = c, .x = x, .ldx = ldx, .xa = c->xa, .n_rows = n_rows, .k = k};
     run(c, task_x24q, &q, n_rows);
     return true;
