@@ -103,16 +103,15 @@ static void quant_row(const float *x, int t, int n, int64_t k, void *xa) {
     for (int64_t sb = 0; sb < nsb; sb++) {
         const float *xs = x + sb * TD_QK_K;
         __m512 mx = _mm512_setzero_ps();
-        for (int i = 0; i < TD_QK_K; i += 16)
-            mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xs + i)));
+        __mmask16 nan = 0; /* max_ps need not carry a NaN through: flag it */
+        for (int i = 0; i < TD_QK_K; i += 16) {
+            const __m512 v = _mm512_loadu_ps(xs + i);
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        }
         const float m = _mm512_reduce_max_ps(mx);
         int e = 0;
-        bool finite = m == m && m <= 3.4028235e38f;
-        /* NaN lanes: max_ps returns its second operand for them; look again */
-        for (int i = 0; finite && i < TD_QK_K; i += 16) {
-            __m512 v = _mm512_loadu_ps(xs + i);
-            if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) finite = false;
-        }
+        const bool finite = !nan && m <= 3.4028235e38f;
         if (finite && m > 0) (void)frexpf(m, &e); /* m < 2^e */
         s[sb] = finite ? ldexpf(1.0f, e - 23) : __builtin_nanf("");
         const __m512 sh = _mm512_set1_ps((float)(23 - e));
@@ -321,7 +320,9 @@ AI void unpack_block(const td_dtype WT, const char *bl, kblock *kb) {
     /* lanes 2j, 2j + 1: sub-block j */
     kb->scv = _mm512_permutexvar_epi32(
         _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), scm);
-    const __m128 hd = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)(const void *)bl));
+    int32_t dd; /* d, dmin: any alignment, no type punning */
+    memcpy(&dd, bl, sizeof dd);
+    const __m128 hd = _mm_cvtph_ps(_mm_cvtsi32_si128(dd));
     kb->d = _mm_cvtss_f32(hd);
     kb->dmin = _mm_cvtss_f32(_mm_movehdup_ps(hd));
     kb->dm = _mm512_mask_blend_ps(0x3, _mm512_cvtepi32_ps(scm), _mm512_castps128_ps512(hd));
@@ -549,23 +550,25 @@ AI void mm_amx(const td_dtype WT, const char *w, size_t ws, const void *xa, int 
                         _tile_zero(3);
                         _tile_zero(4);
                         _tile_zero(5);
+                        /* the three limbs (L, M unsigned, H signed) against
+                         * weight limb wl into C tiles cl, cm, ch (literals:
+                         * the tile intrinsics take register numbers) */
+#define X24_LIMBS(wl, cl, cm, ch)                                                                  \
+    do {                                                                                           \
+        _tile_loadd(7, ws_t->b[i][c][wl], 64);                                                     \
+        _tile_loadd(6, a, 64);                                                                     \
+        _tile_dpbusd(cl, 6, 7);                                                                    \
+        _tile_loadd(6, a + 1024, 64);                                                              \
+        _tile_dpbusd(cm, 6, 7);                                                                    \
+        _tile_loadd(6, a + 2048, 64);                                                              \
+        _tile_dpbssd(ch, 6, 7);                                                                    \
+    } while (0)
                         for (int c = 0; c < 4; c++) {
                             const int8_t *a = x24_limb(xa, k, t0, sb * 4 + c, 0);
-                            _tile_loadd(7, ws_t->b[i][c][0], 64);
-                            _tile_loadd(6, a, 64);
-                            _tile_dpbusd(0, 6, 7);
-                            _tile_loadd(6, a + 1024, 64);
-                            _tile_dpbusd(1, 6, 7);
-                            _tile_loadd(6, a + 2048, 64);
-                            _tile_dpbssd(2, 6, 7);
-                            _tile_loadd(7, ws_t->b[i][c][1], 64);
-                            _tile_loadd(6, a, 64);
-                            _tile_dpbusd(3, 6, 7);
-                            _tile_loadd(6, a + 1024, 64);
-                            _tile_dpbusd(4, 6, 7);
-                            _tile_loadd(6, a + 2048, 64);
-                            _tile_dpbssd(5, 6, 7);
+                            X24_LIMBS(0, 0, 1, 2); /* W & 127 */
+                            X24_LIMBS(1, 3, 4, 5); /* W >> 7 */
                         }
+#undef X24_LIMBS
                         ctiles *cur = &ct[i & 1];
                         _tile_stored(0, cur->c[0], 64);
                         _tile_stored(1, cur->c[1], 64);
