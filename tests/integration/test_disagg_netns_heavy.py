@@ -44,7 +44,7 @@ Then, in both:
 
 What the logs show (2 shared cores, heavily loaded: the long prompt took
 ~6 s in the reference, so the base deadline was ~18 s):
-  - silent: D's lease renewals stop reaching P, so its lease (1.5 s) ends
+  - silent: D's lease renewals stop reaching P, so its lease ends
     the job ("failed: its lease ran out"); its puts stay stuck until then,
     when it force-closes its endpoint to D ("puts still in flight at its
     deadline"). D hears no progress for a lease and gives the job up ("no
@@ -289,8 +289,10 @@ CANARY = body("Canary: " + LONG[::-1][:1700], n=12)
 
 @pytest.fixture(scope="module")
 def ref(tandem_bin, default_model, tmp_path_factory):
-    """The colocated reference's answers, and D's transfer deadline: three
-    times what the long prompt takes there (one thread), at least 2 s."""
+    """The colocated reference's answers; D's transfer deadline, three times
+    what the long prompt takes there (one thread), at least 2 s; and D's
+    lease, twice that, at least 1.5 s: a lease must outlast P's longest step
+    (docs/OPERATIONS.md), one 512-token chunk of that prompt."""
     s = Server.start(tandem_bin, default_model, ["--threads", 1], tmp_path_factory.mktemp("ref"),
                      ready_timeout=120)
     try:
@@ -302,16 +304,16 @@ def ref(tandem_bin, default_model, tmp_path_factory):
         want["canary"] = answer(complete(s, CANARY))
     finally:
         s.close()
-    return want, int(max(2000, 3000 * prefill_s))
+    return want, int(max(2000, 3000 * prefill_s)), int(max(1500, 2000 * prefill_s))
 
 
 @pytest.mark.parametrize("cut", ["silent", "unreachable"])
 def test_link_cut_mid_transfer(cut, net, ref, tandem_bin, default_model, tmp_path):
-    want, deadline_ms = ref
+    want, deadline_ms, lease_ms = ref
     unreachable = cut == "unreachable"
     if unreachable:
         # D's probe fences P long before this (P's job, and its stuck puts,
-        # end with its lease, 1.5 s after D's renewals stop reaching it)
+        # end with its lease, lease_ms after D's renewals stop reaching it)
         deadline_ms += 6000
     bin_dir = tandem_bin.parent
     env = {"UCX_TLS": "tcp"}
@@ -321,7 +323,7 @@ def test_link_cut_mid_transfer(cut, net, ref, tandem_bin, default_model, tmp_pat
                    "--threads", 1], tmp_path / "prefill", env)
     d = net.start("d", bin_dir / "tandem-decode", default_model,
                   ["--host", daddr, "--prefill", f"{paddr}:{p.port}", "--cluster-token", TOKEN,
-                   "--threads", 1, "--transfer-deadline-ms", deadline_ms, "--lease-ms", 1500],
+                   "--threads", 1, "--transfer-deadline-ms", deadline_ms, "--lease-ms", lease_ms],
                   tmp_path / "decode", env)
     assert (p.host, d.host) == (paddr, daddr)
 
