@@ -16,7 +16,7 @@
  * Activations stay f32 for every matmul by default: quantized weights are
  * dequantized on the fly (td_cpu_matmul_f32act), so the only error against
  * a float64 forward pass on the dequantized weights is f32 rounding. On a
- * CPU with AMX-INT8, Q4_K and Q6_K weights take the activations as x24
+ * CPU with AMX-INT8, Q4_K, Q5_K and Q6_K weights take the activations as x24
  * rows instead (24-bit fixed point per 256 elements, each super-block's
  * product an exact integer: kernels/cpu/x24.h), made once per matmul call
  * (task_x24q, per row) for every such weight of the call.
@@ -81,7 +81,7 @@ static cpu_ctx *ctx_of(td_backend *be) { return be->ctx; }
 td_isa td_backend_isa_best(void) { return td_cpu_isa_best(); }
 int td_backend_isa_parse(const char *name) { return td_cpu_isa_parse(name); }
 const char *td_backend_isa_name(td_isa isa) { return td_cpu_isa_name(isa); }
-/* On a CPU with AMX-INT8, Q4_K and Q6_K matmuls take their activations as
+/* On a CPU with AMX-INT8, Q4_K, Q5_K and Q6_K matmuls take their activations as
  * x24 rows (kernels/cpu/x24.h); TANDEM_X24=0 keeps them on the f32 kernels
  * (to compare the two). */
 bool td_backend_isa_select(td_isa isa) {

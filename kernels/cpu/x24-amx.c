@@ -1,4 +1,4 @@
-/* x24: Q4_K and Q6_K matmuls with 24-bit fixed-point activations, on CPUs
+/* x24: Q4_K, Q5_K and Q6_K matmuls with 24-bit fixed-point activations, on CPUs
  * with AMX-INT8 (prefill) and AVX512-VNNI (decode); the arithmetic is
  * x24.h's.
  *
@@ -55,7 +55,7 @@ void td_x24_init(td_isa isa) {
 bool td_x24_available(void) { return g_x24_ok; }
 void td_x24_set_enabled(bool on) { g_x24_on = on; }
 bool td_x24_type(td_dtype t) {
-    return g_x24_ok && g_x24_on && (t == TD_TYPE_Q4_K || t == TD_TYPE_Q6_K);
+    return g_x24_ok && g_x24_on && (t == TD_TYPE_Q4_K || t == TD_TYPE_Q5_K || t == TD_TYPE_Q6_K);
 }
 
 /* ---- activation rows ---- */
@@ -269,6 +269,20 @@ AI __m512i q4k_step(__m512i qs0, __m512i qs1, int u) {
     return _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xF0F0F0F0u, v, 4), _mm512_set1_epi8(15));
 }
 
+/* The q of step u of a q5_K block: q4k_step's nibbles and, for element
+ * 16L + 4u + i (sub-block L / 2, element 16 (L % 2) + 4u + i of it), bit
+ * L / 2 of qh byte 16 (L % 2) + 4u + i (dword 4 (L % 2) + u) as bit 4. */
+AI __m512i q5k_step(__m512i qs0, __m512i qs1, __m512i qh, int u) {
+    const __m512i h = _mm512_permutexvar_epi32(
+        _mm512_add_epi32(_mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4),
+                         _mm512_set1_epi32(u)),
+        qh);
+    const __m512i hb = _mm512_and_si512(
+        _mm512_srlv_epi32(h, _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)),
+        _mm512_set1_epi8(1));
+    return _mm512_or_si512(q4k_step(qs0, qs1, u), _mm512_slli_epi32(hb, 4));
+}
+
 /* The q of step u of a q6_K block (ql: 128 bytes in qlo0, qlo1; qh: 64
  * bytes): element 16L + 4u + i is ql byte 64 (L / 8) + 32 ((L / 2) % 2) +
  * 16 (L % 2) + 4u + i, its high nibble for L % 8 >= 4, with bits 2g, 2g + 1
@@ -293,10 +307,12 @@ AI __m512i q6k_step(__m512i qlo0, __m512i qlo1, __m512i qh, int u) {
 
 /* A super-block of a row as both kernels take it: the four steps of q (as
  * unsigned bytes), the per-lane scale (lane L: group L), d, and for q4_K
- * dmin and the 8 mins; W = sc * (q - off), off 32 for q6_K, else 0. */
+ * and q5_K dmin and the 8 mins; W = sc * (q - off), off 32 for q6_K, else
+ * 0. */
 typedef struct {
     __m512i q[4];
     __m512i scv; /* int32 lanes */
+    __m512i scw; /* q4_K: row_sums' int16 scale pairs */
     float d, dmin;
     __m512 dm; /* [d, dmin, -, .., m0 .. m7] */
 } kblock;
@@ -313,13 +329,26 @@ AI void unpack_block(const td_dtype WT, const char *bl, kblock *kb) {
         kb->dm = _mm512_mask_mov_ps(_mm512_setzero_ps(), 1, _mm512_set1_ps(kb->d));
         return;
     }
-    const td_block_q4_K *b = (const td_block_q4_K *)(const void *)bl;
+    /* q4_K and q5_K: the same head (d, dmin, scales) */
     const __m512i scm = td_avx512_k_scm(bl);
-    const __m512i qs0 = _mm512_loadu_si512(b->qs), qs1 = _mm512_loadu_si512(b->qs + 64);
-    for (int u = 0; u < 4; u++) kb->q[u] = q4k_step(qs0, qs1, u);
+    if (WT == TD_TYPE_Q5_K) {
+        const td_block_q5_K *b = (const td_block_q5_K *)(const void *)bl;
+        const __m512i qs0 = _mm512_loadu_si512(b->qs), qs1 = _mm512_loadu_si512(b->qs + 64);
+        const __m512i qh = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)b->qh));
+        for (int u = 0; u < 4; u++) kb->q[u] = q5k_step(qs0, qs1, qh, u);
+    } else {
+        const td_block_q4_K *b = (const td_block_q4_K *)(const void *)bl;
+        const __m512i qs0 = _mm512_loadu_si512(b->qs), qs1 = _mm512_loadu_si512(b->qs + 64);
+        for (int u = 0; u < 4; u++) kb->q[u] = q4k_step(qs0, qs1, u);
+    }
     /* lanes 2j, 2j + 1: sub-block j */
     kb->scv = _mm512_permutexvar_epi32(
         _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), scm);
+    /* dword 4c + j: sc_(2c + j % 2) in both words (row_sums) */
+    kb->scw = _mm512_permutexvar_epi16(_mm512_set_epi16(28, 28, 24, 24, 28, 28, 24, 24, 20, 20, 16,
+                                                        16, 20, 20, 16, 16, 12, 12, 8, 8, 12, 12, 8,
+                                                        8, 4, 4, 0, 0, 4, 4, 0, 0),
+                                       kb->scv);
     int32_t dd; /* d, dmin: any alignment, no type punning */
     memcpy(&dd, bl, sizeof dd);
     const __m128 hd = _mm_cvtph_ps(_mm_cvtsi32_si128(dd));
@@ -331,10 +360,26 @@ AI void unpack_block(const td_dtype WT, const char *bl, kblock *kb) {
 /* Row rr's lane sums of one token against a super-block's four steps of
  * q, times sc (scv), into ls[limb][rr]. q6_K: L and M against q - 32
  * (signed), H against q less 32 times hs, the lanes' sums of H. Raw sums:
- * at most 16 * 255 * 32 in magnitude. */
+ * at most 16 * 255 * 32 in magnitude. q4_K's fit int16 over two steps
+ * (8 * 255 * 15; H over all four, 16 * 128 * 15): L and M in two halves
+ * packed to words, each word pair one sub-block's, and H as it is, are
+ * multiplied by sc and summed in pairs (vpmaddwd, one uop against
+ * vpmulld's two); only the lanes' total matters (hsum16). */
 AI void row_sums(const td_dtype WT, const kblock *kb, const __m512i x[12], __m512i hs,
                  int32_t (*ls)[16][16], int rr) {
     __m512i al = _mm512_setzero_si512(), am = al, ah = al;
+    if (WT == TD_TYPE_Q4_K) {
+        __m512i a2[2] = {al, al}, m2[2] = {al, al};
+        for (int u = 0; u < 4; u++) {
+            a2[u / 2] = _mm512_dpbusd_epi32(a2[u / 2], x[3 * u], kb->q[u]);
+            m2[u / 2] = _mm512_dpbusd_epi32(m2[u / 2], x[3 * u + 1], kb->q[u]);
+            ah = _mm512_dpbusd_epi32(ah, kb->q[u], x[3 * u + 2]);
+        }
+        _mm512_store_si512(ls[0][rr], _mm512_madd_epi16(_mm512_packs_epi32(a2[0], a2[1]), kb->scw));
+        _mm512_store_si512(ls[1][rr], _mm512_madd_epi16(_mm512_packs_epi32(m2[0], m2[1]), kb->scw));
+        _mm512_store_si512(ls[2][rr], _mm512_madd_epi16(ah, kb->scv));
+        return;
+    }
     for (int u = 0; u < 4; u++) {
         const __m512i qs =
             WT == TD_TYPE_Q6_K ? _mm512_sub_epi8(kb->q[u], _mm512_set1_epi8(32)) : kb->q[u];
@@ -395,6 +440,7 @@ AI void mm_decode(const td_dtype WT, const char *w, size_t ws, const void *xa, i
                     _mm_prefetch(pf + 64, _MM_HINT_T0);
                     _mm_prefetch(pf + 128, _MM_HINT_T0);
                     if (bb > 192) _mm_prefetch(pf + 192, _MM_HINT_T0);
+                    if (bb > 128 && bb <= 192) _mm_prefetch(pf + bb - 1, _MM_HINT_T0);
                 }
                 kblock kb;
                 unpack_block(WT, b, &kb);
@@ -594,6 +640,10 @@ static void decode_q4k(const char *w, size_t ws, const void *xa, int n, int64_t 
                        size_t ldy, int r1) {
     mm_decode(TD_TYPE_Q4_K, w, ws, xa, n, k, y, ldy, 0, r1);
 }
+static void decode_q5k(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
+                       size_t ldy, int r1) {
+    mm_decode(TD_TYPE_Q5_K, w, ws, xa, n, k, y, ldy, 0, r1);
+}
 static void decode_q6k(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
                        size_t ldy, int r1) {
     mm_decode(TD_TYPE_Q6_K, w, ws, xa, n, k, y, ldy, 0, r1);
@@ -602,6 +652,10 @@ static void amx_q4k(const char *w, size_t ws, const void *xa, int n, int64_t k, 
                     size_t ldy, int r1) {
     mm_amx(TD_TYPE_Q4_K, w, ws, xa, n, k, y, ldy, 0, r1);
 }
+static void amx_q5k(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
+                    size_t ldy, int r1) {
+    mm_amx(TD_TYPE_Q5_K, w, ws, xa, n, k, y, ldy, 0, r1);
+}
 static void amx_q6k(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
                     size_t ldy, int r1) {
     mm_amx(TD_TYPE_Q6_K, w, ws, xa, n, k, y, ldy, 0, r1);
@@ -609,12 +663,15 @@ static void amx_q6k(const char *w, size_t ws, const void *xa, int n, int64_t k, 
 
 void td_x24_matmul(td_dtype wt, const void *w, size_t ws, const void *xa, int n, int64_t k,
                    float *y, size_t ldy, int r0, int r1) {
-    if (wt != TD_TYPE_Q4_K && wt != TD_TYPE_Q6_K) TD_KERNEL_UNREACHABLE_TYPE(wt);
+    typedef void (*kern)(const char *, size_t, const void *, int, int64_t, float *, size_t, int);
+    kern dec, amx;
+    switch (wt) {
+    case TD_TYPE_Q4_K: dec = decode_q4k, amx = amx_q4k; break;
+    case TD_TYPE_Q5_K: dec = decode_q5k, amx = amx_q5k; break;
+    case TD_TYPE_Q6_K: dec = decode_q6k, amx = amx_q6k; break;
+    default: TD_KERNEL_UNREACHABLE_TYPE(wt);
+    }
     if (n <= 0 || r1 <= r0) return;
     const char *wr = (const char *)w + (size_t)r0 * ws;
-    const bool q6 = wt == TD_TYPE_Q6_K;
-    if (n < TD_X24_AMX_MIN)
-        (q6 ? decode_q6k : decode_q4k)(wr, ws, xa, n, k, y, ldy, r1 - r0);
-    else
-        (q6 ? amx_q6k : amx_q4k)(wr, ws, xa, n, k, y, ldy, r1 - r0);
+    (n < TD_X24_AMX_MIN ? dec : amx)(wr, ws, xa, n, k, y, ldy, r1 - r0);
 }

@@ -1,7 +1,7 @@
 /* x24: the K-quant matmul of CPUs with AMX-INT8, on f32 activations held
  * to 24 bits per 256-element block.
  *
- * Where it applies (td_x24_type: Q4_K and Q6_K weights, the AVX-512 ISA
+ * Where it applies (td_x24_type: Q4_K, Q5_K and Q6_K weights, the AVX-512 ISA
  * selected, AMX usable by the process, td_x24_set_enabled), the matmul
  * takes each activation row as per-block fixed point: for each block of
  * 256 elements (a K-quant super-block),
@@ -11,13 +11,13 @@
  * is within s of x_i; a block holding NaN or Inf gets s = NaN). A super-
  * block's dot product with a row is then an exact integer, taken as three
  * int32 sums over the limbs L = v & 255, M = (v >> 8) & 255, H = v >> 16
- * of v and the integer weights W_i (Q4_K: sc_j * q_i, sub-block j of 32;
- * Q6_K: sc_j * (q_i - 32), j of 16):
+ * of v and the integer weights W_i (Q4_K and Q5_K: sc_j * q_i, sub-block j
+ * of 32; Q6_K: sc_j * (q_i - 32), j of 16):
  *   CL = sum L_i W_i, CM = sum M_i W_i, CH = sum H_i W_i,
  * and the row's value is the f32 accumulation over super-blocks, in k
  * order, of these roundings (fmaf: one rounding each):
  *   t = fmaf((float)CH, 65536, fmaf((float)CM, 256, (float)CL))
- *   q = fmaf(sx_7, m_7, ... fmaf(sx_0, m_0, 0))   (Q4_K: sx_j the sum of v
+ *   q = fmaf(sx_7, m_7, ... fmaf(sx_0, m_0, 0))   (Q4_K, Q5_K: sx_j the sum of v
  *       over sub-block j, as float, m_j the 6-bit mins; Q6_K: 0)
  *   u = fmaf(-q, dmin, t * d)                      (Q6_K: dmin 0)
  *   acc = fmaf(s, u, acc).

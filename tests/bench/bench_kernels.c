@@ -6,7 +6,7 @@
  *                          [-c ROWS_PER_CALL] [-a] [-K]
  *
  * -a measures td_cpu_matmul_f32act (f32 activations) instead of td_cpu_matmul
- * (activations quantized per row); -x (Q4_K or Q6_K, a CPU with AMX-INT8) the x24
+ * (activations quantized per row); -x (Q4_K, Q5_K or Q6_K, AMX-INT8) the x24
  * kernels the engine runs for f32 activations there (kernels/cpu/x24.h),
  * called per 256 rows as the engine does, with the activation quantization
  * timed apart. -w with a type of the K-quant mix (q5_0,
@@ -186,8 +186,9 @@ int main(int argc, char **argv) {
         td_x24_set_enabled(g_x24);
         if (g_x24 && !td_x24_type((td_dtype)only_type)) {
             if (isa == TD_ISA_AVX512)
-                fprintf(stderr,
-                        "td-bench-kernels: -x needs -w 12 (q4_K) or 14 (q6_K) and AMX-INT8\n");
+                fprintf(
+                    stderr,
+                    "td-bench-kernels: -x needs -w 12, 13 or 14 (q4_K, q5_K, q6_K) and AMX-INT8\n");
             continue;
         }
         for (int ni = 0; ni < 2; ni++) {

@@ -1,9 +1,9 @@
-/* x24 (kernels/cpu/x24.h): Q4_K and Q6_K matmuls on 24-bit fixed-point activations,
+/* x24 (kernels/cpu/x24.h): Q4_K, Q5_K and Q6_K matmuls on 24-bit fixed-point activations,
  * AMX-INT8 for prefill and AVX512-VNNI for decode.
  *
  * Each value is held to the definition written out here in scalar C, bit
  * for bit: the activation's per-block exponent, rint and clamp, the exact
- * integer limb sums against sc*q (q4_K) or sc*(q-32) (q6_K) by the GGUF
+ * integer limb sums against sc*q (q4_K, q5_K) or sc*(q-32) (q6_K) by the GGUF
  * layouts, and the f32 roundings
  * of x24.h in order. That holds both kernels (n < TD_X24_AMX_MIN and not)
  * to the same bits, so a token's value does not depend on the batch, the
@@ -32,9 +32,9 @@
 #define TD_TEST_RNG_SEED 0x9e3779b97f4a7c15ull
 #include "test-rand.h"
 
-/* Rows of Q4_K or Q6_K: random blocks, with all-zero and all-max blocks
- * among them. */
-static size_t bbytes(td_dtype t) { return t == TD_TYPE_Q6_K ? 210 : 144; }
+/* Rows of Q4_K, Q5_K or Q6_K: random blocks, with all-zero and all-max
+ * blocks among them. */
+static size_t bbytes(td_dtype t) { return t == TD_TYPE_Q6_K ? 210 : t == TD_TYPE_Q5_K ? 176 : 144; }
 
 static uint8_t *make_rows(td_dtype t, int rows, int64_t k) {
     const int64_t nsb = k / 256;
@@ -53,8 +53,8 @@ static uint8_t *make_rows(td_dtype t, int rows, int64_t k) {
             memcpy(bl + 208, &d, 2);
             continue;
         }
-        if (kind == 0) memset(bl + 4, 0, 140);
-        if (kind == 1) memset(bl + 4, 0xFF, 140);
+        if (kind == 0) memset(bl + 4, 0, bb - 4);
+        if (kind == 1) memset(bl + 4, 0xFF, bb - 4);
         const uint16_t dm = h_bits(0, -(int)(rnd64() % 14) - 1, (int)(rnd64() % 1024));
         memcpy(bl, &d, 2);
         memcpy(bl + 2, &dm, 2);
@@ -84,7 +84,7 @@ static float *make_x(int n, int64_t k) {
 }
 
 /* Element i's integer weight W_i (sc * q or sc * (q - 32)) and, for
- * q4_K, its sub-block's 6-bit min, by the GGUF layouts. */
+ * q4_K and q5_K, its sub-block's 6-bit min, by the GGUF layouts. */
 static int64_t ref_w(td_dtype t, const uint8_t *bl, int i, int *min6) {
     if (t == TD_TYPE_Q6_K) {
         const int h = i / 128, g = (i % 128) / 32, l = i % 32;
@@ -98,8 +98,10 @@ static int64_t ref_w(td_dtype t, const uint8_t *bl, int i, int *min6) {
     const uint8_t *sc = bl + 4;
     const int s6 = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | (sc[j - 4] >> 6) << 4;
     *min6 = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | (sc[j] >> 6) << 4;
-    const int byte = bl[16 + 32 * (j / 2) + l];
-    return (int64_t)s6 * (j % 2 ? byte >> 4 : byte & 15);
+    const int q5 = t == TD_TYPE_Q5_K;
+    const int byte = bl[(q5 ? 48 : 16) + 32 * (j / 2) + l];
+    const int hi = q5 ? ((bl[16 + l] >> j) & 1) << 4 : 0; /* q5_K: bit j of qh[l] */
+    return (int64_t)s6 * ((j % 2 ? byte >> 4 : byte & 15) | hi);
 }
 
 /* The definition, one (row, token) pair. */
@@ -171,8 +173,8 @@ static float *run(td_dtype wt, const uint8_t *w, const float *x, int n, int64_t 
     return y;
 }
 
-static const td_dtype k_types[] = {TD_TYPE_Q4_K, TD_TYPE_Q6_K};
-#define FOR_TYPES for (size_t ti = 0; ti < 2; ti++)
+static const td_dtype k_types[] = {TD_TYPE_Q4_K, TD_TYPE_Q5_K, TD_TYPE_Q6_K};
+#define FOR_TYPES for (size_t ti = 0; ti < sizeof k_types / sizeof k_types[0]; ti++)
 
 static size_t row_bytes(td_dtype wt, int64_t k) { return (size_t)(k / 256) * bbytes(wt); }
 
