@@ -25,6 +25,9 @@
 #include "cpu-impl.h"
 #include "x24.h"
 
+/* Small loops over vectors are unrolled whole (#pragma GCC unroll), so that
+ * their arrays stay in registers: GCC's -O2 keeps them as loops over the
+ * stack. */
 #define AI       static inline __attribute__((always_inline))
 
 #define SB_CHUNK 2   /* super-blocks per weight-tile build (K block of 512) */
@@ -124,16 +127,21 @@ static void quant_row(const float *x, int t, int n, int64_t k, void *xa) {
                     _mm512_cvtps_epi32(_mm512_scalef_ps(_mm512_loadu_ps(xs + i), sh)), hi);
             _mm512_store_si512(v + i, vi);
         }
+#pragma GCC unroll 16
         for (int j = 0; j < 8; j++)
             sx[sb * 8 + j] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(
                 _mm512_load_si512(v + 32 * j), _mm512_load_si512(v + 32 * j + 16)));
         /* step u, byte 4L + i: element 16L + 4u + i (x24_limb): the 128-bit
          * lane u of the 16-element groups, four groups to a vector */
         __m512i g[16];
+#pragma GCC unroll 16
         for (int j = 0; j < 16; j++) g[j] = _mm512_load_si512(v + 16 * j);
+#pragma GCC unroll 16
         for (int u = 0; u < 4; u++) {
             int8_t *dst[3];
+#pragma GCC unroll 16
             for (int l = 0; l < 3; l++) dst[l] = (int8_t *)x24_limb(xa, k, t, sb * 4 + u, l);
+#pragma GCC unroll 16
             for (int q = 0; q < 4; q++) {
                 const __m512i c = lane_u(g + 4 * q, u);
                 _mm_storeu_si128((__m128i *)(dst[0] + 16 * q), _mm512_cvtepi32_epi8(c));
@@ -167,6 +175,7 @@ AI __m512 post_v(__m512i cl, __m512i cm, __m512i ch, __m512 d, __m512 dmin, cons
         _mm512_fmadd_ps(_mm512_cvtepi32_ps(cm), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(cl));
     t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ch), _mm512_set1_ps(65536.0f), t);
     __m512 q = _mm512_setzero_ps();
+#pragma GCC unroll 16
     for (int j = 0; j < 8; j++) q = _mm512_fmadd_ps(_mm512_set1_ps(sx[j]), mins[j], q);
     const __m512 u = _mm512_fnmadd_ps(q, dmin, _mm512_mul_ps(t, d));
     return _mm512_fmadd_ps(_mm512_set1_ps(s), u, acc);
@@ -201,17 +210,20 @@ static void tile_config(void) {
 /* 16 rows of 16 dwords -> their transpose, in place. */
 AI void transpose16(__m512i r[16]) {
     __m512i a[16], x[16];
+#pragma GCC unroll 16
     for (int i = 0; i < 16; i += 2) {
         a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
         a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
     }
-    /* x[4g + e]: lane L holds element 4L + e of rows 4g .. 4g + 3 */
+/* x[4g + e]: lane L holds element 4L + e of rows 4g .. 4g + 3 */
+#pragma GCC unroll 16
     for (int g = 0; g < 4; g++) {
         x[4 * g + 0] = _mm512_unpacklo_epi64(a[4 * g], a[4 * g + 2]);
         x[4 * g + 1] = _mm512_unpackhi_epi64(a[4 * g], a[4 * g + 2]);
         x[4 * g + 2] = _mm512_unpacklo_epi64(a[4 * g + 1], a[4 * g + 3]);
         x[4 * g + 3] = _mm512_unpackhi_epi64(a[4 * g + 1], a[4 * g + 3]);
     }
+#pragma GCC unroll 16
     for (int e = 0; e < 4; e++) {
         const __m512i p = _mm512_shuffle_i32x4(x[e], x[4 + e], 0x44);
         const __m512i q = _mm512_shuffle_i32x4(x[e], x[4 + e], 0xEE);
@@ -238,9 +250,11 @@ typedef struct {
  * shuffles (half a transpose's), then one permute back to row order. */
 AI __m512i hsum16(const __m512i v[16]) {
     __m512i a[8], b[4];
+#pragma GCC unroll 16
     for (int i = 0; i < 8; i++) /* 128-bit lanes 0, 1: row 2i; 2, 3: row 2i + 1 */
         a[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0x44),
                                 _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0xEE));
+#pragma GCC unroll 16
     for (int i = 0; i < 4; i++) /* 128-bit lane k: row 4i + k */
         b[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0x88),
                                 _mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0xDD));
@@ -322,6 +336,7 @@ AI void unpack_block(const td_dtype WT, const char *bl, kblock *kb) {
         const td_block_q6_K *b = (const td_block_q6_K *)(const void *)bl;
         const __m512i l0 = _mm512_loadu_si512(b->ql), l1 = _mm512_loadu_si512(b->ql + 64);
         const __m512i h = _mm512_loadu_si512(b->qh);
+#pragma GCC unroll 16
         for (int u = 0; u < 4; u++) kb->q[u] = q6k_step(l0, l1, h, u);
         kb->scv = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b->scales));
         kb->d = td_avx512_h2f((const char *)&b->d);
@@ -335,10 +350,12 @@ AI void unpack_block(const td_dtype WT, const char *bl, kblock *kb) {
         const td_block_q5_K *b = (const td_block_q5_K *)(const void *)bl;
         const __m512i qs0 = _mm512_loadu_si512(b->qs), qs1 = _mm512_loadu_si512(b->qs + 64);
         const __m512i qh = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)b->qh));
+#pragma GCC unroll 16
         for (int u = 0; u < 4; u++) kb->q[u] = q5k_step(qs0, qs1, qh, u);
     } else {
         const td_block_q4_K *b = (const td_block_q4_K *)(const void *)bl;
         const __m512i qs0 = _mm512_loadu_si512(b->qs), qs1 = _mm512_loadu_si512(b->qs + 64);
+#pragma GCC unroll 16
         for (int u = 0; u < 4; u++) kb->q[u] = q4k_step(qs0, qs1, u);
     }
     /* lanes 2j, 2j + 1: sub-block j */
@@ -370,6 +387,7 @@ AI void row_sums(const td_dtype WT, const kblock *kb, const __m512i x[12], __m51
     __m512i al = _mm512_setzero_si512(), am = al, ah = al;
     if (WT == TD_TYPE_Q4_K) {
         __m512i a2[2] = {al, al}, m2[2] = {al, al};
+#pragma GCC unroll 16
         for (int u = 0; u < 4; u++) {
             a2[u / 2] = _mm512_dpbusd_epi32(a2[u / 2], x[3 * u], kb->q[u]);
             m2[u / 2] = _mm512_dpbusd_epi32(m2[u / 2], x[3 * u + 1], kb->q[u]);
@@ -380,6 +398,7 @@ AI void row_sums(const td_dtype WT, const kblock *kb, const __m512i x[12], __m51
         _mm512_store_si512(ls[2][rr], _mm512_madd_epi16(ah, kb->scv));
         return;
     }
+#pragma GCC unroll 16
     for (int u = 0; u < 4; u++) {
         const __m512i qs =
             WT == TD_TYPE_Q6_K ? _mm512_sub_epi8(kb->q[u], _mm512_set1_epi8(32)) : kb->q[u];
@@ -408,16 +427,19 @@ AI void mm_decode(const td_dtype WT, const char *w, size_t ws, const void *xa, i
             /* the tokens' limbs of this super-block, for every row; one
              * token's (decode) in registers; q6_K: each lane's sum of H */
             __m512i x1[12], hs[TD_X24_AMX_MIN];
+#pragma GCC unroll 16
             for (int i = 0; i < 12; i++)
                 x1[i] = _mm512_loadu_si512(x24_limb(xa, k, 0, sb * 4 + i / 3, i % 3));
             if (n > 1)
                 for (int t = 0; t < n; t++)
+#pragma GCC unroll 16
                     for (int i = 0; i < 12; i++)
                         ds.xv[t][i] = _mm512_loadu_si512(x24_limb(xa, k, t, sb * 4 + i / 3, i % 3));
             const __m512i(*xv)[12] = ds.xv;
             for (int t = 0; t < n; t++) {
                 hs[t] = _mm512_setzero_si512();
                 if (WT == TD_TYPE_Q6_K)
+#pragma GCC unroll 16
                     for (int u = 0; u < 4; u++)
                         hs[t] = _mm512_dpbusd_epi32(hs[t], _mm512_set1_epi8(1),
                                                     n == 1 ? x1[3 * u + 2] : xv[t][3 * u + 2]);
@@ -428,6 +450,7 @@ AI void mm_decode(const td_dtype WT, const char *w, size_t ws, const void *xa, i
                 if (rr >= nr) {
                     dm[rr] = _mm512_setzero_si512();
                     for (int t = 0; t < n; t++)
+#pragma GCC unroll 16
                         for (int l = 0; l < 3; l++)
                             _mm512_store_si512(ds.ls[t][l][rr], _mm512_setzero_si512());
                     continue;
@@ -453,12 +476,15 @@ AI void mm_decode(const td_dtype WT, const char *w, size_t ws, const void *xa, i
             }
             transpose16(dm);
             __m512 mins[8];
+#pragma GCC unroll 16
             for (int j = 0; j < 8; j++) mins[j] = _mm512_castsi512_ps(dm[8 + j]);
             const __m512 d = _mm512_castsi512_ps(dm[0]), dmin = _mm512_castsi512_ps(dm[1]);
             for (int t = 0; t < n; t++) {
                 __m512i c[3];
+#pragma GCC unroll 16
                 for (int l = 0; l < 3; l++) {
                     __m512i v[16];
+#pragma GCC unroll 16
                     for (int rr = 0; rr < 16; rr++) v[rr] = _mm512_load_si512(ds.ls[t][l][rr]);
                     c[l] = hsum16(v);
                 }
@@ -494,8 +520,10 @@ AI void build_tiles(const td_dtype WT, const char *w, size_t ws, int nr, int64_t
         __m512i lo[4][16], hi[4][16];
         for (int rr = 0; rr < 16; rr++) {
             if (rr >= nr) {
+#pragma GCC unroll 16
                 for (int u = 0; u < 4; u++) lo[u][rr] = hi[u][rr] = _mm512_setzero_si512();
                 wt->d[i][rr] = wt->dmin[i][rr] = 0.0f;
+#pragma GCC unroll 16
                 for (int j = 0; j < 8; j++) wt->mins[i][j][rr] = 0.0f;
                 continue;
             }
@@ -503,11 +531,13 @@ AI void build_tiles(const td_dtype WT, const char *w, size_t ws, int nr, int64_t
             unpack_block(WT, w + (size_t)rr * ws + (size_t)(sb0 + i) * bb, &kb);
             _Alignas(64) float dmv[16];
             _mm512_store_ps(dmv, kb.dm);
+#pragma GCC unroll 16
             for (int j = 0; j < 8; j++) wt->mins[i][j][rr] = dmv[8 + j];
             wt->d[i][rr] = kb.d;
             wt->dmin[i][rr] = kb.dmin;
             const __m512i scw0 = _mm512_permutexvar_epi16(wlo, kb.scv);
             const __m512i scw1 = _mm512_permutexvar_epi16(whi, kb.scv);
+#pragma GCC unroll 16
             for (int u = 0; u < 4; u++) {
                 const __m512i q = kb.q[u];
                 const __m512i w0 = _mm512_mullo_epi16(
@@ -523,9 +553,11 @@ AI void build_tiles(const td_dtype WT, const char *w, size_t ws, int nr, int64_t
                     _mm512_cvtepi16_epi8(_mm512_srai_epi16(w1, 7)), 1);
             }
         }
+#pragma GCC unroll 16
         for (int u = 0; u < 4; u++) {
             transpose16(lo[u]);
             transpose16(hi[u]);
+#pragma GCC unroll 16
             for (int kk = 0; kk < 16; kk++) {
                 _mm512_store_si512(wt->b[i][u][0] + kk * 64, lo[u][kk]);
                 _mm512_store_si512(wt->b[i][u][1] + kk * 64, hi[u][kk]);
@@ -543,6 +575,7 @@ AI void post_tiles(const ctiles *ct, const wtiles *wt, int i, const float *s, co
                    int64_t nsb, int64_t sb, int t0, __m512 acc[16]) {
     const __m512 d = _mm512_load_ps(wt->d[i]), dmin = _mm512_load_ps(wt->dmin[i]);
     __m512 mins[8];
+#pragma GCC unroll 16
     for (int j = 0; j < 8; j++) mins[j] = _mm512_load_ps(wt->mins[i][j]);
     for (int r = 0; r < 16; r++) {
         const __m512i cl = _mm512_add_epi32(_mm512_load_si512(ct->c[0][r]),
@@ -638,15 +671,24 @@ AI void mm_amx(const td_dtype WT, const char *w, size_t ws, const void *xa, int 
 
 static void decode_q4k(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
                        size_t ldy, int r1) {
-    mm_decode(TD_TYPE_Q4_K, w, ws, xa, n, k, y, ldy, 0, r1);
+    if (n == 1) /* a constant n: the one token's code alone */
+        mm_decode(TD_TYPE_Q4_K, w, ws, xa, 1, k, y, ldy, 0, r1);
+    else
+        mm_decode(TD_TYPE_Q4_K, w, ws, xa, n, k, y, ldy, 0, r1);
 }
 static void decode_q5k(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
                        size_t ldy, int r1) {
-    mm_decode(TD_TYPE_Q5_K, w, ws, xa, n, k, y, ldy, 0, r1);
+    if (n == 1) /* a constant n: the one token's code alone */
+        mm_decode(TD_TYPE_Q5_K, w, ws, xa, 1, k, y, ldy, 0, r1);
+    else
+        mm_decode(TD_TYPE_Q5_K, w, ws, xa, n, k, y, ldy, 0, r1);
 }
 static void decode_q6k(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
                        size_t ldy, int r1) {
-    mm_decode(TD_TYPE_Q6_K, w, ws, xa, n, k, y, ldy, 0, r1);
+    if (n == 1) /* a constant n: the one token's code alone */
+        mm_decode(TD_TYPE_Q6_K, w, ws, xa, 1, k, y, ldy, 0, r1);
+    else
+        mm_decode(TD_TYPE_Q6_K, w, ws, xa, n, k, y, ldy, 0, r1);
 }
 static void amx_q4k(const char *w, size_t ws, const void *xa, int n, int64_t k, float *y,
                     size_t ldy, int r1) {
