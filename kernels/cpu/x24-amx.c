@@ -9,11 +9,15 @@
  *
  * Weights, per row and super-block (unpack_block): the four steps of q in
  * the same element order, the scale of each 16-element group, d, dmin and
- * the mins. AMX takes W = sc * (q - off) as two signed bytes (W & 127,
- * W >> 7) in B-tile (VNNI) order, built per 16-row strip; the decode
- * kernel takes q as bytes against the limbs (vpdpbusd), each lane staying
- * in one group, and multiplies the lane sums by their group's sc. Both
- * then run post_v's f32 roundings on vectors over 16 weight rows. */
+ * the mins. AMX takes W = sc * (q - off) as two bytes, W & 255 unsigned
+ * and W >> 8 signed, in B-tile (VNNI) order, built per 16-row strip: the
+ * six products of the limbs and the bytes fall into four C tiles by their
+ * weight (2^0, 2^8, 2^16, 2^24), so the three A tiles of a step are loaded
+ * once. The decode kernel takes q as bytes against the limbs (vpdpbusd),
+ * each lane staying in one group, and multiplies the lane sums by their
+ * group's sc. Both then make the exact integer total of each (row, token)
+ * pair in f64 (exact_t) and run post_v's f32 roundings on vectors over 16
+ * weight rows. */
 #include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
@@ -169,11 +173,26 @@ void td_x24_quant(const float *x, size_t ldx, int t0, int t1, int n, int64_t k, 
 
 /* ---- the f32 roundings after the integer sums (x24.h), lanes = weight rows ---- */
 
-AI __m512 post_v(__m512i cl, __m512i cm, __m512i ch, __m512 d, __m512 dmin, const __m512 *mins,
-                 const float *sx, float s, __m512 acc) {
-    __m512 t =
-        _mm512_fmadd_ps(_mm512_cvtepi32_ps(cm), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(cl));
-    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ch), _mm512_set1_ps(65536.0f), t);
+/* a + 2^8 b + 2^16 c + 2^24 e of int32 lanes, rounded once to f32: in f64
+ * every term and partial sum is an integer below 2^53, so exact. */
+AI __m256 exact_t8(__m256i a, __m256i b, __m256i c, __m256i e) {
+    __m512d t =
+        _mm512_fmadd_pd(_mm512_cvtepi32_pd(b), _mm512_set1_pd(256.0), _mm512_cvtepi32_pd(a));
+    t = _mm512_fmadd_pd(_mm512_cvtepi32_pd(c), _mm512_set1_pd(65536.0), t);
+    t = _mm512_fmadd_pd(_mm512_cvtepi32_pd(e), _mm512_set1_pd(16777216.0), t);
+    return _mm512_cvtpd_ps(t);
+}
+AI __m512 exact_t(__m512i a, __m512i b, __m512i c, __m512i e) {
+#define X24_HI(v) _mm512_extracti64x4_epi64(v, 1)
+    const __m256 lo = exact_t8(_mm512_castsi512_si256(a), _mm512_castsi512_si256(b),
+                               _mm512_castsi512_si256(c), _mm512_castsi512_si256(e));
+    const __m256 hi = exact_t8(X24_HI(a), X24_HI(b), X24_HI(c), X24_HI(e));
+#undef X24_HI
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+
+AI __m512 post_v(__m512 t, __m512 d, __m512 dmin, const __m512 *mins, const float *sx, float s,
+                 __m512 acc) {
     __m512 q = _mm512_setzero_ps();
 #pragma GCC unroll 16
     for (int j = 0; j < 8; j++) q = _mm512_fmadd_ps(_mm512_set1_ps(sx[j]), mins[j], q);
@@ -489,7 +508,8 @@ AI void mm_decode(const td_dtype WT, const char *w, size_t ws, const void *xa, i
                     c[l] = hsum16(v);
                 }
                 const size_t ts = (size_t)t * (size_t)nsb + (size_t)sb;
-                acc[t] = post_v(c[0], c[1], c[2], d, dmin, mins, sx + ts * 8, s[ts], acc[t]);
+                acc[t] = post_v(exact_t(c[0], c[1], c[2], _mm512_setzero_si512()), d, dmin, mins,
+                                sx + ts * 8, s[ts], acc[t]);
             }
         }
         for (int t = 0; t < n; t++)
@@ -498,8 +518,9 @@ AI void mm_decode(const td_dtype WT, const char *w, size_t ws, const void *xa, i
 }
 
 /* One strip's weight tiles for super-blocks [sb0, sb0 + nsb_c): per
- * super-block and 64-element step, B tiles of W & 127 and W >> 7 (rows past
- * nr zero), and the rows' d, dmin and mins as lane vectors. */
+ * super-block and 64-element step, B tiles of W & 255 (unsigned) and W >> 8
+ * (signed; |W| <= 127 * 32 leaves it within [-16, 15]) (rows past nr zero),
+ * and the rows' d, dmin and mins as lane vectors. */
 typedef struct {
     _Alignas(64) int8_t b[SB_CHUNK][4][2][1024];
     _Alignas(64) float d[SB_CHUNK][16], dmin[SB_CHUNK][16], mins[SB_CHUNK][8][16];
@@ -514,7 +535,6 @@ AI void build_tiles(const td_dtype WT, const char *w, size_t ws, int nr, int64_t
     const __m512i wlo = _mm512_set_epi16(14, 14, 14, 14, 12, 12, 12, 12, 10, 10, 10, 10, 8, 8, 8, 8,
                                          6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
     const __m512i whi = _mm512_add_epi16(wlo, _mm512_set1_epi16(16));
-    const __m512i k127 = _mm512_set1_epi16(127);
     const __m512i off = _mm512_set1_epi16(WT == TD_TYPE_Q6_K ? 32 : 0);
     for (int i = 0; i < nsb_c; i++) {
         __m512i lo[4][16], hi[4][16];
@@ -545,12 +565,12 @@ AI void build_tiles(const td_dtype WT, const char *w, size_t ws, int nr, int64_t
                 const __m512i w1 = _mm512_mullo_epi16(
                     _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, 1)), off),
                     scw1);
-                lo[u][rr] = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_and_si512(w0, k127))),
-                    _mm512_cvtepi16_epi8(_mm512_and_si512(w1, k127)), 1);
+                /* the words' low bytes (truncation), then their high bytes */
+                lo[u][rr] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(w0)),
+                                               _mm512_cvtepi16_epi8(w1), 1);
                 hi[u][rr] = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(w0, 7))),
-                    _mm512_cvtepi16_epi8(_mm512_srai_epi16(w1, 7)), 1);
+                    _mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(w0, 8))),
+                    _mm512_cvtepi16_epi8(_mm512_srai_epi16(w1, 8)), 1);
             }
         }
 #pragma GCC unroll 16
@@ -567,10 +587,11 @@ AI void build_tiles(const td_dtype WT, const char *w, size_t ws, int nr, int64_t
 }
 
 typedef struct {
-    _Alignas(64) int32_t c[6][16][16];
+    _Alignas(64) int32_t c[4][16][16];
 } ctiles;
 
-/* Post one super-block's six C tiles into the strip's accumulators. */
+/* Post one super-block's four C tiles (the products of weight 2^0, 2^8,
+ * 2^16, 2^24) into the strip's accumulators. */
 AI void post_tiles(const ctiles *ct, const wtiles *wt, int i, const float *s, const float *sx,
                    int64_t nsb, int64_t sb, int t0, __m512 acc[16]) {
     const __m512 d = _mm512_load_ps(wt->d[i]), dmin = _mm512_load_ps(wt->dmin[i]);
@@ -578,14 +599,10 @@ AI void post_tiles(const ctiles *ct, const wtiles *wt, int i, const float *s, co
 #pragma GCC unroll 16
     for (int j = 0; j < 8; j++) mins[j] = _mm512_load_ps(wt->mins[i][j]);
     for (int r = 0; r < 16; r++) {
-        const __m512i cl = _mm512_add_epi32(_mm512_load_si512(ct->c[0][r]),
-                                            _mm512_slli_epi32(_mm512_load_si512(ct->c[3][r]), 7));
-        const __m512i cm = _mm512_add_epi32(_mm512_load_si512(ct->c[1][r]),
-                                            _mm512_slli_epi32(_mm512_load_si512(ct->c[4][r]), 7));
-        const __m512i ch = _mm512_add_epi32(_mm512_load_si512(ct->c[2][r]),
-                                            _mm512_slli_epi32(_mm512_load_si512(ct->c[5][r]), 7));
+        const __m512 t = exact_t(_mm512_load_si512(ct->c[0][r]), _mm512_load_si512(ct->c[1][r]),
+                                 _mm512_load_si512(ct->c[2][r]), _mm512_load_si512(ct->c[3][r]));
         const size_t ts = (size_t)(t0 + r) * (size_t)nsb + (size_t)sb;
-        acc[r] = post_v(cl, cm, ch, d, dmin, mins, sx + ts * 8, s[ts], acc[r]);
+        acc[r] = post_v(t, d, dmin, mins, sx + ts * 8, s[ts], acc[r]);
     }
 }
 
@@ -627,34 +644,29 @@ AI void mm_amx(const td_dtype WT, const char *w, size_t ws, const void *xa, int 
                         _tile_zero(1);
                         _tile_zero(2);
                         _tile_zero(3);
-                        _tile_zero(4);
-                        _tile_zero(5);
-                        /* the three limbs (L, M unsigned, H signed) against
-                         * weight limb wl into C tiles cl, cm, ch (literals:
-                         * the tile intrinsics take register numbers) */
-#define X24_LIMBS(wl, cl, cm, ch)                                                                  \
-    do {                                                                                           \
-        _tile_loadd(7, ws_t->b[i][c][wl], 64);                                                     \
-        _tile_loadd(6, a, 64);                                                                     \
-        _tile_dpbusd(cl, 6, 7);                                                                    \
-        _tile_loadd(6, a + 1024, 64);                                                              \
-        _tile_dpbusd(cm, 6, 7);                                                                    \
-        _tile_loadd(6, a + 2048, 64);                                                              \
-        _tile_dpbssd(ch, 6, 7);                                                                    \
-    } while (0)
+                        /* tiles 4-6: the limbs L, M (unsigned), H (signed);
+                         * 7: W & 255 (unsigned), then W >> 8 (signed); C
+                         * tile j takes the products of weight 2^(8j) (tile
+                         * intrinsics take register numbers: literals) */
                         for (int c = 0; c < 4; c++) {
                             const int8_t *a = x24_limb(xa, k, t0, sb * 4 + c, 0);
-                            X24_LIMBS(0, 0, 1, 2); /* W & 127 */
-                            X24_LIMBS(1, 3, 4, 5); /* W >> 7 */
+                            _tile_loadd(4, a, 64);
+                            _tile_loadd(5, a + 1024, 64);
+                            _tile_loadd(6, a + 2048, 64);
+                            _tile_loadd(7, ws_t->b[i][c][0], 64);
+                            _tile_dpbuud(0, 4, 7);
+                            _tile_dpbuud(1, 5, 7);
+                            _tile_dpbsud(2, 6, 7);
+                            _tile_loadd(7, ws_t->b[i][c][1], 64);
+                            _tile_dpbusd(1, 4, 7);
+                            _tile_dpbusd(2, 5, 7);
+                            _tile_dpbssd(3, 6, 7);
                         }
-#undef X24_LIMBS
                         ctiles *cur = &ct[i & 1];
                         _tile_stored(0, cur->c[0], 64);
                         _tile_stored(1, cur->c[1], 64);
                         _tile_stored(2, cur->c[2], 64);
                         _tile_stored(3, cur->c[3], 64);
-                        _tile_stored(4, cur->c[4], 64);
-                        _tile_stored(5, cur->c[5], 64);
                         /* the previous super-block's post overlaps these stores */
                         if (i)
                             post_tiles(&ct[(i - 1) & 1], ws_t, i - 1, s, sx, nsb, sb - 1, t0, acc);

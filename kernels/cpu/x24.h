@@ -9,14 +9,14 @@
  *   v_i = rint(x_i / s), clamped to [-2^23, 2^23 - 1]
  * (the largest element keeps 23 of its 24 significant bits; every element
  * is within s of x_i; a block holding NaN or Inf gets s = NaN). A super-
- * block's dot product with a row is then an exact integer, taken as three
- * int32 sums over the limbs L = v & 255, M = (v >> 8) & 255, H = v >> 16
- * of v and the integer weights W_i (Q4_K and Q5_K: sc_j * q_i, sub-block j
- * of 32; Q6_K: sc_j * (q_i - 32), j of 16):
- *   CL = sum L_i W_i, CM = sum M_i W_i, CH = sum H_i W_i,
- * and the row's value is the f32 accumulation over super-blocks, in k
- * order, of these roundings (fmaf: one rounding each):
- *   t = fmaf((float)CH, 65536, fmaf((float)CM, 256, (float)CL))
+ * block's dot product with a row is then an exact integer T = sum v_i W_i
+ * over the integer weights W_i (Q4_K and Q5_K: sc_j * q_i, sub-block j of
+ * 32; Q6_K: sc_j * (q_i - 32), j of 16), below 2^43 in magnitude; the
+ * kernels take it as int32 sums of the limbs L = v & 255, M = (v >> 8) &
+ * 255, H = v >> 16 of v (and AMX of the bytes of W), each within int32,
+ * and add them exactly. The row's value is the f32 accumulation over
+ * super-blocks, in k order, of these roundings (fmaf: one rounding each):
+ *   t = T rounded once to f32 (to nearest, ties to even)
  *   q = fmaf(sx_7, m_7, ... fmaf(sx_0, m_0, 0))   (Q4_K, Q5_K: sx_j the sum of v
  *       over sub-block j, as float, m_j the 6-bit mins; Q6_K: 0)
  *   u = fmaf(-q, dmin, t * d)                      (Q6_K: dmin 0)

@@ -3,7 +3,7 @@
  * Built with the tree (build/td-bench-kernels); run as
  *
  *   build/td-bench-kernels [-t THREADS] [-i avx512|avx2|scalar] [-n TOKENS] [-w GGUF_TYPE_ID]
- *                          [-c ROWS_PER_CALL] [-a] [-K]
+ *                          [-c ROWS_PER_CALL] [-a] [-K] [-S ROWSxK]
  *
  * -a measures td_cpu_matmul_f32act (f32 activations) instead of td_cpu_matmul
  * (activations quantized per row); -x (Q4_K, Q5_K or Q6_K, AMX-INT8) the x24
@@ -11,7 +11,8 @@
  * called per 256 rows as the engine does, with the activation quantization
  * timed apart. -w with a type of the K-quant mix (q5_0,
  * q5_1, q4_K, q5_K, q6_K), or -K with any -w type, measures
- * Qwen2.5-Coder-1.5B's shapes instead of SmolLM2's. Without -i every ISA the CPU supports is
+ * Qwen2.5-Coder-1.5B's shapes instead of SmolLM2's; -S one shape of
+ * the caller's (with -w). Without -i every ISA the CPU supports is
  * measured (scalar only at n = 1); without -n both n = 1 and n = 512. With
  * -t 1 times are the thread's CPU time, so other load on the machine does not
  * count. */
@@ -40,6 +41,8 @@ typedef struct {
 static int g_f32act;  /* -a */
 static int g_x24;     /* -x */
 static int g_kshapes; /* -K: the 1.5B shapes for any -w type */
+
+static int g_shape[2]; /* -S ROWSxK */
 
 static int g_row_chunk; /* -c N: call the kernel per N rows, as a forward pass may */
 
@@ -162,6 +165,15 @@ int main(int argc, char **argv) {
             g_row_chunk = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "-w"))
             only_type = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "-S") &&
+                 sscanf(argv[i + 1], "%dx%d", &g_shape[0], &g_shape[1]) != 2) {
+            fprintf(stderr, "td-bench-kernels: -S takes ROWSxK\n");
+            return 2;
+        }
+    }
+    if (g_shape[0] > 0 && only_type < 0) {
+        fprintf(stderr, "td-bench-kernels: -S needs -w\n");
+        return 2;
     }
     g_cpu_clock = threads == 1;
     if (only_type >= 0 && !g_f32act && td_cpu_act_row_bytes((td_dtype)only_type, 1536) == 0) {
@@ -195,6 +207,10 @@ int main(int argc, char **argv) {
             int n = ns[ni];
             if (only_n && n != only_n) continue;
             if (isa == TD_ISA_SCALAR && n > 1 && only_isa < 0) continue;
+            if (g_shape[0] > 0) {
+                bench_one(tp, (td_dtype)only_type, g_shape[0], g_shape[1], n);
+                continue;
+            }
             if (kmix) {
                 for (size_t si = 0; si < 4; si++)
                     bench_one(tp, (td_dtype)only_type, kshapes[si][0], kshapes[si][1], n);

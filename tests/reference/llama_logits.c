@@ -48,6 +48,8 @@ int main(int argc, char **argv) {
     cp.n_ubatch = (uint32_t)n;
     cp.n_threads = threads;
     cp.n_threads_batch = threads;
+    cp.type_k = GGML_TYPE_F32;
+    cp.type_v = GGML_TYPE_F32;
     struct llama_context *ctx = llama_init_from_model(model, cp);
     if (!ctx) {
         fprintf(stderr, "llama.cpp: no context of %d tokens\n", n);

@@ -135,8 +135,7 @@ static float ref_x24(td_dtype wt, const uint8_t *row, const float *x, int64_t k)
             mins[i / 32] = (float)m6;
         }
         assert_true(llabs(cl) < (1ll << 31) && llabs(cm) < (1ll << 31) && llabs(ch) < (1ll << 31));
-        float t = fmaf((float)cm, 256.0f, (float)cl);
-        t = fmaf((float)ch, 65536.0f, t);
+        const float t = (float)(cl + 256 * cm + 65536 * ch); /* one rounding */
         float q = 0.0f;
         for (int j = 0; j < 8; j++) q = fmaf((float)sum[j], mins[j], q);
         const float d = (float)ref_h2f_at(wt == TD_TYPE_Q6_K ? bl + 208 : bl);
