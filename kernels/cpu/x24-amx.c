@@ -15,9 +15,9 @@
  * weight (2^0, 2^8, 2^16, 2^24), so the three A tiles of a step are loaded
  * once. The decode kernel takes q as bytes against the limbs (vpdpbusd),
  * each lane staying in one group, and multiplies the lane sums by their
- * group's sc. Both then make the exact integer total of each (row, token)
- * pair in f64 (exact_t) and run post_v's f32 roundings on vectors over 16
- * weight rows. */
+ * group's sc. Both then carry the limb sums of each (row, token) pair
+ * into its exact total, round it once (exact_t) and run post_v's f32
+ * roundings on vectors over 16 weight rows. */
 #include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
@@ -173,26 +173,25 @@ void td_x24_quant(const float *x, size_t ldx, int t0, int t1, int n, int64_t k, 
 
 /* ---- the f32 roundings after the integer sums (x24.h), lanes = weight rows ---- */
 
-/* a + 2^8 b + 2^16 c + 2^24 e of int32 lanes, rounded once to f32: in f64
- * every term and partial sum is an integer below 2^53, so exact. */
-AI __m256 exact_t8(__m256i a, __m256i b, __m256i c, __m256i e) {
-    __m512d t =
-        _mm512_fmadd_pd(_mm512_cvtepi32_pd(b), _mm512_set1_pd(256.0), _mm512_cvtepi32_pd(a));
-    t = _mm512_fmadd_pd(_mm512_cvtepi32_pd(c), _mm512_set1_pd(65536.0), t);
-    t = _mm512_fmadd_pd(_mm512_cvtepi32_pd(e), _mm512_set1_pd(16777216.0), t);
-    return _mm512_cvtpd_ps(t);
-}
-AI __m512 exact_t(__m512i a, __m512i b, __m512i c, __m512i e) {
-#define X24_HI(v) _mm512_extracti64x4_epi64(v, 1)
-    const __m256 lo = exact_t8(_mm512_castsi512_si256(a), _mm512_castsi512_si256(b),
-                               _mm512_castsi512_si256(c), _mm512_castsi512_si256(e));
-    const __m256 hi = exact_t8(X24_HI(a), X24_HI(b), X24_HI(c), X24_HI(e));
-#undef X24_HI
-    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+/* T = c0 + 2^8 c1 + 2^16 c2 + 2^24 c3 of int32 lanes (|c0| < 2^30, |T| <
+ * 2^43), rounded once to f32: T is carried into lo + 2^24 hi with lo in
+ * [0, 2^24) and |hi| < 2^20, both exact as floats, so one FMA rounds T
+ * (c1 = 2^16 (c1 >> 16) + (c1 & 0xFFFF), c2 = 2^8 (c2 >> 8) + (c2 & 0xFF),
+ * arithmetic shifts). */
+AI __m512 exact_t(__m512i c0, __m512i c1, __m512i c2, __m512i c3) {
+    __m512i lo = _mm512_add_epi32(c0, _mm512_srli_epi32(_mm512_slli_epi32(c1, 16), 8));
+    lo = _mm512_add_epi32(lo, _mm512_srli_epi32(_mm512_slli_epi32(c2, 24), 8));
+    __m512i hi = _mm512_add_epi32(_mm512_srai_epi32(c1, 16), _mm512_srai_epi32(c2, 8));
+    hi = _mm512_add_epi32(_mm512_add_epi32(hi, c3), _mm512_srai_epi32(lo, 24));
+    lo = _mm512_and_si512(lo, _mm512_set1_epi32(0xFFFFFF));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(16777216.0f),
+                           _mm512_cvtepi32_ps(lo));
 }
 
-AI __m512 post_v(__m512 t, __m512 d, __m512 dmin, const __m512 *mins, const float *sx, float s,
-                 __m512 acc) {
+AI __m512 post_v(const td_dtype WT, __m512 t, __m512 d, __m512 dmin, const __m512 *mins,
+                 const float *sx, float s, __m512 acc) {
+    /* q6_K: no mins, u = t * d (fnmadd of q = 0 gives the same bits) */
+    if (WT == TD_TYPE_Q6_K) return _mm512_fmadd_ps(_mm512_set1_ps(s), _mm512_mul_ps(t, d), acc);
     __m512 q = _mm512_setzero_ps();
 #pragma GCC unroll 16
     for (int j = 0; j < 8; j++) q = _mm512_fmadd_ps(_mm512_set1_ps(sx[j]), mins[j], q);
@@ -508,8 +507,8 @@ AI void mm_decode(const td_dtype WT, const char *w, size_t ws, const void *xa, i
                     c[l] = hsum16(v);
                 }
                 const size_t ts = (size_t)t * (size_t)nsb + (size_t)sb;
-                acc[t] = post_v(exact_t(c[0], c[1], c[2], _mm512_setzero_si512()), d, dmin, mins,
-                                sx + ts * 8, s[ts], acc[t]);
+                acc[t] = post_v(WT, exact_t(c[0], c[1], c[2], _mm512_setzero_si512()), d, dmin,
+                                mins, sx + ts * 8, s[ts], acc[t]);
             }
         }
         for (int t = 0; t < n; t++)
@@ -592,8 +591,8 @@ typedef struct {
 
 /* Post one super-block's four C tiles (the products of weight 2^0, 2^8,
  * 2^16, 2^24) into the strip's accumulators. */
-AI void post_tiles(const ctiles *ct, const wtiles *wt, int i, const float *s, const float *sx,
-                   int64_t nsb, int64_t sb, int t0, __m512 acc[16]) {
+AI void post_tiles(const td_dtype WT, const ctiles *ct, const wtiles *wt, int i, const float *s,
+                   const float *sx, int64_t nsb, int64_t sb, int t0, __m512 acc[16]) {
     const __m512 d = _mm512_load_ps(wt->d[i]), dmin = _mm512_load_ps(wt->dmin[i]);
     __m512 mins[8];
 #pragma GCC unroll 16
@@ -602,7 +601,7 @@ AI void post_tiles(const ctiles *ct, const wtiles *wt, int i, const float *s, co
         const __m512 t = exact_t(_mm512_load_si512(ct->c[0][r]), _mm512_load_si512(ct->c[1][r]),
                                  _mm512_load_si512(ct->c[2][r]), _mm512_load_si512(ct->c[3][r]));
         const size_t ts = (size_t)(t0 + r) * (size_t)nsb + (size_t)sb;
-        acc[r] = post_v(t, d, dmin, mins, sx + ts * 8, s[ts], acc[r]);
+        acc[r] = post_v(WT, t, d, dmin, mins, sx + ts * 8, s[ts], acc[r]);
     }
 }
 
@@ -669,10 +668,11 @@ AI void mm_amx(const td_dtype WT, const char *w, size_t ws, const void *xa, int 
                         _tile_stored(3, cur->c[3], 64);
                         /* the previous super-block's post overlaps these stores */
                         if (i)
-                            post_tiles(&ct[(i - 1) & 1], ws_t, i - 1, s, sx, nsb, sb - 1, t0, acc);
+                            post_tiles(WT, &ct[(i - 1) & 1], ws_t, i - 1, s, sx, nsb, sb - 1, t0,
+                                       acc);
                     }
-                    post_tiles(&ct[(nsb_c - 1) & 1], ws_t, nsb_c - 1, s, sx, nsb, sb0 + nsb_c - 1,
-                               t0, acc);
+                    post_tiles(WT, &ct[(nsb_c - 1) & 1], ws_t, nsb_c - 1, s, sx, nsb,
+                               sb0 + nsb_c - 1, t0, acc);
                     for (int r = 0; r < nt; r++)
                         _mm512_mask_storeu_ps(ys + (size_t)(t0 + r) * ldy, rmask, acc[r]);
                 }
