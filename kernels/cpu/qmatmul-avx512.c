@@ -285,30 +285,38 @@ AI void q6k_group(const char *bl, const float *sc, const int half, const int g, 
                         _mm512_set1_ps(sc[8 * half + 2 * g + 1]));
 }
 
-/* The q5_0/q5_1 block bl: q5_0 d*(q - 16) (q - 16 made as the nibble OR
- * ~15 plus the fifth bit's 16, then one exact product: d*q + (-16 d) would
- * give +0 where the definition gives -0), q5_1 d*q + m (one rounding). */
+/* The q5_0/q5_1 block bl: q5_0 d*(q - 16), q5_1 d*q + m (one rounding),
+ * as deq_quant does for q4: the 32 values a 5-bit q can stand for, in two
+ * tables (q < 16, q >= 16) made with one product or FMA per entry, the
+ * same rounding as per element (q5_0: (q - 16) * d, exact operands, so
+ * q = 16 gives d's signed zero as the definition does); each 16 elements
+ * are then one two-table permute, whose index is the nibble in bits 0-3
+ * and the element's qh bit, rotated into bit 4 (vpermt2ps reads bits 0-4
+ * only). */
 AI void q5_block_dm(const td_dtype WT, const char *bl, __m512 dv, __m512 m, __m512 *lo,
                     __m512 *hi) {
     const int Q51 = WT == TD_TYPE_Q5_1;
-    uint32_t qh;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 sixteen = _mm512_set1_ps(16.0f);
+    const __m512 ta =
+        Q51 ? _mm512_fmadd_ps(iota, dv, m) : _mm512_mul_ps(_mm512_sub_ps(iota, sixteen), dv);
+    const __m512 tb =
+        Q51 ? _mm512_fmadd_ps(_mm512_add_ps(iota, sixteen), dv, m) : _mm512_mul_ps(iota, dv);
+    int32_t qh;
     memcpy(&qh, bl + 2 + 2 * Q51, 4);
+    const __m512i qv = _mm512_set1_epi32(qh);
     const __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bl + 6 + 2 * Q51)));
-    const __m512i sixteen = _mm512_set1_epi32(16);
-    /* q5_0: the nibble - 16 in two's complement; q5_1: the nibble */
-    const __m512i top = _mm512_set1_epi32(Q51 ? 0 : -16);
+    /* lane j: bit j of qh (elements 0-15), bit 16 + j (16-31), to bit 4 */
+    const __m512i hl = _mm512_rolv_epi32(
+        qv, _mm512_setr_epi32(4, 3, 2, 1, 0, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21));
+    const __m512i hh = _mm512_rolv_epi32(
+        qv, _mm512_setr_epi32(20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5));
     const __m512i nib = _mm512_set1_epi32(15);
-    __m512i q0 = _mm512_or_si512(_mm512_and_si512(i0, nib), top);
-    __m512i q1 = _mm512_or_si512(_mm512_srli_epi32(i0, 4), top);
-    q0 = _mm512_mask_add_epi32(q0, (__mmask16)qh, q0, sixteen);
-    q1 = _mm512_mask_add_epi32(q1, (__mmask16)(qh >> 16), q1, sixteen);
-    if (Q51) {
-        *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), dv, m);
-        *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), dv, m);
-    } else {
-        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), dv);
-        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), dv);
-    }
+    /* 0xE4: bits of the first operand where the third has ones, else the second's */
+    const __m512i x0 = _mm512_ternarylogic_epi32(i0, hl, nib, 0xE4);
+    const __m512i x1 = _mm512_ternarylogic_epi32(_mm512_srli_epi32(i0, 4), hh, nib, 0xE4);
+    *lo = _mm512_permutex2var_ps(ta, x0, tb);
+    *hi = _mm512_permutex2var_ps(ta, x1, tb);
 }
 
 /* The same with the block's own d (and m). */
