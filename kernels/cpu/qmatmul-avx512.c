@@ -33,8 +33,12 @@
 #define XCHUNK (512 * 1024) /* activation bytes of one token chunk (L2) */
 /* Register path: prefetch this far ahead of each weight row (into the next
  * row tiles). Measured on 2 threads, SmolLM2-135M decode: none 65 / 1024
- * 94 / 2048-4096 ~105 tokens/s for Q8_0, 1024 125 / 3072 133 for Q4_1. */
-#define PF_DIST 3072
+ * 94 / 2048-4096 ~105 tokens/s for Q8_0, 1024 125 / 3072 133 for Q4_1. On
+ * weights streamed from DRAM (td-bench-kernels -a -w 8 -n 1 -S 600000x896,
+ * 571 MB, the Intel host with AMX, 4 alternated runs) 3072 reads 15-18.6
+ * GB/s, 8192 17-23, 12288 16-25 (td-membw: 22.3); the Qwen2.5 0.5B's Q8_0
+ * head is such a read, 145 MB a token. */
+#define PF_DIST 12288
 
 /* fp16 -> f32 in all 16 lanes: a broadcast load and one conversion (exact,
  * like _cvtsh_ss, with half the instructions). */
