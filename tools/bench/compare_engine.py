@@ -13,7 +13,10 @@ alike); each round runs each engine with -r 3 (--reps) and keeps its mean; the t
 reports the median over rounds of those means, and the ratio tandem/llama.cpp.
 Generation's fraction of the memory-bandwidth limit is
 tg t/s / (read bandwidth / weight bytes read per token), with the bandwidth
-measured by td-membw with the same thread count in the same run. With
+measured by td-membw with the same thread count right before each engine
+run (a shared host's bandwidth moves by half between phases: one figure
+for the whole run would credit or blame an engine for the phase it ran
+in); the table gives the median over rounds of each run's fraction. With
 -d DEPTH both engines first fill their KV cache with DEPTH tokens
 (llama-bench -d; untimed) and hold it in --kv-dtype (llama-bench -ctk/-ctv);
 the limit then counts the K/V bytes a token reads besides the weights
@@ -86,13 +89,16 @@ def main() -> int:
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    bw = [run_json([args.membw, "--threads", str(args.threads)])["read_gb_s"] for _ in range(3)]
-    bw_gbs = statistics.median(bw)
-    rows, raw = [], {"membw_gb_s": bw, "depth": args.d, "kv_dtype": args.kv_dtype, "models": {}}
+    def membw():
+        return run_json([args.membw, "--threads", str(args.threads)])["read_gb_s"]
+
+    bw_all = []
+    rows, raw = [], {"depth": args.d, "kv_dtype": args.kv_dtype, "models": {}}
     tests = [k for k, n in (("pp", args.p), ("tg", args.n)) if n > 0]
     for model in args.models:
         engines = ["tandem", "llama"] + (["tandem-int8"] if args.act_int8 else [])
         samples = {e: {k: [] for k in tests} for e in engines}
+        bw = {e: [] for e in engines}  # GB/s right before each of e's runs
         wbytes = kv_bytes = None
         fns = {"tandem": tandem_round, "llama": llama_round,
                "tandem-int8": lambda a, m: tandem_round(a, m, act_int8=True)}
@@ -101,6 +107,7 @@ def main() -> int:
             if r % 2:
                 order.reverse()
             for name in order:
+                bw[name].append(membw())
                 res, j = fns[name](args, model)
                 if name == "tandem":
                     wbytes = j["weight_bytes_per_token"]
@@ -109,25 +116,33 @@ def main() -> int:
                     samples[name][k].append(res[k])
             print(f"{os.path.basename(model)} round {r + 1}/{args.rounds}: " +
                   ", ".join(f"{e} " + "/".join(f"{samples[e][k][-1]:.1f}" for k in tests)
-                            for e in engines) + f" ({'/'.join(tests)} t/s)",
+                            for e in engines) + f" ({'/'.join(tests)} t/s; td-membw " +
+                  ", ".join(f"{bw[e][-1]:.1f}" for e in engines) + " GB/s)",
                   file=sys.stderr)
-        raw["models"][model] = samples
+        raw["models"][model] = dict(samples, membw_gb_s=bw)
+        bw_all += [b for e in engines for b in bw[e]]
         med = {e: {k: statistics.median(v) for k, v in s.items()} for e, s in samples.items()}
-        limit = bw_gbs * 1e9 / (wbytes + kv_bytes * (args.d + args.n / 2))
+        bytes_tok = wbytes + kv_bytes * (args.d + args.n / 2)
+
+        def frac(e):  # the median over rounds of tg t/s over the run's own limit
+            return statistics.median(t * bytes_tok / (b * 1e9)
+                                     for t, b in zip(samples[e]["tg"], bw[e]))
+
         at = f" @ d{args.d}" if args.d else ""
         for k, label in (("pp", f"pp{args.p}{at}"), ("tg", f"tg{args.n}{at}")):
             if k not in tests:
                 continue
             t, l = med["tandem"][k], med["llama"][k]
-            frac = f"{t / limit:.0%} (llama.cpp {l / limit:.0%})" if k == "tg" else ""
+            fr = f"{frac('tandem'):.0%} (llama.cpp {frac('llama'):.0%})" if k == "tg" else ""
             rows.append(f"| {os.path.basename(model)} | {label} | {t:.1f} | {l:.1f} | "
-                        f"{t / l:.2f}x | {frac} |")
+                        f"{t / l:.2f}x | {fr} |")
             if args.act_int8:
                 t8 = med["tandem-int8"][k]
-                frac8 = f"{t8 / limit:.0%}" if k == "tg" else ""
+                fr8 = f"{frac('tandem-int8'):.0%}" if k == "tg" else ""
                 rows.append(f"| {os.path.basename(model)} | {label} --act-int8 | {t8:.1f} | "
-                            f"{l:.1f} | {t8 / l:.2f}x | {frac8} |")
-    print(f"\nthreads {args.threads}, read bandwidth {bw_gbs:.1f} GB/s (td-membw median of 3), "
+                            f"{l:.1f} | {t8 / l:.2f}x | {fr8} |")
+    print(f"\nthreads {args.threads}, read bandwidth {statistics.median(bw_all):.1f} GB/s "
+          f"(td-membw before each engine run: median, {min(bw_all):.1f}-{max(bw_all):.1f}), "
           f"median of {args.rounds} rounds of mean-of-{args.reps}, KV cache "
           f"{args.kv_dtype or 'each engine default'}\n")
     print("| model | test | tandem t/s | llama.cpp t/s | ratio | tg fraction of bandwidth limit |")
