@@ -173,7 +173,7 @@ void td_x24_quant(const float *x, size_t ldx, int t0, int t1, int n, int64_t k, 
 
 /* ---- the f32 roundings after the integer sums (x24.h), lanes = weight rows ---- */
 
-/* T = c0 + 2^8 c1 + 2^16 c2 + 2^24 c3 of int32 lanes (|c0| < 2^30, |T| <
+/* T = c0 + 2^8 c1 + 2^16 c2 + 2^24 c3 of int32 lanes (|c0| < 2^30, |T| <=
  * 2^43), rounded once to f32: T is carried into lo + 2^24 hi with lo in
  * [0, 2^24) and |hi| < 2^20, both exact as floats, so one FMA rounds T
  * (c1 = 2^16 (c1 >> 16) + (c1 & 0xFFFF), c2 = 2^8 (c2 >> 8) + (c2 & 0xFF),
@@ -518,7 +518,7 @@ AI void mm_decode(const td_dtype WT, const char *w, size_t ws, const void *xa, i
 
 /* One strip's weight tiles for super-blocks [sb0, sb0 + nsb_c): per
  * super-block and 64-element step, B tiles of W & 255 (unsigned) and W >> 8
- * (signed; |W| <= 127 * 32 leaves it within [-16, 15]) (rows past nr zero),
+ * (signed; W in [-127 * 32, 128 * 32] leaves it in [-16, 16]) (rows past nr zero),
  * and the rows' d, dmin and mins as lane vectors. */
 typedef struct {
     _Alignas(64) int8_t b[SB_CHUNK][4][2][1024];

@@ -11,7 +11,7 @@
  * is within s of x_i; a block holding NaN or Inf gets s = NaN). A super-
  * block's dot product with a row is then an exact integer T = sum v_i W_i
  * over the integer weights W_i (Q4_K and Q5_K: sc_j * q_i, sub-block j of
- * 32; Q6_K: sc_j * (q_i - 32), j of 16), below 2^43 in magnitude; the
+ * 32; Q6_K: sc_j * (q_i - 32), j of 16), at most 2^43 in magnitude; the
  * kernels take it as int32 sums of the limbs L = v & 255, M = (v >> 8) &
  * 255, H = v >> 16 of v (and AMX of the bytes of W), each within int32,
  * and add them exactly. The row's value is the f32 accumulation over
