@@ -30,6 +30,7 @@ LAYERS = [
     ("base", ["common/base"]),
     ("obs", ["common/obs"]),
     ("format", ["common/format", "proto"]),
+    ("template", ["common/template"]),
     ("tokenizer", ["common/tokenizer"]),
     ("model", ["common/model"]),
     ("kv", ["common/kv"]),

