@@ -125,7 +125,9 @@ static td_opt k_opts[O_N] = {
     [O_MODEL] = {"model", 0, "PATH", "the model's tokenizer and chat template (default model)"},
     [O_SERVED_NAME] = {"served-model-name", 0, "NAME",
                        "model name in the API (default: the model's own name)"},
-    [O_CHAT_TEMPLATE] = {"chat-template", 0, "NAME", "override the detected chat template"},
+    [O_CHAT_TEMPLATE] = {"chat-template", 0, "NAME|FILE",
+                         "the chat template: chatml, smollm2, llama3, llama2, mistral,\n"
+                         "zephyr, or a Jinja file (default: the model's own)"},
     [O_MAX_CTX] = {"max-ctx", 0, "N",
                    "longest prompt + output accepted (default: the model's\n"
                    "training context, at most 4096)"},
@@ -306,9 +308,9 @@ static bool set_opt(void *ctx, int i, const char *val, bool *printed) {
     case O_GRPC_PORT: return td_cli_parse_long(val, -1, 65535, &a->grpc_port);
     case O_MODEL: a->model = val; return true;
     case O_SERVED_NAME: a->served_name = val; return true;
-    case O_CHAT_TEMPLATE:
+    case O_CHAT_TEMPLATE: /* a name, or a file: loaded with the tokenizer */
         a->chat_template = val;
-        return td_chat_template_from_name(val) != TD_CHAT_UNKNOWN;
+        return *val != '\0';
     case O_MAX_CTX: return td_cli_parse_long(val, 2, 1 << 24, &a->max_ctx);
     case O_API_KEY:
         if (a->n_keys >= MAX_KEYS || !*val) return false;
@@ -370,6 +372,8 @@ int main(int argc, char **argv) {
     int rc = parse_args(argc, argv, &a), exit_code = 1;
     char *token = NULL;
     td_tokenizer *tok = NULL;
+    td_chat *chat = NULL;
+    char chat_why[512] = "";
     td_metrics *metrics = NULL;
     td_router *router = NULL;
     td_http_server *http = NULL;
@@ -394,16 +398,16 @@ int main(int argc, char **argv) {
     int32_t max_ctx = (int32_t)a.max_ctx;
     if (max_ctx <= 0)
         max_ctx = cfg->n_ctx_train > 0 && cfg->n_ctx_train < 4096 ? cfg->n_ctx_train : 4096;
-    td_chat_template tmpl = TD_CHAT_UNKNOWN;
-    if (a.chat_template) {
-        tmpl = td_chat_template_from_name(a.chat_template);
-    } else {
-        const char *t = td_tokenizer_chat_template(tok);
-        tmpl = t ? td_chat_template_detect(t) : TD_CHAT_UNKNOWN;
-        if (tmpl == TD_CHAT_UNKNOWN)
-            TD_LOG_WARN("the model's chat template is %s: /v1/chat/completions will answer 400 "
-                        "(give --chat-template NAME)",
-                        t ? "not one Tandem recognises" : "missing");
+    /* the router renders routed chat requests: a --chat-template that does
+     * not load is fatal, a model without a usable one makes chat 400 */
+    if (td_chat_pick(a.chat_template, td_tokenizer_chat_template(tok), &chat, chat_why,
+                     sizeof chat_why) != TD_OK) {
+        chat = NULL;
+        if (a.chat_template) {
+            fprintf(stderr, "tandem-router: %s\n", chat_why);
+            goto done;
+        }
+        TD_LOG_WARN("%s: /v1/chat/completions will answer 400", chat_why);
     }
     if (td_metrics_create(served, &metrics) != TD_OK) goto done;
 
@@ -417,8 +421,11 @@ int main(int argc, char **argv) {
         exit_code = 2;
         goto done;
     }
-    td_api_model mdl = {
-        .tok = tok, .chat_template = tmpl, .model_name = served, .max_ctx = max_ctx};
+    td_api_model mdl = {.tok = tok,
+                        .chat = chat,
+                        .chat_error = chat ? NULL : chat_why,
+                        .model_name = served,
+                        .max_ctx = max_ctx};
     td_http_params hp = td_http_default_params();
     hp.host = a.host;
     hp.port = (int)a.port;
@@ -474,6 +481,7 @@ done:
     td_http_server_stop(http);
     td_router_destroy(router);
     td_metrics_destroy(metrics);
+    td_chat_free(chat);
     td_tokenizer_free(tok);
     free(token);
     for (int i = 0; i < a.n_prefill; i++) free(a.prefill[i]);

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/engine/forward.h"
 #include "common/runtime/cli.h"
@@ -52,8 +53,9 @@ static td_opt k_gen_opts[G_N] = {
                   "raw prompt (BOS added as the model says; special tokens parsed)"},
     [G_CHAT] = {"chat", 0, "TEXT", "user message, formatted with the model's chat template"},
     [G_SYSTEM] = {"system", 0, "TEXT", "system message for --chat"},
-    [G_CHAT_TEMPLATE] = {"chat-template", 0, "NAME",
-                         "force a template: chatml, smollm2, llama3, llama2, mistral, zephyr"},
+    [G_CHAT_TEMPLATE] = {"chat-template", 0, "NAME|FILE",
+                         "the chat template: chatml, smollm2, llama3, llama2, mistral,\n"
+                         "zephyr, or a Jinja file (default: the model's own)"},
     [G_MAX_TOKENS] = {"max-tokens", 'n', "N", "most tokens to generate (default 256)"},
     [G_TEMPERATURE] = {"temperature", 0, "T", "0 = greedy (default 0, so output is reproducible)"},
     [G_TEMP] = {"temp", 0, "T", NULL},
@@ -162,10 +164,10 @@ static int parse_args(int argc, char **argv, gen_args *a) {
         fprintf(stderr, "tandem generate: --system needs --chat\n");
         return 2;
     }
-    if (a->chat_template && td_chat_template_from_name(a->chat_template) == TD_CHAT_UNKNOWN) {
+    if (a->chat_template && !td_chat_builtin(a->chat_template) && access(a->chat_template, R_OK)) {
         fprintf(stderr,
-                "tandem generate: unknown chat template '%s' (known: chatml, smollm2, llama3, "
-                "llama2, mistral, zephyr)\n",
+                "tandem generate: unknown chat template '%s': neither a name (chatml, smollm2, "
+                "llama3, llama2, mistral, zephyr) nor a readable file\n",
                 a->chat_template);
         return 2;
     }
@@ -182,22 +184,14 @@ static td_status build_prompt(const gen_args *a, const td_tokenizer *tok, int32_
     if (a->prompt)
         return td_tokenizer_encode(tok, a->prompt, strlen(a->prompt), true, true, toks_p, n_p);
 
-    td_chat_template t;
-    if (a->chat_template) {
-        t = td_chat_template_from_name(a->chat_template);
-    } else {
-        const char *tmpl = td_tokenizer_chat_template(tok);
-        if (!tmpl) {
-            fprintf(stderr, "tandem generate: the model has no chat template; give "
-                            "--chat-template NAME or use --prompt\n");
-            return TD_ERR_NOT_FOUND;
-        }
-        t = td_chat_template_detect(tmpl);
-        if (t == TD_CHAT_UNKNOWN) {
-            fprintf(stderr, "tandem generate: the model's chat template is not one Tandem "
-                            "recognises; give --chat-template NAME or use --prompt\n");
-            return TD_ERR_UNSUPPORTED;
-        }
+    td_chat *t = NULL;
+    char err[512];
+    td_status st =
+        td_chat_pick(a->chat_template, td_tokenizer_chat_template(tok), &t, err, sizeof err);
+    if (st != TD_OK) {
+        fprintf(stderr, "tandem generate: %s%s\n", err,
+                a->chat_template ? "" : " (or use --prompt)");
+        return st;
     }
     td_chat_msg msgs[2];
     size_t n = 0;
@@ -207,15 +201,15 @@ static td_status build_prompt(const gen_args *a, const td_tokenizer *tok, int32_
     const char *bos_text = bos >= 0 ? td_tokenizer_token_text(tok, bos) : NULL;
     const char *eos_text = eos >= 0 ? td_tokenizer_token_text(tok, eos) : NULL;
     char *text = NULL;
-    td_status st =
-        td_chat_apply(t, msgs, n, true, bos_text ? bos_text : "", eos_text ? eos_text : "", &text);
+    st = td_chat_apply(t, msgs, n, true, bos_text ? bos_text : "", eos_text ? eos_text : "", &text,
+                       err, sizeof err);
     if (st != TD_OK) {
-        fprintf(stderr,
-                "tandem generate: the %s chat template cannot format this "
-                "conversation: %s\n",
-                td_chat_template_name(t), td_status_str(st));
+        fprintf(stderr, "tandem generate: %s cannot format this conversation: %s\n",
+                td_chat_label(t), err);
+        td_chat_free(t);
         return st;
     }
+    td_chat_free(t);
     /* The template renders BOS itself where the model wants it (as
      * Hugging Face's apply_chat_template does), so no special tokens are
      * added here; the template's control tokens are parsed as such. */

@@ -1141,7 +1141,7 @@ td_grpc_params td_grpc_default_params(void) {
     p.host = "127.0.0.1";
     p.port = 50051;
     p.limits = td_api_default_limits();
-    p.model.chat_template = TD_CHAT_UNKNOWN;
+    p.model.chat = NULL;
     return p;
 }
 

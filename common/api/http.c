@@ -47,7 +47,7 @@ td_http_params td_http_default_params(void) {
     return (td_http_params){
         .host = "127.0.0.1",
         .port = 8000,
-        .model = {.chat_template = TD_CHAT_UNKNOWN},
+        .model = {.chat = NULL},
         .limits = td_api_default_limits(),
         .max_connections = 1024,
         .max_header_bytes = 16 << 10,

@@ -848,10 +848,11 @@ td_status td_api_check_model(const td_api_model *mdl, const char *model, td_api_
 
 td_status td_api_render_chat(const td_api_model *mdl, const td_chat_msg *msgs, int32_t n,
                              bool add_generation_prompt, char **text_p, td_api_error *err) {
-    if (mdl->chat_template == TD_CHAT_UNKNOWN)
-        return bad(err, "messages",
-                   "this model has no chat template Tandem can apply; use "
-                   "/v1/completions");
+    if (!mdl->chat)
+        return bad(err, "messages", "%s",
+                   mdl->chat_error ? mdl->chat_error
+                                   : "this model has no chat template; start the server with "
+                                     "--chat-template NAME|FILE, or use /v1/completions");
     const char *bos = "", *eos = "";
     if (mdl->tok) {
         int32_t b = td_tokenizer_bos(mdl->tok), e = td_tokenizer_eos(mdl->tok);
@@ -861,14 +862,13 @@ td_status td_api_render_chat(const td_api_model *mdl, const td_chat_msg *msgs, i
         eos = et ? et : "";
     }
     char *text = NULL;
-    td_status st =
-        td_chat_apply(mdl->chat_template, msgs, (size_t)n, add_generation_prompt, bos, eos, &text);
+    char msg[512];
+    td_status st = td_chat_apply(mdl->chat, msgs, (size_t)n, add_generation_prompt, bos, eos, &text,
+                                 msg, sizeof msg);
     if (st == TD_ERR_NOMEM) return oom(err);
     if (st != TD_OK)
-        return bad(err, "messages",
-                   "the %s chat template cannot format this conversation "
-                   "(check the roles and their order)",
-                   td_chat_template_name(mdl->chat_template));
+        return bad(err, "messages", "%s cannot format this conversation: %s",
+                   td_chat_label(mdl->chat), msg);
     *text_p = text;
     return TD_OK;
 }

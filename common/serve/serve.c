@@ -90,9 +90,9 @@ static td_opt k_serve_opts[S_N] = {
     [S_METRICS_NEED_KEY] = {"metrics-need-key", 0, NULL, "put /metrics behind the API key too"},
     [S_SERVED_NAME] = {"served-model-name", 0, "NAME",
                        "model name in the API (default: the model's own name)"},
-    [S_CHAT_TEMPLATE] = {"chat-template", 0, "NAME",
-                         "force a chat template: chatml, smollm2, llama3, llama2,\n"
-                         "mistral, zephyr (default: detected from the model)"},
+    [S_CHAT_TEMPLATE] = {"chat-template", 0, "NAME|FILE",
+                         "the chat template: chatml, smollm2, llama3, llama2, mistral,\n"
+                         "zephyr, or a Jinja file (default: the model's own)"},
     [S_THREADS] = {"threads", 't', "N", "compute threads (default: every core)"},
     [S_CTX] = {"ctx", 0, "N", "context length per sequence (default: min(trained, 4096))"},
     [S_KV_MEMORY] = {"kv-memory", 0, "BYTES", "KV pool size, e.g. 512M, 2G (default 1G)"},
@@ -255,9 +255,9 @@ static bool set_serve_opt(void *ctx, int i, const char *val, bool *printed) {
         return true;
     case S_METRICS_NEED_KEY: a->metrics_need_key = true; return true;
     case S_SERVED_NAME: a->served_name = val; return *val != '\0';
-    case S_CHAT_TEMPLATE:
+    case S_CHAT_TEMPLATE: /* a name, or a file: loaded with the model */
         a->chat_template = val;
-        return td_chat_template_from_name(val) != TD_CHAT_UNKNOWN;
+        return *val != '\0';
     case S_THREADS: return td_cli_parse_long(val, 1, 4096, &a->threads);
     case S_CTX: return td_cli_parse_long(val, 2, 1 << 24, &a->ctx);
     case S_KV_MEMORY: return parse_bytes(val, &a->kv_memory);
@@ -346,15 +346,21 @@ static td_kv_hash compat_hash(const td_runtime *rt, const char *model_path) {
     return td_kv_compat_hash(&c);
 }
 
-static td_chat_template pick_template(const serve_args *a, const td_tokenizer *tok) {
-    if (a->chat_template) return td_chat_template_from_name(a->chat_template);
-    const char *tmpl = td_tokenizer_chat_template(tok);
-    td_chat_template t = tmpl ? td_chat_template_detect(tmpl) : TD_CHAT_UNKNOWN;
-    if (t == TD_CHAT_UNKNOWN)
-        TD_LOG_WARN("the model's chat template is %s: /v1/chat/completions will answer 400 "
-                    "(give --chat-template NAME)",
-                    tmpl ? "not one Tandem recognises" : "missing");
-    return t;
+/* The chat template (td_chat_pick). A --chat-template that does not load
+ * is fatal; a model without a usable template of its own only makes chat
+ * requests 400 with the reason, kept in why (the log says it at start). */
+static bool pick_chat(const serve_args *a, const td_tokenizer *tok, td_chat **chat_p, char *why,
+                      size_t whylen) {
+    const td_status st =
+        td_chat_pick(a->chat_template, td_tokenizer_chat_template(tok), chat_p, why, whylen);
+    if (st == TD_OK) return true;
+    *chat_p = NULL;
+    if (a->chat_template) {
+        TD_LOG_ERROR("%s", why);
+        return false;
+    }
+    TD_LOG_WARN("%s: /v1/chat/completions will answer 400", why);
+    return true;
 }
 
 static void free_args(serve_args *a) {
@@ -396,6 +402,8 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
         return rc;
     }
     char *token = NULL;
+    td_chat *chat = NULL;
+    char chat_why[512] = "";
     if ((role || a.cluster_token || a.cluster_token_file) && !(token = read_token(&a))) {
         free_args(&a);
         return 2;
@@ -496,8 +504,10 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
         if (td_xfer_create(&xp, &xfer) != TD_OK) goto free_sched;
     }
 
+    if (!pick_chat(&a, rt->tok, &chat, chat_why, sizeof chat_why)) goto free_sched;
     td_api_model mdl = {.tok = rt->tok,
-                        .chat_template = pick_template(&a, rt->tok),
+                        .chat = chat,
+                        .chat_error = chat ? NULL : chat_why,
                         .model_name = served,
                         .max_ctx = max_ctx};
     td_http_params hp = td_http_default_params();
@@ -608,6 +618,7 @@ free_metrics:
     if (step_trace) fclose(step_trace);
     td_metrics_destroy(metrics);
 close_rt:
+    td_chat_free(chat);
     td_runtime_close(rt);
     free(token);
     free_args(&a);

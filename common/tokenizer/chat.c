@@ -1,242 +1,225 @@
-/* Chat templates: each family is rendered by hand exactly as its reference
- * Jinja template renders (HF's apply_chat_template: trim_blocks and
- * lstrip_blocks on). The reference texts are kept under
- * tests/tokenizer/templates/, and tests/unit/test_chat.c compares with
- * what jinja2 renders from them. */
+/* Chat templates through the template engine; the six built-in names are
+ * the Jinja texts below (the same as tests/tokenizer/templates/, from
+ * which tests/unit/test_chat.c checks them and their jinja2 goldens). */
 #include "chat.h"
 
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
-#include "common/base/strbuf.h"
-#include "tokenizer-impl.h"
+#include "common/template/template.h"
 
-static const char *const names[TD_CHAT_COUNT] = {
-    [TD_CHAT_CHATML] = "chatml", [TD_CHAT_SMOLLM2] = "smollm2", [TD_CHAT_LLAMA3] = "llama3",
-    [TD_CHAT_LLAMA2] = "llama2", [TD_CHAT_MISTRAL] = "mistral", [TD_CHAT_ZEPHYR] = "zephyr",
+struct td_chat {
+    td_tmpl *t;
+    char *label;
 };
 
-#define SMOLLM2_SYSTEM "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+/* clang-format off */
+static const struct {
+    const char *name, *text;
+} k_builtin[] = {
+    {"chatml",
+     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"},
+    {"smollm2",
+     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+     "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+     "' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n"
+     "' + message['content'] + '<|im_end|>' + '\n"
+     "'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n"
+     "' }}{% endif %}"},
+    {"llama3",
+     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n"
+     "\n"
+     "'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n"
+     "\n"
+     "' }}{% endif %}"},
+    {"llama2",
+     "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}{% set system_message = false %}{% endif %}{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if loop.index0 == 0 and system_message != false %}{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}{% else %}{% set content = message['content'] %}{% endif %}{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"},
+    {"mistral",
+     "{%- if messages[0]['role'] == 'system' %}\n"
+     "    {%- set system_message = messages[0]['content'] %}\n"
+     "    {%- set loop_messages = messages[1:] %}\n"
+     "{%- else %}\n"
+     "    {%- set loop_messages = messages %}\n"
+     "{%- endif %}\n"
+     "\n"
+     "{{- bos_token }}\n"
+     "{%- for message in loop_messages %}\n"
+     "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}\n"
+     "        {{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}\n"
+     "    {%- endif %}\n"
+     "    {%- if message['role'] == 'user' %}\n"
+     "        {%- if loop.first and system_message is defined %}\n"
+     "            {{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}\n"
+     "        {%- else %}\n"
+     "            {{- ' [INST] ' + message['content'] + ' [/INST]' }}\n"
+     "        {%- endif %}\n"
+     "    {%- elif message['role'] == 'assistant' %}\n"
+     "        {{- ' ' + message['content'] + eos_token}}\n"
+     "    {%- else %}\n"
+     "        {{- raise_exception('Only user and assistant roles are supported, with the exception of an initial optional system message!') }}\n"
+     "    {%- endif %}\n"
+     "{%- endfor %}\n"},
+    {"zephyr",
+     "{% for message in messages %}\n"
+     "{% if message['role'] == 'user' %}\n"
+     "{{ '<|user|>\n"
+     "' + message['content'] + eos_token }}\n"
+     "{% elif message['role'] == 'system' %}\n"
+     "{{ '<|system|>\n"
+     "' + message['content'] + eos_token }}\n"
+     "{% elif message['role'] == 'assistant' %}\n"
+     "{{ '<|assistant|>\n"
+     "'  + message['content'] + eos_token }}\n"
+     "{% endif %}\n"
+     "{% if loop.last and add_generation_prompt %}\n"
+     "{{ '<|assistant|>' }}\n"
+     "{% endif %}\n"
+     "{% endfor %}"},
+};
+/* clang-format on */
 
-static bool has(const char *s, const char *needle) { return strstr(s, needle) != NULL; }
+const char *td_chat_builtin(const char *name) {
+    if (!name) return NULL;
+    for (size_t i = 0; i < TD_ARRAY_SIZE(k_builtin); i++)
+        if (strcmp(k_builtin[i].name, name) == 0) return k_builtin[i].text;
+    return NULL;
+}
 
-td_chat_template td_chat_template_detect(const char *t) {
-    if (!t) return TD_CHAT_UNKNOWN;
-    if (has(t, "<|im_start|>")) {
-        if (has(t, "<|im_sep|>") || has(t, "<end_of_utterance>")) return TD_CHAT_UNKNOWN;
-        if (has(t, "named SmolLM")) return TD_CHAT_SMOLLM2;
-        if (has(t, "tools") || has(t, "<think>"))
-            return TD_CHAT_UNKNOWN; /* tool/reasoning variants */
-        return TD_CHAT_CHATML;
+td_status td_chat_compile(const char *jinja, const char *label, td_chat **chat_p, char *err,
+                          size_t errlen) {
+    td_chat *c = calloc(1, sizeof *c);
+    if (!c) return TD_ERR_NOMEM;
+    c->label = strdup(label ? label : "the chat template");
+    if (!c->label) {
+        free(c);
+        return TD_ERR_NOMEM;
     }
-    if (has(t, "<|start_header_id|>") && has(t, "<|end_header_id|>") && has(t, "<|eot_id|>")) {
-        /* Llama 3.1+ templates inject dates and tool prompts: not this renderer */
-        if (has(t, "Cutting Knowledge Date") || has(t, "tools")) return TD_CHAT_UNKNOWN;
-        return TD_CHAT_LLAMA3;
-    }
-    if (has(t, "[INST]")) {
-        if (has(t, "' [INST] ' + system_message")) return TD_CHAT_MISTRAL;
-        if (has(t, "<<SYS>>") && has(t, "bos_token + '[INST] ' + content.strip()"))
-            return TD_CHAT_LLAMA2;
-        return TD_CHAT_UNKNOWN;
-    }
-    if (has(t, "<|user|>") && has(t, "<|assistant|>") && has(t, "<|system|>") &&
-        !has(t, "<|end|>") && has(t, "eos_token"))
-        return TD_CHAT_ZEPHYR;
-    return TD_CHAT_UNKNOWN;
-}
-
-td_chat_template td_chat_template_from_name(const char *name) {
-    if (!name) return TD_CHAT_UNKNOWN;
-    for (int i = 0; i < TD_CHAT_COUNT; i++)
-        if (strcmp(names[i], name) == 0) return (td_chat_template)i;
-    return TD_CHAT_UNKNOWN;
-}
-
-const char *td_chat_template_name(td_chat_template t) {
-    if (t < 0 || t >= TD_CHAT_COUNT) return "unknown";
-    return names[t];
-}
-
-/* Python's str.isspace() set, which Jinja's trim and str.strip() use. */
-static size_t space_at(const char *s, size_t n) {
-    const unsigned char *u = (const unsigned char *)s;
-    if (n == 0) return 0;
-    if (u[0] == ' ' || (u[0] >= 0x09 && u[0] <= 0x0D) || (u[0] >= 0x1C && u[0] <= 0x1F)) return 1;
-    uint32_t cp;
-    size_t l = td_utf8_decode(u, n, &cp);
-    if (l == 0) return 0;
-    if (cp == 0x85 || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) ||
-        cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000)
-        return l;
-    return 0;
-}
-
-/* Python str.strip(): the stripped range of s as (*start_p, *len_p). */
-static void strip(const char *s, bool left, size_t *start_p, size_t *len_p) {
-    size_t n = strlen(s), a = 0;
-    if (left) {
-        size_t k;
-        while (a < n && (k = space_at(s + a, n - a)) > 0) a += k;
-    }
-    /* from the right: find the end of the last non-space character */
-    size_t end = a, i = a;
-    while (i < n) {
-        size_t k = space_at(s + i, n - i);
-        if (k > 0) {
-            i += k;
-        } else {
-            uint32_t cp;
-            size_t l = td_utf8_decode((const unsigned char *)s + i, n - i, &cp);
-            i += l ? l : 1;
-            end = i;
-        }
-    }
-    *start_p = a;
-    *len_p = end - a;
-}
-
-static void put_stripped(td_strbuf *b, const char *s, bool left) {
-    size_t a, l;
-    strip(s, left, &a, &l);
-    td_strbuf_put(b, s + a, l);
-}
-
-static bool is(const char *role, const char *r) { return role && strcmp(role, r) == 0; }
-
-td_status td_chat_apply(td_chat_template t, const td_chat_msg *msgs, size_t n,
-                        bool add_generation_prompt, const char *bos, const char *eos,
-                        char **out_p) {
-    if (!out_p || (n > 0 && !msgs)) return TD_ERR_INVALID;
-    if (t < 0 || t >= TD_CHAT_COUNT) {
-        TD_LOG_ERROR("unknown chat template (known: chatml, smollm2, llama3, llama2, mistral, "
-                     "zephyr)");
+    char msg[384];
+    c->t = td_tmpl_compile(jinja, msg, sizeof msg);
+    if (!c->t) {
+        if (err && errlen) snprintf(err, errlen, "%s does not compile: %s", c->label, msg);
+        free(c->label);
+        free(c);
         return TD_ERR_INVALID;
     }
-    for (size_t i = 0; i < n; i++) {
-        if (!msgs[i].role || !msgs[i].content) {
-            TD_LOG_ERROR("chat message %zu has no role or content", i);
-            return TD_ERR_INVALID;
-        }
-    }
-    if (!bos) bos = "";
-    if (!eos) eos = "";
-    td_strbuf b = {0};
-    td_strbuf_put(&b, "", 0);
-    td_status st = TD_OK;
+    *chat_p = c;
+    return TD_OK;
+}
 
-    switch (t) {
-    case TD_CHAT_CHATML:
-    case TD_CHAT_SMOLLM2:
-        for (size_t i = 0; i < n; i++) {
-            if (t == TD_CHAT_SMOLLM2 && i == 0 && !is(msgs[0].role, "system"))
-                td_strbuf_puts(&b, "<|im_start|>system\n" SMOLLM2_SYSTEM "<|im_end|>\n");
-            td_strbuf_puts(&b, "<|im_start|>");
-            td_strbuf_puts(&b, msgs[i].role);
-            td_strbuf_puts(&b, "\n");
-            td_strbuf_puts(&b, msgs[i].content);
-            td_strbuf_puts(&b, "<|im_end|>\n");
+static char *read_text(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    char *s = NULL;
+    size_t n = 0, cap = 0;
+    for (;;) {
+        if (n + 4096 + 1 > cap) {
+            cap = cap ? 2 * cap : 8192;
+            if (cap > (64u << 20)) break; /* no template is that large */
+            char *ns = realloc(s, cap);
+            if (!ns) break;
+            s = ns;
         }
-        if (add_generation_prompt) td_strbuf_puts(&b, "<|im_start|>assistant\n");
-        break;
-    case TD_CHAT_LLAMA3:
-        for (size_t i = 0; i < n; i++) {
-            if (i == 0) td_strbuf_puts(&b, bos);
-            td_strbuf_puts(&b, "<|start_header_id|>");
-            td_strbuf_puts(&b, msgs[i].role);
-            td_strbuf_puts(&b, "<|end_header_id|>\n\n");
-            put_stripped(&b, msgs[i].content, true);
-            td_strbuf_puts(&b, "<|eot_id|>");
-        }
-        if (add_generation_prompt)
-            td_strbuf_puts(&b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
-        break;
-    case TD_CHAT_LLAMA2:
-    case TD_CHAT_MISTRAL: {
-        size_t first = 0;
-        const char *sys = NULL;
-        if (n > 0 && is(msgs[0].role, "system")) {
-            sys = msgs[0].content;
-            first = 1;
-        }
-        if (t == TD_CHAT_MISTRAL) td_strbuf_puts(&b, bos);
-        for (size_t i = first; i < n; i++) {
-            size_t idx = i - first;
-            const char *role = msgs[i].role;
-            if (is(role, "user") != (idx % 2 == 0)) {
-                TD_LOG_ERROR("chat template %s: roles must alternate user/assistant after the "
-                             "optional system message (message %zu is '%s')",
-                             names[t], i, role);
-                st = TD_ERR_INVALID;
-                goto out;
+        const size_t r = fread(s + n, 1, 4096, f);
+        n += r;
+        if (r < 4096) {
+            const bool ok = !ferror(f);
+            fclose(f);
+            if (!ok) {
+                free(s);
+                return NULL;
             }
-            if (t == TD_CHAT_LLAMA2) {
-                if (is(role, "user")) {
-                    td_strbuf_puts(&b, bos);
-                    td_strbuf_puts(&b, "[INST] ");
-                    if (idx == 0 && sys) {
-                        /* content.strip() of "<<SYS>>\n" + sys + ... + content:
-                         * the leading strip never reaches past "<<SYS>>" */
-                        td_strbuf_puts(&b, "<<SYS>>\n");
-                        td_strbuf_puts(&b, sys);
-                        td_strbuf_puts(&b, "\n<</SYS>>\n\n");
-                        put_stripped(&b, msgs[i].content, false);
-                    } else {
-                        put_stripped(&b, msgs[i].content, true);
-                    }
-                    td_strbuf_puts(&b, " [/INST]");
-                } else if (is(role, "assistant")) { /* never idx 0: roles alternate */
-                    td_strbuf_puts(&b, " ");
-                    put_stripped(&b, msgs[i].content, true);
-                    td_strbuf_puts(&b, " ");
-                    td_strbuf_puts(&b, eos);
-                }
-                /* other roles at assistant positions render nothing */
-            } else {
-                if (is(role, "user")) {
-                    td_strbuf_puts(&b, " [INST] ");
-                    if (idx == 0 && sys) {
-                        td_strbuf_puts(&b, sys);
-                        td_strbuf_puts(&b, "\n\n");
-                    }
-                    td_strbuf_puts(&b, msgs[i].content);
-                    td_strbuf_puts(&b, " [/INST]");
-                } else if (is(role, "assistant")) {
-                    td_strbuf_puts(&b, " ");
-                    td_strbuf_puts(&b, msgs[i].content);
-                    td_strbuf_puts(&b, eos);
-                } else {
-                    TD_LOG_ERROR("chat template mistral: only user and assistant roles after an "
-                                 "optional first system message (message %zu is '%s')",
-                                 i, role);
-                    st = TD_ERR_INVALID;
-                    goto out;
-                }
-            }
+            s[n] = 0;
+            return s;
         }
-        break;
     }
-    case TD_CHAT_ZEPHYR:
-        for (size_t i = 0; i < n; i++) {
-            const char *role = msgs[i].role;
-            if (is(role, "user") || is(role, "system") || is(role, "assistant")) {
-                td_strbuf_puts(&b, "<|");
-                td_strbuf_puts(&b, role);
-                td_strbuf_puts(&b, "|>\n");
-                td_strbuf_puts(&b, msgs[i].content);
-                td_strbuf_puts(&b, eos);
-                td_strbuf_puts(&b, "\n");
-            }
-            if (i + 1 == n && add_generation_prompt) td_strbuf_puts(&b, "<|assistant|>\n");
-        }
-        break;
-    default: st = TD_ERR_INVALID; break;
+    fclose(f);
+    free(s);
+    return NULL;
+}
+
+td_status td_chat_load(const char *spec, td_chat **chat_p, char *err, size_t errlen) {
+    const char *b = td_chat_builtin(spec);
+    if (b) return td_chat_compile(b, spec, chat_p, err, errlen);
+    FILE *probe = fopen(spec, "rb");
+    if (!probe) {
+        if (err && errlen)
+            snprintf(err, errlen,
+                     "unknown chat template '%s': neither a name (chatml, smollm2, llama3, llama2, "
+                     "mistral, zephyr) nor a readable file",
+                     spec);
+        return TD_ERR_NOT_FOUND;
     }
-out:
-    if (!st && b.oom) st = TD_ERR_NOMEM;
-    if (st) {
-        free(b.v);
-        return st;
+    fclose(probe);
+    char *text = read_text(spec);
+    if (!text) {
+        if (err && errlen) snprintf(err, errlen, "cannot read the chat template file %s", spec);
+        return TD_ERR_IO;
     }
-    *out_p = b.v;
+    const td_status st = td_chat_compile(text, spec, chat_p, err, errlen);
+    free(text);
+    return st;
+}
+
+td_status td_chat_pick(const char *spec, const char *model_tmpl, td_chat **chat_p, char *err,
+                       size_t errlen) {
+    if (spec) return td_chat_load(spec, chat_p, err, errlen);
+    if (!model_tmpl) {
+        if (err && errlen)
+            snprintf(
+                err, errlen,
+                "the model has no chat template: start with --chat-template NAME|FILE (chatml, "
+                "smollm2, llama3, llama2, mistral, zephyr, or a Jinja file)");
+        return TD_ERR_NOT_FOUND;
+    }
+    return td_chat_compile(model_tmpl, "the model's chat template", chat_p, err, errlen);
+}
+
+void td_chat_free(td_chat *c) {
+    if (!c) return;
+    td_tmpl_free(c->t);
+    free(c->label);
+    free(c);
+}
+
+const char *td_chat_label(const td_chat *c) { return c->label; }
+
+td_status td_chat_apply(const td_chat *c, const td_chat_msg *msgs, size_t n,
+                        bool add_generation_prompt, const char *bos, const char *eos, char **out_p,
+                        char *err, size_t errlen) {
+    json_t *ctx = json_object(), *arr = json_array();
+    if (!ctx || !arr) {
+        json_decref(ctx);
+        json_decref(arr);
+        return TD_ERR_NOMEM;
+    }
+    bool ok = json_object_set_new(ctx, "messages", arr) == 0;
+    for (size_t i = 0; ok && i < n; i++) {
+        json_t *m = json_object();
+        ok = m && json_array_append_new(arr, m) == 0 &&
+             json_object_set_new(m, "role",
+                                 json_string_nocheck(msgs[i].role ? msgs[i].role : "")) == 0 &&
+             json_object_set_new(m, "content",
+                                 msgs[i].content ? json_string_nocheck(msgs[i].content)
+                                                 : json_null()) == 0;
+    }
+    /* the variables transformers passes: tools and documents are None here */
+    ok = ok && json_object_set_new(ctx, "tools", json_null()) == 0 &&
+         json_object_set_new(ctx, "documents", json_null()) == 0 &&
+         json_object_set_new(ctx, "add_generation_prompt", json_boolean(add_generation_prompt)) ==
+             0 &&
+         json_object_set_new(ctx, "bos_token", json_string_nocheck(bos ? bos : "")) == 0 &&
+         json_object_set_new(ctx, "eos_token", json_string_nocheck(eos ? eos : "")) == 0;
+    if (!ok) {
+        json_decref(ctx);
+        return TD_ERR_NOMEM;
+    }
+    char *out = NULL;
+    size_t len = 0;
+    const td_status st = td_tmpl_render(c->t, ctx, NULL, &out, &len, err, errlen);
+    json_decref(ctx);
+    if (st != TD_OK) return st;
+    *out_p = out;
     return TD_OK;
 }

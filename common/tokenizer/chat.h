@@ -1,7 +1,9 @@
-/* Chat templates: recognise the common families from the model's Jinja
- * template text and render them exactly as the template would (byte for
- * byte, including SmolLM2's default system prompt). No Jinja engine: each
- * family is a hand-written renderer, chosen by detection or by name. */
+/* Chat templates: the model's own Jinja template (or one given by name or
+ * file), compiled once by the template engine (common/template) and
+ * rendered with the variables transformers' apply_chat_template passes.
+ * The six names of the --chat-template flag (chatml, smollm2, llama3,
+ * llama2, mistral, zephyr) are embedded Jinja texts run by the same
+ * engine. */
 #ifndef TD_CHAT_H
 #define TD_CHAT_H
 
@@ -10,32 +12,40 @@
 
 #include "common/base/base.h"
 
-typedef enum {
-    TD_CHAT_UNKNOWN = -1,
-    TD_CHAT_CHATML = 0, /* <|im_start|>role\ncontent<|im_end|>\n */
-    TD_CHAT_SMOLLM2,    /* ChatML + default system prompt when none is given */
-    TD_CHAT_LLAMA3,     /* <|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|> */
-    TD_CHAT_LLAMA2,     /* [INST] <<SYS>> ... */
-    TD_CHAT_MISTRAL,    /* [INST] ... [/INST] (system folded into the first user turn) */
-    TD_CHAT_ZEPHYR,     /* <|user|>\ncontent</s>\n */
-    TD_CHAT_COUNT
-} td_chat_template;
+typedef struct td_chat td_chat;
 
 typedef struct {
-    const char *role; /* "system" | "user" | "assistant" */
+    const char *role; /* "system" | "user" | "assistant" | "tool" ... */
     const char *content;
 } td_chat_msg;
 
-/* Detects the family from template text; TD_CHAT_UNKNOWN if unrecognised. */
-td_chat_template td_chat_template_detect(const char *tmpl);
-/* "chatml", "smollm2", "llama3", "llama2", "mistral", "zephyr"; UNKNOWN otherwise. */
-td_chat_template td_chat_template_from_name(const char *name);
-const char *td_chat_template_name(td_chat_template t);
+/* The embedded template of one of the six names; NULL for another name. */
+const char *td_chat_builtin(const char *name);
 
-/* Renders msgs. bos/eos: the model's BOS/EOS token texts (may be "").
- * *out_p is malloc'd, NUL-terminated (caller frees). TD_ERR_INVALID for an
- * unknown template or a role the template cannot express. */
-td_status td_chat_apply(td_chat_template t, const td_chat_msg *msgs, size_t n,
-                        bool add_generation_prompt, const char *bos, const char *eos, char **out_p);
+/* Compiles jinja (label names it in messages: "the model's template", a
+ * file path, a name). *chat_p must be freed with td_chat_free.
+ * TD_ERR_INVALID with the compiler's message (construct and line) in err. */
+td_status td_chat_compile(const char *jinja, const char *label, td_chat **chat_p, char *err,
+                          size_t errlen);
+/* spec: one of the six names, else the path of a Jinja file. TD_ERR_NOT_FOUND
+ * for neither (err says so), TD_ERR_IO for an unreadable file, TD_ERR_INVALID
+ * for a template that does not compile. */
+td_status td_chat_load(const char *spec, td_chat **chat_p, char *err, size_t errlen);
+/* What a serving binary or `tandem generate` uses: spec (--chat-template
+ * NAME|FILE) when given, else the model's own template text (model_tmpl,
+ * may be NULL). TD_ERR_NOT_FOUND when there is neither (err: start with
+ * --chat-template), else td_chat_load's or td_chat_compile's status. */
+td_status td_chat_pick(const char *spec, const char *model_tmpl, td_chat **chat_p, char *err,
+                       size_t errlen);
+void td_chat_free(td_chat *c);
+const char *td_chat_label(const td_chat *c);
+
+/* Renders msgs with add_generation_prompt, bos_token and eos_token (the
+ * model's BOS/EOS texts, may be ""). *out_p is malloc'd, NUL-terminated
+ * (caller frees). TD_ERR_INVALID when the template raises (its message,
+ * e.g. raise_exception's, in err); TD_ERR_NOMEM. */
+td_status td_chat_apply(const td_chat *c, const td_chat_msg *msgs, size_t n,
+                        bool add_generation_prompt, const char *bos, const char *eos, char **out_p,
+                        char *err, size_t errlen);
 
 #endif

@@ -205,7 +205,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (z) {
         memcpy(z, text, len);
         z[len] = 0;
-        g_sink ^= (uint8_t)td_chat_template_detect(z);
+        /* as template text: compiled (fuzz_template renders templates) */
+        td_chat *tc = NULL;
+        char err[256];
+        if (td_chat_compile(z, "fuzz", &tc, err, sizeof err) == TD_OK) td_chat_free(tc);
         static const char *roles[] = {"system", "user", "assistant", "tool"};
         td_chat_msg msgs[4];
         size_t nm = 0;
@@ -222,8 +225,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             c = nl + 1;
         }
         char *out = NULL;
-        td_chat_template t = (td_chat_template)((sel >> 5) % TD_CHAT_COUNT);
-        if (td_chat_apply(t, msgs, nm, sel & 1, "<s>", "</s>", &out) == TD_OK) free(out);
+        static const char *names[] = {"chatml", "smollm2", "llama3", "llama2", "mistral", "zephyr"};
+        td_chat *t = NULL;
+        if (td_chat_load(names[(sel >> 5) % 6], &t, err, sizeof err) == TD_OK) {
+            if (td_chat_apply(t, msgs, nm, sel & 1, "<s>", "</s>", &out, err, sizeof err) == TD_OK)
+                free(out);
+            td_chat_free(t);
+        }
         free(z);
     }
     return 0;

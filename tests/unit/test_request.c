@@ -629,18 +629,23 @@ static int setup_tok(void **state) {
     return st == TD_OK ? 0 : -1;
 }
 
+static td_chat *g_chat;
+
 static int teardown_tok(void **state) {
     (void)state;
+    td_chat_free(g_chat);
+    g_chat = NULL;
     td_tokenizer_free(g_tok);
     return 0;
 }
 
 static td_api_model model(int32_t ctx) {
-    return (td_api_model){.tok = g_tok,
-                          .chat_template =
-                              td_chat_template_detect(td_tokenizer_chat_template(g_tok)),
-                          .model_name = "tiny",
-                          .max_ctx = ctx};
+    if (!g_chat) {
+        char err[512];
+        assert_int_equal(
+            td_chat_pick(NULL, td_tokenizer_chat_template(g_tok), &g_chat, err, sizeof err), TD_OK);
+    }
+    return (td_api_model){.tok = g_tok, .chat = g_chat, .model_name = "tiny", .max_ctx = ctx};
 }
 
 static char *decode(const int32_t *t, int32_t n) {
@@ -653,7 +658,7 @@ static char *decode(const int32_t *t, int32_t n) {
 static void test_tokens_chat(void **state) {
     (void)state;
     td_api_model m = model(256);
-    assert_int_equal(m.chat_template, TD_CHAT_CHATML);
+    assert_non_null(m.chat); /* the tiny model's own template (ChatML) */
     td_api_request r;
     ok_parse(TD_API_CHAT,
              "{\"model\": \"tiny\", \"messages\": [{\"role\": \"system\", \"content\": \"S\"},"
@@ -700,16 +705,24 @@ static void test_tokens_chat(void **state) {
                               "<|im_start|>assistant\n");
     free(text);
     free(toks);
+    td_chat *mc = NULL;
+    char msg[512];
+    assert_int_equal(td_chat_load("mistral", &mc, msg, sizeof msg), TD_OK);
     td_api_model mistral = m;
-    mistral.chat_template = TD_CHAT_MISTRAL;
+    mistral.chat = mc;
     assert_int_equal(td_api_request_tokens(&mistral, &r, 0, &toks, &n, &mt, &err), TD_ERR_INVALID);
     assert_int_equal(err.http_status, 400);
     assert_string_equal(err.param, "messages");
+    /* the template's own exception is the message */
+    assert_non_null(strstr(err.message, "conversation roles must alternate"));
+    td_chat_free(mc);
     td_api_model none = m;
-    none.chat_template = TD_CHAT_UNKNOWN;
+    none.chat = NULL;
+    none.chat_error = "the model has no chat template: start with --chat-template NAME|FILE";
     assert_int_not_equal(td_api_request_tokens(&none, &r, 0, &toks, &n, &mt, &err), TD_OK);
     assert_int_equal(err.http_status, 400);
     assert_string_equal(err.param, "messages");
+    assert_non_null(strstr(err.message, "--chat-template"));
     td_api_request_free(&r);
 }
 
