@@ -874,15 +874,11 @@ static enum MHD_Result handle_tokenize(td_http_server *srv, struct MHD_Connectio
     bool add_special;
     td_status st;
     if (msgs && !json_is_null(msgs)) {
-        bool add_gen;
-        if (!opt_bool(root, "add_generation_prompt", true, &add_gen, &err) ||
-            !opt_bool(root, "add_special_tokens", false, &add_special, &err))
-            goto error;
-        td_chat_msg *m = NULL;
-        int32_t nm = 0;
-        if (td_api_messages_parse(msgs, &m, &nm, &err) != TD_OK) goto error;
-        st = td_api_render_chat(&srv->p.model, m, nm, add_gen, &text, &err);
-        td_api_messages_free(m, nm);
+        if (!opt_bool(root, "add_special_tokens", false, &add_special, &err)) goto error;
+        td_api_chat chat;
+        if (td_api_chat_parse(root, &chat, &err) != TD_OK) goto error;
+        st = td_api_render_chat(&srv->p.model, &chat, &text, &err);
+        td_api_chat_free(&chat);
         if (st != TD_OK) goto error;
     } else if (prompt && json_is_string(prompt)) {
         if (!opt_bool(root, "add_special_tokens", true, &add_special, &err)) goto error;

@@ -8,19 +8,28 @@
 #include "request.h"
 
 /* Parses a chat "messages" array (the rules of /v1/chat/completions:
- * non-empty, each {role, content} with content a string, null for the
- * assistant, or a list of {"type": "text", "text": ...} parts; "developer"
- * is "system"). *msgs_p (role/content malloc'd) and *n_p on success;
- * free with td_api_messages_free(). Fills err (400, param "messages"). */
-td_status td_api_messages_parse(const json_t *arr, td_chat_msg **msgs_p, int32_t *n_p,
-                                td_api_error *err);
-void td_api_messages_free(td_chat_msg *msgs, int32_t n);
+ * non-empty, each an object with a string role and content a string, null
+ * or absent for the assistant, or a list of {"type": "text", "text": ...}
+ * parts; "developer" is "system"; each tool call's arguments a JSON string
+ * or an object) into *msgs_p, the normalised copy the template sees
+ * (td_api_chat). Fills err (400, param "messages"). */
+td_status td_api_messages_parse(const json_t *arr, json_t **msgs_p, td_api_error *err);
 
-/* Renders messages with the model's chat template (BOS/EOS texts from the
- * tokenizer). *text_p malloc'd on success; 400 (err) if the model has no
- * usable template or the template cannot express the conversation. */
-td_status td_api_render_chat(const td_api_model *mdl, const td_chat_msg *msgs, int32_t n,
-                             bool add_generation_prompt, char **text_p, td_api_error *err);
+/* The chat fields of a request body: messages, tools, chat_template_kwargs
+ * (which may not set a variable the server passes), add_generation_prompt,
+ * continue_final_message (which turns add_generation_prompt off; both true
+ * is a 400). Free with td_api_chat_free (accepts a zeroed chat). */
+td_status td_api_chat_parse(const json_t *root, td_api_chat *chat, td_api_error *err);
+void td_api_chat_free(td_api_chat *chat);
+
+/* Renders a chat with the model's chat template, with the variables
+ * transformers' apply_chat_template passes (messages with its reasoning
+ * aliases, tools, documents, add_generation_prompt, bos_token and
+ * eos_token from the tokenizer, chat_template_kwargs) and its
+ * continue_final_message rule. *text_p malloc'd on success; 400 (err) if
+ * the model has no usable template or the template raises. */
+td_status td_api_render_chat(const td_api_model *mdl, const td_api_chat *chat, char **text_p,
+                             td_api_error *err);
 
 /* Checks the model name against the served one: NULL is accepted, another
  * name is 404 model_not_found. */

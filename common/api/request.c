@@ -1,6 +1,7 @@
 /* OpenAI request parsing and validation (vLLM's rules); see request.h. */
 #include "request.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
@@ -275,24 +276,18 @@ static td_status dup_str(const json_t *v, char **out, td_api_error *err) {
 
 /* ---------------------------------------------------------------- messages */
 
-void td_api_messages_free(td_chat_msg *msgs, int32_t n) {
-    if (!msgs) return;
-    for (int32_t i = 0; i < n; i++) {
-        free((char *)msgs[i].role);
-        free((char *)msgs[i].content);
-    }
-    free(msgs);
-}
-
 /* Content as one string: text parts joined with "\n" (as vLLM does). */
-static td_status message_content(const json_t *c, int32_t i, bool assistant, char **out,
+static td_status message_content(const json_t *c, int32_t i, bool assistant, json_t **out,
                                  td_api_error *err) {
     if (!c) {
         if (!assistant) return bad(err, "messages", "messages[%d]: 'content' is required", (int)i);
-        *out = strdup("");
+        *out = json_string("");
         return *out ? TD_OK : oom(err);
     }
-    if (json_is_string(c)) return dup_str(c, out, err);
+    if (json_is_string(c)) {
+        *out = json_copy((json_t *)c);
+        return *out ? TD_OK : oom(err);
+    }
     if (!json_is_array(c))
         return bad(err, "messages",
                    "messages[%d].content must be a string or a list of parts, not %s", (int)i,
@@ -326,21 +321,58 @@ static td_status message_content(const json_t *c, int32_t i, bool assistant, cha
         memcpy(s + o, json_string_value(text), json_string_length(text));
         o += json_string_length(text);
     }
-    s[o] = 0;
-    *out = s;
+    *out = json_stringn_nocheck(s, o);
+    free(s);
+    return *out ? TD_OK : oom(err);
+}
+
+/* An assistant's tool_calls as the template sees them: each function's
+ * arguments an object, parsed from the JSON string the OpenAI API sends
+ * (vLLM's rule; invalid JSON is a 400). */
+static td_status message_tool_calls(json_t *calls, size_t i, td_api_error *err) {
+    if (!json_is_array(calls))
+        return bad(err, "messages", "messages[%zu].tool_calls must be a list, not %s", i,
+                   type_name(calls));
+    size_t k;
+    json_t *c;
+    json_array_foreach(calls, k, c) {
+        json_t *fn = json_object_get(c, "function");
+        if (!json_is_object(c) || !json_is_object(fn) ||
+            !json_is_string(json_object_get(fn, "name")))
+            return bad(err, "messages",
+                       "messages[%zu].tool_calls[%zu] must be {\"type\": \"function\", "
+                       "\"function\": {\"name\": ..., \"arguments\": ...}}",
+                       i, k);
+        json_t *args = json_object_get(fn, "arguments");
+        if (json_is_string(args)) {
+            json_error_t je;
+            json_t *parsed = json_loadb(json_string_value(args), json_string_length(args),
+                                        JSON_DECODE_ANY | JSON_ALLOW_NUL, &je);
+            if (!parsed)
+                return bad(err, "messages",
+                           "messages[%zu].tool_calls[%zu].function.arguments is not valid JSON: "
+                           "%.200s",
+                           i, k, je.text);
+            if (json_object_set_new(fn, "arguments", parsed) != 0) return oom(err);
+        } else if (!json_is_object(args)) {
+            return bad(err, "messages",
+                       "messages[%zu].tool_calls[%zu].function.arguments must be a JSON string "
+                       "or an object",
+                       i, k);
+        }
+    }
     return TD_OK;
 }
 
-td_status td_api_messages_parse(const json_t *arr, td_chat_msg **msgs_p, int32_t *n_p,
-                                td_api_error *err) {
+td_status td_api_messages_parse(const json_t *arr, json_t **msgs_p, td_api_error *err) {
     if (!arr) return bad(err, "messages", "'messages' is required");
     if (!json_is_array(arr))
         return bad(err, "messages", "'messages' must be a list, not %s", type_name(arr));
     size_t n = json_array_size(arr);
     if (n == 0) return bad(err, "messages", "'messages' must not be empty");
     if (n > INT32_MAX) return bad(err, "messages", "too many messages");
-    td_chat_msg *msgs = calloc(n, sizeof(*msgs));
-    if (!msgs) return oom(err);
+    json_t *out = json_array();
+    if (!out) return oom(err);
     td_status st = TD_OK;
     size_t i;
     json_t *m;
@@ -355,25 +387,117 @@ td_status td_api_messages_parse(const json_t *arr, td_chat_msg **msgs_p, int32_t
             break;
         }
         const char *r = json_string_value(role);
-        /* OpenAI's "developer" is the system message of newer clients. */
-        msgs[i].role = strdup(strcmp(r, "developer") == 0 ? "system" : r);
-        if (!msgs[i].role) {
+        /* every field goes to the template (tool_call_id, name, reasoning
+         * ...); role, content and tool_calls normalised */
+        json_t *c = json_deep_copy(m);
+        if (!c || json_array_append_new(out, c) != 0) {
             st = oom(err);
             break;
         }
-        char *content = NULL;
+        /* OpenAI's "developer" is the system message of newer clients. */
+        if (json_object_set_new(c, "role",
+                                json_string(strcmp(r, "developer") == 0 ? "system" : r)) != 0) {
+            st = oom(err);
+            break;
+        }
+        json_t *content = NULL;
         st = message_content(field(m, "content"), (int32_t)i, strcmp(r, "assistant") == 0, &content,
                              err);
         if (st != TD_OK) break;
-        msgs[i].content = content;
+        if (json_object_set_new(c, "content", content) != 0) {
+            st = oom(err);
+            break;
+        }
+        json_t *calls = field(c, "tool_calls");
+        if (calls && (st = message_tool_calls(calls, i, err)) != TD_OK) break;
     }
     if (st != TD_OK) {
-        td_api_messages_free(msgs, (int32_t)n);
+        json_decref(out);
         return st;
     }
-    *msgs_p = msgs;
-    *n_p = (int32_t)n;
+    *msgs_p = out;
     return TD_OK;
+}
+
+/* The request's tools: a list of objects (each {"type": "function",
+ * "function": {...}}), passed to the template as they are. */
+static td_status parse_tools(const json_t *t, json_t **tools_p, td_api_error *err) {
+    if (!t) return TD_OK;
+    if (!json_is_array(t)) return bad(err, "tools", "'tools' must be a list, not %s", type_name(t));
+    size_t k;
+    json_t *x;
+    json_array_foreach(t, k, x) {
+        json_t *fn = json_object_get(x, "function");
+        if (!json_is_object(x) || !json_is_object(fn) ||
+            !json_is_string(json_object_get(fn, "name")))
+            return bad(err, "tools",
+                       "tools[%zu] must be {\"type\": \"function\", \"function\": {\"name\": "
+                       "...}}",
+                       k);
+    }
+    *tools_p = json_deep_copy(t);
+    return *tools_p ? TD_OK : oom(err);
+}
+
+/* The variables a template sees besides chat_template_kwargs, which may
+ * not replace them. */
+static const char *const k_template_vars[] = {
+    "messages",  "tools",    "documents", "add_generation_prompt", "continue_final_message",
+    "bos_token", "eos_token"};
+
+static td_status parse_template_kwargs(const json_t *k, json_t **kw_p, td_api_error *err) {
+    if (!k) return TD_OK;
+    if (!json_is_object(k))
+        return bad(err, "chat_template_kwargs", "'chat_template_kwargs' must be an object, not %s",
+                   type_name(k));
+    const char *key;
+    json_t *v;
+    json_object_foreach((json_t *)k, key, v) {
+        for (size_t i = 0; i < TD_ARRAY_SIZE(k_template_vars); i++)
+            if (strcmp(key, k_template_vars[i]) == 0)
+                return bad(err, "chat_template_kwargs",
+                           "chat_template_kwargs may not set '%s', which the server passes", key);
+    }
+    *kw_p = json_deep_copy(k);
+    return *kw_p ? TD_OK : oom(err);
+}
+
+td_status td_api_chat_parse(const json_t *root, td_api_chat *chat, td_api_error *err) {
+    memset(chat, 0, sizeof *chat);
+    chat->add_generation_prompt = true;
+    td_status st = td_api_messages_parse(field(root, "messages"), &chat->messages, err);
+    if (st == TD_OK) st = parse_tools(field(root, "tools"), &chat->tools, err);
+    if (st == TD_OK)
+        st = parse_template_kwargs(field(root, "chat_template_kwargs"), &chat->kwargs, err);
+    json_t *v = field(root, "add_generation_prompt");
+    if (st == TD_OK && v) {
+        if (!json_is_boolean(v))
+            st = bad(err, "add_generation_prompt", "'add_generation_prompt' must be a boolean");
+        else
+            chat->add_generation_prompt = json_is_true(v);
+    }
+    v = field(root, "continue_final_message");
+    if (st == TD_OK && v) {
+        if (!json_is_boolean(v))
+            st = bad(err, "continue_final_message", "'continue_final_message' must be a boolean");
+        else
+            chat->continue_final_message = json_is_true(v);
+    }
+    if (st == TD_OK && chat->continue_final_message && chat->add_generation_prompt &&
+        field(root, "add_generation_prompt"))
+        st = bad(err, "continue_final_message",
+                 "continue_final_message and add_generation_prompt cannot both be true");
+    if (st == TD_OK && chat->continue_final_message) chat->add_generation_prompt = false;
+    if (st != TD_OK) td_api_chat_free(chat);
+    return st;
+}
+
+void td_api_chat_free(td_api_chat *chat) {
+    if (!chat) return;
+    json_decref(chat->messages);
+    json_decref(chat->tools);
+    json_decref(chat->kwargs);
+    memset(chat, 0, sizeof *chat);
 }
 
 /* ------------------------------------------------------------------ prompt */
@@ -499,7 +623,9 @@ static const char *const common_fields[] = {
     "user",
 };
 static const char *const completion_fields[] = {"prompt", "echo", "suffix", "best_of"};
-static const char *const chat_fields[] = {"messages", "top_logprobs", "add_generation_prompt"};
+static const char *const chat_fields[] = {
+    "messages", "top_logprobs",        "add_generation_prompt", "continue_final_message",
+    "tools",    "chat_template_kwargs"};
 
 static bool in_list(const char *key, const char *const *list, size_t n) {
     for (size_t i = 0; i < n; i++)
@@ -701,9 +827,7 @@ static td_status parse_body(td_api_kind kind, const json_t *root, const td_api_l
     if (kind == TD_API_COMPLETIONS) {
         if ((st = parse_prompt(field(root, "prompt"), lim, n_vocab, req, err))) return st;
     } else {
-        if ((st = td_api_messages_parse(field(root, "messages"), &req->messages, &req->n_messages,
-                                        err)))
-            return st;
+        if ((st = td_api_chat_parse(root, &req->chat, err))) return st;
     }
 
     long long x = 0;
@@ -764,9 +888,6 @@ static td_status parse_body(td_api_kind kind, const json_t *root, const td_api_l
                        "'best_of' must equal 'n' (%d): ranking extra "
                        "candidates is not supported",
                        (int)req->n);
-    } else {
-        if ((st = get_bool(root, "add_generation_prompt", &req->add_generation_prompt, err)))
-            return st;
     }
     return TD_OK;
 }
@@ -806,7 +927,6 @@ td_status td_api_request_parse(td_api_kind kind, const char *body, size_t len,
     req->sampling = td_sampler_default_params();
     req->sampling.temperature = 1.0f; /* OpenAI's and vLLM's default */
     req->skip_special_tokens = true;
-    req->add_generation_prompt = true;
     td_status st = parse_body(kind, root, &lim, n_vocab, req, err);
     if (st == TD_OK) log_unknown_fields(kind, root);
     json_decref(root);
@@ -827,7 +947,7 @@ void td_api_request_free(td_api_request *req) {
         for (int32_t i = 0; i < req->n_prompts; i++) free(req->prompt_ids[i]);
     free(req->prompt_ids);
     free(req->prompt_ids_len);
-    td_api_messages_free(req->messages, req->n_messages);
+    td_api_chat_free(&req->chat);
     free(req->logit_bias);
     if (req->stop)
         for (int32_t i = 0; i < req->n_stop; i++) free(req->stop[i]);
@@ -846,8 +966,37 @@ td_status td_api_check_model(const td_api_model *mdl, const char *model, td_api_
     return TD_ERR_NOT_FOUND;
 }
 
-td_status td_api_render_chat(const td_api_model *mdl, const td_chat_msg *msgs, int32_t n,
-                             bool add_generation_prompt, char **text_p, td_api_error *err) {
+/* transformers' reasoning aliases: a message with reasoning_content,
+ * thinking or reasoning gets all of "thinking" (first) and
+ * "reasoning_content" (last), which is what chat templates read */
+static bool alias_reasoning(json_t *msgs) {
+    static const char *const fields[] = {"reasoning_content", "thinking", "reasoning"};
+    size_t i;
+    json_t *m;
+    json_array_foreach(msgs, i, m) {
+        json_t *r = NULL;
+        for (size_t k = 0; k < TD_ARRAY_SIZE(fields) && !r; k++) r = field(m, fields[k]);
+        if (!r) continue;
+        json_incref(r);
+        json_t *a = json_object();
+        const char *key;
+        json_t *v;
+        bool ok = a && json_object_set(a, "thinking", r) == 0;
+        json_object_foreach(m, key, v) ok = ok && json_object_set(a, key, v) == 0;
+        /* Python's {"thinking": r, **m, "reasoning_content": r}: a key keeps
+         * its first position, takes its last value */
+        ok = ok && json_object_set(a, "reasoning_content", r) == 0 &&
+             json_array_set_new(msgs, i, a) == 0;
+        json_decref(r);
+        if (!ok) return false;
+    }
+    return true;
+}
+
+#define CONTINUE_TAG "CONTINUE_FINAL_MESSAGE_TAG "
+
+td_status td_api_render_chat(const td_api_model *mdl, const td_api_chat *chat, char **text_p,
+                             td_api_error *err) {
     if (!mdl->chat)
         return bad(err, "messages", "%s",
                    mdl->chat_error ? mdl->chat_error
@@ -861,14 +1010,85 @@ td_status td_api_render_chat(const td_api_model *mdl, const td_chat_msg *msgs, i
         bos = bt ? bt : "";
         eos = et ? et : "";
     }
+    /* the context transformers' apply_chat_template builds */
+    json_t *ctx = json_object(), *msgs = json_deep_copy(chat->messages);
+    json_t *final_content = NULL;
+    bool ok = ctx && msgs && json_object_set_new(ctx, "messages", msgs) == 0;
+    if (!ok) json_decref(msgs);
+    ok = ok && alias_reasoning(msgs);
+    if (ok && chat->continue_final_message) {
+        /* transformers: the final message's content, tagged, then cut at the tag */
+        json_t *last = json_array_get(msgs, json_array_size(msgs) - 1);
+        json_t *c = json_object_get(last, "content");
+        if (!json_is_string(c)) {
+            json_decref(ctx);
+            return bad(err, "continue_final_message",
+                       "continue_final_message is set but the final message has no content to "
+                       "continue");
+        }
+        final_content = json_copy(c);
+        size_t n = json_string_length(c);
+        char *t = malloc(n + sizeof CONTINUE_TAG);
+        ok = t && final_content;
+        if (ok) {
+            memcpy(t, json_string_value(c), n);
+            memcpy(t + n, CONTINUE_TAG, sizeof CONTINUE_TAG);
+            ok = json_object_set_new(last, "content",
+                                     json_stringn_nocheck(t, n + sizeof CONTINUE_TAG - 1)) == 0;
+        }
+        free(t);
+    }
+    const char *key;
+    json_t *v;
+    if (ok && chat->kwargs)
+        json_object_foreach(chat->kwargs, key, v) ok = ok && json_object_set(ctx, key, v) == 0;
+    ok = ok &&
+         json_object_set_new(ctx, "tools", chat->tools ? json_incref(chat->tools) : json_null()) ==
+             0 &&
+         json_object_set_new(ctx, "documents", json_null()) == 0 &&
+         json_object_set_new(ctx, "add_generation_prompt",
+                             json_boolean(chat->add_generation_prompt)) == 0 &&
+         json_object_set_new(ctx, "bos_token", json_string_nocheck(bos)) == 0 &&
+         json_object_set_new(ctx, "eos_token", json_string_nocheck(eos)) == 0;
+    if (!ok) {
+        json_decref(ctx);
+        json_decref(final_content);
+        return oom(err);
+    }
     char *text = NULL;
     char msg[512];
-    td_status st = td_chat_apply(mdl->chat, msgs, (size_t)n, add_generation_prompt, bos, eos, &text,
-                                 msg, sizeof msg);
-    if (st == TD_ERR_NOMEM) return oom(err);
-    if (st != TD_OK)
+    td_status st = td_chat_render(mdl->chat, ctx, &text, msg, sizeof msg);
+    json_decref(ctx);
+    if (st == TD_ERR_NOMEM) {
+        json_decref(final_content);
+        return oom(err);
+    }
+    if (st != TD_OK) {
+        json_decref(final_content);
         return bad(err, "messages", "%s cannot format this conversation: %s",
                    td_chat_label(mdl->chat), msg);
+    }
+    if (final_content) {
+        /* the final message must survive the template, tag and all */
+        char *tag = strstr(text, "CONTINUE_FINAL_MESSAGE_TAG"), *last = NULL;
+        while (tag) {
+            last = tag;
+            tag = strstr(tag + 1, "CONTINUE_FINAL_MESSAGE_TAG");
+        }
+        json_decref(final_content);
+        if (!last) {
+            free(text);
+            return bad(err, "continue_final_message",
+                       "continue_final_message is set but the final message does not appear in "
+                       "the chat after applying the chat template");
+        }
+        if (strncmp(last, CONTINUE_TAG, sizeof CONTINUE_TAG - 1) == 0) {
+            *last = 0;
+        } else { /* the template trimmed the trailing space: cut more cautiously */
+            while (last > text && isspace((unsigned char)last[-1])) last--;
+            *last = 0;
+        }
+    }
     *text_p = text;
     return TD_OK;
 }
@@ -883,8 +1103,7 @@ td_status td_api_request_tokens(const td_api_model *mdl, const td_api_request *r
     const char *what = req->kind == TD_API_CHAT ? "messages" : "prompt";
     if (req->kind == TD_API_CHAT) {
         char *text = NULL;
-        st = td_api_render_chat(mdl, req->messages, req->n_messages, req->add_generation_prompt,
-                                &text, err);
+        st = td_api_render_chat(mdl, &req->chat, &text, err);
         if (st != TD_OK) return st;
         /* The template writes BOS itself where the model wants it. */
         st = td_tokenizer_encode(mdl->tok, text, strlen(text), false, true, &toks, &n);

@@ -19,10 +19,24 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <jansson.h>
+
 #include "common/base/base.h"
 #include "common/sched/sched.h"
 #include "common/tokenizer/chat.h"
 #include "common/tokenizer/tokenizer.h"
+
+/* A chat request's input to the chat template (request.c): the
+ * normalised messages (content parts flattened into one string, "developer"
+ * as "system", each tool call's arguments an object, every other field
+ * kept), the tools, and the variables the request adds. */
+typedef struct {
+    json_t *messages;            /* a list, never NULL once parsed */
+    json_t *tools;               /* a list, or NULL: the template sees None */
+    json_t *kwargs;              /* chat_template_kwargs (an object), or NULL */
+    bool add_generation_prompt;  /* default true */
+    bool continue_final_message; /* default false */
+} td_api_chat;
 
 typedef enum {
     TD_API_COMPLETIONS = 0, /* /v1/completions */
@@ -70,8 +84,7 @@ typedef struct {
     int32_t **prompt_ids;    /* completions: (n_prompts) token-id lists ... */
     int32_t *prompt_ids_len; /* ... and their lengths */
     int32_t n_prompts;       /* completions: >= 1 */
-    td_chat_msg *messages;   /* chat: (n_messages), role/content malloc'd */
-    int32_t n_messages;
+    td_api_chat chat;        /* chat: messages, tools, template variables */
     /* Generation. */
     int32_t max_tokens; /* 0 = not given: up to the context */
     int32_t min_tokens;
@@ -92,7 +105,6 @@ typedef struct {
     bool ignore_eos;
     bool skip_special_tokens;        /* default true */
     bool include_stop_str_in_output; /* default false */
-    bool add_generation_prompt;      /* chat, default true */
     char *user;                      /* accepted, logged only */
 } td_api_request;
 

@@ -185,6 +185,16 @@ void td_chat_free(td_chat *c) {
 
 const char *td_chat_label(const td_chat *c) { return c->label; }
 
+td_status td_chat_render(const td_chat *c, const json_t *ctx, char **out_p, char *err,
+                         size_t errlen) {
+    char *out = NULL;
+    size_t len = 0;
+    const td_status st = td_tmpl_render(c->t, ctx, NULL, &out, &len, err, errlen);
+    if (st != TD_OK) return st;
+    *out_p = out;
+    return TD_OK;
+}
+
 td_status td_chat_apply(const td_chat *c, const td_chat_msg *msgs, size_t n,
                         bool add_generation_prompt, const char *bos, const char *eos, char **out_p,
                         char *err, size_t errlen) {
@@ -215,11 +225,7 @@ td_status td_chat_apply(const td_chat *c, const td_chat_msg *msgs, size_t n,
         json_decref(ctx);
         return TD_ERR_NOMEM;
     }
-    char *out = NULL;
-    size_t len = 0;
-    const td_status st = td_tmpl_render(c->t, ctx, NULL, &out, &len, err, errlen);
+    const td_status st = td_chat_render(c, ctx, out_p, err, errlen);
     json_decref(ctx);
-    if (st != TD_OK) return st;
-    *out_p = out;
-    return TD_OK;
+    return st;
 }

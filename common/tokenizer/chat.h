@@ -7,6 +7,7 @@
 #ifndef TD_CHAT_H
 #define TD_CHAT_H
 
+#include <jansson.h>
 #include <stdbool.h>
 #include <stddef.h>
 
@@ -39,6 +40,12 @@ td_status td_chat_pick(const char *spec, const char *model_tmpl, td_chat **chat_
                        size_t errlen);
 void td_chat_free(td_chat *c);
 const char *td_chat_label(const td_chat *c);
+
+/* Renders c over ctx (a JSON object: each key a template variable).
+ * *out_p malloc'd, NUL-terminated; TD_ERR_INVALID when the template raises
+ * (its message in err); TD_ERR_NOMEM. */
+td_status td_chat_render(const td_chat *c, const json_t *ctx, char **out_p, char *err,
+                         size_t errlen);
 
 /* Renders msgs with add_generation_prompt, bos_token and eos_token (the
  * model's BOS/EOS texts, may be ""). *out_p is malloc'd, NUL-terminated

@@ -3,7 +3,13 @@ common/tokenizer/chat.c): the model's own template and --chat-template FILE
 render what transformers renders, through /tokenize with messages and the
 official openai client; a template that raises is a 400 with its message
 and the server keeps serving; a --chat-template that does not load stops
-the server at start with the reason."""
+the server at start with the reason; tools, tool calls (arguments sent as
+a JSON string), reasoning_content, chat_template_kwargs and
+continue_final_message reach real templates as transformers passes them."""
+import json
+import os
+import pathlib
+
 import pytest
 
 from serve_util import serve  # noqa: F401  (the fixture)
@@ -49,7 +55,7 @@ def test_a_template_file_renders_as_transformers_does(serve, default_model, tmp_
 def test_the_models_own_template_is_rendered(serve, default_model):
     """SmolLM2's own template (its default system prompt when none is given),
     against transformers over the template text the GGUF carries."""
-    import gguf
+    gguf = pytest.importorskip("gguf")
     r = gguf.GGUFReader(str(default_model))
     field = r.fields["tokenizer.chat_template"]
     text = bytes(field.parts[field.data[0]]).decode()
@@ -87,3 +93,77 @@ def test_a_chat_template_that_does_not_load_stops_the_server(tandem, default_mod
                "--chat-template", str(f), timeout=60, check=False)
     assert r.returncode != 0
     assert needle in r.stderr, r.stderr
+
+
+TEMPLATE_DIR = pathlib.Path(os.environ.get(
+    "TANDEM_TEMPLATE_DIR", pathlib.Path.home() / ".cache/tandem/templates/llama.cpp-11434.0.0"))
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+# as an OpenAI client sends them: arguments as a JSON string
+TOOL_CHAT = [
+    {"role": "user", "content": [{"type": "text", "text": "Weather in"}, {"type": "text", "text": "Paris?"}]},
+    {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris \\u00e9\"}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+]
+
+
+def normalised(messages):
+    """What the server hands the template: text parts joined by a newline,
+    arguments parsed, a missing assistant content empty (vLLM's rules)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if isinstance(m.get("content"), list):
+            m["content"] = "\n".join(p["text"] for p in m["content"])
+        if m.get("content") is None:
+            m["content"] = ""
+        if "tool_calls" in m:
+            m["tool_calls"] = [dict(c, function=dict(c["function"], arguments=json.loads(c["function"]["arguments"])))
+                               for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("Qwen-Qwen2.5-7B-Instruct.jinja", {}),
+    ("Qwen-Qwen3-0.6B.jinja", {"enable_thinking": False}),
+    ("meta-llama-Llama-3.1-8B-Instruct.jinja", {}),
+    ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", {}),
+])
+def test_tools_tool_calls_and_kwargs_reach_the_template(serve, default_model, name, kwargs):
+    path = TEMPLATE_DIR / name
+    assert path.exists(), f"{path}: scripts/fetch-test-models.sh fetches the templates"
+    text = path.read_text()
+    srv = serve(default_model, "--chat-template", str(path))
+    rendered, _ = chat_template_utils.render_jinja_template(
+        conversations=[normalised(TOOL_CHAT)], tools=TOOLS, chat_template=text,
+        add_generation_prompt=True, bos_token="<|im_start|>", eos_token="<|im_end|>", **kwargs)
+    want = tokens_of(srv, {"prompt": rendered[0], "add_special_tokens": False})
+    body = {"messages": TOOL_CHAT, "tools": TOOLS}
+    if kwargs:
+        body["chat_template_kwargs"] = kwargs
+    assert tokens_of(srv, body) == want
+    # a kwarg may not replace a variable the server passes
+    status, out = srv.post_json("/tokenize", dict(body, chat_template_kwargs={"tools": []}))
+    assert status == 400 and out["error"]["param"] == "chat_template_kwargs", out
+
+
+def test_continue_final_message_as_transformers(serve, default_model):
+    path = TEMPLATE_DIR / "Qwen-Qwen2.5-7B-Instruct.jinja"
+    text = path.read_text()
+    srv = serve(default_model, "--chat-template", str(path))
+    msgs = [{"role": "user", "content": "Count to three."},
+            {"role": "assistant", "content": "One, two,"}]
+    rendered, _ = chat_template_utils.render_jinja_template(
+        conversations=[msgs], chat_template=text, continue_final_message=True,
+        bos_token="<|im_start|>", eos_token="<|im_end|>")
+    want = tokens_of(srv, {"prompt": rendered[0], "add_special_tokens": False})
+    assert tokens_of(srv, {"messages": msgs, "continue_final_message": True,
+                           "add_generation_prompt": False}) == want
+    status, out = srv.post_json("/v1/chat/completions", {
+        "messages": msgs, "continue_final_message": True, "max_tokens": 2, "temperature": 0})
+    assert status == 200, out

@@ -47,7 +47,8 @@ static void expect_400(td_api_kind kind, const char *body, const char *param) {
     assert_true(strlen(err.message) > 0);
     /* Rejected requests own nothing. */
     assert_null(req.prompts);
-    assert_null(req.messages);
+    assert_null(req.chat.messages);
+    assert_null(req.chat.tools);
     assert_null(req.stop);
     td_api_request_free(&req);
 }
@@ -207,22 +208,25 @@ static void test_chat_messages(void **state) {
              " \"max_tokens\": 3, \"add_generation_prompt\": false}",
              &r);
     assert_int_equal(r.kind, TD_API_CHAT);
-    assert_int_equal(r.n_messages, 4);
-    assert_string_equal(r.messages[0].role, "system");
-    assert_string_equal(r.messages[0].content, "be brief");
-    assert_string_equal(r.messages[1].role, "user");
-    assert_string_equal(r.messages[1].content, "a\nb");
-    assert_string_equal(r.messages[2].role, "assistant");
-    assert_string_equal(r.messages[2].content, "");
-    assert_string_equal(r.messages[3].content, "");
+    assert_int_equal(json_array_size(r.chat.messages), 4);
+#define MSG(i, k) json_string_value(json_object_get(json_array_get(r.chat.messages, i), k))
+    assert_string_equal(MSG(0, "role"), "system");
+    assert_string_equal(MSG(0, "content"), "be brief");
+    assert_string_equal(MSG(1, "role"), "user");
+    assert_string_equal(MSG(1, "content"), "a\nb");
+    assert_string_equal(MSG(1, "name"), "bob"); /* other fields reach the template */
+    assert_string_equal(MSG(2, "role"), "assistant");
+    assert_string_equal(MSG(2, "content"), "");
+    assert_string_equal(MSG(3, "content"), "");
     assert_true(r.logprobs);
     assert_int_equal(r.top_logprobs, 5);
     assert_int_equal(r.max_tokens, 9); /* max_completion_tokens wins */
-    assert_false(r.add_generation_prompt);
+    assert_false(r.chat.add_generation_prompt);
     td_api_request_free(&r);
 
     ok_parse(TD_API_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}", &r);
-    assert_true(r.add_generation_prompt);
+    assert_true(r.chat.add_generation_prompt);
+    assert_null(r.chat.tools);
     assert_false(r.logprobs);
     assert_null(r.prompts);
     td_api_request_free(&r);
@@ -475,7 +479,8 @@ static void test_unknown_fields_accepted(void **state) {
              " \"response_format\": {\"type\": \"text\"}, \"echo\": \"anything\","
              " \"parallel_tool_calls\": false, \"metadata\": {\"k\": \"v\"}}",
              &r);
-    assert_int_equal(r.n_messages, 1);
+    assert_int_equal(json_array_size(r.chat.messages), 1);
+    assert_int_equal(json_array_size(r.chat.tools), 0);
     td_api_request_free(&r);
 }
 
@@ -726,6 +731,80 @@ static void test_tokens_chat(void **state) {
     td_api_request_free(&r);
 }
 
+/* Tools, tool calls and the template's variables reach the template; a
+ * tool call's arguments string is parsed (invalid JSON is a 400). */
+static void test_chat_tools_and_variables(void **state) {
+    (void)state;
+    td_api_request r;
+    ok_parse(TD_API_CHAT,
+             "{\"messages\": [{\"role\": \"user\", \"content\": \"w?\"},"
+             " {\"role\": \"assistant\", \"content\": null, \"tool_calls\": [{\"id\": \"c1\","
+             " \"type\": \"function\", \"function\": {\"name\": \"f\","
+             " \"arguments\": \"{\\\"city\\\": \\\"Paris\\\", \\\"n\\\": [1, 2]}\"}}]},"
+             " {\"role\": \"tool\", \"tool_call_id\": \"c1\", \"content\": \"sunny\"}],"
+             " \"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"f\"}}],"
+             " \"chat_template_kwargs\": {\"enable_thinking\": false}}",
+             &r);
+    json_t *call =
+        json_array_get(json_object_get(json_array_get(r.chat.messages, 1), "tool_calls"), 0);
+    json_t *args = json_object_get(json_object_get(call, "function"), "arguments");
+    assert_true(json_is_object(args));
+    assert_string_equal(json_string_value(json_object_get(args, "city")), "Paris");
+    assert_int_equal(json_array_size(r.chat.tools), 1);
+    assert_true(json_is_false(json_object_get(r.chat.kwargs, "enable_thinking")));
+    td_api_request_free(&r);
+
+    expect_400(TD_API_CHAT,
+               "{\"messages\": [{\"role\": \"assistant\", \"tool_calls\": [{\"type\": "
+               "\"function\", \"function\": {\"name\": \"f\", \"arguments\": \"{bad\"}}]}]}",
+               "messages");
+    expect_400(TD_API_CHAT,
+               "{\"messages\": [{\"role\": \"assistant\", \"tool_calls\": [{\"type\": "
+               "\"function\"}]}]}",
+               "messages");
+    expect_400(TD_API_CHAT,
+               "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": {}}",
+               "tools");
+    expect_400(TD_API_CHAT,
+               "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{}]}",
+               "tools");
+    expect_400(TD_API_CHAT,
+               "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}],"
+               " \"chat_template_kwargs\": {\"messages\": []}}",
+               "chat_template_kwargs");
+    expect_400(TD_API_CHAT,
+               "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}],"
+               " \"chat_template_kwargs\": [1]}",
+               "chat_template_kwargs");
+    expect_400(TD_API_CHAT,
+               "{\"messages\": [{\"role\": \"assistant\", \"content\": \"x\"}],"
+               " \"continue_final_message\": true, \"add_generation_prompt\": true}",
+               "continue_final_message");
+}
+
+/* continue_final_message: the rendering stops where the final message's
+ * content ends (transformers' rule), with no generation prompt. */
+static void test_tokens_continue_final_message(void **state) {
+    (void)state;
+    td_api_model m = model(256);
+    td_api_request r;
+    ok_parse(TD_API_CHAT,
+             "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"},"
+             " {\"role\": \"assistant\", \"content\": \"The answer is\"}],"
+             " \"continue_final_message\": true}",
+             &r);
+    assert_false(r.chat.add_generation_prompt);
+    int32_t *toks = NULL, n = 0, mt = 0;
+    td_api_error err;
+    assert_int_equal(td_api_request_tokens(&m, &r, 0, &toks, &n, &mt, &err), TD_OK);
+    char *text = decode(toks, n);
+    assert_string_equal(text,
+                        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe answer is");
+    free(text);
+    free(toks);
+    td_api_request_free(&r);
+}
+
 static void test_tokens_completion(void **state) {
     (void)state;
     td_api_model m = model(32);
@@ -867,6 +946,7 @@ int main(void) {
         cmocka_unit_test(test_completion_all_fields),
         cmocka_unit_test(test_prompt_shapes),
         cmocka_unit_test(test_chat_messages),
+        cmocka_unit_test(test_chat_tools_and_variables),
         cmocka_unit_test(test_malformed_json),
         cmocka_unit_test(test_wrong_types),
         cmocka_unit_test(test_out_of_range),
@@ -880,6 +960,7 @@ int main(void) {
     };
     const struct CMUnitTest tok_tests[] = {
         cmocka_unit_test(test_tokens_chat),
+        cmocka_unit_test(test_tokens_continue_final_message),
         cmocka_unit_test(test_tokens_completion),
         cmocka_unit_test(test_context_length),
     };
