@@ -71,6 +71,7 @@ typedef enum {
     R_CHAT,
     R_MODELS,
     R_TOKENIZE,
+    R_APPLY_TEMPLATE,
     R_DETOKENIZE,
     R_HEALTH,
     R_READY,
@@ -89,6 +90,7 @@ static const struct {
     {"/v1/chat/completions", R_CHAT, true},
     {"/v1/models", R_MODELS, false},
     {"/tokenize", R_TOKENIZE, true},
+    {"/apply-template", R_APPLY_TEMPLATE, true},
     {"/detokenize", R_DETOKENIZE, true},
     {"/health", R_HEALTH, false},
     {"/ready", R_READY, false},
@@ -911,6 +913,39 @@ error:
     return send_error(srv, c, method, url, &err, NULL);
 }
 
+/* llama.cpp's /apply-template: {messages, tools?, add_generation_prompt?,
+ * continue_final_message?, chat_template_kwargs?} -> {"prompt": the
+ * rendered text}, as a chat completion would render it. */
+static enum MHD_Result handle_apply_template(td_http_server *srv, struct MHD_Connection *c,
+                                             const char *method, const char *url,
+                                             const conn_state *cs) {
+    td_api_error err;
+    memset(&err, 0, sizeof(err));
+    json_t *root = load_body(srv, cs, &err);
+    char *text = NULL;
+    td_api_chat chat;
+    memset(&chat, 0, sizeof chat);
+    if (!root || !check_model_field(srv, root, &err)) goto error;
+    if (td_api_chat_parse(root, &chat, &err) != TD_OK) goto error;
+    if (td_api_render_chat(&srv->p.model, &chat, &text, &err) != TD_OK) goto error;
+    td_api_chat_free(&chat);
+    json_decref(root);
+    json_t *out = json_object();
+    if (!out || json_object_set_new(out, "prompt", json_string_nocheck(text)) != 0) {
+        json_decref(out);
+        free(text);
+        td_api_error_set(&err, 500, "server_error", "", "", "out of memory");
+        return send_error(srv, c, method, url, &err, NULL);
+    }
+    free(text);
+    return queue_json(c, MHD_HTTP_OK, out);
+error:
+    td_api_chat_free(&chat);
+    free(text);
+    json_decref(root);
+    return send_error(srv, c, method, url, &err, NULL);
+}
+
 static enum MHD_Result handle_detokenize(td_http_server *srv, struct MHD_Connection *c,
                                          const char *method, const char *url,
                                          const conn_state *cs) {
@@ -1130,7 +1165,7 @@ static bool authorized(const td_http_server *srv, struct MHD_Connection *c, rout
 
 static bool is_public(route r) {
     return r == R_COMPLETIONS || r == R_CHAT || r == R_MODELS || r == R_TOKENIZE ||
-           r == R_DETOKENIZE;
+           r == R_DETOKENIZE || r == R_APPLY_TEMPLATE;
 }
 
 static enum MHD_Result dispatch(td_http_server *srv, struct MHD_Connection *c, const char *method,
@@ -1172,6 +1207,7 @@ static enum MHD_Result dispatch(td_http_server *srv, struct MHD_Connection *c, c
     case R_CHAT: return handle_generate(srv, c, method, url, TD_API_CHAT, cs);
     case R_MODELS: return handle_models(srv, c);
     case R_TOKENIZE: return handle_tokenize(srv, c, method, url, cs);
+    case R_APPLY_TEMPLATE: return handle_apply_template(srv, c, method, url, cs);
     case R_DETOKENIZE: return handle_detokenize(srv, c, method, url, cs);
     case R_HEALTH: return queue_json(c, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
     case R_READY: {

@@ -188,3 +188,44 @@ def test_models_tokenize_served_by_router(both):
     s2, m2 = c.router.get_json("/v1/models")
     assert s1 == s2 == 200
     assert [m["id"] for m in m1["data"]] == [m["id"] for m in m2["data"]]
+
+
+TOOL_BODY = {
+    "messages": [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Oslo?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "cold"}],
+    "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}],
+}
+
+
+def test_chat_template_paths_served_by_router(both):
+    """/apply-template and /tokenize with messages are answered by the router
+    itself, as `tandem serve` answers them; a chat with tools and tool calls
+    through router, prefill and decode equals serve's."""
+    serve, c = both
+    for path, body in (("/apply-template", TOOL_BODY),
+                       ("/apply-template", dict(TOOL_BODY, add_generation_prompt=False)),
+                       ("/tokenize", TOOL_BODY)):
+        s1, o1 = serve.post_json(path, body)
+        s2, o2 = c.router.post_json(path, body)
+        assert s1 == s2 == 200, (o1, o2)
+        assert o1 == o2
+    s, o = serve.post_json("/apply-template", TOOL_BODY)
+    assert "Oslo" in o["prompt"] and o["prompt"].endswith("assistant\n")
+    # a bad tool call is a 400 from either, before anything is routed
+    bad = dict(TOOL_BODY, messages=[dict(TOOL_BODY["messages"][2], tool_calls=[
+        {"type": "function", "function": {"name": "f", "arguments": "{oops"}}])])
+    for srv in (serve, c.router):
+        status, out = srv.post_json("/v1/chat/completions", dict(bad, max_tokens=2))
+        assert status == 400 and out["error"]["param"] == "messages", out
+    body = dict(TOOL_BODY, max_tokens=8, temperature=0)
+    c.wait_settled()
+    s1, o1 = serve.post_json("/v1/chat/completions", body)
+    s2, o2 = c.router.post_json("/v1/chat/completions", body)
+    assert s1 == s2 == 200, (o1, o2)
+    assert strip(o1) == strip(o2)
