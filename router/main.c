@@ -372,7 +372,7 @@ int main(int argc, char **argv) {
     int rc = parse_args(argc, argv, &a), exit_code = 1;
     char *token = NULL;
     td_tokenizer *tok = NULL;
-    td_chat *chat = NULL;
+    td_chat *chat = NULL, *chat_tools = NULL;
     char chat_why[512] = "";
     td_metrics *metrics = NULL;
     td_router *router = NULL;
@@ -409,6 +409,12 @@ int main(int argc, char **argv) {
         }
         TD_LOG_WARN("%s: /v1/chat/completions will answer 400", chat_why);
     }
+    {
+        char why[512];
+        if (td_chat_pick_tools(a.chat_template, td_tokenizer_chat_template_named(tok, "tool_use"),
+                               &chat_tools, why, sizeof why) != TD_OK)
+            TD_LOG_WARN("%s: requests with tools use the default template", why);
+    }
     if (td_metrics_create(served, &metrics) != TD_OK) goto done;
 
     a.rp.cluster_token = token;
@@ -423,6 +429,7 @@ int main(int argc, char **argv) {
     }
     td_api_model mdl = {.tok = tok,
                         .chat = chat,
+                        .chat_tools = chat_tools,
                         .chat_error = chat ? NULL : chat_why,
                         .model_name = served,
                         .max_ctx = max_ctx};
@@ -482,6 +489,7 @@ done:
     td_router_destroy(router);
     td_metrics_destroy(metrics);
     td_chat_free(chat);
+    td_chat_free(chat_tools);
     td_tokenizer_free(tok);
     free(token);
     for (int i = 0; i < a.n_prefill; i++) free(a.prefill[i]);

@@ -1057,7 +1057,8 @@ td_status td_api_render_chat(const td_api_model *mdl, const td_api_chat *chat, c
     }
     char *text = NULL;
     char msg[512];
-    td_status st = td_chat_render(mdl->chat, ctx, &text, msg, sizeof msg);
+    const td_chat *tc = chat->tools && mdl->chat_tools ? mdl->chat_tools : mdl->chat;
+    td_status st = td_chat_render(tc, ctx, &text, msg, sizeof msg);
     json_decref(ctx);
     if (st == TD_ERR_NOMEM) {
         json_decref(final_content);
@@ -1065,8 +1066,8 @@ td_status td_api_render_chat(const td_api_model *mdl, const td_api_chat *chat, c
     }
     if (st != TD_OK) {
         json_decref(final_content);
-        return bad(err, "messages", "%s cannot format this conversation: %s",
-                   td_chat_label(mdl->chat), msg);
+        return bad(err, "messages", "%s cannot format this conversation: %s", td_chat_label(tc),
+                   msg);
     }
     if (final_content) {
         /* the final message must survive the template, tag and all */

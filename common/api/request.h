@@ -120,10 +120,12 @@ void td_api_request_free(td_api_request *req); /* accepts a zeroed or freed req 
 /* What the front ends need to turn a request into scheduler work. */
 typedef struct {
     const td_tokenizer *tok;
-    const td_chat *chat;    /* NULL: chat requests are 400 with chat_error */
-    const char *chat_error; /* why there is no chat template (NULL: a generic reason) */
-    const char *model_name; /* served model name; requests naming another are 404 */
-    int32_t max_ctx;        /* context length (prompt + output) */
+    const td_chat *chat;       /* NULL: chat requests are 400 with chat_error */
+    const td_chat *chat_tools; /* the model's "tool_use" template, for requests with tools
+                                  (transformers' choice); NULL: chat serves them too */
+    const char *chat_error;    /* why there is no chat template (NULL: a generic reason) */
+    const char *model_name;    /* served model name; requests naming another are 404 */
+    int32_t max_ctx;           /* context length (prompt + output) */
 } td_api_model;
 
 /* Checks the model name (NULL/absent is accepted), renders the chat

@@ -402,7 +402,7 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
         return rc;
     }
     char *token = NULL;
-    td_chat *chat = NULL;
+    td_chat *chat = NULL, *chat_tools = NULL;
     char chat_why[512] = "";
     if ((role || a.cluster_token || a.cluster_token_file) && !(token = read_token(&a))) {
         free_args(&a);
@@ -505,8 +505,16 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
     }
 
     if (!pick_chat(&a, rt->tok, &chat, chat_why, sizeof chat_why)) goto free_sched;
+    {
+        char why[512];
+        if (td_chat_pick_tools(a.chat_template,
+                               td_tokenizer_chat_template_named(rt->tok, "tool_use"), &chat_tools,
+                               why, sizeof why) != TD_OK)
+            TD_LOG_WARN("%s: requests with tools use the default template", why);
+    }
     td_api_model mdl = {.tok = rt->tok,
                         .chat = chat,
+                        .chat_tools = chat_tools,
                         .chat_error = chat ? NULL : chat_why,
                         .model_name = served,
                         .max_ctx = max_ctx};
@@ -619,6 +627,7 @@ free_metrics:
     td_metrics_destroy(metrics);
 close_rt:
     td_chat_free(chat);
+    td_chat_free(chat_tools);
     td_runtime_close(rt);
     free(token);
     free_args(&a);

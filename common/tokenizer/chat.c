@@ -176,6 +176,13 @@ td_status td_chat_pick(const char *spec, const char *model_tmpl, td_chat **chat_
     return td_chat_compile(model_tmpl, "the model's chat template", chat_p, err, errlen);
 }
 
+td_status td_chat_pick_tools(const char *spec, const char *tool_tmpl, td_chat **chat_p, char *err,
+                             size_t errlen) {
+    *chat_p = NULL;
+    if (spec || !tool_tmpl) return TD_OK;
+    return td_chat_compile(tool_tmpl, "the model's tool_use chat template", chat_p, err, errlen);
+}
+
 void td_chat_free(td_chat *c) {
     if (!c) return;
     td_tmpl_free(c->t);

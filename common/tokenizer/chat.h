@@ -38,6 +38,12 @@ td_status td_chat_load(const char *spec, td_chat **chat_p, char *err, size_t err
  * --chat-template), else td_chat_load's or td_chat_compile's status. */
 td_status td_chat_pick(const char *spec, const char *model_tmpl, td_chat **chat_p, char *err,
                        size_t errlen);
+/* The model's "tool_use" template (td_tokenizer_chat_template_named), for
+ * requests with tools, as transformers picks it; NULL (and TD_OK) when
+ * spec is given or the model has none. One that does not compile is
+ * TD_ERR_INVALID with the reason in err. */
+td_status td_chat_pick_tools(const char *spec, const char *tool_tmpl, td_chat **chat_p, char *err,
+                             size_t errlen);
 void td_chat_free(td_chat *c);
 const char *td_chat_label(const td_chat *c);
 

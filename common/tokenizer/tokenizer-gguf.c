@@ -279,6 +279,20 @@ td_status td_tokenizer_from_gguf(const td_gguf *g, td_tokenizer **tok_p) {
     } else if (st != TD_ERR_NOT_FOUND) {
         TD_LOG_WARN("%s: tokenizer.chat_template is not a string, ignored", path);
     }
+    /* named templates: tokenizer.chat_template.NAME (llama.cpp's converter
+     * writes tool_use, rag ... this way) */
+    static const char prefix[] = "tokenizer.chat_template.";
+    for (int64_t i = 0; i < td_gguf_n_kv(g); i++) {
+        const char *key = td_gguf_key_name(g, i);
+        if (!key || strncmp(key, prefix, sizeof prefix - 1) != 0 || !key[sizeof prefix - 1])
+            continue;
+        const char *text = NULL;
+        if (td_gguf_get_str(g, key, &text) != TD_OK) {
+            TD_LOG_WARN("%s: %s is not a string, ignored", path, key);
+            continue;
+        }
+        if ((st = td_tok_add_named_template(tok, key + sizeof prefix - 1, text))) goto fail;
+    }
 
     if ((st = td_tok_finish(tok, path))) goto fail;
     *tok_p = tok;

@@ -2,6 +2,7 @@
  * added tokens, normalizer, pre-tokenizer, post-processor, decoder) and
  * tokenizer_config.json (chat template, bos/eos, add_bos/add_eos). */
 #include <jansson.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "tokenizer-impl.h"
@@ -430,11 +431,15 @@ static td_status from_json(json_t *root, json_t *cfg, const char *path, td_token
         if (json_is_string(ct)) {
             tmpl = json_string_value(ct);
         } else if (json_is_array(ct)) {
-            /* named templates: take "default" */
+            /* named templates: "default" is the template, the others by name */
             json_t *e;
             json_array_foreach(ct, i, e) {
-                const char *name = jstr(e, "name");
-                if (name && strcmp(name, "default") == 0) tmpl = jstr(e, "template");
+                const char *name = jstr(e, "name"), *text = jstr(e, "template");
+                if (!name || !text) continue;
+                if (strcmp(name, "default") == 0)
+                    tmpl = text;
+                else if ((st = td_tok_add_named_template(tok, name, text)))
+                    goto fail;
             }
         }
         if (tmpl && !(tok->chat_template = strdup(tmpl))) {
@@ -473,7 +478,52 @@ td_status td_tokenizer_from_hf_dir(const char *dir, td_tokenizer **tok_p) {
         json_decref(root);
         return st;
     }
-    return from_json(root, cfg, path, tok_p);
+    td_tokenizer *tok = NULL;
+    st = from_json(root, cfg, path, &tok);
+    if (st) return st;
+    /* chat_template.jinja, where transformers saves the template since
+     * 4.43: it takes precedence over tokenizer_config.json's */
+    char jpath[4096];
+    if ((size_t)snprintf(jpath, sizeof(jpath), "%s/chat_template.jinja", dir) < sizeof(jpath)) {
+        FILE *f = fopen(jpath, "rb");
+        if (f) {
+            char *text = NULL;
+            size_t cap = 0, n = 0, r;
+            char buf[8192];
+            while ((r = fread(buf, 1, sizeof buf, f)) > 0) {
+                if (n + r + 1 > cap) {
+                    cap = 2 * (n + r + 1);
+                    char *nt = cap <= (16u << 20) ? realloc(text, cap) : NULL;
+                    if (!nt) {
+                        st = cap > (16u << 20) ? TD_ERR_FORMAT : TD_ERR_NOMEM;
+                        break;
+                    }
+                    text = nt;
+                }
+                memcpy(text + n, buf, r);
+                n += r;
+            }
+            if (!st && ferror(f)) st = TD_ERR_IO;
+            fclose(f);
+            if (!st) {
+                if (!text) text = strdup("");
+                if (!text)
+                    st = TD_ERR_NOMEM;
+                else
+                    text[n] = 0;
+            }
+            if (st) {
+                TD_LOG_ERROR("%s: cannot read the chat template (%s)", jpath, td_status_str(st));
+                free(text);
+                td_tokenizer_free(tok);
+                return st;
+            }
+            free(tok->chat_template);
+            tok->chat_template = text;
+        }
+    }
+    *tok_p = tok;
+    return TD_OK;
 }
 
 td_status td_tok_from_hf_json(const char *tok_json, size_t len, const char *cfg_json,

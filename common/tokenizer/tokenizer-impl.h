@@ -117,8 +117,15 @@ struct td_tokenizer {
     int32_t *eog;
     size_t n_eog;
 
-    char *chat_template;
+    char *chat_template; /* the default one */
+    /* named templates (GGUF tokenizer.chat_template.NAME, a list in
+     * tokenizer_config.json): (n_named) names and texts */
+    char **named_name, **named_text;
+    size_t n_named;
 };
+
+/* Adds a named chat template (copies both strings). */
+td_status td_tok_add_named_template(td_tokenizer *tok, const char *name, const char *text);
 
 /* ---- builder (loaders) ---- */
 td_tokenizer *td_tok_alloc(void);

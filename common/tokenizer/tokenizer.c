@@ -474,7 +474,37 @@ void td_tokenizer_free(td_tokenizer *tok) {
     free(tok->pretok);
     free(tok->eog);
     free(tok->chat_template);
+    for (size_t i = 0; i < tok->n_named; i++) {
+        free(tok->named_name[i]);
+        free(tok->named_text[i]);
+    }
+    free(tok->named_name);
+    free(tok->named_text);
     free(tok);
+}
+
+td_status td_tok_add_named_template(td_tokenizer *tok, const char *name, const char *text) {
+    char **nn = realloc(tok->named_name, (tok->n_named + 1) * sizeof *nn);
+    if (!nn) return TD_ERR_NOMEM;
+    tok->named_name = nn;
+    char **nt = realloc(tok->named_text, (tok->n_named + 1) * sizeof *nt);
+    if (!nt) return TD_ERR_NOMEM;
+    tok->named_text = nt;
+    char *a = strdup(name), *b = strdup(text);
+    if (!a || !b) {
+        free(a);
+        free(b);
+        return TD_ERR_NOMEM;
+    }
+    tok->named_name[tok->n_named] = a;
+    tok->named_text[tok->n_named++] = b;
+    return TD_OK;
+}
+
+const char *td_tokenizer_chat_template_named(const td_tokenizer *tok, const char *name) {
+    for (size_t i = 0; name && i < tok->n_named; i++)
+        if (strcmp(tok->named_name[i], name) == 0) return tok->named_text[i];
+    return NULL;
 }
 
 int32_t td_tokenizer_n_vocab(const td_tokenizer *tok) { return tok->n_vocab; }

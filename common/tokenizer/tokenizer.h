@@ -47,6 +47,10 @@ bool td_tokenizer_is_special(const td_tokenizer *tok, int32_t id);
 const char *td_tokenizer_token_text(const td_tokenizer *tok, int32_t id);
 /* Chat template text from the model, or NULL. Owned by tok. */
 const char *td_tokenizer_chat_template(const td_tokenizer *tok);
+/* A named chat template of the model ("tool_use", ...: GGUF
+ * tokenizer.chat_template.NAME, or the list form of tokenizer_config.json),
+ * or NULL. Owned by tok. */
+const char *td_tokenizer_chat_template_named(const td_tokenizer *tok, const char *name);
 /* Display name of the model family's tokenizer ("gpt2/smollm", "llama/spm", ...). */
 const char *td_tokenizer_kind(const td_tokenizer *tok);
 

@@ -9,6 +9,9 @@ continue_final_message reach real templates as transformers passes them."""
 import json
 import os
 import pathlib
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -167,3 +170,57 @@ def test_continue_final_message_as_transformers(serve, default_model):
     status, out = srv.post_json("/v1/chat/completions", {
         "messages": msgs, "continue_final_message": True, "max_tokens": 2, "temperature": 0})
     assert status == 200, out
+
+
+DEFAULT_T = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+             "{% if add_generation_prompt %}<assistant>{% endif %}")
+TOOL_T = ("TOOLS {{ tools | map(attribute='function') | map(attribute='name') | join(',') }} "
+          + DEFAULT_T)
+JINJA_FILE_T = "FROM chat_template.jinja " + DEFAULT_T
+
+
+def check_named(srv):
+    msgs = [{"role": "user", "content": "hi"}]
+    status, out = srv.post_json("/apply-template", {"messages": msgs})
+    assert status == 200, out
+    return out["prompt"], srv.post_json("/apply-template", {"messages": msgs, "tools": TOOLS})
+
+
+def test_named_templates_of_a_gguf_and_the_tool_use_choice(serve, test_models, tmp_path):
+    """tokenizer.chat_template.tool_use, written by gguf-py's own metadata
+    tool from a tokenizer_config.json list, serves requests with tools (as
+    transformers picks it); the default serves the others."""
+    cfg = tmp_path / "tokenizer_config.json"
+    cfg.write_text(json.dumps({"chat_template": [{"name": "default", "template": DEFAULT_T},
+                                                 {"name": "tool_use", "template": TOOL_T}]}))
+    out = tmp_path / "named.gguf"
+    p = subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata",
+                        str(test_models / "gguf/smollm2-f32.gguf"), str(out),
+                        "--chat-template-config", str(cfg), "--force"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    srv = serve(out)
+    plain, (status, with_tools) = check_named(srv)
+    assert plain == reference(DEFAULT_T, [{"role": "user", "content": "hi"}])
+    assert status == 200, with_tools
+    assert with_tools["prompt"] == chat_template_utils.render_jinja_template(
+        conversations=[[{"role": "user", "content": "hi"}]], tools=TOOLS, chat_template=TOOL_T,
+        add_generation_prompt=True)[0][0]
+    assert with_tools["prompt"].startswith("TOOLS get_weather ")
+
+
+def test_chat_template_jinja_and_list_form_of_an_hf_directory(serve, test_models, tmp_path):
+    """An HF directory: chat_template.jinja is the default template (it wins
+    over tokenizer_config.json's, as in transformers); the list form's
+    tool_use still serves requests with tools."""
+    d = tmp_path / "smollm2"
+    shutil.copytree(test_models / "hf/smollm2-f32", d)
+    cfgp = d / "tokenizer_config.json"
+    cfg = json.loads(cfgp.read_text())
+    cfg["chat_template"] = [{"name": "default", "template": DEFAULT_T},
+                            {"name": "tool_use", "template": TOOL_T}]
+    cfgp.write_text(json.dumps(cfg))
+    (d / "chat_template.jinja").write_text(JINJA_FILE_T)
+    srv = serve(d)
+    plain, (status, with_tools) = check_named(srv)
+    assert plain == reference(JINJA_FILE_T, [{"role": "user", "content": "hi"}])
+    assert status == 200 and with_tools["prompt"].startswith("TOOLS get_weather "), with_tools
