@@ -21,6 +21,7 @@
 
 typedef struct {
     const char *host, *model, *served_name, *chat_template;
+    bool trust_request_template;
     const char *token, *token_file;
     long port, grpc_port, max_ctx;
     char *prefill[MAX_LIST], *decode[MAX_LIST];
@@ -73,6 +74,7 @@ enum {
     O_MODEL,
     O_SERVED_NAME,
     O_CHAT_TEMPLATE,
+    O_TRUST_REQUEST_TEMPLATE,
     O_MAX_CTX,
     O_API_KEY,
     O_API_KEY_FILE,
@@ -125,6 +127,8 @@ static td_opt k_opts[O_N] = {
     [O_MODEL] = {"model", 0, "PATH", "the model's tokenizer and chat template (default model)"},
     [O_SERVED_NAME] = {"served-model-name", 0, "NAME",
                        "model name in the API (default: the model's own name)"},
+    [O_TRUST_REQUEST_TEMPLATE] = {"trust-request-chat-template", 0, NULL,
+                                  "accept a chat_template (Jinja text) in chat requests"},
     [O_CHAT_TEMPLATE] = {"chat-template", 0, "NAME|FILE",
                          "the chat template: chatml, smollm2, llama3, llama2, mistral,\n"
                          "zephyr, or a Jinja file (default: the model's own)"},
@@ -308,6 +312,7 @@ static bool set_opt(void *ctx, int i, const char *val, bool *printed) {
     case O_GRPC_PORT: return td_cli_parse_long(val, -1, 65535, &a->grpc_port);
     case O_MODEL: a->model = val; return true;
     case O_SERVED_NAME: a->served_name = val; return true;
+    case O_TRUST_REQUEST_TEMPLATE: a->trust_request_template = true; return true;
     case O_CHAT_TEMPLATE: /* a name, or a file: loaded with the tokenizer */
         a->chat_template = val;
         return *val != '\0';
@@ -430,6 +435,7 @@ int main(int argc, char **argv) {
     td_api_model mdl = {.tok = tok,
                         .chat = chat,
                         .chat_tools = chat_tools,
+                        .trust_request_template = a.trust_request_template,
                         .chat_error = chat ? NULL : chat_why,
                         .model_name = served,
                         .max_ctx = max_ctx};

@@ -469,6 +469,13 @@ td_status td_api_chat_parse(const json_t *root, td_api_chat *chat, td_api_error 
     if (st == TD_OK) st = parse_tools(field(root, "tools"), &chat->tools, err);
     if (st == TD_OK)
         st = parse_template_kwargs(field(root, "chat_template_kwargs"), &chat->kwargs, err);
+    json_t *t = field(root, "chat_template");
+    if (st == TD_OK && t) {
+        if (!json_is_string(t))
+            st = bad(err, "chat_template", "'chat_template' must be a string (Jinja text)");
+        else
+            st = dup_str(t, &chat->template_text, err);
+    }
     json_t *v = field(root, "add_generation_prompt");
     if (st == TD_OK && v) {
         if (!json_is_boolean(v))
@@ -497,6 +504,7 @@ void td_api_chat_free(td_api_chat *chat) {
     json_decref(chat->messages);
     json_decref(chat->tools);
     json_decref(chat->kwargs);
+    free(chat->template_text);
     memset(chat, 0, sizeof *chat);
 }
 
@@ -624,8 +632,8 @@ static const char *const common_fields[] = {
 };
 static const char *const completion_fields[] = {"prompt", "echo", "suffix", "best_of"};
 static const char *const chat_fields[] = {
-    "messages", "top_logprobs",        "add_generation_prompt", "continue_final_message",
-    "tools",    "chat_template_kwargs"};
+    "messages", "top_logprobs",         "add_generation_prompt", "continue_final_message",
+    "tools",    "chat_template_kwargs", "chat_template"};
 
 static bool in_list(const char *key, const char *const *list, size_t n) {
     for (size_t i = 0; i < n; i++)
@@ -995,13 +1003,38 @@ static bool alias_reasoning(json_t *msgs) {
 
 #define CONTINUE_TAG "CONTINUE_FINAL_MESSAGE_TAG "
 
+static td_status render_with(const td_api_model *mdl, const td_chat *tc, const td_api_chat *chat,
+                             char **text_p, td_api_error *err);
+
 td_status td_api_render_chat(const td_api_model *mdl, const td_api_chat *chat, char **text_p,
                              td_api_error *err) {
+    if (chat->template_text) { /* the request's own, compiled for it alone */
+        if (!mdl->trust_request_template)
+            return bad(err, "chat_template",
+                       "a chat_template in the request is refused: the server was not started "
+                       "with --trust-request-chat-template");
+        td_chat *own = NULL;
+        char cmsg[512];
+        td_status cs = td_chat_compile(chat->template_text, "the request's chat_template", &own,
+                                       cmsg, sizeof cmsg);
+        if (cs == TD_ERR_NOMEM) return oom(err);
+        if (cs != TD_OK) return bad(err, "chat_template", "%s", cmsg);
+        cs = render_with(mdl, own, chat, text_p, err);
+        td_chat_free(own);
+        return cs;
+    }
     if (!mdl->chat)
         return bad(err, "messages", "%s",
                    mdl->chat_error ? mdl->chat_error
                                    : "this model has no chat template; start the server with "
                                      "--chat-template NAME|FILE, or use /v1/completions");
+    return render_with(mdl, chat->tools && mdl->chat_tools ? mdl->chat_tools : mdl->chat, chat,
+                       text_p, err);
+}
+
+/* Renders chat with template tc (the model's or the request's own). */
+static td_status render_with(const td_api_model *mdl, const td_chat *tc, const td_api_chat *chat,
+                             char **text_p, td_api_error *err) {
     const char *bos = "", *eos = "";
     if (mdl->tok) {
         int32_t b = td_tokenizer_bos(mdl->tok), e = td_tokenizer_eos(mdl->tok);
@@ -1057,7 +1090,6 @@ td_status td_api_render_chat(const td_api_model *mdl, const td_api_chat *chat, c
     }
     char *text = NULL;
     char msg[512];
-    const td_chat *tc = chat->tools && mdl->chat_tools ? mdl->chat_tools : mdl->chat;
     td_status st = td_chat_render(tc, ctx, &text, msg, sizeof msg);
     json_decref(ctx);
     if (st == TD_ERR_NOMEM) {

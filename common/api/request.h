@@ -34,6 +34,7 @@ typedef struct {
     json_t *messages;            /* a list, never NULL once parsed */
     json_t *tools;               /* a list, or NULL: the template sees None */
     json_t *kwargs;              /* chat_template_kwargs (an object), or NULL */
+    char *template_text;         /* the request's own chat_template, or NULL */
     bool add_generation_prompt;  /* default true */
     bool continue_final_message; /* default false */
 } td_api_chat;
@@ -120,12 +121,14 @@ void td_api_request_free(td_api_request *req); /* accepts a zeroed or freed req 
 /* What the front ends need to turn a request into scheduler work. */
 typedef struct {
     const td_tokenizer *tok;
-    const td_chat *chat;       /* NULL: chat requests are 400 with chat_error */
-    const td_chat *chat_tools; /* the model's "tool_use" template, for requests with tools
-                                  (transformers' choice); NULL: chat serves them too */
-    const char *chat_error;    /* why there is no chat template (NULL: a generic reason) */
-    const char *model_name;    /* served model name; requests naming another are 404 */
-    int32_t max_ctx;           /* context length (prompt + output) */
+    const td_chat *chat;         /* NULL: chat requests are 400 with chat_error */
+    const td_chat *chat_tools;   /* the model's "tool_use" template, for requests with tools
+                                    (transformers' choice); NULL: chat serves them too */
+    const char *chat_error;      /* why there is no chat template (NULL: a generic reason) */
+    bool trust_request_template; /* a request's chat_template is accepted (vLLM's
+                                    --trust-request-chat-template); else a 400 */
+    const char *model_name;      /* served model name; requests naming another are 404 */
+    int32_t max_ctx;             /* context length (prompt + output) */
 } td_api_model;
 
 /* Checks the model name (NULL/absent is accepted), renders the chat

@@ -53,6 +53,7 @@ enum {
     S_METRICS_NEED_KEY,
     S_SERVED_NAME,
     S_CHAT_TEMPLATE,
+    S_TRUST_REQUEST_TEMPLATE,
     S_THREADS,
     S_CTX,
     S_KV_MEMORY,
@@ -90,6 +91,8 @@ static td_opt k_serve_opts[S_N] = {
     [S_METRICS_NEED_KEY] = {"metrics-need-key", 0, NULL, "put /metrics behind the API key too"},
     [S_SERVED_NAME] = {"served-model-name", 0, "NAME",
                        "model name in the API (default: the model's own name)"},
+    [S_TRUST_REQUEST_TEMPLATE] = {"trust-request-chat-template", 0, NULL,
+                                  "accept a chat_template (Jinja text) in chat requests"},
     [S_CHAT_TEMPLATE] = {"chat-template", 0, "NAME|FILE",
                          "the chat template: chatml, smollm2, llama3, llama2, mistral,\n"
                          "zephyr, or a Jinja file (default: the model's own)"},
@@ -198,6 +201,7 @@ typedef struct {
     bool metrics_need_key;
     const char *served_name;
     const char *chat_template;
+    bool trust_request_template;
     const char *isa;
     const char *device;
     long threads, ctx, kv_blocks, block_size, max_running, max_batch_tokens, max_waiting,
@@ -255,6 +259,7 @@ static bool set_serve_opt(void *ctx, int i, const char *val, bool *printed) {
         return true;
     case S_METRICS_NEED_KEY: a->metrics_need_key = true; return true;
     case S_SERVED_NAME: a->served_name = val; return *val != '\0';
+    case S_TRUST_REQUEST_TEMPLATE: a->trust_request_template = true; return true;
     case S_CHAT_TEMPLATE: /* a name, or a file: loaded with the model */
         a->chat_template = val;
         return *val != '\0';
@@ -515,6 +520,7 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
     td_api_model mdl = {.tok = rt->tok,
                         .chat = chat,
                         .chat_tools = chat_tools,
+                        .trust_request_template = a.trust_request_template,
                         .chat_error = chat ? NULL : chat_why,
                         .model_name = served,
                         .max_ctx = max_ctx};

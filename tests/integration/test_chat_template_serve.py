@@ -224,3 +224,22 @@ def test_chat_template_jinja_and_list_form_of_an_hf_directory(serve, test_models
     plain, (status, with_tools) = check_named(srv)
     assert plain == reference(JINJA_FILE_T, [{"role": "user", "content": "hi"}])
     assert status == 200 and with_tools["prompt"].startswith("TOOLS get_weather "), with_tools
+
+
+def test_a_request_chat_template_needs_the_trust_flag(serve, default_model):
+    own = "{% for m in messages %}OWN {{ m.content }}{% endfor %}"
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": own}
+    srv = serve(default_model)
+    status, out = srv.post_json("/apply-template", body)
+    assert status == 400 and out["error"]["param"] == "chat_template", out
+    assert "--trust-request-chat-template" in out["error"]["message"]
+    status, out = srv.post_json("/v1/chat/completions", dict(body, max_tokens=2))
+    assert status == 400 and out["error"]["param"] == "chat_template", out
+    trusting = serve(default_model, "--trust-request-chat-template")
+    status, out = trusting.post_json("/apply-template", body)
+    assert status == 200 and out["prompt"] == "OWN hi", out
+    status, out = trusting.post_json("/v1/chat/completions", dict(body, max_tokens=2))
+    assert status == 200, out
+    # one that does not compile is a 400 naming the line
+    status, out = trusting.post_json("/apply-template", dict(body, chat_template="{% if x %}"))
+    assert status == 400 and "line 1" in out["error"]["message"], out
