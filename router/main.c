@@ -20,7 +20,8 @@
 #define MAX_KEYS 64
 
 typedef struct {
-    const char *host, *model, *served_name, *chat_template;
+    const char *host, *model, *chat_template;
+    td_served_names served;
     bool trust_request_template;
     const char *token, *token_file;
     long port, grpc_port, max_ctx;
@@ -126,7 +127,9 @@ static td_opt k_opts[O_N] = {
     [O_GRPC_PORT] = {"grpc-port", 0, "N", "gRPC port (default 50051; 0: ephemeral; -1: none)"},
     [O_MODEL] = {"model", 0, "PATH", "the model's tokenizer and chat template (default model)"},
     [O_SERVED_NAME] = {"served-model-name", 0, "NAME",
-                       "model name in the API (default: the model's own name)"},
+                       "a name of the model in the API, repeatable: the first is\n"
+                       "the id listed, every one is accepted (default: the model\n"
+                       "file's name without .gguf; the model's own name accepted too)"},
     [O_TRUST_REQUEST_TEMPLATE] = {"trust-request-chat-template", 0, NULL,
                                   "accept a chat_template (Jinja text) in chat requests"},
     [O_CHAT_TEMPLATE] = {"chat-template", 0, "NAME|FILE",
@@ -311,7 +314,7 @@ static bool set_opt(void *ctx, int i, const char *val, bool *printed) {
     case O_PORT: return td_cli_parse_long(val, 0, 65535, &a->port);
     case O_GRPC_PORT: return td_cli_parse_long(val, -1, 65535, &a->grpc_port);
     case O_MODEL: a->model = val; return true;
-    case O_SERVED_NAME: a->served_name = val; return true;
+    case O_SERVED_NAME: return td_served_names_add(&a->served, val);
     case O_TRUST_REQUEST_TEMPLATE: a->trust_request_template = true; return true;
     case O_CHAT_TEMPLATE: /* a name, or a file: loaded with the tokenizer */
         a->chat_template = val;
@@ -399,7 +402,7 @@ int main(int argc, char **argv) {
         goto done;
     }
     const td_model_config *cfg = &mc;
-    const char *served = a.served_name ? a.served_name : cfg->name;
+    const char *served = td_served_names_resolve(&a.served, path, cfg->name);
     int32_t max_ctx = (int32_t)a.max_ctx;
     if (max_ctx <= 0)
         max_ctx = cfg->n_ctx_train > 0 && cfg->n_ctx_train < 4096 ? cfg->n_ctx_train : 4096;
@@ -438,6 +441,8 @@ int main(int argc, char **argv) {
                         .trust_request_template = a.trust_request_template,
                         .chat_error = chat ? NULL : chat_why,
                         .model_name = served,
+                        .aliases = a.served.aliases,
+                        .n_aliases = a.served.n_aliases,
                         .max_ctx = max_ctx};
     td_http_params hp = td_http_default_params();
     hp.host = a.host;

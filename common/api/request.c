@@ -969,6 +969,8 @@ void td_api_request_free(td_api_request *req) {
 
 td_status td_api_check_model(const td_api_model *mdl, const char *model, td_api_error *err) {
     if (!model || !mdl->model_name || strcmp(model, mdl->model_name) == 0) return TD_OK;
+    for (int i = 0; i < mdl->n_aliases; i++)
+        if (strcmp(model, mdl->aliases[i]) == 0) return TD_OK;
     td_api_error_set(err, 404, "not_found_error", "model_not_found", "model",
                      "The model '%.200s' does not exist.", model);
     return TD_ERR_NOT_FOUND;

@@ -128,7 +128,10 @@ typedef struct {
     bool trust_request_template; /* a request's chat_template is accepted (vLLM's
                                     --trust-request-chat-template); else a 400 */
     const char *model_name;      /* served model name; requests naming another are 404 */
-    int32_t max_ctx;             /* context length (prompt + output) */
+    const char *const *aliases;  /* (n_aliases) other names requests may use; they must
+                                    outlive the server */
+    int n_aliases;
+    int32_t max_ctx; /* context length (prompt + output) */
 } td_api_model;
 
 /* Checks the model name (NULL/absent is accepted), renders the chat

@@ -23,6 +23,39 @@ bool td_process_init(const char *prog) {
     return true;
 }
 
+const char *td_model_stem(const char *path, char *buf, size_t cap) {
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/') n--; /* a directory given as dir/ */
+    size_t b = n;
+    while (b > 0 && path[b - 1] != '/') b--;
+    size_t len = n - b;
+    if (len > 5 && strncmp(path + n - 5, ".gguf", 5) == 0) len -= 5;
+    if (len >= cap) len = cap - 1;
+    memcpy(buf, path + b, len);
+    buf[len] = 0;
+    return buf;
+}
+
+bool td_served_names_add(td_served_names *s, const char *name) {
+    if (!name || !*name || s->n >= TD_MAX_SERVED_NAMES) return false;
+    s->names[s->n++] = name;
+    return true;
+}
+
+const char *td_served_names_resolve(td_served_names *s, const char *model_path,
+                                    const char *general_name) {
+    s->n_aliases = 0;
+    if (s->n) {
+        for (int i = 1; i < s->n; i++) s->aliases[s->n_aliases++] = s->names[i];
+        return s->names[0];
+    }
+    td_model_stem(model_path, s->stem, sizeof s->stem);
+    if (!s->stem[0]) snprintf(s->stem, sizeof s->stem, "model");
+    if (general_name && *general_name && strcmp(general_name, s->stem) != 0)
+        s->aliases[s->n_aliases++] = general_name; /* the id before the stem */
+    return s->stem;
+}
+
 const char *td_default_model_path(void) {
     static char buf[4096];
     const char *env = getenv("TANDEM_MODEL");

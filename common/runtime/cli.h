@@ -5,6 +5,7 @@
 #define TD_RUNTIME_CLI_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 
@@ -19,6 +20,29 @@ bool td_process_init(const char *prog);
  * $XDG_CACHE_HOME/tandem/models/..., else ~/.cache/tandem/models/....
  * Returns a static buffer. */
 const char *td_default_model_path(void);
+
+/* The id a model is served under by default: the file's name without its
+ * directory and .gguf extension (a directory: its name), e.g.
+ * "SmolLM2-135M-Instruct.Q4_1". Written to buf (cap bytes); returns buf. */
+const char *td_model_stem(const char *path, char *buf, size_t cap);
+
+/* The names a served model answers to: the --served-model-name values
+ * (repeatable: the first is the id /v1/models lists and responses carry),
+ * else the file's stem, with the model's own general.name as an alias. */
+#define TD_MAX_SERVED_NAMES 16
+typedef struct {
+    const char *names[TD_MAX_SERVED_NAMES]; /* as given on the command line */
+    int n;
+    char stem[256];
+    const char *aliases[TD_MAX_SERVED_NAMES + 1]; /* accepted besides the id */
+    int n_aliases;
+} td_served_names;
+
+/* Adds one --served-model-name value; false when empty or too many. */
+bool td_served_names_add(td_served_names *s, const char *name);
+/* The id to serve under, with s->aliases filled. general_name may be NULL. */
+const char *td_served_names_resolve(td_served_names *s, const char *model_path,
+                                    const char *general_name);
 /* The --model option's help line, naming that default (a static buffer). */
 const char *td_cli_model_help(void);
 

@@ -90,7 +90,9 @@ static td_opt k_serve_opts[S_N] = {
                         "keeps the keys off the command line)"},
     [S_METRICS_NEED_KEY] = {"metrics-need-key", 0, NULL, "put /metrics behind the API key too"},
     [S_SERVED_NAME] = {"served-model-name", 0, "NAME",
-                       "model name in the API (default: the model's own name)"},
+                       "a name of the model in the API, repeatable: the first is\n"
+                       "the id listed, every one is accepted (default: the model\n"
+                       "file's name without .gguf; the model's own name accepted too)"},
     [S_TRUST_REQUEST_TEMPLATE] = {"trust-request-chat-template", 0, NULL,
                                   "accept a chat_template (Jinja text) in chat requests"},
     [S_CHAT_TEMPLATE] = {"chat-template", 0, "NAME|FILE",
@@ -199,7 +201,7 @@ typedef struct {
     const char *key_file;
     char *key_file_buf; /* the keys of key_file point into it */
     bool metrics_need_key;
-    const char *served_name;
+    td_served_names served;
     const char *chat_template;
     bool trust_request_template;
     const char *isa;
@@ -258,7 +260,7 @@ static bool set_serve_opt(void *ctx, int i, const char *val, bool *printed) {
         a->key_file = val;
         return true;
     case S_METRICS_NEED_KEY: a->metrics_need_key = true; return true;
-    case S_SERVED_NAME: a->served_name = val; return *val != '\0';
+    case S_SERVED_NAME: return td_served_names_add(&a->served, val);
     case S_TRUST_REQUEST_TEMPLATE: a->trust_request_template = true; return true;
     case S_CHAT_TEMPLATE: /* a name, or a file: loaded with the model */
         a->chat_template = val;
@@ -451,8 +453,7 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
     td_grpc_server *grpc = NULL;
     td_xfer *xfer = NULL;
     const char *model_path = a.model ? a.model : td_default_model_path();
-    const char *served = a.served_name ? a.served_name : rt->cfg->name;
-    if (!served[0]) served = "model";
+    const char *served = td_served_names_resolve(&a.served, model_path, rt->cfg->name);
 
     const td_kv_params *kp = td_kv_pool_params(rt->kv);
     int64_t pool_tokens = (int64_t)kp->n_blocks * kp->block_size;
@@ -523,6 +524,8 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
                         .trust_request_template = a.trust_request_template,
                         .chat_error = chat ? NULL : chat_why,
                         .model_name = served,
+                        .aliases = a.served.aliases,
+                        .n_aliases = a.served.n_aliases,
                         .max_ctx = max_ctx};
     td_http_params hp = td_http_default_params();
     hp.host = a.host;

@@ -243,3 +243,17 @@ def test_a_request_chat_template_needs_the_trust_flag(serve, default_model):
     # one that does not compile is a 400 naming the line
     status, out = trusting.post_json("/apply-template", dict(body, chat_template="{% if x %}"))
     assert status == 400 and "line 1" in out["error"]["message"], out
+
+
+def test_several_served_model_names(serve, default_model):
+    """vLLM's --served-model-name with several names: the first is the id
+    /v1/models lists and responses carry; every one is accepted."""
+    srv = serve(default_model, "--served-model-name", "first", "--served-model-name", "second")
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x")
+    assert [m.id for m in client.models.list().data] == ["first"]
+    for name in ("first", "second"):
+        r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=1, temperature=0)
+        assert r.model == "first"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="Hi", max_tokens=1)

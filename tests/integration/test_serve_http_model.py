@@ -46,10 +46,16 @@ def generate_ref(tandem_bin, default_model, *args):
     return r.stdout[:-1]
 
 
-def test_models_lists_the_gguf_name(client, gguf_name):
+def test_models_lists_the_file_stem_and_accepts_the_gguf_name(client, default_model, gguf_name):
     ids = [m.id for m in client.models.list().data]
-    # --served-model-name defaults to the model's own name (general.name).
-    assert ids == [gguf_name]
+    # --served-model-name defaults to the file's name without .gguf; the
+    # model's own name (general.name), the id before, is still accepted.
+    assert ids == [default_model.name.removesuffix(".gguf")] == ["SmolLM2-135M-Instruct.Q4_1"]
+    for name in (ids[0], gguf_name):
+        r = client.completions.create(model=name, prompt="Hi", max_tokens=1, temperature=0)
+        assert r.model == ids[0]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="Hi", max_tokens=1)
 
 
 def test_chat_capital_of_france(client, tandem_bin, default_model):
