@@ -3513,8 +3513,8 @@ struct td_tmpl {
 };
 
 td_tmpl_limits td_tmpl_default_limits(void) {
-    return (td_tmpl_limits){.max_output = 4u << 20,
-                            .max_memory = 64u << 20,
+    return (td_tmpl_limits){.max_output = 16u << 20,
+                            .max_memory = 256u << 20,
                             .max_steps = 10000000,
                             .max_iters = 1000000,
                             .max_depth = 64,

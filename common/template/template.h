@@ -33,8 +33,8 @@ extern "C" {
 typedef struct td_tmpl td_tmpl;
 
 typedef struct {
-    size_t max_output;  /* bytes of rendered text (default 4 MiB) */
-    size_t max_memory;  /* bytes the evaluation may allocate (default 64 MiB) */
+    size_t max_output;  /* bytes of rendered text (default 16 MiB) */
+    size_t max_memory;  /* bytes the evaluation may allocate (default 256 MiB) */
     uint64_t max_steps; /* expression and statement evaluations (default 10^7) */
     uint64_t max_iters; /* loop iterations over the whole render (default 10^6) */
     int max_depth;      /* nested macro calls and expression depth (default 64) */

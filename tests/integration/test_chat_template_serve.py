@@ -12,9 +12,11 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
+from conftest import scaled
 from serve_util import serve  # noqa: F401  (the fixture)
 
 openai = pytest.importorskip("openai")
@@ -257,3 +259,37 @@ def test_several_served_model_names(serve, default_model):
         assert r.model == "first"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="Hi", max_tokens=1)
+
+
+@pytest.mark.parametrize("template,needle", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "iterations"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "nested deeper"),
+    ("{{ 'x' * 100000000 }}", "output limit"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+     "{% endfor %}{{ ns.s }}", "limit"),
+])
+def test_hostile_request_templates_are_400s_within_the_bound(serve, default_model, template, needle):
+    """A request's template that loops, recurses or builds a 100 MB string
+    stops at a limit: a 400 naming it, quickly; the server serves on and
+    holds no KV afterwards."""
+    srv = serve(default_model, "--trust-request-chat-template")
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": template,
+            "max_tokens": 2}
+    t0 = time.monotonic()
+    status, out = srv.post_json("/v1/chat/completions", body, timeout=scaled(60))
+    assert status == 400 and needle in out["error"]["message"], out
+    assert time.monotonic() - t0 < scaled(20)
+    status, out = srv.post_json("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0})
+    assert status == 200, out
+    srv.wait_idle()
+
+
+def test_a_context_nested_too_deep_is_a_400(serve, default_model):
+    srv = serve(default_model)
+    deep = {}
+    for _ in range(100):
+        deep = {"d": deep}
+    status, out = srv.post_json("/apply-template", {
+        "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": deep}})
+    assert status == 400 and "deeper" in out["error"]["message"], out
