@@ -17,7 +17,7 @@ import time
 import pytest
 
 from conftest import scaled
-from serve_util import serve  # noqa: F401  (the fixture)
+from serve_util import Cluster, serve  # noqa: F401  (serve: the fixture)
 
 openai = pytest.importorskip("openai")
 chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
@@ -293,3 +293,29 @@ def test_a_context_nested_too_deep_is_a_400(serve, default_model):
     status, out = srv.post_json("/apply-template", {
         "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": deep}})
     assert status == 400 and "deeper" in out["error"]["message"], out
+
+
+def test_template_flags_on_a_router_over_1p_1d(tandem_bin, default_model, tmp_path):
+    """--chat-template FILE, --trust-request-chat-template and several
+    --served-model-name on tandem-router over one tandem-prefill and one
+    tandem-decode: the router renders and tokenizes, the official client
+    sees the names, and the rendered prompt is the one /tokenize counts."""
+    f = tmp_path / "custom.jinja"
+    f.write_text(CUSTOM)
+    c = Cluster(tandem_bin, tmp_path / "cluster", default_model, n_prefill=1, n_decode=1,
+                r_args=["--chat-template", str(f), "--trust-request-chat-template",
+                        "--served-model-name", "a", "--served-model-name", "b"])
+    try:
+        r = c.router
+        want = tokens_of(r, {"prompt": reference(CUSTOM, MESSAGES), "add_special_tokens": False})
+        assert tokens_of(r, {"messages": MESSAGES}) == want
+        client = openai.OpenAI(base_url=r.base_url + "/v1", api_key="x")
+        assert [m.id for m in client.models.list().data] == ["a"]
+        out = client.chat.completions.create(model="b", messages=MESSAGES, max_tokens=4,
+                                             temperature=0)
+        assert out.model == "a" and out.usage.prompt_tokens == len(want)
+        status, o = r.post_json("/apply-template", {"messages": MESSAGES[1:],
+                                                    "chat_template": "{{ messages[0].content }}"})
+        assert status == 200 and o["prompt"] == MESSAGES[1]["content"], o
+    finally:
+        c.close()
