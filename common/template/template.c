@@ -2096,7 +2096,7 @@ static _Noreturn void op_fail(ev *e, const char *op, val a, val b) {
 }
 
 static val repeat(ev *e, val seq, int64_t k) {
-    if (k < 0) k = 0;
+    if (k < 0 || (seq.t == V_STR ? seq.s->len == 0 : seq.l->n == 0)) k = 0;
     if (seq.t == V_STR) {
         if (seq.s->len && (uint64_t)k > e->lim->max_output / seq.s->len)
             failf(&e->f, "a repeated string exceeds the output limit");
@@ -2290,54 +2290,49 @@ static val str_strip(ev *e, const str_ *s, const str_ *chars, bool left, bool ri
 static val str_split(ev *e, const str_ *s, val sepv, int64_t maxsplit, bool from_right) {
     list_ *l = new_list(e, 8);
     if (sepv.t == V_NONE || sepv.t == V_UNDEF) { /* runs of whitespace */
-        size_t i = 0;
-        int64_t done = 0;
-        /* collect all words, then merge for maxsplit */
-        size_t starts[4096], ends[4096];
-        size_t nw = 0;
-        list_ *words = new_list(e, 8);
-        while (i < s->len) {
+        /* the words' byte ranges, then maxsplit from the left or the right */
+        size_t cap = 16, nw = 0;
+        size_t *st = arena_alloc(&e->a, &e->f, 2 * cap * sizeof *st);
+        for (size_t i = 0; i < s->len;) {
             size_t j = i;
-            uint32_t c = u8_next(s->s, s->len, &j);
-            if (py_space(c)) {
+            if (py_space(u8_next(s->s, s->len, &j))) {
                 i = j;
                 continue;
             }
-            const size_t st = i;
+            const size_t w0 = i;
             while (i < s->len) {
                 j = i;
-                c = u8_next(s->s, s->len, &j);
-                if (py_space(c)) break;
+                if (py_space(u8_next(s->s, s->len, &j))) break;
                 i = j;
             }
-            if (nw < 4096) {
-                starts[nw] = st;
-                ends[nw] = i;
-                nw++;
-            } else {
-                failf(&e->f, "split: more than 4096 words");
+            if (nw == cap) {
+                size_t *n2 = arena_alloc(&e->a, &e->f, 4 * cap * sizeof *n2);
+                memcpy(n2, st, 2 * cap * sizeof *n2);
+                st = n2;
+                cap *= 2;
             }
+            st[2 * nw] = w0;
+            st[2 * nw + 1] = i;
+            nw++;
         }
-        (void)words;
         if (maxsplit < 0 || (size_t)maxsplit >= nw) {
             for (size_t w = 0; w < nw; w++)
-                list_push(e, l, mk_str(e, s->s + starts[w], ends[w] - starts[w]));
+                list_push(e, l, mk_str(e, s->s + st[2 * w], st[2 * w + 1] - st[2 * w]));
             return mk_list(l);
         }
         if (!from_right) {
-            for (size_t w = 0; w < (size_t)maxsplit; w++, done++)
-                list_push(e, l, mk_str(e, s->s + starts[w], ends[w] - starts[w]));
-            /* the rest from the next word's start, trailing whitespace stripped */
-            size_t st = starts[maxsplit], en = s->len;
-            while (en > st && is_ws(s->s[en - 1])) en--;
-            list_push(e, l, mk_str(e, s->s + st, en - st));
+            for (size_t w = 0; w < (size_t)maxsplit; w++)
+                list_push(e, l, mk_str(e, s->s + st[2 * w], st[2 * w + 1] - st[2 * w]));
+            /* the rest from the next word on, as it is (Python keeps its
+             * trailing whitespace) */
+            const size_t b = st[2 * maxsplit];
+            list_push(e, l, mk_str(e, s->s + b, s->len - b));
         } else {
+            /* the head up to its last word, leading whitespace kept */
             const size_t first = nw - (size_t)maxsplit;
-            size_t st = 0;
-            while (st < ends[first - 1] && is_ws(s->s[st])) st++;
-            list_push(e, l, mk_str(e, s->s + st, ends[first - 1] - st));
+            list_push(e, l, mk_str(e, s->s, st[2 * (first - 1) + 1]));
             for (size_t w = first; w < nw; w++)
-                list_push(e, l, mk_str(e, s->s + starts[w], ends[w] - starts[w]));
+                list_push(e, l, mk_str(e, s->s + st[2 * w], st[2 * w + 1] - st[2 * w]));
         }
         return mk_list(l);
     }
@@ -2808,6 +2803,7 @@ static val to_int(ev *e, val v, val def) {
     case V_BOOL: return mk_int(v.b);
     case V_FLOAT:
         if (!isfinite(v.f)) return def;
+        if (fabs(v.f) >= 9.2e18) failf(&e->f, "int(): %g does not fit 64 bits", v.f);
         return mk_int((int64_t)v.f);
     case V_STR: {
         char *t = arena_alloc(&e->a, &e->f, v.s->len + 1);
@@ -2820,7 +2816,10 @@ static val to_int(ev *e, val v, val def) {
         if (!errno && end != t && !*end) return mk_int(i);
         const double d = strtod(t, &end);
         while (*end && isspace((unsigned char)*end)) end++;
-        if (end != t && !*end && isfinite(d)) return mk_int((int64_t)d);
+        if (end != t && !*end && isfinite(d)) {
+            if (fabs(d) >= 9.2e18) failf(&e->f, "int(): %g does not fit 64 bits", d);
+            return mk_int((int64_t)d);
+        }
         return def;
     }
     default: return def;

@@ -208,6 +208,14 @@ INLINE = [
     ("{{ strftime_now('%Y-%m-%d %H') }}", {}),
     ("{% for a in [1, 2, 3] %}{% if a == 2 %}{% continue %}{% endif %}{{ a }}{% if a == 3 %}{% break %}{% endif %}{% endfor %}", {}),
     ("{{ '<b>'|safe + '<i>' }} {{ '<x>' | e }}", {}),
+    ("{{ '' * 1000000000000000000 }}|{{ [] * 1000000000000000000 }}|{{ ' a b c '.split(None, 1) }}"
+     "|{{ ' a b c '.rsplit(None, 1) }}|{{ 'a,b,c'.rsplit(',', 1) }}|{{ ('w ' * 5000).split() | length }}",
+     {}),
+    ("{{ '{}-{}'.format(1, 'a') }} {{ '{0}{0}'.format('x') }} {{ '{k}'.format(k=none) }}", {}),
+    ("{{ messages | selectattr('role', 'equalto', 'user') | list | length }}"
+     "{% if messages | selectattr('role', 'equalto', 'tool') %}gen-true{% endif %}"
+     "{{ (messages | map(attribute='role') | list)[-1] }}{{ d.items() }}{{ d.keys() | list }}",
+     {"messages": [{"role": "user"}, {"role": "assistant"}], "d": {"a": 1}}),
 ]
 
 
