@@ -319,3 +319,31 @@ def test_template_flags_on_a_router_over_1p_1d(tandem_bin, default_model, tmp_pa
         assert status == 200 and o["prompt"] == MESSAGES[1]["content"], o
     finally:
         c.close()
+
+
+def test_a_model_without_a_template(serve, tandem, test_models, tmp_path):
+    """No tokenizer.chat_template: chat is a 400 saying to start with
+    --chat-template (as vLLM); completions still work; --chat-template
+    FILE makes chat work, on serve and on `tandem generate`."""
+    bare = tmp_path / "bare.gguf"
+    p = subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata",
+                        str(test_models / "gguf/smollm2-f32.gguf"), str(bare),
+                        "--remove-metadata", "tokenizer.chat_template", "--force"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    srv = serve(bare)
+    status, out = srv.post_json("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
+    assert status == 400 and "--chat-template" in out["error"]["message"], out
+    status, out = srv.post_json("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert status == 200, out
+    f = tmp_path / "custom.jinja"
+    f.write_text(CUSTOM)
+    srv2 = serve(bare, "--chat-template", str(f))
+    status, out = srv2.post_json("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
+    assert status == 200, out
+    r = tandem("generate", "--model", str(bare), "--chat", "Hi", "--max-tokens", "2",
+               timeout=60, check=False)
+    assert r.returncode != 0 and "--chat-template" in r.stderr, r.stderr
+    r = tandem("generate", "--model", str(bare), "--chat", "Hi", "--max-tokens", "2",
+               "--chat-template", str(f), timeout=60)
+    assert r.returncode == 0
