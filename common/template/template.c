@@ -1208,6 +1208,9 @@ static node *parse_postfix(parser *P, node *n) {
                 nv_push(P, &args, parse_subscribed(P));
             }
             expect_op(P, "]");
+            for (int i = 0; args.n > 1 && i < args.n; i++)
+                if (args.v[i]->k == N_SLICE)
+                    pfail(P, "a slice inside a tuple subscript is not supported");
             node *g = mk_node(P, N_ITEM, line);
             g->a = n;
             if (args.n == 1) {

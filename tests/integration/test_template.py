@@ -211,6 +211,7 @@ INLINE = [
     ("{{ '' * 1000000000000000000 }}|{{ [] * 1000000000000000000 }}|{{ ' a b c '.split(None, 1) }}"
      "|{{ ' a b c '.rsplit(None, 1) }}|{{ 'a,b,c'.rsplit(',', 1) }}|{{ ('w ' * 5000).split() | length }}",
      {}),
+    ("{{ 'abc'[1:, 2] }}", {}),  # a slice in a tuple subscript (a fuzzer finding)
     ("{{ '{}-{}'.format(1, 'a') }} {{ '{0}{0}'.format('x') }} {{ '{k}'.format(k=none) }}", {}),
     ("{{ messages | selectattr('role', 'equalto', 'user') | list | length }}"
      "{% if messages | selectattr('role', 'equalto', 'tool') %}gen-true{% endif %}"
