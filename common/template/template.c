@@ -1208,9 +1208,15 @@ static node *parse_postfix(parser *P, node *n) {
                 nv_push(P, &args, parse_subscribed(P));
             }
             expect_op(P, "]");
+            /* a slice inside a tuple subscript indexes nothing a template
+             * holds: jinja2 answers Undefined (its getitem swallows the
+             * TypeError), so the slice stands for a value no key equals */
             for (int i = 0; args.n > 1 && i < args.n; i++)
-                if (args.v[i]->k == N_SLICE)
-                    pfail(P, "a slice inside a tuple subscript is not supported");
+                if (args.v[i]->k == N_SLICE) {
+                    node *u = mk_node(P, N_CONST, args.v[i]->line);
+                    u->cv = mk_undef(NULL);
+                    args.v[i] = u;
+                }
             node *g = mk_node(P, N_ITEM, line);
             g->a = n;
             if (args.n == 1) {
