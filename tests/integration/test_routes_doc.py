@@ -12,11 +12,11 @@ SRC = pathlib.Path(os.environ.get("TANDEM_SOURCE_DIR", pathlib.Path(__file__).pa
 # {"/path", R_NAME, post} in the routes[] initialiser
 ROUTE = re.compile(r'\{\s*"(/[^"]*)"\s*,\s*R_[A-Z_]+\s*,\s*(true|false)\s*\}')
 # a path of ours in a doc: /v1/..., /internal/..., /health, /ready, /metrics,
-# /tokenize, /detokenize (also in a URL, after its port), optionally after an
-# HTTP method
+# /tokenize, /detokenize, /apply-template (also in a URL, after its port),
+# optionally after an HTTP method
 NAMED = re.compile(r"(?:\b(GET|POST|HEAD|PUT|DELETE|PATCH)\s+)?"
                    r"(?<![A-Za-z_./-])(/(?:v1|internal)(?:/[a-z0-9_][a-z0-9_.-]*)+|/health|/ready|/metrics"
-                   r"|/tokenize|/detokenize)(?![\w/-])")
+                   r"|/tokenize|/detokenize|/apply-template)(?![\w/-])")
 
 
 def routes(http_c):
