@@ -47,9 +47,25 @@ static void check_ok(const td_api_request *r, const td_api_limits *lim) {
                 if (r->prompt_ids[i][k] < 0 || r->prompt_ids[i][k] >= VOCAB) abort();
         }
     } else {
-        if (r->n_messages < 1 || !r->messages) abort();
-        for (int32_t i = 0; i < r->n_messages; i++)
-            if (!r->messages[i].role || !r->messages[i].content) abort();
+        /* the normalised messages: objects with a string role and content;
+         * each tool call's arguments an object */
+        if (!json_is_array(r->chat.messages) || json_array_size(r->chat.messages) < 1) abort();
+        size_t i;
+        json_t *m;
+        json_array_foreach(r->chat.messages, i, m) {
+            if (!json_is_string(json_object_get(m, "role")) ||
+                !json_is_string(json_object_get(m, "content")))
+                abort();
+            json_t *calls = json_object_get(m, "tool_calls"), *c;
+            size_t k;
+            if (calls && !json_is_null(calls)) json_array_foreach(calls, k, c) {
+                    if (!json_is_object(
+                            json_object_get(json_object_get(c, "function"), "arguments")))
+                        abort();
+                }
+        }
+        if (r->chat.tools && !json_is_array(r->chat.tools)) abort();
+        if (r->chat.kwargs && !json_is_object(r->chat.kwargs)) abort();
     }
 }
 
