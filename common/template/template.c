@@ -682,8 +682,7 @@ static void lex_string(lexer *L) {
             u8_put(e, &b, cp);
         }
     }
-    token *t = tok_push(L, K_STR, b.n ? b.p : "", b.n);
-    (void)t;
+    tok_push(L, K_STR, b.n ? b.p : "", b.n);
     lex_advance(L, i + 1);
 }
 
@@ -2531,8 +2530,7 @@ static val call_method(ev *e, const func_ *fn, const args_t *a) {
             return mk_list(l);
         }
         if (!strncmp(m, "is", 2)) {
-            if (!s->len)
-                return mk_bool(!strcmp(m, "isupper") || !strcmp(m, "islower") ? false : false);
+            if (!s->len) return mk_bool(false); /* every is...() of "" is False */
             bool any_cased = false, ok = true;
             for (size_t i = 0; i < s->len; i++) {
                 const unsigned char c = (unsigned char)s->s[i];
