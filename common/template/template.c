@@ -1521,6 +1521,22 @@ static node *parse_target(parser *P, bool with_namespace, const char *extra_end)
     pfail(P, "can't assign to this expression");
 }
 
+/* Consumes the tag {% name %} parse_body stopped at. */
+static void end_tag(parser *P) {
+    advance(P); /* {% */
+    advance(P); /* its name */
+    expect_end(P);
+}
+
+/* The statements up to {% end %} into n's body; that tag consumed. */
+static void parse_block(parser *P, node *n, const char *end) {
+    const char *const ends[] = {end};
+    const node *body = parse_body(P, ends, 1);
+    n->v = body->v;
+    n->nv = body->nv;
+    end_tag(P);
+}
+
 static node *parse_stmt(parser *P) {
     const int line = cur(P)->line;
     advance(P); /* {% */
@@ -1543,15 +1559,12 @@ static node *parse_stmt(parser *P) {
         node *body = parse_body(P, ends, 2);
         n->v = body->v;
         n->nv = body->nv;
-        if (is_name(peek_at(P, 1), "else")) {
-            advance(P);
-            advance(P);
-            expect_end(P);
-            n->d = parse_body(P, ends, 1);
+        const bool has_else = is_name(peek_at(P, 1), "else");
+        end_tag(P);
+        if (has_else) {
+            n->d = mk_node(P, N_BODY, cur(P)->line);
+            parse_block(P, n->d, "endfor");
         }
-        advance(P);
-        advance(P);
-        expect_end(P);
         return n;
     }
     if (is_name(t, "if")) {
@@ -1575,9 +1588,9 @@ static node *parse_stmt(parser *P) {
             if (is_name(cur(P), "else")) {
                 advance(P);
                 expect_end(P);
-                static const char *const endif[] = {"endif"};
-                n->c = parse_body(P, endif, 1);
-                advance(P);
+                n->c = mk_node(P, N_BODY, cur(P)->line);
+                parse_block(P, n->c, "endif");
+                return top;
             }
             advance(P); /* endif */
             expect_end(P);
@@ -1599,13 +1612,7 @@ static node *parse_stmt(parser *P) {
         n->a = target;
         if (is_op(cur(P), "|")) n->c = parse_filter(P, NULL, false);
         expect_end(P);
-        static const char *const ends[] = {"endset"};
-        node *body = parse_body(P, ends, 1);
-        n->v = body->v;
-        n->nv = body->nv;
-        advance(P);
-        advance(P);
-        expect_end(P);
+        parse_block(P, n, "endset");
         return n;
     }
     if (is_name(t, "macro")) {
@@ -1639,13 +1646,7 @@ static node *parse_stmt(parser *P) {
         n->kw = kw;
         n->kv = defs.v;
         expect_end(P);
-        static const char *const ends[] = {"endmacro"};
-        node *body = parse_body(P, ends, 1);
-        n->v = body->v;
-        n->nv = body->nv;
-        advance(P);
-        advance(P);
-        expect_end(P);
+        parse_block(P, n, "endmacro");
         return n;
     }
     if (is_name(t, "break") || is_name(t, "continue")) {
@@ -1659,23 +1660,14 @@ static node *parse_stmt(parser *P) {
         node *n = mk_node(P, N_FILTERBLOCK, line);
         n->c = parse_filter(P, NULL, true);
         expect_end(P);
-        static const char *const ends[] = {"endfilter"};
-        node *body = parse_body(P, ends, 1);
-        n->v = body->v;
-        n->nv = body->nv;
-        advance(P);
-        advance(P);
-        expect_end(P);
+        parse_block(P, n, "endfilter");
         return n;
     }
     if (is_name(t, "generation")) { /* transformers' AssistantTracker: renders its body */
         advance(P);
         expect_end(P);
-        static const char *const ends[] = {"endgeneration"};
-        node *body = parse_body(P, ends, 1);
-        advance(P);
-        advance(P);
-        expect_end(P);
+        node *body = mk_node(P, N_BODY, line);
+        parse_block(P, body, "endgeneration");
         return body;
     }
     pfail(P, "the {%% %.*s %%} statement is not supported", (int)t->n, t->s);
