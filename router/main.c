@@ -126,15 +126,10 @@ static td_opt k_opts[O_N] = {
     [O_PORT] = {"port", 0, "N", "HTTP port (default 8000; 0: ephemeral)"},
     [O_GRPC_PORT] = {"grpc-port", 0, "N", "gRPC port (default 50051; 0: ephemeral; -1: none)"},
     [O_MODEL] = {"model", 0, "PATH", "the model's tokenizer and chat template (default model)"},
-    [O_SERVED_NAME] = {"served-model-name", 0, "NAME",
-                       "a name of the model in the API, repeatable: the first is\n"
-                       "the id listed, every one is accepted (default: the model\n"
-                       "file's name without .gguf; the model's own name accepted too)"},
+    [O_SERVED_NAME] = {"served-model-name", 0, "NAME", TD_CLI_HELP_SERVED_NAME},
     [O_TRUST_REQUEST_TEMPLATE] = {"trust-request-chat-template", 0, NULL,
-                                  "accept a chat_template (Jinja text) in chat requests"},
-    [O_CHAT_TEMPLATE] = {"chat-template", 0, "NAME|FILE",
-                         "the chat template: chatml, smollm2, llama3, llama2, mistral,\n"
-                         "zephyr, or a Jinja file (default: the model's own)"},
+                                  TD_CLI_HELP_TRUST_TEMPLATE},
+    [O_CHAT_TEMPLATE] = {"chat-template", 0, "NAME|FILE", TD_CLI_HELP_CHAT_TEMPLATE},
     [O_MAX_CTX] = {"max-ctx", 0, "N",
                    "longest prompt + output accepted (default: the model's\n"
                    "training context, at most 4096)"},
@@ -408,20 +403,10 @@ int main(int argc, char **argv) {
         max_ctx = cfg->n_ctx_train > 0 && cfg->n_ctx_train < 4096 ? cfg->n_ctx_train : 4096;
     /* the router renders routed chat requests: a --chat-template that does
      * not load is fatal, a model without a usable one makes chat 400 */
-    if (td_chat_pick(a.chat_template, td_tokenizer_chat_template(tok), &chat, chat_why,
-                     sizeof chat_why) != TD_OK) {
-        chat = NULL;
-        if (a.chat_template) {
-            fprintf(stderr, "tandem-router: %s\n", chat_why);
-            goto done;
-        }
-        TD_LOG_WARN("%s: /v1/chat/completions will answer 400", chat_why);
-    }
-    {
-        char why[512];
-        if (td_chat_pick_tools(a.chat_template, td_tokenizer_chat_template_named(tok, "tool_use"),
-                               &chat_tools, why, sizeof why) != TD_OK)
-            TD_LOG_WARN("%s: requests with tools use the default template", why);
+    if (td_chat_pick_serving(a.chat_template, tok, &chat, &chat_tools, chat_why, sizeof chat_why) !=
+        TD_OK) {
+        fprintf(stderr, "tandem-router: %s\n", chat_why);
+        goto done;
     }
     if (td_metrics_create(served, &metrics) != TD_OK) goto done;
 

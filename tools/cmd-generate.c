@@ -53,9 +53,7 @@ static td_opt k_gen_opts[G_N] = {
                   "raw prompt (BOS added as the model says; special tokens parsed)"},
     [G_CHAT] = {"chat", 0, "TEXT", "user message, formatted with the model's chat template"},
     [G_SYSTEM] = {"system", 0, "TEXT", "system message for --chat"},
-    [G_CHAT_TEMPLATE] = {"chat-template", 0, "NAME|FILE",
-                         "the chat template: chatml, smollm2, llama3, llama2, mistral,\n"
-                         "zephyr, or a Jinja file (default: the model's own)"},
+    [G_CHAT_TEMPLATE] = {"chat-template", 0, "NAME|FILE", TD_CLI_HELP_CHAT_TEMPLATE},
     [G_MAX_TOKENS] = {"max-tokens", 'n', "N", "most tokens to generate (default 256)"},
     [G_TEMPERATURE] = {"temperature", 0, "T", "0 = greedy (default 0, so output is reproducible)"},
     [G_TEMP] = {"temp", 0, "T", NULL},

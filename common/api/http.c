@@ -876,12 +876,9 @@ static enum MHD_Result handle_tokenize(td_http_server *srv, struct MHD_Connectio
     bool add_special;
     td_status st;
     if (msgs && !json_is_null(msgs)) {
-        if (!opt_bool(root, "add_special_tokens", false, &add_special, &err)) goto error;
-        td_api_chat chat;
-        if (td_api_chat_parse(root, &chat, &err) != TD_OK) goto error;
-        st = td_api_render_chat(&srv->p.model, &chat, &text, &err);
-        td_api_chat_free(&chat);
-        if (st != TD_OK) goto error;
+        if (!opt_bool(root, "add_special_tokens", false, &add_special, &err) ||
+            td_api_render_chat_body(&srv->p.model, root, &text, &err) != TD_OK)
+            goto error;
     } else if (prompt && json_is_string(prompt)) {
         if (!opt_bool(root, "add_special_tokens", true, &add_special, &err)) goto error;
         text = strndup(json_string_value(prompt), json_string_length(prompt));
@@ -923,12 +920,9 @@ static enum MHD_Result handle_apply_template(td_http_server *srv, struct MHD_Con
     memset(&err, 0, sizeof(err));
     json_t *root = load_body(srv, cs, &err);
     char *text = NULL;
-    td_api_chat chat;
-    memset(&chat, 0, sizeof chat);
-    if (!root || !check_model_field(srv, root, &err)) goto error;
-    if (td_api_chat_parse(root, &chat, &err) != TD_OK) goto error;
-    if (td_api_render_chat(&srv->p.model, &chat, &text, &err) != TD_OK) goto error;
-    td_api_chat_free(&chat);
+    if (!root || !check_model_field(srv, root, &err) ||
+        td_api_render_chat_body(&srv->p.model, root, &text, &err) != TD_OK)
+        goto error;
     json_decref(root);
     json_t *out = json_object();
     if (!out || json_object_set_new(out, "prompt", json_string_nocheck(text)) != 0) {
@@ -940,7 +934,6 @@ static enum MHD_Result handle_apply_template(td_http_server *srv, struct MHD_Con
     free(text);
     return queue_json(c, MHD_HTTP_OK, out);
 error:
-    td_api_chat_free(&chat);
     free(text);
     json_decref(root);
     return send_error(srv, c, method, url, &err, NULL);

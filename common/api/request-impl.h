@@ -31,6 +31,11 @@ void td_api_chat_free(td_api_chat *chat);
 td_status td_api_render_chat(const td_api_model *mdl, const td_api_chat *chat, char **text_p,
                              td_api_error *err);
 
+/* td_api_chat_parse of a request body, then td_api_render_chat: the
+ * text a chat request with this body renders (/tokenize, /apply-template). */
+td_status td_api_render_chat_body(const td_api_model *mdl, const json_t *root, char **text_p,
+                                  td_api_error *err);
+
 /* Checks the model name against the served one: NULL is accepted, another
  * name is 404 model_not_found. */
 td_status td_api_check_model(const td_api_model *mdl, const char *model, td_api_error *err);

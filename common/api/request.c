@@ -326,6 +326,15 @@ static td_status message_content(const json_t *c, int32_t i, bool assistant, jso
     return *out ? TD_OK : oom(err);
 }
 
+/* x's "function" object when x is {"function": {"name": "...", ...}, ...}
+ * (a tool, or a tool call), else NULL. */
+static json_t *named_function(const json_t *x) {
+    json_t *fn = json_object_get(x, "function");
+    return json_is_object(x) && json_is_object(fn) && json_is_string(json_object_get(fn, "name"))
+               ? fn
+               : NULL;
+}
+
 /* An assistant's tool_calls as the template sees them: each function's
  * arguments an object, parsed from the JSON string the OpenAI API sends
  * (vLLM's rule; invalid JSON is a 400). */
@@ -336,9 +345,8 @@ static td_status message_tool_calls(json_t *calls, size_t i, td_api_error *err) 
     size_t k;
     json_t *c;
     json_array_foreach(calls, k, c) {
-        json_t *fn = json_object_get(c, "function");
-        if (!json_is_object(c) || !json_is_object(fn) ||
-            !json_is_string(json_object_get(fn, "name")))
+        json_t *fn = named_function(c);
+        if (!fn)
             return bad(err, "messages",
                        "messages[%zu].tool_calls[%zu] must be {\"type\": \"function\", "
                        "\"function\": {\"name\": ..., \"arguments\": ...}}",
@@ -427,9 +435,7 @@ static td_status parse_tools(const json_t *t, json_t **tools_p, td_api_error *er
     size_t k;
     json_t *x;
     json_array_foreach(t, k, x) {
-        json_t *fn = json_object_get(x, "function");
-        if (!json_is_object(x) || !json_is_object(fn) ||
-            !json_is_string(json_object_get(fn, "name")))
+        if (!named_function(x))
             return bad(err, "tools",
                        "tools[%zu] must be {\"type\": \"function\", \"function\": {\"name\": "
                        "...}}",
@@ -496,6 +502,16 @@ td_status td_api_chat_parse(const json_t *root, td_api_chat *chat, td_api_error 
                  "continue_final_message and add_generation_prompt cannot both be true");
     if (st == TD_OK && chat->continue_final_message) chat->add_generation_prompt = false;
     if (st != TD_OK) td_api_chat_free(chat);
+    return st;
+}
+
+td_status td_api_render_chat_body(const td_api_model *mdl, const json_t *root, char **text_p,
+                                  td_api_error *err) {
+    td_api_chat chat;
+    td_status st = td_api_chat_parse(root, &chat, err);
+    if (st != TD_OK) return st;
+    st = td_api_render_chat(mdl, &chat, text_p, err);
+    td_api_chat_free(&chat);
     return st;
 }
 
@@ -1077,14 +1093,7 @@ static td_status render_with(const td_api_model *mdl, const td_chat *tc, const t
     json_t *v;
     if (ok && chat->kwargs)
         json_object_foreach(chat->kwargs, key, v) ok = ok && json_object_set(ctx, key, v) == 0;
-    ok = ok &&
-         json_object_set_new(ctx, "tools", chat->tools ? json_incref(chat->tools) : json_null()) ==
-             0 &&
-         json_object_set_new(ctx, "documents", json_null()) == 0 &&
-         json_object_set_new(ctx, "add_generation_prompt",
-                             json_boolean(chat->add_generation_prompt)) == 0 &&
-         json_object_set_new(ctx, "bos_token", json_string_nocheck(bos)) == 0 &&
-         json_object_set_new(ctx, "eos_token", json_string_nocheck(eos)) == 0;
+    ok = ok && td_chat_context_set(ctx, chat->tools, chat->add_generation_prompt, bos, eos);
     if (!ok) {
         json_decref(ctx);
         json_decref(final_content);

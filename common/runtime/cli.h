@@ -38,6 +38,17 @@ typedef struct {
     int n_aliases;
 } td_served_names;
 
+/* --help texts of the naming and chat-template flags every binary with an
+ * OpenAI front end shares (serve, prefill, decode, router). */
+#define TD_CLI_HELP_SERVED_NAME                                                                    \
+    "a name of the model in the API, repeatable: the first is\n"                                   \
+    "the id listed, every one is accepted (default: the model\n"                                   \
+    "file's name without .gguf; the model's own name accepted too)"
+#define TD_CLI_HELP_TRUST_TEMPLATE "accept a chat_template (Jinja text) in chat requests"
+#define TD_CLI_HELP_CHAT_TEMPLATE                                                                  \
+    "the chat template: chatml, smollm2, llama3, llama2, mistral,\n"                               \
+    "zephyr, or a Jinja file (default: the model's own)"
+
 /* Adds one --served-model-name value; false when empty or too many. */
 bool td_served_names_add(td_served_names *s, const char *name);
 /* The id to serve under, with s->aliases filled. general_name may be NULL. */

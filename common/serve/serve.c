@@ -89,15 +89,10 @@ static td_opt k_serve_opts[S_N] = {
                         "the same, a key per line of the file (a mounted Secret:\n"
                         "keeps the keys off the command line)"},
     [S_METRICS_NEED_KEY] = {"metrics-need-key", 0, NULL, "put /metrics behind the API key too"},
-    [S_SERVED_NAME] = {"served-model-name", 0, "NAME",
-                       "a name of the model in the API, repeatable: the first is\n"
-                       "the id listed, every one is accepted (default: the model\n"
-                       "file's name without .gguf; the model's own name accepted too)"},
+    [S_SERVED_NAME] = {"served-model-name", 0, "NAME", TD_CLI_HELP_SERVED_NAME},
     [S_TRUST_REQUEST_TEMPLATE] = {"trust-request-chat-template", 0, NULL,
-                                  "accept a chat_template (Jinja text) in chat requests"},
-    [S_CHAT_TEMPLATE] = {"chat-template", 0, "NAME|FILE",
-                         "the chat template: chatml, smollm2, llama3, llama2, mistral,\n"
-                         "zephyr, or a Jinja file (default: the model's own)"},
+                                  TD_CLI_HELP_TRUST_TEMPLATE},
+    [S_CHAT_TEMPLATE] = {"chat-template", 0, "NAME|FILE", TD_CLI_HELP_CHAT_TEMPLATE},
     [S_THREADS] = {"threads", 't', "N", "compute threads (default: every core)"},
     [S_CTX] = {"ctx", 0, "N", "context length per sequence (default: min(trained, 4096))"},
     [S_KV_MEMORY] = {"kv-memory", 0, "BYTES", "KV pool size, e.g. 512M, 2G (default 1G)"},
@@ -353,23 +348,6 @@ static td_kv_hash compat_hash(const td_runtime *rt, const char *model_path) {
     return td_kv_compat_hash(&c);
 }
 
-/* The chat template (td_chat_pick). A --chat-template that does not load
- * is fatal; a model without a usable template of its own only makes chat
- * requests 400 with the reason, kept in why (the log says it at start). */
-static bool pick_chat(const serve_args *a, const td_tokenizer *tok, td_chat **chat_p, char *why,
-                      size_t whylen) {
-    const td_status st =
-        td_chat_pick(a->chat_template, td_tokenizer_chat_template(tok), chat_p, why, whylen);
-    if (st == TD_OK) return true;
-    *chat_p = NULL;
-    if (a->chat_template) {
-        TD_LOG_ERROR("%s", why);
-        return false;
-    }
-    TD_LOG_WARN("%s: /v1/chat/completions will answer 400", why);
-    return true;
-}
-
 static void free_args(serve_args *a) {
     free(a->key_file_buf);
     a->key_file_buf = NULL;
@@ -510,13 +488,10 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
         if (td_xfer_create(&xp, &xfer) != TD_OK) goto free_sched;
     }
 
-    if (!pick_chat(&a, rt->tok, &chat, chat_why, sizeof chat_why)) goto free_sched;
-    {
-        char why[512];
-        if (td_chat_pick_tools(a.chat_template,
-                               td_tokenizer_chat_template_named(rt->tok, "tool_use"), &chat_tools,
-                               why, sizeof why) != TD_OK)
-            TD_LOG_WARN("%s: requests with tools use the default template", why);
+    if (td_chat_pick_serving(a.chat_template, rt->tok, &chat, &chat_tools, chat_why,
+                             sizeof chat_why) != TD_OK) {
+        TD_LOG_ERROR("%s", chat_why);
+        goto free_sched;
     }
     td_api_model mdl = {.tok = rt->tok,
                         .chat = chat,

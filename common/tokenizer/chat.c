@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "common/template/template.h"
+#include "tokenizer-impl.h"
 
 struct td_chat {
     td_tmpl *t;
@@ -108,42 +109,12 @@ td_status td_chat_compile(const char *jinja, const char *label, td_chat **chat_p
     return TD_OK;
 }
 
-static char *read_text(const char *path) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    char *s = NULL;
-    size_t n = 0, cap = 0;
-    for (;;) {
-        if (n + 4096 + 1 > cap) {
-            cap = cap ? 2 * cap : 8192;
-            if (cap > (64u << 20)) break; /* no template is that large */
-            char *ns = realloc(s, cap);
-            if (!ns) break;
-            s = ns;
-        }
-        const size_t r = fread(s + n, 1, 4096, f);
-        n += r;
-        if (r < 4096) {
-            const bool ok = !ferror(f);
-            fclose(f);
-            if (!ok) {
-                free(s);
-                return NULL;
-            }
-            s[n] = 0;
-            return s;
-        }
-    }
-    fclose(f);
-    free(s);
-    return NULL;
-}
-
 td_status td_chat_load(const char *spec, td_chat **chat_p, char *err, size_t errlen) {
     const char *b = td_chat_builtin(spec);
     if (b) return td_chat_compile(b, spec, chat_p, err, errlen);
-    FILE *probe = fopen(spec, "rb");
-    if (!probe) {
+    char *text = NULL;
+    const td_status rs = td_tok_read_text(spec, 64u << 20, &text); /* no template is that large */
+    if (rs == TD_ERR_NOT_FOUND) {
         if (err && errlen)
             snprintf(err, errlen,
                      "unknown chat template '%s': neither a name (chatml, smollm2, llama3, llama2, "
@@ -151,9 +122,7 @@ td_status td_chat_load(const char *spec, td_chat **chat_p, char *err, size_t err
                      spec);
         return TD_ERR_NOT_FOUND;
     }
-    fclose(probe);
-    char *text = read_text(spec);
-    if (!text) {
+    if (rs != TD_OK) {
         if (err && errlen) snprintf(err, errlen, "cannot read the chat template file %s", spec);
         return TD_ERR_IO;
     }
@@ -176,11 +145,24 @@ td_status td_chat_pick(const char *spec, const char *model_tmpl, td_chat **chat_
     return td_chat_compile(model_tmpl, "the model's chat template", chat_p, err, errlen);
 }
 
-td_status td_chat_pick_tools(const char *spec, const char *tool_tmpl, td_chat **chat_p, char *err,
-                             size_t errlen) {
-    *chat_p = NULL;
+td_status td_chat_pick_serving(const char *spec, const td_tokenizer *tok, td_chat **chat_p,
+                               td_chat **tools_p, char *why, size_t whylen) {
+    *chat_p = *tools_p = NULL;
+    const td_status st = td_chat_pick(spec, td_tokenizer_chat_template(tok), chat_p, why, whylen);
+    if (st != TD_OK) {
+        *chat_p = NULL;
+        if (spec) return st;
+        TD_LOG_WARN("%s: /v1/chat/completions will answer 400", why);
+    }
+    const char *tool_tmpl = td_tokenizer_chat_template_named(tok, "tool_use");
     if (spec || !tool_tmpl) return TD_OK;
-    return td_chat_compile(tool_tmpl, "the model's tool_use chat template", chat_p, err, errlen);
+    char msg[512];
+    if (td_chat_compile(tool_tmpl, "the model's tool_use chat template", tools_p, msg,
+                        sizeof msg) != TD_OK) {
+        *tools_p = NULL;
+        TD_LOG_WARN("%s: requests with tools use the default template", msg);
+    }
+    return TD_OK;
 }
 
 void td_chat_free(td_chat *c) {
@@ -191,6 +173,17 @@ void td_chat_free(td_chat *c) {
 }
 
 const char *td_chat_label(const td_chat *c) { return c->label; }
+
+bool td_chat_context_set(json_t *ctx, const json_t *tools, bool add_generation_prompt,
+                         const char *bos, const char *eos) {
+    return json_object_set_new(ctx, "tools", tools ? json_incref((json_t *)tools) : json_null()) ==
+               0 &&
+           json_object_set_new(ctx, "documents", json_null()) == 0 &&
+           json_object_set_new(ctx, "add_generation_prompt", json_boolean(add_generation_prompt)) ==
+               0 &&
+           json_object_set_new(ctx, "bos_token", json_string_nocheck(bos ? bos : "")) == 0 &&
+           json_object_set_new(ctx, "eos_token", json_string_nocheck(eos ? eos : "")) == 0;
+}
 
 td_status td_chat_render(const td_chat *c, const json_t *ctx, char **out_p, char *err,
                          size_t errlen) {
@@ -221,13 +214,7 @@ td_status td_chat_apply(const td_chat *c, const td_chat_msg *msgs, size_t n,
                                  msgs[i].content ? json_string_nocheck(msgs[i].content)
                                                  : json_null()) == 0;
     }
-    /* the variables transformers passes: tools and documents are None here */
-    ok = ok && json_object_set_new(ctx, "tools", json_null()) == 0 &&
-         json_object_set_new(ctx, "documents", json_null()) == 0 &&
-         json_object_set_new(ctx, "add_generation_prompt", json_boolean(add_generation_prompt)) ==
-             0 &&
-         json_object_set_new(ctx, "bos_token", json_string_nocheck(bos ? bos : "")) == 0 &&
-         json_object_set_new(ctx, "eos_token", json_string_nocheck(eos ? eos : "")) == 0;
+    ok = ok && td_chat_context_set(ctx, NULL, add_generation_prompt, bos, eos);
     if (!ok) {
         json_decref(ctx);
         return TD_ERR_NOMEM;

@@ -12,6 +12,7 @@
 #include <stddef.h>
 
 #include "common/base/base.h"
+#include "common/tokenizer/tokenizer.h"
 
 typedef struct td_chat td_chat;
 
@@ -38,12 +39,15 @@ td_status td_chat_load(const char *spec, td_chat **chat_p, char *err, size_t err
  * --chat-template), else td_chat_load's or td_chat_compile's status. */
 td_status td_chat_pick(const char *spec, const char *model_tmpl, td_chat **chat_p, char *err,
                        size_t errlen);
-/* The model's "tool_use" template (td_tokenizer_chat_template_named), for
- * requests with tools, as transformers picks it; NULL (and TD_OK) when
- * spec is given or the model has none. One that does not compile is
- * TD_ERR_INVALID with the reason in err. */
-td_status td_chat_pick_tools(const char *spec, const char *tool_tmpl, td_chat **chat_p, char *err,
-                             size_t errlen);
+/* What a serving binary renders chat with: *chat_p as td_chat_pick gives
+ * it, and *tools_p the model's "tool_use" template, for requests with
+ * tools as transformers picks it (NULL when spec is given or the model has
+ * none). A spec that does not load: its status, the reason in why. A model
+ * without a usable template of its own: TD_OK with *chat_p NULL and the
+ * reason in why (logged: chat requests are 400 with it). A tool_use
+ * template that does not compile is logged and left out. */
+td_status td_chat_pick_serving(const char *spec, const td_tokenizer *tok, td_chat **chat_p,
+                               td_chat **tools_p, char *why, size_t whylen);
 void td_chat_free(td_chat *c);
 const char *td_chat_label(const td_chat *c);
 
@@ -52,6 +56,13 @@ const char *td_chat_label(const td_chat *c);
  * (its message in err); TD_ERR_NOMEM. */
 td_status td_chat_render(const td_chat *c, const json_t *ctx, char **out_p, char *err,
                          size_t errlen);
+
+/* Sets in ctx the variables transformers' apply_chat_template passes
+ * besides messages: tools (NULL: None), documents (None),
+ * add_generation_prompt, bos_token, eos_token (NULL: ""). false when out
+ * of memory. */
+bool td_chat_context_set(json_t *ctx, const json_t *tools, bool add_generation_prompt,
+                         const char *bos, const char *eos);
 
 /* Renders msgs with add_generation_prompt, bos_token and eos_token (the
  * model's BOS/EOS texts, may be ""). *out_p is malloc'd, NUL-terminated

@@ -485,41 +485,15 @@ td_status td_tokenizer_from_hf_dir(const char *dir, td_tokenizer **tok_p) {
      * 4.43: it takes precedence over tokenizer_config.json's */
     char jpath[4096];
     if ((size_t)snprintf(jpath, sizeof(jpath), "%s/chat_template.jinja", dir) < sizeof(jpath)) {
-        FILE *f = fopen(jpath, "rb");
-        if (f) {
-            char *text = NULL;
-            size_t cap = 0, n = 0, r;
-            char buf[8192];
-            while ((r = fread(buf, 1, sizeof buf, f)) > 0) {
-                if (n + r + 1 > cap) {
-                    cap = 2 * (n + r + 1);
-                    char *nt = cap <= (16u << 20) ? realloc(text, cap) : NULL;
-                    if (!nt) {
-                        st = cap > (16u << 20) ? TD_ERR_FORMAT : TD_ERR_NOMEM;
-                        break;
-                    }
-                    text = nt;
-                }
-                memcpy(text + n, buf, r);
-                n += r;
-            }
-            if (!st && ferror(f)) st = TD_ERR_IO;
-            fclose(f);
-            if (!st) {
-                if (!text) text = strdup("");
-                if (!text)
-                    st = TD_ERR_NOMEM;
-                else
-                    text[n] = 0;
-            }
-            if (st) {
-                TD_LOG_ERROR("%s: cannot read the chat template (%s)", jpath, td_status_str(st));
-                free(text);
-                td_tokenizer_free(tok);
-                return st;
-            }
+        char *text = NULL;
+        st = td_tok_read_text(jpath, 16u << 20, &text);
+        if (st == TD_OK) {
             free(tok->chat_template);
             tok->chat_template = text;
+        } else if (st != TD_ERR_NOT_FOUND) {
+            TD_LOG_ERROR("%s: cannot read the chat template (%s)", jpath, td_status_str(st));
+            td_tokenizer_free(tok);
+            return st;
         }
     }
     *tok_p = tok;

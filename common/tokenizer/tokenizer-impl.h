@@ -124,6 +124,11 @@ struct td_tokenizer {
     size_t n_named;
 };
 
+/* The whole of a text file (a chat template) into *text_p, malloc'd and
+ * NUL-terminated. TD_ERR_NOT_FOUND when it cannot be opened, TD_ERR_FORMAT
+ * over limit bytes, TD_ERR_IO on a read error, TD_ERR_NOMEM. */
+td_status td_tok_read_text(const char *path, size_t limit, char **text_p);
+
 /* Adds a named chat template (copies both strings). */
 td_status td_tok_add_named_template(td_tokenizer *tok, const char *name, const char *text);
 

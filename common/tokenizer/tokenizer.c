@@ -483,6 +483,41 @@ void td_tokenizer_free(td_tokenizer *tok) {
     free(tok);
 }
 
+td_status td_tok_read_text(const char *path, size_t limit, char **text_p) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return TD_ERR_NOT_FOUND;
+    char *text = NULL, buf[8192];
+    size_t cap = 0, n = 0, r;
+    td_status st = TD_OK;
+    while ((r = fread(buf, 1, sizeof buf, f)) > 0) {
+        if (n + r > limit) {
+            st = TD_ERR_FORMAT;
+            break;
+        }
+        if (n + r + 1 > cap) {
+            cap = 2 * (n + r + 1);
+            char *nt = realloc(text, cap);
+            if (!nt) {
+                st = TD_ERR_NOMEM;
+                break;
+            }
+            text = nt;
+        }
+        memcpy(text + n, buf, r);
+        n += r;
+    }
+    if (!st && ferror(f)) st = TD_ERR_IO;
+    fclose(f);
+    if (!st && !text && !(text = malloc(1))) st = TD_ERR_NOMEM;
+    if (st) {
+        free(text);
+        return st;
+    }
+    text[n] = 0;
+    *text_p = text;
+    return TD_OK;
+}
+
 td_status td_tok_add_named_template(td_tokenizer *tok, const char *name, const char *text) {
     char **nn = realloc(tok->named_name, (tok->n_named + 1) * sizeof *nn);
     if (!nn) return TD_ERR_NOMEM;
