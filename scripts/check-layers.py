@@ -32,6 +32,7 @@ LAYERS = [
     ("format", ["common/format", "proto"]),
     ("template", ["common/template"]),
     ("tokenizer", ["common/tokenizer"]),
+    ("grammar", ["common/grammar"]),
     ("model", ["common/model"]),
     ("kv", ["common/kv"]),
     ("backend", ["common/backend"]),

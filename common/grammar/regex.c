@@ -1,0 +1,997 @@
+/* Byte-level regular expressions by derivatives (regex.h). */
+#include "common/grammar/regex.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { K_NOTHING, K_EMPTY, K_BYTES, K_CONCAT, K_OR, K_STAR, K_REPEAT };
+
+#define INF UINT32_MAX
+
+typedef struct {
+    uint8_t kind, nullable;
+    uint32_t a, b;     /* CONCAT: head, tail; OR: first alternative, the rest; STAR, REPEAT: a */
+    uint32_t min, max; /* REPEAT */
+    uint64_t set[4];   /* BYTES */
+} node;
+
+struct td_rx {
+    td_rx_limits lim;
+    node *nodes;
+    size_t n, cap;
+    uint32_t *slots; /* hash-consing: node id + 1, 0 free */
+    size_t nslots;
+    uint64_t *dkeys; /* derivative memo: (id << 8 | byte) + 1, 0 free */
+    uint32_t *dvals;
+    size_t ndslots, ndused;
+    uint64_t steps;
+    const char *error;
+    char errbuf[96];
+    td_rx_id any_char; /* cached td_rx_any_char, 0 until made */
+};
+
+td_rx_limits td_rx_default_limits(void) {
+    return (td_rx_limits){.max_nodes = 1000000,
+                          .max_steps = 50000000,
+                          .max_repeat = 10000,
+                          .max_depth = 200};
+}
+
+static void fail(td_rx *rx, const char *fmt, ...) {
+    if (rx->error) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(rx->errbuf, sizeof rx->errbuf, fmt, ap);
+    va_end(ap);
+    rx->error = rx->errbuf;
+}
+
+static bool step(td_rx *rx) {
+    if (rx->error) return false;
+    if (++rx->steps > rx->lim.max_steps) {
+        fail(rx, "regex: more than %llu derivative steps", (unsigned long long)rx->lim.max_steps);
+        return false;
+    }
+    return true;
+}
+
+static uint64_t mix(uint64_t h, uint64_t v) {
+    h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    return h * 0xff51afd7ed558ccdull;
+}
+
+static uint64_t node_hash(const node *x) {
+    uint64_t h = mix(x->kind, x->a);
+    h = mix(h, x->b);
+    h = mix(h, ((uint64_t)x->min << 32) | x->max);
+    for (int i = 0; i < 4; i++) h = mix(h, x->set[i]);
+    return h ^ (h >> 31);
+}
+
+static bool node_eq(const node *x, const node *y) {
+    return x->kind == y->kind && x->a == y->a && x->b == y->b && x->min == y->min &&
+           x->max == y->max && !memcmp(x->set, y->set, sizeof x->set);
+}
+
+static bool grow_slots(td_rx *rx) {
+    size_t ns = rx->nslots ? rx->nslots * 2 : 1024;
+    uint32_t *s = calloc(ns, sizeof *s);
+    if (!s) return false;
+    for (size_t i = 0; i < rx->nslots; i++) {
+        uint32_t v = rx->slots[i];
+        if (!v) continue;
+        size_t j = node_hash(&rx->nodes[v - 1]) & (ns - 1);
+        while (s[j]) j = (j + 1) & (ns - 1);
+        s[j] = v;
+    }
+    free(rx->slots);
+    rx->slots = s;
+    rx->nslots = ns;
+    return true;
+}
+
+/* The id of the node equal to x, made if new. */
+static td_rx_id intern(td_rx *rx, node x) {
+    if (!step(rx)) return TD_RX_FAIL;
+    switch (x.kind) {
+    case K_NOTHING:
+    case K_BYTES: x.nullable = 0; break;
+    case K_EMPTY:
+    case K_STAR: x.nullable = 1; break;
+    case K_CONCAT: x.nullable = rx->nodes[x.a].nullable && rx->nodes[x.b].nullable; break;
+    case K_OR: x.nullable = rx->nodes[x.a].nullable || rx->nodes[x.b].nullable; break;
+    case K_REPEAT: x.nullable = x.min == 0 || rx->nodes[x.a].nullable; break;
+    }
+    if ((rx->n + 1) * 2 > rx->nslots && !grow_slots(rx)) {
+        fail(rx, "regex: out of memory");
+        return TD_RX_FAIL;
+    }
+    uint64_t h = node_hash(&x);
+    size_t j = h & (rx->nslots - 1);
+    while (rx->slots[j]) {
+        if (node_eq(&rx->nodes[rx->slots[j] - 1], &x)) return rx->slots[j] - 1;
+        j = (j + 1) & (rx->nslots - 1);
+    }
+    if (rx->n >= rx->lim.max_nodes) {
+        fail(rx, "regex: more than %u nodes", rx->lim.max_nodes);
+        return TD_RX_FAIL;
+    }
+    if (rx->n == rx->cap) {
+        size_t nc = rx->cap ? rx->cap * 2 : 256;
+        node *nn = realloc(rx->nodes, nc * sizeof *nn);
+        if (!nn) {
+            fail(rx, "regex: out of memory");
+            return TD_RX_FAIL;
+        }
+        rx->nodes = nn;
+        rx->cap = nc;
+    }
+    rx->nodes[rx->n] = x;
+    rx->slots[j] = (uint32_t)rx->n + 1;
+    return (td_rx_id)rx->n++;
+}
+
+td_rx *td_rx_new(const td_rx_limits *lim) {
+    td_rx *rx = calloc(1, sizeof *rx);
+    if (!rx) return NULL;
+    rx->lim = lim ? *lim : td_rx_default_limits();
+    rx->lim.max_steps += 2;
+    if (rx->lim.max_nodes < 2) rx->lim.max_nodes = 2;
+    if (intern(rx, (node){.kind = K_NOTHING}) != TD_RX_NOTHING ||
+        intern(rx, (node){.kind = K_EMPTY}) != TD_RX_EMPTY) {
+        td_rx_free(rx);
+        return NULL;
+    }
+    return rx;
+}
+
+void td_rx_free(td_rx *rx) {
+    if (!rx) return;
+    free(rx->nodes);
+    free(rx->slots);
+    free(rx->dkeys);
+    free(rx->dvals);
+    free(rx);
+}
+
+const char *td_rx_error(const td_rx *rx) { return rx->error; }
+size_t td_rx_node_count(const td_rx *rx) { return rx->n; }
+uint64_t td_rx_steps(const td_rx *rx) { return rx->steps; }
+
+bool td_rx_nullable(const td_rx *rx, td_rx_id a) {
+    return a != TD_RX_FAIL && a < rx->n && rx->nodes[a].nullable;
+}
+
+/* ---- constructors ---- */
+
+td_rx_id td_rx_byteset(td_rx *rx, const uint64_t set[4]) {
+    if (!(set[0] | set[1] | set[2] | set[3])) return TD_RX_NOTHING;
+    node x = {.kind = K_BYTES};
+    memcpy(x.set, set, sizeof x.set);
+    return intern(rx, x);
+}
+
+td_rx_id td_rx_byte_range(td_rx *rx, uint8_t lo, uint8_t hi) {
+    uint64_t s[4] = {0};
+    for (unsigned c = lo; c <= hi; c++) s[c >> 6] |= 1ull << (c & 63);
+    return td_rx_byteset(rx, s);
+}
+
+/* A growable array of ids (the constructors' scratch). */
+typedef struct {
+    td_rx_id *v;
+    size_t n, cap;
+} idvec;
+
+static bool push(idvec *a, td_rx_id x) {
+    if (a->n == a->cap) {
+        size_t nc = a->cap ? a->cap * 2 : 16;
+        td_rx_id *nv = realloc(a->v, nc * sizeof *nv);
+        if (!nv) return false;
+        a->v = nv;
+        a->cap = nc;
+    }
+    a->v[a->n++] = x;
+    return true;
+}
+
+td_rx_id td_rx_concat(td_rx *rx, td_rx_id a, td_rx_id b) {
+    if (a == TD_RX_FAIL || b == TD_RX_FAIL || rx->error) return TD_RX_FAIL;
+    if (a == TD_RX_NOTHING || b == TD_RX_NOTHING) return TD_RX_NOTHING;
+    if (a == TD_RX_EMPTY) return b;
+    if (b == TD_RX_EMPTY) return a;
+    if (rx->nodes[a].kind != K_CONCAT) return intern(rx, (node){.kind = K_CONCAT, .a = a, .b = b});
+    /* right-nest a's chain onto b, without recursion */
+    idvec h = {0};
+    for (td_rx_id c = a;; c = rx->nodes[c].b) {
+        if (rx->nodes[c].kind != K_CONCAT) {
+            if (!push(&h, c)) goto oom;
+            break;
+        }
+        if (!push(&h, rx->nodes[c].a)) goto oom;
+    }
+    td_rx_id r = b;
+    for (size_t i = h.n; i-- > 0 && r != TD_RX_FAIL;)
+        r = intern(rx, (node){.kind = K_CONCAT, .a = h.v[i], .b = r});
+    free(h.v);
+    return r;
+oom:
+    free(h.v);
+    fail(rx, "regex: out of memory");
+    return TD_RX_FAIL;
+}
+
+static int cmp_id(const void *x, const void *y) {
+    td_rx_id a = *(const td_rx_id *)x, b = *(const td_rx_id *)y;
+    return a < b ? -1 : a > b;
+}
+
+/* Appends a's alternatives (flattened) to v. */
+static bool flatten_or(const td_rx *rx, td_rx_id a, idvec *v) {
+    for (;;) {
+        if (rx->nodes[a].kind != K_OR) return push(v, a);
+        if (!push(v, rx->nodes[a].a)) return false;
+        a = rx->nodes[a].b;
+    }
+}
+
+/* The alternation of v's ids (consumed: sorted in place). */
+static td_rx_id or_vec(td_rx *rx, idvec *v) {
+    idvec f = {0};
+    for (size_t i = 0; i < v->n; i++) {
+        if (v->v[i] == TD_RX_FAIL) {
+            free(f.v);
+            return TD_RX_FAIL;
+        }
+        if (v->v[i] != TD_RX_NOTHING && !flatten_or(rx, v->v[i], &f)) {
+            free(f.v);
+            fail(rx, "regex: out of memory");
+            return TD_RX_FAIL;
+        }
+    }
+    qsort(f.v, f.n, sizeof *f.v, cmp_id);
+    size_t m = 0;
+    for (size_t i = 0; i < f.n; i++)
+        if (!m || f.v[m - 1] != f.v[i]) f.v[m++] = f.v[i];
+    td_rx_id r = m ? f.v[m - 1] : TD_RX_NOTHING;
+    for (size_t i = m - (m > 0); i-- > 0 && r != TD_RX_FAIL;)
+        r = intern(rx, (node){.kind = K_OR, .a = f.v[i], .b = r});
+    free(f.v);
+    return rx->error ? TD_RX_FAIL : r;
+}
+
+td_rx_id td_rx_or_list(td_rx *rx, const td_rx_id *ids, size_t n) {
+    if (rx->error) return TD_RX_FAIL;
+    idvec v = {0};
+    for (size_t i = 0; i < n; i++)
+        if (!push(&v, ids[i])) {
+            free(v.v);
+            fail(rx, "regex: out of memory");
+            return TD_RX_FAIL;
+        }
+    td_rx_id r = or_vec(rx, &v);
+    free(v.v);
+    return r;
+}
+
+td_rx_id td_rx_or(td_rx *rx, td_rx_id a, td_rx_id b) {
+    td_rx_id ids[2] = {a, b};
+    return td_rx_or_list(rx, ids, 2);
+}
+
+td_rx_id td_rx_star(td_rx *rx, td_rx_id a) {
+    if (a == TD_RX_FAIL || rx->error) return TD_RX_FAIL;
+    if (a == TD_RX_NOTHING || a == TD_RX_EMPTY) return TD_RX_EMPTY;
+    if (rx->nodes[a].kind == K_STAR) return a;
+    return intern(rx, (node){.kind = K_STAR, .a = a});
+}
+
+td_rx_id td_rx_repeat(td_rx *rx, td_rx_id a, uint32_t min, uint32_t max) {
+    if (a == TD_RX_FAIL || rx->error) return TD_RX_FAIL;
+    if (max < min) return TD_RX_NOTHING;
+    if (max == 0 || a == TD_RX_EMPTY) return TD_RX_EMPTY;
+    if (a == TD_RX_NOTHING) return min ? TD_RX_NOTHING : TD_RX_EMPTY;
+    if (rx->nodes[a].nullable) min = 0;
+    if (min == 0 && max == INF) return td_rx_star(rx, a);
+    if (min == 1 && max == 1) return a;
+    return intern(rx, (node){.kind = K_REPEAT, .a = a, .min = min, .max = max});
+}
+
+td_rx_id td_rx_literal(td_rx *rx, const void *bytes, size_t n) {
+    const uint8_t *p = bytes;
+    td_rx_id r = TD_RX_EMPTY;
+    for (size_t i = n; i-- > 0 && r != TD_RX_FAIL;)
+        r = td_rx_concat(rx, td_rx_byte_range(rx, p[i], p[i]), r);
+    return r;
+}
+
+/* ---- UTF-8 ---- */
+
+static int utf8_len(uint32_t c) { return c < 0x80 ? 1 : c < 0x800 ? 2 : c < 0x10000 ? 3 : 4; }
+
+static void utf8_put(uint32_t c, int n, uint8_t out[4]) {
+    static const uint8_t lead[5] = {0, 0, 0xC0, 0xE0, 0xF0};
+    for (int i = n - 1; i > 0; i--) {
+        out[i] = (uint8_t)(0x80 | (c & 0x3F));
+        c >>= 6;
+    }
+    out[0] = (uint8_t)(n == 1 ? c : lead[n] | c);
+}
+
+/* The encodings of [lo, hi] (all of the same length n) into v: split until
+ * every byte position ranges independently, then one sequence of byte
+ * ranges per piece. */
+static bool utf8_split(td_rx *rx, uint32_t lo, uint32_t hi, int n, idvec *v) {
+    for (int i = 1; i < n; i++) {
+        uint32_t m = (1u << (6 * i)) - 1;
+        if ((lo & ~m) != (hi & ~m)) {
+            if (lo & m) return utf8_split(rx, lo, lo | m, n, v) &&
+                               utf8_split(rx, (lo | m) + 1, hi, n, v);
+            if ((hi & m) != m) return utf8_split(rx, lo, (hi & ~m) - 1, n, v) &&
+                                      utf8_split(rx, hi & ~m, hi, n, v);
+        }
+    }
+    uint8_t a[4], b[4];
+    utf8_put(lo, n, a);
+    utf8_put(hi, n, b);
+    td_rx_id r = TD_RX_EMPTY;
+    for (int i = n; i-- > 0;) r = td_rx_concat(rx, td_rx_byte_range(rx, a[i], b[i]), r);
+    return r != TD_RX_FAIL && push(v, r);
+}
+
+td_rx_id td_rx_codepoints(td_rx *rx, const uint32_t (*ranges)[2], size_t n) {
+    if (rx->error) return TD_RX_FAIL;
+    static const uint32_t bounds[][2] = {
+        {0, 0x7F}, {0x80, 0x7FF}, {0x800, 0xD7FF}, {0xE000, 0xFFFF}, {0x10000, 0x10FFFF}};
+    idvec v = {0};
+    for (size_t i = 0; i < n; i++) {
+        for (size_t k = 0; k < sizeof bounds / sizeof *bounds; k++) {
+            uint32_t lo = ranges[i][0] > bounds[k][0] ? ranges[i][0] : bounds[k][0];
+            uint32_t hi = ranges[i][1] < bounds[k][1] ? ranges[i][1] : bounds[k][1];
+            if (lo > hi) continue;
+            if (!utf8_split(rx, lo, hi, utf8_len(lo), &v)) {
+                free(v.v);
+                if (!rx->error) fail(rx, "regex: out of memory");
+                return TD_RX_FAIL;
+            }
+        }
+    }
+    td_rx_id r = or_vec(rx, &v);
+    free(v.v);
+    return r;
+}
+
+td_rx_id td_rx_any_char(td_rx *rx) {
+    if (!rx->any_char) {
+        static const uint32_t all[1][2] = {{0, 0x10FFFF}};
+        td_rx_id r = td_rx_codepoints(rx, all, 1);
+        if (r == TD_RX_FAIL) return r;
+        rx->any_char = r;
+    }
+    return rx->any_char;
+}
+
+/* ---- derivatives ---- */
+
+static bool dmemo_grow(td_rx *rx) {
+    size_t ns = rx->ndslots ? rx->ndslots * 2 : 4096;
+    uint64_t *k = calloc(ns, sizeof *k);
+    uint32_t *v = malloc(ns * sizeof *v);
+    if (!k || !v) {
+        free(k);
+        free(v);
+        return false;
+    }
+    for (size_t i = 0; i < rx->ndslots; i++) {
+        if (!rx->dkeys[i]) continue;
+        size_t j = mix(0, rx->dkeys[i]) & (ns - 1);
+        while (k[j]) j = (j + 1) & (ns - 1);
+        k[j] = rx->dkeys[i];
+        v[j] = rx->dvals[i];
+    }
+    free(rx->dkeys);
+    free(rx->dvals);
+    rx->dkeys = k;
+    rx->dvals = v;
+    rx->ndslots = ns;
+    return true;
+}
+
+static td_rx_id deriv(td_rx *rx, td_rx_id a, uint8_t c, int depth);
+
+static td_rx_id deriv_uncached(td_rx *rx, td_rx_id a, uint8_t c, int depth) {
+    const node x = rx->nodes[a];
+    switch (x.kind) {
+    case K_NOTHING:
+    case K_EMPTY: return TD_RX_NOTHING;
+    case K_BYTES: return (x.set[c >> 6] >> (c & 63)) & 1 ? TD_RX_EMPTY : TD_RX_NOTHING;
+    case K_STAR: return td_rx_concat(rx, deriv(rx, x.a, c, depth + 1), a);
+    case K_REPEAT:
+        return td_rx_concat(
+            rx, deriv(rx, x.a, c, depth + 1),
+            td_rx_repeat(rx, x.a, x.min ? x.min - 1 : 0, x.max == INF ? INF : x.max - 1));
+    case K_OR:
+    case K_CONCAT: break;
+    }
+    idvec v = {0};
+    bool ok = true;
+    if (x.kind == K_OR) {
+        for (td_rx_id cur = a;; cur = rx->nodes[cur].b) {
+            bool last = rx->nodes[cur].kind != K_OR;
+            ok = push(&v, deriv(rx, last ? cur : rx->nodes[cur].a, c, depth + 1));
+            if (last || !ok) break;
+        }
+    } else { /* the chain's heads while they are nullable */
+        td_rx_id cur = a;
+        for (;;) {
+            if (rx->nodes[cur].kind != K_CONCAT) {
+                ok = push(&v, deriv(rx, cur, c, depth + 1));
+                break;
+            }
+            const td_rx_id h = rx->nodes[cur].a, t = rx->nodes[cur].b;
+            ok = push(&v, td_rx_concat(rx, deriv(rx, h, c, depth + 1), t));
+            if (!ok || !rx->nodes[h].nullable) break;
+            cur = t;
+        }
+    }
+    if (!ok) {
+        free(v.v);
+        fail(rx, "regex: out of memory");
+        return TD_RX_FAIL;
+    }
+    td_rx_id r = or_vec(rx, &v);
+    free(v.v);
+    return r;
+}
+
+static td_rx_id deriv(td_rx *rx, td_rx_id a, uint8_t c, int depth) {
+    if (a == TD_RX_FAIL || !step(rx)) return TD_RX_FAIL;
+    if (a <= TD_RX_EMPTY) return TD_RX_NOTHING;
+    if (depth > 4 * rx->lim.max_depth + 64) {
+        fail(rx, "regex: expression nested deeper than %d", 4 * rx->lim.max_depth + 64);
+        return TD_RX_FAIL;
+    }
+    const uint64_t key = (((uint64_t)a << 8) | c) + 1;
+    if (rx->ndslots) {
+        size_t j = mix(0, key) & (rx->ndslots - 1);
+        while (rx->dkeys[j]) {
+            if (rx->dkeys[j] == key) return rx->dvals[j];
+            j = (j + 1) & (rx->ndslots - 1);
+        }
+    }
+    const td_rx_id r = deriv_uncached(rx, a, c, depth);
+    if (r == TD_RX_FAIL) return r;
+    if ((rx->ndused + 1) * 2 > rx->ndslots && !dmemo_grow(rx)) {
+        fail(rx, "regex: out of memory");
+        return TD_RX_FAIL;
+    }
+    size_t j = mix(0, key) & (rx->ndslots - 1);
+    while (rx->dkeys[j]) j = (j + 1) & (rx->ndslots - 1);
+    rx->dkeys[j] = key;
+    rx->dvals[j] = r;
+    rx->ndused++;
+    return r;
+}
+
+td_rx_id td_rx_deriv(td_rx *rx, td_rx_id a, uint8_t b) { return deriv(rx, a, b, 0); }
+
+bool td_rx_match(td_rx *rx, td_rx_id a, const void *s, size_t n) {
+    const uint8_t *p = s;
+    for (size_t i = 0; i < n && a != TD_RX_NOTHING; i++) a = td_rx_deriv(rx, a, p[i]);
+    return td_rx_nullable(rx, a);
+}
+
+/* ---- the ECMAScript pattern parser ---- */
+
+typedef struct {
+    td_rx *rx;
+    const char *s;
+    size_t n, i;
+    int depth;
+    char *err;
+    size_t errlen;
+    bool failed;
+} parser;
+
+typedef struct {
+    uint32_t (*r)[2];
+    size_t n, cap;
+} ranges;
+
+static void perr(parser *p, size_t at, const char *fmt, ...) {
+    if (p->failed) return;
+    p->failed = true;
+    char msg[160];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (p->err && p->errlen) snprintf(p->err, p->errlen, "regex: %s at offset %zu", msg, at);
+}
+
+static bool add_range(parser *p, ranges *r, uint32_t lo, uint32_t hi) {
+    if (r->n == r->cap) {
+        size_t nc = r->cap ? r->cap * 2 : 16;
+        uint32_t(*nr)[2] = realloc(r->r, nc * sizeof *nr);
+        if (!nr) {
+            perr(p, p->i, "out of memory");
+            return false;
+        }
+        r->r = nr;
+        r->cap = nc;
+    }
+    r->r[r->n][0] = lo;
+    r->r[r->n][1] = hi;
+    r->n++;
+    return true;
+}
+
+static int cmp_range(const void *x, const void *y) {
+    const uint32_t *a = x, *b = y;
+    return a[0] < b[0] ? -1 : a[0] > b[0];
+}
+
+/* r's complement within the code points (sorted and merged first). */
+static bool negate(parser *p, ranges *r) {
+    qsort(r->r, r->n, sizeof *r->r, cmp_range);
+    ranges out = {0};
+    uint32_t next = 0;
+    bool ok = true;
+    for (size_t i = 0; i < r->n && ok; i++) {
+        if (r->r[i][0] > next) ok = add_range(p, &out, next, r->r[i][0] - 1);
+        if (r->r[i][1] + 1 > next) next = r->r[i][1] + 1;
+    }
+    if (ok && next <= 0x10FFFF) ok = add_range(p, &out, next, 0x10FFFF);
+    free(r->r);
+    *r = out;
+    return ok;
+}
+
+/* The next code point of the pattern (UTF-8); malformed bytes are an error. */
+static bool next_cp(parser *p, uint32_t *cp) {
+    const uint8_t *s = (const uint8_t *)p->s;
+    size_t i = p->i;
+    uint8_t c = s[i];
+    int n = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 0;
+    if (!n || i + (size_t)n > p->n) {
+        perr(p, i, "malformed UTF-8 in the pattern");
+        return false;
+    }
+    uint32_t v = n == 1 ? c : (uint32_t)(c & (0x7F >> n));
+    for (int k = 1; k < n; k++) {
+        if ((s[i + k] & 0xC0) != 0x80) {
+            perr(p, i, "malformed UTF-8 in the pattern");
+            return false;
+        }
+        v = (v << 6) | (s[i + k] & 0x3F);
+    }
+    if (utf8_len(v) != n || (v >= 0xD800 && v <= 0xDFFF) || v > 0x10FFFF) {
+        perr(p, i, "malformed UTF-8 in the pattern");
+        return false;
+    }
+    p->i += (size_t)n;
+    *cp = v;
+    return true;
+}
+
+static int hexval(char c) {
+    return c >= '0' && c <= '9'   ? c - '0'
+           : c >= 'a' && c <= 'f' ? c - 'a' + 10
+           : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                  : -1;
+}
+
+/* n hex digits at p->i. */
+static bool hex_digits(parser *p, int n, uint32_t *v) {
+    *v = 0;
+    for (int k = 0; k < n; k++) {
+        int h = p->i < p->n ? hexval(p->s[p->i]) : -1;
+        if (h < 0) {
+            perr(p, p->i, "expected %d hex digits", n);
+            return false;
+        }
+        *v = *v * 16 + (uint32_t)h;
+        p->i++;
+    }
+    return true;
+}
+
+/* The class escapes \d \w \s (ECMAScript's sets; \s is Unicode white space
+ * and line terminators) as ranges; negated for \D \W \S. */
+static bool class_escape(parser *p, char e, ranges *r) {
+    static const uint32_t dg[][2] = {{'0', '9'}};
+    static const uint32_t wd[][2] = {{'0', '9'}, {'A', 'Z'}, {'_', '_'}, {'a', 'z'}};
+    static const uint32_t sp[][2] = {{0x09, 0x0D},     {0x20, 0x20},     {0xA0, 0xA0},
+                                     {0x1680, 0x1680}, {0x2000, 0x200A}, {0x2028, 0x2029},
+                                     {0x202F, 0x202F}, {0x205F, 0x205F}, {0x3000, 0x3000},
+                                     {0xFEFF, 0xFEFF}};
+    const uint32_t(*set)[2];
+    size_t n;
+    switch (e | 0x20) {
+    case 'd': set = dg, n = 1; break;
+    case 'w': set = wd, n = 4; break;
+    default: set = sp, n = sizeof sp / sizeof *sp; break;
+    }
+    ranges t = {0};
+    for (size_t k = 0; k < n; k++)
+        if (!add_range(p, &t, set[k][0], set[k][1])) {
+            free(t.r);
+            return false;
+        }
+    bool ok = (e >= 'a' || negate(p, &t));
+    for (size_t k = 0; ok && k < t.n; k++) ok = add_range(p, r, t.r[k][0], t.r[k][1]);
+    free(t.r);
+    return ok;
+}
+
+/* An escape after '\' (p->i past the backslash): a code point in *cp
+ * (return 1), or a class added to cls (return 2), or an error (0). In a
+ * class [\b] is backspace and '-' may be escaped. */
+static int escape(parser *p, bool in_class, uint32_t *cp, ranges *cls) {
+    if (p->i >= p->n) {
+        perr(p, p->i - 1, "trailing backslash");
+        return 0;
+    }
+    const size_t at = p->i - 1;
+    const char e = p->s[p->i++];
+    switch (e) {
+    case 'd':
+    case 'D':
+    case 'w':
+    case 'W':
+    case 's':
+    case 'S': return class_escape(p, e, cls) ? 2 : 0;
+    case 't': *cp = '\t'; return 1;
+    case 'n': *cp = '\n'; return 1;
+    case 'r': *cp = '\r'; return 1;
+    case 'v': *cp = '\v'; return 1;
+    case 'f': *cp = '\f'; return 1;
+    case '0':
+        if (p->i < p->n && p->s[p->i] >= '0' && p->s[p->i] <= '9') break;
+        *cp = 0;
+        return 1;
+    case 'c':
+        if (p->i < p->n && ((p->s[p->i] | 0x20) >= 'a' && (p->s[p->i] | 0x20) <= 'z')) {
+            *cp = (uint32_t)(p->s[p->i++] % 32);
+            return 1;
+        }
+        break;
+    case 'x': return hex_digits(p, 2, cp) ? 1 : 0;
+    case 'u': {
+        if (p->i < p->n && p->s[p->i] == '{') {
+            p->i++;
+            uint32_t v = 0;
+            int nd = 0;
+            while (p->i < p->n && hexval(p->s[p->i]) >= 0 && nd < 8) {
+                v = v * 16 + (uint32_t)hexval(p->s[p->i++]);
+                nd++;
+            }
+            if (!nd || p->i >= p->n || p->s[p->i] != '}' || v > 0x10FFFF) {
+                perr(p, at, "malformed \\u{...} escape");
+                return 0;
+            }
+            p->i++;
+            *cp = v;
+        } else {
+            if (!hex_digits(p, 4, cp)) return 0;
+            /* a surrogate pair written as two escapes */
+            if (*cp >= 0xD800 && *cp <= 0xDBFF && p->i + 6 <= p->n && p->s[p->i] == '\\' &&
+                p->s[p->i + 1] == 'u') {
+                size_t save = p->i;
+                uint32_t lo;
+                p->i += 2;
+                if (hex_digits(p, 4, &lo) && lo >= 0xDC00 && lo <= 0xDFFF) {
+                    *cp = 0x10000 + ((*cp - 0xD800) << 10) + (lo - 0xDC00);
+                    return 1;
+                }
+                p->failed = false;
+                p->i = save;
+            }
+        }
+        if (*cp >= 0xD800 && *cp <= 0xDFFF) {
+            perr(p, at, "a lone surrogate \\u%04X matches no UTF-8 text", *cp);
+            return 0;
+        }
+        return 1;
+    }
+    case 'b':
+        if (in_class) {
+            *cp = 8;
+            return 1;
+        }
+        perr(p, at, "the word-boundary assertion \\b is not supported");
+        return 0;
+    case 'B': perr(p, at, "the assertion \\B is not supported"); return 0;
+    case 'p':
+    case 'P': perr(p, at, "Unicode property escapes \\%c{...} are not supported", e); return 0;
+    case 'k': perr(p, at, "named backreferences are not supported"); return 0;
+    default:
+        if (e >= '1' && e <= '9') {
+            perr(p, at, "backreferences are not supported");
+            return 0;
+        }
+        if (strchr("^$\\.*+?()[]{}|/-", e)) {
+            *cp = (uint32_t)(unsigned char)e;
+            return 1;
+        }
+        /* other identity escapes of ECMAScript's Annex B: the character */
+        p->i--;
+        return next_cp(p, cp) ? 1 : 0;
+    }
+    perr(p, at, "unsupported escape \\%c", e);
+    return 0;
+}
+
+static td_rx_id ranges_rx(parser *p, ranges *r) {
+    td_rx_id x = td_rx_codepoints(p->rx, (const uint32_t(*)[2])r->r, r->n);
+    free(r->r);
+    r->r = NULL;
+    return x;
+}
+
+/* A class [...] (p->i past '['). */
+static td_rx_id parse_class(parser *p) {
+    const size_t at = p->i - 1;
+    bool neg = p->i < p->n && p->s[p->i] == '^';
+    if (neg) p->i++;
+    ranges r = {0};
+    while (!p->failed) {
+        if (p->i >= p->n) {
+            perr(p, at, "unterminated character class");
+            break;
+        }
+        if (p->s[p->i] == ']') {
+            p->i++;
+            break;
+        }
+        uint32_t lo;
+        int k;
+        if (p->s[p->i] == '\\') {
+            p->i++;
+            k = escape(p, true, &lo, &r);
+        } else {
+            k = next_cp(p, &lo) ? 1 : 0;
+        }
+        if (k == 2 && p->i + 1 < p->n && p->s[p->i] == '-' && p->s[p->i + 1] != ']') {
+            perr(p, p->i, "a class escape cannot start a range");
+            break;
+        }
+        if (k != 1) continue; /* a class escape (added) or an error */
+        uint32_t hi = lo;
+        if (p->i + 1 < p->n && p->s[p->i] == '-' && p->s[p->i + 1] != ']') {
+            const size_t dash = p->i++;
+            int k2;
+            ranges dummy = {0};
+            if (p->s[p->i] == '\\') {
+                p->i++;
+                k2 = escape(p, true, &hi, &dummy);
+            } else {
+                k2 = next_cp(p, &hi) ? 1 : 0;
+            }
+            free(dummy.r);
+            if (k2 == 2) {
+                perr(p, dash, "a class escape cannot end a range");
+                break;
+            }
+            if (!k2) break;
+            if (hi < lo) {
+                perr(p, dash, "range out of order in character class");
+                break;
+            }
+        }
+        if (!add_range(p, &r, lo, hi)) break;
+    }
+    if (p->failed) {
+        free(r.r);
+        return TD_RX_FAIL;
+    }
+    if (neg && !negate(p, &r)) {
+        free(r.r);
+        return TD_RX_FAIL;
+    }
+    return ranges_rx(p, &r);
+}
+
+static td_rx_id parse_alt(parser *p);
+
+/* A decimal count of a {n,m} quantifier; false if there is none. */
+static bool count(parser *p, uint32_t *v) {
+    size_t st = p->i;
+    uint64_t x = 0;
+    while (p->i < p->n && p->s[p->i] >= '0' && p->s[p->i] <= '9') {
+        if (x < 1000000000) x = x * 10 + (uint64_t)(p->s[p->i] - '0');
+        p->i++;
+    }
+    *v = x > UINT32_MAX - 1 ? UINT32_MAX - 1 : (uint32_t)x;
+    return p->i > st;
+}
+
+/* A {n}, {n,} or {n,m} at p->i (on '{'): true with the bounds, or false
+ * with p->i unchanged when the brace is a literal (Annex B). */
+static bool braces(parser *p, uint32_t *mn, uint32_t *mx) {
+    size_t save = p->i;
+    p->i++;
+    if (!count(p, mn)) goto literal;
+    *mx = *mn;
+    if (p->i < p->n && p->s[p->i] == ',') {
+        p->i++;
+        if (!count(p, mx)) *mx = INF;
+    }
+    if (p->i >= p->n || p->s[p->i] != '}') goto literal;
+    p->i++;
+    return true;
+literal:
+    p->i = save;
+    return false;
+}
+
+static td_rx_id parse_atom(parser *p) {
+    const size_t at = p->i;
+    const char c = p->s[p->i];
+    if (c == '(') {
+        p->i++;
+        if (p->i < p->n && p->s[p->i] == '?') {
+            const char k = p->i + 1 < p->n ? p->s[p->i + 1] : 0;
+            if (k == ':') {
+                p->i += 2;
+            } else if (k == '<' && p->i + 2 < p->n && p->s[p->i + 2] != '=' &&
+                       p->s[p->i + 2] != '!') { /* a named group: as any group */
+                const char *end = memchr(p->s + p->i, '>', p->n - p->i);
+                if (!end) {
+                    perr(p, at, "unterminated group name");
+                    return TD_RX_FAIL;
+                }
+                p->i = (size_t)(end - p->s) + 1;
+            } else {
+                perr(p, at, "lookaround and other (?...) groups are not supported");
+                return TD_RX_FAIL;
+            }
+        }
+        if (++p->depth > p->rx->lim.max_depth) {
+            perr(p, at, "groups nested deeper than %d", p->rx->lim.max_depth);
+            return TD_RX_FAIL;
+        }
+        td_rx_id r = parse_alt(p);
+        p->depth--;
+        if (p->failed) return TD_RX_FAIL;
+        if (p->i >= p->n || p->s[p->i] != ')') {
+            perr(p, at, "unbalanced parenthesis");
+            return TD_RX_FAIL;
+        }
+        p->i++;
+        return r;
+    }
+    if (c == '[') {
+        p->i++;
+        return parse_class(p);
+    }
+    if (c == '.') { /* any code point but the line terminators */
+        p->i++;
+        static const uint32_t dot[][2] = {
+            {0, 9}, {11, 12}, {14, 0x2027}, {0x202A, 0x10FFFF}};
+        return td_rx_codepoints(p->rx, dot, 4);
+    }
+    if (c == '^' || c == '$') {
+        perr(p, at, "the anchor %c is only supported at the start (^) or end ($) of the pattern", c);
+        return TD_RX_FAIL;
+    }
+    if (c == '*' || c == '+' || c == '?') {
+        perr(p, at, "nothing to repeat");
+        return TD_RX_FAIL;
+    }
+    uint32_t cp;
+    if (c == '\\') {
+        p->i++;
+        ranges r = {0};
+        int k = escape(p, false, &cp, &r);
+        if (k == 2) return ranges_rx(p, &r);
+        free(r.r);
+        if (!k) return TD_RX_FAIL;
+    } else if (!next_cp(p, &cp)) {
+        return TD_RX_FAIL;
+    }
+    uint8_t b[4];
+    int n = utf8_len(cp);
+    utf8_put(cp, n, b);
+    return td_rx_literal(p->rx, b, (size_t)n);
+}
+
+static td_rx_id parse_concat(parser *p) {
+    td_rx_id r = TD_RX_EMPTY;
+    idvec items = {0};
+    while (!p->failed && p->i < p->n && p->s[p->i] != '|' && p->s[p->i] != ')') {
+        /* the anchors td_rx_parse stripped leave none here; '$' at the very
+         * end was removed too */
+        td_rx_id a = parse_atom(p);
+        if (p->failed || a == TD_RX_FAIL) break;
+        for (;;) { /* quantifiers (a second one is an error, as in ECMAScript) */
+            if (p->i >= p->n) break;
+            const size_t qat = p->i;
+            const char q = p->s[p->i];
+            uint32_t mn, mx;
+            if (q == '*')
+                mn = 0, mx = INF, p->i++;
+            else if (q == '+')
+                mn = 1, mx = INF, p->i++;
+            else if (q == '?')
+                mn = 0, mx = 1, p->i++;
+            else if (q == '{' && braces(p, &mn, &mx)) {
+                if (mx != INF && mx < mn) {
+                    perr(p, qat, "numbers out of order in {} quantifier");
+                    break;
+                }
+                if (mn > p->rx->lim.max_repeat || (mx != INF && mx > p->rx->lim.max_repeat)) {
+                    perr(p, qat, "a repetition count above %u", p->rx->lim.max_repeat);
+                    break;
+                }
+            } else
+                break;
+            if (p->i < p->n && p->s[p->i] == '?') p->i++; /* lazy: the same language */
+            a = td_rx_repeat(p->rx, a, mn, mx);
+            if (p->i < p->n && (p->s[p->i] == '*' || p->s[p->i] == '+' || p->s[p->i] == '?' ||
+                                (p->s[p->i] == '{' && braces(p, &mn, &mx)))) {
+                perr(p, p->i, "nothing to repeat");
+                break;
+            }
+            break;
+        }
+        if (p->failed || !push(&items, a)) break;
+    }
+    if (p->failed) {
+        free(items.v);
+        return TD_RX_FAIL;
+    }
+    for (size_t k = items.n; k-- > 0 && r != TD_RX_FAIL;) r = td_rx_concat(p->rx, items.v[k], r);
+    free(items.v);
+    return r;
+}
+
+static td_rx_id parse_alt(parser *p) {
+    idvec alts = {0};
+    for (;;) {
+        td_rx_id a = parse_concat(p);
+        if (p->failed || a == TD_RX_FAIL || !push(&alts, a)) break;
+        if (p->i < p->n && p->s[p->i] == '|') {
+            p->i++;
+            continue;
+        }
+        break;
+    }
+    td_rx_id r = p->failed ? TD_RX_FAIL : or_vec(p->rx, &alts);
+    free(alts.v);
+    return r;
+}
+
+int td_rx_parse(td_rx *rx, const char *pattern, size_t n, unsigned flags, td_rx_id *out, char *err,
+                size_t errlen) {
+    parser p = {.rx = rx, .s = pattern, .n = n, .err = err, .errlen = errlen};
+    if (err && errlen) err[0] = 0;
+    if (rx->error) {
+        if (err && errlen) snprintf(err, errlen, "%s", rx->error);
+        return -1;
+    }
+    /* the anchors: a leading ^ and a trailing unescaped $ */
+    bool start = n > 0 && pattern[0] == '^';
+    bool end = false;
+    if (n > (size_t)start && pattern[n - 1] == '$') {
+        size_t bs = 0;
+        while (bs + 1 < n && pattern[n - 2 - bs] == '\\') bs++;
+        end = bs % 2 == 0;
+    }
+    p.i = start;
+    p.n = n - end;
+    td_rx_id r = parse_alt(&p);
+    if (!p.failed && p.i < p.n) perr(&p, p.i, "unbalanced parenthesis");
+    if (!p.failed && r == TD_RX_FAIL) perr(&p, p.i, "%s", rx->error ? rx->error : "limit");
+    if (!p.failed && (flags & TD_RX_SEARCH)) {
+        td_rx_id any = td_rx_star(rx, td_rx_any_char(rx));
+        if (!start) r = td_rx_concat(rx, any, r);
+        if (!end) r = td_rx_concat(rx, r, any);
+        if (r == TD_RX_FAIL) perr(&p, 0, "%s", rx->error ? rx->error : "limit");
+    }
+    if (p.failed) return -1;
+    *out = r;
+    return 0;
+}
