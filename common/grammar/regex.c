@@ -33,10 +33,8 @@ struct td_rx {
 };
 
 td_rx_limits td_rx_default_limits(void) {
-    return (td_rx_limits){.max_nodes = 1000000,
-                          .max_steps = 50000000,
-                          .max_repeat = 10000,
-                          .max_depth = 200};
+    return (td_rx_limits){
+        .max_nodes = 1000000, .max_steps = 50000000, .max_repeat = 10000, .max_depth = 200};
 }
 
 static void fail(td_rx *rx, const char *fmt, ...) {
@@ -251,7 +249,7 @@ static td_rx_id or_vec(td_rx *rx, idvec *v) {
             return TD_RX_FAIL;
         }
     }
-    qsort(f.v, f.n, sizeof *f.v, cmp_id);
+    if (f.n) qsort(f.v, f.n, sizeof *f.v, cmp_id);
     size_t m = 0;
     for (size_t i = 0; i < f.n; i++)
         if (!m || f.v[m - 1] != f.v[i]) f.v[m++] = f.v[i];
@@ -327,10 +325,10 @@ static bool utf8_split(td_rx *rx, uint32_t lo, uint32_t hi, int n, idvec *v) {
     for (int i = 1; i < n; i++) {
         uint32_t m = (1u << (6 * i)) - 1;
         if ((lo & ~m) != (hi & ~m)) {
-            if (lo & m) return utf8_split(rx, lo, lo | m, n, v) &&
-                               utf8_split(rx, (lo | m) + 1, hi, n, v);
-            if ((hi & m) != m) return utf8_split(rx, lo, (hi & ~m) - 1, n, v) &&
-                                      utf8_split(rx, hi & ~m, hi, n, v);
+            if (lo & m)
+                return utf8_split(rx, lo, lo | m, n, v) && utf8_split(rx, (lo | m) + 1, hi, n, v);
+            if ((hi & m) != m)
+                return utf8_split(rx, lo, (hi & ~m) - 1, n, v) && utf8_split(rx, hi & ~m, hi, n, v);
         }
     }
     uint8_t a[4], b[4];
@@ -535,7 +533,7 @@ static int cmp_range(const void *x, const void *y) {
 
 /* r's complement within the code points (sorted and merged first). */
 static bool negate(parser *p, ranges *r) {
-    qsort(r->r, r->n, sizeof *r->r, cmp_range);
+    if (r->n) qsort(r->r, r->n, sizeof *r->r, cmp_range);
     ranges out = {0};
     uint32_t next = 0;
     bool ok = true;
@@ -554,7 +552,11 @@ static bool next_cp(parser *p, uint32_t *cp) {
     const uint8_t *s = (const uint8_t *)p->s;
     size_t i = p->i;
     uint8_t c = s[i];
-    int n = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 0;
+    int n = c < 0x80             ? 1
+            : (c & 0xE0) == 0xC0 ? 2
+            : (c & 0xF0) == 0xE0 ? 3
+            : (c & 0xF8) == 0xF0 ? 4
+                                 : 0;
     if (!n || i + (size_t)n > p->n) {
         perr(p, i, "malformed UTF-8 in the pattern");
         return false;
@@ -603,10 +605,9 @@ static bool hex_digits(parser *p, int n, uint32_t *v) {
 static bool class_escape(parser *p, char e, ranges *r) {
     static const uint32_t dg[][2] = {{'0', '9'}};
     static const uint32_t wd[][2] = {{'0', '9'}, {'A', 'Z'}, {'_', '_'}, {'a', 'z'}};
-    static const uint32_t sp[][2] = {{0x09, 0x0D},     {0x20, 0x20},     {0xA0, 0xA0},
-                                     {0x1680, 0x1680}, {0x2000, 0x200A}, {0x2028, 0x2029},
-                                     {0x202F, 0x202F}, {0x205F, 0x205F}, {0x3000, 0x3000},
-                                     {0xFEFF, 0xFEFF}};
+    static const uint32_t sp[][2] = {
+        {0x09, 0x0D},     {0x20, 0x20},     {0xA0, 0xA0},     {0x1680, 0x1680}, {0x2000, 0x200A},
+        {0x2028, 0x2029}, {0x202F, 0x202F}, {0x205F, 0x205F}, {0x3000, 0x3000}, {0xFEFF, 0xFEFF}};
     const uint32_t(*set)[2];
     size_t n;
     switch (e | 0x20) {
@@ -869,12 +870,12 @@ static td_rx_id parse_atom(parser *p) {
     }
     if (c == '.') { /* any code point but the line terminators */
         p->i++;
-        static const uint32_t dot[][2] = {
-            {0, 9}, {11, 12}, {14, 0x2027}, {0x202A, 0x10FFFF}};
+        static const uint32_t dot[][2] = {{0, 9}, {11, 12}, {14, 0x2027}, {0x202A, 0x10FFFF}};
         return td_rx_codepoints(p->rx, dot, 4);
     }
     if (c == '^' || c == '$') {
-        perr(p, at, "the anchor %c is only supported at the start (^) or end ($) of the pattern", c);
+        perr(p, at, "the anchor %c is only supported at the start (^) or end ($) of the pattern",
+             c);
         return TD_RX_FAIL;
     }
     if (c == '*' || c == '+' || c == '?') {

@@ -88,10 +88,11 @@ td_rx_id td_rx_deriv(td_rx *rx, td_rx_id a, uint8_t b);
 bool td_rx_match(td_rx *rx, td_rx_id a, const void *s, size_t n);
 
 /* Pattern flags. */
-#define TD_RX_SEARCH 1u /* JSON Schema semantics: the pattern may match anywhere
-                           (unanchored, as ECMAScript's RegExp.test) unless it
-                           starts with ^ / ends with $; without it the pattern
-                           must match the whole text */
+#define TD_RX_SEARCH                                                                               \
+    1u /* JSON Schema semantics: the pattern may match anywhere                                    \
+          (unanchored, as ECMAScript's RegExp.test) unless it                                      \
+          starts with ^ / ends with $; without it the pattern                                      \
+          must match the whole text */
 
 /* Parses pattern (n bytes of UTF-8) into *out. 0 on success; -1 with a
  * message naming the construct and its byte offset in err. */

@@ -1,7 +1,7 @@
 """The grammar engine's regular expressions (common/grammar/regex.c) against
 RE2 (the PyPI `google-re2` package), an independent automaton-based
 implementation that, unlike `re`, never backtracks exponentially, through
-td-regex (tests/bench/regex_match.c).
+td-grammar-match (tests/bench/grammar_match.c).
 
 Patterns are random expression trees written twice: in ECMAScript syntax
 for Tandem (JSON Schema's `pattern` dialect) and in RE2 syntax with the
@@ -35,15 +35,15 @@ ALPHABET = ["a", "b", "c", "x", "0", "7", "_", " ", "-", ".", "\n", "é", "ß", 
 @pytest.fixture(scope="module")
 def matcher(build_dir):
     assert build_dir is not None, "TANDEM_BUILD_DIR is not set"
-    exe = build_dir / "td-regex"
-    assert exe.exists(), f"{exe} is missing: build the td-regex target"
+    exe = build_dir / "td-grammar-match"
+    assert exe.exists(), f"{exe} is missing: build the td-grammar-match target"
     p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def ask(line):
         p.stdin.write(line + "\n")
         p.stdin.flush()
         out = p.stdout.readline()
-        assert out, f"td-regex exited ({p.poll()}) on {line!r}"
+        assert out, f"td-grammar-match exited ({p.poll()}) on {line!r}"
         return out.rstrip("\n")
 
     class M:
@@ -241,7 +241,7 @@ def test_unsupported_is_refused_by_name(matcher, pattern, needle):
 
 
 def test_malformed_utf8_pattern_is_refused(matcher, build_dir):
-    exe = build_dir / "td-regex"
+    exe = build_dir / "td-grammar-match"
     bad = b"a\xffb".hex()
     out = subprocess.run([str(exe)], input=f"P 0 {bad}\n", capture_output=True, text=True,
                          timeout=10).stdout

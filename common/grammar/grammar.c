@@ -1,0 +1,667 @@
+/* Context-free grammars over lexemes and their matcher (grammar.h). */
+#include "common/grammar/grammar.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NONE     UINT32_MAX
+#define UNKNOWN  (UINT32_MAX - 1)
+#define LEX_DEAD 0u /* the lexer state with no live lexeme */
+#define BAD_SYM  UINT32_MAX
+
+typedef struct {
+    char *name;
+    bool is_lex, nullable;
+    uint32_t lex;    /* lexeme: its index among the lexemes */
+    td_rx_id re;     /* lexeme: its expression */
+    uint32_t r0, nr; /* nonterminal: its rules in by_lhs (after finish) */
+} sym;
+
+typedef struct {
+    uint32_t lhs, off, len;
+} rule;
+
+typedef struct {
+    uint32_t lex;
+    td_rx_id node;
+} lpair;
+
+typedef struct {
+    uint32_t off, n;        /* pairs, sorted by lexeme */
+    uint32_t acc_off, nacc; /* the lexemes that end here (nullable nodes) */
+    uint32_t *trans;        /* 256 next states, UNKNOWN until computed */
+} lstate;
+
+struct td_gram {
+    td_gram_limits lim;
+    td_rx *rx;
+    sym *syms;
+    size_t nsyms, csyms;
+    uint32_t nlex;
+    rule *rules;
+    size_t nrules, crules;
+    uint32_t *rhs;
+    size_t nrhs, crhs;
+    uint32_t *by_lhs; /* rule ids grouped by left side */
+    bool finished;
+    uint32_t start_rule;
+    /* the lexer's DFA */
+    lstate *ls;
+    size_t nls, cls;
+    lpair *pairs;
+    size_t npairs, cpairs;
+    uint32_t *accs;
+    size_t naccs, caccs;
+    uint32_t *lslots; /* hash-consing of states: id + 1 */
+    size_t nlslots;
+    const char *error;
+    char errbuf[200];
+};
+
+td_gram_limits td_gram_default_limits(void) {
+    return (td_gram_limits){.max_lexemes = 10000,
+                            .max_rules = 100000,
+                            .max_lexer_states = 50000,
+                            .max_items_set = 100000,
+                            .max_items = 50000000,
+                            .rx = td_rx_default_limits()};
+}
+
+static void gfail(td_gram *g, const char *fmt, ...) {
+    if (g->error) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g->errbuf, sizeof g->errbuf, fmt, ap);
+    va_end(ap);
+    g->error = g->errbuf;
+}
+
+/* Grows *p (elements of size sz, capacity *cap) to hold n + 1. */
+static bool reserve(void **p, size_t *cap, size_t n, size_t sz) {
+    if (n < *cap) return true;
+    size_t nc = *cap ? *cap * 2 : 64;
+    void *q = realloc(*p, nc * sz);
+    if (!q) return false;
+    *p = q;
+    *cap = nc;
+    return true;
+}
+
+static uint32_t intern_lstate(td_gram *g, const lpair *p, uint32_t n);
+
+td_gram *td_gram_new(const td_gram_limits *lim) {
+    td_gram *g = calloc(1, sizeof *g);
+    if (!g) return NULL;
+    g->lim = lim ? *lim : td_gram_default_limits();
+    g->rx = td_rx_new(&g->lim.rx);
+    if (!g->rx || intern_lstate(g, NULL, 0) != LEX_DEAD) {
+        td_gram_free(g);
+        return NULL;
+    }
+    return g;
+}
+
+void td_gram_free(td_gram *g) {
+    if (!g) return;
+    for (size_t i = 0; i < g->nsyms; i++) free(g->syms[i].name);
+    for (size_t i = 0; i < g->nls; i++) free(g->ls[i].trans);
+    free(g->syms);
+    free(g->rules);
+    free(g->rhs);
+    free(g->by_lhs);
+    free(g->ls);
+    free(g->pairs);
+    free(g->accs);
+    free(g->lslots);
+    td_rx_free(g->rx);
+    free(g);
+}
+
+td_rx *td_gram_rx(td_gram *g) { return g->rx; }
+const char *td_gram_error(const td_gram *g) { return g->error; }
+size_t td_gram_lexeme_count(const td_gram *g) { return g->nlex; }
+size_t td_gram_rule_count(const td_gram *g) { return g->nrules; }
+const char *td_gram_sym_name(const td_gram *g, td_gram_sym s) {
+    return s < g->nsyms ? g->syms[s].name : "?";
+}
+
+static td_gram_sym add_sym(td_gram *g, const char *name, bool is_lex) {
+    if (g->error) return BAD_SYM;
+    if (g->finished) {
+        gfail(g, "grammar: symbol %s added after the grammar was finished", name);
+        return BAD_SYM;
+    }
+    char *nm = strdup(name ? name : "");
+    if (!nm || !reserve((void **)&g->syms, &g->csyms, g->nsyms, sizeof *g->syms)) {
+        free(nm);
+        gfail(g, "grammar: out of memory");
+        return BAD_SYM;
+    }
+    g->syms[g->nsyms] = (sym){.name = nm, .is_lex = is_lex};
+    return (td_gram_sym)g->nsyms++;
+}
+
+td_gram_sym td_gram_lexeme(td_gram *g, td_rx_id re, const char *name) {
+    if (re == TD_RX_FAIL) {
+        gfail(g, "grammar: lexeme %s: %s", name, td_rx_error(g->rx) ? td_rx_error(g->rx) : "limit");
+        return BAD_SYM;
+    }
+    if (re == TD_RX_NOTHING || td_rx_nullable(g->rx, re)) {
+        gfail(g, "grammar: lexeme %s matches %s", name,
+              re == TD_RX_NOTHING ? "nothing" : "the empty string");
+        return BAD_SYM;
+    }
+    if (g->nlex >= g->lim.max_lexemes) {
+        gfail(g, "grammar: more than %u lexemes", g->lim.max_lexemes);
+        return BAD_SYM;
+    }
+    td_gram_sym s = add_sym(g, name, true);
+    if (s == BAD_SYM) return s;
+    g->syms[s].lex = g->nlex++;
+    g->syms[s].re = re;
+    return s;
+}
+
+td_gram_sym td_gram_nonterm(td_gram *g, const char *name) { return add_sym(g, name, false); }
+
+int td_gram_rule(td_gram *g, td_gram_sym lhs, const td_gram_sym *rhs, size_t n) {
+    if (g->error) return -1;
+    if (g->finished || lhs >= g->nsyms || g->syms[lhs].is_lex) {
+        gfail(g, "grammar: a rule for %s", g->finished ? "a finished grammar" : "a lexeme");
+        return -1;
+    }
+    if (g->nrules >= g->lim.max_rules) {
+        gfail(g, "grammar: more than %u rules", g->lim.max_rules);
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (rhs[i] >= g->nsyms) {
+            gfail(g, "grammar: rule for %s names an unknown symbol", g->syms[lhs].name);
+            return -1;
+        }
+    if (!reserve((void **)&g->rules, &g->crules, g->nrules, sizeof *g->rules)) goto oom;
+    while (g->nrhs + n >= g->crhs)
+        if (!reserve((void **)&g->rhs, &g->crhs, g->crhs, sizeof *g->rhs)) goto oom;
+    if (n) memcpy(g->rhs + g->nrhs, rhs, n * sizeof *rhs);
+    g->rules[g->nrules++] = (rule){.lhs = lhs, .off = (uint32_t)g->nrhs, .len = (uint32_t)n};
+    g->nrhs += n;
+    return 0;
+oom:
+    gfail(g, "grammar: out of memory");
+    return -1;
+}
+
+int td_gram_finish(td_gram *g, td_gram_sym start) {
+    if (g->error) return -1;
+    if (start >= g->nsyms || g->syms[start].is_lex) {
+        gfail(g, "grammar: the start symbol is not a nonterminal");
+        return -1;
+    }
+    /* the augmented start S' -> start */
+    td_gram_sym top = td_gram_nonterm(g, "start'");
+    if (top == BAD_SYM || td_gram_rule(g, top, &start, 1)) return -1;
+    g->start_rule = (uint32_t)g->nrules - 1;
+    g->finished = true;
+    /* rules grouped by left side (counting sort) */
+    for (size_t i = 0; i < g->nrules; i++) g->syms[g->rules[i].lhs].nr++;
+    uint32_t off = 0;
+    for (size_t s = 0; s < g->nsyms; s++) {
+        if (!g->syms[s].is_lex && !g->syms[s].nr) {
+            gfail(g, "grammar: nonterminal %s has no rules", g->syms[s].name);
+            return -1;
+        }
+        g->syms[s].r0 = off;
+        off += g->syms[s].nr;
+        g->syms[s].nr = 0;
+    }
+    g->by_lhs = malloc((g->nrules ? g->nrules : 1) * sizeof *g->by_lhs);
+    if (!g->by_lhs) {
+        gfail(g, "grammar: out of memory");
+        return -1;
+    }
+    for (size_t i = 0; i < g->nrules; i++) {
+        sym *l = &g->syms[g->rules[i].lhs];
+        g->by_lhs[l->r0 + l->nr++] = (uint32_t)i;
+    }
+    /* nullable nonterminals: to a fixed point */
+    for (bool changed = true; changed;) {
+        changed = false;
+        for (size_t i = 0; i < g->nrules; i++) {
+            const rule *r = &g->rules[i];
+            if (g->syms[r->lhs].nullable) continue;
+            bool all = true;
+            for (uint32_t k = 0; k < r->len && all; k++) all = g->syms[g->rhs[r->off + k]].nullable;
+            if (all) g->syms[r->lhs].nullable = changed = true;
+        }
+    }
+    return 0;
+}
+
+/* ---- the lexer's DFA ---- */
+
+static uint64_t lhash(const lpair *p, uint32_t n) {
+    uint64_t h = 0x9e3779b97f4a7c15ull ^ n;
+    for (uint32_t i = 0; i < n; i++) {
+        h ^= ((uint64_t)p[i].lex << 32 | p[i].node) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+        h *= 0xff51afd7ed558ccdull;
+    }
+    return h ^ (h >> 29);
+}
+
+static bool lslots_grow(td_gram *g) {
+    size_t ns = g->nlslots ? g->nlslots * 2 : 256;
+    uint32_t *s = calloc(ns, sizeof *s);
+    if (!s) return false;
+    for (size_t i = 0; i < g->nlslots; i++) {
+        uint32_t v = g->lslots[i];
+        if (!v) continue;
+        const lstate *st = &g->ls[v - 1];
+        size_t j = lhash(g->pairs + st->off, st->n) & (ns - 1);
+        while (s[j]) j = (j + 1) & (ns - 1);
+        s[j] = v;
+    }
+    free(g->lslots);
+    g->lslots = s;
+    g->nlslots = ns;
+    return true;
+}
+
+/* The state of the n pairs (sorted by lexeme), made if new; NONE on a limit. */
+static uint32_t intern_lstate(td_gram *g, const lpair *p, uint32_t n) {
+    if ((g->nls + 1) * 2 > g->nlslots && !lslots_grow(g)) goto oom;
+    const uint64_t h = lhash(p, n);
+    size_t j = h & (g->nlslots - 1);
+    while (g->lslots[j]) {
+        const lstate *st = &g->ls[g->lslots[j] - 1];
+        if (st->n == n && (!n || !memcmp(g->pairs + st->off, p, n * sizeof *p)))
+            return g->lslots[j] - 1;
+        j = (j + 1) & (g->nlslots - 1);
+    }
+    if (g->nls >= g->lim.max_lexer_states) {
+        gfail(g, "grammar: more than %u lexer states", g->lim.max_lexer_states);
+        return NONE;
+    }
+    if (!reserve((void **)&g->ls, &g->cls, g->nls, sizeof *g->ls)) goto oom;
+    while (g->npairs + n >= g->cpairs)
+        if (!reserve((void **)&g->pairs, &g->cpairs, g->cpairs, sizeof *g->pairs)) goto oom;
+    while (g->naccs + n >= g->caccs)
+        if (!reserve((void **)&g->accs, &g->caccs, g->caccs, sizeof *g->accs)) goto oom;
+    lstate st = {.off = (uint32_t)g->npairs, .n = n, .acc_off = (uint32_t)g->naccs};
+    if (n) memcpy(g->pairs + g->npairs, p, n * sizeof *p);
+    g->npairs += n;
+    for (uint32_t i = 0; i < n; i++)
+        if (td_rx_nullable(g->rx, p[i].node)) g->accs[g->naccs + st.nacc++] = p[i].lex;
+    g->naccs += st.nacc;
+    g->ls[g->nls] = st;
+    g->lslots[j] = (uint32_t)g->nls + 1;
+    return (uint32_t)g->nls++;
+oom:
+    gfail(g, "grammar: out of memory");
+    return NONE;
+}
+
+/* The lexer state after byte b from state s; NONE on a limit. */
+static uint32_t lex_step(td_gram *g, uint32_t s, uint8_t b) {
+    if (!g->ls[s].trans) {
+        uint32_t *t = malloc(256 * sizeof *t);
+        if (!t) {
+            gfail(g, "grammar: out of memory");
+            return NONE;
+        }
+        for (int i = 0; i < 256; i++) t[i] = UNKNOWN;
+        g->ls[s].trans = t;
+    }
+    if (g->ls[s].trans[b] != UNKNOWN) return g->ls[s].trans[b];
+    const uint32_t n = g->ls[s].n, off = g->ls[s].off;
+    lpair stack_buf[32], *q = n <= 32 ? stack_buf : malloc(n * sizeof *q);
+    if (!q) {
+        gfail(g, "grammar: out of memory");
+        return NONE;
+    }
+    uint32_t m = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const lpair pi = g->pairs[off + i];
+        td_rx_id d = td_rx_deriv(g->rx, pi.node, b);
+        if (d == TD_RX_FAIL) {
+            gfail(g, "grammar: %s", td_rx_error(g->rx));
+            if (q != stack_buf) free(q);
+            return NONE;
+        }
+        if (d != TD_RX_NOTHING) q[m++] = (lpair){pi.lex, d};
+    }
+    uint32_t r = intern_lstate(g, q, m);
+    if (q != stack_buf) free(q);
+    if (r != NONE) g->ls[s].trans[b] = r;
+    return r;
+}
+
+/* ---- the matcher: Earley sets over lexemes ---- */
+
+typedef struct {
+    uint32_t rule, dot, origin;
+} item;
+
+typedef struct {
+    uint32_t off;   /* first item */
+    uint32_t lex0;  /* the lexer's start state here (NONE until made) */
+    bool accepting; /* holds start' -> start . */
+} eset;
+
+typedef struct {
+    uint32_t lex;   /* lexer state after this byte */
+    uint32_t nsets; /* Earley sets then */
+} frame;
+
+struct td_gm {
+    td_gram *g;
+    item *items;
+    size_t nitems, citems;
+    eset *sets;
+    size_t nsets, csets;
+    frame *frames;
+    size_t nframes, cframes;
+    /* de-duplication of the set being built: item index + 1 by hash, valid
+     * where gen matches */
+    uint32_t *dslots, *dgen, gen;
+    size_t ndslots;
+    uint64_t made;    /* items made over the matcher's life */
+    uint8_t *lexmark; /* per lexeme: scratch */
+    const char *error;
+    char errbuf[200];
+};
+
+static void mfail(td_gm *m, const char *fmt, ...) {
+    if (m->error) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(m->errbuf, sizeof m->errbuf, fmt, ap);
+    va_end(ap);
+    m->error = m->errbuf;
+}
+
+const char *td_gm_error(const td_gm *m) { return m->error; }
+
+static uint64_t ihash(item it) {
+    uint64_t h = ((uint64_t)it.rule << 40) ^ ((uint64_t)it.dot << 20) ^ it.origin;
+    h *= 0x9e3779b97f4a7c15ull;
+    return h ^ (h >> 32);
+}
+
+/* Starts the de-duplication of a new set. */
+static bool dedup_reset(td_gm *m) {
+    if (++m->gen == 0) { /* wrapped: clear */
+        memset(m->dgen, 0, m->ndslots * sizeof *m->dgen);
+        m->gen = 1;
+    }
+    return true;
+}
+
+static bool dedup_grow(td_gm *m, size_t set_off) {
+    size_t ns = m->ndslots ? m->ndslots * 2 : 1024;
+    uint32_t *s = malloc(ns * sizeof *s), *gn = calloc(ns, sizeof *gn);
+    if (!s || !gn) {
+        free(s);
+        free(gn);
+        return false;
+    }
+    free(m->dslots);
+    free(m->dgen);
+    m->dslots = s;
+    m->dgen = gn;
+    m->ndslots = ns;
+    m->gen = 1;
+    for (size_t i = set_off; i < m->nitems; i++) {
+        size_t j = ihash(m->items[i]) & (ns - 1);
+        while (gn[j] == 1) j = (j + 1) & (ns - 1);
+        gn[j] = 1;
+        s[j] = (uint32_t)i;
+    }
+    return true;
+}
+
+/* Adds it to the set being built (which starts at set_off) unless there.
+ * false on a limit or allocation failure (m->error). */
+static bool add_item(td_gm *m, size_t set_off, item it) {
+    const td_gram *g = m->g;
+    if ((m->nitems - set_off + 1) * 2 > m->ndslots && !dedup_grow(m, set_off)) goto oom;
+    size_t j = ihash(it) & (m->ndslots - 1);
+    while (m->dgen[j] == m->gen) {
+        const item *x = &m->items[m->dslots[j]];
+        if (x->rule == it.rule && x->dot == it.dot && x->origin == it.origin) return true;
+        j = (j + 1) & (m->ndslots - 1);
+    }
+    if (m->nitems - set_off >= g->lim.max_items_set) {
+        mfail(m, "grammar: more than %u parser items at one position", g->lim.max_items_set);
+        return false;
+    }
+    if (++m->made > g->lim.max_items) {
+        mfail(m, "grammar: more than %llu parser items", (unsigned long long)g->lim.max_items);
+        return false;
+    }
+    if (!reserve((void **)&m->items, &m->citems, m->nitems, sizeof *m->items)) goto oom;
+    m->dgen[j] = m->gen;
+    m->dslots[j] = (uint32_t)m->nitems;
+    m->items[m->nitems++] = it;
+    return true;
+oom:
+    mfail(m, "grammar: out of memory");
+    return false;
+}
+
+static inline uint32_t next_sym(const td_gram *g, item it) {
+    const rule *r = &g->rules[it.rule];
+    return it.dot < r->len ? g->rhs[r->off + it.dot] : NONE;
+}
+
+/* Predicts and completes the set k (its scanned items in place) to closure. */
+static bool closure(td_gm *m, uint32_t k) {
+    const td_gram *g = m->g;
+    const size_t off = m->sets[k].off;
+    for (size_t i = off; i < m->nitems; i++) {
+        const item it = m->items[i];
+        const uint32_t s = next_sym(g, it);
+        if (s == NONE) { /* complete: advance the items of its origin waiting for lhs */
+            const uint32_t lhs = g->rules[it.rule].lhs;
+            const size_t o0 = m->sets[it.origin].off;
+            const size_t o1 = it.origin == k ? m->nitems : m->sets[it.origin + 1].off;
+            for (size_t x = o0; x < o1; x++) {
+                const item w = m->items[x];
+                if (next_sym(g, w) == lhs && !add_item(m, off, (item){w.rule, w.dot + 1, w.origin}))
+                    return false;
+            }
+            if (it.rule == g->start_rule && it.origin == 0) m->sets[k].accepting = true;
+            continue;
+        }
+        const sym *ss = &g->syms[s];
+        if (ss->is_lex) continue;
+        for (uint32_t q = 0; q < ss->nr; q++)
+            if (!add_item(m, off, (item){g->by_lhs[ss->r0 + q], 0, k})) return false;
+        if (ss->nullable && !add_item(m, off, (item){it.rule, it.dot + 1, it.origin})) return false;
+    }
+    return true;
+}
+
+static bool new_set(td_gm *m) {
+    if (!reserve((void **)&m->sets, &m->csets, m->nsets + 1, sizeof *m->sets)) {
+        mfail(m, "grammar: out of memory");
+        return false;
+    }
+    m->sets[m->nsets] = (eset){.off = (uint32_t)m->nitems, .lex0 = NONE};
+    m->sets[m->nsets + 1].off = (uint32_t)m->nitems; /* sentinel for closure */
+    m->nsets++;
+    return dedup_reset(m);
+}
+
+static void truncate_sets(td_gm *m, size_t nsets) {
+    if (nsets >= m->nsets) return;
+    m->nitems = m->sets[nsets].off;
+    m->nsets = nsets;
+}
+
+/* The lexer's start state at set k: the lexemes its items expect. */
+static uint32_t lex_start(td_gm *m, uint32_t k) {
+    if (m->sets[k].lex0 != NONE) return m->sets[k].lex0;
+    td_gram *g = m->g;
+    const size_t o0 = m->sets[k].off, o1 = k + 1 < m->nsets ? m->sets[k + 1].off : m->nitems;
+    lpair *p = NULL;
+    uint32_t n = 0;
+    memset(m->lexmark, 0, g->nlex);
+    for (size_t i = o0; i < o1; i++) {
+        const uint32_t s = next_sym(g, m->items[i]);
+        if (s == NONE || !g->syms[s].is_lex || m->lexmark[g->syms[s].lex]) continue;
+        m->lexmark[g->syms[s].lex] = 1;
+        n++;
+    }
+    if (n && !(p = malloc(n * sizeof *p))) {
+        mfail(m, "grammar: out of memory");
+        return NONE;
+    }
+    uint32_t j = 0;
+    for (size_t s = 0; s < g->nsyms && j < n; s++)
+        if (g->syms[s].is_lex && m->lexmark[g->syms[s].lex])
+            p[j++] = (lpair){g->syms[s].lex, g->syms[s].re};
+    /* syms are in lexeme order, so p is sorted by lexeme */
+    uint32_t r = intern_lstate(g, p, n);
+    free(p);
+    if (r == NONE) mfail(m, "%s", g->error);
+    m->sets[k].lex0 = r;
+    return r;
+}
+
+/* Scans, after set k, the lexemes marked in m->lexmark: set k + 1, closed.
+ * false when it is empty (m->error set on a limit). */
+static bool scan(td_gm *m, uint32_t k) {
+    const td_gram *g = m->g;
+    if (!new_set(m)) return false;
+    const size_t o0 = m->sets[k].off, o1 = m->sets[k + 1].off, off = m->nitems;
+    for (size_t i = o0; i < o1; i++) {
+        const item it = m->items[i];
+        const uint32_t s = next_sym(g, it);
+        if (s != NONE && g->syms[s].is_lex && m->lexmark[g->syms[s].lex] &&
+            !add_item(m, off, (item){it.rule, it.dot + 1, it.origin})) {
+            truncate_sets(m, k + 1);
+            return false;
+        }
+    }
+    if (m->nitems == off || !closure(m, k + 1)) {
+        truncate_sets(m, k + 1);
+        return false;
+    }
+    return true;
+}
+
+/* Marks the lexemes that end in lexer state s; false if none. */
+static bool mark_accepting(td_gm *m, uint32_t s) {
+    const td_gram *g = m->g;
+    const lstate *st = &g->ls[s];
+    if (!st->nacc) return false;
+    memset(m->lexmark, 0, g->nlex);
+    for (uint32_t i = 0; i < st->nacc; i++) m->lexmark[g->accs[st->acc_off + i]] = 1;
+    return true;
+}
+
+td_gm *td_gm_new(td_gram *g) {
+    if (!g->finished || g->error) return NULL;
+    td_gm *m = calloc(1, sizeof *m);
+    if (!m) return NULL;
+    m->g = g;
+    m->lexmark = calloc(g->nlex ? g->nlex : 1, 1);
+    if (!m->lexmark || !new_set(m) || !add_item(m, 0, (item){g->start_rule, 0, 0}) ||
+        !closure(m, 0) || lex_start(m, 0) == NONE ||
+        !reserve((void **)&m->frames, &m->cframes, 0, sizeof *m->frames)) {
+        td_gm_free(m);
+        return NULL;
+    }
+    m->frames[0] = (frame){.lex = m->sets[0].lex0, .nsets = 1};
+    m->nframes = 1;
+    return m;
+}
+
+void td_gm_free(td_gm *m) {
+    if (!m) return;
+    free(m->items);
+    free(m->sets);
+    free(m->frames);
+    free(m->dslots);
+    free(m->dgen);
+    free(m->lexmark);
+    free(m);
+}
+
+size_t td_gm_depth(const td_gm *m) { return m->nframes - 1; }
+
+td_gm_result td_gm_push(td_gm *m, uint8_t b) {
+    td_gram *g = m->g;
+    if (m->error) return TD_GM_LIMIT;
+    const frame top = m->frames[m->nframes - 1];
+    const uint32_t k = top.nsets - 1;
+    if (!reserve((void **)&m->frames, &m->cframes, m->nframes, sizeof *m->frames)) {
+        mfail(m, "grammar: out of memory");
+        return TD_GM_LIMIT;
+    }
+    uint32_t t = lex_step(g, top.lex, b);
+    if (t == NONE) goto limit;
+    if (t != LEX_DEAD) {
+        m->frames[m->nframes++] = (frame){t, top.nsets};
+        return TD_GM_OK;
+    }
+    /* the byte ends the lexeme(s) that end here, and starts the next */
+    if (top.lex == m->sets[k].lex0 || !mark_accepting(m, top.lex)) return TD_GM_REJECT;
+    if (!scan(m, k)) return m->error ? TD_GM_LIMIT : TD_GM_REJECT;
+    const uint32_t s0 = lex_start(m, k + 1);
+    if (s0 == NONE) goto limit_scan;
+    t = lex_step(g, s0, b);
+    if (t == NONE) goto limit_scan;
+    if (t == LEX_DEAD) {
+        truncate_sets(m, k + 1);
+        return TD_GM_REJECT;
+    }
+    m->frames[m->nframes++] = (frame){t, top.nsets + 1};
+    return TD_GM_OK;
+limit_scan:
+    truncate_sets(m, k + 1);
+limit:
+    mfail(m, "%s", g->error ? g->error : "grammar: limit");
+    return TD_GM_LIMIT;
+}
+
+td_gm_result td_gm_push_bytes(td_gm *m, const void *bytes, size_t n, size_t *done) {
+    const uint8_t *p = bytes;
+    size_t i = 0;
+    td_gm_result r = TD_GM_OK;
+    for (; i < n; i++)
+        if ((r = td_gm_push(m, p[i])) != TD_GM_OK) break;
+    if (done) *done = i;
+    return r;
+}
+
+void td_gm_pop(td_gm *m, size_t n) {
+    if (n > m->nframes - 1) n = m->nframes - 1;
+    m->nframes -= n;
+    truncate_sets(m, m->frames[m->nframes - 1].nsets);
+}
+
+bool td_gm_accepting(td_gm *m) {
+    if (m->error) return false;
+    const frame top = m->frames[m->nframes - 1];
+    const uint32_t k = top.nsets - 1;
+    if (top.lex == m->sets[k].lex0) return m->sets[k].accepting;
+    if (!mark_accepting(m, top.lex) || !scan(m, k)) return false;
+    const bool acc = m->sets[k + 1].accepting;
+    truncate_sets(m, k + 1);
+    return acc;
+}
+
+bool td_gm_finished(td_gm *m) {
+    for (int b = 0; b < 256; b++) {
+        td_gm_result r = td_gm_push(m, (uint8_t)b);
+        if (r == TD_GM_OK) {
+            td_gm_pop(m, 1);
+            return false;
+        }
+        if (r == TD_GM_LIMIT) return false;
+    }
+    return true;
+}

@@ -1,0 +1,707 @@
+/* The Lark-style grammar language (lark.h). */
+#include "common/grammar/lark.h"
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum {
+    T_EOF,
+    T_NL,
+    T_RULE,   /* a lowercase name */
+    T_TERM,   /* an UPPERCASE name */
+    T_STRING, /* decoded into the token's text */
+    T_REGEX,  /* the pattern between the slashes */
+    T_INT,
+    T_PUNCT, /* one of : | ( ) [ ] ? * + ~ and .. (text) */
+};
+
+typedef struct {
+    int kind, line;
+    char *text; /* T_RULE, T_TERM, T_STRING (bytes), T_REGEX, T_PUNCT */
+    size_t len;
+    long ival;
+} tok;
+
+typedef struct {
+    char *name;
+    bool is_term;
+    int line;
+    size_t b, e;     /* body tokens [b, e) */
+    td_gram_sym sym; /* rule: its nonterminal; terminal: its lexeme (BAD until used) */
+    td_rx_id re;     /* terminal: its expression (TD_RX_FAIL until made) */
+    int state;       /* terminal: 0 not made, 1 being made, 2 made */
+} def;
+
+typedef struct {
+    int kind; /* T_STRING or T_REGEX */
+    char *text;
+    size_t len;
+    td_gram_sym sym;
+} anon;
+
+typedef struct {
+    td_gram *g;
+    td_rx *rx;
+    tok *t;
+    size_t nt, ct, i, end;
+    def *d;
+    size_t nd, cd;
+    anon *an;
+    size_t nan, can;
+    int nfresh;
+    char *err;
+    size_t errlen;
+    bool failed;
+} lk;
+
+#define BAD UINT32_MAX
+
+static void lerr(lk *p, int line, const char *fmt, ...) {
+    if (p->failed) return;
+    p->failed = true;
+    char msg[200];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (p->err && p->errlen) snprintf(p->err, p->errlen, "grammar: line %d: %s", line, msg);
+}
+
+static bool grow(void **v, size_t *cap, size_t n, size_t sz) {
+    if (n < *cap) return true;
+    size_t nc = *cap ? *cap * 2 : 64;
+    void *q = realloc(*v, nc * sz);
+    if (!q) return false;
+    *v = q;
+    *cap = nc;
+    return true;
+}
+
+static bool add_tok(lk *p, tok t) {
+    if (!grow((void **)&p->t, &p->ct, p->nt, sizeof *p->t)) {
+        free(t.text);
+        lerr(p, t.line, "out of memory");
+        return false;
+    }
+    p->t[p->nt++] = t;
+    return true;
+}
+
+static int hexv(char c) {
+    return c >= '0' && c <= '9'   ? c - '0'
+           : c >= 'a' && c <= 'f' ? c - 'a' + 10
+           : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                  : -1;
+}
+
+static size_t put_utf8(uint32_t c, char *o) {
+    if (c < 0x80) return o[0] = (char)c, 1;
+    if (c < 0x800) return o[0] = (char)(0xC0 | c >> 6), o[1] = (char)(0x80 | (c & 63)), 2;
+    if (c < 0x10000)
+        return o[0] = (char)(0xE0 | c >> 12), o[1] = (char)(0x80 | ((c >> 6) & 63)),
+               o[2] = (char)(0x80 | (c & 63)), 3;
+    return o[0] = (char)(0xF0 | c >> 18), o[1] = (char)(0x80 | ((c >> 12) & 63)),
+           o[2] = (char)(0x80 | ((c >> 6) & 63)), o[3] = (char)(0x80 | (c & 63)), 4;
+}
+
+/* A Python string literal at s[*i] (on the quote): its bytes in *out. */
+static bool read_string(lk *p, const char *s, size_t n, size_t *i, int line, char **out,
+                        size_t *olen) {
+    const char q = s[(*i)++];
+    char *o = malloc(n - *i + 1);
+    size_t k = 0;
+    if (!o) {
+        lerr(p, line, "out of memory");
+        return false;
+    }
+    while (*i < n && s[*i] != q) {
+        char c = s[(*i)++];
+        if (c == '\n') break;
+        if (c != '\\') {
+            o[k++] = c;
+            continue;
+        }
+        if (*i >= n) break;
+        c = s[(*i)++];
+        int nh = 0;
+        switch (c) {
+        case 'n': o[k++] = '\n'; break;
+        case 't': o[k++] = '\t'; break;
+        case 'r': o[k++] = '\r'; break;
+        case '0': o[k++] = 0; break;
+        case '\\':
+        case '"':
+        case '\'': o[k++] = c; break;
+        case 'x': nh = 2; break;
+        case 'u': nh = 4; break;
+        case 'U': nh = 8; break;
+        default:
+            free(o);
+            lerr(p, line, "unsupported escape \\%c in a string", c);
+            return false;
+        }
+        if (nh) {
+            uint32_t v = 0;
+            for (int j = 0; j < nh; j++) {
+                int h = *i < n ? hexv(s[*i]) : -1;
+                if (h < 0) {
+                    free(o);
+                    lerr(p, line, "expected %d hex digits after \\%c", nh, c);
+                    return false;
+                }
+                v = v * 16 + (uint32_t)h;
+                (*i)++;
+            }
+            if (v > 0x10FFFF || (v >= 0xD800 && v <= 0xDFFF)) {
+                free(o);
+                lerr(p, line, "escape \\%c is not a Unicode scalar value", c);
+                return false;
+            }
+            k += put_utf8(v, o + k);
+        }
+    }
+    if (*i >= n || s[*i] != q) {
+        free(o);
+        lerr(p, line, "unterminated string");
+        return false;
+    }
+    (*i)++;
+    if (*i < n && s[*i] == 'i') {
+        free(o);
+        lerr(p, line, "case-insensitive literals (\"...\"i) are not supported");
+        return false;
+    }
+    o[k] = 0; /* for messages; the length counts */
+    *out = o;
+    *olen = k;
+    return true;
+}
+
+static bool is_ident(char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+}
+
+static bool lex(lk *p, const char *s, size_t n) {
+    int line = 1, depth = 0;
+    size_t i = 0;
+    while (i < n && !p->failed) {
+        const char c = s[i];
+        if (c == '\n') {
+            line++, i++;
+            if (depth == 0) {
+                /* a line that starts with | continues the rule (blank and
+                 * comment lines between are skipped) */
+                size_t j = i;
+                for (;;) {
+                    while (j < n && (s[j] == ' ' || s[j] == '\t' || s[j] == '\r' || s[j] == '\n'))
+                        j++;
+                    if (j < n && (s[j] == '#' || (s[j] == '/' && j + 1 < n && s[j + 1] == '/')))
+                        while (j < n && s[j] != '\n') j++;
+                    else
+                        break;
+                }
+                if (j < n && s[j] == '|') continue;
+                if (p->nt && p->t[p->nt - 1].kind != T_NL &&
+                    !add_tok(p, (tok){.kind = T_NL, .line = line - 1}))
+                    return false;
+            }
+            continue;
+        }
+        if (c == ' ' || c == '\t' || c == '\r') {
+            i++;
+            continue;
+        }
+        if (c == '/' && i + 1 < n && s[i + 1] == '/') {
+            while (i < n && s[i] != '\n') i++;
+            continue;
+        }
+        if (c == '#') {
+            while (i < n && s[i] != '\n') i++;
+            continue;
+        }
+        if (c == '%') {
+            size_t j = i + 1;
+            while (j < n && is_ident(s[j])) j++;
+            lerr(p, line, "the directive %.*s is not supported", (int)(j - i), s + i);
+            return false;
+        }
+        if (c == '<' && i + 1 < n && (s[i + 1] == '[' || s[i + 1] == '|')) {
+            lerr(p, line, "token terminals (<[id]>, <|name|>) are not supported yet");
+            return false;
+        }
+        if (c == '"' || c == '\'') {
+            tok t = {.kind = T_STRING, .line = line};
+            if (!read_string(p, s, n, &i, line, &t.text, &t.len) || !add_tok(p, t)) return false;
+            continue;
+        }
+        if (c == '/') {
+            size_t j = i + 1;
+            bool in_class = false;
+            while (j < n && s[j] != '\n' && (s[j] != '/' || in_class)) {
+                if (s[j] == '\\' && j + 1 < n)
+                    j++;
+                else if (s[j] == '[')
+                    in_class = true;
+                else if (s[j] == ']')
+                    in_class = false;
+                j++;
+            }
+            if (j >= n || s[j] != '/') {
+                lerr(p, line, "unterminated /regex/");
+                return false;
+            }
+            if (j + 1 < n && (s[j + 1] >= 'a' && s[j + 1] <= 'z')) {
+                lerr(p, line, "regex flags (/.../%c) are not supported", s[j + 1]);
+                return false;
+            }
+            tok t = {.kind = T_REGEX, .line = line, .len = j - i - 1};
+            t.text = malloc(t.len + 1);
+            if (!t.text) return lerr(p, line, "out of memory"), false;
+            memcpy(t.text, s + i + 1, t.len);
+            t.text[t.len] = 0;
+            if (!add_tok(p, t)) return false;
+            i = j + 1;
+            continue;
+        }
+        if (c >= '0' && c <= '9') {
+            long v = 0;
+            while (i < n && s[i] >= '0' && s[i] <= '9') {
+                if (v < 100000000) v = v * 10 + (s[i] - '0');
+                i++;
+            }
+            if (!add_tok(p, (tok){.kind = T_INT, .line = line, .ival = v})) return false;
+            continue;
+        }
+        if (is_ident(c)) {
+            size_t j = i;
+            bool lower = false;
+            while (j < n && is_ident(s[j])) lower |= s[j] >= 'a' && s[j] <= 'z', j++;
+            tok t = {.kind = lower ? T_RULE : T_TERM, .line = line, .len = j - i};
+            t.text = malloc(t.len + 1);
+            if (!t.text) return lerr(p, line, "out of memory"), false;
+            memcpy(t.text, s + i, t.len);
+            t.text[t.len] = 0;
+            if (!add_tok(p, t)) return false;
+            i = j;
+            continue;
+        }
+        if (c == '.' && i + 1 < n && s[i + 1] == '.') {
+            tok t = {.kind = T_PUNCT, .line = line, .len = 2, .text = strdup("..")};
+            if (!t.text || !add_tok(p, t)) return false;
+            i += 2;
+            continue;
+        }
+        if (strchr(":|()[]?*+~!", c)) {
+            if (c == '(' || c == '[') depth++;
+            if ((c == ')' || c == ']') && depth > 0) depth--;
+            char b[2] = {c, 0};
+            tok t = {.kind = T_PUNCT, .line = line, .len = 1, .text = strdup(b)};
+            if (!t.text || !add_tok(p, t)) return false;
+            i++;
+            continue;
+        }
+        if (c == '.') {
+            lerr(p, line, "rule priorities (name.N) are not supported");
+            return false;
+        }
+        if (c == '{') {
+            lerr(p, line, "rule templates are not supported");
+            return false;
+        }
+        lerr(p, line, "unexpected character '%c'", c);
+        return false;
+    }
+    if (p->failed) return false;
+    return add_tok(p, (tok){.kind = T_NL, .line = line}) &&
+           add_tok(p, (tok){.kind = T_EOF, .line = line});
+}
+
+static bool punct(const tok *t, char c) {
+    return t->kind == T_PUNCT && t->len == 1 && t->text[0] == c;
+}
+
+static def *find_def(lk *p, const char *name) {
+    for (size_t i = 0; i < p->nd; i++)
+        if (!strcmp(p->d[i].name, name)) return &p->d[i];
+    return NULL;
+}
+
+/* ---- terminals: regular expressions ---- */
+
+static td_rx_id t_alts(lk *p);
+
+static td_rx_id term_rx(lk *p, def *d, int line) {
+    if (d->state == 2) return d->re;
+    if (d->state == 1) {
+        lerr(p, line, "terminal %s refers to itself", d->name);
+        return TD_RX_FAIL;
+    }
+    d->state = 1;
+    const size_t si = p->i, se = p->end;
+    p->i = d->b, p->end = d->e;
+    td_rx_id r = t_alts(p);
+    if (!p->failed && p->i < p->end)
+        lerr(p, p->t[p->i].line, "unexpected token in terminal %s", d->name);
+    p->i = si, p->end = se;
+    d->re = r;
+    d->state = 2;
+    return p->failed ? TD_RX_FAIL : r;
+}
+
+/* The bounds of a postfix operator at p->i: true with min, max (UINT32_MAX
+ * unbounded) and p->i past it; false when there is none. */
+static bool postfix(lk *p, uint32_t *mn, uint32_t *mx) {
+    const tok *t = &p->t[p->i];
+    if (p->i >= p->end) return false;
+    if (punct(t, '?')) return p->i++, *mn = 0, *mx = 1, true;
+    if (punct(t, '*')) return p->i++, *mn = 0, *mx = UINT32_MAX, true;
+    if (punct(t, '+')) return p->i++, *mn = 1, *mx = UINT32_MAX, true;
+    if (!punct(t, '~')) return false;
+    p->i++;
+    if (p->i >= p->end || p->t[p->i].kind != T_INT) {
+        lerr(p, t->line, "expected a count after ~");
+        return false;
+    }
+    *mn = *mx = (uint32_t)p->t[p->i++].ival;
+    if (p->i < p->end && p->t[p->i].kind == T_PUNCT && !strcmp(p->t[p->i].text, "..")) {
+        p->i++;
+        if (p->i >= p->end || p->t[p->i].kind != T_INT) {
+            lerr(p, t->line, "expected a count after ..");
+            return false;
+        }
+        *mx = (uint32_t)p->t[p->i++].ival;
+    }
+    if (*mx < *mn || *mx > 1000) {
+        lerr(p, t->line, "repetition ~ %u..%u: out of order or above 1000", *mn, *mx);
+        return false;
+    }
+    return true;
+}
+
+/* The one code point a string token holds (UTF-8). */
+static bool one_char(const tok *t, uint32_t *cp) {
+    const unsigned char *s = (const unsigned char *)t->text;
+    const size_t n = t->len;
+    if (n == 0) return false;
+    const int k = s[0] < 0x80 ? 1 : s[0] >= 0xF0 ? 4 : s[0] >= 0xE0 ? 3 : s[0] >= 0xC0 ? 2 : 0;
+    if (!k || (size_t)k != n) return false;
+    uint32_t v = k == 1 ? s[0] : s[0] & (0x7Fu >> k);
+    for (int i = 1; i < k; i++) v = v << 6 | (s[i] & 63);
+    *cp = v;
+    return true;
+}
+
+static td_rx_id t_atom(lk *p) {
+    const tok *t = &p->t[p->i];
+    if (p->i >= p->end) {
+        lerr(p, t->line, "expected an expression");
+        return TD_RX_FAIL;
+    }
+    if (t->kind == T_STRING && p->i + 2 < p->end && p->t[p->i + 1].kind == T_PUNCT &&
+        !strcmp(p->t[p->i + 1].text, "..")) { /* "a".."z": a range of code points */
+        const tok *u = &p->t[p->i + 2];
+        uint32_t lo, hi;
+        if (u->kind != T_STRING || !one_char(t, &lo) || !one_char(u, &hi) || hi < lo) {
+            lerr(p, t->line, "a range \"a\"..\"z\" needs two single characters in order");
+            return TD_RX_FAIL;
+        }
+        p->i += 3;
+        const uint32_t r[1][2] = {{lo, hi}};
+        return td_rx_codepoints(p->rx, r, 1);
+    }
+    if (t->kind == T_STRING) return p->i++, td_rx_literal(p->rx, t->text, t->len);
+    if (t->kind == T_REGEX) {
+        p->i++;
+        td_rx_id r;
+        char e[200];
+        if (td_rx_parse(p->rx, t->text, t->len, 0, &r, e, sizeof e)) {
+            lerr(p, t->line, "%s", e);
+            return TD_RX_FAIL;
+        }
+        return r;
+    }
+    if (t->kind == T_TERM) {
+        def *d = find_def(p, t->text);
+        if (!d || !d->is_term) {
+            lerr(p, t->line, "undefined terminal %s", t->text);
+            return TD_RX_FAIL;
+        }
+        p->i++;
+        return term_rx(p, d, t->line);
+    }
+    if (t->kind == T_RULE) {
+        lerr(p, t->line, "a terminal cannot refer to the rule %s", t->text);
+        return TD_RX_FAIL;
+    }
+    if (punct(t, '(') || punct(t, '[')) {
+        const char close = punct(t, '(') ? ')' : ']';
+        p->i++;
+        td_rx_id r = t_alts(p);
+        if (p->failed) return TD_RX_FAIL;
+        if (p->i >= p->end || !punct(&p->t[p->i], close)) {
+            lerr(p, t->line, "expected '%c'", close);
+            return TD_RX_FAIL;
+        }
+        p->i++;
+        return close == ']' ? td_rx_repeat(p->rx, r, 0, 1) : r;
+    }
+    lerr(p, t->line, "unexpected '%s'", t->text ? t->text : "end of line");
+    return TD_RX_FAIL;
+}
+
+static td_rx_id t_exp(lk *p) {
+    td_rx_id r = TD_RX_EMPTY;
+    while (!p->failed && p->i < p->end && !punct(&p->t[p->i], '|') && !punct(&p->t[p->i], ')') &&
+           !punct(&p->t[p->i], ']')) {
+        td_rx_id a = t_atom(p);
+        uint32_t mn, mx;
+        while (!p->failed && postfix(p, &mn, &mx)) a = td_rx_repeat(p->rx, a, mn, mx);
+        r = td_rx_concat(p->rx, r, a);
+    }
+    return p->failed ? TD_RX_FAIL : r;
+}
+
+static td_rx_id t_alts(lk *p) {
+    td_rx_id r = t_exp(p);
+    while (!p->failed && p->i < p->end && punct(&p->t[p->i], '|')) {
+        p->i++;
+        r = td_rx_or(p->rx, r, t_exp(p));
+    }
+    if (!p->failed && r == TD_RX_FAIL) lerr(p, p->t[p->i].line, "%s", td_rx_error(p->rx));
+    return p->failed ? TD_RX_FAIL : r;
+}
+
+/* ---- rules: grammar symbols ---- */
+
+static td_gram_sym fresh(lk *p, const char *what) {
+    char nm[48];
+    snprintf(nm, sizeof nm, "%s#%d", what, ++p->nfresh);
+    return td_gram_nonterm(p->g, nm);
+}
+
+/* The lexeme of an inline string or regex (one per distinct text). */
+static td_gram_sym anon_lexeme(lk *p, const tok *t) {
+    for (size_t i = 0; i < p->nan; i++)
+        if (p->an[i].kind == t->kind && p->an[i].len == t->len &&
+            !memcmp(p->an[i].text, t->text, t->len))
+            return p->an[i].sym;
+    td_rx_id r;
+    if (t->kind == T_STRING) {
+        r = td_rx_literal(p->rx, t->text, t->len);
+    } else {
+        char e[200];
+        if (td_rx_parse(p->rx, t->text, t->len, 0, &r, e, sizeof e)) {
+            lerr(p, t->line, "%s", e);
+            return BAD;
+        }
+    }
+    char nm[64];
+    snprintf(nm, sizeof nm, t->kind == T_STRING ? "\"%.40s\"" : "/%.40s/", t->text);
+    td_gram_sym s = td_gram_lexeme(p->g, r, nm);
+    if (s == BAD || !grow((void **)&p->an, &p->can, p->nan, sizeof *p->an)) {
+        lerr(p, t->line, "%s", td_gram_error(p->g) ? td_gram_error(p->g) : "out of memory");
+        return BAD;
+    }
+    p->an[p->nan++] = (anon){t->kind, t->text, t->len, s};
+    return s;
+}
+
+static bool r_alts_into(lk *p, td_gram_sym lhs);
+
+/* x repeated mn..mx times, as a new nonterminal. */
+static td_gram_sym r_repeat(lk *p, td_gram_sym x, uint32_t mn, uint32_t mx, int line) {
+    td_gram *g = p->g;
+    td_gram_sym n = fresh(p, "rep");
+    if (n == BAD) goto bad;
+    if (mx == UINT32_MAX) { /* n -> x^mn | n x */
+        td_gram_sym seq[2] = {n, x};
+        td_gram_sym *base = malloc((mn ? mn : 1) * sizeof *base);
+        if (!base) goto bad;
+        for (uint32_t k = 0; k < mn; k++) base[k] = x;
+        int rc = td_gram_rule(g, n, base, mn) | td_gram_rule(g, n, seq, 2);
+        free(base);
+        if (rc) goto bad;
+        return n;
+    }
+    /* tail_j: up to j more copies; n -> x^mn tail_(mx - mn) */
+    td_gram_sym tail = BAD;
+    for (uint32_t j = 1; j <= mx - mn; j++) {
+        td_gram_sym t = fresh(p, "upto");
+        td_gram_sym seq[2] = {x, tail};
+        if (t == BAD || td_gram_rule(g, t, NULL, 0) || td_gram_rule(g, t, seq, tail == BAD ? 1 : 2))
+            goto bad;
+        tail = t;
+    }
+    td_gram_sym *seq = malloc((mn + 1) * sizeof *seq);
+    if (!seq) goto bad;
+    for (uint32_t k = 0; k < mn; k++) seq[k] = x;
+    if (tail != BAD) seq[mn] = tail;
+    int rc = td_gram_rule(g, n, seq, mn + (tail != BAD));
+    free(seq);
+    if (rc) goto bad;
+    return n;
+bad:
+    lerr(p, line, "%s", td_gram_error(g) ? td_gram_error(g) : "out of memory");
+    return BAD;
+}
+
+static td_gram_sym r_atom(lk *p) {
+    const tok *t = &p->t[p->i];
+    if (t->kind == T_STRING || t->kind == T_REGEX) {
+        p->i++;
+        if (t->kind == T_STRING && t->len == 0) {
+            lerr(p, t->line, "an empty string is not a lexeme");
+            return BAD;
+        }
+        return anon_lexeme(p, t);
+    }
+    if (t->kind == T_RULE || t->kind == T_TERM) {
+        def *d = find_def(p, t->text);
+        if (!d) {
+            lerr(p, t->line, "undefined %s %s", t->kind == T_RULE ? "rule" : "terminal", t->text);
+            return BAD;
+        }
+        p->i++;
+        if (!d->is_term) return d->sym;
+        if (d->sym == BAD) {
+            td_rx_id r = term_rx(p, d, t->line);
+            if (p->failed) return BAD;
+            d->sym = td_gram_lexeme(p->g, r, d->name);
+            if (d->sym == BAD) lerr(p, t->line, "%s", td_gram_error(p->g));
+        }
+        return d->sym;
+    }
+    if (punct(t, '(') || punct(t, '[')) {
+        const char close = punct(t, '(') ? ')' : ']';
+        p->i++;
+        td_gram_sym n = fresh(p, close == ')' ? "group" : "opt");
+        if (n == BAD || !r_alts_into(p, n)) return BAD;
+        if (p->i >= p->end || !punct(&p->t[p->i], close)) {
+            lerr(p, t->line, "expected '%c'", close);
+            return BAD;
+        }
+        p->i++;
+        if (close == ']' && td_gram_rule(p->g, n, NULL, 0)) {
+            lerr(p, t->line, "%s", td_gram_error(p->g));
+            return BAD;
+        }
+        return n;
+    }
+    lerr(p, t->line, "unexpected '%s'", t->text ? t->text : "end of line");
+    return BAD;
+}
+
+/* One alternative of lhs: its symbols, then the rule. */
+static bool r_exp_into(lk *p, td_gram_sym lhs) {
+    td_gram_sym *seq = NULL;
+    size_t n = 0, cap = 0;
+    const int line = p->t[p->i].line;
+    while (!p->failed && p->i < p->end && !punct(&p->t[p->i], '|') && !punct(&p->t[p->i], ')') &&
+           !punct(&p->t[p->i], ']')) {
+        const int l = p->t[p->i].line;
+        td_gram_sym a = r_atom(p);
+        uint32_t mn, mx;
+        while (!p->failed && postfix(p, &mn, &mx)) a = r_repeat(p, a, mn, mx, l);
+        if (p->failed) break;
+        if (!grow((void **)&seq, &cap, n, sizeof *seq)) {
+            lerr(p, l, "out of memory");
+            break;
+        }
+        seq[n++] = a;
+    }
+    bool ok = !p->failed && td_gram_rule(p->g, lhs, seq, n) == 0;
+    if (!ok) lerr(p, line, "%s", td_gram_error(p->g) ? td_gram_error(p->g) : "invalid rule");
+    free(seq);
+    return ok;
+}
+
+static bool r_alts_into(lk *p, td_gram_sym lhs) {
+    if (!r_exp_into(p, lhs)) return false;
+    while (p->i < p->end && punct(&p->t[p->i], '|')) {
+        p->i++;
+        if (!r_exp_into(p, lhs)) return false;
+    }
+    return true;
+}
+
+/* ---- the file ---- */
+
+static bool definitions(lk *p) {
+    size_t i = 0;
+    while (p->t[i].kind != T_EOF) {
+        if (p->t[i].kind == T_NL) {
+            i++;
+            continue;
+        }
+        const int line = p->t[i].line;
+        while (punct(&p->t[i], '?') || punct(&p->t[i], '!')) i++; /* Lark's tree shaping */
+        const tok *name = &p->t[i];
+        if (name->kind != T_RULE && name->kind != T_TERM) {
+            lerr(p, line, "expected a rule or terminal name");
+            return false;
+        }
+        if (!punct(&p->t[i + 1], ':')) {
+            lerr(p, line, "expected ':' after %s", name->text);
+            return false;
+        }
+        if (find_def(p, name->text)) {
+            lerr(p, line, "%s is defined twice", name->text);
+            return false;
+        }
+        size_t e = i + 2;
+        while (p->t[e].kind != T_NL && p->t[e].kind != T_EOF) e++;
+        if (!grow((void **)&p->d, &p->cd, p->nd, sizeof *p->d)) {
+            lerr(p, line, "out of memory");
+            return false;
+        }
+        p->d[p->nd++] = (def){.name = name->text,
+                              .is_term = name->kind == T_TERM,
+                              .line = line,
+                              .b = i + 2,
+                              .e = e,
+                              .sym = BAD,
+                              .re = TD_RX_FAIL};
+        i = e;
+    }
+    return true;
+}
+
+td_gram *td_lark_compile(const char *src, size_t n, const td_gram_limits *lim, char *err,
+                         size_t errlen) {
+    lk p = {.err = err, .errlen = errlen};
+    if (err && errlen) err[0] = 0;
+    p.g = td_gram_new(lim);
+    if (!p.g) {
+        if (err && errlen) snprintf(err, errlen, "grammar: out of memory");
+        return NULL;
+    }
+    p.rx = td_gram_rx(p.g);
+    if (lex(&p, src, n) && definitions(&p)) {
+        for (size_t i = 0; i < p.nd && !p.failed; i++)
+            if (!p.d[i].is_term && (p.d[i].sym = td_gram_nonterm(p.g, p.d[i].name)) == BAD)
+                lerr(&p, p.d[i].line, "%s", td_gram_error(p.g));
+        for (size_t i = 0; i < p.nd && !p.failed; i++) {
+            if (p.d[i].is_term) continue;
+            p.i = p.d[i].b, p.end = p.d[i].e;
+            if (r_alts_into(&p, p.d[i].sym) && p.i < p.end)
+                lerr(&p, p.t[p.i].line, "unexpected '%s'", p.t[p.i].text ? p.t[p.i].text : "?");
+        }
+        def *start = p.failed ? NULL : find_def(&p, "start");
+        if (!p.failed && (!start || start->is_term)) lerr(&p, 1, "no rule named start");
+        if (!p.failed && td_gram_finish(p.g, start->sym))
+            lerr(&p, start->line, "%s", td_gram_error(p.g));
+    }
+    for (size_t i = 0; i < p.nt; i++) free(p.t[i].text);
+    free(p.t);
+    free(p.d);
+    free(p.an);
+    if (p.failed) {
+        td_gram_free(p.g);
+        return NULL;
+    }
+    return p.g;
+}

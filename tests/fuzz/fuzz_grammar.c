@@ -1,0 +1,59 @@
+/* libFuzzer target for the grammar engine's parser layer: the input up to
+ * a NUL is a Lark grammar (common/grammar/lark.h), the rest a text. The
+ * grammar is compiled under small limits; when it compiles, the text is
+ * pushed byte by byte into a matcher, then taken back to a random depth
+ * (the text's first byte picks it) and pushed again: the second walk must
+ * end exactly as the first (the rollback leaves no trace), and a refusal
+ * must carry a message. Seeds: tests/fuzz/corpus/fuzz_grammar. */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/grammar/grammar.h"
+#include "common/grammar/lark.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    const uint8_t *nul = memchr(data, 0, size);
+    const size_t gn = nul ? (size_t)(nul - data) : size;
+    const uint8_t *text = nul ? nul + 1 : data + size;
+    const size_t tn = nul ? size - gn - 1 : 0;
+    td_gram_limits lim = td_gram_default_limits();
+    lim.max_lexemes = 200;
+    lim.max_rules = 2000;
+    lim.max_lexer_states = 2000;
+    lim.max_items_set = 5000;
+    lim.max_items = 200000;
+    lim.rx.max_nodes = 20000;
+    lim.rx.max_steps = 400000;
+    lim.rx.max_repeat = 100;
+    lim.rx.max_depth = 40;
+    char err[256];
+    td_gram *g = td_lark_compile((const char *)data, gn, &lim, err, sizeof err);
+    if (!g) {
+        if (strncmp(err, "grammar: ", 9) != 0) abort();
+        return 0;
+    }
+    td_gm *m = td_gm_new(g);
+    if (m) {
+        size_t done1, done2;
+        td_gm_result r1 = td_gm_push_bytes(m, text, tn, &done1);
+        const bool a1 = r1 == TD_GM_OK && td_gm_accepting(m);
+        if (r1 != TD_GM_LIMIT) {
+            const size_t back = tn ? text[0] % (done1 + 1) : 0;
+            td_gm_pop(m, back);
+            if (td_gm_depth(m) != done1 - back) abort();
+            td_gm_result r2 = td_gm_push_bytes(m, text + done1 - back, tn - (done1 - back), &done2);
+            const bool a2 = r2 == TD_GM_OK && td_gm_accepting(m);
+            if (r2 != TD_GM_LIMIT && (r1 != r2 || done1 - back + done2 != done1 || a1 != a2))
+                abort();
+        } else if (!td_gm_error(m)) {
+            abort();
+        }
+        td_gm_free(m);
+    }
+    td_gram_free(g);
+    return 0;
+}
