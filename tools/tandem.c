@@ -25,6 +25,8 @@ static const struct {
     {"simulate", td_cmd_simulate, "run a workload through simulated clusters (the planner's core)"},
     {"profile", td_cmd_profile, "measure an instance plan's step, transfer and KV figures"},
     {"plan", td_cmd_plan, "size the pools against TTFT/TPOT SLOs for a workload"},
+    {"grammar", td_cmd_grammar,
+     "check documents and token masks against a structured-output constraint"},
 };
 
 static void usage(FILE *f) {

@@ -15,5 +15,6 @@ int td_cmd_replay(int argc, char **argv);
 int td_cmd_simulate(int argc, char **argv);
 int td_cmd_profile(int argc, char **argv);
 int td_cmd_plan(int argc, char **argv);
+int td_cmd_grammar(int argc, char **argv);
 
 #endif

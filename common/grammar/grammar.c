@@ -239,6 +239,43 @@ int td_gram_finish(td_gram *g, td_gram_sym start) {
     return 0;
 }
 
+td_gram *td_gram_from_regex(const char *pattern, size_t n, const td_gram_limits *lim, char *err,
+                            size_t errlen) {
+    td_gram *g = td_gram_new(lim);
+    if (!g) {
+        if (err && errlen) snprintf(err, errlen, "grammar: out of memory");
+        return NULL;
+    }
+    td_rx *rx = g->rx;
+    td_rx_id re;
+    if (td_rx_parse(rx, pattern, n, 0, &re, err, errlen)) {
+        td_gram_free(g);
+        return NULL;
+    }
+    /* a lexeme never matches the empty string: the pattern less "" (each
+     * first byte followed by its derivative), and an empty rule if "" */
+    td_rx_id parts[256];
+    size_t np = 0;
+    for (int b = 0; b < 256 && !td_rx_error(rx); b++) {
+        td_rx_id d = td_rx_deriv(rx, re, (uint8_t)b);
+        if (d != TD_RX_NOTHING && d != TD_RX_FAIL)
+            parts[np++] = td_rx_concat(rx, td_rx_byte_range(rx, (uint8_t)b, (uint8_t)b), d);
+    }
+    const td_gram_sym start = td_gram_nonterm(g, "start");
+    if (np) {
+        const td_gram_sym lx = td_gram_lexeme(g, td_rx_or_list(rx, parts, np), "regex");
+        td_gram_rule(g, start, &lx, 1);
+    }
+    if (td_rx_nullable(rx, re)) td_gram_rule(g, start, NULL, 0);
+    if (!np && !td_rx_nullable(rx, re)) gfail(g, "grammar: the pattern matches no text");
+    if (td_rx_error(rx) || td_gram_finish(g, start)) {
+        if (err && errlen) snprintf(err, errlen, "%s", g->error ? g->error : td_rx_error(rx));
+        td_gram_free(g);
+        return NULL;
+    }
+    return g;
+}
+
 /* ---- the lexer's DFA ---- */
 
 static uint64_t lhash(const lpair *p, uint32_t n) {
@@ -368,6 +405,7 @@ struct td_gm {
     size_t ndslots;
     uint64_t made;    /* items made over the matcher's life */
     uint8_t *lexmark; /* per lexeme: scratch */
+    bool stopped;
     const char *error;
     char errbuf[200];
 };
@@ -592,9 +630,14 @@ void td_gm_free(td_gm *m) {
 
 size_t td_gm_depth(const td_gm *m) { return m->nframes - 1; }
 
+bool td_gm_stopped(const td_gm *m) { return m->stopped; }
+void td_gm_stop(td_gm *m) { m->stopped = true; }
+void td_gm_resume(td_gm *m) { m->stopped = false; }
+
 td_gm_result td_gm_push(td_gm *m, uint8_t b) {
     td_gram *g = m->g;
     if (m->error) return TD_GM_LIMIT;
+    if (m->stopped) return TD_GM_REJECT;
     const frame top = m->frames[m->nframes - 1];
     const uint32_t k = top.nsets - 1;
     if (!reserve((void **)&m->frames, &m->cframes, m->nframes, sizeof *m->frames)) {
@@ -639,6 +682,7 @@ td_gm_result td_gm_push_bytes(td_gm *m, const void *bytes, size_t n, size_t *don
 
 void td_gm_pop(td_gm *m, size_t n) {
     if (n > m->nframes - 1) n = m->nframes - 1;
+    if (n) m->stopped = false;
     m->nframes -= n;
     truncate_sets(m, m->frames[m->nframes - 1].nsets);
 }

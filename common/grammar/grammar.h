@@ -74,6 +74,12 @@ size_t td_gram_lexeme_count(const td_gram *g);
 size_t td_gram_rule_count(const td_gram *g);
 const char *td_gram_sym_name(const td_gram *g, td_gram_sym s);
 
+/* A finished grammar of one regular expression (an ECMAScript pattern
+ * matched whole, regex.h): the constraint of a `regex` request. NULL with a
+ * message in err when the pattern is refused or over a limit. */
+td_gram *td_gram_from_regex(const char *pattern, size_t n, const td_gram_limits *lim, char *err,
+                            size_t errlen);
+
 /* ---- the matcher ---- */
 
 typedef struct td_gm td_gm;
@@ -101,6 +107,11 @@ bool td_gm_accepting(td_gm *m);
 /* No byte can follow (accepting or not). */
 bool td_gm_finished(td_gm *m);
 const char *td_gm_error(const td_gm *m);
+/* The end of generation was taken (td_gm_consume_token): no byte follows
+ * until td_gm_pop takes any byte back or td_gm_resume. */
+bool td_gm_stopped(const td_gm *m);
+void td_gm_stop(td_gm *m);
+void td_gm_resume(td_gm *m);
 
 #ifdef __cplusplus
 }

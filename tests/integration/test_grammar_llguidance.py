@@ -1,0 +1,202 @@
+"""Token masks of the grammar engine against llguidance (the PyPI package),
+on the default model's vocabulary.
+
+llguidance gets its tokenizer from the GGUF file through gguf-py, built
+here (each token's bytes decoded from the vocabulary's byte-level
+strings; control tokens special; text tokenized by the PyPI `tokenizers`
+package from the same vocabulary and merges, which llguidance needs for
+its masks), never from bytes Tandem exports. Tandem
+computes masks with `tandem grammar masks` from the same file. For each
+constraint (Lark grammars both accept, and regular expressions), token
+prefixes come from random walks through llguidance's own masks (every
+step a token it allows, so the walks reach deep states of the constraint)
+and from random token sequences (so rejections are compared too). At
+every point the two allowed sets must be equal, the end-of-generation
+tokens included (Tandem allows all of the model's, llguidance its EOS:
+both exactly when the constraint accepts). llguidance runs with
+`no_forcing` (see llg_grammar): forced tokens are not compared yet."""
+
+import json
+import random
+import subprocess
+
+import numpy as np
+import pytest
+
+from reference_util import gguf_bpe_tokenizer
+
+
+SEED = 20261207
+
+JSON_LARK = r"""
+start: value
+value: object | array | STRING | NUMBER | "true" | "false" | "null"
+object: "{" [pair ("," pair)*] "}"
+pair: STRING ":" value
+array: "[" [value ("," value)*] "]"
+STRING: /"(?:[^"\\\x00-\x1f]|\\["\\\/bfnrt]|\\u[0-9a-fA-F]{4})*"/
+NUMBER: /-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?/
+"""
+
+CONSTRAINTS = [
+    ("lark", JSON_LARK),
+    ("lark", 'start: "The answer is " ANSWER "."\nANSWER: /yes|no|maybe( not)?/'),
+    ("lark", 'start: item ("\\n" item)*\nitem: "- " WORD (" " WORD)*\nWORD: /[A-Za-z]+/'),
+    ("lark", 'start: expr\nexpr: expr OP expr | "(" expr ")" | NUM\nOP: /[-+*\\/]/\n'
+             'NUM: /[0-9]+/'),
+    ("regex", r"[0-9]{4}-(0[1-9]|1[0-2])-[0-3][0-9]"),
+    ("regex", r"(Paris|London|Berlin|[A-Z][a-z]+ City)"),
+    # (\\w is ASCII in ECMAScript, Unicode in llguidance's Rust dialect)
+    ("regex", r"[A-Za-z0-9_.]+@[a-z0-9]+\.(com|org)"),
+    ("regex", r"-?(0|[1-9][0-9]*)(\.[0-9]+)? ?(°C|K)"),
+]
+WALKS = 12
+WALK_LEN = 24
+RANDOM_PREFIXES = 20
+
+
+def bytes_to_unicode():
+    """GPT-2's byte <-> printable-character map (as its encoder defines it)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class GGUFTokenizer:
+    """What llguidance's TokenizerWrapper needs, from the GGUF metadata."""
+
+    def __init__(self, path):
+        import gguf
+        r = gguf.GGUFReader(str(path))
+
+        def field(k):
+            f = r.fields[k]
+            return [f.parts[i] for i in f.data]
+        assert bytes(field("tokenizer.ggml.model")[0]).decode() == "gpt2"
+        toks = [bytes(t).decode() for t in field("tokenizer.ggml.tokens")]
+        types = [int(t[0]) for t in field("tokenizer.ggml.token_type")]
+        dec = bytes_to_unicode()
+        self.tokens = []
+        self.special_token_ids = []
+        for i, (t, ty) in enumerate(zip(toks, types)):
+            if ty == 3:  # CONTROL
+                self.special_token_ids.append(i)
+                self.tokens.append(t.encode())
+            else:
+                self.tokens.append(bytes(dec[c] for c in t))
+        self.eos_token_id = int(field("tokenizer.ggml.eos_token_id")[0][0])
+        self.bos_token_id = None
+        self.bpe = gguf_bpe_tokenizer(path)
+
+    def __call__(self, s):
+        if isinstance(s, bytes):
+            s = s.decode("utf-8", errors="replace")
+        return self.bpe.encode(s).ids
+
+
+@pytest.fixture(scope="module")
+def vocab(default_model):
+    import llguidance
+    gt = GGUFTokenizer(default_model)
+    tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(gt))
+    return gt, tok
+
+
+def llg_grammar(kind, text):
+    """llguidance's grammar for a constraint, with its forcing turned off:
+    where the grammar forces bytes, llguidance's default mask is the one
+    token of their canonical tokenization; Tandem has no forced tokens yet
+    and allows every token the bytes admit, as llguidance does with
+    no_forcing."""
+    import llguidance
+    lark = text if kind == "lark" else f"start: /{text}/"
+    return llguidance.grammar_from("lark", '%llguidance {"no_forcing": true}\n' + lark)
+
+
+def tandem_masks(tandem_bin, model, kind, text, prefixes, tmp_path):
+    p = tmp_path / "prefixes.json"
+    p.write_text(json.dumps({"prefixes": prefixes}))
+    out = tmp_path / "masks.txt"
+    args = [str(tandem_bin), "grammar", "masks", "--model", str(model), "--prefixes", str(p),
+            "--out", str(out)]
+    if kind == "lark":
+        g = tmp_path / "g.lark"
+        g.write_text(text)
+        args += ["--grammar", str(g)]
+    else:
+        args += ["--regex", text]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = out.read_text().splitlines()
+    assert len(lines) == len(prefixes)
+    return lines
+
+
+def allowed_from_hex(h, n):
+    bits = np.unpackbits(np.frombuffer(bytes.fromhex(h), dtype=np.uint8), bitorder="little")
+    return set(np.nonzero(bits[:n])[0].tolist())
+
+
+def llg_allowed(m, n):
+    mask = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+    bits = np.unpackbits(mask, bitorder="little")
+    return set(np.nonzero(bits[:n])[0].tolist())
+
+
+def test_masks_equal_llguidance(tandem_bin, default_model, vocab, tmp_path):
+    import llguidance
+    gt, tok = vocab
+    n = len(gt.tokens)
+    rng = random.Random(SEED)
+    eog_extra = None
+    points = 0
+    for kind, text in CONSTRAINTS:
+        grammar = llg_grammar(kind, text)
+        m0 = llguidance.LLMatcher(tok, grammar, log_level=0)
+        assert not m0.is_error(), m0.get_error()
+        prefixes = []
+        for _ in range(WALKS):  # walks through llguidance's masks
+            m = m0.deep_copy()
+            seq = []
+            for _ in range(WALK_LEN):
+                prefixes.append(list(seq))
+                allowed = sorted(llg_allowed(m, n) - {gt.eos_token_id})
+                if not allowed:
+                    break
+                t = rng.choice(allowed)
+                assert m.consume_token(t), m.get_error()
+                seq.append(t)
+        for _ in range(RANDOM_PREFIXES):  # mostly rejected somewhere
+            base = rng.choice(prefixes)
+            prefixes.append(base + [rng.randrange(n) for _ in range(rng.randrange(1, 3))])
+        lines = tandem_masks(tandem_bin, default_model, kind, text, prefixes, tmp_path)
+        for seq, line in zip(prefixes, lines):
+            m = m0.deep_copy()
+            ok = all(m.consume_token(t) for t in seq)
+            if not ok:
+                assert line.startswith("reject "), (kind, text, seq, line[:40])
+                points += 1
+                continue
+            assert line.startswith("ok "), (kind, text, seq, line[:40])
+            ours = allowed_from_hex(line[3:], n)
+            theirs = llg_allowed(m, n)
+            # the end of generation: llguidance's EOS, Tandem's whole EOG set
+            eos_ok = gt.eos_token_id in theirs
+            eog = {i for i in ours if i in gt.special_token_ids}
+            if eog_extra is None and eog:
+                eog_extra = eog
+            assert (gt.eos_token_id in ours) == eos_ok, (kind, text, seq)
+            ours -= eog
+            theirs.discard(gt.eos_token_id)
+            diff = sorted(ours ^ theirs)[:10]
+            assert ours == theirs, (kind, text, seq, [(i, gt.tokens[i], i in ours) for i in diff])
+            points += 1
+    print(f"{points} (constraint, prefix) points equal to llguidance's")
+    assert points >= 1500, points
