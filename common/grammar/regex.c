@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { K_NOTHING, K_EMPTY, K_BYTES, K_CONCAT, K_OR, K_STAR, K_REPEAT };
+enum { K_NOTHING, K_EMPTY, K_BYTES, K_CONCAT, K_OR, K_STAR, K_REPEAT, K_AND, K_NOT };
 
 #define INF UINT32_MAX
 
@@ -100,6 +100,8 @@ static td_rx_id intern(td_rx *rx, node x) {
     case K_STAR: x.nullable = 1; break;
     case K_CONCAT: x.nullable = rx->nodes[x.a].nullable && rx->nodes[x.b].nullable; break;
     case K_OR: x.nullable = rx->nodes[x.a].nullable || rx->nodes[x.b].nullable; break;
+    case K_AND: x.nullable = rx->nodes[x.a].nullable && rx->nodes[x.b].nullable; break;
+    case K_NOT: x.nullable = !rx->nodes[x.a].nullable; break;
     case K_REPEAT: x.nullable = x.min == 0 || rx->nodes[x.a].nullable; break;
     }
     if ((rx->n + 1) * 2 > rx->nslots && !grow_slots(rx)) {
@@ -226,24 +228,33 @@ static int cmp_id(const void *x, const void *y) {
     return a < b ? -1 : a > b;
 }
 
-/* Appends a's alternatives (flattened) to v. */
-static bool flatten_or(const td_rx *rx, td_rx_id a, idvec *v) {
+/* Appends the members of a's chain of kind k (flattened) to v. */
+static bool flatten(const td_rx *rx, int k, td_rx_id a, idvec *v) {
     for (;;) {
-        if (rx->nodes[a].kind != K_OR) return push(v, a);
+        if (rx->nodes[a].kind != k) return push(v, a);
         if (!push(v, rx->nodes[a].a)) return false;
         a = rx->nodes[a].b;
     }
 }
 
-/* The alternation of v's ids (consumed: sorted in place). */
-static td_rx_id or_vec(td_rx *rx, idvec *v) {
+/* The alternation (k K_OR) or intersection (K_AND) of v's ids: flattened,
+ * sorted, without duplicates; the empty language is dropped from an
+ * alternation and empties an intersection. */
+static td_rx_id chain_vec(td_rx *rx, int k, idvec *v) {
     idvec f = {0};
     for (size_t i = 0; i < v->n; i++) {
         if (v->v[i] == TD_RX_FAIL) {
             free(f.v);
             return TD_RX_FAIL;
         }
-        if (v->v[i] != TD_RX_NOTHING && !flatten_or(rx, v->v[i], &f)) {
+        if (v->v[i] == TD_RX_NOTHING) {
+            if (k == K_AND) {
+                free(f.v);
+                return TD_RX_NOTHING;
+            }
+            continue;
+        }
+        if (!flatten(rx, k, v->v[i], &f)) {
             free(f.v);
             fail(rx, "regex: out of memory");
             return TD_RX_FAIL;
@@ -255,10 +266,12 @@ static td_rx_id or_vec(td_rx *rx, idvec *v) {
         if (!m || f.v[m - 1] != f.v[i]) f.v[m++] = f.v[i];
     td_rx_id r = m ? f.v[m - 1] : TD_RX_NOTHING;
     for (size_t i = m - (m > 0); i-- > 0 && r != TD_RX_FAIL;)
-        r = intern(rx, (node){.kind = K_OR, .a = f.v[i], .b = r});
+        r = intern(rx, (node){.kind = (uint8_t)k, .a = f.v[i], .b = r});
     free(f.v);
     return rx->error ? TD_RX_FAIL : r;
 }
+
+static td_rx_id or_vec(td_rx *rx, idvec *v) { return chain_vec(rx, K_OR, v); }
 
 td_rx_id td_rx_or_list(td_rx *rx, const td_rx_id *ids, size_t n) {
     if (rx->error) return TD_RX_FAIL;
@@ -277,6 +290,19 @@ td_rx_id td_rx_or_list(td_rx *rx, const td_rx_id *ids, size_t n) {
 td_rx_id td_rx_or(td_rx *rx, td_rx_id a, td_rx_id b) {
     td_rx_id ids[2] = {a, b};
     return td_rx_or_list(rx, ids, 2);
+}
+
+td_rx_id td_rx_and(td_rx *rx, td_rx_id a, td_rx_id b) {
+    if (rx->error) return TD_RX_FAIL;
+    td_rx_id ids[2] = {a, b};
+    idvec v = {ids, 2, 2};
+    return chain_vec(rx, K_AND, &v);
+}
+
+td_rx_id td_rx_not(td_rx *rx, td_rx_id a) {
+    if (a == TD_RX_FAIL || rx->error) return TD_RX_FAIL;
+    if (rx->nodes[a].kind == K_NOT) return rx->nodes[a].a;
+    return intern(rx, (node){.kind = K_NOT, .a = a});
 }
 
 td_rx_id td_rx_star(td_rx *rx, td_rx_id a) {
@@ -410,14 +436,16 @@ static td_rx_id deriv_uncached(td_rx *rx, td_rx_id a, uint8_t c, int depth) {
         return td_rx_concat(
             rx, deriv(rx, x.a, c, depth + 1),
             td_rx_repeat(rx, x.a, x.min ? x.min - 1 : 0, x.max == INF ? INF : x.max - 1));
+    case K_NOT: return td_rx_not(rx, deriv(rx, x.a, c, depth + 1));
     case K_OR:
+    case K_AND:
     case K_CONCAT: break;
     }
     idvec v = {0};
     bool ok = true;
-    if (x.kind == K_OR) {
+    if (x.kind == K_OR || x.kind == K_AND) {
         for (td_rx_id cur = a;; cur = rx->nodes[cur].b) {
-            bool last = rx->nodes[cur].kind != K_OR;
+            bool last = rx->nodes[cur].kind != x.kind;
             ok = push(&v, deriv(rx, last ? cur : rx->nodes[cur].a, c, depth + 1));
             if (last || !ok) break;
         }
@@ -439,7 +467,7 @@ static td_rx_id deriv_uncached(td_rx *rx, td_rx_id a, uint8_t c, int depth) {
         fail(rx, "regex: out of memory");
         return TD_RX_FAIL;
     }
-    td_rx_id r = or_vec(rx, &v);
+    td_rx_id r = chain_vec(rx, x.kind == K_AND ? K_AND : K_OR, &v);
     free(v.v);
     return r;
 }

@@ -3,9 +3,10 @@
  *
  * Expressions are hash-consed nodes of one store (td_rx): the empty
  * language, the empty string, a set of bytes, concatenation, alternation,
- * Kleene star and bounded repetition. The smart constructors keep every
- * node in a normal form (alternation flattened, sorted and without
- * duplicates or the empty language; concatenation right-nested, with the
+ * intersection, complement, Kleene star and bounded repetition. The smart constructors keep every
+ * node in a normal form (alternation and intersection flattened, sorted
+ * and without duplicates, the empty language dropped from an alternation
+ * and emptying an intersection; a double complement undone; concatenation right-nested, with the
  * empty string and the empty language folded; nullable repetition counted
  * from 0), so equal languages built the same way are the same node and a
  * node has finitely many distinct derivatives (Brzozowski, with the
@@ -72,6 +73,11 @@ td_rx_id td_rx_literal(td_rx *rx, const void *bytes, size_t n);
 td_rx_id td_rx_concat(td_rx *rx, td_rx_id a, td_rx_id b);
 td_rx_id td_rx_or(td_rx *rx, td_rx_id a, td_rx_id b);
 td_rx_id td_rx_or_list(td_rx *rx, const td_rx_id *ids, size_t n);
+/* Both a and b. */
+td_rx_id td_rx_and(td_rx *rx, td_rx_id a, td_rx_id b);
+/* Every byte string a does not match (the complement over all byte
+ * strings, malformed UTF-8 included: intersect it with a set of texts). */
+td_rx_id td_rx_not(td_rx *rx, td_rx_id a);
 td_rx_id td_rx_star(td_rx *rx, td_rx_id a);
 /* a repeated min..max times; max UINT32_MAX: unbounded. */
 td_rx_id td_rx_repeat(td_rx *rx, td_rx_id a, uint32_t min, uint32_t max);

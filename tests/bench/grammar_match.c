@@ -5,6 +5,8 @@
  *
  *   P FLAGS HEX   a pattern (FLAGS: 0 whole-text match, 1 TD_RX_SEARCH);
  *                 answers "ok NODES" or "err MESSAGE"
+ *   B FLAGS HEX HEX  the intersection of two patterns (td_rx_and)
+ *   N FLAGS HEX   the complement of a pattern (td_rx_not)
  *   G HEX         a Lark grammar; answers "ok LEXEMES RULES" or "err MESSAGE"
  *   S HEX         a text against the last pattern or grammar: "1" when it
  *                 matches (the grammar: every byte pushed and accepting),
@@ -48,18 +50,29 @@ int main(void) {
             cap = lcap;
             buf = realloc(buf, cap);
         }
-        if (line[0] == 'P' || line[0] == 'G') {
+        if (line[0] == 'P' || line[0] == 'G' || line[0] == 'B' || line[0] == 'N') {
             unsigned flags = 0;
             int off = 2;
-            if (line[0] == 'P' && sscanf(line, "P %u %n", &flags, &off) != 1) return 2;
-            int n = unhex(line + off, strlen(line + off), buf);
-            if (n < 0) return 2;
+            if (line[0] != 'G' && sscanf(line + 1, " %u %n", &flags, &off) != 1) return 2;
+            if (line[0] != 'G') off += 1;
+            const char *sp = line[0] == 'B' ? strchr(line + off, ' ') : NULL;
+            const size_t hl = sp ? (size_t)(sp - (line + off)) : strlen(line + off);
+            int n = unhex(line + off, hl, buf);
+            if (n < 0 || (line[0] == 'B' && !sp)) return 2;
             td_rx_free(rx);
             td_gram_free(g);
             rx = NULL, g = NULL;
-            if (line[0] == 'P') {
+            if (line[0] != 'G') {
                 rx = td_rx_new(NULL);
                 have = td_rx_parse(rx, buf, (size_t)n, flags, &cur, err, sizeof err) == 0;
+                if (have && line[0] == 'B') {
+                    int n2 = unhex(sp + 1, strlen(sp + 1), buf);
+                    td_rx_id second;
+                    if (n2 < 0) return 2;
+                    have = td_rx_parse(rx, buf, (size_t)n2, flags, &second, err, sizeof err) == 0;
+                    if (have) cur = td_rx_and(rx, cur, second);
+                }
+                if (have && line[0] == 'N') cur = td_rx_not(rx, cur);
                 if (have) printf("ok %zu\n", td_rx_node_count(rx));
             } else {
                 g = td_lark_compile(buf, (size_t)n, NULL, err, sizeof err);

@@ -1,6 +1,7 @@
 /* libFuzzer target for the grammar engine's regular expressions
  * (common/grammar/regex.h): the first byte's low bit picks whole-text or
- * search (JSON Schema) semantics, the rest up to a NUL is an ECMAScript
+ * search (JSON Schema) semantics (bit 1 then complements the pattern, bit
+ * 2 intersects it with the UTF-8 texts), the rest up to a NUL is an ECMAScript
  * pattern and what follows the NUL a text. The pattern is parsed under
  * small limits; when it parses, the text is matched twice (the second walk
  * runs on memoized derivatives and must agree with the first) and every
@@ -34,6 +35,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     char err[256];
     if (td_rx_parse(rx, (const char *)data, pn, flags, &r, err, sizeof err) == 0) {
         if (r == TD_RX_FAIL) abort(); /* a failed parse must say so */
+        if (data[-1] & 2) r = td_rx_not(rx, r);
+        if (data[-1] & 4) r = td_rx_and(rx, r, td_rx_star(rx, td_rx_any_char(rx)));
+        if (r == TD_RX_FAIL && !td_rx_error(rx)) abort();
         const bool m1 = td_rx_match(rx, r, text, tn);
         const bool failed = td_rx_error(rx) != NULL;
         const bool m2 = td_rx_match(rx, r, text, tn);

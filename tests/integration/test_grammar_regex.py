@@ -50,6 +50,12 @@ def matcher(build_dir):
         def compile(self, pattern, search=False):
             return ask(f"P {int(search)} {pattern.encode().hex()}")
 
+        def both(self, a, b, search=False):
+            return ask(f"B {int(search)} {a.encode().hex()} {b.encode().hex()}")
+
+        def complement(self, pattern, search=False):
+            return ask(f"N {int(search)} {pattern.encode().hex()}")
+
         def match(self, text):
             data = text if isinstance(text, bytes) else text.encode()
             r = ask(f"S {data.hex()}")
@@ -167,6 +173,36 @@ def test_random_trees_match_re2(matcher):
     # both outcomes well represented
     assert n >= N_TREES * TEXTS_PER_TREE
     assert 0.25 * n < matched < 0.9 * n, (matched, n)
+
+
+def test_intersection_and_complement_match_re2(matcher):
+    """td_rx_and and td_rx_not (the JSON Schema compiler's tools) against
+    RE2 run on each operand: A&B matches where both do, ~A where A does
+    not (over UTF-8 texts)."""
+    import re2
+    rng = random.Random(SEED + 1)
+    n = both_n = 0
+    for _ in range(N_TREES // 2):
+        a, b = tree(rng), tree(rng)
+        search = rng.random() < 0.5
+        ra, rb = re2.compile(a[1]), re2.compile(b[1])
+
+        def m(rx, t):
+            return bool(rx.search(t) if search else rx.fullmatch(t))
+        ts = texts(rng, a[2]) + texts(rng, b[2])
+        assert matcher.both(a[0], b[0], search).startswith("ok")
+        for t in ts:
+            want = m(ra, t) and m(rb, t)
+            assert matcher.match(t) == want, (a[0], b[0], search, t)
+            both_n += want
+        assert matcher.complement(a[0], search).startswith("ok")
+        for t in ts:
+            assert matcher.match(t) == (not m(ra, t)), (a[0], search, t)
+            n += 1
+    assert n > 5000 and both_n > 100, (n, both_n)
+    # the complement is over all byte strings: malformed UTF-8 is in it
+    assert matcher.complement("a").startswith("ok")
+    assert matcher.match(b"\xff") and matcher.match("") and not matcher.match("a")
 
 
 CASES = [
