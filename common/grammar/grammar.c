@@ -56,6 +56,10 @@ struct td_gram {
     size_t naccs, caccs;
     uint32_t *lslots; /* hash-consing of states: id + 1 */
     size_t nlslots;
+    /* td_gm_walk's cache, per lexer state, for one trie */
+    const void *lcache_trie;
+    struct lcache_s *lcache;
+    size_t nlcache, lcache_used;
     const char *error;
     char errbuf[200];
 };
@@ -103,8 +107,11 @@ td_gram *td_gram_new(const td_gram_limits *lim) {
     return g;
 }
 
+static void lcache_clear(td_gram *g);
+
 void td_gram_free(td_gram *g) {
     if (!g) return;
+    lcache_clear(g);
     for (size_t i = 0; i < g->nsyms; i++) free(g->syms[i].name);
     for (size_t i = 0; i < g->nls; i++) free(g->ls[i].trans);
     free(g->syms);
@@ -708,4 +715,174 @@ bool td_gm_finished(td_gm *m) {
         if (r == TD_GM_LIMIT) return false;
     }
     return true;
+}
+
+/* Walks nodes [i0, i1) of the trie (whose depths count from the frame
+ * count base) with the parser. */
+static int64_t walk_range(td_gm *m, const td_trie *tr, uint32_t i0, uint32_t i1, size_t base,
+                          uint32_t *mask) {
+    td_gram *g = m->g;
+    const td_trie_node *nodes = tr->nodes;
+    for (uint32_t i = i0; i < i1;) {
+        const td_trie_node *t = &nodes[i];
+        /* back to this node's parent */
+        const size_t want = base + t->depth - 1;
+        if (m->nframes > want) {
+            m->nframes = want;
+            const uint32_t ns = m->frames[want - 1].nsets;
+            if (ns < m->nsets) truncate_sets(m, ns);
+        }
+        const frame top = m->frames[m->nframes - 1];
+        const uint32_t *trans = g->ls[top.lex].trans;
+        uint32_t nx = trans ? trans[t->byte] : UNKNOWN;
+        if (nx == UNKNOWN) nx = lex_step(g, top.lex, t->byte);
+        if (nx == NONE) {
+            mfail(m, "%s", g->error ? g->error : "grammar: limit");
+            return -1;
+        }
+        if (nx != LEX_DEAD) { /* inside the lexeme: the lexer alone */
+            m->frames[m->nframes++] = (frame){nx, top.nsets};
+        } else { /* a lexeme ends here: the whole push */
+            const td_gm_result r = td_gm_push(m, t->byte);
+            if (r == TD_GM_LIMIT) return -1;
+            if (r != TD_GM_OK) {
+                i = t->end;
+                continue;
+            }
+        }
+        for (uint32_t k = 0; k < t->ntok; k++) {
+            const int32_t id = tr->ids[t->tok + k];
+            mask[id / 32] |= 1u << (id % 32);
+        }
+        i++;
+    }
+    return 0;
+}
+
+/* The lexer-state cache of a trie (td_gm_walk): per lexer state, the
+ * tokens read inside the lexeme and the nodes where it would end. */
+typedef struct lcache_s {
+    uint32_t *bits;     /* NULL: not made */
+    uint32_t *boundary; /* node indices */
+    uint32_t nboundary;
+} lcache;
+
+#define LCACHE_MAX_STATES 4096
+
+static void lcache_clear(td_gram *g) {
+    for (size_t i = 0; i < g->nlcache; i++) {
+        free(g->lcache[i].bits);
+        free(g->lcache[i].boundary);
+    }
+    free(g->lcache);
+    g->lcache = NULL;
+    g->nlcache = 0;
+    g->lcache_used = 0;
+}
+
+/* Makes state s's entry: a walk with the lexer alone. false on a limit or
+ * allocation failure (then no entry). */
+static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
+    const size_t words = ((size_t)tr->n_tokens + 31) / 32;
+    uint32_t *bits = calloc(words ? words : 1, sizeof *bits);
+    uint32_t *st = malloc(((size_t)tr->max_depth + 1) * sizeof *st);
+    uint32_t *bd = NULL;
+    size_t nb = 0, cb = 0;
+    if (!bits || !st) goto fail;
+    st[0] = s;
+    for (uint32_t i = 0; i < tr->n;) {
+        const td_trie_node *t = &tr->nodes[i];
+        const uint32_t from = st[t->depth - 1];
+        const uint32_t *trans = g->ls[from].trans;
+        uint32_t nx = trans ? trans[t->byte] : UNKNOWN;
+        if (nx == UNKNOWN) nx = lex_step(g, from, t->byte);
+        if (nx == NONE) goto fail;
+        if (nx == LEX_DEAD) { /* the lexeme would end here: the parser decides */
+            if (!reserve((void **)&bd, &cb, nb, sizeof *bd)) goto fail;
+            bd[nb++] = i;
+            i = t->end;
+            continue;
+        }
+        st[t->depth] = nx;
+        for (uint32_t k = 0; k < t->ntok; k++) {
+            const int32_t id = tr->ids[t->tok + k];
+            bits[id / 32] |= 1u << (id % 32);
+        }
+        i++;
+    }
+    free(st);
+    *e = (lcache){bits, bd, (uint32_t)nb};
+    return true;
+fail:
+    free(bits);
+    free(st);
+    free(bd);
+    return false;
+}
+
+int64_t td_gm_walk(td_gm *m, const td_trie *tr, uint32_t *mask) {
+    if (m->error) return -1;
+    if (m->stopped) return 0;
+    td_gram *g = m->g;
+    const size_t base = m->nframes; /* frames at the start */
+    /* room for the deepest token: no reserve in the walk */
+    while (m->cframes < base + tr->max_depth + 1)
+        if (!reserve((void **)&m->frames, &m->cframes, m->cframes, sizeof *m->frames)) {
+            mfail(m, "grammar: out of memory");
+            return -1;
+        }
+    if (g->lcache_trie != tr) {
+        lcache_clear(g);
+        g->lcache_trie = tr;
+    }
+    const uint32_t s = m->frames[base - 1].lex;
+    if (s >= g->nlcache) { /* grow the index to the lexer's states */
+        size_t nn = g->nls > s ? g->nls : (size_t)s + 1;
+        lcache *nc = realloc(g->lcache, nn * sizeof *nc);
+        if (nc) {
+            memset(nc + g->nlcache, 0, (nn - g->nlcache) * sizeof *nc);
+            g->lcache = nc;
+            g->nlcache = nn;
+        }
+    }
+    lcache *e = s < g->nlcache ? &g->lcache[s] : NULL;
+    if (e && !e->bits && g->lcache_used < LCACHE_MAX_STATES && lcache_make(g, tr, s, e))
+        g->lcache_used++;
+    if (g->error) {
+        mfail(m, "%s", g->error);
+        return -1;
+    }
+    if (!e || !e->bits) return walk_range(m, tr, 0, tr->n, base, mask) < 0 ? -1 : 0;
+    const size_t words = ((size_t)tr->n_tokens + 31) / 32;
+    for (size_t w = 0; w < words; w++) mask[w] |= e->bits[w];
+    uint32_t path[64], *pp = path, cur_parent = UINT32_MAX - 1;
+    for (uint32_t k = 0; k < e->nboundary; k++) {
+        const td_trie_node *b = &tr->nodes[e->boundary[k]];
+        if (b->parent == cur_parent) { /* a sibling: its ancestors are pushed */
+            if (walk_range(m, tr, e->boundary[k], b->end, base, mask) < 0) goto fail;
+            continue;
+        }
+        /* the boundary's ancestors, inside the lexeme: pushed, then its subtree */
+        if (b->depth > 64 && pp == path) pp = malloc((size_t)tr->max_depth * sizeof *pp);
+        if (!pp) {
+            mfail(m, "grammar: out of memory");
+            return -1;
+        }
+        uint32_t d = 0;
+        for (uint32_t a = b->parent; a != UINT32_MAX; a = tr->nodes[a].parent) pp[d++] = a;
+        td_gm_pop(m, m->nframes - base);
+        td_gm_result r = TD_GM_OK;
+        while (d > 0 && r == TD_GM_OK) r = td_gm_push(m, tr->nodes[pp[--d]].byte);
+        cur_parent = r == TD_GM_OK ? b->parent : UINT32_MAX - 1;
+        if (r == TD_GM_LIMIT ||
+            (r == TD_GM_OK && walk_range(m, tr, e->boundary[k], b->end, base, mask) < 0))
+            goto fail;
+    }
+    if (pp != path) free(pp);
+    td_gm_pop(m, m->nframes - base);
+    return 0;
+fail:
+    td_gm_pop(m, m->nframes - base);
+    if (pp != path) free(pp);
+    return -1;
 }

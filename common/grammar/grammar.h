@@ -107,6 +107,35 @@ bool td_gm_accepting(td_gm *m);
 /* No byte can follow (accepting or not). */
 bool td_gm_finished(td_gm *m);
 const char *td_gm_error(const td_gm *m);
+/* A byte trie flattened in depth-first order (vocab.c builds one): node i
+ * holds a byte at depth `depth` (1 for the root's children) under node
+ * `parent` (UINT32_MAX at depth 1), `end` is the index after its subtree,
+ * and ids[tok .. tok + ntok) are the tokens whose bytes end there. */
+typedef struct {
+    uint8_t byte;
+    uint16_t depth;
+    uint32_t end, tok, ntok, parent;
+} td_trie_node;
+
+typedef struct {
+    const td_trie_node *nodes;
+    uint32_t n, max_depth; /* nodes; the largest depth */
+    const int32_t *ids;
+    int32_t n_tokens; /* token ids are below it */
+} td_trie;
+
+/* Walks the trie from the matcher's state: sets bit (id % 32) of
+ * mask[id / 32] for every token whose bytes the matcher takes (the mask is
+ * not cleared first). Returns 0, or -1 on a limit (td_gm_error). The state
+ * is unchanged afterwards.
+ *
+ * The tokens that stay inside the lexeme being read depend on the lexer's
+ * state alone: the grammar keeps them per lexer state (up to a bound),
+ * with the trie nodes where that lexeme would have to end, so a later mask
+ * from the same lexer state copies the set and walks only from those
+ * nodes, with the parser. A grammar keeps this for one trie at a time. */
+int64_t td_gm_walk(td_gm *m, const td_trie *t, uint32_t *mask);
+
 /* The end of generation was taken (td_gm_consume_token): no byte follows
  * until td_gm_pop takes any byte back or td_gm_resume. */
 bool td_gm_stopped(const td_gm *m);

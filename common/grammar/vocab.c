@@ -4,21 +4,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct {
-    uint8_t byte;
-    uint16_t depth;     /* 1 for the root's children */
-    uint32_t end;       /* the node after this one's subtree */
-    uint32_t tok, ntok; /* tokens ending here: ids[tok .. tok + ntok) */
-} tnode;
+typedef td_trie_node tnode;
 
 struct td_vocab {
     int32_t n;
     tnode *nodes;
-    uint32_t nnodes;
+    uint32_t nnodes, max_depth;
+    td_trie trie; /* over nodes and ids */
     int32_t *ids; /* token ids in trie order */
     char **bytes; /* each token's bytes (NULL: not in the trie) */
     uint32_t *lens;
     uint8_t *eog;
+    int32_t *eog_ids; /* the end-of-generation tokens */
+    size_t neog;
 };
 
 typedef struct {
@@ -45,48 +43,29 @@ void td_vocab_free(td_vocab *v) {
     free(v->nodes);
     free(v->ids);
     free(v->eog);
+    free(v->eog_ids);
     free(v);
 }
 
-td_vocab *td_vocab_new(const td_tokenizer *tok) {
-    td_vocab *v = calloc(1, sizeof *v);
-    if (!v) return NULL;
-    v->n = td_tokenizer_n_vocab(tok);
+/* The trie of v's pieces (v->bytes, v->lens; NULL: not in the trie). */
+static bool build_trie(td_vocab *v) {
     const size_t n = v->n > 0 ? (size_t)v->n : 1;
-    v->bytes = calloc(n, sizeof *v->bytes);
-    v->lens = calloc(n, sizeof *v->lens);
-    v->eog = calloc(n, 1);
-    v->ids = malloc(n * sizeof *v->ids);
     entry *e = malloc(n * sizeof *e);
     size_t total = 0, ne = 0;
-    if (!v->bytes || !v->lens || !v->eog || !v->ids || !e) goto fail;
-    size_t neog = 0;
-    const int32_t *eog = td_tokenizer_eog_ids(tok, &neog);
-    for (size_t i = 0; i < neog; i++)
-        if (eog[i] >= 0 && eog[i] < v->n) v->eog[eog[i]] = 1;
-    for (int32_t id = 0; id < v->n; id++) {
-        if (td_tokenizer_is_special(tok, id) || v->eog[id]) continue;
-        char small[64];
-        size_t len = td_tokenizer_token_to_piece(tok, id, false, small, sizeof small);
-        if (!len || len > UINT16_MAX) continue;
-        char *b = malloc(len);
-        if (!b) goto fail;
-        if (len <= sizeof small)
-            memcpy(b, small, len);
-        else
-            td_tokenizer_token_to_piece(tok, id, false, b, len);
-        v->bytes[id] = b;
-        v->lens[id] = (uint32_t)len;
-        e[ne++] = (entry){b, (uint32_t)len, id};
-        total += len;
-    }
+    if (!e) return false;
+    for (int32_t id = 0; id < v->n; id++)
+        if (v->bytes[id]) {
+            e[ne++] = (entry){v->bytes[id], v->lens[id], id};
+            total += v->lens[id];
+        }
     if (ne) qsort(e, ne, sizeof *e, cmp_entry);
     /* at most one node per byte of every token */
     v->nodes = malloc((total ? total : 1) * sizeof *v->nodes);
     uint32_t *open = malloc((UINT16_MAX + 1) * sizeof *open); /* node index per depth */
     if (!v->nodes || !open) {
         free(open);
-        goto fail;
+        free(e);
+        return false;
     }
     uint32_t depth = 0, nid = 0;
     for (size_t i = 0; i < ne; i++) {
@@ -98,8 +77,11 @@ td_vocab *td_vocab_new(const td_tokenizer *tok) {
         while (depth > cp) v->nodes[open[--depth]].end = v->nnodes; /* close */
         while (depth < e[i].len) {
             open[depth] = v->nnodes;
-            v->nodes[v->nnodes++] =
-                (tnode){.byte = (uint8_t)e[i].b[depth], .depth = (uint16_t)(depth + 1), .tok = nid};
+            if (depth + 1 > v->max_depth) v->max_depth = depth + 1;
+            v->nodes[v->nnodes++] = (tnode){.byte = (uint8_t)e[i].b[depth],
+                                            .depth = (uint16_t)(depth + 1),
+                                            .tok = nid,
+                                            .parent = depth ? open[depth - 1] : UINT32_MAX};
             depth++;
         }
         tnode *last = &v->nodes[open[depth - 1]];
@@ -110,11 +92,67 @@ td_vocab *td_vocab_new(const td_tokenizer *tok) {
     while (depth > 0) v->nodes[open[--depth]].end = v->nnodes;
     free(open);
     free(e);
-    return v;
+    v->trie = (td_trie){v->nodes, v->nnodes, v->max_depth, v->ids, v->n};
+    return true;
+}
+
+td_vocab *td_vocab_from_pieces(int32_t n, const char *const *pieces, const size_t *lens,
+                               const int32_t *eog, size_t neog) {
+    td_vocab *v = calloc(1, sizeof *v);
+    if (!v) return NULL;
+    v->n = n > 0 ? n : 0;
+    const size_t sz = v->n ? (size_t)v->n : 1;
+    v->bytes = calloc(sz, sizeof *v->bytes);
+    v->lens = calloc(sz, sizeof *v->lens);
+    v->eog = calloc(sz, 1);
+    v->ids = malloc(sz * sizeof *v->ids);
+    v->eog_ids = malloc((neog ? neog : 1) * sizeof *v->eog_ids);
+    if (!v->bytes || !v->lens || !v->eog || !v->ids || !v->eog_ids) goto fail;
+    for (size_t i = 0; i < neog; i++)
+        if (eog[i] >= 0 && eog[i] < v->n && !v->eog[eog[i]]) {
+            v->eog[eog[i]] = 1;
+            v->eog_ids[v->neog++] = eog[i];
+        }
+    for (int32_t id = 0; id < v->n; id++) {
+        if (!pieces[id] || !lens[id] || lens[id] > UINT16_MAX || v->eog[id]) continue;
+        if (!(v->bytes[id] = malloc(lens[id]))) goto fail;
+        memcpy(v->bytes[id], pieces[id], lens[id]);
+        v->lens[id] = (uint32_t)lens[id];
+    }
+    if (build_trie(v)) return v;
 fail:
-    free(e);
     td_vocab_free(v);
     return NULL;
+}
+
+td_vocab *td_vocab_new(const td_tokenizer *tok) {
+    const int32_t n = td_tokenizer_n_vocab(tok);
+    const size_t sz = n > 0 ? (size_t)n : 1;
+    char **pieces = calloc(sz, sizeof *pieces);
+    size_t *lens = calloc(sz, sizeof *lens);
+    td_vocab *v = NULL;
+    if (!pieces || !lens) goto done;
+    for (int32_t id = 0; id < n; id++) {
+        if (td_tokenizer_is_special(tok, id)) continue;
+        char small[64];
+        size_t len = td_tokenizer_token_to_piece(tok, id, false, small, sizeof small);
+        if (!len) continue;
+        if (!(pieces[id] = malloc(len))) goto done;
+        if (len <= sizeof small)
+            memcpy(pieces[id], small, len);
+        else
+            td_tokenizer_token_to_piece(tok, id, false, pieces[id], len);
+        lens[id] = len;
+    }
+    size_t neog = 0;
+    const int32_t *eog = td_tokenizer_eog_ids(tok, &neog);
+    v = td_vocab_from_pieces(n, (const char *const *)pieces, lens, eog, neog);
+done:
+    if (pieces)
+        for (int32_t id = 0; id < n; id++) free(pieces[id]);
+    free(pieces);
+    free(lens);
+    return v;
 }
 
 int32_t td_vocab_size(const td_vocab *v) { return v->n; }
@@ -124,37 +162,14 @@ bool td_vocab_is_eog(const td_vocab *v, int32_t id) { return id >= 0 && id < v->
 int64_t td_gm_mask(td_gm *m, const td_vocab *v, uint32_t *mask) {
     memset(mask, 0, td_vocab_mask_words(v) * sizeof *mask);
     if (td_gm_stopped(m)) return 0;
+    if (td_gm_walk(m, &v->trie, mask) < 0) return -1;
     int64_t count = 0;
-    size_t cd = 0; /* bytes this walk has pushed */
-    for (uint32_t i = 0; i < v->nnodes;) {
-        const tnode *t = &v->nodes[i];
-        const size_t d = t->depth;
-        if (cd > d - 1) td_gm_pop(m, cd - (d - 1));
-        cd = d - 1;
-        const td_gm_result r = td_gm_push(m, t->byte);
-        if (r == TD_GM_LIMIT) {
-            td_gm_pop(m, cd);
-            return -1;
-        }
-        if (r != TD_GM_OK) {
-            i = t->end;
-            continue;
-        }
-        cd = d;
-        for (uint32_t k = 0; k < t->ntok; k++) {
-            const int32_t id = v->ids[t->tok + k];
+    if (td_gm_accepting(m))
+        for (size_t i = 0; i < v->neog; i++) {
+            const int32_t id = v->eog_ids[i];
             mask[id / 32] |= 1u << (id % 32);
         }
-        count += t->ntok;
-        i++;
-    }
-    td_gm_pop(m, cd);
-    if (td_gm_accepting(m))
-        for (int32_t id = 0; id < v->n; id++)
-            if (v->eog[id]) {
-                mask[id / 32] |= 1u << (id % 32);
-                count++;
-            }
+    for (size_t w = 0; w < td_vocab_mask_words(v); w++) count += __builtin_popcount(mask[w]);
     return td_gm_error(m) ? -1 : count;
 }
 

@@ -30,6 +30,10 @@ typedef struct td_vocab td_vocab;
 
 /* NULL on allocation failure. */
 td_vocab *td_vocab_new(const td_tokenizer *tok);
+/* From n tokens' bytes directly (tests, fuzzers): pieces[id] (lens[id]
+ * bytes; NULL or empty: not in the trie), and the end-of-generation ids. */
+td_vocab *td_vocab_from_pieces(int32_t n, const char *const *pieces, const size_t *lens,
+                               const int32_t *eog, size_t neog);
 void td_vocab_free(td_vocab *v);
 int32_t td_vocab_size(const td_vocab *v);
 /* 32-bit words of a mask: (size + 31) / 32. */
