@@ -1,12 +1,14 @@
 /* tandem grammar: the structured-output engine from the command line.
  *
- *   tandem grammar check --model PATH (--grammar FILE | --regex R) DOC...
- *   tandem grammar masks --model PATH (--grammar FILE | --regex R)
+ *   tandem grammar check --model PATH (--grammar FILE | --regex R | --choice A,B) DOC...
+ *   tandem grammar masks --model PATH (--grammar FILE | --regex R | --choice A,B)
  *                        --prefixes IN.json --out OUT.txt
  *
  * --model is a GGUF file (a vocab-only one will do: only the tokenizer is
  * read) or a Hugging Face directory. --grammar is a Lark-style grammar
- * (common/grammar/lark.h), --regex an ECMAScript pattern matched whole.
+ * (common/grammar/lark.h), --regex an ECMAScript pattern matched whole,
+ * --choice a comma-separated list of strings, one of which is the output
+ * (a backslash escapes a comma or a backslash).
  *
  * check tokenizes each DOC with the model's tokenizer (no special tokens)
  * and walks the tokens through the matcher: "accept" when the DOC is a
@@ -33,17 +35,20 @@
 #include "tools.h"
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: tandem grammar check --model PATH (--grammar FILE | --regex R) DOC...\n"
-               "       tandem grammar masks --model PATH (--grammar FILE | --regex R)\n"
-               "                            --prefixes IN.json --out OUT.txt\n\n"
-               "Runs the structured-output engine on its own: check says whether each DOC\n"
-               "(tokenized with the model's tokenizer) is a whole output of the constraint;\n"
-               "masks writes the allowed-token mask after each token prefix.\n\n"
-               "  --model PATH        GGUF file (vocab-only will do) or Hugging Face directory\n"
-               "  --grammar FILE      a Lark-style grammar\n"
-               "  --regex R           an ECMAScript regular expression, matched whole\n"
-               "  --prefixes IN.json  masks: {\"prefixes\": [[token ids], ...]}\n"
-               "  --out OUT.txt       masks: one line per prefix, \"ok HEX\" or \"reject N\"\n");
+    fprintf(f,
+            "usage: tandem grammar check --model PATH (--grammar FILE | --regex R | --choice A,B)\n"
+            "                            DOC...\n"
+            "       tandem grammar masks --model PATH (--grammar FILE | --regex R | --choice A,B)\n"
+            "                            --prefixes IN.json --out OUT.txt\n\n"
+            "Runs the structured-output engine on its own: check says whether each DOC\n"
+            "(tokenized with the model's tokenizer) is a whole output of the constraint;\n"
+            "masks writes the allowed-token mask after each token prefix.\n\n"
+            "  --model PATH        GGUF file (vocab-only will do) or Hugging Face directory\n"
+            "  --grammar FILE      a Lark-style grammar\n"
+            "  --regex R           an ECMAScript regular expression, matched whole\n"
+            "  --choice A,B        one of these strings (\\, is a comma, \\\\ a backslash)\n"
+            "  --prefixes IN.json  masks: {\"prefixes\": [[token ids], ...]}\n"
+            "  --out OUT.txt       masks: one line per prefix, \"ok HEX\" or \"reject N\"\n");
 }
 
 static char *read_file(const char *path, size_t *n) {
@@ -81,6 +86,37 @@ static td_tokenizer *load_tokenizer(const char *path) {
     return s ? NULL : tok;
 }
 
+/* --choice A,B: the strings split at unescaped commas. */
+static td_gram *choice_grammar(const char *spec, char *err, size_t errlen) {
+    const size_t n = strlen(spec);
+    char *buf = malloc(n + 1);
+    const char **items = calloc(n + 1, sizeof *items);
+    size_t *lens = calloc(n + 1, sizeof *lens);
+    td_gram *g = NULL;
+    if (buf && items && lens) {
+        size_t k = 0, ni = 0;
+        items[0] = buf;
+        for (size_t i = 0; i < n; i++) {
+            if (spec[i] == '\\' && i + 1 < n && (spec[i + 1] == ',' || spec[i + 1] == '\\')) {
+                buf[k++] = spec[++i];
+            } else if (spec[i] == ',') {
+                lens[ni] = (size_t)(buf + k - items[ni]);
+                items[++ni] = buf + k;
+            } else {
+                buf[k++] = spec[i];
+            }
+        }
+        lens[ni] = (size_t)(buf + k - items[ni]);
+        g = td_gram_from_choices(items, lens, ni + 1, NULL, err, errlen);
+    } else {
+        snprintf(err, errlen, "out of memory");
+    }
+    free(buf);
+    free(items);
+    free(lens);
+    return g;
+}
+
 int td_cmd_grammar(int argc, char **argv) {
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
         usage(argc < 2 ? stderr : stdout);
@@ -92,7 +128,8 @@ int td_cmd_grammar(int argc, char **argv) {
         fprintf(stderr, "tandem grammar: unknown subcommand '%s' (check, masks)\n", cmd);
         return 2;
     }
-    const char *model = NULL, *grammar = NULL, *regex = NULL, *prefixes = NULL, *out = NULL;
+    const char *model = NULL, *grammar = NULL, *regex = NULL, *choice = NULL, *prefixes = NULL,
+               *out = NULL;
     char **docs = calloc((size_t)argc, sizeof *docs);
     int ndocs = 0;
     if (!docs) return 1;
@@ -100,6 +137,7 @@ int td_cmd_grammar(int argc, char **argv) {
         const char **slot = !strcmp(argv[i], "--model")      ? &model
                             : !strcmp(argv[i], "--grammar")  ? &grammar
                             : !strcmp(argv[i], "--regex")    ? &regex
+                            : !strcmp(argv[i], "--choice")   ? &choice
                             : !strcmp(argv[i], "--prefixes") ? &prefixes
                             : !strcmp(argv[i], "--out")      ? &out
                                                              : NULL;
@@ -127,9 +165,9 @@ int td_cmd_grammar(int argc, char **argv) {
             return 2;
         }
     }
-    if (!model || (!grammar == !regex) || (masks && (!prefixes || !out))) {
+    if (!model || (!!grammar + !!regex + !!choice) != 1 || (masks && (!prefixes || !out))) {
         fprintf(stderr,
-                "tandem grammar %s: --model, one of --grammar and --regex%s are needed "
+                "tandem grammar %s: --model, one of --grammar, --regex and --choice%s are needed "
                 "(see --help)\n",
                 cmd, masks ? ", --prefixes and --out" : "");
         free(docs);
@@ -154,8 +192,10 @@ int td_cmd_grammar(int argc, char **argv) {
         }
         g = td_lark_compile(src, n, NULL, err, sizeof err);
         free(src);
-    } else {
+    } else if (regex) {
         g = td_gram_from_regex(regex, strlen(regex), NULL, err, sizeof err);
+    } else {
+        g = choice_grammar(choice, err, sizeof err);
     }
     if (!g) {
         fprintf(stderr, "tandem grammar: %s\n", err);

@@ -283,6 +283,36 @@ td_gram *td_gram_from_regex(const char *pattern, size_t n, const td_gram_limits 
     return g;
 }
 
+td_gram *td_gram_from_choices(const char *const *choices, const size_t *lens, size_t n,
+                              const td_gram_limits *lim, char *err, size_t errlen) {
+    td_gram *g = td_gram_new(lim);
+    td_rx_id *alts = malloc((n ? n : 1) * sizeof *alts);
+    if (!g || !alts) {
+        if (err && errlen) snprintf(err, errlen, "grammar: out of memory");
+        td_gram_free(g);
+        free(alts);
+        return NULL;
+    }
+    if (!n) gfail(g, "grammar: a choice needs at least one string");
+    for (size_t i = 0; i < n && !g->error; i++) {
+        if (!lens[i]) gfail(g, "grammar: choice %zu is the empty string", i + 1);
+        alts[i] = td_rx_literal(g->rx, choices[i], lens[i]);
+    }
+    /* one lexeme: the alternation of the strings (no lexing ambiguity) */
+    const td_gram_sym start = td_gram_nonterm(g, "start");
+    if (!g->error) {
+        const td_gram_sym lx = td_gram_lexeme(g, td_rx_or_list(g->rx, alts, n), "choice");
+        td_gram_rule(g, start, &lx, 1);
+    }
+    free(alts);
+    if (g->error || td_gram_finish(g, start)) {
+        if (err && errlen) snprintf(err, errlen, "%s", g->error);
+        td_gram_free(g);
+        return NULL;
+    }
+    return g;
+}
+
 /* ---- the lexer's DFA ---- */
 
 static uint64_t lhash(const lpair *p, uint32_t n) {

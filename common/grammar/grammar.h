@@ -80,6 +80,11 @@ const char *td_gram_sym_name(const td_gram *g, td_gram_sym s);
 td_gram *td_gram_from_regex(const char *pattern, size_t n, const td_gram_limits *lim, char *err,
                             size_t errlen);
 
+/* A finished grammar of a choice: exactly one of the n strings (bytes,
+ * each non-empty). NULL with a message in err. */
+td_gram *td_gram_from_choices(const char *const *choices, const size_t *lens, size_t n,
+                              const td_gram_limits *lim, char *err, size_t errlen);
+
 /* ---- the matcher ---- */
 
 typedef struct td_gm td_gm;
