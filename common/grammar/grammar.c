@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/grammar/util.h"
+
 #define NONE     UINT32_MAX
 #define UNKNOWN  (UINT32_MAX - 1)
 #define LEX_DEAD 0u /* the lexer state with no live lexeme */
@@ -82,17 +84,6 @@ static void gfail(td_gram *g, const char *fmt, ...) {
     g->error = g->errbuf;
 }
 
-/* Grows *p (elements of size sz, capacity *cap) to hold n + 1. */
-static bool reserve(void **p, size_t *cap, size_t n, size_t sz) {
-    if (n < *cap) return true;
-    size_t nc = *cap ? *cap * 2 : 64;
-    void *q = realloc(*p, nc * sz);
-    if (!q) return false;
-    *p = q;
-    *cap = nc;
-    return true;
-}
-
 static uint32_t intern_lstate(td_gram *g, const lpair *p, uint32_t n);
 
 td_gram *td_gram_new(const td_gram_limits *lim) {
@@ -141,7 +132,7 @@ static td_gram_sym add_sym(td_gram *g, const char *name, bool is_lex) {
         return BAD_SYM;
     }
     char *nm = strdup(name ? name : "");
-    if (!nm || !reserve((void **)&g->syms, &g->csyms, g->nsyms, sizeof *g->syms)) {
+    if (!nm || !td_gr_reserve((void **)&g->syms, &g->csyms, g->nsyms, sizeof *g->syms)) {
         free(nm);
         gfail(g, "grammar: out of memory");
         return BAD_SYM;
@@ -188,9 +179,9 @@ int td_gram_rule(td_gram *g, td_gram_sym lhs, const td_gram_sym *rhs, size_t n) 
             gfail(g, "grammar: rule for %s names an unknown symbol", g->syms[lhs].name);
             return -1;
         }
-    if (!reserve((void **)&g->rules, &g->crules, g->nrules, sizeof *g->rules)) goto oom;
+    if (!td_gr_reserve((void **)&g->rules, &g->crules, g->nrules, sizeof *g->rules)) goto oom;
     while (g->nrhs + n >= g->crhs)
-        if (!reserve((void **)&g->rhs, &g->crhs, g->crhs, sizeof *g->rhs)) goto oom;
+        if (!td_gr_reserve((void **)&g->rhs, &g->crhs, g->crhs, sizeof *g->rhs)) goto oom;
     if (n) memcpy(g->rhs + g->nrhs, rhs, n * sizeof *rhs);
     g->rules[g->nrules++] = (rule){.lhs = lhs, .off = (uint32_t)g->nrhs, .len = (uint32_t)n};
     g->nrhs += n;
@@ -357,11 +348,11 @@ static uint32_t intern_lstate(td_gram *g, const lpair *p, uint32_t n) {
         gfail(g, "grammar: more than %u lexer states", g->lim.max_lexer_states);
         return NONE;
     }
-    if (!reserve((void **)&g->ls, &g->cls, g->nls, sizeof *g->ls)) goto oom;
+    if (!td_gr_reserve((void **)&g->ls, &g->cls, g->nls, sizeof *g->ls)) goto oom;
     while (g->npairs + n >= g->cpairs)
-        if (!reserve((void **)&g->pairs, &g->cpairs, g->cpairs, sizeof *g->pairs)) goto oom;
+        if (!td_gr_reserve((void **)&g->pairs, &g->cpairs, g->cpairs, sizeof *g->pairs)) goto oom;
     while (g->naccs + n >= g->caccs)
-        if (!reserve((void **)&g->accs, &g->caccs, g->caccs, sizeof *g->accs)) goto oom;
+        if (!td_gr_reserve((void **)&g->accs, &g->caccs, g->caccs, sizeof *g->accs)) goto oom;
     lstate st = {.off = (uint32_t)g->npairs, .n = n, .acc_off = (uint32_t)g->naccs};
     if (n) memcpy(g->pairs + g->npairs, p, n * sizeof *p);
     g->npairs += n;
@@ -515,7 +506,7 @@ static bool add_item(td_gm *m, size_t set_off, item it) {
         mfail(m, "grammar: more than %llu parser items", (unsigned long long)g->lim.max_items);
         return false;
     }
-    if (!reserve((void **)&m->items, &m->citems, m->nitems, sizeof *m->items)) goto oom;
+    if (!td_gr_reserve((void **)&m->items, &m->citems, m->nitems, sizeof *m->items)) goto oom;
     m->dgen[j] = m->gen;
     m->dslots[j] = (uint32_t)m->nitems;
     m->items[m->nitems++] = it;
@@ -559,7 +550,7 @@ static bool closure(td_gm *m, uint32_t k) {
 }
 
 static bool new_set(td_gm *m) {
-    if (!reserve((void **)&m->sets, &m->csets, m->nsets + 1, sizeof *m->sets)) {
+    if (!td_gr_reserve((void **)&m->sets, &m->csets, m->nsets + 1, sizeof *m->sets)) {
         mfail(m, "grammar: out of memory");
         return false;
     }
@@ -645,7 +636,7 @@ td_gm *td_gm_new(td_gram *g) {
     m->lexmark = calloc(g->nlex ? g->nlex : 1, 1);
     if (!m->lexmark || !new_set(m) || !add_item(m, 0, (item){g->start_rule, 0, 0}) ||
         !closure(m, 0) || lex_start(m, 0) == NONE ||
-        !reserve((void **)&m->frames, &m->cframes, 0, sizeof *m->frames)) {
+        !td_gr_reserve((void **)&m->frames, &m->cframes, 0, sizeof *m->frames)) {
         td_gm_free(m);
         return NULL;
     }
@@ -677,7 +668,7 @@ td_gm_result td_gm_push(td_gm *m, uint8_t b) {
     if (m->stopped) return TD_GM_REJECT;
     const frame top = m->frames[m->nframes - 1];
     const uint32_t k = top.nsets - 1;
-    if (!reserve((void **)&m->frames, &m->cframes, m->nframes, sizeof *m->frames)) {
+    if (!td_gr_reserve((void **)&m->frames, &m->cframes, m->nframes, sizeof *m->frames)) {
         mfail(m, "grammar: out of memory");
         return TD_GM_LIMIT;
     }
@@ -828,7 +819,7 @@ static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
         if (nx == UNKNOWN) nx = lex_step(g, from, t->byte);
         if (nx == NONE) goto fail;
         if (nx == LEX_DEAD) { /* the lexeme would end here: the parser decides */
-            if (!reserve((void **)&bd, &cb, nb, sizeof *bd)) goto fail;
+            if (!td_gr_reserve((void **)&bd, &cb, nb, sizeof *bd)) goto fail;
             bd[nb++] = i;
             i = t->end;
             continue;
@@ -857,7 +848,7 @@ int64_t td_gm_walk(td_gm *m, const td_trie *tr, uint32_t *mask) {
     const size_t base = m->nframes; /* frames at the start */
     /* room for the deepest token: no reserve in the walk */
     while (m->cframes < base + tr->max_depth + 1)
-        if (!reserve((void **)&m->frames, &m->cframes, m->cframes, sizeof *m->frames)) {
+        if (!td_gr_reserve((void **)&m->frames, &m->cframes, m->cframes, sizeof *m->frames)) {
             mfail(m, "grammar: out of memory");
             return -1;
         }

@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/grammar/util.h"
+
 enum {
     T_EOF,
     T_NL,
@@ -71,41 +73,14 @@ static void lerr(lk *p, int line, const char *fmt, ...) {
     if (p->err && p->errlen) snprintf(p->err, p->errlen, "grammar: line %d: %s", line, msg);
 }
 
-static bool grow(void **v, size_t *cap, size_t n, size_t sz) {
-    if (n < *cap) return true;
-    size_t nc = *cap ? *cap * 2 : 64;
-    void *q = realloc(*v, nc * sz);
-    if (!q) return false;
-    *v = q;
-    *cap = nc;
-    return true;
-}
-
 static bool add_tok(lk *p, tok t) {
-    if (!grow((void **)&p->t, &p->ct, p->nt, sizeof *p->t)) {
+    if (!td_gr_reserve((void **)&p->t, &p->ct, p->nt, sizeof *p->t)) {
         free(t.text);
         lerr(p, t.line, "out of memory");
         return false;
     }
     p->t[p->nt++] = t;
     return true;
-}
-
-static int hexv(char c) {
-    return c >= '0' && c <= '9'   ? c - '0'
-           : c >= 'a' && c <= 'f' ? c - 'a' + 10
-           : c >= 'A' && c <= 'F' ? c - 'A' + 10
-                                  : -1;
-}
-
-static size_t put_utf8(uint32_t c, char *o) {
-    if (c < 0x80) return o[0] = (char)c, 1;
-    if (c < 0x800) return o[0] = (char)(0xC0 | c >> 6), o[1] = (char)(0x80 | (c & 63)), 2;
-    if (c < 0x10000)
-        return o[0] = (char)(0xE0 | c >> 12), o[1] = (char)(0x80 | ((c >> 6) & 63)),
-               o[2] = (char)(0x80 | (c & 63)), 3;
-    return o[0] = (char)(0xF0 | c >> 18), o[1] = (char)(0x80 | ((c >> 12) & 63)),
-           o[2] = (char)(0x80 | ((c >> 6) & 63)), o[3] = (char)(0x80 | (c & 63)), 4;
 }
 
 /* A Python string literal at s[*i] (on the quote): its bytes in *out. */
@@ -147,7 +122,7 @@ static bool read_string(lk *p, const char *s, size_t n, size_t *i, int line, cha
         if (nh) {
             uint32_t v = 0;
             for (int j = 0; j < nh; j++) {
-                int h = *i < n ? hexv(s[*i]) : -1;
+                int h = *i < n ? td_gr_hexval(s[*i]) : -1;
                 if (h < 0) {
                     free(o);
                     lerr(p, line, "expected %d hex digits after \\%c", nh, c);
@@ -161,7 +136,7 @@ static bool read_string(lk *p, const char *s, size_t n, size_t *i, int line, cha
                 lerr(p, line, "escape \\%c is not a Unicode scalar value", c);
                 return false;
             }
-            k += put_utf8(v, o + k);
+            k += (size_t)td_gr_utf8_put(v, (uint8_t *)o + k);
         }
     }
     if (*i >= n || s[*i] != q) {
@@ -502,7 +477,7 @@ static td_gram_sym anon_lexeme(lk *p, const tok *t) {
     char nm[64];
     snprintf(nm, sizeof nm, t->kind == T_STRING ? "\"%.40s\"" : "/%.40s/", t->text);
     td_gram_sym s = td_gram_lexeme(p->g, r, nm);
-    if (s == BAD || !grow((void **)&p->an, &p->can, p->nan, sizeof *p->an)) {
+    if (s == BAD || !td_gr_reserve((void **)&p->an, &p->can, p->nan, sizeof *p->an)) {
         lerr(p, t->line, "%s", td_gram_error(p->g) ? td_gram_error(p->g) : "out of memory");
         return BAD;
     }
@@ -607,7 +582,7 @@ static bool r_exp_into(lk *p, td_gram_sym lhs) {
         uint32_t mn, mx;
         while (!p->failed && postfix(p, &mn, &mx)) a = r_repeat(p, a, mn, mx, l);
         if (p->failed) break;
-        if (!grow((void **)&seq, &cap, n, sizeof *seq)) {
+        if (!td_gr_reserve((void **)&seq, &cap, n, sizeof *seq)) {
             lerr(p, l, "out of memory");
             break;
         }
@@ -654,7 +629,7 @@ static bool definitions(lk *p) {
         }
         size_t e = i + 2;
         while (p->t[e].kind != T_NL && p->t[e].kind != T_EOF) e++;
-        if (!grow((void **)&p->d, &p->cd, p->nd, sizeof *p->d)) {
+        if (!td_gr_reserve((void **)&p->d, &p->cd, p->nd, sizeof *p->d)) {
             lerr(p, line, "out of memory");
             return false;
         }

@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/grammar/util.h"
+
 enum { K_NOTHING, K_EMPTY, K_BYTES, K_CONCAT, K_OR, K_STAR, K_REPEAT, K_AND, K_NOT };
 
 #define INF UINT32_MAX
@@ -333,17 +335,6 @@ td_rx_id td_rx_literal(td_rx *rx, const void *bytes, size_t n) {
 
 /* ---- UTF-8 ---- */
 
-static int utf8_len(uint32_t c) { return c < 0x80 ? 1 : c < 0x800 ? 2 : c < 0x10000 ? 3 : 4; }
-
-static void utf8_put(uint32_t c, int n, uint8_t out[4]) {
-    static const uint8_t lead[5] = {0, 0, 0xC0, 0xE0, 0xF0};
-    for (int i = n - 1; i > 0; i--) {
-        out[i] = (uint8_t)(0x80 | (c & 0x3F));
-        c >>= 6;
-    }
-    out[0] = (uint8_t)(n == 1 ? c : lead[n] | c);
-}
-
 /* The encodings of [lo, hi] (all of the same length n) into v: split until
  * every byte position ranges independently, then one sequence of byte
  * ranges per piece. */
@@ -358,8 +349,8 @@ static bool utf8_split(td_rx *rx, uint32_t lo, uint32_t hi, int n, idvec *v) {
         }
     }
     uint8_t a[4], b[4];
-    utf8_put(lo, n, a);
-    utf8_put(hi, n, b);
+    td_gr_utf8_put(lo, a);
+    td_gr_utf8_put(hi, b);
     td_rx_id r = TD_RX_EMPTY;
     for (int i = n; i-- > 0;) r = td_rx_concat(rx, td_rx_byte_range(rx, a[i], b[i]), r);
     return r != TD_RX_FAIL && push(v, r);
@@ -375,7 +366,7 @@ td_rx_id td_rx_codepoints(td_rx *rx, const uint32_t (*ranges)[2], size_t n) {
             uint32_t lo = ranges[i][0] > bounds[k][0] ? ranges[i][0] : bounds[k][0];
             uint32_t hi = ranges[i][1] < bounds[k][1] ? ranges[i][1] : bounds[k][1];
             if (lo > hi) continue;
-            if (!utf8_split(rx, lo, hi, utf8_len(lo), &v)) {
+            if (!utf8_split(rx, lo, hi, td_gr_utf8_len(lo), &v)) {
                 free(v.v);
                 if (!rx->error) fail(rx, "regex: out of memory");
                 return TD_RX_FAIL;
@@ -597,7 +588,7 @@ static bool next_cp(parser *p, uint32_t *cp) {
         }
         v = (v << 6) | (s[i + k] & 0x3F);
     }
-    if (utf8_len(v) != n || (v >= 0xD800 && v <= 0xDFFF) || v > 0x10FFFF) {
+    if (td_gr_utf8_len(v) != n || (v >= 0xD800 && v <= 0xDFFF) || v > 0x10FFFF) {
         perr(p, i, "malformed UTF-8 in the pattern");
         return false;
     }
@@ -606,18 +597,11 @@ static bool next_cp(parser *p, uint32_t *cp) {
     return true;
 }
 
-static int hexval(char c) {
-    return c >= '0' && c <= '9'   ? c - '0'
-           : c >= 'a' && c <= 'f' ? c - 'a' + 10
-           : c >= 'A' && c <= 'F' ? c - 'A' + 10
-                                  : -1;
-}
-
 /* n hex digits at p->i. */
 static bool hex_digits(parser *p, int n, uint32_t *v) {
     *v = 0;
     for (int k = 0; k < n; k++) {
-        int h = p->i < p->n ? hexval(p->s[p->i]) : -1;
+        int h = p->i < p->n ? td_gr_hexval(p->s[p->i]) : -1;
         if (h < 0) {
             perr(p, p->i, "expected %d hex digits", n);
             return false;
@@ -693,8 +677,8 @@ static int escape(parser *p, bool in_class, uint32_t *cp, ranges *cls) {
             p->i++;
             uint32_t v = 0;
             int nd = 0;
-            while (p->i < p->n && hexval(p->s[p->i]) >= 0 && nd < 8) {
-                v = v * 16 + (uint32_t)hexval(p->s[p->i++]);
+            while (p->i < p->n && td_gr_hexval(p->s[p->i]) >= 0 && nd < 8) {
+                v = v * 16 + (uint32_t)td_gr_hexval(p->s[p->i++]);
                 nd++;
             }
             if (!nd || p->i >= p->n || p->s[p->i] != '}' || v > 0x10FFFF) {
@@ -922,8 +906,7 @@ static td_rx_id parse_atom(parser *p) {
         return TD_RX_FAIL;
     }
     uint8_t b[4];
-    int n = utf8_len(cp);
-    utf8_put(cp, n, b);
+    const int n = td_gr_utf8_put(cp, b);
     return td_rx_literal(p->rx, b, (size_t)n);
 }
 

@@ -61,3 +61,17 @@ def check_logits(a, b, what, tol, mean_tol, delta, min_checked):
             bad.append((t, int(np.argmax(a[t])), int(np.argmax(b[t]))))
     assert not bad, f"argmax disagreements (t, engine, ref): {bad}"
     assert checked >= min_checked, f"only {checked} positions clear delta"
+
+
+def byte_decoder():
+    """Byte-level BPE (GPT-2's encoder): each printable character of a
+    vocabulary string -> the byte it stands for."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}

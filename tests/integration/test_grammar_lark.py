@@ -18,40 +18,20 @@ the Earley parser over lexemes) and its Lark-style grammar language
 import itertools
 import json
 import random
-import subprocess
 
 import pytest
+
+from grammar_util import GrammarMatch
 
 SEED = 20261207
 
 
 @pytest.fixture(scope="module")
 def gm(build_dir):
-    assert build_dir is not None, "TANDEM_BUILD_DIR is not set"
-    exe = build_dir / "td-grammar-match"
-    assert exe.exists(), f"{exe} is missing: build the td-grammar-match target"
-    p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def ask(line):
-        p.stdin.write(line + "\n")
-        p.stdin.flush()
-        out = p.stdout.readline()
-        assert out, f"td-grammar-match exited ({p.poll()}) on {line[:200]!r}"
-        return out.rstrip("\n")
-
-    class M:
-        def compile(self, text):
-            return ask(f"G {text.encode().hex()}")
-
-        def match(self, text):
-            r = ask(f"S {text.encode().hex()}")
-            assert r == "1" or r.startswith("0 "), r
-            return r == "1"
-
-    yield M()
-    p.stdin.close()
-    assert p.wait(timeout=10) == 0
-    p.stdout.close()
+    m = GrammarMatch(build_dir)
+    m.compile = m.grammar  # this module's constraints are grammars
+    yield m
+    m.close()
 
 
 # ---------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from reference_util import gguf_bpe_tokenizer, kquant_model_path
+from reference_util import byte_decoder, gguf_bpe_tokenizer, kquant_model_path
 
 
 SEED = 20261207
@@ -60,20 +60,6 @@ WALK_LEN = 24
 RANDOM_PREFIXES = 20
 
 
-def bytes_to_unicode():
-    """GPT-2's byte <-> printable-character map (as its encoder defines it)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
 class GGUFTokenizer:
     """What llguidance's TokenizerWrapper needs, from the GGUF metadata."""
 
@@ -87,7 +73,7 @@ class GGUFTokenizer:
         assert bytes(field("tokenizer.ggml.model")[0]).decode() == "gpt2"
         toks = [bytes(t).decode() for t in field("tokenizer.ggml.tokens")]
         types = [int(t[0]) for t in field("tokenizer.ggml.token_type")]
-        dec = bytes_to_unicode()
+        dec = byte_decoder()
         self.tokens = []
         self.special_token_ids = []
         for i, (t, ty) in enumerate(zip(toks, types)):

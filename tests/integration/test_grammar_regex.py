@@ -20,6 +20,8 @@ import subprocess
 
 import pytest
 
+from grammar_util import GrammarMatch
+
 SEED = 20261207
 N_TREES = 400
 TEXTS_PER_TREE = 14
@@ -34,38 +36,9 @@ ALPHABET = ["a", "b", "c", "x", "0", "7", "_", " ", "-", ".", "\n", "é", "ß", 
 
 @pytest.fixture(scope="module")
 def matcher(build_dir):
-    assert build_dir is not None, "TANDEM_BUILD_DIR is not set"
-    exe = build_dir / "td-grammar-match"
-    assert exe.exists(), f"{exe} is missing: build the td-grammar-match target"
-    p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def ask(line):
-        p.stdin.write(line + "\n")
-        p.stdin.flush()
-        out = p.stdout.readline()
-        assert out, f"td-grammar-match exited ({p.poll()}) on {line!r}"
-        return out.rstrip("\n")
-
-    class M:
-        def compile(self, pattern, search=False):
-            return ask(f"P {int(search)} {pattern.encode().hex()}")
-
-        def both(self, a, b, search=False):
-            return ask(f"B {int(search)} {a.encode().hex()} {b.encode().hex()}")
-
-        def complement(self, pattern, search=False):
-            return ask(f"N {int(search)} {pattern.encode().hex()}")
-
-        def match(self, text):
-            data = text if isinstance(text, bytes) else text.encode()
-            r = ask(f"S {data.hex()}")
-            assert r in ("0", "1"), r
-            return r == "1"
-
-    yield M()
-    p.stdin.close()
-    assert p.wait(timeout=10) == 0
-    p.stdout.close()
+    m = GrammarMatch(build_dir)
+    yield m
+    m.close()
 
 
 # ---------------------------------------------------------------------------

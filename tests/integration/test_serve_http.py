@@ -28,6 +28,7 @@ import openai
 import pytest
 
 from conftest import run_tandem, scaled, tandem_eval_raw, wait_until
+from reference_util import byte_decoder
 from serve_util import Cluster, Front, Server, metric, state_load
 
 NAME = "tiny-chat"
@@ -401,15 +402,7 @@ def test_echo(client):
 
 def _bytes_to_id(hf_tokenizer):
     """Byte-level BPE: each vocabulary string maps to the bytes it stands for."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    dec = {chr(c): b for b, c in zip(bs, cs)}
+    dec = byte_decoder()
     out = {}
     for s, i in hf_tokenizer.get_vocab(with_added_tokens=True).items():
         try:
