@@ -679,7 +679,10 @@ td_gm_result td_gm_push(td_gm *m, uint8_t b) {
         return TD_GM_OK;
     }
     /* the byte ends the lexeme(s) that end here, and starts the next */
-    if (top.lex == m->sets[k].lex0 || !mark_accepting(m, top.lex)) return TD_GM_REJECT;
+    /* (only the first frame is at a lexeme's start: every later one has
+     * taken a byte of its lexeme, even where its lexer state equals the
+     * start state, as in x*y after an x) */
+    if (m->nframes == 1 || !mark_accepting(m, top.lex)) return TD_GM_REJECT;
     if (!scan(m, k)) return m->error ? TD_GM_LIMIT : TD_GM_REJECT;
     const uint32_t s0 = lex_start(m, k + 1);
     if (s0 == NONE) goto limit_scan;
@@ -719,7 +722,7 @@ bool td_gm_accepting(td_gm *m) {
     if (m->error) return false;
     const frame top = m->frames[m->nframes - 1];
     const uint32_t k = top.nsets - 1;
-    if (top.lex == m->sets[k].lex0) return m->sets[k].accepting;
+    if (m->nframes == 1) return m->sets[k].accepting; /* at a lexeme's start */
     if (!mark_accepting(m, top.lex) || !scan(m, k)) return false;
     const bool acc = m->sets[k + 1].accepting;
     truncate_sets(m, k + 1);

@@ -216,6 +216,9 @@ def test_json_grammar_matches_python_json(gm):
     # greedy: the longer lexeme wins where it can continue
     ('start: WORD+\nWORD: /[a-z]+/', ["abc"], [""]),
     ('start: NUM "." NUM\nNUM: /[0-9]+/', ["12.5"], ["12.", ".5"]),
+    # a lexer state equal to the lexeme's start after a byte is not its start
+    ('start: A?\nA: /x*y/', ["", "y", "xxy"], ["x", "xx"]),
+    ('start: A "!"?\nA: /(ab)*c/', ["c", "ababc!"], ["ab", "ab!", "abab"]),
     # multi-line rules and comments
     ('start: "a"\n    | "b" // comment\n    # another\n    | "c"', ["a", "b", "c"], ["d"]),
     ("start: 'single' \"\\u00e9\\n\"", ["singleé\n"], ["single"]),
