@@ -89,3 +89,27 @@ else
   touch "$TEMPLATE_DIR/.complete"
   echo "fetch-test-models: chat templates fetched ($(find "$TEMPLATE_DIR" -name '*.jinja' | wc -l) files)"
 fi
+
+# JSON-Schema-Test-Suite, drafts 2020-12 and 7, as python-jsonschema
+# 4.26.0's source package on PyPI carries it (json/tests; 0.4 MB): Debian
+# 12's json-schema-test-suite package stops at draft 7. For the JSON Schema
+# compiler's coverage test (tests/integration/test_grammar_json_suite.py).
+SUITE_VER=4.26.0
+SUITE_DIR=${TANDEM_JSON_SUITE_DIR:-$HOME/.cache/tandem/json-schema-test-suite/jsonschema-$SUITE_VER}
+if [ -f "$SUITE_DIR/.complete" ]; then
+  echo "fetch-test-models: JSON-Schema-Test-Suite present"
+else
+  tmp=$(mktemp -d)
+  $PY -m pip download -q --no-deps --no-binary :all: -d "$tmp" "jsonschema==$SUITE_VER"
+  tgz="$tmp/jsonschema-$SUITE_VER.tar.gz"
+  if ! echo "0c26707e2efad8aa1bfc5b7ce170f3fccc2e4918ff85989ba9ffa9facb2be326  $tgz" | sha256sum -c --status; then
+    echo "fetch-test-models: $tgz: sha256 mismatch" >&2
+    exit 1
+  fi
+  tar -xzf "$tgz" -C "$tmp" "jsonschema-$SUITE_VER/json/tests/draft2020-12" "jsonschema-$SUITE_VER/json/tests/draft7"
+  mkdir -p "$SUITE_DIR"
+  cp -r "$tmp/jsonschema-$SUITE_VER/json/tests/draft2020-12" "$tmp/jsonschema-$SUITE_VER/json/tests/draft7" "$SUITE_DIR/"
+  rm -rf "$tmp"
+  touch "$SUITE_DIR/.complete"
+  echo "fetch-test-models: JSON-Schema-Test-Suite fetched"
+fi

@@ -10,7 +10,7 @@ DEB_PACKAGES=(build-essential cmake pkg-config git clang clang-format
   libucx-dev ucx-utils libcurl4-openssl-dev libmicrohttpd-dev libprotobuf-c-dev protobuf-c-compiler
   libgrpc-dev protobuf-compiler libjansson-dev libxxhash-dev libpcre2-dev
   libcmocka-dev libclang-rt-14-dev python3 python3-pip python3-venv
-  iproute2 shellcheck)
+  iproute2 shellcheck json-schema-test-suite)
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi

@@ -1,19 +1,22 @@
 /* tandem grammar: the structured-output engine from the command line.
  *
- *   tandem grammar check --model PATH (--grammar FILE | --regex R | --choice A,B) DOC...
- *   tandem grammar masks --model PATH (--grammar FILE | --regex R | --choice A,B)
- *                        --prefixes IN.json --out OUT.txt
+ *   tandem grammar check --model PATH CONSTRAINT DOC...
+ *   tandem grammar masks --model PATH CONSTRAINT --prefixes IN.json --out OUT.txt
+ *
+ * CONSTRAINT: --json-schema FILE | --grammar FILE | --regex R | --choice A,B
  *
  * --model is a GGUF file (a vocab-only one will do: only the tokenizer is
  * read) or a Hugging Face directory. --grammar is a Lark-style grammar
- * (common/grammar/lark.h), --regex an ECMAScript pattern matched whole,
+ * (common/grammar/lark.h), --json-schema a JSON Schema (json_schema.h), --regex an ECMAScript
+ * pattern matched whole,
  * --choice a comma-separated list of strings, one of which is the output
  * (a backslash escapes a comma or a backslash).
  *
  * check tokenizes each DOC with the model's tokenizer (no special tokens)
  * and walks the tokens through the matcher: "accept" when the DOC is a
  * whole output of the constraint, else "reject at byte B (token T, id I)"
- * or "incomplete". Exit 0 when every DOC is accepted, 1 when one is not,
+ * or "incomplete". A DOC given as @FILE is the file's bytes. Exit 0 when
+ * every DOC is accepted, 1 when one is not,
  * 2 when the constraint is refused (its reason on stderr) or on bad usage.
  *
  * masks reads {"prefixes": [[token ids], ...]} and writes one line per
@@ -29,6 +32,7 @@
 #include "common/base/base.h"
 #include "common/format/gguf.h"
 #include "common/grammar/grammar.h"
+#include "common/grammar/json_schema.h"
 #include "common/grammar/lark.h"
 #include "common/grammar/vocab.h"
 #include "common/tokenizer/tokenizer.h"
@@ -36,17 +40,18 @@
 
 static void usage(FILE *f) {
     fprintf(f,
-            "usage: tandem grammar check --model PATH (--grammar FILE | --regex R | --choice A,B)\n"
-            "                            DOC...\n"
-            "       tandem grammar masks --model PATH (--grammar FILE | --regex R | --choice A,B)\n"
-            "                            --prefixes IN.json --out OUT.txt\n\n"
+            "usage: tandem grammar check --model PATH CONSTRAINT DOC...\n"
+            "       tandem grammar masks --model PATH CONSTRAINT --prefixes IN.json --out OUT.txt\n"
+            "CONSTRAINT: --json-schema FILE | --grammar FILE | --regex R | --choice A,B\n\n"
             "Runs the structured-output engine on its own: check says whether each DOC\n"
             "(tokenized with the model's tokenizer) is a whole output of the constraint;\n"
             "masks writes the allowed-token mask after each token prefix.\n\n"
             "  --model PATH        GGUF file (vocab-only will do) or Hugging Face directory\n"
+            "  --json-schema FILE  a JSON Schema (compact JSON: no whitespace)\n"
             "  --grammar FILE      a Lark-style grammar\n"
             "  --regex R           an ECMAScript regular expression, matched whole\n"
             "  --choice A,B        one of these strings (\\, is a comma, \\\\ a backslash)\n"
+            "  DOC                 the text, or @FILE for a file's bytes\n"
             "  --prefixes IN.json  masks: {\"prefixes\": [[token ids], ...]}\n"
             "  --out OUT.txt       masks: one line per prefix, \"ok HEX\" or \"reject N\"\n");
 }
@@ -128,19 +133,20 @@ int td_cmd_grammar(int argc, char **argv) {
         fprintf(stderr, "tandem grammar: unknown subcommand '%s' (check, masks)\n", cmd);
         return 2;
     }
-    const char *model = NULL, *grammar = NULL, *regex = NULL, *choice = NULL, *prefixes = NULL,
-               *out = NULL;
+    const char *model = NULL, *grammar = NULL, *schema = NULL, *regex = NULL, *choice = NULL,
+               *prefixes = NULL, *out = NULL;
     char **docs = calloc((size_t)argc, sizeof *docs);
     int ndocs = 0;
     if (!docs) return 1;
     for (int i = 2; i < argc; i++) {
-        const char **slot = !strcmp(argv[i], "--model")      ? &model
-                            : !strcmp(argv[i], "--grammar")  ? &grammar
-                            : !strcmp(argv[i], "--regex")    ? &regex
-                            : !strcmp(argv[i], "--choice")   ? &choice
-                            : !strcmp(argv[i], "--prefixes") ? &prefixes
-                            : !strcmp(argv[i], "--out")      ? &out
-                                                             : NULL;
+        const char **slot = !strcmp(argv[i], "--model")         ? &model
+                            : !strcmp(argv[i], "--grammar")     ? &grammar
+                            : !strcmp(argv[i], "--json-schema") ? &schema
+                            : !strcmp(argv[i], "--regex")       ? &regex
+                            : !strcmp(argv[i], "--choice")      ? &choice
+                            : !strcmp(argv[i], "--prefixes")    ? &prefixes
+                            : !strcmp(argv[i], "--out")         ? &out
+                                                                : NULL;
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             usage(stdout);
             free(docs);
@@ -165,9 +171,11 @@ int td_cmd_grammar(int argc, char **argv) {
             return 2;
         }
     }
-    if (!model || (!!grammar + !!regex + !!choice) != 1 || (masks && (!prefixes || !out))) {
+    if (!model || (!!grammar + !!schema + !!regex + !!choice) != 1 ||
+        (masks && (!prefixes || !out))) {
         fprintf(stderr,
-                "tandem grammar %s: --model, one of --grammar, --regex and --choice%s are needed "
+                "tandem grammar %s: --model, one of --json-schema, --grammar, --regex and "
+                "--choice%s are needed "
                 "(see --help)\n",
                 cmd, masks ? ", --prefixes and --out" : "");
         free(docs);
@@ -183,14 +191,16 @@ int td_cmd_grammar(int argc, char **argv) {
     json_t *pj = NULL;
     FILE *fo = NULL;
     char err[512] = "";
-    if (grammar) {
+    if (grammar || schema) {
         size_t n = 0;
-        char *src = read_file(grammar, &n);
+        const char *path = grammar ? grammar : schema;
+        char *src = read_file(path, &n);
         if (!src) {
-            fprintf(stderr, "tandem grammar: cannot read %s\n", grammar);
+            fprintf(stderr, "tandem grammar: cannot read %s\n", path);
             goto done;
         }
-        g = td_lark_compile(src, n, NULL, err, sizeof err);
+        g = grammar ? td_lark_compile(src, n, NULL, err, sizeof err)
+                    : td_gram_from_json_schema(src, n, NULL, NULL, err, sizeof err);
         free(src);
     } else if (regex) {
         g = td_gram_from_regex(regex, strlen(regex), NULL, err, sizeof err);
@@ -214,8 +224,19 @@ int td_cmd_grammar(int argc, char **argv) {
         rc = 0;
         for (int d = 0; d < ndocs; d++) {
             int32_t *ids = NULL;
-            size_t n = 0;
-            if (td_tokenizer_encode(tok, docs[d], strlen(docs[d]), false, false, &ids, &n)) {
+            size_t n = 0, dn = strlen(docs[d]);
+            char *text = docs[d], *file = NULL;
+            if (text[0] == '@') {
+                if (!(file = read_file(text + 1, &dn))) {
+                    fprintf(stderr, "tandem grammar: cannot read %s\n", text + 1);
+                    rc = 1;
+                    continue;
+                }
+                text = file;
+            }
+            const td_status ts = td_tokenizer_encode(tok, text, dn, false, false, &ids, &n);
+            free(file);
+            if (ts) {
                 fprintf(stderr, "tandem grammar: cannot tokenize DOC %d\n", d + 1);
                 rc = 1;
                 continue;

@@ -8,14 +8,17 @@
 
 #include "common/grammar/util.h"
 
-enum { K_NOTHING, K_EMPTY, K_BYTES, K_CONCAT, K_OR, K_STAR, K_REPEAT, K_AND, K_NOT };
+enum { K_NOTHING, K_EMPTY, K_BYTES, K_CONCAT, K_OR, K_STAR, K_REPEAT, K_AND, K_NOT, K_MOD };
 
-#define INF UINT32_MAX
+#define NOPOINT UINT32_MAX /* K_MOD: no decimal point read yet */
+
+#define INF     UINT32_MAX
 
 typedef struct {
     uint8_t kind, nullable;
-    uint32_t a, b;     /* CONCAT: head, tail; OR: first alternative, the rest; STAR, REPEAT: a */
-    uint32_t min, max; /* REPEAT */
+    uint32_t a, b;     /* CONCAT: head, tail; OR: first alternative, the rest; STAR, REPEAT: a;
+                          MOD: the divisor p, the remainder so far */
+    uint32_t min, max; /* REPEAT; MOD: the scale k, fraction digits read (NOPOINT: none) */
     uint64_t set[4];   /* BYTES */
 } node;
 
@@ -105,6 +108,14 @@ static td_rx_id intern(td_rx *rx, node x) {
     case K_AND: x.nullable = rx->nodes[x.a].nullable && rx->nodes[x.b].nullable; break;
     case K_NOT: x.nullable = !rx->nodes[x.a].nullable; break;
     case K_REPEAT: x.nullable = x.min == 0 || rx->nodes[x.a].nullable; break;
+    case K_MOD: {
+        /* the digits so far times 10^(k - fraction digits) divide by p */
+        uint64_t r = x.b;
+        uint32_t f = x.max == NOPOINT ? 0 : x.max;
+        for (uint32_t i = f; i < x.min; i++) r = r * 10 % x.a;
+        x.nullable = r == 0 && x.max != 0;
+        break;
+    }
     }
     if ((rx->n + 1) * 2 > rx->nslots && !grow_slots(rx)) {
         fail(rx, "regex: out of memory");
@@ -333,6 +344,132 @@ td_rx_id td_rx_literal(td_rx *rx, const void *bytes, size_t n) {
     return r;
 }
 
+td_rx_id td_rx_multiple_of(td_rx *rx, uint32_t p, uint32_t k) {
+    if (rx->error) return TD_RX_FAIL;
+    if (!p || k > 30) {
+        fail(rx, "regex: a multiple of %u at scale %u", p, k);
+        return TD_RX_FAIL;
+    }
+    return intern(rx, (node){.kind = K_MOD, .a = p, .b = 0, .min = k, .max = NOPOINT});
+}
+
+/* ---- JSON string quoting ---- */
+
+static bool in_set(const uint64_t s[4], unsigned b) { return s[b >> 6] >> (b & 63) & 1; }
+static void set_bit(uint64_t s[4], unsigned b) { s[b >> 6] |= 1ull << (b & 63); }
+
+/* The encodings inside a JSON string of the bytes of set: the bytes that
+ * need no escape as themselves, the others as their escapes. */
+static td_rx_id quote_bytes(td_rx *rx, const uint64_t set[4]) {
+    static const char shorts[][2] = {{8, 'b'},  {9, 't'},   {10, 'n'},   {12, 'f'},
+                                     {13, 'r'}, {'"', '"'}, {'\\', '\\'}};
+    uint64_t raw[4], sh[4] = {0}, hex[2][4] = {{0}};
+    memcpy(raw, set, sizeof raw);
+    bool any = false, del = in_set(set, 0x7f);
+    for (unsigned b = 0; b < 0x80; b++) {
+        if (!in_set(set, b) || (b >= 0x20 && b != '"' && b != '\\' && b != 0x7f)) continue;
+        raw[b >> 6] &= ~(1ull << (b & 63));
+        any = true;
+        for (size_t i = 0; i < sizeof shorts / sizeof *shorts; i++)
+            if ((unsigned char)shorts[i][0] == b) set_bit(sh, (unsigned char)shorts[i][1]);
+        if (b < 0x20) {
+            unsigned d = b & 15;
+            set_bit(hex[b >> 4], d < 10 ? '0' + d : 'a' + d - 10);
+            if (d >= 10) set_bit(hex[b >> 4], 'A' + d - 10);
+        }
+    }
+    td_rx_id r = td_rx_byteset(rx, raw);
+    if (!any) return r;
+    idvec alts = {0};
+    bool ok = push(&alts, td_rx_byteset(rx, sh));
+    for (int h = 0; h < 2 && ok; h++)
+        ok = push(&alts, td_rx_concat(rx, td_rx_literal(rx, h ? "u001" : "u000", 4),
+                                      td_rx_byteset(rx, hex[h])));
+    if (del && ok) {
+        uint64_t f[4] = {0};
+        set_bit(f, 'f');
+        set_bit(f, 'F');
+        ok = push(&alts, td_rx_concat(rx, td_rx_literal(rx, "u007", 4), td_rx_byteset(rx, f)));
+    }
+    if (!ok) {
+        free(alts.v);
+        fail(rx, "regex: out of memory");
+        return TD_RX_FAIL;
+    }
+    td_rx_id esc = td_rx_concat(rx, td_rx_byte_range(rx, '\\', '\\'), or_vec(rx, &alts));
+    free(alts.v);
+    return td_rx_or(rx, r, esc);
+}
+
+static td_rx_id quote(td_rx *rx, td_rx_id a, td_rx_id *memo, size_t nmemo, int depth) {
+    if (a == TD_RX_FAIL || rx->error) return TD_RX_FAIL;
+    if (a < nmemo && memo[a] != TD_RX_FAIL) return memo[a];
+    if (depth > rx->lim.max_depth * 4) {
+        fail(rx, "regex: expression nested more than %d deep", rx->lim.max_depth * 4);
+        return TD_RX_FAIL;
+    }
+    node x = rx->nodes[a];
+    td_rx_id r = TD_RX_FAIL;
+    switch (x.kind) {
+    case K_NOTHING:
+    case K_EMPTY:
+    case K_MOD: r = a; break; /* digits and '.': nothing to escape */
+    case K_BYTES: r = quote_bytes(rx, x.set); break;
+    case K_STAR: r = td_rx_star(rx, quote(rx, x.a, memo, nmemo, depth + 1)); break;
+    case K_REPEAT:
+        r = td_rx_repeat(rx, quote(rx, x.a, memo, nmemo, depth + 1), x.min, x.max);
+        break;
+    case K_NOT: {
+        /* quoting commutes with union and intersection (an encoding
+         * decodes one way), not with complement: the encodings of every
+         * byte string, less those of a's strings */
+        uint64_t all[4] = {~0ull, ~0ull, ~0ull, ~0ull};
+        td_rx_id every = td_rx_star(rx, quote_bytes(rx, all));
+        r = td_rx_and(rx, every, td_rx_not(rx, quote(rx, x.a, memo, nmemo, depth + 1)));
+        break;
+    }
+    case K_CONCAT:
+    case K_OR:
+    case K_AND: {
+        idvec parts = {0};
+        td_rx_id c = a;
+        for (; rx->nodes[c].kind == x.kind; c = rx->nodes[c].b)
+            if (!push(&parts, quote(rx, rx->nodes[c].a, memo, nmemo, depth + 1))) goto oom;
+        if (!push(&parts, quote(rx, c, memo, nmemo, depth + 1))) goto oom;
+        if (x.kind == K_CONCAT) {
+            r = parts.v[parts.n - 1];
+            for (size_t i = parts.n - 1; i-- > 0;) r = td_rx_concat(rx, parts.v[i], r);
+        } else {
+            r = chain_vec(rx, x.kind, &parts);
+        }
+        free(parts.v);
+        break;
+    oom:
+        free(parts.v);
+        fail(rx, "regex: out of memory");
+        return TD_RX_FAIL;
+    }
+    }
+    if (a < nmemo && r != TD_RX_FAIL) memo[a] = r;
+    return r;
+}
+
+td_rx_id td_rx_json_quote(td_rx *rx, td_rx_id a) {
+    if (a == TD_RX_FAIL || rx->error) return TD_RX_FAIL;
+    size_t n = rx->n;
+    td_rx_id *memo = malloc(n * sizeof *memo);
+    if (!memo) {
+        fail(rx, "regex: out of memory");
+        return TD_RX_FAIL;
+    }
+    memset(memo, 0xff, n * sizeof *memo);
+    td_rx_id q = quote(rx, a, memo, n, 0);
+    free(memo);
+    if (q == TD_RX_FAIL) return q;
+    td_rx_id dq = td_rx_byte_range(rx, '"', '"');
+    return td_rx_concat(rx, dq, td_rx_concat(rx, q, dq));
+}
+
 /* ---- UTF-8 ---- */
 
 /* The encodings of [lo, hi] (all of the same length n) into v: split until
@@ -419,6 +556,23 @@ static td_rx_id deriv(td_rx *rx, td_rx_id a, uint8_t c, int depth);
 static td_rx_id deriv_uncached(td_rx *rx, td_rx_id a, uint8_t c, int depth) {
     const node x = rx->nodes[a];
     switch (x.kind) {
+    case K_MOD: {
+        node y = x;
+        if (c == '.') {
+            if (x.max != NOPOINT) return TD_RX_NOTHING;
+            y.max = 0;
+        } else if (c >= '0' && c <= '9') {
+            if (x.max != NOPOINT && x.max >= x.min) {
+                if (c != '0') return TD_RX_NOTHING; /* past the scale: zeros only */
+                return a;
+            }
+            y.b = (uint32_t)(((uint64_t)x.b * 10 + (uint64_t)(c - '0')) % x.a);
+            if (x.max != NOPOINT) y.max++;
+        } else {
+            return TD_RX_NOTHING;
+        }
+        return intern(rx, y);
+    }
     case K_NOTHING:
     case K_EMPTY: return TD_RX_NOTHING;
     case K_BYTES: return (x.set[c >> 6] >> (c & 63)) & 1 ? TD_RX_EMPTY : TD_RX_NOTHING;

@@ -87,6 +87,20 @@ td_rx_id td_rx_codepoints(td_rx *rx, const uint32_t (*ranges)[2], size_t n);
 /* Any one code point (UTF-8). */
 td_rx_id td_rx_any_char(td_rx *rx);
 
+/* The JSON string literals (with their quotes) whose decoded text a
+ * matches: '"', '\\' and the control characters 00-1F and 7F appear only
+ * escaped (\" \\ \b \t \n \f \r, or \u00XX with hex digits of either
+ * case), every other character only as itself (the escapes llguidance
+ * admits by default). */
+td_rx_id td_rx_json_quote(td_rx *rx, td_rx_id a);
+
+/* The decimal numerals (digits, at most one '.', no sign: intersect with
+ * a numeral syntax) whose value is a multiple of p / 10^k: the digits
+ * read as an integer, scaled by 10^k, divide by p (past k fraction digits
+ * only zeros). Its derivatives are at most p remainders per digit
+ * position up to k. k <= 30. */
+td_rx_id td_rx_multiple_of(td_rx *rx, uint32_t p, uint32_t k);
+
 bool td_rx_nullable(const td_rx *rx, td_rx_id a);
 /* The derivative of a by byte b (memoized). */
 td_rx_id td_rx_deriv(td_rx *rx, td_rx_id a, uint8_t b);

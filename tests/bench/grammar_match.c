@@ -8,6 +8,7 @@
  *   B FLAGS HEX HEX  the intersection of two patterns (td_rx_and)
  *   N FLAGS HEX   the complement of a pattern (td_rx_not)
  *   G HEX         a Lark grammar; answers "ok LEXEMES RULES" or "err MESSAGE"
+ *   J HEX         a JSON Schema (common/grammar/json_schema.h), answered as G
  *   S HEX         a text against the last pattern or grammar: "1" when it
  *                 matches (the grammar: every byte pushed and accepting),
  *                 else "0 N" with N the bytes a grammar took before
@@ -22,6 +23,7 @@
 #include <string.h>
 
 #include "common/grammar/grammar.h"
+#include "common/grammar/json_schema.h"
 #include "common/grammar/lark.h"
 #include "common/grammar/regex.h"
 
@@ -50,11 +52,12 @@ int main(void) {
             cap = lcap;
             buf = realloc(buf, cap);
         }
-        if (line[0] == 'P' || line[0] == 'G' || line[0] == 'B' || line[0] == 'N') {
+        const bool gram = line[0] == 'G' || line[0] == 'J';
+        if (line[0] == 'P' || gram || line[0] == 'B' || line[0] == 'N') {
             unsigned flags = 0;
             int off = 2;
-            if (line[0] != 'G' && sscanf(line + 1, " %u %n", &flags, &off) != 1) return 2;
-            if (line[0] != 'G') off += 1;
+            if (!gram && sscanf(line + 1, " %u %n", &flags, &off) != 1) return 2;
+            if (!gram) off += 1;
             const char *sp = line[0] == 'B' ? strchr(line + off, ' ') : NULL;
             const size_t hl = sp ? (size_t)(sp - (line + off)) : strlen(line + off);
             int n = unhex(line + off, hl, buf);
@@ -62,7 +65,7 @@ int main(void) {
             td_rx_free(rx);
             td_gram_free(g);
             rx = NULL, g = NULL;
-            if (line[0] != 'G') {
+            if (!gram) {
                 rx = td_rx_new(NULL);
                 have = td_rx_parse(rx, buf, (size_t)n, flags, &cur, err, sizeof err) == 0;
                 if (have && line[0] == 'B') {
@@ -75,7 +78,9 @@ int main(void) {
                 if (have && line[0] == 'N') cur = td_rx_not(rx, cur);
                 if (have) printf("ok %zu\n", td_rx_node_count(rx));
             } else {
-                g = td_lark_compile(buf, (size_t)n, NULL, err, sizeof err);
+                g = line[0] == 'G'
+                        ? td_lark_compile(buf, (size_t)n, NULL, err, sizeof err)
+                        : td_gram_from_json_schema(buf, (size_t)n, NULL, NULL, err, sizeof err);
                 have = g != NULL;
                 if (have) printf("ok %zu %zu\n", td_gram_lexeme_count(g), td_gram_rule_count(g));
             }

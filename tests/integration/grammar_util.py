@@ -33,6 +33,10 @@ class GrammarMatch:
     def grammar(self, text):
         return self.ask(f"G {text.encode().hex()}")
 
+    def schema(self, text):
+        """A JSON Schema (text) as the grammar."""
+        return self.ask(f"J {text.encode().hex()}")
+
     def match(self, text):
         """The text matches (a grammar: every byte taken and accepting)."""
         data = text if isinstance(text, bytes) else text.encode()
