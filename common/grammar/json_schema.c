@@ -1294,10 +1294,11 @@ static td_rx_id number_rx_bounds(C *c, const js *s) {
     "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]+)?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-" \
     "5]"                                                                                           \
     "[0-9])"
-#define OCTET "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
-#define HEX   "[0-9a-fA-F]"
-#define LABEL "[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?"
-#define PCHAR "(?:[a-zA-Z0-9._~!$&'()*+,;=:@-]|%" HEX "{2})"
+#define OCTET     "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+#define HEX       "[0-9a-fA-F]"
+#define LABEL     "[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?"
+#define SUBDOMAIN "[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
+#define PCHAR     "(?:[a-zA-Z0-9._~!$&'()*+,;=:@-]|%" HEX "{2})"
 
 static const struct {
     const char *name, *rx;
@@ -1308,8 +1309,9 @@ static const struct {
     {"uuid", HEX "{8}-" HEX "{4}-" HEX "{4}-" HEX "{4}-" HEX "{12}"},
     {"ipv4", OCTET "\\." OCTET "\\." OCTET "\\." OCTET},
     {"hostname", LABEL "(?:\\." LABEL ")*"},
-    {"email", "[a-zA-Z0-9!#$%&'*+/=?^_`{|}~-]+(?:\\.[a-zA-Z0-9!#$%&'*+/=?^_`{|}~-]+)*@" LABEL
-              "(?:\\." LABEL ")*"},
+    /* RFC 5321's Mailbox: a dot-string, then a domain or an IPv4 literal */
+    {"email", "[a-zA-Z0-9!#$%&'*+/=?^_`{|}~-]+(?:\\.[a-zA-Z0-9!#$%&'*+/=?^_`{|}~-]+)*@(?:" SUBDOMAIN
+              "(?:\\." SUBDOMAIN ")*|\\[" OCTET "\\." OCTET "\\." OCTET "\\." OCTET "\\])"},
     {"uri", "[a-zA-Z][a-zA-Z0-9+.-]*:(?://(?:(?:[a-zA-Z0-9._~!$&'()*+,;=:-]|%" HEX
             "{2})*@)?(?:[a-zA-Z0-9._~!$&'()*+,;=-]|%" HEX "{2})*(?::[0-9]*)?(?:/" PCHAR
             "*)*|/(?:" PCHAR "+(?:/" PCHAR "*)*)?|" PCHAR "+(?:/" PCHAR "*)*)?(?:\\?(?:" PCHAR
@@ -1579,6 +1581,78 @@ static td_gram_sym string_lexeme(C *c) {
     return c->string_sym;
 }
 
+/* A hex digit in either case. */
+static td_rx_id hex_ci(C *c, unsigned d) {
+    uint64_t set[4] = {0};
+    const char *lo = "0123456789abcdef", *up = "0123456789ABCDEF";
+    set[(unsigned char)lo[d] >> 6] |= 1ull << ((unsigned char)lo[d] & 63);
+    set[(unsigned char)up[d] >> 6] |= 1ull << ((unsigned char)up[d] & 63);
+    return td_rx_byteset(c->rx, set);
+}
+
+static td_rx_id u_escape(C *c, uint32_t unit) {
+    td_rx_id r = lit_rx(c, "\\u");
+    for (int i = 3; i >= 0; i--) r = td_rx_concat(c->rx, r, hex_ci(c, (unit >> (4 * i)) & 15));
+    return r;
+}
+
+/* Every spelling inside a JSON string of the name's text: each character
+ * as itself (unless it must be escaped), as its short escape, or as
+ * \uXXXX (a surrogate pair above U+FFFF), hex digits in either case. */
+static td_rx_id all_spellings(C *c, name nm) {
+    td_rx *rx = c->rx;
+    td_rx_id r = TD_RX_EMPTY;
+    static const char shorts[] = "\"\"\\\\\bb\ff\nn\rr\tt";
+    for (size_t i = 0; i < nm.n && r != TD_RX_FAIL;) {
+        const uint8_t *p = (const uint8_t *)nm.s + i;
+        size_t len = 1;
+        uint32_t cp = p[0];
+        if (p[0] >= 0xF0)
+            len = 4, cp = p[0] & 7;
+        else if (p[0] >= 0xE0)
+            len = 3, cp = p[0] & 15;
+        else if (p[0] >= 0xC0)
+            len = 2, cp = p[0] & 31;
+        if (i + len > nm.n) len = 1, cp = p[0];
+        for (size_t k = 1; k < len; k++) cp = cp << 6 | (p[k] & 63);
+        td_rx_id alts[3] = {TD_RX_NOTHING, TD_RX_NOTHING, TD_RX_NOTHING};
+        if (cp >= 0x20 && cp != '"' && cp != '\\' && cp != 0x7f)
+            alts[0] = td_rx_literal(rx, p, len);
+        for (size_t k = 0; k + 1 < sizeof shorts; k += 2)
+            if ((uint32_t)(unsigned char)shorts[k] == cp) {
+                char e[2] = {'\\', shorts[k + 1]};
+                alts[1] = td_rx_literal(rx, e, 2);
+            }
+        if (cp >= 0x10000) {
+            uint32_t v = cp - 0x10000;
+            alts[2] = td_rx_concat(rx, u_escape(c, 0xD800 + (v >> 10)),
+                                   u_escape(c, 0xDC00 + (v & 0x3ff)));
+        } else {
+            alts[2] = u_escape(c, cp);
+        }
+        r = td_rx_concat(rx, r, td_rx_or_list(rx, alts, 3));
+        i += len;
+    }
+    td_rx_id dq = lit_rx(c, "\"");
+    return td_rx_concat(rx, dq, td_rx_concat(rx, r, dq));
+}
+
+/* A JSON string whose characters may also be written as \uXXXX escapes
+ * (paired surrogates above U+FFFF): the names of additional properties
+ * beside listed ones, as llguidance admits them. */
+static td_rx_id escaped_string(C *c) {
+    static const char pat[] =
+        "\"(?:[^\"\\\\\\x00-\\x1F\\x7F]|\\\\[\"\\\\bfnrt]|\\\\u(?:[0-9a-ce-fA-CE-F][0-9a-fA-F]{3}|"
+        "[dD][0-7][0-9a-fA-F]{2}|[dD][89abAB][0-9a-fA-F]{2}\\\\u[dD][c-fC-F][0-9a-fA-F]{2}))*\"";
+    td_rx_id r;
+    char e[200];
+    if (td_rx_parse(c->rx, pat, sizeof pat - 1, 0, &r, e, sizeof e)) {
+        fail(c, "internal: the escaped string: %s", e);
+        return TD_RX_FAIL;
+    }
+    return r;
+}
+
 static td_gram_sym gen_object(C *c, const js *o) {
     size_t nnames = o->nprops + o->nrequired;
     field *f = al(c, (nnames + 1) * sizeof *f);
@@ -1597,8 +1671,7 @@ static td_gram_sym gen_object(C *c, const js *o) {
         }
         bool req = false;
         for (size_t i = 0; i < o->nrequired; i++) req |= name_eq(o->required[i], nm.s, nm.n);
-        td_rx_id text = td_rx_literal(c->rx, nm.s, nm.n);
-        taken[ntaken++] = td_rx_json_quote(c->rx, text);
+        taken[ntaken++] = all_spellings(c, nm);
         td_gram_sym val = gen(c, prop_schema(c, o, nm.s, nm.n));
         if (val == GEN_ERR) return val;
         if (val == GEN_UNSAT) {
@@ -1688,7 +1761,8 @@ static td_gram_sym gen_object(C *c, const js *o) {
         if (!ntaken) {
             key = string_lexeme(c);
         } else {
-            td_rx_id any = td_rx_json_quote(c->rx, td_rx_star(c->rx, td_rx_any_char(c->rx)));
+            /* any spelling of a name but the listed ones' */
+            td_rx_id any = escaped_string(c);
             td_rx_id not_taken = td_rx_not(c->rx, td_rx_or_list(c->rx, taken, ntaken));
             key = lex(c, td_rx_and(c->rx, any, not_taken));
         }
