@@ -234,6 +234,34 @@ int td_gram_finish(td_gram *g, td_gram_sym start) {
             if (all) g->syms[r->lhs].nullable = changed = true;
         }
     }
+    /* the start must derive a sentence (a rule set that only loops, such
+     * as a $ref to itself, derives none): productive nonterminals, to a
+     * fixed point */
+    bool *prod = calloc(g->nsyms, sizeof *prod);
+    if (!prod) {
+        gfail(g, "grammar: out of memory");
+        return -1;
+    }
+    for (bool changed = true; changed;) {
+        changed = false;
+        for (size_t i = 0; i < g->nrules; i++) {
+            const rule *r = &g->rules[i];
+            if (prod[r->lhs]) continue;
+            bool all = true;
+            for (uint32_t k = 0; k < r->len && all; k++) {
+                const td_gram_sym x = g->rhs[r->off + k];
+                all = g->syms[x].is_lex || prod[x];
+            }
+            if (all) prod[r->lhs] = changed = true;
+        }
+    }
+    const bool ok = prod[start];
+    free(prod);
+    if (!ok) {
+        gfail(g, "grammar: %s derives no sentence (each of its rules loops back to it)",
+              g->syms[start].name);
+        return -1;
+    }
     return 0;
 }
 

@@ -84,6 +84,7 @@ typedef struct {
     char err[512];
     bool failed;
     td_strbuf ptr; /* the JSON Pointer being read */
+    char wherebuf[200];
     ref *refs;
     size_t nrefs, caprefs;
     js any, unsat_false;
@@ -107,7 +108,14 @@ static void fail(C *c, const char *fmt, ...) {
     va_end(ap);
 }
 
-static const char *where(C *c) { return c->ptr.n ? c->ptr.v : "the root"; }
+/* The pointer being read, for a message: its last 160 bytes after "..."
+ * when longer. */
+static const char *where(C *c) {
+    if (!c->ptr.n) return "the root";
+    if (c->ptr.n <= 160) return c->ptr.v;
+    snprintf(c->wherebuf, sizeof c->wherebuf, "...%s", c->ptr.v + c->ptr.n - 160);
+    return c->wherebuf;
+}
 
 /* A refusal at the pointer being read, one segment below it (key, or
  * none). */
@@ -119,7 +127,7 @@ static void refuse(C *c, const char *key, const char *fmt, ...) {
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     if (key)
-        fail(c, "at %s/%s: %s", c->ptr.n ? c->ptr.v : "", key, msg);
+        fail(c, "at %s/%s: %s", c->ptr.n ? where(c) : "", key, msg);
     else
         fail(c, "at %s: %s", where(c), msg);
 }
@@ -1928,7 +1936,7 @@ td_gram *td_gram_from_json_schema(const char *schema, size_t n, const td_json_op
     c.key_sep = lit(&c, c.o.key_separator);
     td_gram_sym start = gen(&c, root);
     if (start < GEN_UNSAT) { /* the start is a nonterminal (it may be a lexeme) */
-        td_gram_sym one = td_gram_nonterm(g, "value");
+        td_gram_sym one = td_gram_nonterm(g, "the schema");
         if (one == UINT32_MAX || td_gram_rule(g, one, &start, 1)) gram_ok(&c);
         start = one;
     }

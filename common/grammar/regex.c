@@ -401,9 +401,46 @@ static td_rx_id quote_bytes(td_rx *rx, const uint64_t set[4]) {
     return td_rx_or(rx, r, esc);
 }
 
-static td_rx_id quote(td_rx *rx, td_rx_id a, td_rx_id *memo, size_t nmemo, int depth) {
+/* The quoting memo: node id -> its quoted form, open addressing. */
+typedef struct {
+    td_rx_id *keys, *vals; /* key + 1, 0 free */
+    size_t cap, n;
+} qmemo;
+
+static td_rx_id qget(const qmemo *m, td_rx_id a) {
+    for (size_t j = (a * 0x9e3779b1u) & (m->cap - 1);; j = (j + 1) & (m->cap - 1)) {
+        if (!m->keys[j]) return TD_RX_FAIL;
+        if (m->keys[j] == a + 1) return m->vals[j];
+    }
+}
+
+static bool qput(qmemo *m, td_rx_id a, td_rx_id v) {
+    if ((m->n + 1) * 2 > m->cap) {
+        qmemo g = {calloc(m->cap * 2, sizeof *g.keys), malloc(m->cap * 2 * sizeof *g.vals),
+                   m->cap * 2, 0};
+        if (!g.keys || !g.vals) {
+            free(g.keys);
+            free(g.vals);
+            return false;
+        }
+        for (size_t i = 0; i < m->cap; i++)
+            if (m->keys[i]) qput(&g, m->keys[i] - 1, m->vals[i]);
+        free(m->keys);
+        free(m->vals);
+        *m = g;
+    }
+    size_t j = (a * 0x9e3779b1u) & (m->cap - 1);
+    while (m->keys[j]) j = (j + 1) & (m->cap - 1);
+    m->keys[j] = a + 1;
+    m->vals[j] = v;
+    m->n++;
+    return true;
+}
+
+static td_rx_id quote(td_rx *rx, td_rx_id a, qmemo *memo, int depth) {
     if (a == TD_RX_FAIL || rx->error) return TD_RX_FAIL;
-    if (a < nmemo && memo[a] != TD_RX_FAIL) return memo[a];
+    td_rx_id known = qget(memo, a);
+    if (known != TD_RX_FAIL) return known;
     if (depth > rx->lim.max_depth * 4) {
         fail(rx, "regex: expression nested more than %d deep", rx->lim.max_depth * 4);
         return TD_RX_FAIL;
@@ -415,17 +452,15 @@ static td_rx_id quote(td_rx *rx, td_rx_id a, td_rx_id *memo, size_t nmemo, int d
     case K_EMPTY:
     case K_MOD: r = a; break; /* digits and '.': nothing to escape */
     case K_BYTES: r = quote_bytes(rx, x.set); break;
-    case K_STAR: r = td_rx_star(rx, quote(rx, x.a, memo, nmemo, depth + 1)); break;
-    case K_REPEAT:
-        r = td_rx_repeat(rx, quote(rx, x.a, memo, nmemo, depth + 1), x.min, x.max);
-        break;
+    case K_STAR: r = td_rx_star(rx, quote(rx, x.a, memo, depth + 1)); break;
+    case K_REPEAT: r = td_rx_repeat(rx, quote(rx, x.a, memo, depth + 1), x.min, x.max); break;
     case K_NOT: {
         /* quoting commutes with union and intersection (an encoding
          * decodes one way), not with complement: the encodings of every
          * byte string, less those of a's strings */
         uint64_t all[4] = {~0ull, ~0ull, ~0ull, ~0ull};
         td_rx_id every = td_rx_star(rx, quote_bytes(rx, all));
-        r = td_rx_and(rx, every, td_rx_not(rx, quote(rx, x.a, memo, nmemo, depth + 1)));
+        r = td_rx_and(rx, every, td_rx_not(rx, quote(rx, x.a, memo, depth + 1)));
         break;
     }
     case K_CONCAT:
@@ -434,8 +469,8 @@ static td_rx_id quote(td_rx *rx, td_rx_id a, td_rx_id *memo, size_t nmemo, int d
         idvec parts = {0};
         td_rx_id c = a;
         for (; rx->nodes[c].kind == x.kind; c = rx->nodes[c].b)
-            if (!push(&parts, quote(rx, rx->nodes[c].a, memo, nmemo, depth + 1))) goto oom;
-        if (!push(&parts, quote(rx, c, memo, nmemo, depth + 1))) goto oom;
+            if (!push(&parts, quote(rx, rx->nodes[c].a, memo, depth + 1))) goto oom;
+        if (!push(&parts, quote(rx, c, memo, depth + 1))) goto oom;
         if (x.kind == K_CONCAT) {
             r = parts.v[parts.n - 1];
             for (size_t i = parts.n - 1; i-- > 0;) r = td_rx_concat(rx, parts.v[i], r);
@@ -450,21 +485,20 @@ static td_rx_id quote(td_rx *rx, td_rx_id a, td_rx_id *memo, size_t nmemo, int d
         return TD_RX_FAIL;
     }
     }
-    if (a < nmemo && r != TD_RX_FAIL) memo[a] = r;
+    if (r != TD_RX_FAIL && !qput(memo, a, r)) {
+        fail(rx, "regex: out of memory");
+        return TD_RX_FAIL;
+    }
     return r;
 }
 
 td_rx_id td_rx_json_quote(td_rx *rx, td_rx_id a) {
     if (a == TD_RX_FAIL || rx->error) return TD_RX_FAIL;
-    size_t n = rx->n;
-    td_rx_id *memo = malloc(n * sizeof *memo);
-    if (!memo) {
-        fail(rx, "regex: out of memory");
-        return TD_RX_FAIL;
-    }
-    memset(memo, 0xff, n * sizeof *memo);
-    td_rx_id q = quote(rx, a, memo, n, 0);
-    free(memo);
+    qmemo memo = {calloc(64, sizeof *memo.keys), malloc(64 * sizeof *memo.vals), 64, 0};
+    td_rx_id q = memo.keys && memo.vals ? quote(rx, a, &memo, 0) : TD_RX_FAIL;
+    if (!memo.keys || !memo.vals) fail(rx, "regex: out of memory");
+    free(memo.keys);
+    free(memo.vals);
     if (q == TD_RX_FAIL) return q;
     td_rx_id dq = td_rx_byte_range(rx, '"', '"');
     return td_rx_concat(rx, dq, td_rx_concat(rx, q, dq));

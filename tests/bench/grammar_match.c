@@ -27,11 +27,18 @@
 #include "common/grammar/lark.h"
 #include "common/grammar/regex.h"
 
+static int hexval(char c) {
+    return c >= '0' && c <= '9'   ? c - '0'
+           : c >= 'a' && c <= 'f' ? c - 'a' + 10
+           : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                  : -1;
+}
+
 static int unhex(const char *h, size_t n, char *out) {
     for (size_t i = 0; i < n / 2; i++) {
-        unsigned v;
-        if (sscanf(h + 2 * i, "%2x", &v) != 1) return -1;
-        out[i] = (char)v;
+        int hi = hexval(h[2 * i]), lo = hexval(h[2 * i + 1]);
+        if (hi < 0 || lo < 0) return -1;
+        out[i] = (char)(hi * 16 + lo);
     }
     return (int)(n / 2);
 }
