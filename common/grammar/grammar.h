@@ -39,7 +39,7 @@ extern "C" {
 typedef struct {
     uint32_t max_lexemes;      /* default 10,000 */
     uint32_t max_rules;        /* default 100,000 */
-    uint32_t max_lexer_states; /* default 200,000 */
+    uint32_t max_lexer_states; /* default 50,000 */
     uint32_t max_items_set;    /* Earley items in one set (default 100,000) */
     uint64_t max_items;        /* Earley items made over a matcher's life (default 50,000,000) */
     td_rx_limits rx;
