@@ -1285,7 +1285,15 @@ static td_rx_id number_rx_bounds(C *c, const js *s) {
         }
         alts[1] = y;
     }
-    return td_rx_or_list(rx, alts, 2);
+    td_rx_id r = td_rx_or_list(rx, alts, 2);
+    if (s->integer && lo.has && hi.has) {
+        /* llguidance writes an integer range across zero as "-" and the
+         * range's negatives through 0 or its non-negatives: -0 too */
+        double l = lo.excl ? (floor(lo.v) == lo.v ? lo.v + 1 : ceil(lo.v)) : ceil(lo.v);
+        double h = hi.excl ? (floor(hi.v) == hi.v ? hi.v - 1 : floor(hi.v)) : floor(hi.v);
+        if (l < 0 && h >= 0) r = td_rx_or(rx, r, lit_rx(c, "-0"));
+    }
+    return r;
 }
 
 /* ---- formats ---- */
