@@ -440,6 +440,8 @@ typedef struct {
     uint32_t off;   /* first item */
     uint32_t lex0;  /* the lexer's start state here (NONE until made) */
     bool accepting; /* holds start' -> start . */
+    uint32_t from;  /* the lexer state whose lexemes were scanned into it */
+    uint64_t stamp; /* unique per set made */
 } eset;
 
 typedef struct {
@@ -459,7 +461,22 @@ struct td_gm {
      * where gen matches */
     uint32_t *dslots, *dgen, gen;
     size_t ndslots;
-    uint64_t made;    /* items made over the matcher's life */
+    uint64_t made;              /* items made over the matcher's life */
+    uint64_t stamps;            /* sets made */
+    struct verdict_s *verdicts; /* td_gm_walk's memo (VERDICTS slots) */
+    size_t nverdicts;
+    /* the last set taken back (truncate_sets), kept while its items are
+     * not overwritten: scanning the same lexemes after the same set again
+     * (the trie walk does, once per token that ends a lexeme) restores it
+     * instead of making it anew. Valid while sets[k] still has stamp
+     * prev_stamp and nothing was built after it. */
+    struct {
+        bool valid;
+        uint32_t k; /* the set before it */
+        uint64_t prev_stamp;
+        eset set;
+        size_t end; /* its items: [set.off, end) */
+    } ghost;
     uint8_t *lexmark; /* per lexeme: scratch */
     bool stopped;
     const char *error;
@@ -582,7 +599,9 @@ static bool new_set(td_gm *m) {
         mfail(m, "grammar: out of memory");
         return false;
     }
-    m->sets[m->nsets] = (eset){.off = (uint32_t)m->nitems, .lex0 = NONE};
+    /* the items go where a retained set's were */
+    if (m->ghost.valid && m->nsets <= m->ghost.k + 1) m->ghost.valid = false;
+    m->sets[m->nsets] = (eset){.off = (uint32_t)m->nitems, .lex0 = NONE, .stamp = ++m->stamps};
     m->sets[m->nsets + 1].off = (uint32_t)m->nitems; /* sentinel for closure */
     m->nsets++;
     return dedup_reset(m);
@@ -590,8 +609,30 @@ static bool new_set(td_gm *m) {
 
 static void truncate_sets(td_gm *m, size_t nsets) {
     if (nsets >= m->nsets) return;
+    if (nsets >= 1) { /* keep set nsets's items for a rescan (the ghost) */
+        m->ghost.valid = true;
+        m->ghost.k = (uint32_t)nsets - 1;
+        m->ghost.prev_stamp = m->sets[nsets - 1].stamp;
+        m->ghost.set = m->sets[nsets];
+        m->ghost.end = nsets + 1 < m->nsets ? m->sets[nsets + 1].off : m->nitems;
+    }
     m->nitems = m->sets[nsets].off;
     m->nsets = nsets;
+}
+
+/* Set k + 1 as the lexemes ending in lexer state from make it after set
+ * k, restored from the ghost when it holds exactly that. */
+static bool ghost_restore(td_gm *m, uint32_t k, uint32_t from) {
+    if (!m->ghost.valid || m->ghost.k != k || m->nsets != (size_t)k + 1 ||
+        m->sets[k].stamp != m->ghost.prev_stamp || m->ghost.set.from != from)
+        return false;
+    if (!td_gr_reserve((void **)&m->sets, &m->csets, m->nsets + 1, sizeof *m->sets)) return false;
+    m->sets[k + 1] = m->ghost.set;
+    m->sets[k + 2].off = (uint32_t)m->ghost.end; /* sentinel */
+    m->nsets = (size_t)k + 2;
+    m->nitems = m->ghost.end;
+    m->ghost.valid = false;
+    return true;
 }
 
 /* The lexer's start state at set k: the lexemes its items expect. */
@@ -624,28 +665,6 @@ static uint32_t lex_start(td_gm *m, uint32_t k) {
     return r;
 }
 
-/* Scans, after set k, the lexemes marked in m->lexmark: set k + 1, closed.
- * false when it is empty (m->error set on a limit). */
-static bool scan(td_gm *m, uint32_t k) {
-    const td_gram *g = m->g;
-    if (!new_set(m)) return false;
-    const size_t o0 = m->sets[k].off, o1 = m->sets[k + 1].off, off = m->nitems;
-    for (size_t i = o0; i < o1; i++) {
-        const item it = m->items[i];
-        const uint32_t s = next_sym(g, it);
-        if (s != NONE && g->syms[s].is_lex && m->lexmark[g->syms[s].lex] &&
-            !add_item(m, off, (item){it.rule, it.dot + 1, it.origin})) {
-            truncate_sets(m, k + 1);
-            return false;
-        }
-    }
-    if (m->nitems == off || !closure(m, k + 1)) {
-        truncate_sets(m, k + 1);
-        return false;
-    }
-    return true;
-}
-
 /* Marks the lexemes that end in lexer state s; false if none. */
 static bool mark_accepting(td_gm *m, uint32_t s) {
     const td_gram *g = m->g;
@@ -653,6 +672,33 @@ static bool mark_accepting(td_gm *m, uint32_t s) {
     if (!st->nacc) return false;
     memset(m->lexmark, 0, g->nlex);
     for (uint32_t i = 0; i < st->nacc; i++) m->lexmark[g->accs[st->acc_off + i]] = 1;
+    return true;
+}
+
+/* Scans, after set k, the lexemes that end in lexer state from: set k + 1,
+ * closed. false when it is empty (m->error set on a limit). */
+static bool scan(td_gm *m, uint32_t k, uint32_t from) {
+    const td_gram *g = m->g;
+    if (ghost_restore(m, k, from)) return true;
+    if (!mark_accepting(m, from)) return false;
+    if (!new_set(m)) return false;
+    m->sets[k + 1].from = from;
+    const size_t o0 = m->sets[k].off, o1 = m->sets[k + 1].off, off = m->nitems;
+    for (size_t i = o0; i < o1; i++) {
+        const item it = m->items[i];
+        const uint32_t s = next_sym(g, it);
+        if (s != NONE && g->syms[s].is_lex && m->lexmark[g->syms[s].lex] &&
+            !add_item(m, off, (item){it.rule, it.dot + 1, it.origin})) {
+            truncate_sets(m, k + 1);
+            m->ghost.valid = false; /* not a whole set */
+            return false;
+        }
+    }
+    if (m->nitems == off || !closure(m, k + 1)) {
+        truncate_sets(m, k + 1);
+        m->ghost.valid = false;
+        return false;
+    }
     return true;
 }
 
@@ -681,6 +727,7 @@ void td_gm_free(td_gm *m) {
     free(m->dslots);
     free(m->dgen);
     free(m->lexmark);
+    free(m->verdicts);
     free(m);
 }
 
@@ -710,8 +757,8 @@ td_gm_result td_gm_push(td_gm *m, uint8_t b) {
     /* (only the first frame is at a lexeme's start: every later one has
      * taken a byte of its lexeme, even where its lexer state equals the
      * start state, as in x*y after an x) */
-    if (m->nframes == 1 || !mark_accepting(m, top.lex)) return TD_GM_REJECT;
-    if (!scan(m, k)) return m->error ? TD_GM_LIMIT : TD_GM_REJECT;
+    if (m->nframes == 1) return TD_GM_REJECT;
+    if (!scan(m, k, top.lex)) return m->error ? TD_GM_LIMIT : TD_GM_REJECT;
     const uint32_t s0 = lex_start(m, k + 1);
     if (s0 == NONE) goto limit_scan;
     t = lex_step(g, s0, b);
@@ -751,7 +798,7 @@ bool td_gm_accepting(td_gm *m) {
     const frame top = m->frames[m->nframes - 1];
     const uint32_t k = top.nsets - 1;
     if (m->nframes == 1) return m->sets[k].accepting; /* at a lexeme's start */
-    if (!mark_accepting(m, top.lex) || !scan(m, k)) return false;
+    if (!scan(m, k, top.lex)) return false;
     const bool acc = m->sets[k + 1].accepting;
     truncate_sets(m, k + 1);
     return acc;
@@ -769,16 +816,16 @@ bool td_gm_finished(td_gm *m) {
     return true;
 }
 
-/* Walks nodes [i0, i1) of the trie (whose depths count from the frame
- * count base) with the parser. */
+/* Walks nodes [i0, i1) of the trie with the parser: a node at depth d
+ * is pushed onto base + (d - depth0) frames. */
 static int64_t walk_range(td_gm *m, const td_trie *tr, uint32_t i0, uint32_t i1, size_t base,
-                          uint32_t *mask) {
+                          uint32_t depth0, uint32_t *mask) {
     td_gram *g = m->g;
     const td_trie_node *nodes = tr->nodes;
     for (uint32_t i = i0; i < i1;) {
         const td_trie_node *t = &nodes[i];
         /* back to this node's parent */
-        const size_t want = base + t->depth - 1;
+        const size_t want = base + (t->depth - depth0);
         if (m->nframes > want) {
             m->nframes = want;
             const uint32_t ns = m->frames[want - 1].nsets;
@@ -812,35 +859,66 @@ static int64_t walk_range(td_gm *m, const td_trie *tr, uint32_t i0, uint32_t i1,
 }
 
 /* The lexer-state cache of a trie (td_gm_walk): per lexer state, the
- * tokens read inside the lexeme and the nodes where it would end. */
+ * tokens read inside the lexeme, and the trie nodes where it would end.
+ * Those whose token ends with that byte (leaves) are grouped by the lexer
+ * state before the byte and the byte: one parser step decides a whole
+ * group. The others (the token goes on into the next lexeme) are walked. */
+#define AT_BASE UINT32_MAX /* the boundary is the token's first byte */
+
 typedef struct lcache_s {
-    uint32_t *bits;     /* NULL: not made */
-    uint32_t *boundary; /* node indices */
-    uint32_t nboundary;
+    uint32_t *bits; /* NULL: not made */
+    uint32_t ngroups;
+    uint32_t *gfrom; /* per group: the lexer state before the byte, or AT_BASE */
+    uint8_t *gbyte;
+    uint32_t *gstart; /* group i's tokens: gids[gstart[i] .. gstart[i + 1]) */
+    int32_t *gids;
+    uint32_t ninner;
+    uint32_t *inner, *inner_from; /* trie node, lexer state before it (or AT_BASE) */
 } lcache;
 
 #define LCACHE_MAX_STATES 4096
 
+static void lcache_free(lcache *e) {
+    free(e->bits);
+    free(e->gfrom);
+    free(e->gbyte);
+    free(e->gstart);
+    free(e->gids);
+    free(e->inner);
+    free(e->inner_from);
+    memset(e, 0, sizeof *e);
+}
+
 static void lcache_clear(td_gram *g) {
-    for (size_t i = 0; i < g->nlcache; i++) {
-        free(g->lcache[i].bits);
-        free(g->lcache[i].boundary);
-    }
+    for (size_t i = 0; i < g->nlcache; i++) lcache_free(&g->lcache[i]);
     free(g->lcache);
     g->lcache = NULL;
     g->nlcache = 0;
     g->lcache_used = 0;
 }
 
+typedef struct {
+    uint32_t from, node;
+    uint8_t byte;
+} leaf;
+
+static int cmp_leaf(const void *x, const void *y) {
+    const leaf *a = x, *b = y;
+    if (a->from != b->from) return a->from < b->from ? -1 : 1;
+    if (a->byte != b->byte) return a->byte < b->byte ? -1 : 1;
+    return a->node < b->node ? -1 : a->node > b->node;
+}
+
 /* Makes state s's entry: a walk with the lexer alone. false on a limit or
  * allocation failure (then no entry). */
 static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
     const size_t words = ((size_t)tr->n_tokens + 31) / 32;
-    uint32_t *bits = calloc(words ? words : 1, sizeof *bits);
+    lcache c = {0};
+    c.bits = calloc(words ? words : 1, sizeof *c.bits);
     uint32_t *st = malloc(((size_t)tr->max_depth + 1) * sizeof *st);
-    uint32_t *bd = NULL;
-    size_t nb = 0, cb = 0;
-    if (!bits || !st) goto fail;
+    leaf *lv = NULL;
+    size_t nl = 0, cl = 0, ci = 0, ntok = 0;
+    if (!c.bits || !st) goto fail;
     st[0] = s;
     for (uint32_t i = 0; i < tr->n;) {
         const td_trie_node *t = &tr->nodes[i];
@@ -850,26 +928,91 @@ static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
         if (nx == UNKNOWN) nx = lex_step(g, from, t->byte);
         if (nx == NONE) goto fail;
         if (nx == LEX_DEAD) { /* the lexeme would end here: the parser decides */
-            if (!td_gr_reserve((void **)&bd, &cb, nb, sizeof *bd)) goto fail;
-            bd[nb++] = i;
+            const uint32_t key = t->depth == 1 ? AT_BASE : from;
+            if (t->end == i + 1) {
+                if (!td_gr_reserve((void **)&lv, &cl, nl, sizeof *lv)) goto fail;
+                lv[nl++] = (leaf){key, i, t->byte};
+                ntok += t->ntok;
+            } else {
+                if (!td_gr_reserve((void **)&c.inner, &ci, c.ninner, sizeof *c.inner)) goto fail;
+                size_t cf = c.ninner;
+                uint32_t *nf = realloc(c.inner_from, ci * sizeof *nf);
+                if (!nf) goto fail;
+                c.inner_from = nf;
+                (void)cf;
+                c.inner[c.ninner] = i;
+                c.inner_from[c.ninner++] = key;
+            }
             i = t->end;
             continue;
         }
         st[t->depth] = nx;
         for (uint32_t k = 0; k < t->ntok; k++) {
             const int32_t id = tr->ids[t->tok + k];
-            bits[id / 32] |= 1u << (id % 32);
+            c.bits[id / 32] |= 1u << (id % 32);
         }
         i++;
     }
+    if (nl) qsort(lv, nl, sizeof *lv, cmp_leaf);
+    c.gfrom = malloc((nl + 1) * sizeof *c.gfrom);
+    c.gbyte = malloc(nl + 1);
+    c.gstart = malloc((nl + 2) * sizeof *c.gstart);
+    c.gids = malloc((ntok + 1) * sizeof *c.gids);
+    if (!c.gfrom || !c.gbyte || !c.gstart || !c.gids) goto fail;
+    uint32_t nid = 0;
+    for (size_t i = 0; i < nl; i++) {
+        if (!i || lv[i].from != lv[i - 1].from || lv[i].byte != lv[i - 1].byte) {
+            c.gfrom[c.ngroups] = lv[i].from;
+            c.gbyte[c.ngroups] = lv[i].byte;
+            c.gstart[c.ngroups++] = nid;
+        }
+        const td_trie_node *t = &tr->nodes[lv[i].node];
+        for (uint32_t k = 0; k < t->ntok; k++) c.gids[nid++] = tr->ids[t->tok + k];
+    }
+    c.gstart[c.ngroups] = nid;
     free(st);
-    *e = (lcache){bits, bd, (uint32_t)nb};
+    free(lv);
+    *e = c;
     return true;
 fail:
-    free(bits);
     free(st);
-    free(bd);
+    free(lv);
+    lcache_free(&c);
     return false;
+}
+
+/* The parser's verdict on byte b from lexer state from after the set with
+ * stamp (TD_GM_OK, TD_GM_REJECT), remembered per matcher. */
+typedef struct verdict_s {
+    uint64_t stamp;
+    uint32_t from;
+    uint8_t byte, how, result, used; /* how: 0 a later frame, 1 the base, 2 the first frame */
+} verdict;
+
+#define VERDICTS 4096
+
+static verdict *verdict_slot(td_gm *m, uint64_t stamp, uint32_t from, uint8_t b, uint8_t how,
+                             bool *found) {
+    if (!m->verdicts && !(m->verdicts = calloc(VERDICTS, sizeof *m->verdicts))) return NULL;
+    uint64_t h = (stamp * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)from << 10 | (uint64_t)how << 8 | b);
+    h ^= h >> 29;
+    for (size_t j = h & (VERDICTS - 1), n = 0; n < VERDICTS; j = (j + 1) & (VERDICTS - 1), n++) {
+        verdict *v = &m->verdicts[j];
+        if (!v->used) {
+            *found = false;
+            if (++m->nverdicts > VERDICTS / 2) { /* full enough: start over */
+                memset(m->verdicts, 0, VERDICTS * sizeof *m->verdicts);
+                m->nverdicts = 1;
+                return verdict_slot(m, stamp, from, b, how, found);
+            }
+            return v;
+        }
+        if (v->stamp == stamp && v->from == from && v->byte == b && v->how == how) {
+            *found = true;
+            return v;
+        }
+    }
+    return NULL;
 }
 
 int64_t td_gm_walk(td_gm *m, const td_trie *tr, uint32_t *mask) {
@@ -904,37 +1047,49 @@ int64_t td_gm_walk(td_gm *m, const td_trie *tr, uint32_t *mask) {
         mfail(m, "%s", g->error);
         return -1;
     }
-    if (!e || !e->bits) return walk_range(m, tr, 0, tr->n, base, mask) < 0 ? -1 : 0;
+    if (!e || !e->bits) return walk_range(m, tr, 0, tr->n, base, 1, mask) < 0 ? -1 : 0;
     const size_t words = ((size_t)tr->n_tokens + 31) / 32;
     for (size_t w = 0; w < words; w++) mask[w] |= e->bits[w];
-    uint32_t path[64], *pp = path, cur_parent = UINT32_MAX - 1;
-    for (uint32_t k = 0; k < e->nboundary; k++) {
-        const td_trie_node *b = &tr->nodes[e->boundary[k]];
-        if (b->parent == cur_parent) { /* a sibling: its ancestors are pushed */
-            if (walk_range(m, tr, e->boundary[k], b->end, base, mask) < 0) goto fail;
-            continue;
+    const frame fb = m->frames[base - 1];
+    const uint64_t stamp = m->sets[fb.nsets - 1].stamp;
+    for (uint32_t gi = 0; gi < e->ngroups; gi++) {
+        const uint32_t from = e->gfrom[gi];
+        const uint8_t b = e->gbyte[gi];
+        /* at the base, the verdict is that of the base's own state (and
+         * whether the base is a lexeme's start: the matcher's first frame) */
+        const uint32_t key = from != AT_BASE ? from : s;
+        const uint8_t how = from != AT_BASE ? 0 : base == 1 ? 2 : 1;
+        bool found = false;
+        verdict *v = verdict_slot(m, stamp, key, b, how, &found);
+        td_gm_result r;
+        if (found) {
+            r = (td_gm_result)v->result;
+        } else {
+            /* the state after the token's bytes before b: its lexer state
+             * on the base's Earley sets (bytes inside one lexeme) */
+            if (from != AT_BASE) m->frames[m->nframes++] = (frame){from, fb.nsets};
+            r = td_gm_push(m, b);
+            td_gm_pop(m, m->nframes - base);
+            if (r == TD_GM_LIMIT) return -1;
+            if (v) *v = (verdict){stamp, key, b, how, (uint8_t)r, 1};
         }
-        /* the boundary's ancestors, inside the lexeme: pushed, then its subtree */
-        if (b->depth > 64 && pp == path) pp = malloc((size_t)tr->max_depth * sizeof *pp);
-        if (!pp) {
-            mfail(m, "grammar: out of memory");
-            return -1;
+        if (r != TD_GM_OK) continue;
+        for (uint32_t k = e->gstart[gi]; k < e->gstart[gi + 1]; k++) {
+            const int32_t id = e->gids[k];
+            mask[id / 32] |= 1u << (id % 32);
         }
-        uint32_t d = 0;
-        for (uint32_t a = b->parent; a != UINT32_MAX; a = tr->nodes[a].parent) pp[d++] = a;
-        td_gm_pop(m, m->nframes - base);
-        td_gm_result r = TD_GM_OK;
-        while (d > 0 && r == TD_GM_OK) r = td_gm_push(m, tr->nodes[pp[--d]].byte);
-        cur_parent = r == TD_GM_OK ? b->parent : UINT32_MAX - 1;
-        if (r == TD_GM_LIMIT ||
-            (r == TD_GM_OK && walk_range(m, tr, e->boundary[k], b->end, base, mask) < 0))
-            goto fail;
     }
-    if (pp != path) free(pp);
-    td_gm_pop(m, m->nframes - base);
+    for (uint32_t j = 0; j < e->ninner; j++) {
+        const uint32_t idx = e->inner[j], from = e->inner_from[j];
+        int64_t rc;
+        if (from == AT_BASE) {
+            rc = walk_range(m, tr, idx, tr->nodes[idx].end, base, 1, mask);
+        } else {
+            m->frames[m->nframes++] = (frame){from, fb.nsets};
+            rc = walk_range(m, tr, idx, tr->nodes[idx].end, base + 1, tr->nodes[idx].depth, mask);
+        }
+        td_gm_pop(m, m->nframes - base);
+        if (rc < 0) return -1;
+    }
     return 0;
-fail:
-    td_gm_pop(m, m->nframes - base);
-    if (pp != path) free(pp);
-    return -1;
 }
