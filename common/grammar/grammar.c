@@ -58,6 +58,10 @@ struct td_gram {
     size_t naccs, caccs;
     uint32_t *lslots; /* hash-consing of states: id + 1 */
     size_t nlslots;
+    /* bytes no lexeme tells apart (after finish): a transition computed
+     * for one byte is every byte's of its class */
+    uint8_t bclass[256];
+    uint8_t cls_next[256]; /* the next byte of the same class, in a ring */
     /* td_gm_walk's cache, per lexer state, for one trie */
     const void *lcache_trie;
     struct lcache_s *lcache;
@@ -202,6 +206,23 @@ int td_gram_finish(td_gram *g, td_gram_sym start) {
     if (top == BAD_SYM || td_gram_rule(g, top, &start, 1)) return -1;
     g->start_rule = (uint32_t)g->nrules - 1;
     g->finished = true;
+    /* the byte classes, as rings */
+    td_rx_byte_classes(g->rx, g->bclass);
+    {
+        int last[256];
+        for (int c = 0; c < 256; c++) last[c] = -1;
+        int first[256];
+        for (int b = 0; b < 256; b++) {
+            const int c = g->bclass[b];
+            if (last[c] < 0)
+                first[c] = b;
+            else
+                g->cls_next[last[c]] = (uint8_t)b;
+            last[c] = b;
+        }
+        for (int c = 0; c < 256; c++)
+            if (last[c] >= 0) g->cls_next[last[c]] = (uint8_t)first[c];
+    }
     /* rules grouped by left side (counting sort) */
     for (size_t i = 0; i < g->nrules; i++) g->syms[g->rules[i].lhs].nr++;
     uint32_t off = 0;
@@ -395,17 +416,24 @@ oom:
     return NONE;
 }
 
-/* The lexer state after byte b from state s; NONE on a limit. */
-static uint32_t lex_step(td_gram *g, uint32_t s, uint8_t b) {
+/* State s's transitions, made (all UNKNOWN) when missing; NULL when out
+ * of memory. */
+static inline const uint32_t *trans_of(td_gram *g, uint32_t s) {
     if (!g->ls[s].trans) {
         uint32_t *t = malloc(256 * sizeof *t);
         if (!t) {
             gfail(g, "grammar: out of memory");
-            return NONE;
+            return NULL;
         }
         for (int i = 0; i < 256; i++) t[i] = UNKNOWN;
         g->ls[s].trans = t;
     }
+    return g->ls[s].trans;
+}
+
+/* The lexer state after byte b from state s; NONE on a limit. */
+static uint32_t lex_step(td_gram *g, uint32_t s, uint8_t b) {
+    if (!trans_of(g, s)) return NONE;
     if (g->ls[s].trans[b] != UNKNOWN) return g->ls[s].trans[b];
     const uint32_t n = g->ls[s].n, off = g->ls[s].off;
     lpair stack_buf[32], *q = n <= 32 ? stack_buf : malloc(n * sizeof *q);
@@ -426,7 +454,14 @@ static uint32_t lex_step(td_gram *g, uint32_t s, uint8_t b) {
     }
     uint32_t r = intern_lstate(g, q, m);
     if (q != stack_buf) free(q);
-    if (r != NONE) g->ls[s].trans[b] = r;
+    if (r != NONE) {
+        uint32_t *t = g->ls[s].trans;
+        uint8_t c = b;
+        do {
+            t[c] = r;
+            c = g->finished ? g->cls_next[c] : b;
+        } while (c != b);
+    }
     return r;
 }
 
@@ -916,43 +951,62 @@ static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
     lcache c = {0};
     c.bits = calloc(words ? words : 1, sizeof *c.bits);
     uint32_t *st = malloc(((size_t)tr->max_depth + 1) * sizeof *st);
+    /* per depth: the lexer state and its transitions (made when missing) */
+    const uint32_t **tp = malloc(((size_t)tr->max_depth + 1) * sizeof *tp);
     leaf *lv = NULL;
     size_t nl = 0, cl = 0, ci = 0, ntok = 0;
-    if (!c.bits || !st) goto fail;
+    if (!c.bits || !st || !tp || !trans_of(g, s)) goto fail;
     st[0] = s;
+    tp[0] = g->ls[s].trans;
     for (uint32_t i = 0; i < tr->n;) {
-        const td_trie_node *t = &tr->nodes[i];
-        const uint32_t from = st[t->depth - 1];
-        const uint32_t *trans = g->ls[from].trans;
-        uint32_t nx = trans ? trans[t->byte] : UNKNOWN;
-        if (nx == UNKNOWN) nx = lex_step(g, from, t->byte);
+        uint64_t pk;
+        uint8_t byte;
+        uint32_t depth;
+        if (tr->packed) {
+            pk = tr->packed[i];
+            byte = (uint8_t)pk;
+            depth = (uint32_t)(pk >> 8) & 0xffff;
+        } else {
+            const td_trie_node *t = &tr->nodes[i];
+            pk = (uint64_t)(t->ntok > 0) << 24 | (uint64_t)t->end << 32;
+            byte = t->byte;
+            depth = t->depth;
+        }
+        uint32_t nx = tp[depth - 1][byte];
+        if (nx == UNKNOWN) nx = lex_step(g, st[depth - 1], byte); /* fills tp[depth - 1] */
         if (nx == NONE) goto fail;
+        const uint32_t end = (uint32_t)(pk >> 32);
         if (nx == LEX_DEAD) { /* the lexeme would end here: the parser decides */
-            const uint32_t key = t->depth == 1 ? AT_BASE : from;
-            if (t->end == i + 1) {
+            const uint32_t from = st[depth - 1];
+            const uint32_t key = depth == 1 ? AT_BASE : from;
+            const td_trie_node *t = &tr->nodes[i];
+            if (end == i + 1) {
                 if (!td_gr_reserve((void **)&lv, &cl, nl, sizeof *lv)) goto fail;
-                lv[nl++] = (leaf){key, i, t->byte};
+                lv[nl++] = (leaf){key, i, byte};
                 ntok += t->ntok;
             } else {
                 if (!td_gr_reserve((void **)&c.inner, &ci, c.ninner, sizeof *c.inner)) goto fail;
-                size_t cf = c.ninner;
                 uint32_t *nf = realloc(c.inner_from, ci * sizeof *nf);
                 if (!nf) goto fail;
                 c.inner_from = nf;
-                (void)cf;
                 c.inner[c.ninner] = i;
                 c.inner_from[c.ninner++] = key;
             }
-            i = t->end;
+            i = end;
             continue;
         }
-        st[t->depth] = nx;
-        for (uint32_t k = 0; k < t->ntok; k++) {
-            const int32_t id = tr->ids[t->tok + k];
-            c.bits[id / 32] |= 1u << (id % 32);
+        st[depth] = nx;
+        if (!(tp[depth] = trans_of(g, nx))) goto fail;
+        if (pk >> 24 & 1) {
+            const td_trie_node *t = &tr->nodes[i];
+            for (uint32_t k = 0; k < t->ntok; k++) {
+                const int32_t id = tr->ids[t->tok + k];
+                c.bits[id / 32] |= 1u << (id % 32);
+            }
         }
         i++;
     }
+    free(tp);
     if (nl) qsort(lv, nl, sizeof *lv, cmp_leaf);
     c.gfrom = malloc((nl + 1) * sizeof *c.gfrom);
     c.gbyte = malloc(nl + 1);
@@ -975,6 +1029,7 @@ static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
     *e = c;
     return true;
 fail:
+    free(tp);
     free(st);
     free(lv);
     lcache_free(&c);

@@ -127,6 +127,9 @@ typedef struct {
     uint32_t n, max_depth; /* nodes; the largest depth */
     const int32_t *ids;
     int32_t n_tokens; /* token ids are below it */
+    /* the same nodes packed for the lexer's walk (NULL: none): bits 0-7
+     * the byte, 8-23 the depth, 24 set when tokens end there, 32-63 end */
+    const uint64_t *packed;
 } td_trie;
 
 /* Walks the trie from the matcher's state: sets bit (id % 32) of

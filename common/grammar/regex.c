@@ -344,6 +344,42 @@ td_rx_id td_rx_literal(td_rx *rx, const void *bytes, size_t n) {
     return r;
 }
 
+int td_rx_byte_classes(const td_rx *rx, uint8_t cls[256]) {
+    memset(cls, 0, 256);
+    int n = 1;
+    bool mod = false;
+    for (size_t i = 0; i < rx->n; i++) {
+        const node *x = &rx->nodes[i];
+        if (x->kind == K_MOD) mod = true;
+        if (x->kind != K_BYTES) continue;
+        /* split every class by membership in the set */
+        int16_t split[256][2];
+        memset(split, 0xff, sizeof split);
+        int m = 0;
+        for (int b = 0; b < 256; b++) {
+            const int in = (int)(x->set[b >> 6] >> (b & 63) & 1);
+            int16_t *t = &split[cls[b]][in];
+            if (*t < 0) *t = (int16_t)m++;
+            cls[b] = (uint8_t)*t;
+        }
+        n = m;
+    }
+    if (mod) /* a multiple's remainder tells every digit and '.' apart */
+        for (int d = 0; d <= 10; d++) {
+            const int b = d < 10 ? '0' + d : '.';
+            int16_t split[256][2];
+            memset(split, 0xff, sizeof split);
+            int m = 0;
+            for (int c = 0; c < 256; c++) {
+                int16_t *t = &split[cls[c]][c == b];
+                if (*t < 0) *t = (int16_t)m++;
+                cls[c] = (uint8_t)*t;
+            }
+            n = m;
+        }
+    return n;
+}
+
 td_rx_id td_rx_multiple_of(td_rx *rx, uint32_t p, uint32_t k) {
     if (rx->error) return TD_RX_FAIL;
     if (!p || k > 30) {

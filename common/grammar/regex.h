@@ -101,6 +101,12 @@ td_rx_id td_rx_json_quote(td_rx *rx, td_rx_id a);
  * position up to k. k <= 30. */
 td_rx_id td_rx_multiple_of(td_rx *rx, uint32_t p, uint32_t k);
 
+/* The classes of bytes that no expression of the store tells apart: cls[b]
+ * is byte b's class, and the derivative of any node by two bytes of one
+ * class is the same node (for the nodes in the store now, and for every
+ * derivative of them). Returns the number of classes. */
+int td_rx_byte_classes(const td_rx *rx, uint8_t cls[256]);
+
 bool td_rx_nullable(const td_rx *rx, td_rx_id a);
 /* The derivative of a by byte b (memoized). */
 td_rx_id td_rx_deriv(td_rx *rx, td_rx_id a, uint8_t b);
