@@ -937,11 +937,82 @@ typedef struct {
     uint8_t byte;
 } leaf;
 
-static int cmp_leaf(const void *x, const void *y) {
-    const leaf *a = x, *b = y;
-    if (a->from != b->from) return a->from < b->from ? -1 : 1;
-    if (a->byte != b->byte) return a->byte < b->byte ? -1 : 1;
-    return a->node < b->node ? -1 : a->node > b->node;
+/* The UTF-8 decoder after byte b in state u (0 at a character's start;
+ * 1, 2, 3 continuation bytes to come, 4-7 the second byte's narrower
+ * ranges after E0, ED, F0, F4): the next state, or -1. *done is set when
+ * b completes a character. */
+static int utf8_next(int u, uint8_t b, bool *done) {
+    *done = false;
+    switch (u) {
+    case 0:
+        if (b < 0x80) {
+            *done = !(b < 0x20 || b == '"' || b == '\\' || b == 0x7f);
+            return *done ? 0 : -1;
+        }
+        if (b >= 0xC2 && b <= 0xDF) return 1;
+        if (b == 0xE0) return 4;
+        if (b == 0xED) return 5;
+        if (b >= 0xE1 && b <= 0xEF) return 2;
+        if (b == 0xF0) return 6;
+        if (b >= 0xF1 && b <= 0xF3) return 3;
+        if (b == 0xF4) return 7;
+        return -1;
+    case 1: *done = b >= 0x80 && b <= 0xBF; return *done ? 0 : -1;
+    case 2: return b >= 0x80 && b <= 0xBF ? 1 : -1;
+    case 3: return b >= 0x80 && b <= 0xBF ? 2 : -1;
+    case 4: return b >= 0xA0 && b <= 0xBF ? 1 : -1;
+    case 5: return b >= 0x80 && b <= 0x9F ? 1 : -1;
+    case 6: return b >= 0x90 && b <= 0xBF ? 2 : -1;
+    default: return b >= 0x80 && b <= 0x8F ? 2 : -1;
+    }
+}
+
+#define SLICE_STATES 512
+
+/* Whether lexer state s stays alive (never LEX_DEAD) through every
+ * string body of at most max_chars characters (any number: UINT32_MAX):
+ * a search over (lexer state, UTF-8 state, characters read). false when
+ * the search grows past SLICE_STATES, or on a limit. */
+static bool slice_ok(td_gram *g, uint32_t s, uint32_t max_chars) {
+    typedef struct {
+        uint32_t ls, n;
+        int u;
+    } node;
+    const size_t cap = 2 * SLICE_STATES;
+    uint64_t *seen = calloc(cap, sizeof *seen);
+    node *q = malloc(SLICE_STATES * sizeof *q);
+    bool ok = seen && q;
+    size_t nq = 0, head = 0;
+    if (ok) q[nq++] = (node){s, 0, 0};
+    while (ok && head < nq) {
+        const node x = q[head++];
+        for (int b = 0; b < 256 && ok; b++) {
+            bool done;
+            const int u = utf8_next(x.u, (uint8_t)b, &done);
+            if (u < 0) continue;
+            uint32_t n = x.n + done;
+            if (max_chars != UINT32_MAX && n > max_chars) continue;
+            if (max_chars == UINT32_MAX) n = 0;
+            const uint32_t t = lex_step(g, x.ls, (uint8_t)b);
+            if (t == NONE || t == LEX_DEAD) {
+                ok = false;
+                break;
+            }
+            const uint64_t key = ((uint64_t)t << 32 | (uint64_t)n << 3 | (uint64_t)u) + 1;
+            size_t j = (key * 0x9e3779b97f4a7c15ull >> 17) & (cap - 1);
+            while (seen[j] && seen[j] != key) j = (j + 1) & (cap - 1);
+            if (seen[j]) continue;
+            if (nq == SLICE_STATES) {
+                ok = false;
+                break;
+            }
+            seen[j] = key;
+            q[nq++] = (node){t, n, u};
+        }
+    }
+    free(seen);
+    free(q);
+    return ok;
 }
 
 /* Makes state s's entry: a walk with the lexer alone. false on a limit or
@@ -958,6 +1029,17 @@ static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
     if (!c.bits || !st || !tp || !trans_of(g, s)) goto fail;
     st[0] = s;
     tp[0] = g->ls[s].trans;
+    uint32_t last_nx = s;
+    const uint32_t *last_tp = tp[0];
+    /* the largest slice the state takes whole: its tokens, and no walk
+     * through the subtrees made of them */
+    const uint8_t *full = NULL;
+    for (uint32_t k = 0; k < tr->nslices && !full; k++)
+        if (slice_ok(g, s, tr->slices[k].max_chars)) {
+            full = tr->slices[k].full;
+            for (size_t w = 0; w < words; w++) c.bits[w] |= tr->slices[k].bits[w];
+        }
+    if (g->error) goto fail;
     for (uint32_t i = 0; i < tr->n;) {
         uint64_t pk;
         uint8_t byte;
@@ -971,6 +1053,10 @@ static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
             pk = (uint64_t)(t->ntok > 0) << 24 | (uint64_t)t->end << 32;
             byte = t->byte;
             depth = t->depth;
+        }
+        if (full && full[i]) {
+            i = tr->packed ? (uint32_t)(pk >> 32) : tr->nodes[i].end;
+            continue;
         }
         uint32_t nx = tp[depth - 1][byte];
         if (nx == UNKNOWN) nx = lex_step(g, st[depth - 1], byte); /* fills tp[depth - 1] */
@@ -996,7 +1082,11 @@ static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
             continue;
         }
         st[depth] = nx;
-        if (!(tp[depth] = trans_of(g, nx))) goto fail;
+        if (nx != last_nx) { /* (runs of nodes stay in one state) */
+            if (!(last_tp = trans_of(g, nx))) goto fail;
+            last_nx = nx;
+        }
+        tp[depth] = last_tp;
         if (pk >> 24 & 1) {
             const td_trie_node *t = &tr->nodes[i];
             for (uint32_t k = 0; k < t->ntok; k++) {
@@ -1007,23 +1097,46 @@ static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
         i++;
     }
     free(tp);
-    if (nl) qsort(lv, nl, sizeof *lv, cmp_leaf);
+    /* group the leaves by (state, byte), in order of first appearance:
+     * a hash of the keys to group numbers, then a counting pass */
+    size_t hcap = 64;
+    while (hcap < 2 * nl + 2) hcap *= 2;
+    uint64_t *hkey = calloc(hcap, sizeof *hkey);
+    uint32_t *hval = malloc(hcap * sizeof *hval), *lg = malloc((nl + 1) * sizeof *lg);
     c.gfrom = malloc((nl + 1) * sizeof *c.gfrom);
     c.gbyte = malloc(nl + 1);
-    c.gstart = malloc((nl + 2) * sizeof *c.gstart);
+    c.gstart = calloc(nl + 2, sizeof *c.gstart);
     c.gids = malloc((ntok + 1) * sizeof *c.gids);
-    if (!c.gfrom || !c.gbyte || !c.gstart || !c.gids) goto fail;
-    uint32_t nid = 0;
-    for (size_t i = 0; i < nl; i++) {
-        if (!i || lv[i].from != lv[i - 1].from || lv[i].byte != lv[i - 1].byte) {
-            c.gfrom[c.ngroups] = lv[i].from;
-            c.gbyte[c.ngroups] = lv[i].byte;
-            c.gstart[c.ngroups++] = nid;
-        }
-        const td_trie_node *t = &tr->nodes[lv[i].node];
-        for (uint32_t k = 0; k < t->ntok; k++) c.gids[nid++] = tr->ids[t->tok + k];
+    if (!hkey || !hval || !lg || !c.gfrom || !c.gbyte || !c.gstart || !c.gids) {
+        free(hkey);
+        free(hval);
+        free(lg);
+        goto fail;
     }
-    c.gstart[c.ngroups] = nid;
+    for (size_t i = 0; i < nl; i++) {
+        const uint64_t key = ((uint64_t)lv[i].from << 8 | lv[i].byte) + 1;
+        size_t j = (key * 0x9e3779b97f4a7c15ull >> 20) & (hcap - 1);
+        while (hkey[j] && hkey[j] != key) j = (j + 1) & (hcap - 1);
+        if (!hkey[j]) {
+            hkey[j] = key;
+            hval[j] = c.ngroups;
+            c.gfrom[c.ngroups] = lv[i].from;
+            c.gbyte[c.ngroups++] = lv[i].byte;
+        }
+        lg[i] = hval[j];
+        c.gstart[hval[j] + 1] += tr->nodes[lv[i].node].ntok;
+    }
+    for (uint32_t k = 0; k < c.ngroups; k++) c.gstart[k + 1] += c.gstart[k];
+    uint32_t *fill = hval; /* (reused: per group, the next free slot) */
+    for (uint32_t k = 0; k < c.ngroups; k++) fill[k] = c.gstart[k];
+    for (size_t i = 0; i < nl; i++) {
+        const td_trie_node *t = &tr->nodes[lv[i].node];
+        for (uint32_t k = 0; k < t->ntok; k++) c.gids[fill[lg[i]]++] = tr->ids[t->tok + k];
+    }
+    free(hkey);
+    free(hval);
+    free(lg);
+
     free(st);
     free(lv);
     *e = c;

@@ -122,6 +122,19 @@ typedef struct {
     uint32_t end, tok, ntok, parent;
 } td_trie_node;
 
+/* A slice of the vocabulary: the tokens that are non-empty strings of
+ * whole UTF-8 characters other than '"', '\\', U+0000-001F and U+007F (the
+ * body of a JSON string), of at most max_chars characters. A lexer state
+ * that stays alive through every such string allows them all: the walk
+ * sets bits and skips the subtrees made only of slice tokens (full). */
+typedef struct {
+    uint32_t max_chars; /* UINT32_MAX: any number */
+    const uint32_t *bits;
+    const uint8_t *full; /* per node */
+} td_trie_slice;
+
+#define TD_TRIE_SLICES 3
+
 typedef struct {
     const td_trie_node *nodes;
     uint32_t n, max_depth; /* nodes; the largest depth */
@@ -130,6 +143,8 @@ typedef struct {
     /* the same nodes packed for the lexer's walk (NULL: none): bits 0-7
      * the byte, 8-23 the depth, 24 set when tokens end there, 32-63 end */
     const uint64_t *packed;
+    td_trie_slice slices[TD_TRIE_SLICES]; /* largest first */
+    uint32_t nslices;
 } td_trie;
 
 /* Walks the trie from the matcher's state: sets bit (id % 32) of

@@ -10,6 +10,8 @@ struct td_vocab {
     int32_t n;
     tnode *nodes;
     uint64_t *packed; /* td_trie.packed */
+    uint32_t *slice_bits[TD_TRIE_SLICES];
+    uint8_t *slice_full[TD_TRIE_SLICES];
     uint32_t nnodes, max_depth;
     td_trie trie; /* over nodes and ids */
     int32_t *ids; /* token ids in trie order */
@@ -43,10 +45,89 @@ void td_vocab_free(td_vocab *v) {
     free(v->lens);
     free(v->nodes);
     free(v->packed);
+    for (int k = 0; k < TD_TRIE_SLICES; k++) {
+        free(v->slice_bits[k]);
+        free(v->slice_full[k]);
+    }
     free(v->ids);
     free(v->eog);
     free(v->eog_ids);
     free(v);
+}
+
+/* The characters of a JSON string body that b holds (whole UTF-8
+ * characters, none of '"', '\\', U+0000-001F, U+007F), or -1. */
+static long body_chars(const uint8_t *b, size_t n) {
+    long c = 0;
+    for (size_t i = 0; i < n; c++) {
+        const uint8_t x = b[i];
+        size_t len;
+        uint8_t lo = 0x80, hi = 0xBF;
+        if (x < 0x80) {
+            if (x < 0x20 || x == '"' || x == '\\' || x == 0x7f) return -1;
+            i++;
+            continue;
+        } else if (x >= 0xC2 && x <= 0xDF) {
+            len = 2;
+        } else if (x >= 0xE0 && x <= 0xEF) {
+            len = 3;
+            if (x == 0xE0) lo = 0xA0;
+            if (x == 0xED) hi = 0x9F;
+        } else if (x >= 0xF0 && x <= 0xF4) {
+            len = 4;
+            if (x == 0xF0) lo = 0x90;
+            if (x == 0xF4) hi = 0x8F;
+        } else {
+            return -1;
+        }
+        if (i + len > n || b[i + 1] < lo || b[i + 1] > hi) return -1;
+        for (size_t k = 2; k < len; k++)
+            if (b[i + k] < 0x80 || b[i + k] > 0xBF) return -1;
+        i += len;
+    }
+    return c;
+}
+
+/* The trie's slices (td_trie_slice): any length, 32 and 8 characters. */
+static bool build_slices(td_vocab *v) {
+    static const uint32_t maxc[TD_TRIE_SLICES] = {UINT32_MAX, 32, 8};
+    const size_t words = ((size_t)v->n + 31) / 32, nn = v->nnodes ? v->nnodes : 1;
+    long *chars = malloc((v->n ? (size_t)v->n : 1) * sizeof *chars);
+    uint8_t *own = malloc(nn);
+    if (!chars || !own) goto fail;
+    for (int32_t id = 0; id < v->n; id++)
+        chars[id] = v->bytes[id] ? body_chars((const uint8_t *)v->bytes[id], v->lens[id]) : -1;
+    for (int k = 0; k < TD_TRIE_SLICES; k++) {
+        uint32_t *bits = v->slice_bits[k] = calloc(words ? words : 1, sizeof *bits);
+        uint8_t *full = v->slice_full[k] = malloc(nn);
+        if (!bits || !full) goto fail;
+        for (int32_t id = 0; id < v->n; id++)
+            if (chars[id] > 0 && (uint64_t)chars[id] <= maxc[k]) bits[id / 32] |= 1u << (id % 32);
+        for (uint32_t i = 0; i < v->nnodes; i++) {
+            const tnode *t = &v->nodes[i];
+            own[i] = 1;
+            for (uint32_t q = 0; q < t->ntok; q++) {
+                const int32_t id = v->ids[t->tok + q];
+                own[i] &= (uint8_t)((bits[id / 32] >> (id % 32)) & 1);
+            }
+        }
+        /* a subtree is full when its root's tokens and every child's
+         * subtree are (children come after their parent) */
+        for (uint32_t i = v->nnodes; i-- > 0;) {
+            uint8_t f = own[i];
+            for (uint32_t j = i + 1; f && j < v->nodes[i].end; j = v->nodes[j].end) f &= full[j];
+            full[i] = f;
+        }
+        v->trie.slices[k] = (td_trie_slice){maxc[k], bits, full};
+    }
+    v->trie.nslices = TD_TRIE_SLICES;
+    free(chars);
+    free(own);
+    return true;
+fail:
+    free(chars);
+    free(own);
+    return false;
 }
 
 /* The trie of v's pieces (v->bytes, v->lens; NULL: not in the trie). */
@@ -100,8 +181,13 @@ static bool build_trie(td_vocab *v) {
         v->packed[i] = (uint64_t)t->byte | (uint64_t)t->depth << 8 | (uint64_t)(t->ntok > 0) << 24 |
                        (uint64_t)t->end << 32;
     }
-    v->trie = (td_trie){v->nodes, v->nnodes, v->max_depth, v->ids, v->n, v->packed};
-    return true;
+    v->trie = (td_trie){.nodes = v->nodes,
+                        .n = v->nnodes,
+                        .max_depth = v->max_depth,
+                        .ids = v->ids,
+                        .n_tokens = v->n,
+                        .packed = v->packed};
+    return build_slices(v);
 }
 
 td_vocab *td_vocab_from_pieces(int32_t n, const char *const *pieces, const size_t *lens,
