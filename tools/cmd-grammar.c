@@ -24,6 +24,9 @@
  * prefix: "ok HEX" with the allowed-token mask after the prefix (mask
  * word i, bit j is token 32i + j; the words little-endian, as hex bytes),
  * or "reject N" when the prefix's token N cannot be taken: for oracles.
+ * With --forced, an "ok" line goes on with " ff=HEX" (the bytes every
+ * continuation starts with, td_gm_forced_bytes) and " ft=ID,..." (the
+ * tokens the scheduler may append unsampled, td_gm_forced_tokens).
  *
  * bench compiles every DIR/NAME.json schema (timed) and walks each
  * document of DIR/NAME.jsonl (one JSON text a line) token by token, timing
@@ -68,7 +71,9 @@ static void usage(FILE *f) {
             "  --json              bench: the figures as one JSON object on stdout\n"
             "  --tokens-out F.json bench: each document's token ids, by schema\n"
             "  --prefixes IN.json  masks: {\"prefixes\": [[token ids], ...]}\n"
-            "  --out OUT.txt       masks: one line per prefix, \"ok HEX\" or \"reject N\"\n");
+            "  --out OUT.txt       masks: one line per prefix, \"ok HEX\" or \"reject N\"\n"
+            "  --forced            masks: \" ff=HEX\" after each mask: the forced bytes\n"
+            "                      then, and \" ft=ID,ID\" the forced tokens\n");
 }
 
 static char *read_file(const char *path, size_t *n) {
@@ -385,6 +390,7 @@ int td_cmd_grammar(int argc, char **argv) {
                *prefixes = NULL, *out = NULL;
     char **docs = calloc((size_t)argc, sizeof *docs);
     int ndocs = 0;
+    bool forced = false;
     if (!docs) return 1;
     for (int i = 2; i < argc; i++) {
         const char **slot = !strcmp(argv[i], "--model")         ? &model
@@ -399,6 +405,10 @@ int td_cmd_grammar(int argc, char **argv) {
             usage(stdout);
             free(docs);
             return 0;
+        }
+        if (!strcmp(argv[i], "--forced") && masks) {
+            forced = true;
+            continue;
         }
         if (slot) {
             if (i + 1 >= argc) {
@@ -565,6 +575,20 @@ int td_cmd_grammar(int argc, char **argv) {
         for (size_t w = 0; w < td_vocab_mask_words(voc); w++)
             fprintf(fo, "%02x%02x%02x%02x", mask[w] & 255, (mask[w] >> 8) & 255,
                     (mask[w] >> 16) & 255, mask[w] >> 24);
+        if (forced) {
+            uint8_t fb[256];
+            int32_t ft[256];
+            const int64_t nb = td_gm_forced_bytes(m, fb, sizeof fb);
+            const int64_t nt = nb < 0 ? -1 : td_gm_forced_tokens(m, voc, tok, ft, 256);
+            if (nb < 0 || nt < 0) {
+                fprintf(stderr, "tandem grammar: prefix %zu: %s\n", p, td_gm_error(m));
+                goto done;
+            }
+            fputs(" ff=", fo);
+            for (int64_t q = 0; q < nb; q++) fprintf(fo, "%02x", fb[q]);
+            fputs(" ft=", fo);
+            for (int64_t q = 0; q < nt; q++) fprintf(fo, "%s%d", q ? "," : "", ft[q]);
+        }
         fputc('\n', fo);
     }
     if (nmask)

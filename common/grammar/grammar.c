@@ -450,7 +450,16 @@ static uint32_t lex_step(td_gram *g, uint32_t s, uint8_t b) {
             if (q != stack_buf) free(q);
             return NONE;
         }
-        if (d != TD_RX_NOTHING) q[m++] = (lpair){pi.lex, d};
+        /* a lexeme that can no longer match (an intersection or a
+         * complement emptied: a number past its exclusive bound, a name
+         * that only a listed one continues) leaves the state, so that no
+         * byte is taken that has no way on */
+        if (d != TD_RX_NOTHING && !td_rx_is_empty(g->rx, d)) q[m++] = (lpair){pi.lex, d};
+        if (td_rx_error(g->rx)) {
+            gfail(g, "grammar: %s", td_rx_error(g->rx));
+            if (q != stack_buf) free(q);
+            return NONE;
+        }
     }
     uint32_t r = intern_lstate(g, q, m);
     if (q != stack_buf) free(q);
@@ -837,6 +846,30 @@ bool td_gm_accepting(td_gm *m) {
     const bool acc = m->sets[k + 1].accepting;
     truncate_sets(m, k + 1);
     return acc;
+}
+
+int64_t td_gm_forced_bytes(td_gm *m, uint8_t *out, size_t max) {
+    if (m->error) return -1;
+    if (m->stopped) return 0;
+    size_t n = 0;
+    while (n < max && !td_gm_accepting(m)) {
+        if (m->error) break;
+        int only = -1, count = 0;
+        for (int b = 0; b < 256 && count < 2; b++) {
+            const td_gm_result r = td_gm_push(m, (uint8_t)b);
+            if (r == TD_GM_LIMIT) break;
+            if (r == TD_GM_OK) {
+                td_gm_pop(m, 1);
+                only = b;
+                count++;
+            }
+        }
+        if (m->error || count != 1) break;
+        if (td_gm_push(m, (uint8_t)only) != TD_GM_OK) break;
+        out[n++] = (uint8_t)only;
+    }
+    td_gm_pop(m, n);
+    return m->error ? -1 : (int64_t)n;
 }
 
 bool td_gm_finished(td_gm *m) {

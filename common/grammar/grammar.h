@@ -159,6 +159,12 @@ typedef struct {
  * nodes, with the parser. A grammar keeps this for one trie at a time. */
 int64_t td_gm_walk(td_gm *m, const td_trie *t, uint32_t *mask);
 
+/* The bytes every continuation starts with (at most max, into out): one
+ * byte after another while exactly one byte can follow and the bytes so
+ * far are not a whole sentence. Returns how many, or -1 on a limit
+ * (td_gm_error). The state is unchanged afterwards. */
+int64_t td_gm_forced_bytes(td_gm *m, uint8_t *out, size_t max);
+
 /* The end of generation was taken (td_gm_consume_token): no byte follows
  * until td_gm_pop takes any byte back or td_gm_resume. */
 bool td_gm_stopped(const td_gm *m);

@@ -16,6 +16,8 @@ enum { K_NOTHING, K_EMPTY, K_BYTES, K_CONCAT, K_OR, K_STAR, K_REPEAT, K_AND, K_N
 
 typedef struct {
     uint8_t kind, nullable;
+    uint8_t complex;   /* holds an AND, NOT or MOD: its language may be empty unseen */
+    uint8_t empty;     /* td_rx_is_empty's memo: 0 unknown, 1 empty, 2 not */
     uint32_t a, b;     /* CONCAT: head, tail; OR: first alternative, the rest; STAR, REPEAT: a;
                           MOD: the divisor p, the remainder so far */
     uint32_t min, max; /* REPEAT; MOD: the scale k, fraction digits read (NOPOINT: none) */
@@ -116,6 +118,17 @@ static td_rx_id intern(td_rx *rx, node x) {
         x.nullable = r == 0 && x.max != 0;
         break;
     }
+    }
+    x.empty = 0;
+    switch (x.kind) {
+    case K_AND:
+    case K_NOT:
+    case K_MOD: x.complex = 1; break;
+    case K_CONCAT:
+    case K_OR: x.complex = rx->nodes[x.a].complex || rx->nodes[x.b].complex; break;
+    case K_STAR:
+    case K_REPEAT: x.complex = rx->nodes[x.a].complex; break;
+    default: x.complex = 0;
     }
     if ((rx->n + 1) * 2 > rx->nslots && !grow_slots(rx)) {
         fail(rx, "regex: out of memory");
@@ -717,6 +730,52 @@ static td_rx_id deriv(td_rx *rx, td_rx_id a, uint8_t c, int depth) {
 }
 
 td_rx_id td_rx_deriv(td_rx *rx, td_rx_id a, uint8_t b) { return deriv(rx, a, b, 0); }
+
+#define EMPTY_SEARCH 256 /* derivatives searched for a match at most */
+
+bool td_rx_is_empty(td_rx *rx, td_rx_id a) {
+    if (a == TD_RX_NOTHING) return true;
+    if (a == TD_RX_FAIL || rx->error || a >= rx->n) return false;
+    const node *x = &rx->nodes[a];
+    if (x->nullable || !x->complex) return false; /* a simple expression matches something */
+    if (x->empty) return x->empty == 1;
+    /* search the derivatives for one that matches the empty string (or is
+     * simple and so matches something) */
+    td_rx_id q[EMPTY_SEARCH];
+    size_t nq = 0, head = 0;
+    bool found = false, cut = false;
+    q[nq++] = a;
+    while (head < nq && !found && !cut) {
+        const td_rx_id u = q[head++];
+        for (int b = 0; b < 256 && !found; b++) {
+            const td_rx_id d = deriv(rx, u, (uint8_t)b, 0);
+            if (d == TD_RX_FAIL) return false;
+            if (d == TD_RX_NOTHING) continue;
+            const node *y = &rx->nodes[d];
+            if (y->nullable || !y->complex || y->empty == 2) {
+                found = true;
+                break;
+            }
+            if (y->empty == 1) continue;
+            bool seen = false;
+            for (size_t i = 0; i < nq && !seen; i++) seen = q[i] == d;
+            if (seen) continue;
+            if (nq == EMPTY_SEARCH) {
+                cut = true; /* undecided: taken as not empty */
+                break;
+            }
+            q[nq++] = d;
+        }
+    }
+    if (cut && !found) return false;
+    /* every node searched shares the verdict: the searched ones reach a
+     * match when a does not... only a's own verdict is sure either way */
+    if (!found)
+        for (size_t i = 0; i < nq; i++) rx->nodes[q[i]].empty = 1;
+    else
+        rx->nodes[a].empty = 2;
+    return !found;
+}
 
 bool td_rx_match(td_rx *rx, td_rx_id a, const void *s, size_t n) {
     const uint8_t *p = s;

@@ -108,6 +108,11 @@ td_rx_id td_rx_multiple_of(td_rx *rx, uint32_t p, uint32_t k);
 int td_rx_byte_classes(const td_rx *rx, uint8_t cls[256]);
 
 bool td_rx_nullable(const td_rx *rx, td_rx_id a);
+/* a matches no string at all, even where it is not TD_RX_NOTHING (an
+ * intersection, a complement or a multiple may be empty without looking
+ * it): a search of its derivatives, at most 256 of them (beyond that it is
+ * taken as not empty), remembered per node. */
+bool td_rx_is_empty(td_rx *rx, td_rx_id a);
 /* The derivative of a by byte b (memoized). */
 td_rx_id td_rx_deriv(td_rx *rx, td_rx_id a, uint8_t b);
 /* a matches all of s. false on TD_RX_FAIL too (check td_rx_error). */

@@ -294,3 +294,22 @@ td_gm_result td_gm_consume_token(td_gm *m, const td_vocab *v, int32_t id, size_t
     if (r != TD_GM_OK) td_gm_pop(m, done);
     return r;
 }
+
+int64_t td_gm_forced_tokens(td_gm *m, const td_vocab *v, const td_tokenizer *tok, int32_t *out,
+                            size_t max) {
+    uint8_t bytes[256];
+    const int64_t nb = td_gm_forced_bytes(m, bytes, sizeof bytes);
+    if (nb <= 0) return nb;
+    int32_t *ids = NULL;
+    size_t nt = 0;
+    if (td_tokenizer_encode(tok, (const char *)bytes, (size_t)nb, false, false, &ids, &nt))
+        return 0;
+    size_t k = 0, depth0 = td_gm_depth(m);
+    for (; k + 1 < nt && k < max; k++) {
+        if (td_gm_consume_token(m, v, ids[k], NULL) != TD_GM_OK) break;
+        out[k] = ids[k];
+    }
+    td_gm_pop(m, td_gm_depth(m) - depth0);
+    free(ids);
+    return td_gm_error(m) ? -1 : (int64_t)k;
+}

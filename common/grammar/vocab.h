@@ -53,6 +53,15 @@ int64_t td_gm_mask(td_gm *m, const td_vocab *v, uint32_t *mask);
  * many of the token's bytes were taken before a rejection. */
 td_gm_result td_gm_consume_token(td_gm *m, const td_vocab *v, int32_t id, size_t *bytes_taken);
 
+/* Tokens the constraint forces next, for the scheduler to append without
+ * sampling: the forced bytes (td_gm_forced_bytes, at most 256) tokenized
+ * with tok, less the last token (the bytes after the forced ones may
+ * merge with it), each checked to be allowed in turn. Writes at most max
+ * ids to out; returns how many, or -1 on a limit. The state is
+ * unchanged. */
+int64_t td_gm_forced_tokens(td_gm *m, const td_vocab *v, const td_tokenizer *tok, int32_t *out,
+                            size_t max);
+
 #ifdef __cplusplus
 }
 #endif

@@ -163,7 +163,7 @@ def tandem_masks(tandem_bin, model, kind, text, prefixes, tmp_path):
     p.write_text(json.dumps({"prefixes": prefixes}))
     out = tmp_path / "masks.txt"
     args = [str(tandem_bin), "grammar", "masks", "--model", str(model), "--prefixes", str(p),
-            "--out", str(out)]
+            "--out", str(out), "--forced"]
     if kind in ("lark", "json"):
         g = tmp_path / "g.txt"
         g.write_text(text)
@@ -200,6 +200,7 @@ def test_masks_equal_llguidance(tandem_bin, vocab, tmp_path):
     rng = random.Random(SEED)
     points = 0
     differing = {}  # category: points
+    forced_points = 0
     refused = set()
     listed = re.findall(r"^## ([a-z-]+)$", DIFF_FILE.read_text(), re.M)
     assert set(DIFFERENCES) <= set(listed), (sorted(DIFFERENCES), listed)
@@ -246,7 +247,18 @@ def test_masks_equal_llguidance(tandem_bin, vocab, tmp_path):
                 points += 1
                 continue
             assert line.startswith("ok "), (kind, text, seq, line[:40])
-            ours = allowed_from_hex(line[3:], n)
+            hexmask, ff, ft = line[3:].split(" ")
+            # the forced bytes: llguidance's fast-forward bytes
+            assert ff.startswith("ff=") and ft.startswith("ft="), line[-80:]
+            ours_ff = bytes.fromhex(ff[3:])
+            assert ours_ff == bytes(m.compute_ff_bytes()), (kind, text, seq, ours_ff,
+                                                            m.compute_ff_bytes())
+            # the forced tokens: their bytes start the forced bytes (the
+            # tokenization is each tokenizer's own, so only that is compared)
+            ft_ids = [int(x) for x in ft[3:].split(",") if x]
+            assert ours_ff.startswith(b"".join(gt.tokens[t] for t in ft_ids)), (kind, seq, ft_ids)
+            forced_points += bool(ours_ff)
+            ours = allowed_from_hex(hexmask, n)
             theirs = llg_allowed(m, n)
             # the end of generation: llguidance's EOS, Tandem's whole EOG set
             # (control tokens): allowed exactly when llguidance allows its EOS
@@ -271,6 +283,7 @@ def test_masks_equal_llguidance(tandem_bin, vocab, tmp_path):
                 differing[c] = differing.get(c, 0) + 1
     n_diff = sum(differing.values())
     print(f"{points} (constraint, prefix) points compared with llguidance's; "
-          f"{points - n_diff} equal, the others in listed categories: {differing}")
+          f"{points - n_diff} equal, the others in listed categories: {differing}; "
+          f"forced bytes equal at every point, {forced_points} of them non-empty")
     assert points >= 1500, points
     assert n_diff <= DIFF_SHARE * points, (differing, points)
