@@ -111,6 +111,43 @@ static td_tokenizer *load_tokenizer(const char *path) {
     return s ? NULL : tok;
 }
 
+/* A grammar's token terminal (<[id]>, <|name|>) in the model's vocabulary:
+ * a special token that does not end generation. */
+static int32_t resolve_token(void *ctx, const char *spec, size_t n, char *why, size_t whylen) {
+    const td_tokenizer *tok = ctx;
+    const int32_t nv = td_tokenizer_n_vocab(tok);
+    int32_t id = -1;
+    if (spec[1] == '[') {
+        long v = 0;
+        size_t k = 2;
+        for (; k + 2 < n && spec[k] >= '0' && spec[k] <= '9' && v <= nv; k++)
+            v = v * 10 + (spec[k] - '0');
+        if (k != n - 2 || k == 2) {
+            snprintf(why, whylen, "a token id is digits (ranges and lists are not supported)");
+            return -1;
+        }
+        id = v < nv ? (int32_t)v : -1;
+    } else {
+        for (int32_t i = 0; i < nv && id < 0; i++) {
+            const char *t = td_tokenizer_token_text(tok, i);
+            if (t && strlen(t) == n && !memcmp(t, spec, n)) id = i;
+        }
+    }
+    if (id < 0) {
+        snprintf(why, whylen, "the model's vocabulary has no such token");
+        return -1;
+    }
+    if (td_tokenizer_is_eog(tok, id)) {
+        snprintf(why, whylen, "token %d ends generation: the grammar's end is where it goes", id);
+        return -1;
+    }
+    if (!td_tokenizer_is_special(tok, id)) {
+        snprintf(why, whylen, "token %d is text: write its text as a string", id);
+        return -1;
+    }
+    return id;
+}
+
 /* --choice A,B: the strings split at unescaped commas. */
 static td_gram *choice_grammar(const char *spec, char *err, size_t errlen) {
     const size_t n = strlen(spec);
@@ -449,6 +486,12 @@ int td_cmd_grammar(int argc, char **argv) {
     json_t *pj = NULL;
     FILE *fo = NULL;
     char err[512] = "";
+    /* the tokenizer first: a grammar's token terminals are looked up in it */
+    if (!(tok = load_tokenizer(model))) {
+        fprintf(stderr, "tandem grammar: cannot read a tokenizer from %s\n", model);
+        rc = 1;
+        goto done;
+    }
     if (grammar || schema) {
         size_t n = 0;
         const char *path = grammar ? grammar : schema;
@@ -457,7 +500,7 @@ int td_cmd_grammar(int argc, char **argv) {
             fprintf(stderr, "tandem grammar: cannot read %s\n", path);
             goto done;
         }
-        g = grammar ? td_lark_compile(src, n, NULL, err, sizeof err)
+        g = grammar ? td_lark_compile_tokens(src, n, NULL, resolve_token, tok, err, sizeof err)
                     : td_gram_from_json_schema(src, n, NULL, NULL, err, sizeof err);
         free(src);
     } else if (regex) {
@@ -470,10 +513,6 @@ int td_cmd_grammar(int argc, char **argv) {
         goto done;
     }
     rc = 1;
-    if (!(tok = load_tokenizer(model))) {
-        fprintf(stderr, "tandem grammar: cannot read a tokenizer from %s\n", model);
-        goto done;
-    }
     if (!(voc = td_vocab_new(tok)) || !(mask = malloc(td_vocab_mask_words(voc) * sizeof *mask))) {
         fprintf(stderr, "tandem grammar: out of memory\n");
         goto done;

@@ -58,6 +58,8 @@ typedef struct {
     char *err;
     size_t errlen;
     bool failed;
+    td_lark_token_fn token_fn;
+    void *token_ctx;
 } lk;
 
 #define BAD UINT32_MAX
@@ -205,8 +207,45 @@ static bool lex(lk *p, const char *s, size_t n) {
             return false;
         }
         if (c == '<' && i + 1 < n && (s[i + 1] == '[' || s[i + 1] == '|')) {
-            lerr(p, line, "token terminals (<[id]>, <|name|>) are not supported yet");
-            return false;
+            /* a token terminal: the bytes that stand for the token */
+            const char close = s[i + 1] == '[' ? ']' : '|';
+            size_t j = i + 2;
+            while (j + 1 < n && s[j] != '\n' && !(s[j] == close && s[j + 1] == '>')) j++;
+            if (j + 1 >= n || s[j] != close || s[j + 1] != '>') {
+                lerr(p, line, "unterminated token terminal %.*s", (int)(j - i), s + i);
+                return false;
+            }
+            const size_t tn = j + 2 - i;
+            int32_t id = -1;
+            char why[200] = "";
+            if (p->token_fn) {
+                id = p->token_fn(p->token_ctx, s + i, tn, why, sizeof why);
+            } else if (close == ']') {
+                long v = 0;
+                size_t k = i + 2;
+                for (; k < j && s[k] >= '0' && s[k] <= '9' && v < INT32_MAX / 10; k++)
+                    v = v * 10 + (s[k] - '0');
+                if (k == j && k > i + 2) id = (int32_t)v;
+                snprintf(why, sizeof why,
+                         "a token id is digits (ranges and lists are not "
+                         "supported)");
+            } else {
+                snprintf(why, sizeof why,
+                         "a token named by its text needs the model's "
+                         "vocabulary (tandem grammar --model)");
+            }
+            if (id < 0) {
+                lerr(p, line, "token terminal %.*s: %s", (int)tn, s + i, why);
+                return false;
+            }
+            tok t = {.kind = T_STRING, .line = line, .len = TD_GR_TOKEN_BYTES};
+            if (!(t.text = malloc(TD_GR_TOKEN_BYTES + 1)))
+                return lerr(p, line, "out of memory"), false;
+            td_gr_token_bytes(id, (uint8_t *)t.text);
+            t.text[TD_GR_TOKEN_BYTES] = 0;
+            if (!add_tok(p, t)) return false;
+            i = j + 2;
+            continue;
         }
         if (c == '"' || c == '\'') {
             tok t = {.kind = T_STRING, .line = line};
@@ -647,7 +686,12 @@ static bool definitions(lk *p) {
 
 td_gram *td_lark_compile(const char *src, size_t n, const td_gram_limits *lim, char *err,
                          size_t errlen) {
-    lk p = {.err = err, .errlen = errlen};
+    return td_lark_compile_tokens(src, n, lim, NULL, NULL, err, errlen);
+}
+
+td_gram *td_lark_compile_tokens(const char *src, size_t n, const td_gram_limits *lim,
+                                td_lark_token_fn fn, void *ctx, char *err, size_t errlen) {
+    lk p = {.err = err, .errlen = errlen, .token_fn = fn, .token_ctx = ctx};
     if (err && errlen) err[0] = 0;
     p.g = td_gram_new(lim);
     if (!p.g) {

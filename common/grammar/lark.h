@@ -19,8 +19,14 @@
  * Refused with a message naming the construct and its line: %ignore,
  * %import and other directives, case-insensitive literals and regex
  * flags, rule priorities and templates, terminals that refer to rules or
- * to themselves, and token terminals (<[id]> and <|name|>), which need the
- * token-level matcher that is not there yet. */
+ * to themselves.
+ *
+ * Token terminals name one special (control) token: <[ID]> by its id,
+ * <|name|> by its text (the whole <|...|>, looked up by the resolver).
+ * They match that token only (its bytes in the engine are
+ * td_gr_token_bytes: no text reaches them). A resolver checks them against
+ * the model's vocabulary; without one, <[ID]> is taken as written and
+ * <|name|> is refused. */
 #ifndef TD_GRAMMAR_LARK_H
 #define TD_GRAMMAR_LARK_H
 
@@ -37,6 +43,16 @@ extern "C" {
  * lim NULL: the defaults. */
 td_gram *td_lark_compile(const char *src, size_t n, const td_gram_limits *lim, char *err,
                          size_t errlen);
+
+/* The id of the special token a token terminal names (spec: its n bytes,
+ * "<[12]>" or "<|im_start|>"), or -1 with the reason in why (no such
+ * token, not a special token, an end-of-generation token). */
+typedef int32_t (*td_lark_token_fn)(void *ctx, const char *spec, size_t n, char *why,
+                                    size_t whylen);
+
+/* td_lark_compile with a resolver for token terminals (fn NULL: none). */
+td_gram *td_lark_compile_tokens(const char *src, size_t n, const td_gram_limits *lim,
+                                td_lark_token_fn fn, void *ctx, char *err, size_t errlen);
 
 #ifdef __cplusplus
 }

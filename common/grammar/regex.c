@@ -37,6 +37,11 @@ struct td_rx {
     const char *error;
     char errbuf[96];
     td_rx_id any_char; /* cached td_rx_any_char, 0 until made */
+    /* td_rx_is_empty's byte classes: one representative byte per class,
+     * remade when a byte set or a multiple has been added since */
+    size_t nsets, sets_at_classes;
+    uint8_t reps[256];
+    int nreps;
 };
 
 td_rx_limits td_rx_default_limits(void) {
@@ -156,6 +161,7 @@ static td_rx_id intern(td_rx *rx, node x) {
     }
     rx->nodes[rx->n] = x;
     rx->slots[j] = (uint32_t)rx->n + 1;
+    if (x.kind == K_BYTES || x.kind == K_MOD) rx->nsets++;
     return (td_rx_id)rx->n++;
 }
 
@@ -741,14 +747,27 @@ bool td_rx_is_empty(td_rx *rx, td_rx_id a) {
     if (x->empty) return x->empty == 1;
     /* search the derivatives for one that matches the empty string (or is
      * simple and so matches something) */
+    if (!rx->nreps || rx->sets_at_classes != rx->nsets) {
+        uint8_t cls[256];
+        const int nc = td_rx_byte_classes(rx, cls);
+        bool seen[256] = {false};
+        rx->nreps = 0;
+        for (int b = 0; b < 256; b++)
+            if (!seen[cls[b]]) {
+                seen[cls[b]] = true;
+                rx->reps[rx->nreps++] = (uint8_t)b;
+            }
+        (void)nc;
+        rx->sets_at_classes = rx->nsets;
+    }
     td_rx_id q[EMPTY_SEARCH];
     size_t nq = 0, head = 0;
     bool found = false, cut = false;
     q[nq++] = a;
     while (head < nq && !found && !cut) {
         const td_rx_id u = q[head++];
-        for (int b = 0; b < 256 && !found; b++) {
-            const td_rx_id d = deriv(rx, u, (uint8_t)b, 0);
+        for (int r = 0; r < rx->nreps && !found; r++) {
+            const td_rx_id d = deriv(rx, u, rx->reps[r], 0);
             if (d == TD_RX_FAIL) return false;
             if (d == TD_RX_NOTHING) continue;
             const node *y = &rx->nodes[d];

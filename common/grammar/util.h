@@ -45,4 +45,14 @@ static inline int td_gr_utf8_put(uint32_t c, uint8_t *out) {
     return n;
 }
 
+/* The bytes that stand for special token id inside the engine: 0xFF (never
+ * in UTF-8 text, so no text constraint admits them) and the id in 4 bytes,
+ * big-endian. A token terminal of a grammar is a lexeme of these bytes;
+ * the vocabulary gives the special tokens these bytes. */
+#define TD_GR_TOKEN_BYTES 5
+static inline void td_gr_token_bytes(int32_t id, uint8_t out[TD_GR_TOKEN_BYTES]) {
+    out[0] = 0xFF;
+    for (int i = 0; i < 4; i++) out[1 + i] = (uint8_t)((uint32_t)id >> (24 - 8 * i));
+}
+
 #endif

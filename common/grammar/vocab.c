@@ -1,6 +1,8 @@
 /* A vocabulary trie and the allowed-token mask (vocab.h). */
 #include "common/grammar/vocab.h"
 
+#include "common/grammar/util.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -190,6 +192,13 @@ static bool build_trie(td_vocab *v) {
     return build_slices(v);
 }
 
+/* b is special token id's engine bytes. */
+static bool special_bytes(const char *b, int32_t id) {
+    uint8_t want[TD_GR_TOKEN_BYTES];
+    td_gr_token_bytes(id, want);
+    return !memcmp(b, want, TD_GR_TOKEN_BYTES);
+}
+
 td_vocab *td_vocab_from_pieces(int32_t n, const char *const *pieces, const size_t *lens,
                                const int32_t *eog, size_t neog) {
     td_vocab *v = calloc(1, sizeof *v);
@@ -209,6 +218,13 @@ td_vocab *td_vocab_from_pieces(int32_t n, const char *const *pieces, const size_
         }
     for (int32_t id = 0; id < v->n; id++) {
         if (!pieces[id] || !lens[id] || lens[id] > UINT16_MAX || v->eog[id]) continue;
+        /* byte 0xFF is never in UTF-8 text: a token holding it is admitted
+         * by no text constraint, and it must not spell a special token's
+         * engine bytes (td_gr_token_bytes) */
+        if (memchr(pieces[id], 0xFF, lens[id]) &&
+            !(lens[id] == TD_GR_TOKEN_BYTES && (uint8_t)pieces[id][0] == 0xFF &&
+              special_bytes(pieces[id], id)))
+            continue;
         if (!(v->bytes[id] = malloc(lens[id]))) goto fail;
         memcpy(v->bytes[id], pieces[id], lens[id]);
         v->lens[id] = (uint32_t)lens[id];
@@ -227,7 +243,13 @@ td_vocab *td_vocab_new(const td_tokenizer *tok) {
     td_vocab *v = NULL;
     if (!pieces || !lens) goto done;
     for (int32_t id = 0; id < n; id++) {
-        if (td_tokenizer_is_special(tok, id)) continue;
+        if (td_tokenizer_is_special(tok, id)) {
+            /* reachable only through a grammar's token terminal */
+            if (td_tokenizer_is_eog(tok, id) || !(pieces[id] = malloc(TD_GR_TOKEN_BYTES))) continue;
+            td_gr_token_bytes(id, (uint8_t *)pieces[id]);
+            lens[id] = TD_GR_TOKEN_BYTES;
+            continue;
+        }
         char small[64];
         size_t len = td_tokenizer_token_to_piece(tok, id, false, small, sizeof small);
         if (!len) continue;
@@ -300,16 +322,39 @@ int64_t td_gm_forced_tokens(td_gm *m, const td_vocab *v, const td_tokenizer *tok
     uint8_t bytes[256];
     const int64_t nb = td_gm_forced_bytes(m, bytes, sizeof bytes);
     if (nb <= 0) return nb;
-    int32_t *ids = NULL;
-    size_t nt = 0;
-    if (td_tokenizer_encode(tok, (const char *)bytes, (size_t)nb, false, false, &ids, &nt))
-        return 0;
+    /* special tokens (their engine bytes) as themselves, text between them
+     * tokenized; the last text token dropped */
+    int32_t cand[256];
+    size_t nc = 0;
+    for (int64_t i = 0; i < nb && nc < sizeof cand / sizeof *cand;) {
+        if (bytes[i] == 0xFF) {
+            if (i + TD_GR_TOKEN_BYTES > nb) break;
+            int32_t id = 0;
+            for (int k = 1; k < TD_GR_TOKEN_BYTES; k++)
+                id = (int32_t)((uint32_t)id << 8 | bytes[i + k]);
+            cand[nc++] = id;
+            i += TD_GR_TOKEN_BYTES;
+            continue;
+        }
+        int64_t j = i;
+        while (j < nb && bytes[j] != 0xFF) j++;
+        int32_t *ids = NULL;
+        size_t nt = 0;
+        if (td_tokenizer_encode(tok, (const char *)bytes + i, (size_t)(j - i), false, false, &ids,
+                                &nt))
+            break;
+        const bool last = j == nb; /* what follows may merge with its last token */
+        for (size_t k = 0; k + (last ? 1 : 0) < nt && nc < sizeof cand / sizeof *cand; k++)
+            cand[nc++] = ids[k];
+        free(ids);
+        if (last) break;
+        i = j;
+    }
     size_t k = 0, depth0 = td_gm_depth(m);
-    for (; k + 1 < nt && k < max; k++) {
-        if (td_gm_consume_token(m, v, ids[k], NULL) != TD_GM_OK) break;
-        out[k] = ids[k];
+    for (; k < nc && k < max; k++) {
+        if (td_gm_consume_token(m, v, cand[k], NULL) != TD_GM_OK) break;
+        out[k] = cand[k];
     }
     td_gm_pop(m, td_gm_depth(m) - depth0);
-    free(ids);
     return td_gm_error(m) ? -1 : (int64_t)k;
 }

@@ -224,6 +224,8 @@ def test_json_grammar_matches_python_json(gm):
     ("start: 'single' \"\\u00e9\\n\"", ["singleé\n"], ["single"]),
     ('start: LETTER+\nLETTER: "a".."c" | "é"', ["abcé"], ["d"]),
     ('start: X\nX: Y Y\nY: /[0-9]/ ~ 2', ["1234"], ["123"]),
+    # a token terminal: the token's engine bytes (0xFF and its id), no text
+    ('start: "a" <[258]> "b"', [b"a\xff\x00\x00\x01\x02b"], ["ab", b"a\xff\x00\x00\x01\x03b"]),
 ])
 def test_grammar_cases(gm, grammar, yes, no):
     r = gm.compile(grammar)
@@ -247,8 +249,9 @@ def test_grammar_cases(gm, grammar, yes, no):
     ("start: /a/i", "regex flags"),
     ('%ignore " "\nstart: "a"', "directive %ignore"),
     ('%import common.WS\nstart: "a"', "directive %import"),
-    ("start: <[42]>", "token terminals"),
-    ("start: <|im_end|>", "token terminals"),
+    ("start: <|im_end|>", "needs the model's vocabulary"),
+    ("start: <[1-5]>", "ranges and lists"),
+    ("start: <[42]", "unterminated token terminal"),
     ('start.2: "a"', "priorities"),
     ('start: "a" ~ 5..2', "out of order"),
     ('start: ("a"', "expected ')'"),

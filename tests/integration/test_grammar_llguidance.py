@@ -287,3 +287,53 @@ def test_masks_equal_llguidance(tandem_bin, vocab, tmp_path):
           f"forced bytes equal at every point, {forced_points} of them non-empty")
     assert points >= 1500, points
     assert n_diff <= DIFF_SHARE * points, (differing, points)
+
+
+def test_token_terminal_against_llguidance(tandem_bin, vocab, tmp_path):
+    """A grammar that requires a special token (<|im_start|>, a control
+    token in both vocabularies) then text: the mask at the start is that
+    token alone on both sides; after it, the forced text is the same bytes
+    and llguidance's forced token is in Tandem's mask; past it, the masks
+    over the free word are equal. llguidance runs with its forcing here
+    (with no_forcing its mask leaves special tokens out)."""
+    import llguidance
+    model, gt, tok = vocab
+    n = len(gt.tokens)
+    lark = 'start: <|im_start|> "assistant\\n" WORD\nWORD: /[a-z]+/'
+    special = np.zeros(n, dtype=bool)
+    special[gt.special_token_ids] = True
+    im_start = next(i for i in gt.special_token_ids if gt.tokens[i] == b"<|im_start|>")
+    m = llguidance.LLMatcher(tok, llguidance.grammar_from("lark", lark), log_level=0)
+    assert not m.is_error(), m.get_error()
+    # (llguidance also admits a text token holding byte 0xFF there, the
+    # first byte of its own spelling of special tokens; Tandem admits no
+    # token with 0xFF, which no UTF-8 text holds)
+    ff_tokens = np.array([b"\xff" in t for t in gt.tokens])
+    theirs = llg_allowed(m, n) & ~ff_tokens
+    assert list(np.nonzero(theirs)[0]) == [im_start]
+    assert m.consume_token(im_start)
+    forced = bytes(m.compute_ff_bytes())
+    llg_first = int(np.nonzero(llg_allowed(m, n))[0][0])
+    word = [t for t in gt.bpe.encode("hello").ids]
+    prefixes = [[], [im_start]]
+    seq = [im_start] + gt.bpe.encode("assistant\n").ids
+    prefixes += [seq + word[:k] for k in range(len(word) + 1)]
+    lines = tandem_masks(tandem_bin, model, "lark", lark, prefixes, tmp_path)
+    ours0 = allowed_from_hex(lines[0].split()[1], n)
+    assert list(np.nonzero(ours0)[0]) == [im_start]
+    assert lines[0].split()[3].startswith(f"ft={im_start}")
+    ff1 = bytes.fromhex(lines[1].split()[2][3:])
+    assert ff1 == forced == b"assistant\n", (ff1, forced)
+    assert allowed_from_hex(lines[1].split()[1], n)[llg_first]
+    for t in seq[1:]:
+        assert m.consume_token(t)
+    for k, line in enumerate(lines[2:]):
+        ours = allowed_from_hex(line.split()[1], n)
+        theirs = llg_allowed(m, n)
+        diff = np.nonzero((ours ^ theirs) & ~special)[0][:10]
+        assert not len(diff), (k, [(int(i), gt.tokens[i]) for i in diff])
+        # (at the end, Tandem allows the model's whole end-of-generation
+        # set, llguidance its EOS)
+        assert not (ours & special & ~theirs).any() or theirs[gt.eos_token_id]
+        if k < len(word):
+            assert m.consume_token(word[k])
