@@ -77,7 +77,14 @@ typedef struct {
     td_json_opts o;
     json_t *root;
     int draft;
-    bool nested_id;
+    /* URIs: the schema resources ($id) and anchors, each with its node;
+     * base is the base URI of the schema being read */
+    struct {
+        const char *uri;
+        json_t *node;
+    } * res, *anchors;
+    size_t nres, capres, nanchors, capanchors;
+    const char *base, *base_root;
     void **allocs;
     size_t nallocs, capallocs;
     uint32_t work;
@@ -209,6 +216,7 @@ static bool name_eq(name a, const char *s, size_t n) { return a.n == n && !memcm
 /* ---- reading a schema ---- */
 
 static js *read_schema(C *c, json_t *v, int depth);
+static js *read_object(C *c, json_t *v, int depth);
 
 static js *read_at(C *c, json_t *v, const char *key, int depth) {
     size_t at = ptr_push(c, key, strlen(key));
@@ -551,20 +559,117 @@ static js *read_const(C *c, json_t *v) {
     return NULL;
 }
 
-/* A "$id" below the root changes what "#/..." means under it. */
-static bool has_nested_id(json_t *v, int depth) {
-    if (depth > 1000) return true;
+static char *dupn(C *c, const char *s, size_t n) {
+    char *d = al(c, n + 1);
+    if (d) {
+        memcpy(d, s, n);
+        d[n] = 0;
+    }
+    return d;
+}
+
+/* The length of uri's scheme ("http" of "http://a"), 0 when it has none. */
+static size_t scheme_len(const char *u) {
+    size_t i = 0;
+    if (!((u[0] >= 'a' && u[0] <= 'z') || (u[0] >= 'A' && u[0] <= 'Z'))) return 0;
+    while (u[i] && u[i] != ':' && u[i] != '/' && u[i] != '?' && u[i] != '#') i++;
+    return u[i] == ':' ? i : 0;
+}
+
+/* r resolved against base (RFC 3986, without its query rules): an
+ * absolute URI, fragment kept. */
+static char *uri_join(C *c, const char *base, const char *r) {
+    if (scheme_len(r) || !base || !*base) return dupn(c, r, strlen(r));
+    size_t bl = strcspn(base, "#"); /* base without its fragment */
+    if (!*r) return dupn(c, base, bl);
+    td_strbuf b = {0};
+    if (r[0] == '#') {
+        td_strbuf_put(&b, base, bl);
+    } else if (r[0] == '/') {
+        const size_t sl = scheme_len(base);
+        size_t cut = sl + 1; /* after "scheme:" */
+        if (r[1] != '/' && !strncmp(base + cut, "//", 2)) {
+            cut += 2 + strcspn(base + cut + 2, "/#"); /* keep the authority */
+        }
+        td_strbuf_put(&b, base, cut < bl ? cut : bl);
+    } else {
+        const char *slash = NULL;
+        for (const char *q = base; q < base + bl; q++)
+            if (*q == '/') slash = q;
+        if (slash) td_strbuf_put(&b, base, (size_t)(slash + 1 - base));
+    }
+    td_strbuf_puts(&b, r);
+    /* remove "./" and "x/../" segments */
+    char *u = b.oom ? NULL : dupn(c, b.v, b.n);
+    td_strbuf_free(&b);
+    if (!u) return NULL;
+    char *q;
+    while ((q = strstr(u, "/./"))) memmove(q, q + 2, strlen(q + 2) + 1);
+    while ((q = strstr(u, "/../"))) {
+        char *prev = q;
+        while (prev > u && prev[-1] != '/') prev--;
+        if (prev == u || prev[-1] != '/') break;
+        memmove(prev, q + 4, strlen(q + 4) + 1);
+    }
+    return u;
+}
+
+static bool add_uri(C *c, bool anchor, const char *uri, json_t *node) {
+    if (anchor) {
+        if (!td_gr_reserve((void **)&c->anchors, &c->capanchors, c->nanchors, sizeof *c->anchors))
+            return false;
+        c->anchors[c->nanchors].uri = uri;
+        c->anchors[c->nanchors++].node = node;
+    } else {
+        if (!td_gr_reserve((void **)&c->res, &c->capres, c->nres, sizeof *c->res)) return false;
+        c->res[c->nres].uri = uri;
+        c->res[c->nres++].node = node;
+    }
+    return true;
+}
+
+/* Finds the resources ($id) and anchors ($anchor, and draft 7's "$id":
+ * "#name") under v, whose base URI is base. Values that are data, not
+ * schemas (const, enum, examples, default), are not searched. */
+static bool prescan(C *c, json_t *v, const char *base, int depth) {
+    if (depth > 1000 || c->failed) return false;
     if (json_is_array(v)) {
         for (size_t i = 0; i < json_array_size(v); i++)
-            if (has_nested_id(json_array_get(v, i), depth + 1)) return true;
-        return false;
+            if (!prescan(c, json_array_get(v, i), base, depth + 1)) return false;
+        return true;
     }
-    if (!json_is_object(v)) return false;
+    if (!json_is_object(v)) return true;
     json_t *id = json_object_get(v, "$id");
-    if (depth > 0 && json_is_string(id) && json_string_value(id)[0] != '#') return true;
-    for (void *it = json_object_iter(v); it; it = json_object_iter_next(v, it))
-        if (has_nested_id(json_object_iter_value(it), depth + 1)) return true;
-    return false;
+    /* up to draft 7 a $ref's siblings are ignored, its $id too */
+    if (c->draft == DRAFT_7 && json_object_get(v, "$ref")) id = NULL;
+    if (json_is_string(id) && json_string_value(id)[0] == '#') {
+        char *a = uri_join(c, base, json_string_value(id));
+        if (!a || !add_uri(c, true, a, v)) return false;
+    } else if (json_is_string(id)) {
+        char *u = uri_join(c, base, json_string_value(id));
+        if (!u) return false;
+        u[strcspn(u, "#")] = 0;
+        base = u;
+        if (!add_uri(c, false, u, v)) return false;
+    }
+    json_t *anchor = json_object_get(v, "$anchor");
+    if (json_is_string(anchor)) {
+        td_strbuf b = {0};
+        td_strbuf_puts(&b, base ? base : "");
+        td_strbuf_puts(&b, "#");
+        td_strbuf_puts(&b, json_string_value(anchor));
+        char *a = b.oom ? NULL : dupn(c, b.v, b.n);
+        td_strbuf_free(&b);
+        if (!a || !add_uri(c, true, a, v)) return false;
+    }
+    for (void *it = json_object_iter(v); it; it = json_object_iter_next(v, it)) {
+        const char *k = json_object_iter_key(it);
+        if (!strcmp(k, "const") || !strcmp(k, "enum") || !strcmp(k, "examples") ||
+            !strcmp(k, "default"))
+            continue;
+        if (!prescan(c, json_object_iter_value(it), base, depth + 1)) return false;
+    }
+    return true;
 }
 
 static ref *find_ref(C *c, const char *uri, size_t *idx) {
@@ -576,12 +681,9 @@ static ref *find_ref(C *c, const char *uri, size_t *idx) {
     return NULL;
 }
 
-/* The value a local reference ("#" or "#/a/b", percent-encoded) points
- * at, or NULL. */
-static json_t *resolve(C *c, const char *uri) {
-    if (uri[0] != '#') return NULL;
-    json_t *v = c->root;
-    const char *p = uri + 1;
+/* The value a JSON Pointer fragment (after the '#': "" or "/a/b",
+ * percent-encoded) points at under v, or NULL. */
+static json_t *pointer(json_t *v, const char *p) {
     if (!*p) return v;
     if (*p != '/') return NULL;
     char seg[1024];
@@ -621,21 +723,44 @@ static json_t *resolve(C *c, const char *uri) {
     return v;
 }
 
-/* The ref entry for uri, read if it was not (its schema stays NULL while
+/* The node a reference names: the resource (its part before '#', the
+ * root when empty) and in it a JSON Pointer or an anchor. *res_uri is the
+ * resource's URI (the base to read the node with). */
+static json_t *resolve(C *c, const char *abs, const char **res_uri) {
+    const size_t rl = strcspn(abs, "#");
+    const char *frag = abs[rl] ? abs + rl + 1 : "";
+    json_t *node = NULL;
+    if (!rl || (c->base_root && strlen(c->base_root) == rl && !strncmp(abs, c->base_root, rl))) {
+        node = c->root;
+        *res_uri = c->base_root;
+    }
+    for (size_t i = 0; i < c->nres && !node; i++)
+        if (strlen(c->res[i].uri) == rl && !strncmp(c->res[i].uri, abs, rl)) {
+            node = c->res[i].node;
+            *res_uri = c->res[i].uri;
+        }
+    if (!node) return NULL;
+    if (!*frag || frag[0] == '/') return pointer(node, frag);
+    for (size_t i = 0; i < c->nanchors; i++)
+        if (!strcmp(c->anchors[i].uri, abs)) return c->anchors[i].node;
+    return NULL;
+}
+
+/* The ref entry for the reference written as written (resolved against
+ * the base being read), read if it was not (its schema stays NULL while
  * it is being read: a cycle). */
-static ref *define_ref(C *c, const char *uri, int depth, size_t *idx) {
+static ref *define_ref(C *c, const char *written, int depth, size_t *idx) {
+    const char *uri = uri_join(c, c->base, written);
+    if (!uri) return NULL;
     ref *r = find_ref(c, uri, idx);
     if (r) return r;
-    if (c->nested_id) {
-        refuse(c, "$ref", "$ref in a schema with $id below its root is not supported");
-        return NULL;
-    }
-    json_t *t = resolve(c, uri);
+    const char *res_uri = NULL;
+    json_t *t = resolve(c, uri, &res_uri);
     if (!t) {
         refuse(c, "$ref",
-               "'%s' is not a JSON Pointer into this schema (only local references "
+               "'%s' names nothing in this schema (only references into the schema itself "
                "are supported)",
-               uri);
+               written);
         return NULL;
     }
     if (!td_gr_reserve((void **)&c->refs, &c->caprefs, c->nrefs, sizeof *c->refs)) {
@@ -647,11 +772,15 @@ static ref *define_ref(C *c, const char *uri, int depth, size_t *idx) {
     strcpy(u, uri);
     *idx = c->nrefs;
     c->refs[c->nrefs++] = (ref){.uri = u, .target = t, .state = 1, .sym = UINT32_MAX};
-    /* read at the target's own pointer */
+    /* read at the target's own pointer (or its URI), with its base */
     td_strbuf saved = c->ptr;
+    const char *saved_base = c->base;
     c->ptr = (td_strbuf){0};
-    td_strbuf_puts(&c->ptr, uri + 1);
+    const char *frag = strchr(uri, '#');
+    td_strbuf_puts(&c->ptr, frag && frag[1] == '/' && t != c->root ? frag + 1 : uri);
+    c->base = res_uri;
     js *s = read_schema(c, t, depth + 1);
+    c->base = saved_base;
     td_strbuf_free(&c->ptr);
     c->ptr = saved;
     if (!s) return NULL;
@@ -796,6 +925,22 @@ static js *read_schema(C *c, json_t *v, int depth) {
         return NULL;
     }
     if (!count(c)) return NULL;
+    /* a resource of its own: its $id is the base of what it holds */
+    const char *saved_base = c->base;
+    json_t *id = json_object_get(v, "$id");
+    if (c->draft == DRAFT_7 && json_object_get(v, "$ref")) id = NULL;
+    if (json_is_string(id) && json_string_value(id)[0] != '#' && v != c->root) {
+        char *u = uri_join(c, c->base, json_string_value(id));
+        if (!u) return NULL;
+        u[strcspn(u, "#")] = 0;
+        c->base = u;
+    }
+    js *r = read_object(c, v, depth);
+    c->base = saved_base;
+    return r;
+}
+
+static js *read_object(C *c, json_t *v, int depth) {
     size_t n = json_object_size(v);
     kv *kw = al(c, 2 * n * sizeof *kw);
     if (!kw) return NULL;
@@ -1892,6 +2037,8 @@ static void free_all(C *c) {
     for (size_t i = 0; i < c->nallocs; i++) free(c->allocs[i]);
     free(c->allocs);
     free(c->refs);
+    free(c->res);
+    free(c->anchors);
     free(c->lexrx);
     free(c->lexsym);
     free(c->pending);
@@ -1932,7 +2079,18 @@ td_gram *td_gram_from_json_schema(const char *schema, size_t n, const td_json_op
         else if (strstr(d, "2019-09"))
             c.draft = DRAFT_2019;
     }
-    c.nested_id = has_nested_id(c.root, 0);
+    /* the root's base: its $id, or none */
+    json_t *rid = json_object_get(c.root, "$id");
+    if (c.draft == DRAFT_7 && json_object_get(c.root, "$ref")) rid = NULL;
+    if (json_is_string(rid)) {
+        char *u = dupn(&c, json_string_value(rid), json_string_length(rid));
+        if (u) u[strcspn(u, "#")] = 0;
+        c.base_root = u;
+    }
+    c.base = c.base_root;
+    if (!c.failed && json_is_object(c.root) && !prescan(&c, c.root, c.base_root, 0) && !c.failed)
+        fail(&c, "the schema is nested too deep or memory ran out");
+    if (c.failed) goto out;
     js *root = read_schema(&c, c.root, 0);
     if (!root) goto out;
     c.empty = td_gram_nonterm(g, "empty");

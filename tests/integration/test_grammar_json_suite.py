@@ -11,8 +11,8 @@ ensure_ascii off) with its properties in schema order, and matched whole.
 Which instances are valid is decided by the PyPI `jsonschema` package with
 a FormatChecker (so `format` counts), not by the suite's labels.
 
-The bar: no invalid instance accepted, ever; Tandem compiles at least 90%
-of the schemas llguidance compiles. Valid instances rejected (a number with
+The bar: no invalid instance accepted, ever; of the schemas llguidance
+compiles, Tandem compiles at least 90%. Valid instances rejected (a number with
 an exponent under a bound, properties in another order than the ones this
 reordering finds) are counted and printed, not failed."""
 
@@ -189,4 +189,5 @@ def test_suite_totals():
               f"rejected {t['valid_rejected']}; invalid rejected {t['invalid_rejected']}, "
               f"accepted {len(t['invalid_accepted'])}")
         assert not t["invalid_accepted"]
-        assert t["compiled"] >= 0.9 * t["llg"], t
+        # of the schemas llguidance compiles, Tandem compiles 90% or more
+        assert t["both"] >= 0.9 * t["llg"], t
