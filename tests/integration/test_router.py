@@ -86,7 +86,10 @@ def test_prefix_affinity_kv_aware_against_round_robin(model, cluster):
     rr = cluster(model, r_args=REMOTE_ALWAYS + ["--policy", "round-robin"])
     rr_p, rr_d = affinity_run(rr, 1)
     # kv-aware: 14 of 21 prompts find their 128-token prefix on P and on D
-    assert kv_p >= 14 * 128 and kv_d >= 14 * 128, (kv_p, kv_d, rr_p, rr_d)
+    # (on a failure, each instance's state-pull failures and last error go
+    # with it: a prefix once missed on a loaded machine, cause not yet shown)
+    health = [(x["address"], x["failures"], x["error"], x["routed"]) for x in view["instances"]]
+    assert kv_p >= 14 * 128 and kv_d >= 14 * 128, (kv_p, kv_d, rr_p, rr_d, health)
     assert kv_p + kv_d >= 1.5 * (rr_p + rr_d), (kv_p, kv_d, rr_p, rr_d)
     m = kv.router.metrics()
     assert metric(m, "tandem:router_decisions_total", policy="kv-aware", reason="remote") == 21
