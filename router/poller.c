@@ -158,6 +158,7 @@ static void apply_state(td_router *r, int32_t i, const char *body, size_t len) {
     x->down_polls = 0;
     x->pending_blocks = 0;
     x->pending_prefill = 0;
+    x->pulls++;
     int64_t gp = json_integer_value(json_object_get(root, "grpc_port"));
     if (!prefill) {
         x->grpc_port = gp > 0 && gp < 65536 ? (int32_t)gp : 0;

@@ -38,6 +38,17 @@ void td_rt_predict_locked(td_router *r, const rt_req *q, int32_t d, int32_t p, d
         td_rt_index_predict(r->ix, p, q->hashes, (size_t)q->n_hashes, now, r->p.predict_ttl_s);
 }
 
+void td_rt_release_pending_locked(td_router *r, rt_req *q) {
+    if (q->pp_tokens <= 0) return;
+    inst *P = &r->in[q->pp_at];
+    /* a pull since has replaced the estimate with the instance's own */
+    if (P->pulls == q->pp_pull) {
+        P->pending_prefill -= q->pp_tokens;
+        if (P->pending_prefill < 0) P->pending_prefill = 0;
+    }
+    q->pp_tokens = 0;
+}
+
 /* Chooses the pair for q (under mu) and records the decision. */
 td_status td_rt_route_locked(td_router *r, rt_req *q, td_rt_choice *c) {
     double t0 = td_time_s();
@@ -116,7 +127,11 @@ td_status td_rt_route_locked(td_router *r, rt_req *q, td_rt_choice *c) {
     D->routed++;
     inst *P = c->p >= 0 ? &r->in[c->p] : D;
     int64_t uncached = (int64_t)q->n_prompt - (int64_t)overlap[c->p >= 0 ? c->p : c->d] * bs;
+    td_rt_release_pending_locked(r, q);                /* a retry's earlier routing */
     P->pending_prefill += uncached > 0 ? uncached : 0; /* what it will compute */
+    q->pp_at = c->p >= 0 ? c->p : c->d;
+    q->pp_tokens = uncached > 0 ? uncached : 0;
+    q->pp_pull = P->pulls;
     if (c->p >= 0) P->routed++;
     r->decisions[r->p.score.policy][c->reason]++;
     r->prompt_tokens += (uint64_t)q->n_prompt;

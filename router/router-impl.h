@@ -51,6 +51,7 @@ typedef struct {
     char target[160];            /* HOST:GRPC_PORT (decode instances) */
     /* Router side (under r->mu). */
     int64_t pending_blocks, pending_prefill;
+    uint64_t pulls; /* state pulls applied (each clears pending_prefill) */
     int32_t in_flight;
     int32_t down_polls; /* state pulls failed in a row */
     uint64_t routed, failures;
@@ -94,6 +95,12 @@ typedef struct rt_req {
     int32_t expect_at;        /* on that instance (-1: no prediction, speed unknown) */
     td_kv_hash *hashes;       /* (n_hashes) the prompt's blocks in the chosen group */
     int32_t n_hashes;
+    /* what its routing added to an instance's pending_prefill (pp_tokens 0:
+     * nothing outstanding), and that instance's pull count then: released
+     * at the first token or the end unless a pull has cleared it since */
+    int32_t pp_at;
+    int64_t pp_tokens;
+    uint64_t pp_pull;
 } rt_req;
 
 struct td_router {
@@ -163,6 +170,10 @@ int32_t td_rt_group_of_locked(td_router *r, td_kv_hash compat, int32_t bs, int32
 void td_rt_predict_locked(td_router *r, const rt_req *q, int32_t d, int32_t p, double now);
 /* Chooses the pair for q (under mu) and records the decision. */
 td_status td_rt_route_locked(td_router *r, rt_req *q, td_rt_choice *c);
+/* Takes q's routing's prefill tokens back out of its instance's
+ * pending_prefill (its prefill is done, or it ended), unless a state pull
+ * has cleared that since (under mu). */
+void td_rt_release_pending_locked(td_router *r, rt_req *q);
 
 /* ---- proxy.c */
 

@@ -621,7 +621,8 @@ class Cluster:
 
     def wait_settled(self, timeout=10):
         """wait_idle, and then the router's view of it: every live instance
-        ready, with nothing in flight, pending or used in its last state.
+        ready, with nothing in flight, pending (blocks, prefill tokens) or
+        used in its last state.
         Until a state pull after a request's end arrives, the router still
         counts that request's blocks on its instance (so the next request,
         even one with the same prefix, may go elsewhere): a test that needs
@@ -634,6 +635,7 @@ class Cluster:
             for s in live:
                 x = self.inst(s, v)
                 if not (x["ready"] and x["in_flight"] == 0 and x["pending_blocks"] == 0
+                        and x["pending_prefill"] == 0
                         and x["load"]["running"] == 0 and x["load"]["kv"]["used"] == 0):
                     return False
             return True
