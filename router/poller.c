@@ -156,9 +156,15 @@ static void apply_state(td_router *r, int32_t i, const char *body, size_t len) {
     x->kv_used = fig(json_object_get(kv, "used"));
     x->kv_cached = fig(json_object_get(kv, "cached"));
     x->down_polls = 0;
+    /* what was routed to it after this pull was sent is not in its figures */
+    x->snap_s = x->pull_sent_s;
     x->pending_blocks = 0;
     x->pending_prefill = 0;
-    x->pulls++;
+    for (const rt_req *q = r->all; q; q = q->all_next) {
+        if (q->pp_t < x->snap_s) continue;
+        if (q->pp_tokens > 0 && q->pp_at == i) x->pending_prefill += q->pp_tokens;
+        if (q->pb_blocks > 0 && q->pb_at == i) x->pending_blocks += q->pb_blocks;
+    }
     int64_t gp = json_integer_value(json_object_get(root, "grpc_port"));
     if (!prefill) {
         x->grpc_port = gp > 0 && gp < 65536 ? (int32_t)gp : 0;
@@ -212,6 +218,7 @@ static void poll_round(td_router *r) {
         snprintf(url, sizeof url, "http://%s/internal/v1/state?since=%" PRIu64, x->addr, since[k]);
         td_strbuf_free(&x->body);
         curl_easy_setopt(x->easy, CURLOPT_URL, url);
+        x->pull_sent_s = td_time_s();
         curl_easy_setopt(x->easy, CURLOPT_HTTPHEADER, x->hdr);
         curl_easy_setopt(x->easy, CURLOPT_WRITEFUNCTION, on_body);
         curl_easy_setopt(x->easy, CURLOPT_WRITEDATA, x);

@@ -236,7 +236,7 @@ static bool on_response(void *ctx, const Tandem__V1__GenerateResponse *resp) {
         } else if (n > 0) {
             if (!q->got_first) {
                 q->got_first = true;
-                td_rt_release_pending_locked(r, q); /* its prefill is done */
+                td_rt_release_pending_locked(r, q, false); /* its prefill is done */
                 q->t_first = now;
                 td_rt_predict_locked(r, q, q->d, q->p, now);
                 learn_ttft_locked(r, q, now);
@@ -300,7 +300,7 @@ static void on_end(void *ctx, int grpc_status, const char *details) {
     r->n_running--;
     inst *D = &r->in[q->d];
     D->in_flight--;
-    td_rt_release_pending_locked(r, q);
+    td_rt_release_pending_locked(r, q, true);
     if (!q->finished) {
         bool from_error = q->retry_hint && q->d_status > 0; /* an in-stream Error */
         if (grpc_status != 0 && !from_error) {

@@ -38,15 +38,28 @@ void td_rt_predict_locked(td_router *r, const rt_req *q, int32_t d, int32_t p, d
         td_rt_index_predict(r->ix, p, q->hashes, (size_t)q->n_hashes, now, r->p.predict_ttl_s);
 }
 
-void td_rt_release_pending_locked(td_router *r, rt_req *q) {
-    if (q->pp_tokens <= 0) return;
-    inst *P = &r->in[q->pp_at];
-    /* a pull since has replaced the estimate with the instance's own */
-    if (P->pulls == q->pp_pull) {
-        P->pending_prefill -= q->pp_tokens;
-        if (P->pending_prefill < 0) P->pending_prefill = 0;
+/* n out of *v, and not below 0 */
+static void take(int64_t *v, int64_t n) { *v = *v > n ? *v - n : 0; }
+
+void td_rt_release_pending_locked(td_router *r, rt_req *q, bool ended) {
+    /* routed before the last pull was sent: that pull's figures hold it
+     * (while the instance still had it: they are one pull old at most) and
+     * the router's pending ones no longer do */
+    if (q->pp_tokens > 0) {
+        inst *P = &r->in[q->pp_at];
+        take(q->pp_t >= P->snap_s ? &P->pending_prefill : &P->queued_prefill_tokens, q->pp_tokens);
+        q->pp_tokens = 0;
     }
-    q->pp_tokens = 0;
+    if (ended && q->pb_blocks > 0) {
+        inst *D = &r->in[q->pb_at];
+        if (q->pp_t >= D->snap_s) {
+            take(&D->pending_blocks, q->pb_blocks);
+        } else {
+            take(&D->kv_used, q->pb_blocks);
+            D->kv_free = TD_MIN(D->kv_free + q->pb_blocks, D->kv_total);
+        }
+        q->pb_blocks = 0;
+    }
 }
 
 /* Chooses the pair for q (under mu) and records the decision. */
@@ -120,6 +133,7 @@ td_status td_rt_route_locked(td_router *r, rt_req *q, td_rt_choice *c) {
         }
     }
     r->counter++;
+    td_rt_release_pending_locked(r, q, true); /* a retry's earlier routing */
     inst *D = &r->in[c->d];
     int32_t bs = D->block_size > 0 ? D->block_size : 16;
     D->pending_blocks += c->need_blocks;
@@ -127,11 +141,12 @@ td_status td_rt_route_locked(td_router *r, rt_req *q, td_rt_choice *c) {
     D->routed++;
     inst *P = c->p >= 0 ? &r->in[c->p] : D;
     int64_t uncached = (int64_t)q->n_prompt - (int64_t)overlap[c->p >= 0 ? c->p : c->d] * bs;
-    td_rt_release_pending_locked(r, q);                /* a retry's earlier routing */
     P->pending_prefill += uncached > 0 ? uncached : 0; /* what it will compute */
     q->pp_at = c->p >= 0 ? c->p : c->d;
     q->pp_tokens = uncached > 0 ? uncached : 0;
-    q->pp_pull = P->pulls;
+    q->pp_t = t0;
+    q->pb_at = c->d;
+    q->pb_blocks = c->need_blocks;
     if (c->p >= 0) P->routed++;
     r->decisions[r->p.score.policy][c->reason]++;
     r->prompt_tokens += (uint64_t)q->n_prompt;

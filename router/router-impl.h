@@ -51,13 +51,15 @@ typedef struct {
     char target[160];            /* HOST:GRPC_PORT (decode instances) */
     /* Router side (under r->mu). */
     int64_t pending_blocks, pending_prefill;
-    uint64_t pulls; /* state pulls applied (each clears pending_prefill) */
+    double snap_s; /* when the last applied state pull was sent: requests routed
+                    * since are in pending_prefill, earlier ones in its figures */
     int32_t in_flight;
     int32_t down_polls; /* state pulls failed in a row */
     uint64_t routed, failures;
     char err[160];
     /* The poller's own (no lock). */
     CURL *easy;
+    double pull_sent_s; /* when the pull in progress was sent */
     td_strbuf body;
     struct curl_slist *hdr;
 } inst;
@@ -95,12 +97,18 @@ typedef struct rt_req {
     int32_t expect_at;        /* on that instance (-1: no prediction, speed unknown) */
     td_kv_hash *hashes;       /* (n_hashes) the prompt's blocks in the chosen group */
     int32_t n_hashes;
-    /* what its routing added to an instance's pending_prefill (pp_tokens 0:
-     * nothing outstanding), and that instance's pull count then: released
-     * at the first token or the end unless a pull has cleared it since */
+    /* the prompt tokens its routing gave an instance to compute (pp_tokens
+     * 0: none outstanding) and when: counted in that instance's
+     * pending_prefill until a state pull sent after pp_t, in the pulled
+     * queue figure after it; taken back from there at the first token or
+     * the end */
     int32_t pp_at;
     int64_t pp_tokens;
-    uint64_t pp_pull;
+    double pp_t;
+    /* the same for the blocks its decode instance reserves for it
+     * (pending_blocks, then the pulled kv figures): taken back at the end */
+    int32_t pb_at;
+    int64_t pb_blocks;
 } rt_req;
 
 struct td_router {
@@ -170,10 +178,12 @@ int32_t td_rt_group_of_locked(td_router *r, td_kv_hash compat, int32_t bs, int32
 void td_rt_predict_locked(td_router *r, const rt_req *q, int32_t d, int32_t p, double now);
 /* Chooses the pair for q (under mu) and records the decision. */
 td_status td_rt_route_locked(td_router *r, rt_req *q, td_rt_choice *c);
-/* Takes q's routing's prefill tokens back out of its instance's
- * pending_prefill (its prefill is done, or it ended), unless a state pull
- * has cleared that since (under mu). */
-void td_rt_release_pending_locked(td_router *r, rt_req *q);
+/* Takes q's routing's prefill tokens back out of what the router counts
+ * queued on its instance (its prefill is done, or it ended) and, when
+ * `ended`, its blocks out of what it counts in use on its decode instance:
+ * out of pending_prefill and pending_blocks, or out of the pulled figures
+ * when the last pull was sent after the routing (under mu). */
+void td_rt_release_pending_locked(td_router *r, rt_req *q, bool ended);
 
 /* ---- proxy.c */
 

@@ -623,10 +623,11 @@ class Cluster:
         """wait_idle, and then the router's view of it: every live instance
         ready, with nothing in flight, pending (blocks, prefill tokens) or
         used in its last state.
-        Until a state pull after a request's end arrives, the router still
-        counts that request's blocks on its instance (so the next request,
-        even one with the same prefix, may go elsewhere): a test that needs
-        the routing to follow the prefix alone waits for this first."""
+        The router takes a request's figures back at its first token and its
+        end, but a state pull sent meanwhile may still show the instance
+        busy (so the next request, even one with the same prefix, may go
+        elsewhere): a test that needs the routing to follow the prefix alone
+        waits for this first."""
         self.wait_idle(timeout)
         live = [s for s in self.ps + self.ds if s.proc.poll() is None]
 
