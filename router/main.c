@@ -68,6 +68,7 @@ enum {
     O_REJECT_UNMEETABLE,
     O_TTFT_SLO,
     O_SEED,
+    O_LOG_DECISIONS,
     /* front end */
     O_HOST,
     O_PORT,
@@ -122,6 +123,9 @@ static td_opt k_opts[O_N] = {
                              "what its first tokens lately took beyond that)"},
     [O_TTFT_SLO] = {"ttft-slo-ms", 0, "N", "the time-to-first-token SLO --reject-unmeetable keeps"},
     [O_SEED] = {"seed", 0, "N", "random policy and temperature draws (default: random)"},
+    [O_LOG_DECISIONS] = {"log-decisions", 0, NULL,
+                         "log every routing decision as a JSON line: the view of\n"
+                         "each instance it was made on and every candidate's cost"},
     [O_HOST] = {"host", 0, "H", "address to bind (default 127.0.0.1)"},
     [O_PORT] = {"port", 0, "N", "HTTP port (default 8000; 0: ephemeral)"},
     [O_GRPC_PORT] = {"grpc-port", 0, "N", "gRPC port (default 50051; 0: ephemeral; -1: none)"},
@@ -300,6 +304,7 @@ static bool set_opt(void *ctx, int i, const char *val, bool *printed) {
         return ok;
     case O_QUEUE_TIMEOUT: return parse_double(val, 0.001, 86400, &a->rp.queue_timeout_s);
     case O_REJECT_UNMEETABLE: a->rp.reject_unmeetable = true; return true;
+    case O_LOG_DECISIONS: a->rp.log_decisions = true; return true;
     case O_TTFT_SLO: return parse_double(val, 1, 3.6e6, &a->rp.ttft_slo_ms);
     case O_SEED:
         ok = td_cli_parse_u64(val, &u);

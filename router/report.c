@@ -2,6 +2,7 @@
  * /metrics, the cluster view of /internal/v1/cluster. */
 #include <inttypes.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -170,4 +171,63 @@ char *td_router_cluster_json(void *ctx) {
     char *s = root ? json_dumps(root, JSON_COMPACT) : NULL;
     json_decref(root);
     return s;
+}
+
+static json_t *num_or_null(double v) { return isfinite(v) ? json_real(v) : json_null(); }
+
+void td_rt_log_decision_locked(const td_router *r, const rt_req *q, const td_rt_inst *vi, int32_t n,
+                               const int32_t *overlap, const td_rt_trace *t, const td_rt_choice *c,
+                               td_status st, double now) {
+    json_t *insts = json_array(), *cands = json_array();
+    for (int32_t i = 0; insts && i < n; i++) {
+        const inst *x = &r->in[i];
+        if (!x->used) continue;
+        json_array_append_new(
+            insts,
+            json_pack("{s:s,s:s,s:b,s:i,s:I,s:I,s:I,s:i,s:i,s:i,s:I,s:I,s:I,s:o}", "address",
+                      x->addr, "role", x->prefill ? "prefill" : "decode", "usable", vi[i].usable,
+                      "overlap_blocks", overlap ? overlap[i] : 0, "queued_prefill_tokens",
+                      (json_int_t)x->queued_prefill_tokens, "pending_prefill",
+                      (json_int_t)x->pending_prefill, "pending_blocks",
+                      (json_int_t)x->pending_blocks, "running", x->running, "waiting", x->waiting,
+                      "in_flight", x->in_flight, "kv_used", (json_int_t)x->kv_used, "kv_free",
+                      (json_int_t)x->kv_free, "cached_blocks_indexed",
+                      (json_int_t)td_rt_index_count(r->ix, i), "state_age_ms",
+                      num_or_null(x->have_state ? (now - x->snap_s) * 1e3 : NAN)));
+    }
+    for (int32_t k = 0; cands && t && k < t->n_cand; k++) {
+        const td_rt_cand *cd = &t->cand[k];
+        json_t *pc = json_object(), *xf = json_object();
+        for (int32_t p = 0; t->pcost && pc && xf && p < n; p++) {
+            double v = t->pcost[(size_t)k * (size_t)n + (size_t)p];
+            if (isnan(v)) continue;
+            json_object_set_new(pc, r->in[p].addr, json_real(v));
+            float ms = r->xfer[(size_t)p * MAXI + (size_t)cd->d];
+            json_object_set_new(xf, r->in[p].addr, ms > 0 ? json_real(ms) : json_null());
+        }
+        json_array_append_new(
+            cands, json_pack("{s:s,s:o,s:s,s:f,s:f,s:o,s:o}", "decode", r->in[cd->d].addr,
+                             "prefill", cd->p >= 0 ? json_string(r->in[cd->p].addr) : json_null(),
+                             "reason", td_rt_reason_str(cd->reason), "decode_cost", cd->dcost,
+                             "cost", cd->cost, "prefill_costs", pc ? pc : json_object(),
+                             "transfer_ms", xf ? xf : json_object()));
+    }
+    json_t *choice = json_null();
+    if (st == TD_OK)
+        choice = json_pack("{s:s,s:o,s:s,s:f}", "decode", r->in[c->d].addr, "prefill",
+                           c->p >= 0 ? json_string(r->in[c->p].addr) : json_null(), "reason",
+                           td_rt_reason_str(c->reason), "cost", c->cost);
+    json_t *root =
+        json_pack("{s:s,s:i,s:s,s:i,s:i,s:o,s:o,s:o,s:s}", "request", q->id, "attempt", q->attempts,
+                  "policy", td_rt_policy_str(r->p.score.policy), "prompt_tokens", q->n_prompt,
+                  "max_tokens", q->max_tokens, "instances", insts ? insts : json_array(),
+                  "candidates", cands ? cands : json_array(), "choice",
+                  choice ? choice : json_null(), "status", td_status_str(st));
+    char *s = root ? json_dumps(root, JSON_COMPACT) : NULL;
+    if (s)
+        TD_LOG_INFO("decision %s", s);
+    else
+        TD_LOG_ERROR("request %s: out of memory logging its routing decision", q->id);
+    free(s);
+    json_decref(root);
 }

@@ -109,8 +109,16 @@ td_status td_rt_route_locked(td_router *r, rt_req *q, td_rt_choice *c) {
             td_rt_index_match(r->ix, hashes + (size_t)g * (size_t)(q->n_prompt + 1),
                               (size_t)n_hash[g], &among, t0, overlap, pred);
     }
-    td_status st = td_rt_choose(&r->p.score, vi, n, kv ? overlap : NULL, r->xfer, MAXI, q->n_prompt,
-                                q->max_tokens, r->counter, &r->rng, c);
+    td_rt_trace *trace = NULL;
+    if (r->p.log_decisions && (trace = calloc(1, sizeof *trace)))
+        trace->pcost =
+            malloc((size_t)TD_RT_MAX_CANDIDATES * (size_t)(n > 0 ? n : 1) * sizeof *trace->pcost);
+    td_status st = td_rt_choose_traced(&r->p.score, vi, n, kv ? overlap : NULL, r->xfer, MAXI,
+                                       q->n_prompt, q->max_tokens, r->counter, &r->rng, c, trace);
+    if (r->p.log_decisions)
+        td_rt_log_decision_locked(r, q, vi, n, kv ? overlap : NULL, trace, c, st, t0);
+    if (trace) free(trace->pcost);
+    free(trace);
     if (st != TD_OK) {
         free(hashes);
         return st;

@@ -176,6 +176,12 @@ int32_t td_rt_group_of_locked(td_router *r, td_kv_hash compat, int32_t bs, int32
  * siblings follow before the KV events arrive. Made at the decision and
  * renewed at the first token (a prefill may wait longer than the TTL). */
 void td_rt_predict_locked(td_router *r, const rt_req *q, int32_t d, int32_t p, double now);
+/* Logs a decision (td_router_params.log_decisions): the figures vi of
+ * the n instances it weighed, their overlaps (NULL: not kv-aware), what
+ * td_rt_choose_traced weighed, its status and choice (report.c; under mu). */
+void td_rt_log_decision_locked(const td_router *r, const rt_req *q, const td_rt_inst *vi, int32_t n,
+                               const int32_t *overlap, const td_rt_trace *t, const td_rt_choice *c,
+                               td_status st, double now);
 /* Chooses the pair for q (under mu) and records the decision. */
 td_status td_rt_route_locked(td_router *r, rt_req *q, td_rt_choice *c);
 /* Takes q's routing's prefill tokens back out of what the router counts

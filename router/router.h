@@ -49,6 +49,9 @@ typedef struct {
     int32_t block_size;    /* the prompt hashes' block size, default 16 */
     td_metrics *metrics;   /* vllm:* request metrics as the router sees them; may be NULL */
     uint64_t seed;         /* random policy and temperature; 0: from the OS */
+    /* each decision logged (INFO, "decision {JSON}"): the instances as the
+     * router saw them, every candidate's cost, the choice */
+    bool log_decisions;
 } td_router_params;
 
 td_router_params td_router_default_params(void);

@@ -14,10 +14,13 @@
 # TD_STRESS_REGEX=R keeps the tests matching R (ctest -R), and
 # TD_STRESS_LOAD=always puts every run under load, to repeat one suite:
 #   TD_STRESS_REGEX=py_test_router TD_STRESS_LOAD=always scripts/stress-tests.sh 20
+# TD_STRESS_SANITIZE=1 runs the sanitizer build instead (BUILD_DIR default
+# ./build-asan), configured, run and filtered as scripts/test.sh's step 4.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 n=${1:-6}
-dir=${2:-build}
+asan=${TD_STRESS_SANITIZE:-0}
+if [ "$asan" = 1 ]; then dir=${2:-build-asan}; else dir=${2:-build}; fi
 case $n in '' | *[!0-9]* | 0)
   echo "usage: scripts/stress-tests.sh [N >= 1] [BUILD_DIR]" >&2
   exit 2
@@ -27,7 +30,15 @@ jobs=$(nproc)
 # shellcheck source=scripts/ctest-skip.sh
 . scripts/ctest-skip.sh
 
-scripts/build.sh "$dir"
+run_env=()
+skip=$td_ctest_skip
+if [ "$asan" = 1 ]; then
+  scripts/build.sh "$dir" "${td_asan_cmake[@]}"
+  run_env=("${td_asan_env[@]}")
+  skip="$skip|$td_asan_skip"
+else
+  scripts/build.sh "$dir"
+fi
 out="$dir/stress"
 mkdir -p "$out"
 rm -f "$out"/run-*.log
@@ -43,7 +54,7 @@ trap 'exit 130' INT TERM
 
 declare -A fails=()
 summary=()
-args=(--output-on-failure --timeout 1200 -j "$jobs" -LE "$td_ctest_skip")
+args=(--output-on-failure --timeout 1200 -j "$jobs" -LE "$skip")
 if [ -n "${TD_STRESS_REGEX:-}" ]; then args+=(-R "$TD_STRESS_REGEX"); fi
 for ((k = 1; k <= n; k++)); do
   mode=plain
@@ -58,7 +69,7 @@ for ((k = 1; k <= n; k++)); do
   printf '=== run %d/%d (%s) ===\n' "$k" "$n" "$mode"
   t0=$(date +%s)
   rc=0
-  (cd "$dir" && ctest "${args[@]}") >"$log" 2>&1 || rc=$?
+  (cd "$dir" && env "${run_env[@]}" ctest "${args[@]}") >"$log" 2>&1 || rc=$?
   t1=$(date +%s)
   stop_spinners
   # ctest's summary: "The following tests FAILED:" then "\t 12 - name (Failed)"
@@ -74,7 +85,7 @@ for ((k = 1; k <= n; k++)); do
   done
 done
 
-printf '\n=== stress summary: %d runs of the release suite, -j %d (logs in %s) ===\n' "$n" "$jobs" "$out"
+printf '\n=== stress summary: %d runs of the %s suite, -j %d (logs in %s) ===\n' "$n" "$([ "$asan" = 1 ] && echo sanitizer || echo release)" "$jobs" "$out"
 printf '%s\n' "${summary[@]}"
 if [ "${#fails[@]}" = 0 ]; then
   echo "every test passed on every run"

@@ -43,9 +43,8 @@ if [ "${TD_TEST_QUICK:-0}" != 1 ]; then
   # advises: at -O0 the default model's suites made this step take over
   # 50 minutes (test_invariance alone 4 minutes, 40 s at -O2).
   step "sanitizer build (address,undefined) + all tests but the heavy ones"
-  scripts/build.sh build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTD_SANITIZE=address,undefined -DTD_CUDA=OFF
-  (cd build-asan && UCX_MEM_MALLOC_HOOKS=no ASAN_OPTIONS=detect_leaks=1 \
-    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ctest "${ctest_args[@]}" -LE "$skip|heavy")
+  scripts/build.sh build-asan "${td_asan_cmake[@]}"
+  (cd build-asan && env "${td_asan_env[@]}" ctest "${ctest_args[@]}" -LE "$skip|$td_asan_skip")
 
   step "fuzzers (libFuzzer + address,undefined, ${TD_FUZZ_SECONDS:-60}s each)"
   CC=clang CXX=clang++ scripts/build.sh build-fuzz -DTD_FUZZ=ON -DTD_SANITIZE=address,undefined \

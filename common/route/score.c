@@ -95,6 +95,14 @@ td_status td_rt_choose(const td_rt_score_params *sp, const td_rt_inst *inst, int
                        const int32_t *overlap, const float *xfer_ms, int32_t xfer_stride,
                        int32_t n_prompt, int32_t max_tokens, uint64_t counter, uint64_t *rng,
                        td_rt_choice *out) {
+    return td_rt_choose_traced(sp, inst, n, overlap, xfer_ms, xfer_stride, n_prompt, max_tokens,
+                               counter, rng, out, NULL);
+}
+
+td_status td_rt_choose_traced(const td_rt_score_params *sp, const td_rt_inst *inst, int32_t n,
+                              const int32_t *overlap, const float *xfer_ms, int32_t xfer_stride,
+                              int32_t n_prompt, int32_t max_tokens, uint64_t counter, uint64_t *rng,
+                              td_rt_choice *out, td_rt_trace *trace) {
     bool kv = sp->policy == TD_RT_KV_AWARE && overlap;
     int32_t out_res =
         max_tokens < sp->reserve_output_tokens ? max_tokens : sp->reserve_output_tokens;
@@ -141,6 +149,8 @@ td_status td_rt_choose(const td_rt_score_params *sp, const td_rt_inst *inst, int
                         (double)(D->kv_total > 0 ? D->kv_total : 1) +
                     1e-3 * (D->running + D->waiting);
         cand c = {.d = d, .p = -1, .reason = why, .need = (int32_t)need};
+        double *row = trace && trace->pcost ? trace->pcost + (size_t)n_cand * (size_t)n : NULL;
+        for (int32_t p = 0; row && p < n; p++) row[p] = NAN;
         if (why != TD_RT_REMOTE) {
             c.cost =
                 dcost + (sp->policy == TD_RT_KV_AWARE ? prefill_cost(sp, D, n_prompt, ov_d) : 0);
@@ -166,6 +176,7 @@ td_status td_rt_choose(const td_rt_score_params *sp, const td_rt_inst *inst, int
                         xfer_ms ? xfer_ms[(size_t)p * (size_t)xfer_stride + (size_t)d] : -1.0f;
                     if (x > 0) pc += sp->transfer_weight * x;
                 }
+                if (row) row[p] = pc;
                 if (best < 0 || pc < best_cost) {
                     best = p;
                     best_cost = pc;
@@ -174,8 +185,12 @@ td_status td_rt_choose(const td_rt_score_params *sp, const td_rt_inst *inst, int
             c.p = best;
             c.cost = dcost + (sp->policy == TD_RT_KV_AWARE ? best_cost : 0);
         }
+        if (trace)
+            trace->cand[n_cand] =
+                (td_rt_cand){.d = d, .p = c.p, .reason = why, .dcost = dcost, .cost = c.cost};
         cands[n_cand++] = c;
     }
+    if (trace) trace->n_cand = n_cand;
     if (n_usable_d == 0) return TD_ERR_UNAVAILABLE;
     if (n_cand == 0) return TD_AGAIN;
 

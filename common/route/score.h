@@ -132,4 +132,27 @@ td_status td_rt_choose(const td_rt_score_params *sp, const td_rt_inst *inst, int
                        int32_t n_prompt, int32_t max_tokens, uint64_t counter, uint64_t *rng,
                        td_rt_choice *out);
 
+/* What td_rt_choose_traced weighed: each decode candidate it kept (cand,
+ * in instance order) with the prefill instance it pairs with (-1: local
+ * prefill), the decode part of its cost and the whole; and, where pcost is
+ * set, pcost[k * n + p] the cost of prefill instance p for candidate k (NAN
+ * where p was not a choice for it). */
+typedef struct {
+    int32_t d, p;
+    td_rt_reason reason;
+    double dcost, cost;
+} td_rt_cand;
+
+typedef struct {
+    int32_t n_cand;
+    td_rt_cand cand[TD_RT_MAX_CANDIDATES];
+    double *pcost; /* NULL, or (TD_RT_MAX_CANDIDATES x n) */
+} td_rt_trace;
+
+/* td_rt_choose, with what it weighed in *trace (NULL: as td_rt_choose). */
+td_status td_rt_choose_traced(const td_rt_score_params *sp, const td_rt_inst *inst, int32_t n,
+                              const int32_t *overlap, const float *xfer_ms, int32_t xfer_stride,
+                              int32_t n_prompt, int32_t max_tokens, uint64_t counter, uint64_t *rng,
+                              td_rt_choice *out, td_rt_trace *trace);
+
 #endif

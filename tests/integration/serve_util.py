@@ -607,6 +607,17 @@ class Cluster:
                 return x
         pytest.fail(f"{addr} is not in the router's view")
 
+    def decisions(self):
+        """The router's routing decisions so far, as it logged them
+        (tandem-router --log-decisions), in order."""
+        out = []
+        with open(self.router.err_path, errors="replace") as f:
+            for line in f:
+                at = line.find("decision {")
+                if at >= 0:
+                    out.append(json.loads(line[at + len("decision "):]))
+        return out
+
     def wait_ready(self, servers=None, timeout=20):
         servers = self.ps + self.ds if servers is None else servers
         wait_until(lambda: all(self.inst(s)["ready"] for s in servers), timeout=timeout,

@@ -5,6 +5,7 @@ draining and killed instances, conditional disaggregation, the bounded
 queue with 429, and every block back at idle afterwards."""
 
 import concurrent.futures as cf
+import json
 import os
 import random
 import signal
@@ -76,11 +77,25 @@ def affinity_run(c, seed):
     return hits(c.ps), hits(c.ds)
 
 
+def misrouted(c):
+    """The router's decisions (--log-decisions) that sent a prompt to a
+    prefill instance holding fewer of its blocks than another usable one
+    did, each with the view of the instances it was made on."""
+    out = []
+    for d in c.decisions():
+        held = {x["address"]: x["overlap_blocks"] for x in d["instances"]
+                if x["role"] == "prefill" and x["usable"]}
+        p = (d["choice"] or {}).get("prefill")
+        if p is not None and held and held.get(p, 0) < max(held.values()):
+            out.append(d)
+    return out
+
+
 def test_prefix_affinity_kv_aware_against_round_robin(model, cluster):
     """The same 16 requests: kv-aware sends a prompt where its prefix is
     cached, round-robin does not; measured in prefix-cache hit tokens on the
     instances themselves (not the router's own view)."""
-    kv = cluster(model, r_args=REMOTE_ALWAYS)
+    kv = cluster(model, r_args=REMOTE_ALWAYS + ["--log-decisions"])
     kv_p, kv_d = affinity_run(kv, 1)
     view = kv.view()
     rr = cluster(model, r_args=REMOTE_ALWAYS + ["--policy", "round-robin"])
@@ -89,7 +104,8 @@ def test_prefix_affinity_kv_aware_against_round_robin(model, cluster):
     # (on a failure, each instance's state-pull failures and last error go
     # with it: a prefix once missed on a loaded machine, cause not yet shown)
     health = [(x["address"], x["failures"], x["error"], x["routed"]) for x in view["instances"]]
-    assert kv_p >= 14 * 128 and kv_d >= 14 * 128, (kv_p, kv_d, rr_p, rr_d, health)
+    assert kv_p >= 14 * 128 and kv_d >= 14 * 128, (kv_p, kv_d, rr_p, rr_d, health,
+                                                   json.dumps(misrouted(kv), indent=1))
     assert kv_p + kv_d >= 1.5 * (rr_p + rr_d), (kv_p, kv_d, rr_p, rr_d)
     m = kv.router.metrics()
     assert metric(m, "tandem:router_decisions_total", policy="kv-aware", reason="remote") == 21
