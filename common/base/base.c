@@ -51,14 +51,22 @@ td_log_level td_log_get_level(void) {
 void td_log(td_log_level level, const char *func, const char *fmt, ...) {
     if (level < td_log_get_level()) return;
     static const char tags[] = "DIWE";
-    char msg[1024];
-    va_list ap;
+    char small[1024], *msg = small;
+    va_list ap, again;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_copy(again, ap);
+    int need = vsnprintf(small, sizeof small, fmt, ap);
     va_end(ap);
+    /* a longer message (a JSON record) whole, in one write, where memory allows */
+    if (need >= (int)sizeof small && (msg = malloc((size_t)need + 1)))
+        vsnprintf(msg, (size_t)need + 1, fmt, again);
+    else
+        msg = small;
+    va_end(again);
     size_t n = strlen(msg);
     while (n > 0 && msg[n - 1] == '\n') msg[--n] = '\0';
     fprintf(stderr, "%c %s: %s\n", tags[level < 4 ? level : 3], func, msg);
+    if (msg != small) free(msg);
 }
 
 void td_abort(const char *file, int line, const char *msg) {
