@@ -148,12 +148,16 @@ static void apply_state(td_router *r, int32_t i, const char *body, size_t len) {
     x->max_ctx = (int32_t)TD_MIN(fig(json_object_get(root, "max_ctx")), INT32_MAX);
     x->running = (int32_t)TD_MIN(fig(json_object_get(load, "running")), 1 << 30);
     x->waiting = (int32_t)TD_MIN(fig(json_object_get(load, "waiting")), 1 << 30);
-    x->queued_prefill_tokens = fig(json_object_get(load, "queued_prefill_tokens"));
+    /* less what ended while this pull was out (it may still count that) */
+    x->queued_prefill_tokens =
+        TD_MAX(fig(json_object_get(load, "queued_prefill_tokens")) - x->rel_tokens, 0);
     double rate = json_number_value(json_object_get(load, "prefill_tokens_per_s"));
     x->prefill_tokens_per_s = isfinite(rate) && rate > 0 && rate < 1e12 ? rate : 0;
     x->kv_total = fig(json_object_get(kv, "total"));
-    x->kv_free = fig(json_object_get(kv, "free"));
-    x->kv_used = fig(json_object_get(kv, "used"));
+    x->kv_free = TD_MIN(fig(json_object_get(kv, "free")) + x->rel_blocks, x->kv_total);
+    x->kv_used = TD_MAX(fig(json_object_get(kv, "used")) - x->rel_blocks, 0);
+    x->rel_tokens = x->rel_blocks = 0;
+    x->pulls++;
     x->kv_cached = fig(json_object_get(kv, "cached"));
     x->down_polls = 0;
     /* what was routed to it after this pull was sent is not in its figures */
@@ -200,7 +204,13 @@ static void poll_round(td_router *r) {
     for (int32_t i = 0; i < r->n_slots; i++)
         if (r->in[i].used && !r->in[i].removed) slots[n++] = i;
     uint64_t since[MAXI];
-    for (int32_t k = 0; k < n; k++) since[k] = r->in[slots[k]].since;
+    double now = td_time_s();
+    for (int32_t k = 0; k < n; k++) {
+        inst *x = &r->in[slots[k]];
+        since[k] = x->since;
+        x->pull_sent_s = now; /* a moment before: what ends from now on is noted */
+        x->rel_tokens = x->rel_blocks = 0;
+    }
     pthread_mutex_unlock(&r->mu);
     for (int32_t k = 0; k < n; k++) {
         inst *x = &r->in[slots[k]];
@@ -218,7 +228,6 @@ static void poll_round(td_router *r) {
         snprintf(url, sizeof url, "http://%s/internal/v1/state?since=%" PRIu64, x->addr, since[k]);
         td_strbuf_free(&x->body);
         curl_easy_setopt(x->easy, CURLOPT_URL, url);
-        x->pull_sent_s = td_time_s();
         curl_easy_setopt(x->easy, CURLOPT_HTTPHEADER, x->hdr);
         curl_easy_setopt(x->easy, CURLOPT_WRITEFUNCTION, on_body);
         curl_easy_setopt(x->easy, CURLOPT_WRITEDATA, x);

@@ -140,6 +140,8 @@ char *td_router_cluster_json(void *ctx) {
         /* the prompt tokens routed to it since its last state pull, not
          * yet known done: the router's addition to its prefill queue */
         if (o) json_object_set_new(o, "pending_prefill", json_integer(x->pending_prefill));
+        /* state pulls applied (one sent after time t is in once this grows by 2) */
+        if (o) json_object_set_new(o, "pulls", json_integer((json_int_t)x->pulls));
         if (o && !x->prefill) json_object_set_new(o, "grpc_target", json_string(x->target));
         if (o)
             json_object_set_new(json_object_get(o, "load"), "prefill_tokens_per_s",

@@ -42,12 +42,14 @@ void td_rt_predict_locked(td_router *r, const rt_req *q, int32_t d, int32_t p, d
 static void take(int64_t *v, int64_t n) { *v = *v > n ? *v - n : 0; }
 
 void td_rt_release_pending_locked(td_router *r, rt_req *q, bool ended) {
-    /* routed before the last pull was sent: that pull's figures hold it
-     * (while the instance still had it: they are one pull old at most) and
-     * the router's pending ones no longer do */
+    /* routed before the last applied pull was sent: that pull's figures hold
+     * it (while the instance still had it: they are one pull old at most)
+     * and the router's pending ones no longer do; a pull sent after the
+     * routing and not yet applied may hold it too */
     if (q->pp_tokens > 0) {
         inst *P = &r->in[q->pp_at];
         take(q->pp_t >= P->snap_s ? &P->pending_prefill : &P->queued_prefill_tokens, q->pp_tokens);
+        if (P->pull_sent_s > P->snap_s && q->pp_t < P->pull_sent_s) P->rel_tokens += q->pp_tokens;
         q->pp_tokens = 0;
     }
     if (ended && q->pb_blocks > 0) {
@@ -58,6 +60,7 @@ void td_rt_release_pending_locked(td_router *r, rt_req *q, bool ended) {
             take(&D->kv_used, q->pb_blocks);
             D->kv_free = TD_MIN(D->kv_free + q->pb_blocks, D->kv_total);
         }
+        if (D->pull_sent_s > D->snap_s && q->pp_t < D->pull_sent_s) D->rel_blocks += q->pb_blocks;
         q->pb_blocks = 0;
     }
 }

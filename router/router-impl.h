@@ -51,15 +51,19 @@ typedef struct {
     char target[160];            /* HOST:GRPC_PORT (decode instances) */
     /* Router side (under r->mu). */
     int64_t pending_blocks, pending_prefill;
-    double snap_s; /* when the last applied state pull was sent: requests routed
-                    * since are in pending_prefill, earlier ones in its figures */
+    double snap_s;      /* when the last applied state pull was sent: requests routed
+                         * since are in pending_prefill, earlier ones in its figures */
+    double pull_sent_s; /* when the latest pull was sent (> snap_s: it is out) */
+    /* taken back (first token, end) while a pull sent after their routing
+     * was out: its reply may still count them, and is corrected by these */
+    int64_t rel_tokens, rel_blocks;
+    uint64_t pulls; /* state pulls applied */
     int32_t in_flight;
     int32_t down_polls; /* state pulls failed in a row */
     uint64_t routed, failures;
     char err[160];
     /* The poller's own (no lock). */
     CURL *easy;
-    double pull_sent_s; /* when the pull in progress was sent */
     td_strbuf body;
     struct curl_slist *hdr;
 } inst;

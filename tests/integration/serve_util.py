@@ -631,24 +631,30 @@ class Cluster:
                    timeout=timeout, what="router idle", proc=self.router.proc)
 
     def wait_settled(self, timeout=10):
-        """wait_idle, and then the router's view of it: every live instance
-        ready, with nothing in flight, pending (blocks, prefill tokens) or
-        used in its last state.
-        The router takes a request's figures back at its first token and its
-        end, but a state pull sent meanwhile may still show the instance
-        busy (so the next request, even one with the same prefix, may go
-        elsewhere): a test that needs the routing to follow the prefix alone
-        waits for this first."""
+        """wait_idle, and then the router's view of it as of a state pull of
+        every live instance sent after that: each ready, with nothing in
+        flight, pending (blocks, prefill tokens), queued, waiting, running
+        or used. The router's figures come from its pulls, and a reply sent
+        while a request still ran may be applied after the request ended,
+        holding it for one more pull (so the next request, even one with
+        the same prefix, may go elsewhere): a test that needs the routing to
+        follow the prefix alone waits for this first. The router applies a
+        round's replies before it sends the next round, so the second pull
+        applied after this point was sent after it."""
         self.wait_idle(timeout)
         live = [s for s in self.ps + self.ds if s.proc.poll() is None]
+        v0 = self.view()
+        base = {s.port: self.inst(s, v0)["pulls"] for s in live}
 
         def settled():
             v = self.view()
             for s in live:
                 x = self.inst(s, v)
-                if not (x["ready"] and x["in_flight"] == 0 and x["pending_blocks"] == 0
-                        and x["pending_prefill"] == 0
-                        and x["load"]["running"] == 0 and x["load"]["kv"]["used"] == 0):
+                ld = x["load"]
+                if not (x["pulls"] >= base[s.port] + 2 and x["ready"] and x["in_flight"] == 0
+                        and x["pending_blocks"] == 0 and x["pending_prefill"] == 0
+                        and ld["running"] == 0 and ld["waiting"] == 0
+                        and ld["queued_prefill_tokens"] == 0 and ld["kv"]["used"] == 0):
                     return False
             return True
 
