@@ -190,7 +190,9 @@ def test_prefill_stopped_past_deadline_then_canary(ref, pair, deadline_ms):
         # reuses them (local prefill: P is not reachable)
         pr.d.wait_idle(timeout=deadline_ms / 1000 + 15)
         th2, res2 = start_long(pr.d, canary)
-        time.sleep(0.3)
+        # the canary has its blocks (or is already done) before P resumes
+        wait_until(lambda: pr.d.blocks()["running"] >= 1 or not th2.is_alive(), timeout=30,
+                   what="the canary running on D", proc=pr.d.proc)
     finally:
         os.killpg(pr.p.proc.pid, signal.SIGCONT)
     th2.join(timeout=scaled(120))

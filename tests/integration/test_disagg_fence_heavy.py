@@ -21,6 +21,7 @@ import time
 
 import pytest
 
+from conftest import wait_until
 from serve_util import Pair, Server, metric
 
 
@@ -69,7 +70,9 @@ def test_stale_request_after_fence(tls, tandem_bin, default_model, tmp_path):
             ths = [threading.Thread(target=run, args=(i,)) for i in range(2)]
             for t in ths:
                 t.start()
-            time.sleep(1.5)  # the canaries have their blocks and decode
+            # the canaries have their blocks and decode (or are done)
+            wait_until(lambda: pr.d.blocks()["running"] >= 2 or any(results), timeout=60,
+                       what="both canaries running on D", proc=pr.d.proc)
         finally:
             os.killpg(pr.p.proc.pid, signal.SIGCONT)
         for t in ths:

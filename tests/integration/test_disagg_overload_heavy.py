@@ -33,6 +33,7 @@ import concurrent.futures as cf
 import json
 import random
 import re
+import statistics
 import time
 
 from conftest import wait_until
@@ -102,9 +103,14 @@ def test_would_miss_is_rejected_at_once(tandem_bin, default_model, tmp_path):
                        ready_timeout=120)
     try:
         ref.post_json("/v1/completions", warm, timeout=300)
-        t0 = time.monotonic()
-        ref.post_json("/v1/completions", dict(bodies[0], max_tokens=1), timeout=300)
-        t1 = time.monotonic() - t0
+        # one prompt's prefill alone: the median of three (one sample
+        # slowed down by the shared machine would set a deadline P never misses)
+        samples = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            ref.post_json("/v1/completions", dict(bodies[0], max_tokens=1), timeout=300)
+            samples.append(time.monotonic() - t0)
+        t1 = statistics.median(samples)
         want = texts(ref, bodies)
     finally:
         ref.close()
@@ -165,9 +171,12 @@ def test_refused_job_goes_to_another_prefill(tandem_bin, default_model, tmp_path
                        tmp_path / "ref", ready_timeout=120)
     try:
         public(stubs, ref, warm)
-        t0 = time.monotonic()
-        public(stubs, ref, reqs[0])
-        t1 = time.monotonic() - t0
+        samples = []  # the median of three, as above
+        for _ in range(3):
+            t0 = time.monotonic()
+            public(stubs, ref, reqs[0])
+            samples.append(time.monotonic() - t0)
+        t1 = statistics.median(samples)
         want = [public(stubs, ref, r) for r in reqs]
     finally:
         ref.close()
@@ -263,18 +272,17 @@ def test_router_rejects_unmeetable(tandem_bin, default_model, tmp_path):
         wait_until(lambda: any(x["load"]["prefill_tokens_per_s"] > 0
                                for x in c.view()["instances"]),
                    timeout=10, what="a prefill speed in the router's view")
-        t0 = time.monotonic()
         status, headers, body = c.router.request(
             "POST", "/v1/completions",
             json.dumps(dict(long_b, prompt=prompt(rng, 400))).encode(),
             {"Content-Type": "application/json"})
-        took = time.monotonic() - t0
         assert status == 429, body
         assert headers.get("retry-after") == "2"
         m = c.router.metrics()
         assert metric(m, "tandem:router_unmeetable_total") == 1
+        # at once, not after a wait in the router's queue
         assert metric(m, "tandem:router_queue_rejected_total") == 0
-        assert took < 5, took  # at once, not after a wait
+        assert metric(m, "tandem:router_queue_timeouts_total") == 0
         c.wait_idle(timeout=30)
     finally:
         c.close()

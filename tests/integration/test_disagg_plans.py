@@ -240,13 +240,15 @@ def test_a_stalled_decode_instance_holds_up_no_other(manifest, test_models, tand
                 while pr.p.state()["transfer"]["in_flight"] < 1:
                     assert time.monotonic() < deadline, pr.p.log_tail()
                     time.sleep(0.05)
+                # (half a second more for P to reach the stalled flush: without
+                # it the test still holds, it just proves less)
                 time.sleep(0.5)
-                t0 = time.monotonic()
                 assert_close(run(d2, t[2]), want[()][2], "d2 while d1 stalls")
-                took = time.monotonic() - t0
                 assert metric(d2.metrics(), "tandem:kv_transfer_seconds_count") == 2
-                assert took < 5, (took, pr.p.log_tail())
-                assert pr.p.state()["transfer"]["in_flight"] >= 1  # still stalled
+                # D2 was served while the stalled job still held P's transfer
+                # (not after its 20 s deadline): the proof is the order, not
+                # how long D2's request took
+                assert pr.p.state()["transfer"]["in_flight"] >= 1, pr.p.log_tail()
             finally:
                 os.kill(rank1, signal.SIGCONT)
             assert_close(f1.result(timeout=120), want[d1_plan][1], "d1 after the stall")

@@ -53,6 +53,7 @@ class FakeDecode:
                             "cached": 0}},
             "transfer": {"peers": []}}
         self.on_get = None
+        self.gets = 0  # state pulls answered
         self.dead = threading.Event()
         if state_patch:
             state_patch(self.state)
@@ -66,6 +67,8 @@ class FakeDecode:
                 if fake.on_get:
                     fake.on_get(fake.state)
                 body = json.dumps(fake.state).encode()
+                with fake.lock:
+                    fake.gets += 1
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -184,12 +187,11 @@ def test_peer_load_figures_at_int64_limits(tandem_bin, manifest, test_models, tm
     try:
         wait_until(lambda: all_ready(r, 1), timeout=20, what="fake ready", proc=r.proc)
         for _ in range(2):
-            try:
-                r.post_json("/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 1},
-                            timeout=30)
-            except Exception:
-                pass
-        time.sleep(0.3)
+            # answered (whatever the status): a router that crashed on the
+            # figures would not answer
+            status, out = r.post_json("/v1/completions", {"prompt": [5, 6, 7, 8],
+                                                          "max_tokens": 1}, timeout=30)
+            assert status in (200, 429, 503), (status, out, r.log_tail())
         assert r.proc.poll() is None, f"router died ({r.proc.returncode}):\n{r.log_tail()}"
         status, _, _ = r.request("GET", "/health")
         assert status == 200
@@ -389,7 +391,9 @@ def test_cluster_view_lists_an_instance_with_a_long_utf8_id(tandem_bin, manifest
     fakes.append(f)
     r = start_router(tandem_bin, model, tmp_path, [f])
     try:
-        time.sleep(1.0)
+        # two state pulls answered: the first one's reply has been applied
+        # (the router sends the second after applying the first)
+        wait_until(lambda: f.gets >= 2, timeout=20, what="two state pulls", proc=r.proc)
         v = view(r)
         assert len(v["instances"]) == 1, v
     finally:

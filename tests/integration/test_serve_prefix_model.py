@@ -3,21 +3,13 @@ requests sharing a ~600-token system prompt.
 
 After the first (cold) request, every later one finds the shared blocks:
 vllm:prefix_cache_hits_total grows by about the shared length each time,
-the time to first token (measured here, client side, on streamed
-responses: request sent -> first chunk with content) drops well below the
-cold one, and the outputs (text, token strings and logprobs, greedy) are
-exactly those of a server started with --no-prefix-cache.
-
-Why the TTFT margin is safe: a cold request computes ~600+ prompt tokens
-before its first token; a warm one computes only its own ~20-token suffix
-and the last partial block (< 16 tokens), under 10% of the work, with
-attention over the cached prefix as the only extra. The expected ratio is
-~0.1-0.2 (measured: 0.06 on a loaded 2-core machine); the test asks for
-< 0.5 of the cold TTFT (median of four warm requests, so one request slowed down by the shared 2-core machine does not
-decide), and also for the warm median to be below the median TTFT of two
-of the same requests on the --no-prefix-cache server. A warm-up request with an
-unrelated prompt runs first, so the cold measurement is not inflated by
-first-touch page faults of the weights.
+so a warm request computes under a fifth of the prompt tokens the cold one
+computed (a cold request computes ~600+ prompt tokens; a warm one only its
+own ~20-token suffix and the last partial block, < 16 tokens), and the
+outputs (text, token strings and logprobs, greedy) are exactly those of a
+server started with --no-prefix-cache. The time to first token this saves
+is a benchmark's to measure (docs/PERFORMANCE.md), not a test's: it goes
+with the failure message only.
 """
 
 import random
@@ -135,9 +127,10 @@ def test_shared_system_prompt(serve, default_model):
     assert metric(srv_nc.metrics(), "vllm:prefix_cache_hits_total") == 0
     srv_nc.wait_idle()
 
-    # Lower TTFT (see the module docstring for the margin).
-    cold = results[0][0]
-    warm = statistics.median(r[0] for r in results[1:])
-    nocache = statistics.median(r[0] for r in ref.values())
-    assert warm < 0.5 * cold, f"warm median TTFT {warm * 1e3:.0f} ms vs cold {cold * 1e3:.0f} ms"
-    assert warm < nocache, f"warm median TTFT {warm * 1e3:.0f} ms vs no cache {nocache * 1e3:.0f} ms"
+    # Less prefill work (see the module docstring): the prompt tokens each
+    # request computed, by the server's own count; the client-side TTFT
+    # goes with the message only (a test never judges a latency).
+    computed = [prompt_tokens[i] - (hits[i + 1] - hits[i]) for i in range(len(QUESTIONS))]
+    cold, warm = computed[0], statistics.median(computed[1:])
+    ttft = [round(r[0] * 1e3) for r in results]
+    assert warm < 0.2 * cold, f"prompt tokens computed {computed} (TTFT ms {ttft})"

@@ -181,10 +181,16 @@ def solo_refs(tandem_bin, tiny, tmp_path_factory):
 
 def test_batching_equals_solo(serve, tiny, solo_refs):
     """32 concurrent requests (mixed lengths, max_tokens, streaming or not,
-    four sharing a prefix) return exactly what each returns alone."""
+    four sharing a prefix) return exactly what each returns alone. The
+    server is held (SIGSTOP) until all 32 are sent, so that they arrive
+    together and batching must happen: sent by 32 client threads on a
+    loaded machine, each could have run alone."""
     srv = serve(tiny, "--served-model-name", SERVED, "--max-running", 32)
     specs = burst_specs()
-    got = run_concurrently(srv, specs)
+    with cf.ThreadPoolExecutor(1) as ex:
+        with srv.held(len(specs)):
+            fut = ex.submit(run_concurrently, srv, specs)
+        got = fut.result()
     assert_same(specs, got, solo_refs, "32 concurrent requests")
     m = srv.metrics()
     # Batching did happen: fewer forward steps than tokens generated.
