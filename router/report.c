@@ -137,7 +137,7 @@ char *td_router_cluster_json(void *ctx) {
             (json_int_t)td_rt_index_count(r->ix, i), "in_flight", x->in_flight, "pending_blocks",
             (json_int_t)x->pending_blocks, "routed", (json_int_t)x->routed, "failures",
             (json_int_t)x->failures, "error", x->err);
-        /* the prompt tokens routed to it since its last state pull, not
+        /* the prompt tokens routed to it after its last applied pull was sent, not
          * yet known done: the router's addition to its prefill queue */
         if (o) json_object_set_new(o, "pending_prefill", json_integer(x->pending_prefill));
         /* state pulls applied (one sent after time t is in once this grows by 2) */

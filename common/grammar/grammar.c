@@ -909,6 +909,9 @@ static int64_t walk_range(td_gm *m, const td_trie *tr, uint32_t i0, uint32_t i1,
         }
         if (nx != LEX_DEAD) { /* inside the lexeme: the lexer alone */
             m->frames[m->nframes++] = (frame){nx, top.nsets};
+        } else if (!g->ls[top.lex].nacc) { /* no lexeme ends here: rejected (scan) */
+            i = t->end;
+            continue;
         } else { /* a lexeme ends here: the whole push */
             const td_gm_result r = td_gm_push(m, t->byte);
             if (r == TD_GM_LIMIT) return -1;
@@ -1019,6 +1022,9 @@ static bool slice_ok(td_gram *g, uint32_t s, uint32_t max_chars) {
     if (ok) q[nq++] = (node){s, 0, 0};
     while (ok && head < nq) {
         const node x = q[head++];
+        /* max_chars whole characters read: a further byte would start one
+         * more, which no token of the slice holds */
+        if (max_chars != UINT32_MAX && x.n >= max_chars) continue;
         for (int b = 0; b < 256 && ok; b++) {
             bool done;
             const int u = utf8_next(x.u, (uint8_t)b, &done);
@@ -1067,12 +1073,16 @@ static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
     /* the largest slice the state takes whole: its tokens, and no walk
      * through the subtrees made of them */
     const uint8_t *full = NULL;
-    for (uint32_t k = 0; k < tr->nslices && !full; k++)
-        if (slice_ok(g, s, tr->slices[k].max_chars)) {
-            full = tr->slices[k].full;
-            for (size_t w = 0; w < words; w++) c.bits[w] |= tr->slices[k].bits[w];
-        }
+    const uint32_t *sbits = NULL;
+    /* smallest first: the slices are nested, so once one fails, so do the
+     * larger ones */
+    for (uint32_t k = tr->nslices; k-- > 0;) {
+        if (!slice_ok(g, s, tr->slices[k].max_chars)) break;
+        full = tr->slices[k].full;
+        sbits = tr->slices[k].bits;
+    }
     if (g->error) goto fail;
+    for (size_t w = 0; sbits && w < words; w++) c.bits[w] |= sbits[w];
     for (uint32_t i = 0; i < tr->n;) {
         uint64_t pk;
         uint8_t byte;
@@ -1095,6 +1105,12 @@ static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
         if (nx == UNKNOWN) nx = lex_step(g, st[depth - 1], byte); /* fills tp[depth - 1] */
         if (nx == NONE) goto fail;
         const uint32_t end = (uint32_t)(pk >> 32);
+        if (nx == LEX_DEAD && !g->ls[st[depth - 1]].nacc) {
+            /* no lexeme ends in the state before the byte: the parser's
+             * push rejects it (scan), and the whole subtree with it */
+            i = (uint32_t)(pk >> 32);
+            continue;
+        }
         if (nx == LEX_DEAD) { /* the lexeme would end here: the parser decides */
             const uint32_t from = st[depth - 1];
             const uint32_t key = depth == 1 ? AT_BASE : from;
@@ -1104,10 +1120,13 @@ static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
                 lv[nl++] = (leaf){key, i, byte};
                 ntok += t->ntok;
             } else {
+                const size_t had = ci;
                 if (!td_gr_reserve((void **)&c.inner, &ci, c.ninner, sizeof *c.inner)) goto fail;
-                uint32_t *nf = realloc(c.inner_from, ci * sizeof *nf);
-                if (!nf) goto fail;
-                c.inner_from = nf;
+                if (ci != had || !c.inner_from) { /* inner_from: the same capacity */
+                    uint32_t *nf = realloc(c.inner_from, ci * sizeof *nf);
+                    if (!nf) goto fail;
+                    c.inner_from = nf;
+                }
                 c.inner[c.ninner] = i;
                 c.inner_from[c.ninner++] = key;
             }

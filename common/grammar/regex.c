@@ -749,7 +749,7 @@ bool td_rx_is_empty(td_rx *rx, td_rx_id a) {
      * simple and so matches something) */
     if (!rx->nreps || rx->sets_at_classes != rx->nsets) {
         uint8_t cls[256];
-        const int nc = td_rx_byte_classes(rx, cls);
+        td_rx_byte_classes(rx, cls);
         bool seen[256] = {false};
         rx->nreps = 0;
         for (int b = 0; b < 256; b++)
@@ -757,7 +757,6 @@ bool td_rx_is_empty(td_rx *rx, td_rx_id a) {
                 seen[cls[b]] = true;
                 rx->reps[rx->nreps++] = (uint8_t)b;
             }
-        (void)nc;
         rx->sets_at_classes = rx->nsets;
     }
     td_rx_id q[EMPTY_SEARCH];
