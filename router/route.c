@@ -41,26 +41,30 @@ void td_rt_predict_locked(td_router *r, const rt_req *q, int32_t d, int32_t p, d
 /* n out of *v, and not below 0 */
 static void take(int64_t *v, int64_t n) { *v = *v > n ? *v - n : 0; }
 
+/* n routed to x at time t taken back: out of *pending (routed after the
+ * last applied pull was sent) or out of *pulled (that pull's figures hold
+ * it, while x still had it: they are one pull old at most); and noted in
+ * *rel when a pull sent after the routing is out (its reply may hold it
+ * too). true when it came out of *pulled. */
+static bool give_back(inst *x, double t, int64_t n, int64_t *pending, int64_t *pulled,
+                      int64_t *rel) {
+    const bool from_pulled = t < x->snap_s;
+    take(from_pulled ? pulled : pending, n);
+    if (x->pull_sent_s > x->snap_s && t < x->pull_sent_s) *rel += n;
+    return from_pulled;
+}
+
 void td_rt_release_pending_locked(td_router *r, rt_req *q, bool ended) {
-    /* routed before the last applied pull was sent: that pull's figures hold
-     * it (while the instance still had it: they are one pull old at most)
-     * and the router's pending ones no longer do; a pull sent after the
-     * routing and not yet applied may hold it too */
     if (q->pp_tokens > 0) {
         inst *P = &r->in[q->pp_at];
-        take(q->pp_t >= P->snap_s ? &P->pending_prefill : &P->queued_prefill_tokens, q->pp_tokens);
-        if (P->pull_sent_s > P->snap_s && q->pp_t < P->pull_sent_s) P->rel_tokens += q->pp_tokens;
+        give_back(P, q->pp_t, q->pp_tokens, &P->pending_prefill, &P->queued_prefill_tokens,
+                  &P->rel_tokens);
         q->pp_tokens = 0;
     }
     if (ended && q->pb_blocks > 0) {
         inst *D = &r->in[q->pb_at];
-        if (q->pp_t >= D->snap_s) {
-            take(&D->pending_blocks, q->pb_blocks);
-        } else {
-            take(&D->kv_used, q->pb_blocks);
+        if (give_back(D, q->pp_t, q->pb_blocks, &D->pending_blocks, &D->kv_used, &D->rel_blocks))
             D->kv_free = TD_MIN(D->kv_free + q->pb_blocks, D->kv_total);
-        }
-        if (D->pull_sent_s > D->snap_s && q->pp_t < D->pull_sent_s) D->rel_blocks += q->pb_blocks;
         q->pb_blocks = 0;
     }
 }

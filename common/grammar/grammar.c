@@ -944,7 +944,9 @@ typedef struct lcache_s {
     uint32_t *gstart; /* group i's tokens: gids[gstart[i] .. gstart[i + 1]) */
     int32_t *gids;
     uint32_t ninner;
-    uint32_t *inner, *inner_from; /* trie node, lexer state before it (or AT_BASE) */
+    struct inner_s {
+        uint32_t node, from; /* trie node, lexer state before it (or AT_BASE) */
+    } * inner;
 } lcache;
 
 #define LCACHE_MAX_STATES 4096
@@ -956,7 +958,6 @@ static void lcache_free(lcache *e) {
     free(e->gstart);
     free(e->gids);
     free(e->inner);
-    free(e->inner_from);
     memset(e, 0, sizeof *e);
 }
 
@@ -1108,7 +1109,7 @@ static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
         if (nx == LEX_DEAD && !g->ls[st[depth - 1]].nacc) {
             /* no lexeme ends in the state before the byte: the parser's
              * push rejects it (scan), and the whole subtree with it */
-            i = (uint32_t)(pk >> 32);
+            i = end;
             continue;
         }
         if (nx == LEX_DEAD) { /* the lexeme would end here: the parser decides */
@@ -1120,15 +1121,8 @@ static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
                 lv[nl++] = (leaf){key, i, byte};
                 ntok += t->ntok;
             } else {
-                const size_t had = ci;
                 if (!td_gr_reserve((void **)&c.inner, &ci, c.ninner, sizeof *c.inner)) goto fail;
-                if (ci != had || !c.inner_from) { /* inner_from: the same capacity */
-                    uint32_t *nf = realloc(c.inner_from, ci * sizeof *nf);
-                    if (!nf) goto fail;
-                    c.inner_from = nf;
-                }
-                c.inner[c.ninner] = i;
-                c.inner_from[c.ninner++] = key;
+                c.inner[c.ninner++] = (struct inner_s){i, key};
             }
             i = end;
             continue;
@@ -1300,7 +1294,7 @@ int64_t td_gm_walk(td_gm *m, const td_trie *tr, uint32_t *mask) {
         }
     }
     for (uint32_t j = 0; j < e->ninner; j++) {
-        const uint32_t idx = e->inner[j], from = e->inner_from[j];
+        const uint32_t idx = e->inner[j].node, from = e->inner[j].from;
         int64_t rc;
         if (from == AT_BASE) {
             rc = walk_range(m, tr, idx, tr->nodes[idx].end, base, 1, mask);
