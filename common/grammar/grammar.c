@@ -62,6 +62,14 @@ struct td_gram {
      * for one byte is every byte's of its class */
     uint8_t bclass[256];
     uint8_t cls_next[256]; /* the next byte of the same class, in a ring */
+    /* per state of the UTF-8 decoder (utf8_next), one byte of each class
+     * that the decoder does not tell apart either, among the bytes a
+     * string body may hold there, with the decoder's next state */
+    struct body_rep_s {
+        uint8_t byte, done;
+        int8_t next;
+    } body_reps[8][256];
+    uint16_t nbody_reps[8];
     /* td_gm_walk's cache, per lexer state, for one trie */
     const void *lcache_trie;
     struct lcache_s *lcache;
@@ -89,6 +97,7 @@ static void gfail(td_gram *g, const char *fmt, ...) {
 }
 
 static uint32_t intern_lstate(td_gram *g, const lpair *p, uint32_t n);
+static int utf8_next(int u, uint8_t b, bool *done);
 
 td_gram *td_gram_new(const td_gram_limits *lim) {
     td_gram *g = calloc(1, sizeof *g);
@@ -222,6 +231,19 @@ int td_gram_finish(td_gram *g, td_gram_sym start) {
         }
         for (int c = 0; c < 256; c++)
             if (last[c] >= 0) g->cls_next[last[c]] = (uint8_t)first[c];
+        for (int u = 0; u < 8; u++) {
+            uint16_t sig[256];
+            for (int b = 0; b < 256; b++) {
+                bool done;
+                const int n = utf8_next(u, (uint8_t)b, &done);
+                sig[b] = (uint16_t)(g->bclass[b] << 8 | (n + 1) << 1 | done);
+                int j = 0;
+                while (j < b && sig[j] != sig[b]) j++;
+                if (n >= 0 && j == b)
+                    g->body_reps[u][g->nbody_reps[u]++] =
+                        (struct body_rep_s){(uint8_t)b, done, (int8_t)n};
+            }
+        }
     }
     /* rules grouped by left side (counting sort) */
     for (size_t i = 0; i < g->nrules; i++) g->syms[g->rules[i].lhs].nr++;
@@ -442,8 +464,11 @@ static uint32_t lex_step(td_gram *g, uint32_t s, uint8_t b) {
         return NONE;
     }
     uint32_t m = 0;
+    /* the bytes that take every lexeme of s where b does */
+    uint64_t same[4] = {~0ull, ~0ull, ~0ull, ~0ull};
     for (uint32_t i = 0; i < n; i++) {
         const lpair pi = g->pairs[off + i];
+        td_rx_same_deriv(g->rx, pi.node, b, same);
         td_rx_id d = td_rx_deriv(g->rx, pi.node, b);
         if (d == TD_RX_FAIL) {
             gfail(g, "grammar: %s", td_rx_error(g->rx));
@@ -470,6 +495,8 @@ static uint32_t lex_step(td_gram *g, uint32_t s, uint8_t b) {
             t[c] = r;
             c = g->finished ? g->cls_next[c] : b;
         } while (c != b);
+        for (int w = 0; w < 4; w++)
+            for (uint64_t x = same[w]; x; x &= x - 1) t[w * 64 + __builtin_ctzll(x)] = r;
     }
     return r;
 }
@@ -943,6 +970,7 @@ typedef struct lcache_s {
     uint8_t *gbyte;
     uint32_t *gstart; /* group i's tokens: gids[gstart[i] .. gstart[i + 1]) */
     int32_t *gids;
+    bool rest; /* the nodes are the rest trie's (td_trie.rest) */
     uint32_t ninner;
     struct inner_s {
         uint32_t node, from; /* trie node, lexer state before it (or AT_BASE) */
@@ -1004,62 +1032,97 @@ static int utf8_next(int u, uint8_t b, bool *done) {
     }
 }
 
-#define SLICE_STATES 512
+#define REACH_STATES 64 /* lexer states per level of body_reach */
 
-/* Whether lexer state s stays alive (never LEX_DEAD) through every
- * string body of at most max_chars characters (any number: UINT32_MAX):
- * a search over (lexer state, UTF-8 state, characters read). false when
- * the search grows past SLICE_STATES, or on a limit. */
-static bool slice_ok(td_gram *g, uint32_t s, uint32_t max_chars) {
-    typedef struct {
-        uint32_t ls, n;
-        int u;
-    } node;
-    const size_t cap = 2 * SLICE_STATES;
-    uint64_t *seen = calloc(cap, sizeof *seen);
-    node *q = malloc(SLICE_STATES * sizeof *q);
-    bool ok = seen && q;
-    size_t nq = 0, head = 0;
-    if (ok) q[nq++] = (node){s, 0, 0};
-    while (ok && head < nq) {
-        const node x = q[head++];
-        /* max_chars whole characters read: a further byte would start one
-         * more, which no token of the slice holds */
-        if (max_chars != UINT32_MAX && x.n >= max_chars) continue;
-        for (int b = 0; b < 256 && ok; b++) {
-            bool done;
-            const int u = utf8_next(x.u, (uint8_t)b, &done);
-            if (u < 0) continue;
-            uint32_t n = x.n + done;
-            if (max_chars != UINT32_MAX && n > max_chars) continue;
-            if (max_chars == UINT32_MAX) n = 0;
-            const uint32_t t = lex_step(g, x.ls, (uint8_t)b);
-            if (t == NONE || t == LEX_DEAD) {
-                ok = false;
-                break;
+enum { R_DIED = 1, R_DIED_OPEN = 2, R_ALIVE = 4, R_FULL = 8, R_LIMIT = 16 };
+
+/* The byte paths of one body character from lexer state y (UTF-8 decoder
+ * state u): adds the states after the character to next (*nn of them, at
+ * most REACH_STATES) and says how the paths went (R_ flags: a path died
+ * where no lexeme ends, or where one does, or finished the character). */
+static int body_char(td_gram *g, uint32_t y, int u, uint32_t *next, uint32_t *nn) {
+    int r = 0;
+    for (uint32_t i = 0; i < g->nbody_reps[u]; i++) {
+        const uint8_t b = g->body_reps[u][i].byte;
+        const bool done = g->body_reps[u][i].done;
+        const int u2 = g->body_reps[u][i].next;
+        const uint32_t t = lex_step(g, y, b);
+        if (t == NONE) return R_LIMIT;
+        if (t == LEX_DEAD) {
+            r |= g->ls[y].nacc ? R_DIED_OPEN : R_DIED;
+        } else if (!done) {
+            r |= body_char(g, t, u2, next, nn);
+            if (r & (R_LIMIT | R_FULL)) return r;
+        } else {
+            r |= R_ALIVE;
+            uint32_t j = 0;
+            while (j < *nn && next[j] != t) j++;
+            if (j == *nn) {
+                if (*nn == REACH_STATES) return r | R_FULL;
+                next[(*nn)++] = t;
             }
-            const uint64_t key = ((uint64_t)t << 32 | (uint64_t)n << 3 | (uint64_t)u) + 1;
-            size_t j = (key * 0x9e3779b97f4a7c15ull >> 17) & (cap - 1);
-            while (seen[j] && seen[j] != key) j = (j + 1) & (cap - 1);
-            if (seen[j]) continue;
-            if (nq == SLICE_STATES) {
-                ok = false;
-                break;
-            }
-            seen[j] = key;
-            q[nq++] = (node){t, n, u};
         }
     }
-    free(seen);
-    free(q);
-    return ok;
+    return r;
 }
 
-/* Makes state s's entry: a walk with the lexer alone. false on a limit or
- * allocation failure (then no entry). */
-static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
-    const size_t words = ((size_t)tr->n_tokens + 31) / 32;
-    lcache c = {0};
+/* How far JSON string bodies keep lexer state s alive (td_trie.body_bits):
+ * *k is the most characters, up to TD_TRIE_BODY_MAX, such that s stays
+ * alive through every body of at most *k characters; *kill says that every
+ * body of *k + 1 characters is rejected: each byte path of its last
+ * character reaches LEX_DEAD from a state where no lexeme ends, so that the
+ * parser's scan fails. The search goes a character at a time over the set
+ * of lexer states the bodies so far reach; a set of more than REACH_STATES
+ * ends it (*k is then the characters done, *kill false). false on a
+ * limit. */
+static bool body_reach(td_gram *g, uint32_t s, uint32_t *k, bool *kill) {
+    uint32_t a[REACH_STATES], b[REACH_STATES], *cur = a, *nxt = b, nc = 1;
+    cur[0] = s;
+    *kill = false;
+    for (uint32_t n = 0; n < TD_TRIE_BODY_MAX; n++) {
+        int r = 0;
+        uint32_t nn = 0;
+        for (uint32_t i = 0; i < nc && !(r & (R_LIMIT | R_FULL)); i++)
+            r |= body_char(g, cur[i], 0, nxt, &nn);
+        if (r & R_LIMIT) return false;
+        *k = n;
+        if (r & R_FULL) return true;
+        if (r & (R_DIED | R_DIED_OPEN)) {
+            *kill = !(r & (R_DIED_OPEN | R_ALIVE));
+            return true;
+        }
+        /* the same set again: so it goes on for ever */
+        bool same = nn == nc;
+        for (uint32_t i = 0; i < nn && same; i++) {
+            uint32_t j = 0;
+            while (j < nc && cur[j] != nxt[i]) j++;
+            same = j < nc;
+        }
+        if (same) break;
+        uint32_t *t = cur;
+        cur = nxt;
+        nxt = t;
+        nc = nn;
+    }
+    *k = TD_TRIE_BODY_MAX;
+    return true;
+}
+
+/* Makes state s's entry: the body slice the state takes whole, and a walk
+ * with the lexer alone of the other tokens. false on a limit or allocation
+ * failure (then no entry). */
+static bool lcache_make(td_gram *g, const td_trie *all, uint32_t s, lcache *e) {
+    const size_t words = ((size_t)all->n_tokens + 31) / 32;
+    /* every body of at most k characters is taken. When longer bodies are
+     * (up to TD_TRIE_BODY_MAX), or none of k + 1 characters is, only the
+     * rest trie's tokens are left to walk; else the whole trie is walked,
+     * less the subtrees of bodies of at most k characters. */
+    uint32_t k = 0;
+    bool kill = false;
+    if (all->body_bits && !body_reach(g, s, &k, &kill)) return false;
+    lcache c = {.rest = all->rest && (k == TD_TRIE_BODY_MAX || kill)};
+    const td_trie *tr = c.rest ? all->rest : all;
+    const uint8_t *skip = !c.rest && k ? all->body_max : NULL;
     c.bits = calloc(words ? words : 1, sizeof *c.bits);
     uint32_t *st = malloc(((size_t)tr->max_depth + 1) * sizeof *st);
     /* per depth: the lexer state and its transitions (made when missing) */
@@ -1071,41 +1134,19 @@ static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
     tp[0] = g->ls[s].trans;
     uint32_t last_nx = s;
     const uint32_t *last_tp = tp[0];
-    /* the largest slice the state takes whole: its tokens, and no walk
-     * through the subtrees made of them */
-    const uint8_t *full = NULL;
-    const uint32_t *sbits = NULL;
-    /* smallest first: the slices are nested, so once one fails, so do the
-     * larger ones */
-    for (uint32_t k = tr->nslices; k-- > 0;) {
-        if (!slice_ok(g, s, tr->slices[k].max_chars)) break;
-        full = tr->slices[k].full;
-        sbits = tr->slices[k].bits;
-    }
-    if (g->error) goto fail;
-    for (size_t w = 0; sbits && w < words; w++) c.bits[w] |= sbits[w];
+    if (k)
+        for (size_t w = 0; w < words; w++) c.bits[w] = all->body_bits[(k - 1) * words + w];
     for (uint32_t i = 0; i < tr->n;) {
-        uint64_t pk;
-        uint8_t byte;
-        uint32_t depth;
-        if (tr->packed) {
-            pk = tr->packed[i];
-            byte = (uint8_t)pk;
-            depth = (uint32_t)(pk >> 8) & 0xffff;
-        } else {
-            const td_trie_node *t = &tr->nodes[i];
-            pk = (uint64_t)(t->ntok > 0) << 24 | (uint64_t)t->end << 32;
-            byte = t->byte;
-            depth = t->depth;
-        }
-        if (full && full[i]) {
-            i = tr->packed ? (uint32_t)(pk >> 32) : tr->nodes[i].end;
+        const uint64_t pk = tr->packed[i];
+        const uint8_t byte = (uint8_t)pk;
+        const uint32_t depth = (uint32_t)(pk >> 8) & 0xffff, end = (uint32_t)(pk >> 32);
+        if (skip && skip[i] <= k) {
+            i = end;
             continue;
         }
         uint32_t nx = tp[depth - 1][byte];
         if (nx == UNKNOWN) nx = lex_step(g, st[depth - 1], byte); /* fills tp[depth - 1] */
         if (nx == NONE) goto fail;
-        const uint32_t end = (uint32_t)(pk >> 32);
         if (nx == LEX_DEAD && !g->ls[st[depth - 1]].nacc) {
             /* no lexeme ends in the state before the byte: the parser's
              * push rejects it (scan), and the whole subtree with it */
@@ -1135,8 +1176,8 @@ static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
         tp[depth] = last_tp;
         if (pk >> 24 & 1) {
             const td_trie_node *t = &tr->nodes[i];
-            for (uint32_t k = 0; k < t->ntok; k++) {
-                const int32_t id = tr->ids[t->tok + k];
+            for (uint32_t q = 0; q < t->ntok; q++) {
+                const int32_t id = tr->ids[t->tok + q];
                 c.bits[id / 32] |= 1u << (id % 32);
             }
         }
@@ -1172,12 +1213,12 @@ static bool lcache_make(td_gram *g, const td_trie *tr, uint32_t s, lcache *e) {
         lg[i] = hval[j];
         c.gstart[hval[j] + 1] += tr->nodes[lv[i].node].ntok;
     }
-    for (uint32_t k = 0; k < c.ngroups; k++) c.gstart[k + 1] += c.gstart[k];
+    for (uint32_t q = 0; q < c.ngroups; q++) c.gstart[q + 1] += c.gstart[q];
     uint32_t *fill = hval; /* (reused: per group, the next free slot) */
-    for (uint32_t k = 0; k < c.ngroups; k++) fill[k] = c.gstart[k];
+    for (uint32_t q = 0; q < c.ngroups; q++) fill[q] = c.gstart[q];
     for (size_t i = 0; i < nl; i++) {
         const td_trie_node *t = &tr->nodes[lv[i].node];
-        for (uint32_t k = 0; k < t->ntok; k++) c.gids[fill[lg[i]]++] = tr->ids[t->tok + k];
+        for (uint32_t q = 0; q < t->ntok; q++) c.gids[fill[lg[i]]++] = tr->ids[t->tok + q];
     }
     free(hkey);
     free(hval);
@@ -1293,14 +1334,15 @@ int64_t td_gm_walk(td_gm *m, const td_trie *tr, uint32_t *mask) {
             mask[id / 32] |= 1u << (id % 32);
         }
     }
+    const td_trie *wt = e->rest ? tr->rest : tr; /* the trie of the inner nodes */
     for (uint32_t j = 0; j < e->ninner; j++) {
         const uint32_t idx = e->inner[j].node, from = e->inner[j].from;
         int64_t rc;
         if (from == AT_BASE) {
-            rc = walk_range(m, tr, idx, tr->nodes[idx].end, base, 1, mask);
+            rc = walk_range(m, wt, idx, wt->nodes[idx].end, base, 1, mask);
         } else {
             m->frames[m->nframes++] = (frame){from, fb.nsets};
-            rc = walk_range(m, tr, idx, tr->nodes[idx].end, base + 1, tr->nodes[idx].depth, mask);
+            rc = walk_range(m, wt, idx, wt->nodes[idx].end, base + 1, wt->nodes[idx].depth, mask);
         }
         td_gm_pop(m, m->nframes - base);
         if (rc < 0) return -1;

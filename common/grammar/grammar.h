@@ -122,29 +122,31 @@ typedef struct {
     uint32_t end, tok, ntok, parent;
 } td_trie_node;
 
-/* A slice of the vocabulary: the tokens that are non-empty strings of
- * whole UTF-8 characters other than '"', '\\', U+0000-001F and U+007F (the
- * body of a JSON string), of at most max_chars characters. A lexer state
- * that stays alive through every such string allows them all: the walk
- * sets bits and skips the subtrees made only of slice tokens (full). */
-typedef struct {
-    uint32_t max_chars; /* UINT32_MAX: any number */
-    const uint32_t *bits;
-    const uint8_t *full; /* per node */
-} td_trie_slice;
+/* The bodies of a JSON string: non-empty strings of whole UTF-8
+ * characters other than '"', '\\', U+0000-001F and U+007F. A lexer state
+ * that stays alive through every body of at most k characters allows
+ * every token that is one; the tokens that are no body of at most
+ * TD_TRIE_BODY_MAX characters have a trie of their own (rest), walked
+ * alone when the others are decided without a walk. */
+#define TD_TRIE_BODY_MAX 32
 
-#define TD_TRIE_SLICES 3
-
-typedef struct {
+typedef struct td_trie {
     const td_trie_node *nodes;
     uint32_t n, max_depth; /* nodes; the largest depth */
     const int32_t *ids;
     int32_t n_tokens; /* token ids are below it */
-    /* the same nodes packed for the lexer's walk (NULL: none): bits 0-7
-     * the byte, 8-23 the depth, 24 set when tokens end there, 32-63 end */
+    /* the same nodes packed for the lexer's walk: bits 0-7 the byte, 8-23
+     * the depth, 24 set when tokens end there, 32-63 end */
     const uint64_t *packed;
-    td_trie_slice slices[TD_TRIE_SLICES]; /* largest first */
-    uint32_t nslices;
+    /* row k - 1 (k = 1..TD_TRIE_BODY_MAX, (n_tokens + 31) / 32 words
+     * each): the tokens that are bodies of at most k characters; NULL in
+     * a trie without body slices (then body_max and rest are NULL too) */
+    const uint32_t *body_bits;
+    /* per node: the most characters of a body among the tokens of its
+     * subtree, 255 when one of them is no body of at most
+     * TD_TRIE_BODY_MAX characters */
+    const uint8_t *body_max;
+    const struct td_trie *rest; /* the trie of those other tokens */
 } td_trie;
 
 /* Walks the trie from the matcher's state: sets bit (id % 32) of

@@ -737,6 +737,60 @@ static td_rx_id deriv(td_rx *rx, td_rx_id a, uint8_t c, int depth) {
 
 td_rx_id td_rx_deriv(td_rx *rx, td_rx_id a, uint8_t b) { return deriv(rx, a, b, 0); }
 
+/* td_rx_same_deriv's walk over the nodes deriv(a, c) reads, in deriv's
+ * order. false past the budget. */
+static bool same_walk(const td_rx *rx, td_rx_id a, uint8_t c, uint64_t same[4], int *budget) {
+    if (a <= TD_RX_EMPTY || a >= rx->n) return true;
+    if (--*budget < 0) return false;
+    const node *x = &rx->nodes[a];
+    switch (x->kind) {
+    case K_NOTHING:
+    case K_EMPTY: return true;
+    case K_MOD: { /* each digit and '.' alone; the other bytes alike */
+        uint64_t num[4] = {0x03ff400000000000ull, 0, 0, 0};
+        if (num[c >> 6] >> (c & 63) & 1) {
+            memset(num, 0, sizeof num);
+            num[c >> 6] = 1ull << (c & 63);
+            for (int w = 0; w < 4; w++) same[w] &= num[w];
+        } else {
+            for (int w = 0; w < 4; w++) same[w] &= ~num[w];
+        }
+        return true;
+    }
+    case K_BYTES: {
+        const bool in = x->set[c >> 6] >> (c & 63) & 1;
+        for (int w = 0; w < 4; w++) same[w] &= in ? x->set[w] : ~x->set[w];
+        return true;
+    }
+    case K_STAR:
+    case K_REPEAT:
+    case K_NOT: return same_walk(rx, x->a, c, same, budget);
+    case K_OR:
+    case K_AND:
+        for (td_rx_id cur = a;; cur = rx->nodes[cur].b) {
+            const bool last = rx->nodes[cur].kind != x->kind;
+            if (!same_walk(rx, last ? cur : rx->nodes[cur].a, c, same, budget)) return false;
+            if (last) return true;
+        }
+    default: /* a concatenation: the chain's heads while they are nullable */
+        for (td_rx_id cur = a;;) {
+            if (rx->nodes[cur].kind != K_CONCAT) return same_walk(rx, cur, c, same, budget);
+            const td_rx_id h = rx->nodes[cur].a;
+            if (!same_walk(rx, h, c, same, budget)) return false;
+            if (!rx->nodes[h].nullable) return true;
+            cur = rx->nodes[cur].b;
+        }
+    }
+}
+
+void td_rx_same_deriv(const td_rx *rx, td_rx_id a, uint8_t b, uint64_t same[4]) {
+    int budget = 1024;
+    if (same_walk(rx, a, b, same, &budget)) return;
+    const uint64_t keep = same[b >> 6] & 1ull << (b & 63);
+    memset(same, 0, 4 * sizeof *same);
+    same[b >> 6] = keep;
+}
+
 #define EMPTY_SEARCH 256 /* derivatives searched for a match at most */
 
 bool td_rx_is_empty(td_rx *rx, td_rx_id a) {

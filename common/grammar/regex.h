@@ -115,6 +115,12 @@ bool td_rx_nullable(const td_rx *rx, td_rx_id a);
 bool td_rx_is_empty(td_rx *rx, td_rx_id a);
 /* The derivative of a by byte b (memoized). */
 td_rx_id td_rx_deriv(td_rx *rx, td_rx_id a, uint8_t b);
+/* Clears in same (a byte set: bit b % 64 of word b / 64) the bytes whose
+ * derivative of a may differ from byte b's: those that some byte set
+ * deriv(a, b) reads tells apart from b. The bytes left have the same
+ * derivative as b (b itself is left when it was set). Bounded: past 1024
+ * nodes read, only b is left. */
+void td_rx_same_deriv(const td_rx *rx, td_rx_id a, uint8_t b, uint64_t same[4]);
 /* a matches all of s. false on TD_RX_FAIL too (check td_rx_error). */
 bool td_rx_match(td_rx *rx, td_rx_id a, const void *s, size_t n);
 

@@ -8,15 +8,20 @@
 
 typedef td_trie_node tnode;
 
+/* One trie's arrays (td_trie). */
+typedef struct {
+    tnode *nodes;
+    uint64_t *packed;
+    int32_t *ids; /* token ids in trie order */
+    uint32_t nnodes, max_depth;
+} store;
+
 struct td_vocab {
     int32_t n;
-    tnode *nodes;
-    uint64_t *packed; /* td_trie.packed */
-    uint32_t *slice_bits[TD_TRIE_SLICES];
-    uint8_t *slice_full[TD_TRIE_SLICES];
-    uint32_t nnodes, max_depth;
-    td_trie trie; /* over nodes and ids */
-    int32_t *ids; /* token ids in trie order */
+    store all, rest;     /* every token's trie; the trie of td_trie.rest */
+    uint32_t *body_bits; /* td_trie.body_bits */
+    uint8_t *body_max;   /* td_trie.body_max */
+    td_trie trie, rest_trie;
     char **bytes; /* each token's bytes (NULL: not in the trie) */
     uint32_t *lens;
     uint8_t *eog;
@@ -45,13 +50,14 @@ void td_vocab_free(td_vocab *v) {
         for (int32_t i = 0; i < v->n; i++) free(v->bytes[i]);
     free(v->bytes);
     free(v->lens);
-    free(v->nodes);
-    free(v->packed);
-    for (int k = 0; k < TD_TRIE_SLICES; k++) {
-        free(v->slice_bits[k]);
-        free(v->slice_full[k]);
+    store *st[2] = {&v->all, &v->rest};
+    for (int k = 0; k < 2; k++) {
+        free(st[k]->nodes);
+        free(st[k]->packed);
+        free(st[k]->ids);
     }
-    free(v->ids);
+    free(v->body_bits);
+    free(v->body_max);
     free(v->eog);
     free(v->eog_ids);
     free(v);
@@ -90,106 +96,117 @@ static long body_chars(const uint8_t *b, size_t n) {
     return c;
 }
 
-/* The trie's slices (td_trie_slice): any length, 32 and 8 characters. */
-static bool build_slices(td_vocab *v) {
-    static const uint32_t maxc[TD_TRIE_SLICES] = {UINT32_MAX, 32, 8};
-    const size_t words = ((size_t)v->n + 31) / 32, nn = v->nnodes ? v->nnodes : 1;
-    long *chars = malloc((v->n ? (size_t)v->n : 1) * sizeof *chars);
-    uint8_t *own = malloc(nn);
-    if (!chars || !own) goto fail;
-    for (int32_t id = 0; id < v->n; id++)
-        chars[id] = v->bytes[id] ? body_chars((const uint8_t *)v->bytes[id], v->lens[id]) : -1;
-    for (int k = 0; k < TD_TRIE_SLICES; k++) {
-        uint32_t *bits = v->slice_bits[k] = calloc(words ? words : 1, sizeof *bits);
-        uint8_t *full = v->slice_full[k] = malloc(nn);
-        if (!bits || !full) goto fail;
-        for (int32_t id = 0; id < v->n; id++)
-            if (chars[id] > 0 && (uint64_t)chars[id] <= maxc[k]) bits[id / 32] |= 1u << (id % 32);
-        for (uint32_t i = 0; i < v->nnodes; i++) {
-            const tnode *t = &v->nodes[i];
-            own[i] = 1;
-            for (uint32_t q = 0; q < t->ntok; q++) {
-                const int32_t id = v->ids[t->tok + q];
-                own[i] &= (uint8_t)((bits[id / 32] >> (id % 32)) & 1);
-            }
-        }
-        /* a subtree is full when its root's tokens and every child's
-         * subtree are (children come after their parent) */
-        for (uint32_t i = v->nnodes; i-- > 0;) {
-            uint8_t f = own[i];
-            for (uint32_t j = i + 1; f && j < v->nodes[i].end; j = v->nodes[j].end) f &= full[j];
-            full[i] = f;
-        }
-        v->trie.slices[k] = (td_trie_slice){maxc[k], bits, full};
-    }
-    v->trie.nslices = TD_TRIE_SLICES;
-    free(chars);
-    free(own);
-    return true;
-fail:
-    free(chars);
-    free(own);
-    return false;
-}
-
-/* The trie of v's pieces (v->bytes, v->lens; NULL: not in the trie). */
-static bool build_trie(td_vocab *v) {
-    const size_t n = v->n > 0 ? (size_t)v->n : 1;
-    entry *e = malloc(n * sizeof *e);
-    size_t total = 0, ne = 0;
-    if (!e) return false;
-    for (int32_t id = 0; id < v->n; id++)
-        if (v->bytes[id]) {
-            e[ne++] = (entry){v->bytes[id], v->lens[id], id};
-            total += v->lens[id];
-        }
-    if (ne) qsort(e, ne, sizeof *e, cmp_entry);
+/* The trie of the n entries e (sorted by cmp_entry) into st. */
+static bool build_store(store *st, const entry *e, size_t n) {
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++) total += e[i].len;
     /* at most one node per byte of every token */
-    v->nodes = malloc((total ? total : 1) * sizeof *v->nodes);
+    st->nodes = malloc((total ? total : 1) * sizeof *st->nodes);
+    st->ids = malloc((n ? n : 1) * sizeof *st->ids);
     uint32_t *open = malloc((UINT16_MAX + 1) * sizeof *open); /* node index per depth */
-    if (!v->nodes || !open) {
+    if (!st->nodes || !st->ids || !open) {
         free(open);
-        free(e);
         return false;
     }
     uint32_t depth = 0, nid = 0;
-    for (size_t i = 0; i < ne; i++) {
+    for (size_t i = 0; i < n; i++) {
         uint32_t cp = 0;
         if (i) {
             const uint32_t m = e[i - 1].len < e[i].len ? e[i - 1].len : e[i].len;
             while (cp < m && cp < depth && e[i - 1].b[cp] == e[i].b[cp]) cp++;
         }
-        while (depth > cp) v->nodes[open[--depth]].end = v->nnodes; /* close */
+        while (depth > cp) st->nodes[open[--depth]].end = st->nnodes; /* close */
         while (depth < e[i].len) {
-            open[depth] = v->nnodes;
-            if (depth + 1 > v->max_depth) v->max_depth = depth + 1;
-            v->nodes[v->nnodes++] = (tnode){.byte = (uint8_t)e[i].b[depth],
-                                            .depth = (uint16_t)(depth + 1),
-                                            .tok = nid,
-                                            .parent = depth ? open[depth - 1] : UINT32_MAX};
+            open[depth] = st->nnodes;
+            if (depth + 1 > st->max_depth) st->max_depth = depth + 1;
+            st->nodes[st->nnodes++] = (tnode){.byte = (uint8_t)e[i].b[depth],
+                                              .depth = (uint16_t)(depth + 1),
+                                              .tok = nid,
+                                              .parent = depth ? open[depth - 1] : UINT32_MAX};
             depth++;
         }
-        tnode *last = &v->nodes[open[depth - 1]];
+        tnode *last = &st->nodes[open[depth - 1]];
         if (!last->ntok) last->tok = nid;
         last->ntok++;
-        v->ids[nid++] = e[i].id;
+        st->ids[nid++] = e[i].id;
     }
-    while (depth > 0) v->nodes[open[--depth]].end = v->nnodes;
+    while (depth > 0) st->nodes[open[--depth]].end = st->nnodes;
     free(open);
-    free(e);
-    if (!(v->packed = malloc((v->nnodes ? v->nnodes : 1) * sizeof *v->packed))) return false;
-    for (uint32_t i = 0; i < v->nnodes; i++) {
-        const tnode *t = &v->nodes[i];
-        v->packed[i] = (uint64_t)t->byte | (uint64_t)t->depth << 8 | (uint64_t)(t->ntok > 0) << 24 |
-                       (uint64_t)t->end << 32;
+    if (!(st->packed = malloc((st->nnodes ? st->nnodes : 1) * sizeof *st->packed))) return false;
+    for (uint32_t i = 0; i < st->nnodes; i++) {
+        const tnode *t = &st->nodes[i];
+        st->packed[i] = (uint64_t)t->byte | (uint64_t)t->depth << 8 |
+                        (uint64_t)(t->ntok > 0) << 24 | (uint64_t)t->end << 32;
     }
-    v->trie = (td_trie){.nodes = v->nodes,
-                        .n = v->nnodes,
-                        .max_depth = v->max_depth,
-                        .ids = v->ids,
-                        .n_tokens = v->n,
-                        .packed = v->packed};
-    return build_slices(v);
+    return true;
+}
+
+static td_trie trie_of(const store *st, int32_t n_tokens) {
+    return (td_trie){.nodes = st->nodes,
+                     .n = st->nnodes,
+                     .max_depth = st->max_depth,
+                     .ids = st->ids,
+                     .n_tokens = n_tokens,
+                     .packed = st->packed};
+}
+
+/* The tries of v's pieces (v->bytes, v->lens; NULL: not in the trie):
+ * every token's, with the body slices (td_trie.body_bits, body_max), and
+ * the rest's. */
+static bool build_trie(td_vocab *v) {
+    const size_t n = v->n > 0 ? (size_t)v->n : 1, words = (n + 31) / 32;
+    entry *e = malloc(n * sizeof *e);
+    uint8_t *chars = malloc(n); /* 1..TD_TRIE_BODY_MAX: a body of that many; else 0 */
+    v->body_bits = calloc(words * TD_TRIE_BODY_MAX, sizeof *v->body_bits);
+    size_t ne = 0;
+    bool ok = false;
+    if (!e || !chars || !v->body_bits) goto done;
+    for (int32_t id = 0; id < v->n; id++) {
+        chars[id] = 0;
+        if (!v->bytes[id]) continue;
+        e[ne++] = (entry){v->bytes[id], v->lens[id], id};
+        const long c = body_chars((const uint8_t *)v->bytes[id], v->lens[id]);
+        if (c > 0 && c <= TD_TRIE_BODY_MAX) chars[id] = (uint8_t)c;
+    }
+    if (ne) qsort(e, ne, sizeof *e, cmp_entry);
+    if (!build_store(&v->all, e, ne)) goto done;
+    /* row k - 1: the bodies of at most k characters */
+    for (int32_t id = 0; id < v->n; id++)
+        for (uint32_t k = chars[id]; k && k <= TD_TRIE_BODY_MAX; k++)
+            v->body_bits[(k - 1) * words + (uint32_t)id / 32] |= 1u << (id % 32);
+    /* per node, the most characters of a body below it (255: not only
+     * bodies); children come after their parents */
+    const uint32_t nn = v->all.nnodes;
+    if (!(v->body_max = malloc(nn ? nn : 1))) goto done;
+    for (uint32_t i = 0; i < nn; i++) {
+        const tnode *t = &v->all.nodes[i];
+        uint8_t mx = 0;
+        for (uint32_t q = 0; q < t->ntok; q++) {
+            const uint8_t c = chars[v->all.ids[t->tok + q]];
+            const uint8_t x = c ? c : 255;
+            if (x > mx) mx = x;
+        }
+        v->body_max[i] = mx;
+    }
+    for (uint32_t i = nn; i-- > 0;) {
+        const uint32_t p = v->all.nodes[i].parent;
+        if (p != UINT32_MAX && v->body_max[i] > v->body_max[p]) v->body_max[p] = v->body_max[i];
+    }
+    /* the rest: the entries that are no such body, still sorted */
+    size_t nr = 0;
+    for (size_t i = 0; i < ne; i++)
+        if (!chars[e[i].id]) e[nr++] = e[i];
+    if (!build_store(&v->rest, e, nr)) goto done;
+    v->rest_trie = trie_of(&v->rest, v->n);
+    v->trie = trie_of(&v->all, v->n);
+    v->trie.body_bits = v->body_bits;
+    v->trie.body_max = v->body_max;
+    v->trie.rest = &v->rest_trie;
+    ok = true;
+done:
+    free(e);
+    free(chars);
+    return ok;
 }
 
 /* b is special token id's engine bytes. */
@@ -208,9 +225,8 @@ td_vocab *td_vocab_from_pieces(int32_t n, const char *const *pieces, const size_
     v->bytes = calloc(sz, sizeof *v->bytes);
     v->lens = calloc(sz, sizeof *v->lens);
     v->eog = calloc(sz, 1);
-    v->ids = malloc(sz * sizeof *v->ids);
     v->eog_ids = malloc((neog ? neog : 1) * sizeof *v->eog_ids);
-    if (!v->bytes || !v->lens || !v->eog || !v->ids || !v->eog_ids) goto fail;
+    if (!v->bytes || !v->lens || !v->eog || !v->eog_ids) goto fail;
     for (size_t i = 0; i < neog; i++)
         if (eog[i] >= 0 && eog[i] < v->n && !v->eog[eog[i]]) {
             v->eog[eog[i]] = 1;

@@ -5,10 +5,13 @@
  * (the text's first byte picks it) and pushed again: the second walk must
  * end exactly as the first (the rollback leaves no trace), and a refusal
  * must carry a message. Then the token level: a vocabulary of the text's
- * substrings (up to 3 bytes) and one end-of-generation token; the mask
- * after every prefix of the text (td_gm_mask, whose trie walk caches per
- * lexer state: every mask after the first from a state is the cached
- * kind) must equal the one made token by token with td_gm_consume_token.
+ * substrings of up to 3 bytes, those of 4 to 40 bytes (longer than the
+ * body slices' TD_TRIE_BODY_MAX characters) from its first four starts and
+ * after its first quotes (eight starts in all), and
+ * one end-of-generation token; the mask after every prefix of the text
+ * (td_gm_mask, whose trie walk caches per lexer state: every mask after
+ * the first from a state is the cached kind) must equal the one made token
+ * by token with td_gm_consume_token.
  * Seeds: tests/fuzz/corpus/fuzz_grammar. */
 #include <stddef.h>
 #include <stdint.h>
@@ -21,7 +24,7 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-#define MAXTOK 160
+#define MAXTOK 320
 
 static void check_masks(td_gram *g, const uint8_t *text, size_t tn) {
     const char *pieces[MAXTOK + 1];
@@ -34,6 +37,12 @@ static void check_masks(td_gram *g, const uint8_t *text, size_t tn) {
                 dup = lens[k] == len && !memcmp(pieces[k], text + i, len);
             if (!dup) pieces[n] = (const char *)text + i, lens[n++] = len;
         }
+    for (size_t i = 0, starts = 0; i < tn && starts < 8; i++) {
+        if (i >= 4 && text[i - 1] != '"') continue;
+        starts++;
+        for (size_t len = 4; len <= 40 && i + len <= tn && n < MAXTOK; len++)
+            pieces[n] = (const char *)text + i, lens[n++] = len;
+    }
     pieces[n] = NULL, lens[n] = 0; /* the end of generation */
     const int32_t eog = n++;
     td_vocab *v = td_vocab_from_pieces(n, pieces, lens, &eog, 1);
