@@ -22,6 +22,7 @@ biased toward closing strings and containers, each checked with the
 `jsonschema` package and its FormatChecker)."""
 
 import argparse
+import importlib.metadata
 import json
 import pathlib
 import platform
@@ -108,13 +109,54 @@ def run_llguidance(tok, schemas, token_ids):
                 m.compute_bitmask()
                 masks.append(time.perf_counter() - t0)
                 if i < len(ids):
-                    assert m.consume_token(ids[i]), (path.name, line, i)
+                    assert m.consume_token(ids[i]), (path.name, i)
             assert m.is_accepting(), (path.name, ids)
         all_masks += masks
         rows.append({"name": path.name, "compile_ms": ct * 1e3, "masks": len(masks),
                      "mask_mean_us": statistics.fmean(masks) * 1e6,
                      "mask_p99_us": pct99(masks) * 1e6, "mask_max_us": max(masks) * 1e6})
     return {"schemas": rows, "masks": len(all_masks),
+            "mask_mean_us": statistics.fmean(all_masks) * 1e6,
+            "mask_p99_us": pct99(all_masks) * 1e6, "mask_max_us": max(all_masks) * 1e6,
+            "compile_median_ms": statistics.median(comp) * 1e3,
+            "compile_p99_ms": pct99(comp) * 1e3}
+
+
+def run_xgrammar(gt, schemas, token_ids):
+    """xgrammar on the same vocabulary (raw token bytes; control tokens as
+    empty strings, which it never admits), compact JSON (no whitespace, ","
+    and ":"), strict_mode off (JSON Schema's own defaults for additional
+    properties and items), one thread, no compile cache. A document whose
+    token xgrammar refuses ends its walk there, counted in "refused"."""
+    import xgrammar as xgr
+    special = set(gt.special_token_ids)
+    vocab = [b"" if i in special else t for i, t in enumerate(gt.tokens)]
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab),
+                             stop_token_ids=[gt.eos_token_id])
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    rows, all_masks, comp, refused = [], [], [], 0
+    for path in schemas:
+        text = path.read_text()
+        t0 = time.perf_counter()
+        cg = compiler.compile_json_schema(text, any_whitespace=False, separators=(",", ":"),
+                                          strict_mode=False)
+        comp.append(time.perf_counter() - t0)
+        masks, refused0 = [], refused
+        for ids in token_ids[path.name]:
+            m = xgr.GrammarMatcher(cg)
+            for i in range(len(ids) + 1):
+                t0 = time.perf_counter()
+                m.fill_next_token_bitmask(bitmask)
+                masks.append(time.perf_counter() - t0)
+                if i < len(ids) and not m.accept_token(ids[i]):
+                    refused += 1
+                    break
+        all_masks += masks
+        rows.append({"name": path.name, "compile_ms": comp[-1] * 1e3, "masks": len(masks),
+                     "refused": refused - refused0, "mask_mean_us": statistics.fmean(masks) * 1e6,
+                     "mask_p99_us": pct99(masks) * 1e6, "mask_max_us": max(masks) * 1e6})
+    return {"schemas": rows, "masks": len(all_masks), "refused": refused,
             "mask_mean_us": statistics.fmean(all_masks) * 1e6,
             "mask_p99_us": pct99(all_masks) * 1e6, "mask_max_us": max(all_masks) * 1e6,
             "compile_median_ms": statistics.median(comp) * 1e3,
@@ -137,6 +179,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--make-docs", type=int, default=0)
     ap.add_argument("--seed", type=int, default=20261207)
+    ap.add_argument("--xgrammar", action="store_true",
+                    help="xgrammar too (needs torch: run with a Python that has it)")
     ap.add_argument("--out")
     a = ap.parse_args()
     import llguidance
@@ -147,7 +191,7 @@ def main():
     schemas = sorted(schema_dir.glob("*.json"))
     if a.make_docs:
         make_docs(tok, gt, schemas, a.make_docs, a.seed)
-    td, lg = [], []
+    td, lg, xg = [], [], []
     ids_file = pathlib.Path(tempfile.mkdtemp()) / "ids.json"
     for _ in range(a.rounds):  # alternated, medians taken
         td.append(run_tandem(a.tandem, a.model, schema_dir, ids_file))
@@ -155,6 +199,8 @@ def main():
         # document (the `tokenizers` BPE the oracle builds uses GPT-2's
         # pre-tokenizer, not Qwen2's, and splits some texts differently)
         lg.append(run_llguidance(tok, schemas, json.loads(ids_file.read_text())))
+        if a.xgrammar:
+            xg.append(run_xgrammar(gt, schemas, json.loads(ids_file.read_text())))
     assert td[0]["masks"] == lg[0]["masks"], ("token counts differ", td[0]["masks"], lg[0]["masks"])
 
     def med(runs, key):
@@ -166,11 +212,16 @@ def main():
         "vocab_size": len(gt.tokens), "schemas": len(schemas), "masks": td[0]["masks"],
         "rounds": a.rounds, "llguidance_version": llguidance.__version__,
         "tandem": {k: med(td, k) for k in keys}, "llguidance": {k: med(lg, k) for k in keys},
+        **({"xgrammar": {**{k: med(xg, k) for k in keys}, "masks": xg[-1]["masks"],
+                         "refused_documents": xg[-1]["refused"]},
+            "xgrammar_version": importlib.metadata.version("xgrammar")} if xg else {}),
         "per_schema": [
             {"name": t["name"],
              **{f"tandem_{k}": t[k] for k in ("compile_ms", "mask_mean_us", "mask_p99_us")},
-             **{f"llguidance_{k}": g[k] for k in ("compile_ms", "mask_mean_us", "mask_p99_us")}}
-            for t, g in zip(td[-1]["schemas"], lg[-1]["schemas"])],
+             **{f"llguidance_{k}": g[k] for k in ("compile_ms", "mask_mean_us", "mask_p99_us")},
+             **({f"xgrammar_{k}": xg[-1]["schemas"][i][k]
+                 for k in ("compile_ms", "mask_mean_us", "mask_p99_us", "refused")} if xg else {})}
+            for i, (t, g) in enumerate(zip(td[-1]["schemas"], lg[-1]["schemas"]))],
     }
     s = summary
     print(f"{s['schemas']} schemas, {s['masks']} masks over {s['vocab_size']} tokens, "
@@ -178,7 +229,11 @@ def main():
     print(f"{'':22} {'Tandem':>10} {'llguidance':>11} {'ratio':>7}")
     for k in keys:
         t, g = s["tandem"][k], s["llguidance"][k]
-        print(f"{k:22} {t:10.1f} {g:11.1f} {t / g:7.2f}")
+        x = f" xgrammar {s['xgrammar'][k]:10.1f} ratio {t / s['xgrammar'][k]:6.2f}" if xg else ""
+        print(f"{k:22} {t:10.1f} {g:11.1f} {t / g:7.2f}{x}")
+    if xg:
+        print(f"xgrammar: {s['xgrammar']['masks']} masks, "
+              f"{s['xgrammar']['refused_documents']} documents refused")
     print(f"{'schema':20} {'td mean us':>10} {'llg mean':>9} {'td p99':>8} {'llg p99':>8} "
           f"{'td comp ms':>10} {'llg comp':>9}")
     for r in s["per_schema"]:
