@@ -47,6 +47,7 @@ struct td_gram {
     uint32_t *rhs;
     size_t nrhs, crhs;
     uint32_t *by_lhs; /* rule ids grouped by left side */
+    td_gram_sym ignore; /* td_gram_ignore's lexeme (BAD_SYM: none) */
     bool finished;
     uint32_t start_rule;
     /* the lexer's DFA */
@@ -103,6 +104,7 @@ td_gram *td_gram_new(const td_gram_limits *lim) {
     td_gram *g = calloc(1, sizeof *g);
     if (!g) return NULL;
     g->lim = lim ? *lim : td_gram_default_limits();
+    g->ignore = BAD_SYM;
     g->rx = td_rx_new(&g->lim.rx);
     if (!g->rx || intern_lstate(g, NULL, 0) != LEX_DEAD) {
         td_gram_free(g);
@@ -176,6 +178,16 @@ td_gram_sym td_gram_lexeme(td_gram *g, td_rx_id re, const char *name) {
 }
 
 td_gram_sym td_gram_nonterm(td_gram *g, const char *name) { return add_sym(g, name, false); }
+
+int td_gram_ignore(td_gram *g, td_rx_id re) {
+    if (g->error) return -1;
+    if (g->ignore != BAD_SYM) {
+        gfail(g, "grammar: the ignored text is set twice");
+        return -1;
+    }
+    g->ignore = td_gram_lexeme(g, re, "%ignore");
+    return g->ignore == BAD_SYM ? -1 : 0;
+}
 
 int td_gram_rule(td_gram *g, td_gram_sym lhs, const td_gram_sym *rhs, size_t n) {
     if (g->error) return -1;
@@ -720,6 +732,11 @@ static uint32_t lex_start(td_gm *m, uint32_t k) {
         m->lexmark[g->syms[s].lex] = 1;
         n++;
     }
+    /* the ignored text may come before a lexeme that is not the first */
+    if (n && k > 0 && g->ignore != BAD_SYM && !m->lexmark[g->syms[g->ignore].lex]) {
+        m->lexmark[g->syms[g->ignore].lex] = 1;
+        n++;
+    }
     if (n && !(p = malloc(n * sizeof *p))) {
         mfail(m, "grammar: out of memory");
         return NONE;
@@ -755,11 +772,14 @@ static bool scan(td_gm *m, uint32_t k, uint32_t from) {
     if (!new_set(m)) return false;
     m->sets[k + 1].from = from;
     const size_t o0 = m->sets[k].off, o1 = m->sets[k + 1].off, off = m->nitems;
+    /* ignored text read: set k again (its items, in the new set) */
+    const bool ign = g->ignore != BAD_SYM && m->lexmark[g->syms[g->ignore].lex];
     for (size_t i = o0; i < o1; i++) {
         const item it = m->items[i];
         const uint32_t s = next_sym(g, it);
-        if (s != NONE && g->syms[s].is_lex && m->lexmark[g->syms[s].lex] &&
-            !add_item(m, off, (item){it.rule, it.dot + 1, it.origin})) {
+        if ((ign && !add_item(m, off, it)) ||
+            (s != NONE && g->syms[s].is_lex && m->lexmark[g->syms[s].lex] &&
+             !add_item(m, off, (item){it.rule, it.dot + 1, it.origin}))) {
             truncate_sets(m, k + 1);
             m->ghost.valid = false; /* not a whole set */
             return false;

@@ -63,6 +63,11 @@ td_rx *td_gram_rx(td_gram *g);
 td_gram_sym td_gram_lexeme(td_gram *g, td_rx_id re, const char *name);
 /* A new nonterminal. */
 td_gram_sym td_gram_nonterm(td_gram *g, const char *name);
+/* Text that may come between lexemes and is otherwise ignored (Lark's
+ * %ignore): re's strings may stand before any lexeme but the first, where
+ * a lexeme can follow, as in llguidance. At most once; before finish. 0,
+ * or -1 (td_gram_error). */
+int td_gram_ignore(td_gram *g, td_rx_id re);
 /* The rule lhs -> rhs[0] .. rhs[n - 1] (n 0: the empty string). */
 int td_gram_rule(td_gram *g, td_gram_sym lhs, const td_gram_sym *rhs, size_t n);
 /* Completes the grammar with start as its start symbol: 0, or -1 with

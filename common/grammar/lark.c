@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <jansson.h>
+
 #include "common/grammar/util.h"
 
 enum {
@@ -18,7 +20,9 @@ enum {
     T_STRING, /* decoded into the token's text */
     T_REGEX,  /* the pattern between the slashes */
     T_INT,
-    T_PUNCT, /* one of : | ( ) [ ] ? * + ~ and .. (text) */
+    T_PUNCT,  /* one of : | ( ) [ ] ? * + ~ { } , and .. (text) */
+    T_IGNORE, /* %ignore, at a line's start */
+    T_TOKENS, /* a token terminal of several ids (ids, nids) */
 };
 
 typedef struct {
@@ -26,6 +30,9 @@ typedef struct {
     char *text; /* T_RULE, T_TERM, T_STRING (bytes), T_REGEX, T_PUNCT */
     size_t len;
     long ival;
+    bool fold;    /* T_STRING: case-insensitive ("..."i) */
+    int32_t *ids; /* T_TOKENS */
+    size_t nids;
 } tok;
 
 typedef struct {
@@ -40,6 +47,7 @@ typedef struct {
 
 typedef struct {
     int kind; /* T_STRING or T_REGEX */
+    bool fold;
     char *text;
     size_t len;
     td_gram_sym sym;
@@ -60,6 +68,8 @@ typedef struct {
     bool failed;
     td_lark_token_fn token_fn;
     void *token_ctx;
+    size_t *ign; /* the %ignore lines' first tokens */
+    size_t nign, cign;
 } lk;
 
 #define BAD UINT32_MAX
@@ -87,7 +97,7 @@ static bool add_tok(lk *p, tok t) {
 
 /* A Python string literal at s[*i] (on the quote): its bytes in *out. */
 static bool read_string(lk *p, const char *s, size_t n, size_t *i, int line, char **out,
-                        size_t *olen) {
+                        size_t *olen, bool *fold) {
     const char q = s[(*i)++];
     char *o = malloc(n - *i + 1);
     size_t k = 0;
@@ -147,10 +157,15 @@ static bool read_string(lk *p, const char *s, size_t n, size_t *i, int line, cha
         return false;
     }
     (*i)++;
-    if (*i < n && s[*i] == 'i') {
-        free(o);
-        lerr(p, line, "case-insensitive literals (\"...\"i) are not supported");
-        return false;
+    *fold = *i < n && s[*i] == 'i';
+    if (*fold) {
+        (*i)++;
+        for (size_t j = 0; j < k; j++)
+            if ((unsigned char)o[j] >= 0x80) {
+                free(o);
+                lerr(p, line, "a case-insensitive literal (\"...\"i) must be ASCII");
+                return false;
+            }
     }
     o[k] = 0; /* for messages; the length counts */
     *out = o;
@@ -160,6 +175,225 @@ static bool read_string(lk *p, const char *s, size_t n, size_t *i, int line, cha
 
 static bool is_ident(char c) {
     return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+}
+
+/* The end of the name at s[i] ('-' inside a name, as in llguidance, but
+ * not the arrow of an alias). */
+static size_t name_end(const char *s, size_t n, size_t i) {
+    while (i < n && (is_ident(s[i]) || (s[i] == '-' && i + 1 < n && is_ident(s[i + 1])))) i++;
+    return i;
+}
+
+static size_t skip_blanks(const char *s, size_t n, size_t i) {
+    while (i < n && (s[i] == ' ' || s[i] == '\t')) i++;
+    return i;
+}
+
+/* Lark's common terminals (%import common.NAME), as llguidance defines
+ * them, as ECMAScript patterns. */
+static const struct {
+    const char *name, *re;
+} k_common[] = {
+    {"DIGIT", "[0-9]"},
+    {"HEXDIGIT", "[a-fA-F0-9]"},
+    {"INT", "[0-9]+"},
+    {"SIGNED_INT", "[+-]?[0-9]+"},
+    {"DECIMAL", "[0-9]+\\.[0-9]*|\\.[0-9]+"},
+    {"_EXP", "[eE][+-]?[0-9]+"},
+    {"FLOAT", "[0-9]+[eE][+-]?[0-9]+|([0-9]+\\.[0-9]*|\\.[0-9]+)([eE][+-]?[0-9]+)?"},
+    {"SIGNED_FLOAT", "[+-]?([0-9]+[eE][+-]?[0-9]+|([0-9]+\\.[0-9]*|\\.[0-9]+)([eE][+-]?[0-9]+)?)"},
+    {"NUMBER", "[0-9]+[eE][+-]?[0-9]+|([0-9]+\\.[0-9]*|\\.[0-9]+)([eE][+-]?[0-9]+)?|[0-9]+"},
+    {"SIGNED_NUMBER",
+     "[+-]?([0-9]+[eE][+-]?[0-9]+|([0-9]+\\.[0-9]*|\\.[0-9]+)([eE][+-]?[0-9]+)?|[0-9]+)"},
+    {"ESCAPED_STRING", "\"(\\\\[^\\n]|[^\"\\\\])*\""},
+    {"LCASE_LETTER", "[a-z]"},
+    {"UCASE_LETTER", "[A-Z]"},
+    {"LETTER", "[A-Za-z]"},
+    {"WORD", "[A-Za-z]+"},
+    {"CNAME", "[_A-Za-z][_A-Za-z0-9]*"},
+    {"WS_INLINE", "[ \\t]+"},
+    {"WS", "[ \\t\\f\\r\\n]+"},
+    {"CR", "\\r"},
+    {"LF", "\\n"},
+    {"NEWLINE", "(\\r?\\n)+"},
+    {"SH_COMMENT", "#[^\\n]*"},
+    {"CPP_COMMENT", "//[^\\n]*"},
+    {"C_COMMENT", "/\\*[^*]*\\*+([^/*][^*]*\\*+)*/"},
+    {"SQL_COMMENT", "--[^\\n]*"},
+};
+
+/* Adds the definition NAME: /re/ of the common terminal what as name. */
+static bool add_common(lk *p, const char *what, size_t wn, const char *name, size_t nn, int line) {
+    const char *re = NULL;
+    for (size_t k = 0; k < sizeof k_common / sizeof *k_common; k++)
+        if (strlen(k_common[k].name) == wn && !memcmp(k_common[k].name, what, wn))
+            re = k_common[k].re;
+    if (!re) {
+        lerr(p, line, "%%import: common has no terminal %.*s", (int)wn, what);
+        return false;
+    }
+    for (size_t k = 0; k < nn; k++)
+        if (name[k] >= 'a' && name[k] <= 'z') {
+            lerr(p, line, "%%import: %.*s is no terminal name (UPPERCASE)", (int)nn, name);
+            return false;
+        }
+    char *a = strndup(name, nn), *b = strdup(":"), *c = strdup(re);
+    if (!a || !b || !c) {
+        free(a), free(b), free(c);
+        lerr(p, line, "out of memory");
+        return false;
+    }
+    return add_tok(p, (tok){.kind = T_NL, .line = line}) &&
+           add_tok(p, (tok){.kind = T_TERM, .line = line, .text = a, .len = nn}) &&
+           add_tok(p, (tok){.kind = T_PUNCT, .line = line, .text = b, .len = 1}) &&
+           add_tok(p, (tok){.kind = T_REGEX, .line = line, .text = c, .len = strlen(c)}) &&
+           add_tok(p, (tok){.kind = T_NL, .line = line});
+}
+
+/* %import common.NAME [-> ALIAS] | %import common (NAME, ...), from
+ * s[*i] (after the word) to the line's end. */
+static bool import_line(lk *p, const char *s, size_t n, size_t *i, int line) {
+    size_t j = skip_blanks(s, n, *i);
+    if (n - j < 6 || memcmp(s + j, "common", 6)) {
+        lerr(p, line, "%%import: only Lark's common terminals can be imported");
+        return false;
+    }
+    j += 6;
+    if (j < n && s[j] == '.') {
+        const size_t a = j + 1, ae = name_end(s, n, a);
+        size_t b = a, be = ae;
+        j = skip_blanks(s, n, ae);
+        if (j + 1 < n && s[j] == '-' && s[j + 1] == '>') { /* -> ALIAS */
+            b = skip_blanks(s, n, j + 2);
+            be = name_end(s, n, b);
+            j = be;
+        }
+        if (ae == a || be == b || !add_common(p, s + a, ae - a, s + b, be - b, line)) {
+            if (!p->failed) lerr(p, line, "%%import: expected common.NAME");
+            return false;
+        }
+    } else {
+        j = skip_blanks(s, n, j);
+        if (j >= n || s[j] != '(') {
+            lerr(p, line, "%%import: expected common.NAME or common (NAME, ...)");
+            return false;
+        }
+        for (j++;;) {
+            j = skip_blanks(s, n, j);
+            const size_t a = j, ae = name_end(s, n, a);
+            if (ae == a || !add_common(p, s + a, ae - a, s + a, ae - a, line)) {
+                if (!p->failed) lerr(p, line, "%%import: expected a name");
+                return false;
+            }
+            j = skip_blanks(s, n, ae);
+            if (j < n && s[j] == ',') {
+                j++;
+                continue;
+            }
+            if (j < n && s[j] == ')') {
+                j++;
+                break;
+            }
+            lerr(p, line, "%%import: expected ',' or ')'");
+            return false;
+        }
+    }
+    *i = j;
+    return true;
+}
+
+/* %llguidance {options}: a JSON object from s[*i] (after the word), which
+ * may span lines (*line counts them). The options that change no output
+ * Tandem makes are taken; the others are refused. */
+static bool llguidance_line(lk *p, const char *s, size_t n, size_t *i, int *line) {
+    size_t j = *i;
+    while (j < n && (s[j] == ' ' || s[j] == '\t' || s[j] == '\r' || s[j] == '\n'))
+        *line += s[j++] == '\n';
+    const size_t a = j;
+    int depth = 0;
+    bool in_str = false;
+    for (; j < n; j++) {
+        const char c = s[j];
+        if (c == '\n') ++*line;
+        if (in_str) {
+            if (c == '\\')
+                j++;
+            else if (c == '"')
+                in_str = false;
+        } else if (c == '"') {
+            in_str = true;
+        } else if (c == '{') {
+            depth++;
+        } else if (c == '}' && --depth == 0) {
+            j++;
+            break;
+        }
+    }
+    json_error_t je;
+    json_t *o = depth == 0 && j > a ? json_loadb(s + a, j - a, 0, &je) : NULL;
+    if (!json_is_object(o)) {
+        json_decref(o);
+        lerr(p, *line, "%%llguidance: expected a JSON object of options");
+        return false;
+    }
+    const char *key;
+    json_t *v;
+    bool ok = true;
+    json_object_foreach(o, key, v) {
+        /* forcing: the scheduler's choice, the allowed tokens are the same */
+        if (!strcmp(key, "no_forcing") && json_is_boolean(v)) continue;
+        if (!strcmp(key, "allow_invalid_utf8") && json_is_false(v)) continue;
+        lerr(p, *line, "%%llguidance: the option %s is not supported", key);
+        ok = false;
+        break;
+    }
+    json_decref(o);
+    *i = j;
+    return ok;
+}
+
+/* A token terminal's ids: "<[a-b,c,...]>" (inclusive ranges). */
+#define MAX_TOKEN_IDS 4096
+static bool token_ids(lk *p, const char *s, size_t n, int line, int32_t **out, size_t *nout) {
+    int32_t *ids = NULL;
+    size_t ni = 0, ci = 0;
+    for (size_t k = 0; k < n;) {
+        long lo = 0, hi;
+        size_t d = k;
+        while (k < n && s[k] >= '0' && s[k] <= '9' && lo < INT32_MAX / 10)
+            lo = lo * 10 + (s[k++] - '0');
+        hi = lo;
+        if (k == d) goto bad;
+        if (k < n && s[k] == '-') {
+            hi = 0;
+            d = ++k;
+            while (k < n && s[k] >= '0' && s[k] <= '9' && hi < INT32_MAX / 10)
+                hi = hi * 10 + (s[k++] - '0');
+            if (k == d || hi < lo) goto bad;
+        }
+        if (k < n && s[k] != ',') goto bad;
+        if (k < n) k++;
+        if (hi - lo + 1 > (long)(MAX_TOKEN_IDS - ni)) {
+            free(ids);
+            lerr(p, line, "a token terminal of more than %d ids", MAX_TOKEN_IDS);
+            return false;
+        }
+        for (long v = lo; v <= hi; v++) {
+            if (!td_gr_reserve((void **)&ids, &ci, ni, sizeof *ids)) {
+                free(ids);
+                lerr(p, line, "out of memory");
+                return false;
+            }
+            ids[ni++] = (int32_t)v;
+        }
+    }
+    *out = ids;
+    *nout = ni;
+    return true;
+bad:
+    free(ids);
+    lerr(p, line, "token terminal <[%.*s]>: expected ids and ranges (<[1-5,9]>)", (int)n, s);
+    return false;
 }
 
 static bool lex(lk *p, const char *s, size_t n) {
@@ -203,8 +437,28 @@ static bool lex(lk *p, const char *s, size_t n) {
         if (c == '%') {
             size_t j = i + 1;
             while (j < n && is_ident(s[j])) j++;
-            lerr(p, line, "the directive %.*s is not supported", (int)(j - i), s + i);
-            return false;
+            const size_t wl = j - i - 1;
+            if ((wl == 4 && !memcmp(s + i + 1, "json", 4)) ||
+                (wl == 5 && !memcmp(s + i + 1, "regex", 5))) {
+                lerr(p, line, "inline %.*s {...} is not supported", (int)(j - i), s + i);
+                return false;
+            }
+            if (p->nt && p->t[p->nt - 1].kind != T_NL) {
+                lerr(p, line, "%.*s must start a line", (int)(j - i), s + i);
+                return false;
+            }
+            if (wl == 6 && !memcmp(s + i + 1, "ignore", 6)) {
+                if (!add_tok(p, (tok){.kind = T_IGNORE, .line = line})) return false;
+            } else if (wl == 6 && !memcmp(s + i + 1, "import", 6)) {
+                if (!import_line(p, s, n, &j, line)) return false;
+            } else if (wl == 10 && !memcmp(s + i + 1, "llguidance", 10)) {
+                if (!llguidance_line(p, s, n, &j, &line)) return false;
+            } else {
+                lerr(p, line, "the directive %.*s is not supported", (int)(j - i), s + i);
+                return false;
+            }
+            i = j;
+            continue;
         }
         if (c == '<' && i + 1 < n && (s[i + 1] == '[' || s[i + 1] == '|')) {
             /* a token terminal: the bytes that stand for the token */
@@ -216,6 +470,23 @@ static bool lex(lk *p, const char *s, size_t n) {
                 return false;
             }
             const size_t tn = j + 2 - i;
+            if (close == ']' &&
+                (memchr(s + i + 2, ',', j - i - 2) || memchr(s + i + 2, '-', j - i - 2))) {
+                tok t = {.kind = T_TOKENS, .line = line};
+                if (!token_ids(p, s + i + 2, j - i - 2, line, &t.ids, &t.nids)) return false;
+                for (size_t k = 0; p->token_fn && k < t.nids; k++) {
+                    char spec[24], why[200] = "";
+                    const int sn = snprintf(spec, sizeof spec, "<[%d]>", (int)t.ids[k]);
+                    if (p->token_fn(p->token_ctx, spec, (size_t)sn, why, sizeof why) < 0) {
+                        free(t.ids);
+                        lerr(p, line, "token terminal %.*s: %s: %s", (int)tn, s + i, spec, why);
+                        return false;
+                    }
+                }
+                if (!add_tok(p, t)) return free(t.ids), false;
+                i = j + 2;
+                continue;
+            }
             int32_t id = -1;
             char why[200] = "";
             if (p->token_fn) {
@@ -226,9 +497,7 @@ static bool lex(lk *p, const char *s, size_t n) {
                 for (; k < j && s[k] >= '0' && s[k] <= '9' && v < INT32_MAX / 10; k++)
                     v = v * 10 + (s[k] - '0');
                 if (k == j && k > i + 2) id = (int32_t)v;
-                snprintf(why, sizeof why,
-                         "a token id is digits (ranges and lists are not "
-                         "supported)");
+                snprintf(why, sizeof why, "a token id is digits");
             } else {
                 snprintf(why, sizeof why,
                          "a token named by its text needs the model's "
@@ -249,7 +518,8 @@ static bool lex(lk *p, const char *s, size_t n) {
         }
         if (c == '"' || c == '\'') {
             tok t = {.kind = T_STRING, .line = line};
-            if (!read_string(p, s, n, &i, line, &t.text, &t.len) || !add_tok(p, t)) return false;
+            if (!read_string(p, s, n, &i, line, &t.text, &t.len, &t.fold) || !add_tok(p, t))
+                return false;
             continue;
         }
         if (c == '/') {
@@ -290,10 +560,14 @@ static bool lex(lk *p, const char *s, size_t n) {
             if (!add_tok(p, (tok){.kind = T_INT, .line = line, .ival = v})) return false;
             continue;
         }
+        if (c == '-' && i + 1 < n && s[i + 1] == '>') { /* an alias: the tree's, ignored */
+            i = name_end(s, n, skip_blanks(s, n, i + 2));
+            continue;
+        }
         if (is_ident(c)) {
-            size_t j = i;
+            const size_t j = name_end(s, n, i);
             bool lower = false;
-            while (j < n && is_ident(s[j])) lower |= s[j] >= 'a' && s[j] <= 'z', j++;
+            for (size_t k = i; k < j; k++) lower |= s[k] >= 'a' && s[k] <= 'z';
             tok t = {.kind = lower ? T_RULE : T_TERM, .line = line, .len = j - i};
             t.text = malloc(t.len + 1);
             if (!t.text) return lerr(p, line, "out of memory"), false;
@@ -309,7 +583,7 @@ static bool lex(lk *p, const char *s, size_t n) {
             i += 2;
             continue;
         }
-        if (strchr(":|()[]?*+~!", c)) {
+        if (strchr(":|()[]?*+~!{},", c)) {
             if (c == '(' || c == '[') depth++;
             if ((c == ')' || c == ']') && depth > 0) depth--;
             char b[2] = {c, 0};
@@ -322,8 +596,8 @@ static bool lex(lk *p, const char *s, size_t n) {
             lerr(p, line, "rule priorities (name.N) are not supported");
             return false;
         }
-        if (c == '{') {
-            lerr(p, line, "rule templates are not supported");
+        if (c == '@') {
+            lerr(p, line, "references to other grammars (@name) are not supported");
             return false;
         }
         lerr(p, line, "unexpected character '%c'", c);
@@ -345,6 +619,33 @@ static def *find_def(lk *p, const char *name) {
 }
 
 /* ---- terminals: regular expressions ---- */
+
+/* A string token's expression: its bytes, each ASCII letter either case
+ * when it is case-insensitive. */
+static td_rx_id str_rx(lk *p, const tok *t) {
+    if (!t->fold) return td_rx_literal(p->rx, t->text, t->len);
+    td_rx_id r = TD_RX_EMPTY;
+    for (size_t k = 0; k < t->len; k++) {
+        const uint8_t c = (uint8_t)t->text[k];
+        const uint8_t lo = c >= 'A' && c <= 'Z' ? c + 32 : c,
+                      up = lo >= 'a' && lo <= 'z' ? lo - 32 : lo;
+        r = td_rx_concat(
+            p->rx, r,
+            td_rx_or(p->rx, td_rx_byte_range(p->rx, lo, lo), td_rx_byte_range(p->rx, up, up)));
+    }
+    return r;
+}
+
+/* A token terminal of several ids: any one of their tokens. */
+static td_rx_id tokens_rx(lk *p, const tok *t) {
+    td_rx_id r = TD_RX_NOTHING;
+    for (size_t k = 0; k < t->nids; k++) {
+        uint8_t b[TD_GR_TOKEN_BYTES];
+        td_gr_token_bytes(t->ids[k], b);
+        r = td_rx_or(p->rx, r, td_rx_literal(p->rx, b, sizeof b));
+    }
+    return r;
+}
 
 static td_rx_id t_alts(lk *p);
 
@@ -374,6 +675,26 @@ static bool postfix(lk *p, uint32_t *mn, uint32_t *mx) {
     if (punct(t, '?')) return p->i++, *mn = 0, *mx = 1, true;
     if (punct(t, '*')) return p->i++, *mn = 0, *mx = UINT32_MAX, true;
     if (punct(t, '+')) return p->i++, *mn = 1, *mx = UINT32_MAX, true;
+    if (punct(t, '{')) { /* {n}, {m,n}, {m,}, {,n} */
+        p->i++;
+        bool lo = false, comma = false, hi = false;
+        *mn = 0, *mx = UINT32_MAX;
+        if (p->i < p->end && p->t[p->i].kind == T_INT) *mn = (uint32_t)p->t[p->i++].ival, lo = true;
+        if (p->i < p->end && punct(&p->t[p->i], ',')) p->i++, comma = true;
+        if (comma && p->i < p->end && p->t[p->i].kind == T_INT)
+            *mx = (uint32_t)p->t[p->i++].ival, hi = true;
+        if (!comma) *mx = *mn;
+        if (!(lo || hi) || p->i >= p->end || !punct(&p->t[p->i], '}')) {
+            lerr(p, t->line, "expected {n}, {m,n}, {m,} or {,n}");
+            return false;
+        }
+        p->i++;
+        if (*mx < *mn || *mn > 1000 || (*mx != UINT32_MAX && *mx > 1000)) {
+            lerr(p, t->line, "repetition {%u,%u}: out of order or above 1000", *mn, *mx);
+            return false;
+        }
+        return true;
+    }
     if (!punct(t, '~')) return false;
     p->i++;
     if (p->i >= p->end || p->t[p->i].kind != T_INT) {
@@ -427,7 +748,8 @@ static td_rx_id t_atom(lk *p) {
         const uint32_t r[1][2] = {{lo, hi}};
         return td_rx_codepoints(p->rx, r, 1);
     }
-    if (t->kind == T_STRING) return p->i++, td_rx_literal(p->rx, t->text, t->len);
+    if (t->kind == T_STRING) return p->i++, str_rx(p, t);
+    if (t->kind == T_TOKENS) return p->i++, tokens_rx(p, t);
     if (t->kind == T_REGEX) {
         p->i++;
         td_rx_id r;
@@ -500,12 +822,12 @@ static td_gram_sym fresh(lk *p, const char *what) {
 /* The lexeme of an inline string or regex (one per distinct text). */
 static td_gram_sym anon_lexeme(lk *p, const tok *t) {
     for (size_t i = 0; i < p->nan; i++)
-        if (p->an[i].kind == t->kind && p->an[i].len == t->len &&
+        if (p->an[i].kind == t->kind && p->an[i].fold == t->fold && p->an[i].len == t->len &&
             !memcmp(p->an[i].text, t->text, t->len))
             return p->an[i].sym;
     td_rx_id r;
     if (t->kind == T_STRING) {
-        r = td_rx_literal(p->rx, t->text, t->len);
+        r = str_rx(p, t);
     } else {
         char e[200];
         if (td_rx_parse(p->rx, t->text, t->len, 0, &r, e, sizeof e)) {
@@ -520,7 +842,7 @@ static td_gram_sym anon_lexeme(lk *p, const tok *t) {
         lerr(p, t->line, "%s", td_gram_error(p->g) ? td_gram_error(p->g) : "out of memory");
         return BAD;
     }
-    p->an[p->nan++] = (anon){t->kind, t->text, t->len, s};
+    p->an[p->nan++] = (anon){t->kind, t->fold, t->text, t->len, s};
     return s;
 }
 
@@ -565,6 +887,12 @@ bad:
 
 static td_gram_sym r_atom(lk *p) {
     const tok *t = &p->t[p->i];
+    if (t->kind == T_TOKENS) {
+        p->i++;
+        const td_gram_sym x = td_gram_lexeme(p->g, tokens_rx(p, t), "<[...]>");
+        if (x == BAD) lerr(p, t->line, "%s", td_gram_error(p->g));
+        return x;
+    }
     if (t->kind == T_STRING || t->kind == T_REGEX) {
         p->i++;
         if (t->kind == T_STRING && t->len == 0) {
@@ -652,10 +980,27 @@ static bool definitions(lk *p) {
             continue;
         }
         const int line = p->t[i].line;
+        if (p->t[i].kind == T_IGNORE) { /* compiled after the definitions */
+            if (!td_gr_reserve((void **)&p->ign, &p->cign, p->nign, sizeof *p->ign)) {
+                lerr(p, line, "out of memory");
+                return false;
+            }
+            p->ign[p->nign++] = ++i;
+            while (p->t[i].kind != T_NL && p->t[i].kind != T_EOF) i++;
+            continue;
+        }
         while (punct(&p->t[i], '?') || punct(&p->t[i], '!')) i++; /* Lark's tree shaping */
         const tok *name = &p->t[i];
         if (name->kind != T_RULE && name->kind != T_TERM) {
             lerr(p, line, "expected a rule or terminal name");
+            return false;
+        }
+        if (punct(&p->t[i + 1], '{')) {
+            lerr(p, line, "rule templates are not supported");
+            return false;
+        }
+        if (punct(&p->t[i + 1], '[')) {
+            lerr(p, line, "lexeme options (%s[...]) are not supported", name->text);
             return false;
         }
         if (!punct(&p->t[i + 1], ':')) {
@@ -709,13 +1054,30 @@ td_gram *td_lark_compile_tokens(const char *src, size_t n, const td_gram_limits 
             if (r_alts_into(&p, p.d[i].sym) && p.i < p.end)
                 lerr(&p, p.t[p.i].line, "unexpected '%s'", p.t[p.i].text ? p.t[p.i].text : "?");
         }
+        /* %ignore: one expression of them all */
+        td_rx_id ign = TD_RX_NOTHING;
+        for (size_t k = 0; k < p.nign && !p.failed; k++) {
+            p.i = p.ign[k];
+            p.end = p.i;
+            while (p.t[p.end].kind != T_NL && p.t[p.end].kind != T_EOF) p.end++;
+            const td_rx_id r = t_alts(&p);
+            if (!p.failed && p.i < p.end)
+                lerr(&p, p.t[p.i].line, "unexpected '%s'", p.t[p.i].text ? p.t[p.i].text : "?");
+            if (!p.failed) ign = td_rx_or(p.rx, ign, r);
+        }
+        if (!p.failed && p.nign && td_gram_ignore(p.g, ign))
+            lerr(&p, p.t[p.ign[0]].line, "%%ignore: %s", td_gram_error(p.g));
         def *start = p.failed ? NULL : find_def(&p, "start");
         if (!p.failed && (!start || start->is_term)) lerr(&p, 1, "no rule named start");
         if (!p.failed && td_gram_finish(p.g, start->sym))
             lerr(&p, start->line, "%s", td_gram_error(p.g));
     }
-    for (size_t i = 0; i < p.nt; i++) free(p.t[i].text);
+    for (size_t i = 0; i < p.nt; i++) {
+        free(p.t[i].text);
+        free(p.t[i].ids);
+    }
     free(p.t);
+    free(p.ign);
     free(p.d);
     free(p.an);
     if (p.failed) {

@@ -48,8 +48,28 @@ STRING: /"(?:[^"\\\x00-\x1f]|\\["\\\/bfnrt]|\\u[0-9a-fA-F]{4})*"/
 NUMBER: /-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?/
 """
 
+# the same JSON with whitespace between lexemes (%ignore), Lark's common
+# terminals (%import), a name with '-', an alias, a {m,n} repetition and a
+# case-insensitive literal
+JSON_WS_LARK = r"""
+%llguidance {"no_forcing": true}
+start: value
+value: object | array | ESCAPED_STRING | SIGNED_NUMBER | "true"i | "false" | "null"
+object: "{" [pair ("," pair){0,6}] "}" -> obj
+pair: ESCAPED_STRING ":" value
+array: "[" [value ("," value)*] "]"
+%import common.ESCAPED_STRING
+%import common (SIGNED_NUMBER, WS)
+%ignore WS
+"""
+
 CONSTRAINTS = [
     ("lark", JSON_LARK),
+    ("lark", JSON_WS_LARK),
+    ("lark", 'start: stmt+\nstmt: CNAME "=" expr ";"\nexpr: term (("+" | "-") term)*\n'
+             'term: INT | CNAME | "(" expr ")"\nC: C_COMMENT\n%import common.CNAME\n'
+             '%import common.INT\n%import common.C_COMMENT\n%import common.WS_INLINE\n'
+             '%ignore WS_INLINE\n%ignore C'),
     ("lark", 'start: "The answer is " ANSWER "."\nANSWER: /yes|no|maybe( not)?/'),
     ("lark", 'start: item ("\\n" item)*\nitem: "- " WORD (" " WORD)*\nWORD: /[A-Za-z]+/'),
     ("lark", 'start: expr\nexpr: expr OP expr | "(" expr ")" | NUM\nOP: /[-+*\\/]/\n'
@@ -162,7 +182,9 @@ def llg_grammar(kind, text):
     else:
         lark = (text if kind == "lark" else f"start: /{text}/" if kind == "regex" else
                 "start: " + " | ".join(json.dumps(c) for c in text))
-    return llguidance.grammar_from("lark", '%llguidance {"no_forcing": true}\n' + lark)
+    if "%llguidance" not in lark:
+        lark = '%llguidance {"no_forcing": true}\n' + lark
+    return llguidance.grammar_from("lark", lark)
 
 
 def tandem_masks(tandem_bin, model, kind, text, prefixes, tmp_path):
