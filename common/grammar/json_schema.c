@@ -2046,8 +2046,34 @@ static void free_all(C *c) {
     if (c->root) json_decref(c->root);
 }
 
-td_gram *td_gram_from_json_schema(const char *schema, size_t n, const td_json_opts *opts,
-                                  const td_gram_limits *lim, char *err, size_t errlen) {
+/* llguidance's "x-guidance" options at the schema's root: its separators
+ * are taken, compact whitespace too; anything else is refused. */
+static void guidance_opts(C *c) {
+    json_t *x = json_is_object(c->root) ? json_object_get(c->root, "x-guidance") : NULL;
+    if (!x) return;
+    if (!json_is_object(x)) {
+        fail(c, "at /x-guidance: expected an object of options");
+        return;
+    }
+    const char *key;
+    json_t *v;
+    json_object_foreach(x, key, v) {
+        if (!strcmp(key, "item_separator") && json_is_string(v))
+            c->o.item_separator = json_string_value(v);
+        else if (!strcmp(key, "key_separator") && json_is_string(v))
+            c->o.key_separator = json_string_value(v);
+        else if (!(!strcmp(key, "whitespace_flexible") && json_is_false(v))) {
+            fail(c,
+                 "at /x-guidance/%s: not supported (Tandem's JSON is compact: set the "
+                 "separators with item_separator and key_separator)",
+                 key);
+            return;
+        }
+    }
+}
+
+int td_json_schema_into(td_gram *g, const char *schema, size_t n, const td_json_opts *opts,
+                        td_gram_sym *out, char *err, size_t errlen) {
     C c = {0};
     if (opts) c.o = *opts;
     if (!c.o.item_separator) c.o.item_separator = ",";
@@ -2057,19 +2083,17 @@ td_gram *td_gram_from_json_schema(const char *schema, size_t n, const td_json_op
     c.any = (js){.kind = J_ANY, .rx = TD_RX_FAIL};
     c.unsat_false = (js){.kind = J_UNSAT, .why = "the schema is false", .rx = TD_RX_FAIL};
     c.empty = c.any_sym = c.string_sym = GEN_ERR;
-    td_gram *g = td_gram_new(lim);
-    if (!g) {
-        snprintf(err, errlen, "out of memory");
-        return NULL;
-    }
     c.g = g;
     c.rx = td_gram_rx(g);
+    td_gram_sym start = GEN_ERR;
     json_error_t je;
     c.root = json_loadb(schema, n, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY | JSON_ALLOW_NUL, &je);
     if (!c.root) {
         fail(&c, "the schema is not JSON: %s (line %d, column %d)", je.text, je.line, je.column);
         goto out;
     }
+    guidance_opts(&c);
+    if (c.failed) goto out;
     json_t *sv = json_object_get(c.root, "$schema");
     c.draft = DRAFT_2020;
     if (json_is_string(sv)) {
@@ -2100,7 +2124,7 @@ td_gram *td_gram_from_json_schema(const char *schema, size_t n, const td_json_op
     }
     c.item_sep = lit(&c, c.o.item_separator);
     c.key_sep = lit(&c, c.o.key_separator);
-    td_gram_sym start = gen(&c, root);
+    start = gen(&c, root);
     if (start < GEN_UNSAT) { /* the start is a nonterminal (it may be a lexeme) */
         td_gram_sym one = td_gram_nonterm(g, "the schema");
         if (one == UINT32_MAX || td_gram_rule(g, one, &start, 1)) gram_ok(&c);
@@ -2114,19 +2138,32 @@ td_gram *td_gram_from_json_schema(const char *schema, size_t n, const td_json_op
         if (body != GEN_ERR && td_gram_rule(g, r->sym, &body, 1)) gram_ok(&c);
     }
     if (c.failed) goto out;
-    if (start == GEN_UNSAT) {
+    if (start == GEN_UNSAT)
         fail(&c, "the schema is unsatisfiable: no document is valid (%s)",
              root->kind == J_UNSAT && root->why ? root->why : "no alternative fits");
-        goto out;
-    }
-    if (!c.failed && td_gram_finish(g, start)) gram_ok(&c);
 out:
-    if (c.failed) {
-        snprintf(err, errlen, "%s", c.err);
-        free_all(&c);
+    if (c.failed) snprintf(err, errlen, "%s", c.err);
+    free_all(&c);
+    *out = start;
+    return c.failed ? -1 : 0;
+}
+
+td_gram *td_gram_from_json_schema(const char *schema, size_t n, const td_json_opts *opts,
+                                  const td_gram_limits *lim, char *err, size_t errlen) {
+    td_gram *g = td_gram_new(lim);
+    if (!g) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    td_gram_sym start;
+    if (td_json_schema_into(g, schema, n, opts, &start, err, errlen)) {
         td_gram_free(g);
         return NULL;
     }
-    free_all(&c);
+    if (td_gram_finish(g, start)) {
+        snprintf(err, errlen, "%s", td_gram_error(g));
+        td_gram_free(g);
+        return NULL;
+    }
     return g;
 }

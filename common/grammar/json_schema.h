@@ -44,6 +44,14 @@ typedef struct {
 td_gram *td_gram_from_json_schema(const char *schema, size_t n, const td_json_opts *opts,
                                   const td_gram_limits *lim, char *err, size_t errlen);
 
+/* The same language as rules of g (not finished), for a grammar that
+ * holds a schema inside (Lark's %json): *start is its nonterminal. 0, or
+ * -1 with the reason in err. The root's "x-guidance" options (llguidance's)
+ * may set the separators (item_separator, key_separator) and
+ * whitespace_flexible false; any other is refused. */
+int td_json_schema_into(td_gram *g, const char *schema, size_t n, const td_json_opts *opts,
+                        td_gram_sym *start, char *err, size_t errlen);
+
 #ifdef __cplusplus
 }
 #endif

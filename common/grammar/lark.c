@@ -10,6 +10,7 @@
 
 #include <jansson.h>
 
+#include "common/grammar/json_schema.h"
 #include "common/grammar/util.h"
 
 enum {
@@ -23,6 +24,7 @@ enum {
     T_PUNCT,  /* one of : | ( ) [ ] ? * + ~ { } , and .. (text) */
     T_IGNORE, /* %ignore, at a line's start */
     T_TOKENS, /* a token terminal of several ids (ids, nids) */
+    T_JSON,   /* %json {schema}: the schema's text */
 };
 
 typedef struct {
@@ -305,11 +307,14 @@ static bool import_line(lk *p, const char *s, size_t n, size_t *i, int line) {
 /* %llguidance {options}: a JSON object from s[*i] (after the word), which
  * may span lines (*line counts them). The options that change no output
  * Tandem makes are taken; the others are refused. */
-static bool llguidance_line(lk *p, const char *s, size_t n, size_t *i, int *line) {
+/* The JSON object from s[*i] (blanks first), which may span lines (*line
+ * counts them): its first byte in *a, *i past it. false when the braces do
+ * not close. */
+static bool json_span(const char *s, size_t n, size_t *i, int *line, size_t *a) {
     size_t j = *i;
     while (j < n && (s[j] == ' ' || s[j] == '\t' || s[j] == '\r' || s[j] == '\n'))
         *line += s[j++] == '\n';
-    const size_t a = j;
+    *a = j;
     int depth = 0;
     bool in_str = false;
     for (; j < n; j++) {
@@ -325,12 +330,21 @@ static bool llguidance_line(lk *p, const char *s, size_t n, size_t *i, int *line
         } else if (c == '{') {
             depth++;
         } else if (c == '}' && --depth == 0) {
-            j++;
+            *i = j + 1;
+            return true;
+        } else if (depth == 0) {
             break;
         }
     }
+    *i = j;
+    return false;
+}
+
+static bool llguidance_line(lk *p, const char *s, size_t n, size_t *i, int *line) {
+    size_t a;
+    const bool closed = json_span(s, n, i, line, &a);
     json_error_t je;
-    json_t *o = depth == 0 && j > a ? json_loadb(s + a, j - a, 0, &je) : NULL;
+    json_t *o = closed ? json_loadb(s + a, *i - a, 0, &je) : NULL;
     if (!json_is_object(o)) {
         json_decref(o);
         lerr(p, *line, "%%llguidance: expected a JSON object of options");
@@ -348,7 +362,6 @@ static bool llguidance_line(lk *p, const char *s, size_t n, size_t *i, int *line
         break;
     }
     json_decref(o);
-    *i = j;
     return ok;
 }
 
@@ -438,8 +451,20 @@ static bool lex(lk *p, const char *s, size_t n) {
             size_t j = i + 1;
             while (j < n && is_ident(s[j])) j++;
             const size_t wl = j - i - 1;
-            if ((wl == 4 && !memcmp(s + i + 1, "json", 4)) ||
-                (wl == 5 && !memcmp(s + i + 1, "regex", 5))) {
+            if (wl == 4 && !memcmp(s + i + 1, "json", 4)) { /* a schema, inline */
+                const int l0 = line;
+                size_t a;
+                if (!json_span(s, n, &j, &line, &a)) {
+                    lerr(p, l0, "%%json: expected a JSON object");
+                    return false;
+                }
+                tok t = {.kind = T_JSON, .line = l0, .len = j - a};
+                if (!(t.text = strndup(s + a, j - a))) return lerr(p, l0, "out of memory"), false;
+                if (!add_tok(p, t)) return false;
+                i = j;
+                continue;
+            }
+            if (wl == 5 && !memcmp(s + i + 1, "regex", 5)) {
                 lerr(p, line, "inline %.*s {...} is not supported", (int)(j - i), s + i);
                 return false;
             }
@@ -769,6 +794,10 @@ static td_rx_id t_atom(lk *p) {
         p->i++;
         return term_rx(p, d, t->line);
     }
+    if (t->kind == T_JSON) {
+        lerr(p, t->line, "%%json is a rule: a terminal cannot hold it");
+        return TD_RX_FAIL;
+    }
     if (t->kind == T_RULE) {
         lerr(p, t->line, "a terminal cannot refer to the rule %s", t->text);
         return TD_RX_FAIL;
@@ -887,6 +916,16 @@ bad:
 
 static td_gram_sym r_atom(lk *p) {
     const tok *t = &p->t[p->i];
+    if (t->kind == T_JSON) {
+        p->i++;
+        char e[300];
+        td_gram_sym x;
+        if (td_json_schema_into(p->g, t->text, t->len, NULL, &x, e, sizeof e)) {
+            lerr(p, t->line, "%%json: %s", e);
+            return BAD;
+        }
+        return x;
+    }
     if (t->kind == T_TOKENS) {
         p->i++;
         const td_gram_sym x = td_gram_lexeme(p->g, tokens_rx(p, t), "<[...]>");

@@ -85,6 +85,10 @@ CASES = [
      ["{}", '{"a":1}', '{"b":1}', '{"a":1,"b":2}']),
     ({}, ["1", '"x"', '[1,{"a":null}]', '{"a":[true]}', "-0.5e+3"]),
     (True, ["null", "[]"]),
+    # llguidance's x-guidance separators (the written form changes)
+    ({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}},
+      "x-guidance": {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}},
+     ['{"a": [1, 2]}', '~{"a":[1,2]}', '{"a": [1, "x"]}']),
 ]
 
 
@@ -122,6 +126,9 @@ def test_semantics(gm, schema, docs):
     ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "at the root: oneOf"),
     ({"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
                       "$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "cycle of $ref"),
+    ({"x-guidance": {"whitespace_flexible": True}}, "at /x-guidance/whitespace_flexible:"),
+    ({"x-guidance": {"lenient": True}}, "at /x-guidance/lenient:"),
+    ({"x-guidance": 1}, "at /x-guidance:"),
 ])
 def test_refusal_names_the_pointer(gm, schema, where):
     msg = refused(gm, schema)

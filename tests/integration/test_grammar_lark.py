@@ -244,6 +244,9 @@ def test_json_grammar_matches_python_json(gm):
     ('start: my-rule\nmy-rule: "x" -> named', ["x"], ["y"]),
     ('start: "Yes"i | "no"', ["yes", "YES", "yEs", "no"], ["NO", "ye"]),
     ('%llguidance {\n  "no_forcing": true\n}\nstart: "a"', ["a"], ["b"]),
+    # a JSON Schema inline, as a rule
+    ('start: "n=" %json {"type": "integer", "maximum": 5} | "s=" %json {\n  "type": "string"\n}',
+     ["n=5", "n=-3", 's="x"'], ["n=6", 's=1', "n=\"x\""]),
 ])
 def test_grammar_cases(gm, grammar, yes, no):
     r = gm.compile(grammar)
@@ -279,7 +282,10 @@ def test_grammar_cases(gm, grammar, yes, no):
     ("start: <[0-5000]>", "more than 4096"),
     ('start{x}: "a"', "templates"),
     ('start: x\nx[lazy]: /.*/', "lexeme options"),
-    ('start: x\nx: %json {"type": "string"}', "inline %json"),
+    ('start: x\nx: %regex {"substring_words": "a b"}', "inline %regex"),
+    ('start: X\nX: %json {"type": "string"}', "a terminal cannot hold it"),
+    ('start: %json {"type": "strnig"}', "%json: at /type:"),
+    ('start: %json {"type": "string"', "expected a JSON object"),
     ("start: @sub", "other grammars"),
     ('start: "a"{3,2}', "out of order"),
     ('start: "a"{}', "expected {n}"),

@@ -63,9 +63,29 @@ array: "[" [value ("," value)*] "]"
 %ignore WS
 """
 
+# a tool call, llguidance's example: free text, or JSON under a schema
+# inline (%json; compact through llguidance's x-guidance options, which
+# Tandem reads too)
+TOOL_LARK = r"""
+start: TEXT | fun_call
+TEXT: /[^{][\s\S]*/
+fun_call: %json {
+  "type": "object",
+  "properties": {
+    "name": {"const": "get_weather"},
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+                   "required": ["city"]}
+  },
+  "required": ["name", "parameters"],
+  "x-guidance": {"whitespace_flexible": false, "item_separator": ",", "key_separator": ":"}
+}
+"""
+
 CONSTRAINTS = [
     ("lark", JSON_LARK),
     ("lark", JSON_WS_LARK),
+    ("lark", TOOL_LARK),
     ("lark", 'start: stmt+\nstmt: CNAME "=" expr ";"\nexpr: term (("+" | "-") term)*\n'
              'term: INT | CNAME | "(" expr ")"\nC: C_COMMENT\n%import common.CNAME\n'
              '%import common.INT\n%import common.C_COMMENT\n%import common.WS_INLINE\n'
