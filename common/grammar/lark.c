@@ -45,6 +45,10 @@ typedef struct {
     td_gram_sym sym; /* rule: its nonterminal; terminal: its lexeme (BAD until used) */
     td_rx_id re;     /* terminal: its expression (TD_RX_FAIL until made) */
     int state;       /* terminal: 0 not made, 1 being made, 2 made */
+    /* a rule with lexeme options (name[lazy]: ..., [suffix=X]): one lexeme,
+     * ending at its first match; suffix: the option's token, or 0 */
+    bool lazy;
+    size_t suffix;
 } def;
 
 typedef struct {
@@ -582,6 +586,11 @@ static bool lex(lk *p, const char *s, size_t n) {
                 if (v < 100000000) v = v * 10 + (s[i] - '0');
                 i++;
             }
+            if (i + 1 < n && s[i] == '.' && s[i + 1] >= '0' && s[i + 1] <= '9') {
+                /* a fraction (an option's value): its integer part */
+                i++;
+                while (i < n && s[i] >= '0' && s[i] <= '9') i++;
+            }
             if (!add_tok(p, (tok){.kind = T_INT, .line = line, .ival = v})) return false;
             continue;
         }
@@ -608,7 +617,7 @@ static bool lex(lk *p, const char *s, size_t n) {
             i += 2;
             continue;
         }
-        if (strchr(":|()[]?*+~!{},", c)) {
+        if (strchr(":|()[]?*+~!{},=", c)) {
             if (c == '(' || c == '[') depth++;
             if ((c == ')' || c == ']') && depth > 0) depth--;
             char b[2] = {c, 0};
@@ -1009,6 +1018,27 @@ static bool r_alts_into(lk *p, td_gram_sym lhs) {
     return true;
 }
 
+/* A rule with lexeme options: its body (a terminal expression), then the
+ * suffix, as one lexeme that ends at its first match: the strings of the
+ * expression with no proper prefix in it. */
+static td_gram_sym lazy_lexeme(lk *p, def *d) {
+    p->i = d->b, p->end = d->e;
+    td_rx_id r = t_alts(p);
+    if (!p->failed && p->i < p->end)
+        lerr(p, p->t[p->i].line, "%s: a rule with lexeme options holds a terminal expression",
+             d->name);
+    if (!p->failed && d->suffix) {
+        p->i = d->suffix, p->end = d->suffix + 1;
+        r = td_rx_concat(p->rx, r, t_atom(p));
+    }
+    if (p->failed) return BAD;
+    const td_rx_id more = td_rx_repeat(p->rx, td_rx_byte_range(p->rx, 0, 255), 1, UINT32_MAX);
+    r = td_rx_and(p->rx, r, td_rx_not(p->rx, td_rx_concat(p->rx, r, more)));
+    const td_gram_sym s = td_gram_lexeme(p->g, r, d->name);
+    if (s == BAD) lerr(p, d->line, "%s", td_gram_error(p->g));
+    return s;
+}
+
 /* ---- the file ---- */
 
 static bool definitions(lk *p) {
@@ -1038,11 +1068,51 @@ static bool definitions(lk *p) {
             lerr(p, line, "rule templates are not supported");
             return false;
         }
-        if (punct(&p->t[i + 1], '[')) {
-            lerr(p, line, "lexeme options (%s[...]) are not supported", name->text);
-            return false;
+        bool lazy = false;
+        size_t suffix = 0, at = i + 1;  /* at: the ':' */
+        if (punct(&p->t[i + 1], '[')) { /* name[option, key=value, ...] */
+            size_t k = i + 2;
+            for (;;) {
+                const tok *o = &p->t[k];
+                if (o->kind != T_RULE) {
+                    lerr(p, line, "%s[...]: expected an option name", name->text);
+                    return false;
+                }
+                const bool val = punct(&p->t[k + 1], '=');
+                const tok *v = val ? &p->t[k + 2] : NULL;
+                if (!strcmp(o->text, "capture")) { /* a capture group: output, not language */
+                    if (val && v->kind != T_STRING) {
+                        lerr(p, line, "%s[capture=...]: expected a string", name->text);
+                        return false;
+                    }
+                } else if (!strcmp(o->text, "lazy") && !val) {
+                    lazy = true;
+                } else if (!strcmp(o->text, "suffix") && val &&
+                           (v->kind == T_STRING || v->kind == T_REGEX || v->kind == T_TERM)) {
+                    lazy = true;
+                    suffix = k + 2;
+                } else if (!strcmp(o->text, "stop")) {
+                    lerr(p, line,
+                         "%s[stop=...]: hiding the stop text takes back tokens, which Tandem "
+                         "does not do (suffix= keeps it)",
+                         name->text);
+                    return false;
+                } else {
+                    lerr(p, line, "%s[%s]: the option is not supported", name->text, o->text);
+                    return false;
+                }
+                k += val ? 3 : 1;
+                if (punct(&p->t[k], ',')) {
+                    k++;
+                    continue;
+                }
+                if (punct(&p->t[k], ']')) break;
+                lerr(p, line, "%s[...]: expected ',' or ']'", name->text);
+                return false;
+            }
+            at = k + 1;
         }
-        if (!punct(&p->t[i + 1], ':')) {
+        if (!punct(&p->t[at], ':')) {
             lerr(p, line, "expected ':' after %s", name->text);
             return false;
         }
@@ -1050,7 +1120,11 @@ static bool definitions(lk *p) {
             lerr(p, line, "%s is defined twice", name->text);
             return false;
         }
-        size_t e = i + 2;
+        if (lazy && name->kind == T_TERM) {
+            lerr(p, line, "%s: lexeme options are for rules (lowercase names)", name->text);
+            return false;
+        }
+        size_t e = at + 1;
         while (p->t[e].kind != T_NL && p->t[e].kind != T_EOF) e++;
         if (!td_gr_reserve((void **)&p->d, &p->cd, p->nd, sizeof *p->d)) {
             lerr(p, line, "out of memory");
@@ -1059,10 +1133,12 @@ static bool definitions(lk *p) {
         p->d[p->nd++] = (def){.name = name->text,
                               .is_term = name->kind == T_TERM,
                               .line = line,
-                              .b = i + 2,
+                              .b = at + 1,
                               .e = e,
                               .sym = BAD,
-                              .re = TD_RX_FAIL};
+                              .re = TD_RX_FAIL,
+                              .lazy = lazy,
+                              .suffix = suffix};
         i = e;
     }
     return true;
@@ -1085,10 +1161,13 @@ td_gram *td_lark_compile_tokens(const char *src, size_t n, const td_gram_limits 
     p.rx = td_gram_rx(p.g);
     if (lex(&p, src, n) && definitions(&p)) {
         for (size_t i = 0; i < p.nd && !p.failed; i++)
-            if (!p.d[i].is_term && (p.d[i].sym = td_gram_nonterm(p.g, p.d[i].name)) == BAD)
+            if (!p.d[i].is_term && !p.d[i].lazy &&
+                (p.d[i].sym = td_gram_nonterm(p.g, p.d[i].name)) == BAD)
                 lerr(&p, p.d[i].line, "%s", td_gram_error(p.g));
+        for (size_t i = 0; i < p.nd && !p.failed; i++)
+            if (p.d[i].lazy) p.d[i].sym = lazy_lexeme(&p, &p.d[i]);
         for (size_t i = 0; i < p.nd && !p.failed; i++) {
-            if (p.d[i].is_term) continue;
+            if (p.d[i].is_term || p.d[i].lazy) continue;
             p.i = p.d[i].b, p.end = p.d[i].e;
             if (r_alts_into(&p, p.d[i].sym) && p.i < p.end)
                 lerr(&p, p.t[p.i].line, "unexpected '%s'", p.t[p.i].text ? p.t[p.i].text : "?");

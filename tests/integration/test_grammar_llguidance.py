@@ -82,8 +82,17 @@ fun_call: %json {
 }
 """
 
+# lazy lexemes: a rule with lexeme options ends at its first match
+LAZY_LARK = r"""
+start: "Thought: " thought "Code:\n" code DONE
+thought[capture, suffix="\n"]: /[^\n]*/
+code[lazy]: /[\s\S]*\n```/
+DONE: "."
+"""
+
 CONSTRAINTS = [
     ("lark", JSON_LARK),
+    ("lark", LAZY_LARK),
     ("lark", JSON_WS_LARK),
     ("lark", TOOL_LARK),
     ("lark", 'start: stmt+\nstmt: CNAME "=" expr ";"\nexpr: term (("+" | "-") term)*\n'
