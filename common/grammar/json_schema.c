@@ -941,6 +941,12 @@ static js *read_schema(C *c, json_t *v, int depth) {
 }
 
 static js *read_object(C *c, json_t *v, int depth) {
+    /* drafts 7 and before: $ref stands alone, its siblings are ignored */
+    json_t *only = c->draft == DRAFT_7 ? json_object_get(v, "$ref") : NULL;
+    if (only) {
+        js *r = apply(c, &c->any, "$ref", only, depth);
+        return r ? normalize(c, r) : NULL;
+    }
     size_t n = json_object_size(v);
     kv *kw = al(c, 2 * n * sizeof *kw);
     if (!kw) return NULL;

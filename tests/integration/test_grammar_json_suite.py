@@ -61,6 +61,8 @@ def prop_order(schema, root, seen=()):
         more = []
         if k == "properties" and isinstance(v, dict):
             more = list(v)
+        elif k == "const" and isinstance(v, dict):  # a constant's own order
+            more = list(v)
         elif k == "required" and isinstance(v, list):
             more = [n for n in v if isinstance(n, str)]
         elif k == "allOf" and isinstance(v, list):
