@@ -46,7 +46,7 @@ struct td_gram {
     size_t nrules, crules;
     uint32_t *rhs;
     size_t nrhs, crhs;
-    uint32_t *by_lhs; /* rule ids grouped by left side */
+    uint32_t *by_lhs;   /* rule ids grouped by left side */
     td_gram_sym ignore; /* td_gram_ignore's lexeme (BAD_SYM: none) */
     bool finished;
     uint32_t start_rule;
@@ -62,7 +62,10 @@ struct td_gram {
     /* bytes no lexeme tells apart (after finish): a transition computed
      * for one byte is every byte's of its class */
     uint8_t bclass[256];
-    uint8_t cls_next[256]; /* the next byte of the same class, in a ring */
+    uint8_t cls_next[256];  /* the next byte of the same class, in a ring */
+    uint8_t cls_rep[256];   /* the first byte of each class */
+    uint16_t cls_size[256]; /* per class (bclass), its bytes */
+    uint32_t ncls;
     /* per state of the UTF-8 decoder (utf8_next), one byte of each class
      * that the decoder does not tell apart either, among the bytes a
      * string body may hold there, with the decoder's next state */
@@ -243,6 +246,9 @@ int td_gram_finish(td_gram *g, td_gram_sym start) {
         }
         for (int c = 0; c < 256; c++)
             if (last[c] >= 0) g->cls_next[last[c]] = (uint8_t)first[c];
+        for (int b = 0; b < 256; b++) {
+            if (!g->cls_size[g->bclass[b]]++) g->cls_rep[g->ncls++] = (uint8_t)b;
+        }
         for (int u = 0; u < 8; u++) {
             uint16_t sig[256];
             for (int b = 0; b < 256; b++) {
@@ -898,17 +904,20 @@ bool td_gm_accepting(td_gm *m) {
 int64_t td_gm_forced_bytes(td_gm *m, uint8_t *out, size_t max) {
     if (m->error) return -1;
     if (m->stopped) return 0;
+    const td_gram *g = m->g;
     size_t n = 0;
     while (n < max && !td_gm_accepting(m)) {
         if (m->error) break;
+        /* a byte per class: the bytes of a class are taken alike */
         int only = -1, count = 0;
-        for (int b = 0; b < 256 && count < 2; b++) {
-            const td_gm_result r = td_gm_push(m, (uint8_t)b);
+        for (uint32_t c = 0; c < g->ncls && count < 2; c++) {
+            const uint8_t b = g->cls_rep[c];
+            const td_gm_result r = td_gm_push(m, b);
             if (r == TD_GM_LIMIT) break;
             if (r == TD_GM_OK) {
                 td_gm_pop(m, 1);
                 only = b;
-                count++;
+                count += g->cls_size[g->bclass[b]];
             }
         }
         if (m->error || count != 1) break;
@@ -920,8 +929,8 @@ int64_t td_gm_forced_bytes(td_gm *m, uint8_t *out, size_t max) {
 }
 
 bool td_gm_finished(td_gm *m) {
-    for (int b = 0; b < 256; b++) {
-        td_gm_result r = td_gm_push(m, (uint8_t)b);
+    for (uint32_t c = 0; c < m->g->ncls; c++) {
+        td_gm_result r = td_gm_push(m, m->g->cls_rep[c]);
         if (r == TD_GM_OK) {
             td_gm_pop(m, 1);
             return false;
