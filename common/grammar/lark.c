@@ -32,8 +32,9 @@ typedef struct {
     char *text; /* T_RULE, T_TERM, T_STRING (bytes), T_REGEX, T_PUNCT */
     size_t len;
     long ival;
-    bool fold;    /* T_STRING: case-insensitive ("..."i) */
-    int32_t *ids; /* T_TOKENS */
+    bool fold;      /* T_STRING: case-insensitive ("..."i) */
+    unsigned flags; /* T_REGEX: TD_RX_ICASE, TD_RX_DOTALL (/.../is) */
+    int32_t *ids;   /* T_TOKENS */
     size_t nids;
 } tok;
 
@@ -54,6 +55,7 @@ typedef struct {
 typedef struct {
     int kind; /* T_STRING or T_REGEX */
     bool fold;
+    unsigned flags;
     char *text;
     size_t len;
     td_gram_sym sym;
@@ -567,17 +569,24 @@ static bool lex(lk *p, const char *s, size_t n) {
                 lerr(p, line, "unterminated /regex/");
                 return false;
             }
-            if (j + 1 < n && (s[j + 1] >= 'a' && s[j + 1] <= 'z')) {
-                lerr(p, line, "regex flags (/.../%c) are not supported", s[j + 1]);
-                return false;
-            }
             tok t = {.kind = T_REGEX, .line = line, .len = j - i - 1};
+            for (size_t f = j + 1; f < n && s[f] >= 'a' && s[f] <= 'z'; f++) {
+                if (s[f] == 'i') {
+                    t.flags |= TD_RX_ICASE;
+                } else if (s[f] == 's') {
+                    t.flags |= TD_RX_DOTALL;
+                } else {
+                    lerr(p, line, "the regex flag /.../%c is not supported (i and s are)", s[f]);
+                    return false;
+                }
+            }
             t.text = malloc(t.len + 1);
             if (!t.text) return lerr(p, line, "out of memory"), false;
             memcpy(t.text, s + i + 1, t.len);
             t.text[t.len] = 0;
             if (!add_tok(p, t)) return false;
             i = j + 1;
+            while (i < n && s[i] >= 'a' && s[i] <= 'z') i++; /* the flags */
             continue;
         }
         if (c >= '0' && c <= '9') {
@@ -655,17 +664,22 @@ static def *find_def(lk *p, const char *name) {
 /* ---- terminals: regular expressions ---- */
 
 /* A string token's expression: its bytes, each ASCII letter either case
- * when it is case-insensitive. */
+ * when it is case-insensitive (with U+212A for k and U+017F for s, as
+ * Unicode's simple case folding has them, and the regex flag i). */
 static td_rx_id str_rx(lk *p, const tok *t) {
     if (!t->fold) return td_rx_literal(p->rx, t->text, t->len);
     td_rx_id r = TD_RX_EMPTY;
     for (size_t k = 0; k < t->len; k++) {
-        const uint8_t c = (uint8_t)t->text[k];
-        const uint8_t lo = c >= 'A' && c <= 'Z' ? c + 32 : c,
-                      up = lo >= 'a' && lo <= 'z' ? lo - 32 : lo;
-        r = td_rx_concat(
-            p->rx, r,
-            td_rx_or(p->rx, td_rx_byte_range(p->rx, lo, lo), td_rx_byte_range(p->rx, up, up)));
+        const uint32_t c = (uint8_t)t->text[k], lo = c | 0x20;
+        uint32_t set[3][2] = {{c, c}};
+        size_t n = 1;
+        if (lo >= 'a' && lo <= 'z') {
+            set[0][0] = set[0][1] = lo - 32;
+            set[1][0] = set[1][1] = lo;
+            n = 2;
+            if (lo == 'k' || lo == 's') set[2][0] = set[2][1] = lo == 'k' ? 0x212A : 0x17F, n = 3;
+        }
+        r = td_rx_concat(p->rx, r, td_rx_codepoints(p->rx, (const uint32_t(*)[2])set, n));
     }
     return r;
 }
@@ -788,7 +802,7 @@ static td_rx_id t_atom(lk *p) {
         p->i++;
         td_rx_id r;
         char e[200];
-        if (td_rx_parse(p->rx, t->text, t->len, 0, &r, e, sizeof e)) {
+        if (td_rx_parse(p->rx, t->text, t->len, t->flags, &r, e, sizeof e)) {
             lerr(p, t->line, "%s", e);
             return TD_RX_FAIL;
         }
@@ -860,15 +874,15 @@ static td_gram_sym fresh(lk *p, const char *what) {
 /* The lexeme of an inline string or regex (one per distinct text). */
 static td_gram_sym anon_lexeme(lk *p, const tok *t) {
     for (size_t i = 0; i < p->nan; i++)
-        if (p->an[i].kind == t->kind && p->an[i].fold == t->fold && p->an[i].len == t->len &&
-            !memcmp(p->an[i].text, t->text, t->len))
+        if (p->an[i].kind == t->kind && p->an[i].fold == t->fold && p->an[i].flags == t->flags &&
+            p->an[i].len == t->len && !memcmp(p->an[i].text, t->text, t->len))
             return p->an[i].sym;
     td_rx_id r;
     if (t->kind == T_STRING) {
         r = str_rx(p, t);
     } else {
         char e[200];
-        if (td_rx_parse(p->rx, t->text, t->len, 0, &r, e, sizeof e)) {
+        if (td_rx_parse(p->rx, t->text, t->len, t->flags, &r, e, sizeof e)) {
             lerr(p, t->line, "%s", e);
             return BAD;
         }
@@ -880,7 +894,7 @@ static td_gram_sym anon_lexeme(lk *p, const tok *t) {
         lerr(p, t->line, "%s", td_gram_error(p->g) ? td_gram_error(p->g) : "out of memory");
         return BAD;
     }
-    p->an[p->nan++] = (anon){t->kind, t->fold, t->text, t->len, s};
+    p->an[p->nan++] = (anon){t->kind, t->fold, t->flags, t->text, t->len, s};
     return s;
 }
 

@@ -862,6 +862,7 @@ typedef struct {
     const char *s;
     size_t n, i;
     int depth;
+    unsigned flags; /* TD_RX_ICASE, TD_RX_DOTALL */
     char *err;
     size_t errlen;
     bool failed;
@@ -921,6 +922,13 @@ static bool negate(parser *p, ranges *r) {
     return ok;
 }
 
+/* Under TD_RX_ICASE only ASCII code points may be written (cp at at). */
+static bool icase_ok(parser *p, uint32_t cp, size_t at) {
+    if (!(p->flags & TD_RX_ICASE) || cp < 0x80) return true;
+    perr(p, at, "a case-insensitive pattern (flag i) must be ASCII");
+    return false;
+}
+
 /* The next code point of the pattern (UTF-8); malformed bytes are an error. */
 static bool next_cp(parser *p, uint32_t *cp) {
     const uint8_t *s = (const uint8_t *)p->s;
@@ -947,9 +955,31 @@ static bool next_cp(parser *p, uint32_t *cp) {
         perr(p, i, "malformed UTF-8 in the pattern");
         return false;
     }
+    if (!icase_ok(p, v, i)) return false;
     p->i += (size_t)n;
     *cp = v;
     return true;
+}
+
+/* Under TD_RX_ICASE: the ASCII letters of r in the other case too, and
+ * the two code points Unicode's simple case folding maps to ASCII letters
+ * (U+212A KELVIN SIGN to k, U+017F LONG S to s), as ECMAScript's /iu and
+ * Rust's (?i) match them. */
+static bool fold_ranges(parser *p, ranges *r) {
+    if (!(p->flags & TD_RX_ICASE)) return true;
+    const size_t n = r->n;
+    bool k = false, s = false;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t lo = r->r[i][0] > 'A' ? r->r[i][0] : 'A', hi = r->r[i][1] < 'Z' ? r->r[i][1] : 'Z';
+        if (lo <= hi && !add_range(p, r, lo + 32, hi + 32)) return false;
+        lo = r->r[i][0] > 'a' ? r->r[i][0] : 'a', hi = r->r[i][1] < 'z' ? r->r[i][1] : 'z';
+        if (lo <= hi && !add_range(p, r, lo - 32, hi - 32)) return false;
+    }
+    for (size_t i = 0; i < r->n; i++) {
+        k |= r->r[i][0] <= 'k' && 'k' <= r->r[i][1];
+        s |= r->r[i][0] <= 's' && 's' <= r->r[i][1];
+    }
+    return (!k || add_range(p, r, 0x212A, 0x212A)) && (!s || add_range(p, r, 0x17F, 0x17F));
 }
 
 /* n hex digits at p->i. */
@@ -1122,6 +1152,7 @@ static td_rx_id parse_class(parser *p) {
         } else {
             k = next_cp(p, &lo) ? 1 : 0;
         }
+        if (k == 1 && !icase_ok(p, lo, p->i)) break;
         if (k == 2 && p->i + 1 < p->n && p->s[p->i] == '-' && p->s[p->i + 1] != ']') {
             perr(p, p->i, "a class escape cannot start a range");
             break;
@@ -1143,7 +1174,7 @@ static td_rx_id parse_class(parser *p) {
                 perr(p, dash, "a class escape cannot end a range");
                 break;
             }
-            if (!k2) break;
+            if (!k2 || !icase_ok(p, hi, dash)) break;
             if (hi < lo) {
                 perr(p, dash, "range out of order in character class");
                 break;
@@ -1155,7 +1186,7 @@ static td_rx_id parse_class(parser *p) {
         free(r.r);
         return TD_RX_FAIL;
     }
-    if (neg && !negate(p, &r)) {
+    if (!fold_ranges(p, &r) || (neg && !negate(p, &r))) {
         free(r.r);
         return TD_RX_FAIL;
     }
@@ -1235,9 +1266,10 @@ static td_rx_id parse_atom(parser *p) {
         p->i++;
         return parse_class(p);
     }
-    if (c == '.') { /* any code point but the line terminators */
+    if (c == '.') { /* any code point but the line terminators (flag s: any) */
         p->i++;
         static const uint32_t dot[][2] = {{0, 9}, {11, 12}, {14, 0x2027}, {0x202A, 0x10FFFF}};
+        if (p->flags & TD_RX_DOTALL) return td_rx_any_char(p->rx);
         return td_rx_codepoints(p->rx, dot, 4);
     }
     if (c == '^' || c == '$') {
@@ -1254,11 +1286,23 @@ static td_rx_id parse_atom(parser *p) {
         p->i++;
         ranges r = {0};
         int k = escape(p, false, &cp, &r);
+        if (k == 2 && !fold_ranges(p, &r)) {
+            free(r.r);
+            return TD_RX_FAIL;
+        }
         if (k == 2) return ranges_rx(p, &r);
         free(r.r);
-        if (!k) return TD_RX_FAIL;
+        if (!k || !icase_ok(p, cp, at)) return TD_RX_FAIL;
     } else if (!next_cp(p, &cp)) {
         return TD_RX_FAIL;
+    }
+    if ((p->flags & TD_RX_ICASE) && cp < 0x80 && ((cp | 0x20) >= 'a' && (cp | 0x20) <= 'z')) {
+        ranges f = {0};
+        if (!add_range(p, &f, cp, cp) || !fold_ranges(p, &f)) {
+            free(f.r);
+            return TD_RX_FAIL;
+        }
+        return ranges_rx(p, &f);
     }
     uint8_t b[4];
     const int n = td_gr_utf8_put(cp, b);
@@ -1333,7 +1377,7 @@ static td_rx_id parse_alt(parser *p) {
 
 int td_rx_parse(td_rx *rx, const char *pattern, size_t n, unsigned flags, td_rx_id *out, char *err,
                 size_t errlen) {
-    parser p = {.rx = rx, .s = pattern, .n = n, .err = err, .errlen = errlen};
+    parser p = {.rx = rx, .s = pattern, .n = n, .flags = flags, .err = err, .errlen = errlen};
     if (err && errlen) err[0] = 0;
     if (rx->error) {
         if (err && errlen) snprintf(err, errlen, "%s", rx->error);

@@ -1,7 +1,8 @@
 /* libFuzzer target for the grammar engine's regular expressions
  * (common/grammar/regex.h): the first byte's low bit picks whole-text or
  * search (JSON Schema) semantics (bit 1 then complements the pattern, bit
- * 2 intersects it with the UTF-8 texts), the rest up to a NUL is an ECMAScript
+ * 2 intersects it with the UTF-8 texts, bits 3 and 4 set the flags i and
+ * s), the rest up to a NUL is an ECMAScript
  * pattern and what follows the NUL a text. The pattern is parsed under
  * small limits; when it parses, the text is matched twice (the second walk
  * runs on memoized derivatives and must agree with the first) and every
@@ -18,7 +19,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 1) return 0;
-    const unsigned flags = data[0] & 1 ? TD_RX_SEARCH : 0;
+    const unsigned flags = (data[0] & 1 ? TD_RX_SEARCH : 0) | (data[0] & 8 ? TD_RX_ICASE : 0) |
+                           (data[0] & 16 ? TD_RX_DOTALL : 0);
     data++, size--;
     const uint8_t *nul = memchr(data, 0, size);
     const size_t pn = nul ? (size_t)(nul - data) : size;

@@ -21,8 +21,9 @@ class GrammarMatch:
         assert out, f"td-grammar-match exited ({self.p.poll()}) on {line[:200]!r}"
         return out.rstrip("\n")
 
-    def compile(self, pattern, search=False):
-        return self.ask(f"P {int(search)} {pattern.encode().hex()}")
+    def compile(self, pattern, search=False, flags=0):
+        """flags: regex.h's TD_RX_ICASE (2) and TD_RX_DOTALL (4)."""
+        return self.ask(f"P {int(search) | flags} {pattern.encode().hex()}")
 
     def both(self, a, b, search=False):
         return self.ask(f"B {int(search)} {a.encode().hex()} {b.encode().hex()}")

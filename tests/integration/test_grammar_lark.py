@@ -248,6 +248,12 @@ def test_json_grammar_matches_python_json(gm):
     ('start: d "x"\nd[lazy]: /[0-9]+/', ["1x"], ["12x", "x"]),
     ('start: w+\nw[capture, suffix=";"]: /[a-z]+/', ["ab;cd;", "ab;"], ["ab", "a;;"]),
     ('start: w\nw[lazy]: /.*<end>/', ["foo<end>", "<end>"], ["foo<end>bar<end>", "foo"]),
+    # regex flags: i (ASCII letters either case, and U+212A/U+017F for k/s
+    # as Unicode's simple folding has them), s ('.' takes line breaks)
+    ("start: /hi|hello/i /[a-k]+/i", ["HIabc", "Hellok", "hi\u212a"], ["hey", "hi\u017f"]),
+    ('start: "s"i "x"', ["sx", "Sx", "\u017fx"], ["tx"]),
+    ("start: /a.b/s", ["a\nb", "a\u2028b", "axb"], ["ab"]),
+    ("start: /a.b/", ["axb"], ["a\nb", "a\rb"]),
     # a JSON Schema inline, as a rule
     ('start: "n=" %json {"type": "integer", "maximum": 5} | "s=" %json {\n  "type": "string"\n}',
      ["n=5", "n=-3", 's="x"'], ["n=6", 's=1', "n=\"x\""]),
@@ -271,7 +277,8 @@ def test_grammar_cases(gm, grammar, yes, no):
     ('start: ""', "empty string"),
     ("start: /a*/", "empty string"),
     ('start: "é"i', "must be ASCII"),
-    ("start: /a/i", "regex flags"),
+    ("start: /a/x", "the regex flag /.../x is not supported"),
+    ("start: /é/i", "must be ASCII"),
     ('%declare X\nstart: "a"', "directive %declare"),
     ('start: "a" %ignore " "', "must start a line"),
     ('%ignore ""\nstart: "a"', "empty string"),

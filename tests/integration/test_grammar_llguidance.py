@@ -95,6 +95,10 @@ CONSTRAINTS = [
     ("lark", LAZY_LARK),
     ("lark", JSON_WS_LARK),
     ("lark", TOOL_LARK),
+    # regex flags: i (ASCII letters either case), s ('.' takes line breaks)
+    ("lark", 'start: G " " N "!"\nG: /hello|hi|hey/i\nN: /[a-z]+( [a-z]+)?/i\n'
+             'S: /x.y/s\nrest: S'),
+    ("lark", 'start: "<" B ">"\nB: /[a-z]{1,8}/ | /x.y/s'),
     ("lark", 'start: stmt+\nstmt: CNAME "=" expr ";"\nexpr: term (("+" | "-") term)*\n'
              'term: INT | CNAME | "(" expr ")"\nC: C_COMMENT\n%import common.CNAME\n'
              '%import common.INT\n%import common.C_COMMENT\n%import common.WS_INLINE\n'

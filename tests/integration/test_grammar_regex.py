@@ -16,6 +16,7 @@ written cases cover the escapes, classes and anchors; unsupported
 constructs must be refused with a message naming them."""
 
 import random
+import re
 import subprocess
 
 import pytest
@@ -146,6 +147,74 @@ def test_random_trees_match_re2(matcher):
     # both outcomes well represented
     assert n >= N_TREES * TEXTS_PER_TREE
     assert 0.25 * n < matched < 0.9 * n, (matched, n)
+
+
+# The flags i and s (Lark's /.../is) against RE2's (?i) and (?s): ASCII
+# patterns (flag i refuses others), texts with the two code points Unicode's
+# simple case folding maps to ASCII letters (U+212A KELVIN SIGN, U+017F LONG
+# S) and line terminators
+FLAG_TEXT = ["a", "A", "k", "K", "\u212a", "s", "S", "\u017f", "z", "0", "_", " ", "\n", "\r",
+             "\u2028", "é", "É", "-"]
+
+
+def flag_tree(rng, depth=0):
+    k = rng.randrange(7) if depth < 3 else rng.randrange(3)
+    if k == 0:
+        c = rng.choice("aAkKsSz0_ -")
+        return (c if c != "-" else "\\-", re.escape(c))
+    if k == 1:
+        return rng.choice([("[a-f]", "[a-f]"), ("[^k]", "[^k]"), ("[A-Z0-9]", "[A-Z0-9]"),
+                           ("[s-z_]", "[s-z_]"), ("\\w", "[0-9A-Za-z_]"), ("\\d", "[0-9]")])
+    if k == 2:
+        return (".", None)  # '.': the pattern's own per flags
+    if k in (3, 4):
+        parts = [flag_tree(rng, depth + 1) for _ in range(rng.randrange(2, 4))]
+        if k == 3:
+            return ("".join(p[0] for p in parts), parts)
+        return ("(?:" + "|".join(p[0] for p in parts) + ")", ("alt", parts))
+    sub = flag_tree(rng, depth + 1)
+    q = rng.choice(["*", "+", "?", "{1,3}"])
+    return (f"(?:{sub[0]}){q}", ("rep", sub, q))
+
+
+def flag_py(t, dotall):
+    es, py = t
+    if es == ".":
+        return "." if dotall else "[^\n\r\u2028\u2029]"
+    if isinstance(py, str):
+        return py
+    if isinstance(py, list):
+        return "".join(flag_py(p, dotall) for p in py)
+    if py[0] == "alt":
+        return "(?:" + "|".join(flag_py(p, dotall) for p in py[1]) + ")"
+    return f"(?:{flag_py(py[1], dotall)}){py[2]}"
+
+
+def test_flags_match_re2(matcher):
+    import re2
+    rng = random.Random(SEED + 1)
+    n = matched = 0
+    for i in range(300):
+        tree_ = flag_tree(rng)
+        icase, dotall = i % 3 != 1, i % 3 != 0
+        flags = (2 if icase else 0) | (4 if dotall else 0)
+        r = matcher.compile(tree_[0], False, flags)
+        assert r.startswith("ok"), (tree_[0], r)
+        py = ("(?i)" if icase else "") + ("(?s)" if dotall else "") + flag_py(tree_, dotall)
+        rx = re2.compile(py)
+        for _ in range(12):
+            t = "".join(rng.choice(FLAG_TEXT) for _ in range(rng.randrange(0, 5)))
+            want = bool(rx.fullmatch(t))
+            assert matcher.match(t) == want, (tree_[0], py, flags, t)
+            n += 1
+            matched += want
+    assert matched > 0.05 * n, (matched, n)
+
+
+def test_flag_i_refuses_non_ascii(matcher):
+    for p in ["é", "[à-ÿ]", "\\u00e9", "[a-\\u00ff]"]:
+        r = matcher.compile(p, False, 2)
+        assert r.startswith("err") and "must be ASCII" in r, (p, r)
 
 
 def test_intersection_and_complement_match_re2(matcher):
