@@ -132,8 +132,8 @@ bool td_rx_match(td_rx *rx, td_rx_id a, const void *s, size_t n);
           must match the whole text */
 
 #define TD_RX_ICASE                                                                                \
-    2u /* flag i: ASCII letters match either case (the pattern must be                             \
-          ASCII, written code points and ranges alike) */
+    2u                  /* flag i: ASCII letters match either case (the pattern must be            \
+                           ASCII, written code points and ranges alike) */
 #define TD_RX_DOTALL 4u /* flag s: '.' matches any code point, line terminators too */
 
 /* Parses pattern (n bytes of UTF-8) into *out. 0 on success; -1 with a
