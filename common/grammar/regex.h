@@ -131,10 +131,11 @@ bool td_rx_match(td_rx *rx, td_rx_id a, const void *s, size_t n);
           starts with ^ / ends with $; without it the pattern                                      \
           must match the whole text */
 
-#define TD_RX_ICASE                                                                                \
-    2u                  /* flag i: ASCII letters match either case (the pattern must be            \
-                           ASCII, written code points and ranges alike) */
-#define TD_RX_DOTALL 4u /* flag s: '.' matches any code point, line terminators too */
+/* Flag i: ASCII letters match either case (the pattern must be ASCII,
+ * written code points and ranges alike). */
+#define TD_RX_ICASE 2u
+/* Flag s: '.' matches any code point, line terminators too. */
+#define TD_RX_DOTALL 4u
 
 /* Parses pattern (n bytes of UTF-8) into *out. 0 on success; -1 with a
  * message naming the construct and its byte offset in err. */
