@@ -45,6 +45,7 @@
 
 #include "common/base/base.h"
 #include "common/format/gguf.h"
+#include "common/grammar/constraint.h"
 #include "common/grammar/grammar.h"
 #include "common/grammar/json_schema.h"
 #include "common/grammar/lark.h"
@@ -109,43 +110,6 @@ static td_tokenizer *load_tokenizer(const char *path) {
     td_status s = td_tokenizer_from_gguf(g, &tok);
     td_gguf_close(g);
     return s ? NULL : tok;
-}
-
-/* A grammar's token terminal (<[id]>, <|name|>) in the model's vocabulary:
- * a special token that does not end generation. */
-static int32_t resolve_token(void *ctx, const char *spec, size_t n, char *why, size_t whylen) {
-    const td_tokenizer *tok = ctx;
-    const int32_t nv = td_tokenizer_n_vocab(tok);
-    int32_t id = -1;
-    if (spec[1] == '[') {
-        long v = 0;
-        size_t k = 2;
-        for (; k + 2 < n && spec[k] >= '0' && spec[k] <= '9' && v <= nv; k++)
-            v = v * 10 + (spec[k] - '0');
-        if (k != n - 2 || k == 2) {
-            snprintf(why, whylen, "a token id is digits (ranges and lists are not supported)");
-            return -1;
-        }
-        id = v < nv ? (int32_t)v : -1;
-    } else {
-        for (int32_t i = 0; i < nv && id < 0; i++) {
-            const char *t = td_tokenizer_token_text(tok, i);
-            if (t && strlen(t) == n && !memcmp(t, spec, n)) id = i;
-        }
-    }
-    if (id < 0) {
-        snprintf(why, whylen, "the model's vocabulary has no such token");
-        return -1;
-    }
-    if (td_tokenizer_is_eog(tok, id)) {
-        snprintf(why, whylen, "token %d ends generation: the grammar's end is where it goes", id);
-        return -1;
-    }
-    if (!td_tokenizer_is_special(tok, id)) {
-        snprintf(why, whylen, "token %d is text: write its text as a string", id);
-        return -1;
-    }
-    return id;
 }
 
 /* --choice A,B: the strings split at unescaped commas. */
@@ -500,7 +464,8 @@ int td_cmd_grammar(int argc, char **argv) {
             fprintf(stderr, "tandem grammar: cannot read %s\n", path);
             goto done;
         }
-        g = grammar ? td_lark_compile_tokens(src, n, NULL, resolve_token, tok, err, sizeof err)
+        g = grammar ? td_lark_compile_tokens(src, n, NULL, td_constraint_resolve_token, tok, err,
+                                             sizeof err)
                     : td_gram_from_json_schema(src, n, NULL, NULL, err, sizeof err);
         free(src);
     } else if (regex) {

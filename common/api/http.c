@@ -746,6 +746,15 @@ static enum MHD_Result handle_generate(td_http_server *srv, struct MHD_Connectio
             goto reply_error;
         }
     }
+    if (j->req.constraint.kind != TD_CONSTRAINT_NONE &&
+        (srv->p.submit_hook.fn || srv->p.submit_hook.submit)) {
+        free(max_tokens);
+        td_api_error_set(&err, 400, "invalid_request_error", j->req.constraint.field, "",
+                         "structured outputs ('%s') are served by `tandem serve` only: the "
+                         "router and prefill/decode pools do not carry them yet",
+                         j->req.constraint.field);
+        goto reply_error;
+    }
     for (int32_t i = 0; i < j->n_ch; i++) {
         choice *ch = &j->ch[i];
         ch->prompt = i / j->req.n;
@@ -758,8 +767,14 @@ static enum MHD_Result handle_generate(td_http_server *srv, struct MHD_Connectio
         snprintf(sid, sizeof(sid), "%s-%d", j->id, (int)i);
         g.id = sid;
         g.t_arrival = t_arrival;
+        /* each choice its own grammar (it runs on the scheduler thread) */
+        if ((st = td_api_request_grammar(&j->req, srv->p.model.tok, &g.grammar, &err))) {
+            free(max_tokens);
+            goto reply_error;
+        }
         st = td_api_submit(srv->p.sched, &srv->p.submit_hook, &g, &ch->st);
         if (st != TD_OK) {
+            td_gram_free(g.grammar);
             free(max_tokens);
             td_api_error_from_status(&err, st, "submit");
             goto reply_error;

@@ -645,6 +645,16 @@ static const char *const common_fields[] = {
     "skip_special_tokens",
     "include_stop_str_in_output",
     "user",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_whitespace_pattern",
+    "guided_decoding_backend",
+    "json_schema",
+    "grammar",
 };
 static const char *const completion_fields[] = {"prompt", "echo", "suffix", "best_of"};
 static const char *const chat_fields[] = {
@@ -838,6 +848,173 @@ static td_status parse_sampling(const json_t *root, td_api_request *req, td_api_
     return TD_OK;
 }
 
+/* ---------------------------------------------------- structured outputs */
+
+/* Sets the request's constraint from field (a static name for messages):
+ * text is a string's bytes or, for a JSON value, its compact text. A
+ * second constraint is a 400. */
+static td_status set_constraint(td_api_request *req, td_constraint_kind kind, const char *field,
+                                const json_t *v, td_api_error *err) {
+    if (req->constraint.kind != TD_CONSTRAINT_NONE)
+        return bad(err, field, "'%s' and '%s' both constrain the output: give one",
+                   req->constraint.field, field);
+    char *text = json_is_string(v) ? strndup(json_string_value(v), json_string_length(v))
+                                   : json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY);
+    if (!text) {
+        td_api_error_set(err, 500, "server_error", "", "", "out of memory");
+        return TD_ERR_NOMEM;
+    }
+    req->constraint = (td_constraint){kind, text, strlen(text), field};
+    return TD_OK;
+}
+
+/* A JSON Schema: an object or a boolean, or a string holding one. */
+static td_status schema_value(td_api_request *req, const char *field, const json_t *v,
+                              td_api_error *err) {
+    if (!json_is_object(v) && !json_is_boolean(v) && !json_is_string(v))
+        return bad(err, field, "'%s' must be a JSON Schema (an object), not %s", field,
+                   type_name(v));
+    return set_constraint(req, TD_CONSTRAINT_JSON, field, v, err);
+}
+
+static td_status string_value(td_api_request *req, td_constraint_kind kind, const char *field,
+                              const json_t *v, td_api_error *err) {
+    if (!json_is_string(v))
+        return bad(err, field, "'%s' must be a string, not %s", field, type_name(v));
+    return set_constraint(req, kind, field, v, err);
+}
+
+static td_status choice_value(td_api_request *req, const char *field, const json_t *v,
+                              td_api_error *err) {
+    if (!json_is_array(v) || !json_array_size(v))
+        return bad(err, field, "'%s' must be a non-empty array of strings", field);
+    size_t i;
+    json_t *x;
+    json_array_foreach(v, i, x) if (!json_is_string(x)) return bad(
+        err, field, "'%s' must be a non-empty array of strings (item %zu is %s)", field, i,
+        type_name(x));
+    return set_constraint(req, TD_CONSTRAINT_CHOICE, field, v, err);
+}
+
+static td_status parse_response_format(const json_t *v, td_api_request *req, td_api_error *err) {
+    if (!json_is_object(v))
+        return bad(err, "response_format", "'response_format' must be an object, not %s",
+                   type_name(v));
+    json_t *t = field(v, "type");
+    const char *type = json_is_string(t) ? json_string_value(t) : NULL;
+    if (!type) return bad(err, "response_format", "'response_format.type' must be a string");
+    if (!strcmp(type, "text")) return TD_OK;
+    if (!strcmp(type, "json_object")) {
+        json_t *o = json_pack("{s:s}", "type", "object");
+        td_status st =
+            o ? set_constraint(req, TD_CONSTRAINT_JSON, "response_format", o, err) : TD_ERR_NOMEM;
+        json_decref(o);
+        return st;
+    }
+    if (!strcmp(type, "json_schema")) {
+        /* enforced whether strict is true or false, as vLLM does */
+        json_t *js = field(v, "json_schema");
+        if (!json_is_object(js))
+            return bad(err, "response_format",
+                       "'response_format.json_schema' must be an object with a 'schema'");
+        json_t *sc = field(js, "schema");
+        if (!sc)
+            return bad(err, "response_format", "'response_format.json_schema.schema' is missing");
+        return schema_value(req, "response_format", sc, err);
+    }
+    return bad(err, "response_format",
+               "'response_format.type' must be text, json_object or json_schema, not '%s'", type);
+}
+
+static td_status parse_structured_outputs(const json_t *v, td_api_request *req, td_api_error *err) {
+    if (!json_is_object(v))
+        return bad(err, "structured_outputs", "'structured_outputs' must be an object, not %s",
+                   type_name(v));
+    const char *key;
+    json_t *x;
+    td_status st = TD_OK;
+    json_object_foreach((json_t *)v, key, x) {
+        if (json_is_null(x)) continue;
+        if (!strcmp(key, "json"))
+            st = schema_value(req, "structured_outputs.json", x, err);
+        else if (!strcmp(key, "regex"))
+            st = string_value(req, TD_CONSTRAINT_REGEX, "structured_outputs.regex", x, err);
+        else if (!strcmp(key, "choice"))
+            st = choice_value(req, "structured_outputs.choice", x, err);
+        else if (!strcmp(key, "grammar"))
+            st = string_value(req, TD_CONSTRAINT_GRAMMAR, "structured_outputs.grammar", x, err);
+        else if (!strcmp(key, "json_object")) {
+            if (!json_is_boolean(x))
+                return bad(err, "structured_outputs",
+                           "'structured_outputs.json_object' must be a boolean");
+            if (json_is_true(x)) {
+                json_t *o = json_pack("{s:s}", "type", "object");
+                st = o ? set_constraint(req, TD_CONSTRAINT_JSON, "structured_outputs.json_object",
+                                        o, err)
+                       : TD_ERR_NOMEM;
+                json_decref(o);
+            }
+        } else if (!strcmp(key, "disable_any_whitespace") || !strcmp(key, "disable_fallback") ||
+                   !strcmp(key, "disable_additional_properties")) {
+            /* JSON is always compact here; there is no fallback backend */
+            if (!json_is_boolean(x))
+                return bad(err, "structured_outputs", "'structured_outputs.%s' must be a boolean",
+                           key);
+            if (!strcmp(key, "disable_additional_properties") && json_is_true(x))
+                return bad(err, "structured_outputs",
+                           "'structured_outputs.disable_additional_properties' is not supported");
+        } else {
+            return bad(err, "structured_outputs", "'structured_outputs.%s' is not supported", key);
+        }
+        if (st != TD_OK) return st;
+    }
+    return TD_OK;
+}
+
+/* The output's constraint, from every spelling the peers accept. */
+static td_status parse_constraint(const json_t *root, td_api_request *req, td_api_error *err) {
+    td_status st = TD_OK;
+    json_t *v;
+    if ((v = field(root, "response_format")) && !json_is_null(v) &&
+        (st = parse_response_format(v, req, err)))
+        return st;
+    if ((v = field(root, "structured_outputs")) && !json_is_null(v) &&
+        (st = parse_structured_outputs(v, req, err)))
+        return st;
+    if ((v = field(root, "guided_json")) && !json_is_null(v) &&
+        (st = schema_value(req, "guided_json", v, err)))
+        return st;
+    if ((v = field(root, "guided_regex")) && !json_is_null(v) &&
+        (st = string_value(req, TD_CONSTRAINT_REGEX, "guided_regex", v, err)))
+        return st;
+    if ((v = field(root, "guided_choice")) && !json_is_null(v) &&
+        (st = choice_value(req, "guided_choice", v, err)))
+        return st;
+    if ((v = field(root, "guided_grammar")) && !json_is_null(v) &&
+        (st = string_value(req, TD_CONSTRAINT_GRAMMAR, "guided_grammar", v, err)))
+        return st;
+    if ((v = field(root, "json_schema")) && !json_is_null(v) && /* llama.cpp */
+        (st = schema_value(req, "json_schema", v, err)))
+        return st;
+    if ((v = field(root, "grammar")) && !json_is_null(v) && /* llama.cpp (Lark here) */
+        (st = string_value(req, TD_CONSTRAINT_GRAMMAR, "grammar", v, err)))
+        return st;
+    if ((v = field(root, "guided_whitespace_pattern")) && !json_is_null(v))
+        return bad(err, "guided_whitespace_pattern",
+                   "'guided_whitespace_pattern' is not supported: JSON is written compactly");
+    return TD_OK;
+}
+
+td_status td_api_request_grammar(const td_api_request *req, const td_tokenizer *tok, td_gram **g,
+                                 td_api_error *err) {
+    *g = NULL;
+    if (req->constraint.kind == TD_CONSTRAINT_NONE) return TD_OK;
+    char why[400];
+    if (!(*g = td_constraint_compile(&req->constraint, tok, why, sizeof why)))
+        return bad(err, req->constraint.field, "%s", why);
+    return TD_OK;
+}
+
 static td_status parse_body(td_api_kind kind, const json_t *root, const td_api_limits *lim,
                             int32_t n_vocab, td_api_request *req, td_api_error *err) {
     td_status st;
@@ -898,6 +1075,8 @@ static td_status parse_body(td_api_kind kind, const json_t *root, const td_api_l
             return bad(err, "user", "'user' must be a string, not %s", type_name(v));
         if ((st = dup_str(v, &req->user, err))) return st;
     }
+
+    if ((st = parse_constraint(root, req, err))) return st;
 
     if (kind == TD_API_COMPLETIONS) {
         if ((st = get_bool(root, "echo", &req->echo, err))) return st;
@@ -978,6 +1157,7 @@ void td_api_request_free(td_api_request *req) {
     free(req->stop);
     free(req->stop_ids);
     free(req->user);
+    td_constraint_clear(&req->constraint);
     memset(req, 0, sizeof(*req));
 }
 

@@ -22,6 +22,7 @@
 #include <jansson.h>
 
 #include "common/base/base.h"
+#include "common/grammar/constraint.h"
 #include "common/sched/sched.h"
 #include "common/tokenizer/chat.h"
 #include "common/tokenizer/tokenizer.h"
@@ -107,6 +108,10 @@ typedef struct {
     bool skip_special_tokens;        /* default true */
     bool include_stop_str_in_output; /* default false */
     char *user;                      /* accepted, logged only */
+    /* The output's constraint (structured outputs): from response_format,
+     * structured_outputs, the guided_* fields or llama.cpp's json_schema
+     * and grammar; kind NONE when none. */
+    td_constraint constraint;
 } td_api_request;
 
 /* Parses and validates a JSON body. On failure fills *err (400 for bad
@@ -117,6 +122,12 @@ td_status td_api_request_parse(td_api_kind kind, const char *body, size_t len,
                                const td_api_limits *lim, int32_t n_vocab, td_api_request *req,
                                td_api_error *err);
 void td_api_request_free(td_api_request *req); /* accepts a zeroed or freed req */
+
+/* The request's constraint compiled for tok (*g NULL when it has none).
+ * A refusal is a 400 naming the field and the reason. *g is the caller's
+ * (td_gen_request.grammar, or td_gram_free). */
+td_status td_api_request_grammar(const td_api_request *req, const td_tokenizer *tok, td_gram **g,
+                                 td_api_error *err);
 
 /* What the front ends need to turn a request into scheduler work. */
 typedef struct {

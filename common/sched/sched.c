@@ -26,6 +26,11 @@ typedef struct seq {
     bool ignore_eos;
     bool logprobs;
     bool stop_strings;
+    /* The output's constraint: its grammar (owned), matcher and a mask
+     * buffer (the vocabulary's words); NULL: none. */
+    td_gram *gram;
+    td_gm *gm;
+    uint32_t *mask;
     double t_arrival, t_scheduled, t_first, t_last;
     double prefill_compute; /* forward time of the steps that carried it before its first token */
     /* Disaggregation. */
@@ -136,6 +141,9 @@ static void seq_free(seq *s) {
     td_stop_destroy(s->stop);
     td_sched_seq_free(&s->c);
     free(s->ban);
+    td_gm_free(s->gm);
+    td_gram_free(s->gram);
+    free(s->mask);
     free(s);
 }
 
@@ -293,6 +301,17 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
             if (r->stop_ids[i] >= 0 && r->stop_ids[i] < s->n_vocab)
                 q->ban[q->n_ban++] = r->stop_ids[i];
     }
+    if (r->grammar) {
+        if (!s->p.vocab) {
+            TD_LOG_INFO("request %s: a constrained request, and no vocabulary for masks",
+                        r->id ? r->id : "-");
+            st = TD_ERR_INVALID;
+            goto fail;
+        }
+        q->gm = td_gm_new(r->grammar);
+        q->mask = malloc(td_vocab_mask_words(s->p.vocab) * sizeof *q->mask);
+        if (!q->gm || !q->mask) goto fail;
+    }
     double now = td_time_s();
     q->t_arrival = r->t_arrival > 0 ? r->t_arrival : now;
 
@@ -319,6 +338,7 @@ td_status td_sched_submit(td_sched *s, const td_gen_request *r, td_gen_stream **
         seq_free(q);
         return refused;
     }
+    q->gram = r->grammar; /* taken: TD_OK follows */
     atomic_fetch_add(&s->n_waiting_total, 1);
     atomic_fetch_add(&s->n_live_streams, 1);
     atomic_fetch_add(&s->n_active, 1);
@@ -539,7 +559,28 @@ static bool take_token(td_sched *s, seq *q, const td_sample_result *rp, double n
  * Returns true when q ended (and was freed). */
 static bool sample_one(td_sched *s, seq *q, float *logits, double now) {
     int32_t n_out = q->c.n_tokens - q->c.n_prompt;
-    if (n_out < q->min_tokens)
+    bool ban = n_out < q->min_tokens;
+    if (q->gm) { /* the grammar's mask */
+        const int64_t allowed = td_gm_mask(q->gm, s->p.vocab, q->mask);
+        if (allowed <= 0) {
+            TD_LOG_ERROR("request %s: the grammar allows no token (%s)", q->id,
+                         td_gm_error(q->gm) ? td_gm_error(q->gm) : "none");
+            seq_finish(s, q, TD_FINISH_ERROR, TD_ERR_INVALID, -1, -1);
+            return true;
+        }
+        const size_t words = td_vocab_mask_words(s->p.vocab);
+        for (size_t w = 0; w < words; w++)
+            if (q->mask[w] != UINT32_MAX)
+                for (uint32_t b = 0; b < 32; b++)
+                    if (!(q->mask[w] >> b & 1) && (int64_t)w * 32 + b < s->n_vocab)
+                        logits[w * 32 + b] = -INFINITY;
+        /* where the grammar allows only banned tokens (its end), it ends */
+        int64_t banned = 0;
+        for (int32_t i = 0; ban && i < q->n_ban; i++)
+            banned += q->mask[q->ban[i] / 32] >> (q->ban[i] % 32) & 1;
+        if (banned == allowed) ban = false;
+    }
+    if (ban)
         for (int32_t i = 0; i < q->n_ban; i++) logits[q->ban[i]] = -INFINITY;
     td_sample_result r;
     td_status st = td_sampler_sample(q->sampler, logits, &r);
@@ -559,6 +600,17 @@ static bool take_token(td_sched *s, seq *q, const td_sample_result *rp, double n
         q->first = r;
         q->have_first = true;
     }
+    bool gram_end = false;
+    if (q->gm) { /* the matcher takes the token (the end: when it accepts) */
+        const td_gm_result gr = td_gm_consume_token(q->gm, s->p.vocab, r.token, NULL);
+        if (gr != TD_GM_OK) {
+            TD_LOG_ERROR("request %s: token %d is outside the grammar (%s)", q->id, r.token,
+                         td_gm_error(q->gm) ? td_gm_error(q->gm) : "rejected");
+            seq_finish(s, q, TD_FINISH_ERROR, TD_ERR_INVALID, -1, -1);
+            return true;
+        }
+        gram_end = td_gm_stopped(q->gm);
+    }
     td_sampler_accept(q->sampler, r.token);
     td_sched_core_append(&s->core, &q->c, r.token);
     if (tr_event(s, "tok"))
@@ -574,7 +626,8 @@ static bool take_token(td_sched *s, seq *q, const td_sample_result *rp, double n
     q->t_last = now;
 
     td_gen_stream *gs = q->st;
-    bool stop_tok = n_out > q->min_tokens - 1 && td_stop_is_stop_token(q->stop, r.token);
+    bool stop_tok =
+        gram_end || (n_out > q->min_tokens - 1 && td_stop_is_stop_token(q->stop, r.token));
     const char *text = NULL;
     size_t text_len = 0;
     bool stop_str = false;

@@ -38,6 +38,7 @@
 #include <stdio.h>
 
 #include "common/engine/forward.h"
+#include "common/grammar/vocab.h"
 #include "common/kv/kv.h"
 #include "common/obs/metrics.h"
 #include "common/parallel/exec.h"
@@ -88,6 +89,10 @@ typedef struct {
      *   ["tok", ticket, token]            a token taken
      * Borrowed (the caller opens and closes it); NULL: none. */
     FILE *step_trace;
+    /* The vocabulary for constrained requests' masks (td_gen_request.grammar),
+     * built from the same tokenizer; borrowed. NULL: such requests are
+     * refused (TD_ERR_INVALID). */
+    const td_vocab *vocab;
 } td_sched_params;
 
 td_sched_params td_sched_default_params(void);
@@ -158,6 +163,15 @@ typedef struct {
      * instance at HOST:PORT; neither: the instance decides. */
     bool route_local;
     const char *route_prefill;
+    /* The output's constraint (structured outputs), compiled
+     * (common/grammar/constraint.h); NULL: none. td_sched_submit takes it
+     * when it returns TD_OK (it then runs on the scheduler thread only);
+     * otherwise the caller keeps it. Each token is sampled under the
+     * grammar's mask (logprobs are those of the masked logits, as vLLM's
+     * default); the end of generation is allowed exactly when the grammar
+     * accepts, and when only the end is allowed it ends the output despite
+     * min_tokens and ignore_eos. */
+    td_gram *grammar;
 } td_gen_request;
 
 void td_gen_request_init(td_gen_request *r); /* defaults; prompt NULL */

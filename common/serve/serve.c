@@ -426,6 +426,7 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
     int exit_code = 1;
     td_metrics *metrics = NULL;
     td_sched *sched = NULL;
+    td_vocab *vocab = NULL; /* the tokens as a trie, for constrained requests' masks */
     FILE *step_trace = NULL;
     td_http_server *http = NULL;
     td_grpc_server *grpc = NULL;
@@ -463,6 +464,11 @@ int td_serve_main(int argc, char **argv, const td_serve_role_def *role) {
         TD_LOG_ERROR("--step-trace %s: %s", a.step_trace, strerror(errno));
         goto free_metrics;
     }
+    if (!(vocab = td_vocab_new(rt->tok))) {
+        TD_LOG_ERROR("out of memory");
+        goto free_metrics;
+    }
+    sp.vocab = vocab;
     if (td_sched_create(&sp, rt->exec, rt->kv, rt->tok, metrics, &sched) != TD_OK)
         goto free_metrics;
     char inst[300];
@@ -607,6 +613,7 @@ free_sched:
     td_sched_destroy(sched);
     td_xfer_destroy(xfer);
 free_metrics:
+    td_vocab_free(vocab);
     if (step_trace) fclose(step_trace);
     td_metrics_destroy(metrics);
 close_rt:
