@@ -896,6 +896,16 @@ static td_status choice_value(td_api_request *req, const char *field, const json
     return set_constraint(req, TD_CONSTRAINT_CHOICE, field, v, err);
 }
 
+/* A constraint field's value by its kind. */
+static td_status constraint_value(td_api_request *req, td_constraint_kind kind, const char *name,
+                                  const json_t *v, td_api_error *err) {
+    switch (kind) {
+    case TD_CONSTRAINT_JSON: return schema_value(req, name, v, err);
+    case TD_CONSTRAINT_CHOICE: return choice_value(req, name, v, err);
+    default: return string_value(req, kind, name, v, err);
+    }
+}
+
 static td_status parse_response_format(const json_t *v, td_api_request *req, td_api_error *err) {
     if (!json_is_object(v))
         return bad(err, "response_format", "'response_format' must be an object, not %s",
@@ -936,13 +946,13 @@ static td_status parse_structured_outputs(const json_t *v, td_api_request *req, 
     json_object_foreach((json_t *)v, key, x) {
         if (json_is_null(x)) continue;
         if (!strcmp(key, "json"))
-            st = schema_value(req, "structured_outputs.json", x, err);
+            st = constraint_value(req, TD_CONSTRAINT_JSON, "structured_outputs.json", x, err);
         else if (!strcmp(key, "regex"))
-            st = string_value(req, TD_CONSTRAINT_REGEX, "structured_outputs.regex", x, err);
+            st = constraint_value(req, TD_CONSTRAINT_REGEX, "structured_outputs.regex", x, err);
         else if (!strcmp(key, "choice"))
-            st = choice_value(req, "structured_outputs.choice", x, err);
+            st = constraint_value(req, TD_CONSTRAINT_CHOICE, "structured_outputs.choice", x, err);
         else if (!strcmp(key, "grammar"))
-            st = string_value(req, TD_CONSTRAINT_GRAMMAR, "structured_outputs.grammar", x, err);
+            st = constraint_value(req, TD_CONSTRAINT_GRAMMAR, "structured_outputs.grammar", x, err);
         else if (!strcmp(key, "json_object")) {
             if (!json_is_boolean(x))
                 return bad(err, "structured_outputs",
@@ -973,6 +983,15 @@ static td_status parse_structured_outputs(const json_t *v, td_api_request *req, 
 
 /* The output's constraint, from every spelling the peers accept. */
 static td_status parse_constraint(const json_t *root, td_api_request *req, td_api_error *err) {
+    static const struct {
+        const char *name;
+        td_constraint_kind kind;
+    } flat[] = {
+        {"guided_json", TD_CONSTRAINT_JSON},     {"guided_regex", TD_CONSTRAINT_REGEX},
+        {"guided_choice", TD_CONSTRAINT_CHOICE}, {"guided_grammar", TD_CONSTRAINT_GRAMMAR},
+        {"json_schema", TD_CONSTRAINT_JSON}, /* llama.cpp */
+        {"grammar", TD_CONSTRAINT_GRAMMAR},  /* llama.cpp (in Lark syntax here) */
+    };
     td_status st = TD_OK;
     json_t *v;
     if ((v = field(root, "response_format")) && !json_is_null(v) &&
@@ -981,24 +1000,10 @@ static td_status parse_constraint(const json_t *root, td_api_request *req, td_ap
     if ((v = field(root, "structured_outputs")) && !json_is_null(v) &&
         (st = parse_structured_outputs(v, req, err)))
         return st;
-    if ((v = field(root, "guided_json")) && !json_is_null(v) &&
-        (st = schema_value(req, "guided_json", v, err)))
-        return st;
-    if ((v = field(root, "guided_regex")) && !json_is_null(v) &&
-        (st = string_value(req, TD_CONSTRAINT_REGEX, "guided_regex", v, err)))
-        return st;
-    if ((v = field(root, "guided_choice")) && !json_is_null(v) &&
-        (st = choice_value(req, "guided_choice", v, err)))
-        return st;
-    if ((v = field(root, "guided_grammar")) && !json_is_null(v) &&
-        (st = string_value(req, TD_CONSTRAINT_GRAMMAR, "guided_grammar", v, err)))
-        return st;
-    if ((v = field(root, "json_schema")) && !json_is_null(v) && /* llama.cpp */
-        (st = schema_value(req, "json_schema", v, err)))
-        return st;
-    if ((v = field(root, "grammar")) && !json_is_null(v) && /* llama.cpp (Lark here) */
-        (st = string_value(req, TD_CONSTRAINT_GRAMMAR, "grammar", v, err)))
-        return st;
+    for (size_t i = 0; i < TD_ARRAY_SIZE(flat); i++)
+        if ((v = field(root, flat[i].name)) && !json_is_null(v) &&
+            (st = constraint_value(req, flat[i].kind, flat[i].name, v, err)))
+            return st;
     if ((v = field(root, "guided_whitespace_pattern")) && !json_is_null(v))
         return bad(err, "guided_whitespace_pattern",
                    "'guided_whitespace_pattern' is not supported: JSON is written compactly");
