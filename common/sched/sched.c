@@ -574,10 +574,16 @@ static bool sample_one(td_sched *s, seq *q, float *logits, double now) {
                 for (uint32_t b = 0; b < 32; b++)
                     if (!(q->mask[w] >> b & 1) && (int64_t)w * 32 + b < s->n_vocab)
                         logits[w * 32 + b] = -INFINITY;
-        /* where the grammar allows only banned tokens (its end), it ends */
+        /* where the grammar allows only banned tokens (its end), it ends;
+         * each banned token counted once (its bit cleared: the mask is
+         * scratch from here on) */
         int64_t banned = 0;
-        for (int32_t i = 0; ban && i < q->n_ban; i++)
-            banned += q->mask[q->ban[i] / 32] >> (q->ban[i] % 32) & 1;
+        for (int32_t i = 0; ban && i < q->n_ban; i++) {
+            uint32_t *w = &q->mask[q->ban[i] / 32];
+            const uint32_t bit = 1u << (q->ban[i] % 32);
+            banned += (*w & bit) != 0;
+            *w &= ~bit;
+        }
         if (banned == allowed) ban = false;
     }
     if (ban)
