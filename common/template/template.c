@@ -189,6 +189,10 @@ typedef struct {
     int depth;
     sbuf *out; /* where output goes now (macros and block sets redirect it) */
     frame *globals;
+    /* the lists and dicts whose repr is being written (Python's
+     * Py_ReprEnter: a cycle is written "[...]", "(...)" or "{...}") */
+    const void *repr_in[256];
+    int nrepr;
 } ev;
 
 static val mk_str(ev *e, const char *s, size_t n) {
@@ -430,6 +434,18 @@ static void put_str(ev *e, sbuf *b, val v) {
     }
 }
 
+/* Enters container p's repr: true when it is already being written (a
+ * cycle). Fails past the nesting limit, as put_json does. */
+static bool repr_enter(ev *e, const void *p) {
+    for (int i = 0; i < e->nrepr; i++)
+        if (e->repr_in[i] == p) return true;
+    const int cap = (int)(sizeof e->repr_in / sizeof *e->repr_in);
+    if (e->nrepr >= cap || e->nrepr >= e->lim->max_depth)
+        failf(&e->f, "repr: nesting deeper than %d", e->nrepr);
+    e->repr_in[e->nrepr++] = p;
+    return false;
+}
+
 static void put_repr(ev *e, sbuf *b, val v) {
     switch (v.t) {
     case V_UNDEF: return;
@@ -441,27 +457,37 @@ static void put_repr(ev *e, sbuf *b, val v) {
     case V_LIST:
         if (v.l->iter && !is_view(v.l)) return sb_printf(e, b, "<%s object>", v.l->iter);
         if (v.l->iter) sb_printf(e, b, "%s(", v.l->iter);
-        sb_puts(e, b, v.l->tuple ? "(" : "[");
-        for (size_t i = 0; i < v.l->n; i++) {
-            if (i) sb_puts(e, b, ", ");
-            put_repr(e, b, v.l->v[i]);
+        if (repr_enter(e, v.l)) {
+            sb_puts(e, b, v.l->tuple ? "(...)" : "[...]");
+        } else {
+            sb_puts(e, b, v.l->tuple ? "(" : "[");
+            for (size_t i = 0; i < v.l->n; i++) {
+                if (i) sb_puts(e, b, ", ");
+                put_repr(e, b, v.l->v[i]);
+            }
+            if (v.l->tuple && v.l->n == 1) sb_puts(e, b, ",");
+            sb_puts(e, b, v.l->tuple ? ")" : "]");
+            e->nrepr--;
         }
-        if (v.l->tuple && v.l->n == 1) sb_puts(e, b, ",");
-        sb_puts(e, b, v.l->tuple ? ")" : "]");
         if (v.l->iter) sb_puts(e, b, ")");
         return;
     case V_NS:
         sb_puts(e, b, "<Namespace ");
         /* fall through */
     case V_DICT:
-        sb_puts(e, b, "{");
-        for (size_t i = 0; i < v.d->n; i++) {
-            if (i) sb_puts(e, b, ", ");
-            put_repr(e, b, v.d->k[i]);
-            sb_puts(e, b, ": ");
-            put_repr(e, b, v.d->v[i]);
+        if (repr_enter(e, v.d)) {
+            sb_puts(e, b, "{...}");
+        } else {
+            sb_puts(e, b, "{");
+            for (size_t i = 0; i < v.d->n; i++) {
+                if (i) sb_puts(e, b, ", ");
+                put_repr(e, b, v.d->k[i]);
+                sb_puts(e, b, ": ");
+                put_repr(e, b, v.d->v[i]);
+            }
+            sb_puts(e, b, "}");
+            e->nrepr--;
         }
-        sb_puts(e, b, "}");
         if (v.t == V_NS) sb_puts(e, b, ">");
         return;
     case V_FUNC: return sb_printf(e, b, "<function %.40s>", v.fn->name);
@@ -2722,7 +2748,10 @@ static val select_common(ev *e, val seq, const args_t *a, bool attr_mode, bool k
     if (tv.t != V_UNDEF && tv.t != V_STR) failf(&e->f, "the test name must be a string");
     char tname[64] = "";
     if (tv.t == V_STR) snprintf(tname, sizeof tname, "%.*s", (int)tv.s->len, tv.s->s);
-    args_t ta = {.pos = a->pos + base + 1, .npos = a->npos > base + 1 ? a->npos - base - 1 : 0};
+    /* the test's own arguments: those after the name (none: no pointer
+     * arithmetic on an empty list) */
+    args_t ta = {.pos = a->npos > base + 1 ? a->pos + base + 1 : NULL,
+                 .npos = a->npos > base + 1 ? a->npos - base - 1 : 0};
     for (size_t i = 0; i < l->n; i++) {
         const val x = attr ? attr_path(e, l->v[i], attr) : l->v[i];
         const bool t = tname[0] ? apply_test(e, tname, x, &ta) : truthy(x);

@@ -189,6 +189,11 @@ INLINE = [
     ("{%- for k, v in d.items() -%}\n  {{ k }}={{ v }}\n{% endfor %}", {"d": {"b": 1, "a": 2}}),
     ("  {% if x %}\n    yes\n  {%- endif %}\n  {#- c -#}\n end", {"x": True}),
     ("{% set ns = namespace(n=0) %}{% for i in range(5) %}{% set ns.n = ns.n + i %}{% endfor %}{{ ns.n }}", {}),
+    # a namespace that holds itself: Python's repr writes the cycle as {...} and [...]
+    ("{% set ns = namespace(n=1, s='') %}{% set ns.s = (ns, 'x') %}{{ ns }}", {}),
+    ("{% set ns = namespace(a=[]) %}{% set ns.a = [ns, [ns]] %}{{ ns.a }}|{{ ns }}", {}),
+    ("{{ l | select | list }} {{ l | reject | list }} {{ l | selectattr('n') | list }}",
+     {"l": [0, 1, {"n": 2}]}),
     ("{% macro m(a, b='B') %}<{{ a }}{{ b }}>{% endmacro %}{{ m(1) }}{{ m(2, b=3) }}", {}),
     ("{{ d | tojson }} {{ d | tojson(indent=2) }} {{ d | tojson(sort_keys=True) }}",
      {"d": {"z": "\u00e9\"", "a": [1, 2.0, None, False]}}),
